@@ -1,0 +1,30 @@
+# Two entry points for a fresh clone: `make run` (set up + main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build that lies on this project's machines; on a GPU machine an installed
+# torch >= 2.6 in the venv is kept (pip only installs torch when none is importable).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test lint clean
+
+$(VENV)/.ok: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[all,test]"
+	touch $@
+
+setup: $(VENV)/.ok
+
+run: setup
+	$(VENV)/bin/autominato run --steps 30
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check autominato tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,107 @@
+"""Loader configuration files: what ``autominato tune`` writes and ``Loader(config=...)`` reads.
+
+A configuration is YAML or JSON with these top-level keys (all optional)::
+
+    knobs:  {depth: 4, read_threads: 2, workers: 2, pool_size: 16}   # starting values
+    bounds: {depth: [1, 16], workers: [1, 8]}                        # the controller's range
+    loader: {worker_kind: process, in_order: false, batch_size: 2}   # static settings
+    study:  {...}                                                    # provenance, free form
+
+The online controller starts from ``knobs`` and stays inside ``bounds``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autominato.pipeline.knobs import KNOB_NAMES
+
+LOADER_KEYS = ("worker_kind", "in_order", "batch_size", "drop_last", "shuffle")
+TOP_KEYS = ("knobs", "bounds", "loader", "study")
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping is invalid; the message names the file and the key."""
+
+
+def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """Read and validate a configuration.
+
+    Args:
+        source: a path to a ``.yaml``/``.yml``/``.json`` file, or an already parsed mapping.
+
+    Returns:
+        ``{"knobs": {name: int}, "bounds": {name: (low, high)}, "loader": {...}, "study": {...}}``.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, or a value of the wrong type or range.
+    """
+    where = "<dict>"
+    if isinstance(source, (str, Path)):
+        where = str(source)
+        try:
+            text = Path(source).read_text()
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read configuration: {e}") from e
+        try:
+            raw = json.loads(text) if where.endswith(".json") else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"{where}: not valid YAML/JSON: {e}") from e
+    else:
+        raw = source
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: top level must be a mapping, got {type(raw).__name__}")
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r} (expected one of {', '.join(TOP_KEYS)})")
+    out: dict[str, Any] = {"knobs": {}, "bounds": {}, "loader": {}, "study": dict(raw.get("study") or {})}
+    for name, value in (raw.get("knobs") or {}).items():
+        if name not in KNOB_NAMES:
+            raise ConfigError(f"{where}: knobs.{name}: unknown knob (knobs are {', '.join(KNOB_NAMES)})")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where}: knobs.{name}: expected a non-negative integer, got {value!r}")
+        out["knobs"][name] = value
+    for name, value in (raw.get("bounds") or {}).items():
+        if name not in KNOB_NAMES:
+            raise ConfigError(f"{where}: bounds.{name}: unknown knob (knobs are {', '.join(KNOB_NAMES)})")
+        ok = (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+            and value[0] <= value[1]
+        )
+        if not ok:
+            raise ConfigError(f"{where}: bounds.{name}: expected [low, high] integers with low <= high, got {value!r}")
+        out["bounds"][name] = (int(value[0]), int(value[1]))
+    for name, value in (raw.get("loader") or {}).items():
+        if name not in LOADER_KEYS:
+            raise ConfigError(f"{where}: loader.{name}: unknown setting (expected one of {', '.join(LOADER_KEYS)})")
+        out["loader"][name] = value
+    kind = out["loader"].get("worker_kind")
+    if kind is not None and kind not in ("process", "thread"):
+        raise ConfigError(f"{where}: loader.worker_kind: expected 'process' or 'thread', got {kind!r}")
+    return out
+
+
+def save_config(cfg: dict[str, Any], path: str | Path) -> Path:
+    """Write ``cfg`` (as returned by :func:`load_config`) to ``path`` (YAML unless ``.json``)."""
+    path = Path(path)
+    data = {
+        "knobs": dict(cfg.get("knobs", {})),
+        "bounds": {k: list(v) for k, v in cfg.get("bounds", {}).items()},
+        "loader": dict(cfg.get("loader", {})),
+        "study": dict(cfg.get("study", {})),
+    }
+    load_config(data)  # never write a file that cannot be read back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,1 @@
+"""The staged asynchronous pipeline: stages, queues, buffer pool, sampler, loader."""

@@ -1,0 +1,125 @@
+"""Live knobs: the settings that may change while an epoch runs.
+
+``loader.knobs.workers = 4`` takes effect without restarting the epoch and without losing or
+repeating a sample: the pipeline reads the knobs each time it schedules work. Values are
+clamped to each knob's bounds; bounds come from defaults, the user, or a configuration that
+``autominato tune`` wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def usable_cores() -> int:
+    """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+@dataclass
+class Knob:
+    """One tunable integer with inclusive bounds ``[low, high]``."""
+
+    name: str
+    value: int
+    low: int
+    high: int
+    doc: str = ""
+
+    def clamp(self, v: int) -> int:
+        return max(self.low, min(self.high, int(v)))
+
+
+#: Names in the order they are documented; the controller and the tuner use these names.
+KNOB_NAMES = ("depth", "read_threads", "workers", "pool_size")
+
+
+class Knobs:
+    """The loader's live knobs.
+
+    * ``depth``: finished batches that may wait ahead of the consumer (prefetch depth).
+    * ``read_threads``: threads of the read stage (file I/O and decode).
+    * ``workers``: transform workers (processes, or threads with ``worker_kind="thread"``);
+      0 runs read and transform in the read threads of this process (no worker processes).
+    * ``pool_size``: sample buffers (shared-memory slots) in flight at most; bounds the
+      samples being read, transformed or waiting for a batch.
+
+    Setting an attribute clamps the value to the knob's bounds and notifies the pipeline.
+    """
+
+    def __init__(self, values: dict[str, int], bounds: dict[str, tuple[int, int]]) -> None:
+        object.__setattr__(self, "_lock", threading.Lock())
+        object.__setattr__(self, "_listeners", [])
+        knobs = {}
+        for name in KNOB_NAMES:
+            lo, hi = bounds[name]
+            if lo > hi:
+                raise ValueError(f"knob {name!r}: lower bound {lo} > upper bound {hi}")
+            knobs[name] = Knob(name, max(lo, min(hi, int(values[name]))), lo, hi)
+        object.__setattr__(self, "_knobs", knobs)
+
+    def __getattr__(self, name: str) -> int:
+        knobs = object.__getattribute__(self, "_knobs")
+        if name in knobs:
+            return knobs[name].value
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: int) -> None:
+        self.set(name, value)
+
+    def set(self, name: str, value: int) -> int:
+        """Set knob ``name`` to ``value`` clamped to its bounds; returns the value applied.
+
+        Raises:
+            KeyError: ``name`` is not a knob.
+        """
+        if name not in self._knobs:
+            raise KeyError(f"unknown knob {name!r}; knobs are {', '.join(KNOB_NAMES)}")
+        with self._lock:
+            knob = self._knobs[name]
+            old, knob.value = knob.value, knob.clamp(value)
+            new = knob.value
+        if new != old:
+            for fn in list(self._listeners):
+                fn(name, old, new)
+        return new
+
+    def bounds(self, name: str) -> tuple[int, int]:
+        k = self._knobs[name]
+        return k.low, k.high
+
+    def set_bounds(self, name: str, low: int, high: int) -> None:
+        """Change knob ``name``'s bounds (the value is clamped into them)."""
+        if low > high:
+            raise ValueError(f"knob {name!r}: lower bound {low} > upper bound {high}")
+        k = self._knobs[name]
+        k.low, k.high = int(low), int(high)
+        self.set(name, k.value)
+
+    def as_dict(self) -> dict[str, int]:
+        return {n: k.value for n, k in self._knobs.items()}
+
+    def bounds_dict(self) -> dict[str, tuple[int, int]]:
+        return {n: (k.low, k.high) for n, k in self._knobs.items()}
+
+    def subscribe(self, fn: Callable[[str, int, int], None]) -> None:
+        """Call ``fn(name, old, new)`` after every change of a knob's value."""
+        self._listeners.append(fn)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={k.value} [{k.low}, {k.high}]" for n, k in self._knobs.items())
+        return f"Knobs({inner})"

@@ -1,0 +1,180 @@
+"""Per-stage statistics: the one record that telemetry and the controller read.
+
+Every stage of the pipeline owns a :class:`StageStats`. Work items report their service
+time (seconds spent inside the stage's function), their wait time (seconds the item sat in
+the stage's input queue before service began) and their size in bytes. Readers take a
+:class:`StageSnapshot` (a frozen copy) and never touch the live record, so a snapshot can be
+fed to a pure decision rule without locks.
+
+Hooks let a metrics backend observe each item as it is recorded (Prometheus histograms need
+the individual observations); they run on the recording thread and must be cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Called as ``hook(stage, service_seconds, wait_seconds, nbytes)`` for every recorded item.
+StageHook = Callable[[str, float, float, int], None]
+
+#: How many recent service / wait times a stage keeps for percentiles (a bounded ring, so a
+#: long run does not grow memory).
+RECENT = 512
+
+
+@dataclass(frozen=True)
+class StageSnapshot:
+    """A frozen copy of one stage's counters at ``time`` (``time.monotonic()`` seconds).
+
+    Counters are cumulative since the loader was built; rates come from differences of two
+    snapshots. ``recent_service_s`` holds up to :data:`RECENT` latest service times (seconds).
+    """
+
+    name: str
+    time: float
+    items_total: int
+    bytes_total: int
+    service_seconds_total: float
+    wait_seconds_total: float
+    queue_len: int
+    queue_capacity: int
+    workers: int
+    busy_workers: int
+    recent_service_s: tuple[float, ...] = ()
+    recent_wait_s: tuple[float, ...] = ()
+
+    def service_quantile(self, q: float) -> float:
+        """Quantile ``q`` in [0, 1] of the recent service times in seconds (0.0 if none)."""
+        if not self.recent_service_s:
+            return 0.0
+        return float(np.quantile(np.asarray(self.recent_service_s), q))
+
+    @property
+    def mean_service_s(self) -> float:
+        """Mean service time per item since the start, seconds (0.0 before the first item)."""
+        return self.service_seconds_total / self.items_total if self.items_total else 0.0
+
+    @property
+    def fill(self) -> float:
+        """Queue fill ratio in [0, 1] (0.0 for an unbounded or zero-capacity queue)."""
+        return min(1.0, self.queue_len / self.queue_capacity) if self.queue_capacity > 0 else 0.0
+
+
+class StageStats:
+    """Thread-safe cumulative counters of one stage, plus a ring of recent timings."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self.items_total = 0
+        self.bytes_total = 0
+        self.service_seconds_total = 0.0
+        self.wait_seconds_total = 0.0
+        self._recent_service: deque[float] = deque(maxlen=RECENT)
+        self._recent_wait: deque[float] = deque(maxlen=RECENT)
+        self.queue_len: Callable[[], int] = lambda: 0
+        self.queue_capacity: Callable[[], int] = lambda: 0
+        self.workers: Callable[[], int] = lambda: 0
+        self.busy = 0
+        self.hooks: list[StageHook] = []
+
+    def record(self, service_s: float, wait_s: float = 0.0, nbytes: int = 0, items: int = 1) -> None:
+        """Record ``items`` processed in ``service_s`` seconds after ``wait_s`` in the queue."""
+        with self._lock:
+            self.items_total += items
+            self.bytes_total += nbytes
+            self.service_seconds_total += service_s
+            self.wait_seconds_total += wait_s
+            self._recent_service.append(service_s)
+            self._recent_wait.append(wait_s)
+        for hook in self.hooks:
+            hook(self.name, service_s, wait_s, nbytes)
+
+    def begin(self) -> None:
+        """Mark one worker of the stage busy (pair with :meth:`end`)."""
+        with self._lock:
+            self.busy += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self.busy -= 1
+
+    def snapshot(self) -> StageSnapshot:
+        with self._lock:
+            return StageSnapshot(
+                name=self.name,
+                time=time.monotonic(),
+                items_total=self.items_total,
+                bytes_total=self.bytes_total,
+                service_seconds_total=self.service_seconds_total,
+                wait_seconds_total=self.wait_seconds_total,
+                queue_len=int(self.queue_len()),
+                queue_capacity=int(self.queue_capacity()),
+                workers=int(self.workers()),
+                busy_workers=self.busy,
+                recent_service_s=tuple(self._recent_service),
+                recent_wait_s=tuple(self._recent_wait),
+            )
+
+
+@dataclass(frozen=True)
+class LoaderSnapshot:
+    """Everything the telemetry and the controller may read about a loader at one instant.
+
+    Attributes:
+        time: ``time.monotonic()`` seconds.
+        stages: per-stage snapshots keyed by stage name (``read``, ``transform``, ``batch``,
+            ``transfer``); a stage that the current configuration does not run is absent.
+        consumer_wait_seconds_total: seconds the training loop spent blocked in ``next()``.
+        consumer_wait_recent_s: up to :data:`RECENT` latest per-batch waits, seconds.
+        consumer_busy_seconds_total: seconds the training loop spent between ``next()`` calls
+            (its step time), so ``wait / (wait + busy)`` is the accelerator-idle ratio.
+        batches_total / samples_total: delivered to the training loop.
+        epoch: current epoch number.
+        stragglers_total: samples that finished after a later-dispatched sample of the same
+            epoch had already been delivered in a batch (they joined a later batch).
+        skipped_total: samples dropped by the ``on_error="skip"`` policy.
+        worker_restarts_total: worker processes replaced after dying or hanging.
+        h2d_bytes_total / h2d_seconds_total: host-to-device copies (0 without CUDA).
+        knobs: current knob values by name.
+        sample_bytes: mean bytes of one transformed sample (0 before the first).
+        pool_bytes: bytes held by the buffer pool (shared-memory slots and batch buffers).
+    """
+
+    time: float
+    stages: dict[str, StageSnapshot]
+    consumer_wait_seconds_total: float
+    consumer_wait_recent_s: tuple[float, ...]
+    consumer_busy_seconds_total: float
+    batches_total: int
+    samples_total: int
+    epoch: int
+    stragglers_total: int
+    skipped_total: int
+    worker_restarts_total: int
+    h2d_bytes_total: int
+    h2d_seconds_total: float
+    knobs: dict[str, int]
+    sample_bytes: float
+    pool_bytes: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def idle_ratio(self) -> float:
+        """Cumulative accelerator-idle ratio ``wait / (wait + busy)`` in [0, 1]."""
+        total = self.consumer_wait_seconds_total + self.consumer_busy_seconds_total
+        return self.consumer_wait_seconds_total / total if total > 0 else 0.0
+
+
+def idle_ratio_between(a: LoaderSnapshot, b: LoaderSnapshot) -> float:
+    """Accelerator-idle ratio over the window between snapshots ``a`` (older) and ``b``."""
+    wait = b.consumer_wait_seconds_total - a.consumer_wait_seconds_total
+    busy = b.consumer_busy_seconds_total - a.consumer_busy_seconds_total
+    total = wait + busy
+    return wait / total if total > 0 else 0.0
