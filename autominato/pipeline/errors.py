@@ -1,0 +1,157 @@
+"""Errors that cross from a worker to the training loop.
+
+An exception raised while reading or transforming a sample is caught where it happened, sent
+back as an :class:`ErrorReport` (always picklable), and re-raised in the training loop:
+
+* when the original exception survives a pickle round trip, that same type and message is
+  raised, with the worker's traceback as its ``__cause__`` (as :mod:`concurrent.futures` does)
+  and a note naming the sample index, file and worker;
+* otherwise (a constructor with several required arguments, an unpicklable attribute) a
+  :class:`SampleError` carrying the original type name, message and traceback is raised.
+
+Either way the raised exception has the attributes ``sample_index``, ``sample_path`` and
+``worker``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+
+
+class SampleError(RuntimeError):
+    """A sample could not be read or transformed.
+
+    Attributes:
+        sample_index: the dataset index of the sample.
+        sample_path: the file the dataset reads it from (``None`` if the dataset does not say).
+        worker: ``"process <pid>"``, ``"thread <name>"`` or ``None``.
+        original_type: qualified name of the exception raised in the worker.
+        remote_traceback: the worker's formatted traceback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sample_index: int | None = None,
+        sample_path: str | None = None,
+        worker: str | None = None,
+        original_type: str | None = None,
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.sample_index = sample_index
+        self.sample_path = sample_path
+        self.worker = worker
+        self.original_type = original_type
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):  # keep the keyword-only attributes through pickling
+        return (
+            _rebuild_sample_error,
+            (
+                self.args[0] if self.args else "",
+                self.sample_index,
+                self.sample_path,
+                self.worker,
+                self.original_type,
+                self.remote_traceback,
+            ),
+        )
+
+
+def _rebuild_sample_error(message, index, path, worker, original_type, tb):
+    return SampleError(
+        message,
+        sample_index=index,
+        sample_path=path,
+        worker=worker,
+        original_type=original_type,
+        remote_traceback=tb,
+    )
+
+
+class WorkerDied(SampleError):
+    """A worker process died (a signal such as SIGKILL from the OOM killer, or an exit)."""
+
+
+class SampleTimeout(SampleError, TimeoutError):
+    """A sample took longer than the loader's ``timeout``; its worker was replaced."""
+
+
+class _RemoteTraceback(Exception):
+    """Holds a worker's traceback text so that it prints under the re-raised exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+@dataclass
+class ErrorReport:
+    """A picklable description of an exception raised for one sample."""
+
+    index: int
+    path: str | None
+    worker: str
+    type_name: str
+    message: str
+    traceback: str
+    pickled: bytes | None
+
+    @classmethod
+    def capture(cls, exc: BaseException, index: int, path: str | None, worker: str) -> ErrorReport:
+        """Describe ``exc`` (call inside the ``except`` block that caught it)."""
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        pickled: bytes | None
+        try:
+            pickled = pickle.dumps(exc)
+            pickle.loads(pickled)  # a multi-argument constructor fails only on load
+        except Exception:
+            pickled = None
+        try:
+            message = str(exc)
+        except Exception:
+            message = f"<{type(exc).__name__}: str() failed>"
+        t = type(exc)
+        return cls(index, path, worker, f"{t.__module__}.{t.__qualname__}", message, tb, pickled)
+
+    def where(self) -> str:
+        where = f"sample index {self.index}"
+        if self.path:
+            where += f" (file {self.path})"
+        return f"{where} failed in {self.worker}"
+
+    def to_exception(self) -> BaseException:
+        """Rebuild the exception to raise in the training loop (see the module docstring)."""
+        exc: BaseException | None = None
+        if self.pickled is not None:
+            try:
+                exc = pickle.loads(self.pickled)
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = SampleError(
+                f"{self.where()}: {self.type_name}: {self.message}",
+                sample_index=self.index,
+                sample_path=self.path,
+                worker=self.worker,
+                original_type=self.type_name,
+                remote_traceback=self.traceback,
+            )
+        else:
+            try:
+                exc.sample_index = self.index  # type: ignore[attr-defined]
+                exc.sample_path = self.path  # type: ignore[attr-defined]
+                exc.worker = self.worker  # type: ignore[attr-defined]
+            except Exception:
+                pass
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"[autominato] {self.where()}")
+        exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in {self.worker}:\n{self.traceback}")
+        return exc

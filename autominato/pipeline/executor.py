@@ -1,0 +1,309 @@
+"""Executors with concurrency that can change while they run.
+
+Both executors take one task per worker at a time from the scheduler (which therefore knows
+exactly which samples each worker holds) and report through one callback, ``post(event)``,
+so the scheduler sees a single stream of events:
+
+* :class:`ThreadWorkers`: threads of this process (read stage; GIL-free transforms).
+* :class:`ProcessWorkers`: worker processes, each with its own duplex pipe. Per-worker pipes
+  (not one shared queue) mean a worker killed mid-message cannot leave a lock held that
+  blocks the others, and its death is seen at once through its process sentinel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+log = logging.getLogger("autominato.pipeline")
+
+Post = Callable[[tuple], None]
+
+
+@dataclass
+class ThreadWorker:
+    wid: int
+    thread: threading.Thread
+    task: Any = None
+
+
+class ThreadWorkers:
+    """A pool of threads running ``fn(task) -> event`` and posting each event.
+
+    ``fn`` must not raise (it returns an error event instead).
+    """
+
+    def __init__(self, name: str, fn: Callable[[Any], tuple], post: Post) -> None:
+        self.name = name
+        self.fn = fn
+        self.post = post
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._alive = 0
+        self._retire = 0
+        self._ids = itertools.count()
+        self.in_flight = 0
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        return self._alive - self._retire
+
+    def resize(self, n: int) -> None:
+        with self._lock:
+            want = max(0, n)
+            cur = self._alive - self._retire
+            if want > cur:
+                cancel = min(self._retire, want - cur)
+                self._retire -= cancel
+                for _ in range(want - cur - cancel):
+                    t = threading.Thread(
+                        target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True
+                    )
+                    self._alive += 1
+                    t.start()
+            elif want < cur:
+                self._retire += cur - want
+
+    def capacity(self) -> int:
+        return max(0, self.size - self.in_flight)
+
+    def submit(self, task: Any) -> None:
+        with self._lock:
+            self.in_flight += 1
+        self._q.put(task)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._retire > 0 or self._closed:
+                    self._retire = max(0, self._retire - 1)
+                    self._alive -= 1
+                    return
+            try:
+                task = self._q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            event = self.fn(task)
+            with self._lock:
+                self.in_flight -= 1
+            self.post(event)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+@dataclass
+class ProcWorker:
+    wid: int
+    proc: Any
+    conn: Any
+    pid: int | None = None
+    ready: bool = False
+    task: Any = None  # the task the worker holds (one at a time)
+    task_started: float = 0.0
+    retiring: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class ProcessWorkers:
+    """Resizable pool of worker processes running :func:`autominato.pipeline.worker.process_main`.
+
+    Events posted: ``("proc", wid, reply)`` for each reply of a worker and
+    ``("died", wid, exitcode)`` when a worker process ends without being asked to.
+    All methods except the collector thread's are called from the scheduler thread.
+    """
+
+    def __init__(self, payload: bytes, post: Post, start_method: str = "forkserver") -> None:
+        self.payload = payload
+        self.post = post
+        if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+            start_method = "spawn"
+        self.ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            # Workers fork from a server that already imported these: fast starts.
+            self.ctx.set_forkserver_preload(["autominato.pipeline.worker", "numpy", "torch"])
+        self.workers: dict[int, ProcWorker] = {}
+        self.dead: dict[int, ProcWorker] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._closing = False
+        self._collector = threading.Thread(target=self._collect, name="autominato-collector", daemon=True)
+        self._collector.start()
+
+    # -- scheduler side ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return sum(1 for w in self.workers.values() if not w.retiring)
+
+    def resize(self, n: int) -> None:
+        active = [w for w in self.workers.values() if not w.retiring]
+        for _ in range(n - len(active)):
+            self.start_one()
+        if n < len(active):
+            # Retire idle workers first, newest first; busy ones finish their sample first.
+            victims = sorted(active, key=lambda w: (w.task is not None, -w.wid))[: len(active) - n]
+            for w in victims:
+                w.retiring = True
+                if w.task is None:
+                    self._stop(w)
+
+    def start_one(self) -> ProcWorker:
+        from autominato.pipeline.worker import process_main
+
+        wid = next(self._ids)
+        parent, child = self.ctx.Pipe(duplex=True)
+        proc = self.ctx.Process(
+            target=process_main, args=(wid, child, self.payload), name=f"autominato-worker-{wid}", daemon=False
+        )
+        proc.start()
+        child.close()
+        w = ProcWorker(wid, proc, parent, pid=proc.pid)
+        with self._lock:
+            self.workers[wid] = w
+        self._wake()
+        return w
+
+    def idle(self) -> list[ProcWorker]:
+        return [w for w in self.workers.values() if w.ready and w.task is None and not w.retiring]
+
+    def send(self, w: ProcWorker, task: Any, msg: tuple) -> None:
+        w.task = task
+        w.task_started = time.monotonic()
+        try:
+            w.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            pass  # its death is reported by the collector; the task is re-dispatched then
+
+    def task_done(self, w: ProcWorker) -> None:
+        w.task = None
+        if w.retiring:
+            self._stop(w)
+
+    def _stop(self, w: ProcWorker) -> None:
+        try:
+            w.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._forget(w)
+        threading.Thread(target=_reap, args=(w.proc, 5.0), daemon=True).start()
+
+    def _forget(self, w: ProcWorker) -> None:
+        with self._lock:
+            self.workers.pop(w.wid, None)
+        self._wake()
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+
+    def kill(self, w: ProcWorker) -> None:
+        """SIGKILL ``w`` (a hung worker); its death is then handled like any other."""
+        try:
+            os.kill(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+
+    def remove_dead(self, wid: int) -> ProcWorker | None:
+        """Forget a worker whose death was posted; returns it (with the task it held)."""
+        with self._lock:
+            w = self.dead.pop(wid, None)
+        if w is not None:
+            try:
+                w.conn.close()
+            except OSError:
+                pass
+        return w
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers.values() if w.pid is not None]
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        workers = list(self.workers.values())
+        for w in workers:
+            try:
+                w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + timeout
+        for w in workers:
+            # A worker busy on a long sample would finish it first: do not wait for that.
+            w.proc.join(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                w.conn.close()
+            except OSError:
+                pass
+        with self._lock:
+            self.workers.clear()
+        self._wake()
+        self._collector.join(timeout=2.0)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"w")
+        except OSError:
+            pass
+
+    # -- collector thread ----------------------------------------------------------------
+    def _collect(self) -> None:
+        while not self._closing:
+            with self._lock:
+                ws = list(self.workers.values())
+            conns = {w.conn: w for w in ws}
+            sentinels = {w.proc.sentinel: w for w in ws}
+            try:
+                ready = wait([self._wake_r, *conns, *sentinels], timeout=1.0)
+            except OSError:
+                continue  # a connection closed under us; rebuild the list
+            dead: list[ProcWorker] = []
+            for r in ready:
+                if r is self._wake_r:
+                    try:
+                        while self._wake_r.poll():
+                            self._wake_r.recv_bytes()
+                    except (EOFError, OSError):
+                        return
+                elif r in conns:
+                    self._drain(conns[r])
+                else:
+                    dead.append(sentinels[r])
+            for w in dead:
+                with self._lock:
+                    if self.workers.pop(w.wid, None) is None:
+                        continue  # stopped on purpose
+                    self.dead[w.wid] = w
+                self._drain(w)  # a reply sent just before dying still counts
+                w.proc.join(timeout=0.5)
+                self.post(("died", w.wid, w.proc.exitcode))
+
+    def _drain(self, w: ProcWorker) -> None:
+        try:
+            while w.conn.poll():
+                self.post(("proc", w.wid, w.conn.recv()))
+        except (EOFError, OSError):
+            pass  # the sentinel reports the death
+
+
+def _reap(proc: Any, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(1.0)

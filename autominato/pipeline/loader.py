@@ -1,0 +1,480 @@
+"""``autominato.Loader``: a drop-in for ``torch.utils.data.DataLoader`` on heavy samples."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
+from autominato.pipeline.sampler import epoch_order
+from autominato.pipeline.shm import shm_free_bytes
+from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
+from autominato.pipeline.worker import WorkSpec, takes_rng
+
+log = logging.getLogger("autominato.pipeline")
+
+STAGES = ("read", "transform", "batch", "transfer", "consumer")
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def default_knobs(batch_size: int, cores: int, workers: int | None = None) -> tuple[dict, dict]:
+    """Starting values and bounds of the knobs.
+
+    ``workers`` defaults to the usable cores (what users commonly give the DataLoader);
+    ``pool_size`` (samples in flight) to ``2 * batch_size + workers + read_threads``: enough to
+    keep every worker busy while one batch fills and one waits.
+    """
+    w = cores if workers is None else workers
+    values = {"depth": 2, "read_threads": 2, "workers": w, "pool_size": 2 * batch_size + w + 2}
+    bounds = {
+        "depth": (1, 32),
+        "read_threads": (1, 32),
+        "workers": (0, 0) if w == 0 else (1, max(4 * cores, w, 8)),
+        "pool_size": (batch_size, max(64 * batch_size, 256)),
+    }
+    return values, bounds
+
+
+class Loader:
+    """A staged asynchronous loader with completion-order batches and live knobs.
+
+    Args:
+        dataset: a map-style dataset (``__len__``, ``__getitem__``). May define
+            ``sample_path(index) -> str | None`` so that errors name the file.
+        batch_size: samples per batch.
+        shuffle: reshuffle every epoch (seeded by ``seed + epoch``).
+        sampler: an iterable of indices used instead of ``shuffle`` (``set_epoch`` is called).
+        collate_fn: builds a batch from a list of samples; default stacks arrays into pooled
+            buffers like ``default_collate``.
+        drop_last: drop the last short batch (the same indices the DataLoader drops).
+        transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
+            ``(seed, epoch, index)``, or a plain ``transform(sample)``.
+        seed: base seed of shuffling and augmentation (random if ``None``).
+        in_order: deliver batches in sampler order (as the DataLoader); default is completion
+            order, where a slow sample joins a later batch of the same epoch.
+        device: ``"cuda"`` etc.: batches arrive on this device, copied from pinned memory on a
+            side stream. ``None`` leaves them on the host.
+        rank, world_size: this process's share of each epoch (``DistributedSampler``
+            semantics); read from ``torch.distributed`` when initialised and not given.
+        worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
+        fuse_read: read inside the transform workers. Default: fused when ``transform`` is
+            ``None`` (all the work is in ``__getitem__``), else a separate read stage in threads.
+        on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
+        on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
+        max_tries: a sample whose worker dies this many times goes through ``on_error``.
+        timeout: seconds one sample may take in a worker process before the worker is replaced
+            and the sample goes through ``on_error``.
+        memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
+            the free ``/dev/shm``, at most a quarter of the available RAM).
+        config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
+        metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
+        autotune: run the online controller (``autominato.control``).
+        depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`).
+
+    Raises:
+        ValueError: invalid arguments (the message names the argument).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        *,
+        shuffle: bool = False,
+        sampler: Iterable[int] | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        drop_last: bool = False,
+        transform: Callable | None = None,
+        seed: int | None = None,
+        in_order: bool = False,
+        device: str | torch.device | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        worker_kind: str = "process",
+        fuse_read: bool | None = None,
+        on_error: str = "raise",
+        on_worker_death: str = "retry",
+        max_tries: int = 3,
+        timeout: float | None = None,
+        memory_budget_bytes: int | None = None,
+        start_method: str = "forkserver",
+        config: str | Path | dict | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        monitor_interval: float | None = None,
+        autotune: bool = True,
+        **knobs: int,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if sampler is not None and shuffle:
+            raise ValueError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+        if worker_kind not in ("process", "thread"):
+            raise ValueError(f"worker_kind must be 'process' or 'thread', got {worker_kind!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if on_worker_death not in ("retry", "raise"):
+            raise ValueError(f"on_worker_death must be 'retry' or 'raise', got {on_worker_death!r}")
+        unknown = set(knobs) - set(KNOB_NAMES)
+        if unknown:
+            raise ValueError(f"unknown argument(s) {sorted(unknown)}; knobs are {', '.join(KNOB_NAMES)}")
+        try:
+            self._n = len(dataset)
+        except TypeError as e:
+            raise ValueError("dataset must be map-style (define __len__ and __getitem__)") from e
+
+        cfg = None
+        if config is not None:
+            from autominato.config import load_config
+
+            cfg = load_config(config)
+            static = cfg["loader"]
+            worker_kind = static.get("worker_kind", worker_kind)
+            in_order = static.get("in_order", in_order)
+
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.sampler = sampler
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.transform = transform
+        self.seed = int(np.random.SeedSequence().entropy % (2**63)) if seed is None else int(seed)
+        self.in_order = in_order
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+            rank = torch.distributed.get_rank() if rank is None else rank
+        self.world_size = int(world_size or 1)
+        self.rank = int(rank or 0)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.worker_kind = worker_kind
+        self.on_error = on_error
+        self.on_worker_death = on_worker_death
+        self.max_tries = max(1, int(max_tries))
+        self.timeout = timeout
+        self.config = cfg
+        self._start_method = start_method
+        self._on_skip: Callable | None = None
+        self.decision_hooks: list[Callable[[Any], None]] = []
+        self.decisions: deque = deque(maxlen=1000)
+
+        cores = usable_cores()
+        start = dict(knobs)
+        if cfg is not None:
+            start = {**cfg["knobs"], **start}
+        values, bounds = default_knobs(self.batch_size, cores, start.get("workers"))
+        values.update(start)
+        if cfg is not None:
+            for name, (lo, hi) in cfg["bounds"].items():
+                bounds[name] = (lo, hi)
+        if values["workers"] == 0:
+            bounds["workers"] = (0, 0)
+        elif bounds["workers"][0] == 0:
+            bounds["workers"] = (1, max(1, bounds["workers"][1]))
+        bounds["pool_size"] = (max(self.batch_size, bounds["pool_size"][0]), max(self.batch_size, bounds["pool_size"][1]))
+        self.knobs = Knobs(values, bounds)
+
+        if values["workers"] == 0:
+            self._mode = "inline"
+        elif worker_kind == "thread":
+            self._mode = "thread"
+        else:
+            fused = (transform is None) if fuse_read is None else fuse_read
+            self._mode = "fused" if fused else "split"
+        self._pin = self.device is not None and self.device.type == "cuda"
+        avail = psutil.virtual_memory().available
+        self._shm_budget = (
+            int(memory_budget_bytes) if memory_budget_bytes is not None
+            else int(min(shm_free_bytes() * 0.5, avail * 0.25))
+        )
+
+        self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
+        self._consumer_busy = 0.0
+        self._consumer_wait = 0.0
+        self._batches = 0
+        self._samples = 0
+        self._h2d_bytes = 0
+        self._h2d_seconds = 0.0
+        self._epoch = 0
+        self._epoch_set = False
+        self._started = False
+        self._engine = None
+        self._iter: _EpochIterator | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._telemetry = None
+        self._controller = None
+        self.knobs.subscribe(self._knob_changed)
+        _live.add(self)
+
+        if metrics_port is not None or monitor_interval is not None or os.environ.get("AUTOMINATO_DATA_MONITOR") == "1":
+            from autominato import telemetry
+
+            self._telemetry = telemetry.attach(
+                self, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
+            )
+        if autotune:
+            try:
+                from autominato.control import Controller
+            except ImportError:  # the controller is optional until it ships
+                Controller = None  # noqa: N806
+            if Controller is not None:
+                self._controller = Controller(self, config=cfg)
+                self._controller.start()
+
+    # ------------------------------------------------------------------ DataLoader API
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (an upper bound when ``on_error="skip"`` drops some)."""
+        n = self._samples_per_epoch()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _samples_per_epoch(self) -> int:
+        if self.sampler is not None:
+            try:
+                return len(self.sampler)  # type: ignore[arg-type]
+            except TypeError:
+                return len(self._order(self._epoch))
+        if self.world_size > 1:
+            return -(-self._n // self.world_size)
+        return self._n
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration's shuffle and augmentation seeds."""
+        self._epoch = int(epoch)
+        self._epoch_set = True
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _order(self, epoch: int) -> list[int]:
+        return epoch_order(
+            self._n, epoch=epoch, seed=self.seed, shuffle=self.shuffle, sampler=self.sampler,
+            rank=self.rank, world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        with self._lock:
+            if self._iter is not None:
+                self._iter.stop()
+            if self._started and not self._epoch_set:
+                self._epoch += 1  # like DataLoader's RandomSampler: a new shuffle each pass
+            self._started = True
+            self._epoch_set = False
+            engine = self._ensure_engine()
+            order = self._order(self._epoch)
+            self._iter = _EpochIterator(self, engine, order, self._epoch)
+            return self._iter
+
+    def _ensure_engine(self):
+        if self._engine is None:
+            import cloudpickle
+
+            from autominato.pipeline.engine import Engine
+
+            spec = WorkSpec(
+                dataset=self.dataset,
+                transform=self.transform,
+                transform_takes_rng=takes_rng(self.transform),
+                seed=self.seed,
+                threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
+            )
+            payload = b""
+            if self._mode in ("fused", "split"):
+                try:
+                    payload = cloudpickle.dumps(spec)
+                except Exception as e:
+                    raise ValueError(
+                        f"the dataset and transform must be picklable to run in worker processes "
+                        f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0"
+                    ) from e
+            self._engine = Engine(self, payload, spec)
+        return self._engine
+
+    def close(self) -> None:
+        """Stop workers and threads and unlink shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._controller is not None:
+            self._controller.stop()
+        if self._iter is not None:
+            self._iter.stop()
+        if self._engine is not None:
+            self._engine.close()
+        if self._telemetry is not None:
+            self._telemetry.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ control surface
+    def _knob_changed(self, name: str, old: int, new: int) -> None:
+        if self._engine is not None:
+            self._engine.knobs_changed()
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the transform worker processes (empty with thread workers)."""
+        return self._engine.worker_pids() if self._engine is not None else []
+
+    def report_decision(self, decision: Any) -> None:
+        """Record a controller decision and pass it to every hook in ``decision_hooks``."""
+        self.decisions.append(decision)
+        for hook in list(self.decision_hooks):
+            hook(decision)
+
+    def snapshot(self) -> LoaderSnapshot:
+        """A frozen copy of every figure the telemetry and the controller read."""
+        e = self._engine
+        stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
+        cons = stages["consumer"]
+        return LoaderSnapshot(
+            time=time.monotonic(),
+            stages=stages,
+            consumer_wait_seconds_total=self._consumer_wait,
+            consumer_wait_recent_s=cons.recent_wait_s[-RECENT:],
+            consumer_busy_seconds_total=self._consumer_busy,
+            batches_total=self._batches,
+            samples_total=self._samples,
+            epoch=self._epoch,
+            stragglers_total=e.stragglers if e else 0,
+            skipped_total=e.skipped if e else 0,
+            worker_restarts_total=e.worker_restarts if e else 0,
+            h2d_bytes_total=self._h2d_bytes,
+            h2d_seconds_total=self._h2d_seconds,
+            knobs=self.knobs.as_dict(),
+            sample_bytes=e.sample_bytes if e else 0.0,
+            pool_bytes=(e.slots.bytes + e.batch_pool.bytes) if e else 0,
+        )
+
+
+class _EpochIterator:
+    """One epoch of batches; the training loop's waits in ``__next__`` are its idle time."""
+
+    def __init__(self, loader: Loader, engine: Any, order: list[int], epoch: int) -> None:
+        self.L = loader
+        self.engine = engine
+        self.epoch = epoch
+        self.gen = engine.start_epoch(order, epoch)
+        self._done = False
+        self._last_return: float | None = None
+        self._pending_h2d: list = []
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        t0 = time.monotonic()
+        busy = t0 - self._last_return if self._last_return is not None else 0.0
+        self._poll_h2d()
+        while True:
+            try:
+                item = self.engine.out.get(timeout=0.5)
+            except Exception:
+                if self.engine.fatal() is not None:
+                    self._done = True
+                    raise RuntimeError("autominato's scheduler failed") from self.engine.fatal()
+                if self.L._closed:
+                    self._done = True
+                    raise StopIteration from None
+                continue
+            if item[1] != self.gen:
+                continue  # left over from an earlier, abandoned epoch
+            kind = item[0]
+            if kind == "batch":
+                break
+            self._done = True
+            if self.L._iter is self:
+                self.L._iter = None
+            if kind == "end":
+                if self.L._telemetry is not None:
+                    self.L._telemetry.on_epoch_end(self.epoch)
+                raise StopIteration
+            if kind == "error":
+                raise item[2]
+        _, _, batch, indices, h2d = item
+        if h2d is not None:
+            e0, e1, nbytes, host = h2d
+            stream = torch.cuda.current_stream(self.L.device)
+            stream.wait_event(e1)
+            from autominato.pipeline.collate import record_stream
+
+            record_stream(batch, stream)
+            self._pending_h2d.append(h2d)
+        now = time.monotonic()
+        wait = now - t0
+        L = self.L
+        L._consumer_wait += wait
+        L._consumer_busy += busy
+        L._batches += 1
+        L._samples += len(indices)
+        L.stage_stats["consumer"].record(busy, wait, 0, items=len(indices))
+        self._last_return = now
+        self.last_indices = indices
+        return batch
+
+    def _poll_h2d(self) -> None:
+        keep = []
+        for e0, e1, nbytes, host in self._pending_h2d:
+            if e1.query():
+                seconds = e0.elapsed_time(e1) / 1000.0
+                self.L._h2d_bytes += nbytes
+                self.L._h2d_seconds += seconds
+                self.L.stage_stats["transfer"].record(seconds, 0.0, nbytes)
+            else:
+                keep.append((e0, e1, nbytes, host))
+        self._pending_h2d = keep
+
+    def stop(self) -> None:
+        if not self._done:
+            self._done = True
+            self.engine.stop_epoch(self.gen)
+        if self.L._iter is self:
+            self.L._iter = None
+
+    def __del__(self) -> None:
+        try:
+            self.stop()
+        except Exception:
+            pass
+
+
+def _close_all() -> None:
+    for loader in list(_live):
+        try:
+            loader.close()
+        except Exception:
+            pass
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_all)

@@ -1,0 +1,165 @@
+"""What a worker runs for one sample, and the loop of a worker process.
+
+The same :func:`run_sample` serves thread workers and process workers, so a sample's result
+does not depend on where it ran: its random generator is seeded from ``(seed, epoch, index)``
+alone (``numpy.random.SeedSequence`` entropy), and so are Python's ``random``, NumPy's legacy
+global generator and torch's default generator, for transforms that use global randomness.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autominato.pipeline.errors import ErrorReport
+from autominato.pipeline.shm import SlotCache, pack, unpack
+
+
+def takes_rng(fn: Callable | None) -> bool:
+    """Whether ``fn`` is called as ``fn(sample, rng)`` rather than ``fn(sample)``.
+
+    True when ``fn`` has exactly two required positional parameters. A MONAI ``Compose``
+    (one required parameter, the rest defaulted) is therefore called as ``fn(sample)``.
+    """
+    if fn is None:
+        return False
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(required) == 2
+
+
+@dataclass
+class WorkSpec:
+    """Everything a worker needs, pickled (with cloudpickle) once per worker."""
+
+    dataset: Any
+    transform: Callable | None
+    transform_takes_rng: bool
+    seed: int
+    threads_per_worker: int = 1
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``."""
+    ss = np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
+    g = np.random.default_rng(ss)
+    # Global generators too, for transforms that draw from them.
+    s32 = int(ss.generate_state(1, dtype=np.uint32)[0])
+    random.seed(s32)
+    np.random.seed(s32)
+    try:
+        import torch
+
+        torch.manual_seed(s32)
+    except ImportError:  # pragma: no cover
+        pass
+    return g
+
+
+def sample_path(dataset: Any, index: int) -> str | None:
+    fn = getattr(dataset, "sample_path", None)
+    if fn is None:
+        return None
+    try:
+        p = fn(index)
+    except Exception:
+        return None
+    return None if p is None else str(p)
+
+
+def run_sample(
+    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None
+) -> tuple[Any, float, float]:
+    """Read (when ``read``) and transform one sample.
+
+    Returns:
+        ``(sample, read_seconds, transform_seconds)``.
+    """
+    t0 = time.perf_counter()
+    if read:
+        sample = spec.dataset[index]
+    t1 = time.perf_counter()
+    if spec.transform is not None:
+        rng = sample_rng(spec.seed, epoch, index)
+        sample = spec.transform(sample, rng) if spec.transform_takes_rng else spec.transform(sample)
+    return sample, t1 - t0, time.perf_counter() - t1
+
+
+def limit_threads(n: int) -> None:
+    """Cap BLAS / OpenMP / torch intra-op threads of this process to ``n``."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(n)
+    except Exception:  # pragma: no cover - threadpoolctl is a dependency
+        pass
+    try:
+        import torch
+
+        torch.set_num_threads(n)
+    except Exception:  # pragma: no cover
+        pass
+
+
+def process_main(wid: int, conn, payload: bytes) -> None:
+    """Body of a transform worker process.
+
+    Messages from the loader: ``None`` (exit) or a task tuple
+    ``(pos, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
+    or ``None``. Replies: ``("ok", pos, desc, need, read_s, transform_s, pack_s)`` or
+    ``("err", pos, ErrorReport)``.
+    """
+    # Ctrl-C goes to the whole process group; the loader in the main process handles it and
+    # ends the workers, so a worker must not die half-way through writing a reply.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import cloudpickle
+
+    worker = f"worker {wid} (process {os.getpid()})"
+    try:
+        spec: WorkSpec = cloudpickle.loads(payload)
+    except BaseException as e:
+        conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+        return
+    limit_threads(spec.threads_per_worker)
+    cache = SlotCache()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the loader is gone
+        if msg is None:
+            return
+        pos, index, epoch, read, in_slot, in_desc, out_slot = msg
+        try:
+            sample = None
+            if in_slot is not None or in_desc is not None:
+                buf = cache.get(*in_slot) if in_slot is not None else None
+                sample = unpack(in_desc, buf)
+            sample, read_s, transform_s = run_sample(spec, index, epoch, read, sample)
+            t = time.perf_counter()
+            out = cache.get(*out_slot) if out_slot is not None else None
+            desc, need = pack(sample, out)
+            del sample
+            reply = ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
+        except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
+            reply = ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
+        try:
+            conn.send(reply)
+        except (EOFError, OSError, BrokenPipeError):
+            return
