@@ -1,0 +1,171 @@
+"""Scrape-time collector: counters and gauges read from each attached loader's snapshot.
+
+One :class:`SnapshotCollector` per process sits in :data:`~autominato.telemetry.metrics.REGISTRY`
+and yields one family per name in :data:`~autominato.telemetry.metrics.COLLECTED`, with one
+series per attached loader (its ``rank`` label). Nothing is recorded per item: the loader's
+cumulative counters are read when Prometheus scrapes, so a family cannot clash between two
+loaders and an unattached loader simply disappears from the next scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from autominato.pipeline.knobs import KNOB_NAMES
+from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.metrics import COLLECTED, REGISTRY, STAGES
+
+log = logging.getLogger(__name__)
+
+#: Length of the sliding window of the idle-ratio and bandwidth gauges, seconds.
+WINDOW_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Point:
+    time: float
+    wait_s: float
+    busy_s: float
+    h2d_bytes: int
+    h2d_s: float
+
+
+class SlidingWindow:
+    """Cumulative consumer and copy totals sampled at scrape times, for windowed ratios.
+
+    The window runs from the oldest sample no older than ``window_s`` seconds to now; with no
+    such sample it falls back to the most recent earlier one, and with none at all to the
+    loader's start (cumulative figures), so the first scrape already has a value.
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, keep: int = 256) -> None:
+        self.window_s = window_s
+        self._points: deque[_Point] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def update(self, snap: LoaderSnapshot) -> tuple[float, float | None]:
+        """Add ``snap``; return ``(idle_ratio, h2d_bytes_per_second or None)`` over the window."""
+        now = _Point(
+            snap.time,
+            snap.consumer_wait_seconds_total,
+            snap.consumer_busy_seconds_total,
+            snap.h2d_bytes_total,
+            snap.h2d_seconds_total,
+        )
+        with self._lock:
+            base = _Point(0.0, 0.0, 0.0, 0, 0.0)
+            for p in self._points:
+                if p.time >= now.time - self.window_s and p.time < now.time:
+                    base = p
+                    break
+            else:
+                if self._points and self._points[-1].time < now.time:
+                    base = self._points[-1]
+            # Drop what has left the window, but keep one point as the fallback baseline.
+            while len(self._points) > 1 and self._points[1].time < now.time - self.window_s:
+                self._points.popleft()
+            self._points.append(now)
+        wait, busy = now.wait_s - base.wait_s, now.busy_s - base.busy_s
+        idle = wait / (wait + busy) if wait + busy > 0 else 0.0
+        copy_s = now.h2d_s - base.h2d_s
+        bw = (now.h2d_bytes - base.h2d_bytes) / copy_s if copy_s > 0 else None
+        if bw is None and now.h2d_s > 0:
+            bw = now.h2d_bytes / now.h2d_s  # no copy in the window: the mean since the start
+        return idle, bw
+
+
+@dataclass
+class _Source:
+    rank: str
+    snapshot: Callable[[], LoaderSnapshot]
+    window: SlidingWindow
+
+
+class SnapshotCollector(Collector):
+    """Yields the :data:`COLLECTED` families for every registered loader at scrape time."""
+
+    def __init__(self) -> None:
+        self._sources: dict[int, _Source] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: int, rank: str, snapshot: Callable[[], LoaderSnapshot]) -> None:
+        """Register a loader under ``key`` (unique per handle) with label ``rank``."""
+        with self._lock:
+            self._sources[key] = _Source(rank, snapshot, SlidingWindow())
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._sources.pop(key, None)
+
+    def ranks(self) -> list[str]:
+        with self._lock:
+            return [s.rank for s in self._sources.values()]
+
+    def describe(self) -> list[Metric]:
+        # Describing (rather than collecting) keeps registration free of snapshot calls.
+        return list(self._families())
+
+    def _families(self) -> Iterator[Metric]:
+        for name, (kind, doc, labels) in COLLECTED.items():
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield cls(name, doc, labels=[*labels, "rank"])
+
+    def collect(self) -> Iterator[Metric]:
+        fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
+        with self._lock:
+            sources = list(self._sources.values())
+        for src in sources:
+            try:
+                snap = src.snapshot()
+            except Exception:  # a closing loader must not break the scrape of the others
+                log.debug("snapshot of rank %s failed during scrape", src.rank, exc_info=True)
+                continue
+            _add_samples(fams, src.rank, snap, *src.window.update(snap))
+        yield from fams.values()
+
+
+def _add_samples(
+    fams: dict[str, Metric],
+    rank: str,
+    s: LoaderSnapshot,
+    idle: float,
+    bandwidth: float | None,
+) -> None:
+    def put(name: str, value: float, *labels: str) -> None:
+        fams[name].add_metric([*labels, rank], value)
+
+    for stage in STAGES:
+        st = s.stages.get(stage)
+        if st is None:
+            continue
+        put("autominato_stage_items_total", st.items_total, stage)
+        put("autominato_stage_bytes_total", st.bytes_total, stage)
+        put("autominato_stage_queue_items", st.queue_len, stage)
+        put("autominato_stage_queue_capacity_items", st.queue_capacity, stage)
+        put("autominato_stage_workers", st.workers, stage)
+    put("autominato_accelerator_idle_ratio", idle)
+    put("autominato_samples_total", s.samples_total)
+    put("autominato_batches_total", s.batches_total)
+    put("autominato_h2d_bytes_total", s.h2d_bytes_total)
+    if bandwidth is not None:
+        put("autominato_h2d_bandwidth_bytes_per_second", bandwidth)
+    put("autominato_stragglers_total", s.stragglers_total)
+    put("autominato_samples_skipped_total", s.skipped_total)
+    put("autominato_worker_restarts_total", s.worker_restarts_total)
+    for knob in KNOB_NAMES:
+        if knob in s.knobs:
+            put("autominato_knob_value", s.knobs[knob], knob)
+    put("autominato_pool_bytes", s.pool_bytes)
+    put("autominato_epoch", s.epoch)
+
+
+#: The process's one collector; :func:`autominato.telemetry.attach` adds loaders to it.
+COLLECTOR = SnapshotCollector()
+REGISTRY.register(COLLECTOR)

@@ -1,0 +1,274 @@
+"""Wiring a loader to the telemetry: hooks, the scrape collector, exporter and Data Monitor.
+
+``attach(loader)`` is what ``Loader(metrics_port=..., monitor_interval=...)`` calls; it is also
+usable by hand on anything that offers the loader's telemetry surface (``snapshot()``,
+``stage_stats``, and optionally ``rank`` and ``decision_hooks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from autominato.pipeline.knobs import KNOB_NAMES
+from autominato.pipeline.stats import LoaderSnapshot, StageStats
+from autominato.telemetry.collector import COLLECTOR
+from autominato.telemetry.exporter import Exporter, serve
+from autominato.telemetry.metrics import (
+    CONSUMER_STEP_SECONDS,
+    CONSUMER_WAIT_SECONDS,
+    CONTROLLER_DECISIONS,
+    H2D_COPY_SECONDS,
+    RANKED_HISTOGRAMS,
+    STAGE_HISTOGRAMS,
+    STAGE_SERVICE_SECONDS,
+    STAGE_WAIT_SECONDS,
+    STAGES,
+    bounded_reason,
+)
+from autominato.telemetry.monitor import DataMonitor, diagnose, format_report
+from autominato.telemetry.nvml import nvml_collector
+
+log = logging.getLogger(__name__)
+
+#: ``AUTOMINATO_DATA_MONITOR=1`` turns the Data Monitor on without code changes (as
+#: MegEngine's ``MGE_DATA_MONITOR`` does); the interval comes from
+#: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` (seconds, default :data:`DEFAULT_MONITOR_INTERVAL`).
+ENV_MONITOR = "AUTOMINATO_DATA_MONITOR"
+ENV_MONITOR_INTERVAL = "AUTOMINATO_DATA_MONITOR_INTERVAL"
+DEFAULT_MONITOR_INTERVAL = 30.0
+
+
+class Observable(Protocol):
+    """What :func:`attach` reads from a loader."""
+
+    stage_stats: dict[str, StageStats]
+
+    def snapshot(self) -> LoaderSnapshot: ...
+
+
+def monitor_interval_from_env() -> float | None:
+    """The interval the environment asks for, or None when ``AUTOMINATO_DATA_MONITOR`` is
+    unset, empty, ``0``, ``false`` or ``no``.
+
+    Raises:
+        ValueError: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` is not a positive number.
+    """
+    if os.environ.get(ENV_MONITOR, "").strip().lower() in ("", "0", "false", "no", "off"):
+        return None
+    raw = os.environ.get(ENV_MONITOR_INTERVAL, "").strip()
+    if not raw:
+        return DEFAULT_MONITOR_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{ENV_MONITOR_INTERVAL}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+_live_lock = threading.Lock()
+_live_ranks: dict[int, str] = {}
+
+
+def _unique_rank(key: int, rank: int) -> str:
+    # Two live loaders of one rank in a process (a training and a validation loader) would
+    # emit identical series; the second gets "<rank>-<n>" so both stay visible and valid.
+    with _live_lock:
+        taken = set(_live_ranks.values())
+        label, n = str(rank), 1
+        while label in taken:
+            label, n = f"{rank}-{n}", n + 1
+        _live_ranks[key] = label
+        return label
+
+
+class TelemetryHandle:
+    """A loader's live telemetry; made by :func:`attach`, ended by :meth:`close`.
+
+    Attributes:
+        rank: the ``rank`` label of this loader's series (``"0"``, or ``"0-1"`` for a second
+            live loader of rank 0 in the same process).
+        exporter: the HTTP exporter, or None when no port was asked for.
+        monitor: the Data Monitor thread, or None when it is off.
+    """
+
+    def __init__(
+        self,
+        loader: Observable,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        monitor_interval: float | None = None,
+        free_if_busy: bool = False,
+    ) -> None:
+        self.loader = loader
+        self._key = id(self)
+        self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
+        self._closed = False
+        self._stage_children = {
+            stage: (
+                STAGE_SERVICE_SECONDS.labels(stage, self.rank),
+                STAGE_WAIT_SECONDS.labels(stage, self.rank),
+            )
+            for stage in STAGES
+        }
+        self._consumer_wait = CONSUMER_WAIT_SECONDS.labels(self.rank)
+        self._consumer_step = CONSUMER_STEP_SECONDS.labels(self.rank)
+        self._h2d_copy = H2D_COPY_SECONDS.labels(self.rank)
+        self._decision_labels: set[tuple[str, str]] = set()
+        self._hooked: list[StageStats] = []
+        for stats in loader.stage_stats.values():
+            stats.hooks.append(self._on_item)
+            self._hooked.append(stats)
+        decision_hooks: list[Callable[[Any], None]] | None = getattr(loader, "decision_hooks", None)
+        if decision_hooks is not None:
+            decision_hooks.append(self._on_decision)
+        COLLECTOR.add(self._key, self.rank, loader.snapshot)
+        nvml_collector()
+        self.exporter: Exporter | None = None
+        self.monitor: DataMonitor | None = None
+        try:
+            if port is not None:
+                self.exporter = serve(port, host, free_if_busy=free_if_busy)
+            if monitor_interval is None:
+                monitor_interval = monitor_interval_from_env()
+            if monitor_interval is not None:
+                self.monitor = DataMonitor(
+                    loader.snapshot, monitor_interval, rank=self.rank
+                ).start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def port(self) -> int | None:
+        """The exporter's port (the one bound, when 0 or a busy port was asked), or None."""
+        return self.exporter.port if self.exporter is not None else None
+
+    @property
+    def url(self) -> str | None:
+        """``http://host:port/metrics`` of the exporter, or None."""
+        return self.exporter.url if self.exporter is not None else None
+
+    def _on_item(self, stage: str, service_s: float, wait_s: float, nbytes: int) -> None:
+        # Runs on the recording thread for every item: dictionary look-ups and observes only.
+        if stage == "consumer":
+            self._consumer_wait.observe(wait_s)
+            self._consumer_step.observe(service_s)
+            return
+        children = self._stage_children.get(stage)
+        if children is None:
+            return
+        children[0].observe(service_s)
+        children[1].observe(wait_s)
+        if stage == "transfer":
+            # The loader records the transfer stage once per batch copied to the device, with
+            # the copy time from CUDA events (the stage is silent without a device).
+            self._h2d_copy.observe(service_s)
+
+    def _on_decision(self, decision: Any) -> None:
+        knob = str(getattr(decision, "knob", ""))
+        knob = knob if knob in KNOB_NAMES else "other"
+        reason = bounded_reason(getattr(decision, "reason", "other"))
+        self._decision_labels.add((knob, reason))
+        CONTROLLER_DECISIONS.labels(knob, reason, self.rank).inc()
+
+    def report(self, title: str | None = None) -> str | None:
+        """The Data Monitor report now: logged (when the monitor is on) and returned.
+
+        Without a running monitor the window is since the loader started.
+        """
+        if self.monitor is not None:
+            return self.monitor.report(title)
+        return format_report(
+            diagnose([self.loader.snapshot()]), title=title or f"Data Monitor (rank {self.rank})"
+        )
+
+    def on_epoch_end(self, epoch: int) -> None:
+        """Log a report at the end of ``epoch`` (only when the Data Monitor is on)."""
+        if self.monitor is not None and not self._closed:
+            self.monitor.report(f"Data Monitor (rank {self.rank}), end of epoch {epoch}")
+
+    def close(self) -> None:
+        """Log a last report (monitor on), stop the monitor, drop the hooks, the loader's
+        series and this user of the exporter. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.monitor is not None:
+            self.monitor.stop()
+            try:
+                self.monitor.report(
+                    f"Data Monitor (rank {self.rank}), end of run", only_if_new=True
+                )
+            except Exception:
+                log.exception("final Data Monitor report failed")
+        for stats in self._hooked:
+            if self._on_item in stats.hooks:
+                stats.hooks.remove(self._on_item)
+        decision_hooks = getattr(self.loader, "decision_hooks", None)
+        if decision_hooks is not None and self._on_decision in decision_hooks:
+            decision_hooks.remove(self._on_decision)
+        COLLECTOR.remove(self._key)
+        for hist in STAGE_HISTOGRAMS:
+            for stage in STAGES:
+                hist.remove(stage, self.rank)
+        for hist in RANKED_HISTOGRAMS:
+            hist.remove(self.rank)
+        for knob, reason in self._decision_labels:
+            CONTROLLER_DECISIONS.remove(knob, reason, self.rank)
+        with _live_lock:
+            _live_ranks.pop(self._key, None)
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+
+    def __enter__(self) -> TelemetryHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(
+    loader: Observable,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    monitor_interval: float | None = None,
+    free_if_busy: bool = False,
+) -> TelemetryHandle:
+    """Record ``loader``'s telemetry; optionally serve it and run the Data Monitor.
+
+    Args:
+        loader: an :class:`autominato.Loader` (or anything with ``snapshot()`` and
+            ``stage_stats``; ``rank`` and ``decision_hooks`` are used if present).
+        port: serve ``/metrics`` on this port (0: a free one); None: record only (the
+            registry :data:`autominato.telemetry.metrics.REGISTRY` can still be served by
+            :func:`autominato.telemetry.serve` or the user's own exporter).
+        host: address the exporter binds (127.0.0.1 by default; ``"0.0.0.0"`` for all).
+        monitor_interval: seconds between Data Monitor reports; None defers to
+            ``AUTOMINATO_DATA_MONITOR`` / ``AUTOMINATO_DATA_MONITOR_INTERVAL``.
+        free_if_busy: bind a free port when ``port`` is taken instead of raising.
+
+    Returns:
+        The :class:`TelemetryHandle`; call ``on_epoch_end(epoch)`` after each epoch and
+        ``close()`` at the end (the Loader does both).
+
+    Raises:
+        PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
+        ValueError: ``monitor_interval`` (or the environment's) is not positive.
+    """
+    return TelemetryHandle(
+        loader,
+        port=port,
+        host=host,
+        monitor_interval=monitor_interval,
+        free_if_busy=free_if_busy,
+    )

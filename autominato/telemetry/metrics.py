@@ -1,0 +1,217 @@
+"""Every Prometheus metric autominato exports, defined in one place.
+
+Names follow the Prometheus naming conventions (https://prometheus.io/docs/practices/naming/):
+an ``autominato_`` prefix, base units (seconds, bytes, ratios in 0..1), ``_total`` on counters.
+Labels have bounded cardinality: ``rank`` (an int per loader), ``stage`` (one of
+:data:`STAGES`), ``knob`` (one of :data:`autominato.pipeline.knobs.KNOB_NAMES`), ``reason``
+(a controller reason, capped by :func:`bounded_reason`), and ``gpu`` / ``UUID`` for NVML
+figures (as NVIDIA's DCGM exporter labels them). Never an index or a path.
+
+Two kinds of metric live here:
+
+* **Observed** metrics (histograms, and the decision counter) are recorded once per item by
+  the hooks that :func:`autominato.telemetry.attach` puts on each ``StageStats``; the timings
+  come from the workers with each result, so everything is recorded in the main process and no
+  multiprocess directory is needed.
+* **Collected** metrics (counters and gauges that mirror cumulative loader counters) are read
+  from ``loader.snapshot()`` at scrape time by a collector, so they cost nothing per item.
+  :data:`COLLECTED` lists their names, types and help text; the collector lives in
+  :mod:`autominato.telemetry.collector`.
+
+All of them sit in :data:`REGISTRY`, one registry per process that the exporter serves; each
+attached loader adds its ``rank`` children and removes them again when it closes, so two
+loaders in one process (two ranks in a test) never clash.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+
+#: Pipeline stages that carry a ``stage`` label (the consumer has its own metrics).
+STAGES = ("read", "transform", "batch", "transfer")
+
+#: Histogram buckets in seconds, 0.5 ms to 10 s, roughly 1-2.5-5 per decade (the
+#: prometheus_client default starts at 5 ms, too coarse for a queue hand-off or a small read).
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+#: The process-wide registry the exporter serves. Users with their own exporter may serve it
+#: too (``prometheus_client.generate_latest(REGISTRY)``).
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Standard process_* figures (CPU seconds, resident memory, open fds) of the main process.
+ProcessCollector(registry=REGISTRY)
+
+# --- observed: recorded per item by StageStats hooks ----------------------------------------
+
+STAGE_SERVICE_SECONDS = Histogram(
+    "autominato_stage_service_seconds",
+    "Time one item spent being served by a pipeline stage (measured where it ran), seconds.",
+    ["stage", "rank"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+STAGE_WAIT_SECONDS = Histogram(
+    "autominato_stage_wait_seconds",
+    "Time one item waited in a stage's input queue before service began, seconds.",
+    ["stage", "rank"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+CONSUMER_WAIT_SECONDS = Histogram(
+    "autominato_consumer_wait_seconds",
+    "Time the training loop was blocked in next() for one batch (accelerator idle), seconds.",
+    ["rank"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+CONSUMER_STEP_SECONDS = Histogram(
+    "autominato_consumer_step_seconds",
+    "Time the training loop spent between two next() calls (its step), seconds.",
+    ["rank"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+H2D_COPY_SECONDS = Histogram(
+    "autominato_h2d_copy_seconds",
+    "Host-to-device copy time of one batch (CUDA events on the copy stream), seconds.",
+    ["rank"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+CONTROLLER_DECISIONS = Counter(
+    "autominato_controller_decisions",
+    "Knob changes made by the online controller, by knob and reason.",
+    ["knob", "reason", "rank"],
+    registry=REGISTRY,
+)
+
+# --- collected: read from loader.snapshot() at scrape time ----------------------------------
+
+#: name -> (type, help, extra labels besides ``rank``). Counter names carry ``_total`` here
+#: because that is the exposed sample name; prometheus_client's families strip it.
+COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "autominato_stage_items_total": (
+        "counter",
+        "Items a stage finished (samples for read/transform, batches for batch/transfer).",
+        ("stage",),
+    ),
+    "autominato_stage_bytes_total": (
+        "counter",
+        "Bytes a stage produced, bytes.",
+        ("stage",),
+    ),
+    "autominato_stage_queue_items": (
+        "gauge",
+        "Items waiting in a stage's input queue.",
+        ("stage",),
+    ),
+    "autominato_stage_queue_capacity_items": (
+        "gauge",
+        "Capacity of a stage's input queue, items (0: unbounded).",
+        ("stage",),
+    ),
+    "autominato_stage_workers": (
+        "gauge",
+        "Workers (threads or processes) a stage runs now.",
+        ("stage",),
+    ),
+    "autominato_accelerator_idle_ratio": (
+        "gauge",
+        "Share of the training loop's time spent blocked in next() over a sliding window, 0..1.",
+        (),
+    ),
+    "autominato_samples_total": ("counter", "Samples delivered to the training loop.", ()),
+    "autominato_batches_total": ("counter", "Batches delivered to the training loop.", ()),
+    "autominato_h2d_bytes_total": ("counter", "Bytes copied host to device, bytes.", ()),
+    "autominato_h2d_bandwidth_bytes_per_second": (
+        "gauge",
+        "Achieved host-to-device copy bandwidth over a sliding window, bytes/s.",
+        (),
+    ),
+    "autominato_stragglers_total": (
+        "counter",
+        "Slow samples deferred to a later batch of the same epoch.",
+        (),
+    ),
+    "autominato_samples_skipped_total": (
+        "counter",
+        "Samples dropped by the on_error='skip' policy.",
+        (),
+    ),
+    "autominato_worker_restarts_total": (
+        "counter",
+        "Worker processes replaced after dying or hanging.",
+        (),
+    ),
+    "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),
+    "autominato_pool_bytes": ("gauge", "Bytes held by the buffer pool, bytes.", ()),
+    "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),
+}
+
+#: NVML figures, labelled ``gpu`` (NVML index) and ``UUID`` like DCGM exporter; the DCGM name
+#: of the same figure is given so a dashboard can show either.
+NVML_METRICS: dict[str, tuple[str, str]] = {
+    "autominato_gpu_utilization_ratio": (
+        "Share of the last sample period a kernel ran on the GPU, 0..1 (DCGM_FI_DEV_GPU_UTIL/100).",
+        "DCGM_FI_DEV_GPU_UTIL",
+    ),
+    "autominato_gpu_memory_used_bytes": (
+        "GPU framebuffer memory used, bytes (DCGM_FI_DEV_FB_USED is MiB).",
+        "DCGM_FI_DEV_FB_USED",
+    ),
+    "autominato_gpu_pcie_tx_bytes_per_second": (
+        "PCIe transmit throughput over NVML's 20 ms window, bytes/s.",
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+    ),
+    "autominato_gpu_pcie_rx_bytes_per_second": (
+        "PCIe receive throughput over NVML's 20 ms window, bytes/s.",
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+    ),
+}
+
+#: Every histogram family with a ``rank`` label, for removing a closed loader's children.
+RANKED_HISTOGRAMS = (CONSUMER_WAIT_SECONDS, CONSUMER_STEP_SECONDS, H2D_COPY_SECONDS)
+STAGE_HISTOGRAMS = (STAGE_SERVICE_SECONDS, STAGE_WAIT_SECONDS)
+
+#: Most distinct ``reason`` values kept per process; later new ones count as ``other``.
+MAX_REASONS = 32
+_REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+_reasons: set[str] = set()
+_reasons_lock = threading.Lock()
+
+
+def bounded_reason(reason: str) -> str:
+    """Map a controller reason to a label value of bounded cardinality.
+
+    A reason is kept when it is a short snake_case word (``[a-z][a-z0-9_]{0,39}``) and fewer
+    than :data:`MAX_REASONS` distinct reasons were seen in this process; anything else
+    becomes ``"other"``, so free text (a path, a number) can never explode the series count.
+    """
+    reason = str(reason)
+    if not _REASON_RE.match(reason):
+        return "other"
+    with _reasons_lock:
+        if reason in _reasons:
+            return reason
+        if len(_reasons) >= MAX_REASONS:
+            return "other"
+        _reasons.add(reason)
+        return reason

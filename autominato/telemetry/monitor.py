@@ -1,0 +1,535 @@
+"""The Data Monitor: a periodic table of the pipeline's figures and a bottleneck diagnosis.
+
+:func:`diagnose` is a pure function of a list of :class:`LoaderSnapshot` (oldest first), so it
+is tested on synthetic histories; :func:`format_report` renders its result as a text table;
+:class:`DataMonitor` is the thin thread that takes a snapshot every ``interval`` seconds and
+logs the report through the ``autominato.monitor`` logger (MegEngine's ``MGE_DATA_MONITOR``
+is the model: per-stage times and which stage is the bottleneck).
+
+How the bottleneck is found. Let ``T`` be the measured step time (seconds the training loop
+spends between two ``next()`` calls, per batch). A stage keeps the consumer fed when its work
+per batch, spread over its workers, fits in one step::
+
+    load_s = mean_service_s * items_per_batch / workers        # seconds per batch
+    share_s = load_s / T                                       # < 1 keeps up
+
+When the accelerator idle share (consumer wait / (wait + step)) is at or below
+``idle_threshold`` the loader keeps up and the run is **consumer bound**. Otherwise the stage
+with the largest share is the bottleneck if that share is at least :data:`SATURATED`: the read
+stage means **I/O bound**, the transform or batch stage **CPU bound**, the transfer stage
+**transfer bound**. When no stage is saturated yet the consumer still waits, the stages keep up
+on average but their jitter is not absorbed: **synchronisation bound**, deepen the prefetch.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from autominato.pipeline.knobs import usable_cores
+from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+
+LOGGER_NAME = "autominato.monitor"
+logger = logging.getLogger(LOGGER_NAME)
+
+#: A stage whose work per batch per worker takes at least this share of the step time is
+#: saturated (a 10 % margin below 1.0, because service times jitter and the mean hides bursts).
+SATURATED = 0.9
+#: Status "warn" starts at this fraction of a threshold.
+WARN_FRACTION = 0.8
+#: Default accelerator idle share above which the loader is the bottleneck. A fixed floor:
+#: below 10 % the remaining idle is usually start-up and epoch boundaries, not the pipeline.
+IDLE_THRESHOLD = 0.10
+#: Share of batches for which ``next()`` blocked above which prefetch is too shallow.
+QUEUE_WAIT_THRESHOLD = 0.25
+#: A ``next()`` that returns within this many seconds, or 2 % of the step, did not block:
+#: a get from a non-empty queue takes microseconds.
+BLOCKED_FLOOR_S = 0.001
+
+#: bottleneck kind -> the heading printed in the report.
+KINDS = {
+    "io": "I/O bound",
+    "cpu": "CPU bound",
+    "transfer": "transfer bound",
+    "sync": "synchronisation bound",
+    "consumer": "consumer bound (the loader keeps up)",
+    "none": "not enough data yet",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the report table.
+
+    ``current`` covers the latest window (the last two snapshots), ``mean`` everything since
+    the loader started; ``threshold`` is the suggested limit in the same unit; ``status``
+    is ``ok``, ``warn``, ``bad``, ``ref`` (a reference figure) or ``n/a`` (not measured).
+    """
+
+    metric: str
+    unit: str
+    current: float | None
+    mean: float | None
+    threshold: float | None
+    status: str
+    higher_is_worse: bool = True
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What :func:`diagnose` found.
+
+    Attributes:
+        kind: one of :data:`KINDS` (``io``, ``cpu``, ``transfer``, ``sync``, ``consumer``,
+            ``none``).
+        stage: the bottleneck stage (``read``, ``transform``, ``batch``, ``transfer``) or None.
+        summary: one sentence of evidence with the figures.
+        suggestion: a concrete change (a knob and a value where one applies).
+        rows: the report table.
+        step_time_s: measured step time over the latest window, seconds per batch.
+        idle_ratio: accelerator idle share over the latest window, 0..1.
+        shares: stage -> work per batch per worker as a share of the step (see module doc).
+        window_s: length of the latest window, seconds.
+        batches: batches delivered in the latest window.
+        epoch: epoch of the latest snapshot.
+    """
+
+    kind: str
+    stage: str | None
+    summary: str
+    suggestion: str
+    rows: tuple[Row, ...]
+    step_time_s: float
+    idle_ratio: float
+    shares: dict[str, float] = field(default_factory=dict)
+    window_s: float = 0.0
+    batches: int = 0
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Differences of cumulative counters between two snapshots (``a`` may be a zero baseline)."""
+
+    seconds: float
+    batches: int
+    samples: int
+    wait_s: float
+    busy_s: float
+    h2d_bytes: int
+    h2d_s: float
+    service_s: dict[str, float]
+    items: dict[str, int]
+
+    @property
+    def step_s(self) -> float:
+        return self.busy_s / self.batches if self.batches else 0.0
+
+    @property
+    def idle(self) -> float:
+        total = self.wait_s + self.busy_s
+        return self.wait_s / total if total > 0 else 0.0
+
+    def mean_service(self, stage: str) -> float | None:
+        n = self.items.get(stage, 0)
+        return self.service_s[stage] / n if n else None
+
+
+def _window(a: LoaderSnapshot | None, b: LoaderSnapshot) -> _Window:
+    def stage_delta(attr: str) -> dict[str, float]:
+        out = {}
+        for name, s in b.stages.items():
+            prev = a.stages.get(name) if a is not None else None
+            out[name] = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
+        return out
+
+    def d(attr: str) -> float:
+        return getattr(b, attr) - (getattr(a, attr) if a is not None else 0)
+
+    return _Window(
+        seconds=b.time - a.time if a is not None else 0.0,
+        batches=int(d("batches_total")),
+        samples=int(d("samples_total")),
+        wait_s=d("consumer_wait_seconds_total"),
+        busy_s=d("consumer_busy_seconds_total"),
+        h2d_bytes=int(d("h2d_bytes_total")),
+        h2d_s=d("h2d_seconds_total"),
+        service_s=stage_delta("service_seconds_total"),
+        items={k: int(v) for k, v in stage_delta("items_total").items()},
+    )
+
+
+def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
+    # Cumulative ratio: over a short window prefetching makes a stage run ahead of delivery,
+    # while since the start that lead is bounded by depth and pool size.
+    if snap.batches_total <= 0 or stage.items_total <= 0:
+        return 1.0
+    return stage.items_total / snap.batches_total
+
+
+def _effective_workers(snap: LoaderSnapshot, name: str) -> int:
+    stage = snap.stages[name]
+    if stage.workers > 0:
+        return stage.workers
+    # A stage reporting no workers of its own runs on the other's: a fused read runs in the
+    # transform workers, an inline transform (workers=0) in the read threads.
+    other = {"read": "transform", "transform": "read"}.get(name)
+    if other in snap.stages:
+        return max(1, snap.stages[other].workers)
+    return 1
+
+
+def _fused(snap: LoaderSnapshot) -> bool:
+    """Read and transform share one set of workers (fused read, or workers=0 inline)."""
+    read = snap.stages.get("read")
+    return (read is not None and read.workers == 0) or snap.knobs.get("workers", 1) == 0
+
+
+def _shares(w: _Window, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
+    """Stage -> mean service x items per batch / workers / step, for stages with items."""
+    step = max(step_s, 1e-6)
+    out = {}
+    for name, stage in snap.stages.items():
+        if name == "consumer":
+            continue
+        mean = w.mean_service(name)
+        if mean is None:
+            continue
+        load = mean * _items_per_batch(snap, stage) / _effective_workers(snap, name)
+        out[name] = load / step
+    if w.h2d_s > 0 and w.batches > 0:
+        # With CUDA the copy time is the transfer stage's real cost (events on the copy stream).
+        out["transfer"] = max(out.get("transfer", 0.0), w.h2d_s / w.batches / step)
+    return out
+
+
+def _blocked_share(snap: LoaderSnapshot, batches: int, step_s: float) -> float | None:
+    waits = snap.consumer_wait_recent_s
+    if batches > 0:
+        waits = waits[-batches:]
+    if not waits:
+        return None
+    floor = max(BLOCKED_FLOOR_S, 0.02 * step_s)
+    return sum(1 for x in waits if x > floor) / len(waits)
+
+
+def _status(value: float | None, threshold: float | None, higher_is_worse: bool = True) -> str:
+    if value is None or threshold is None or not math.isfinite(threshold):
+        return "n/a"
+    if higher_is_worse:
+        if value > threshold:
+            return "bad"
+        return "warn" if value >= WARN_FRACTION * threshold else "ok"
+    if value < threshold:
+        return "bad"
+    return "warn" if value * WARN_FRACTION <= threshold else "ok"
+
+
+def _row(
+    metric: str,
+    unit: str,
+    current: float | None,
+    mean: float | None,
+    threshold: float | None,
+    higher_is_worse: bool = True,
+) -> Row:
+    status = _status(current, threshold, higher_is_worse)
+    return Row(metric, unit, current, mean, threshold, status, higher_is_worse)
+
+
+def diagnose(
+    history: Sequence[LoaderSnapshot],
+    *,
+    idle_threshold: float = IDLE_THRESHOLD,
+    queue_wait_threshold: float = QUEUE_WAIT_THRESHOLD,
+) -> Diagnosis:
+    """Find the pipeline's bottleneck from snapshots taken over time (oldest first).
+
+    The latest window is ``history[-2] -> history[-1]`` (since the loader started when there
+    is one snapshot); the running mean covers everything since the loader started (snapshot
+    counters are cumulative). See the module docstring for the rule.
+
+    Args:
+        history: at least one :class:`LoaderSnapshot` of one loader, oldest first; only the
+            last two are read (callers may pass a longer history).
+        idle_threshold: accelerator idle share (0..1) at or below which the loader keeps up.
+        queue_wait_threshold: share (0..1) of batches that found no batch ready, above which
+            the report flags the queue wait.
+
+    Returns:
+        A :class:`Diagnosis`; ``kind == "none"`` when no batch was delivered in the window.
+
+    Raises:
+        ValueError: ``history`` is empty.
+    """
+    if not history:
+        raise ValueError("diagnose() needs at least one LoaderSnapshot")
+    last = history[-1]
+    cur = _window(history[-2] if len(history) > 1 else None, last)
+    run = _window(None, last)
+    # An empty latest window (a report right after another) is judged on the whole history.
+    basis = cur if cur.batches else run
+    # The step time is the reference every other threshold is derived from.
+    step = basis.step_s
+    shares = _shares(basis, last, step)
+    run_shares = _shares(run, last, run.step_s)
+    rows: list[Row] = [
+        Row("step time", "s/batch", cur.step_s if cur.batches else None, run.step_s, None, "ref")
+    ]
+
+    read = last.stages.get("read")
+    read_threshold = None
+    if read is not None:
+        read_threshold = step * _effective_workers(last, "read") / _items_per_batch(last, read)
+        lat, lat_mean = cur.mean_service("read"), run.mean_service("read")
+        rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
+    for name, label in (("transform", "transform share"), ("batch", "collate share")):
+        if name in last.stages:
+            rows.append(_row(label, "of step", shares.get(name), run_shares.get(name), 1.0))
+
+    bw = basis.h2d_bytes / basis.h2d_s if basis.h2d_s > 0 else None
+    bw_mean = run.h2d_bytes / run.h2d_s if run.h2d_s > 0 else None
+    need_bw = (basis.h2d_bytes / basis.batches) / max(step, 1e-6) if basis.batches and bw else None
+    rows.append(_row("H2D bandwidth", "bytes/s", bw, bw_mean, need_bw, higher_is_worse=False))
+
+    blocked = _blocked_share(last, basis.batches, step)
+    rows.append(_row("queue wait share", "of batches", blocked, None, queue_wait_threshold))
+    idle = basis.idle
+    rows.append(_row("accelerator idle", "of time", idle, run.idle, idle_threshold))
+
+    base = dict(
+        rows=tuple(rows),
+        step_time_s=step,
+        idle_ratio=idle,
+        shares=shares,
+        window_s=basis.seconds,
+        batches=basis.batches,
+        epoch=last.epoch,
+    )
+    if basis.batches == 0:
+        return Diagnosis(
+            "none", None, "no batch delivered yet", "wait for the first batches", **base
+        )
+    knobs = last.knobs
+    if idle <= idle_threshold:
+        return Diagnosis(
+            "consumer",
+            None,
+            f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
+            f"its step of {step * 1e3:.1f} ms is the pace",
+            "nothing to change on the loader; if CPU is short, fewer workers would do",
+            **base,
+        )
+    stage = max(shares, key=shares.__getitem__) if shares else None
+    top = shares.get(stage, 0.0) if stage else 0.0
+    if stage in ("read", "transform") and _fused(last):
+        # One set of workers does both, so their shares add up on those workers.
+        top = shares.get("read", 0.0) + shares.get("transform", 0.0)
+    if stage is not None and top >= SATURATED:
+        kind, summary, suggestion = _bottleneck(
+            stage, top, last, basis, step, read_threshold, knobs
+        )
+        return Diagnosis(kind, stage, summary, suggestion, **base)
+    depth = knobs.get("depth", 0)
+    waited = f" on {blocked:.0%} of batches" if blocked is not None else ""
+    return Diagnosis(
+        "sync",
+        None,
+        f"idle {idle:.0%} although every stage keeps up on average (largest share "
+        f"{top:.2f} of the step, {stage or '-'}): next() blocked{waited}",
+        f"deeper prefetch to absorb the jitter: depth {depth} -> {max(2, 2 * depth)}, "
+        f"and pool_size {knobs.get('pool_size', 0)} -> {2 * knobs.get('pool_size', 0)} "
+        "so that more samples are in flight",
+        **base,
+    )
+
+
+def _needed(current: int, share: float) -> int:
+    # Scale the worker count so the stage's share would land at 80 % of the step.
+    return max(current + 1, math.ceil(current * share / WARN_FRACTION))
+
+
+def _bottleneck(
+    stage: str,
+    share: float,
+    last: LoaderSnapshot,
+    cur: _Window,
+    step: float,
+    read_threshold: float | None,
+    knobs: dict[str, int],
+) -> tuple[str, str, str]:
+    workers = _effective_workers(last, stage)
+    if stage == "read":
+        lat = cur.mean_service("read") or 0.0
+        if last.stages["read"].workers == 0:  # fused: the transform workers read
+            n = knobs.get("workers", workers)
+            more = (
+                f"more workers (workers {n} -> {_needed(n, share)}; reading blocks on I/O, so "
+                "more than the cores can help) or a separate read stage (fuse_read=False)"
+            )
+        else:
+            n = knobs.get("read_threads", workers)
+            more = f"more read threads (read_threads {n} -> {_needed(n, share)})"
+        return (
+            "io",
+            f"reading takes {lat * 1e3:.1f} ms per sample, {share:.2f} of the "
+            f"{step * 1e3:.1f} ms step per reader (limit {(read_threshold or 0) * 1e3:.1f} ms)",
+            f"{more}, or faster storage (local NVMe, page cache, samples preprocessed to .npy)",
+        )
+    if stage in ("transform", "batch"):
+        n = knobs.get("workers", workers)
+        cores = usable_cores()
+        where = "transforms" if stage == "transform" else "batch assembly (collate)"
+        more = (
+            f"more workers (workers {n} -> {min(_needed(max(n, 1), share), cores)}, "
+            f"{cores} usable cores)"
+            if stage == "transform" and n < cores
+            else f"no spare cores ({cores} usable)"
+        )
+        return (
+            "cpu",
+            f"{where} need {share:.2f} of the {step * 1e3:.1f} ms step per worker",
+            f"{more}, or cheaper transforms (crop before resampling, fewer random "
+            "augmentations per sample, float16 arrays)",
+        )
+    bw = cur.h2d_bytes / cur.h2d_s if cur.h2d_s > 0 else None
+    got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
+    return (
+        "transfer",
+        f"the host-to-device copy takes {share:.2f} of the {step * 1e3:.1f} ms step{got}",
+        "pinned host memory (page-locked buffers copy 2-3x faster and asynchronously), "
+        "larger batches to amortise each copy, or fewer bytes per sample (float16, crops)",
+    )
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "bytes/s":
+        for scale, name in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {name}"
+        return f"{value:.0f} B/s"
+    if unit.startswith("s/"):
+        return f"{value * 1e3:.2f} ms"
+    return f"{value:.0%}" if unit in ("of time", "of batches") else f"{value:.2f}"
+
+
+def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: int = 100) -> str:
+    """Render ``diagnosis`` as a text table (metric, current, running mean, threshold, status)
+    followed by the diagnosis and its suggestion; plain text without colour codes.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", expand=False)
+    for col, justify in (
+        ("metric", "left"),
+        ("current", "right"),
+        ("running mean", "right"),
+        ("threshold", "right"),
+        ("status", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in diagnosis.rows:
+        limit = (
+            "-"
+            if r.threshold is None
+            else ("<= " if r.higher_is_worse else ">= ") + _fmt(r.threshold, r.unit)
+        )
+        table.add_row(
+            f"{r.metric} ({r.unit})",
+            _fmt(r.current, r.unit),
+            _fmt(r.mean, r.unit),
+            limit,
+            r.status,
+        )
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False)
+    console.print(table)
+    console.print(
+        f"window {diagnosis.window_s:.1f} s, {diagnosis.batches} batches, epoch {diagnosis.epoch}"
+    )
+    head = KINDS[diagnosis.kind]
+    where = f" ({diagnosis.stage})" if diagnosis.stage else ""
+    console.print(f"diagnosis: {head}{where}: {diagnosis.summary}")
+    console.print(f"suggestion: {diagnosis.suggestion}")
+    return buf.getvalue().rstrip()
+
+
+class DataMonitor:
+    """A daemon thread that logs the Data Monitor report every ``interval`` seconds.
+
+    Args:
+        snapshot: returns the loader's current :class:`LoaderSnapshot`.
+        interval: seconds between reports (> 0).
+        rank: put in the report title so that the logs of several ranks stay apart.
+        keep: snapshots kept (the first is taken at construction, the window's baseline).
+
+    Raises:
+        ValueError: ``interval`` is not positive.
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], LoaderSnapshot],
+        interval: float,
+        *,
+        rank: int | str = 0,
+        keep: int = 8,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"monitor interval must be > 0 seconds, got {interval!r}")
+        self._snapshot = snapshot
+        self.interval = float(interval)
+        self.rank = rank
+        self._recent: deque[LoaderSnapshot] = deque([snapshot()], maxlen=max(2, keep))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"autominato-monitor-{rank}", daemon=True
+        )
+        self.reports = 0
+
+    def start(self) -> DataMonitor:
+        self._thread.start()
+        return self
+
+    def history(self) -> list[LoaderSnapshot]:
+        """The snapshots kept, oldest first."""
+        with self._lock:
+            return list(self._recent)
+
+    def report(self, title: str | None = None, *, only_if_new: bool = False) -> str | None:
+        """Take a snapshot, diagnose the window since the previous one, log and return it.
+
+        With ``only_if_new``, return None without logging when no batch was delivered since
+        the previous report (an end-of-run report right after an end-of-epoch one).
+        """
+        snap = self._snapshot()
+        with self._lock:
+            if only_if_new and snap.batches_total == self._recent[-1].batches_total:
+                return None
+            self._recent.append(snap)
+            history = list(self._recent)
+        text = format_report(diagnose(history), title=title or f"Data Monitor (rank {self.rank})")
+        logger.info("%s", text)
+        self.reports += 1
+        return text
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.report()
+            except Exception:  # a report must never kill training; say why and go on
+                logger.exception("Data Monitor report failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

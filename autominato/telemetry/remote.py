@@ -1,0 +1,232 @@
+"""``autominato monitor URL``: the Data Monitor report of a loader that runs elsewhere.
+
+Fetches the exporter's ``/metrics`` twice, ``--interval`` seconds apart, rebuilds a
+:class:`~autominato.pipeline.stats.LoaderSnapshot` per ``rank`` from the exposition (counters,
+histogram sums and gauges carry every cumulative figure :func:`diagnose` reads), and prints the
+same report the training job would log. The one approximation: the consumer's per-batch waits
+are rebuilt from the ``autominato_consumer_wait_seconds`` histogram's buckets (each wait taken
+as its bucket's midpoint), which only feeds the "queue wait share" line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageSnapshot
+from autominato.telemetry.exporter import DEFAULT_PORT
+from autominato.telemetry.metrics import STAGES
+from autominato.telemetry.monitor import diagnose, format_report
+
+#: label values -> value, per sample name
+_Samples = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+def metrics_url(url: str) -> str:
+    """Complete ``url``: ``host:port`` gets ``http://`` and a bare root gets ``/metrics``."""
+    if "://" not in url:
+        url = "http://" + url
+    scheme, rest = url.split("://", 1)
+    if "/" not in rest:
+        rest += "/metrics"
+    return f"{scheme}://{rest}"
+
+
+def fetch(url: str, timeout: float = 5.0) -> str:
+    """GET ``url`` and return the exposition text.
+
+    Raises:
+        OSError: the exporter cannot be reached or answers with an HTTP error (urllib's
+            ``URLError`` / ``HTTPError`` are ``OSError`` subclasses).
+    """
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode("utf-8", errors="replace")
+
+
+def _samples(text: str) -> _Samples:
+    out: _Samples = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
+    return out
+
+
+def _get(samples: _Samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    for key, value in samples.get(name, {}).items():
+        if want <= set(key):
+            return value
+    return 0.0
+
+
+def _ranks(samples: _Samples) -> list[str]:
+    ranks = {dict(k)["rank"] for k in samples.get("autominato_batches_total", {})}
+    return sorted(ranks, key=lambda r: (len(r), r))
+
+
+def _buckets(samples: _Samples, name: str, rank: str) -> list[tuple[float, float]]:
+    """Cumulative ``(le, count)`` pairs of histogram ``name`` for ``rank``, by ``le``."""
+    pairs = []
+    for key, value in samples.get(name + "_bucket", {}).items():
+        labels = dict(key)
+        if labels.get("rank") == rank:
+            pairs.append((float(labels["le"]), value))
+    return sorted(pairs)
+
+
+def _waits_from_buckets(
+    before: list[tuple[float, float]], after: list[tuple[float, float]]
+) -> tuple[float, ...]:
+    """Per-batch waits rebuilt from the bucket counts that grew between two fetches."""
+    prev = dict(before)
+    waits: list[float] = []
+    lower, below = 0.0, 0.0
+    for le, cum in after:
+        grown = cum - prev.get(le, 0.0)
+        n = int(round(grown - below))
+        below = grown
+        value = le if le != float("inf") else lower * 2
+        waits.extend([(lower + value) / 2] * max(0, n))
+        lower = le if le != float("inf") else lower
+    if len(waits) > RECENT:  # thin evenly, keeping the distribution's shape
+        step = len(waits) / RECENT
+        waits = [waits[int(i * step)] for i in range(RECENT)]
+    return tuple(waits)
+
+
+def snapshot_from_samples(
+    samples: _Samples, rank: str, at: float, previous: _Samples | None = None
+) -> LoaderSnapshot:
+    """Rebuild rank ``rank``'s :class:`LoaderSnapshot` at monotonic time ``at``.
+
+    ``previous`` (the earlier fetch) lets the consumer's recent waits cover only the batches
+    delivered between the two fetches.
+    """
+    g = _get
+    stages = {}
+    for stage in STAGES:
+        if not samples.get("autominato_stage_items_total", {}) or not any(
+            dict(k).get("stage") == stage and dict(k).get("rank") == rank
+            for k in samples["autominato_stage_items_total"]
+        ):
+            continue
+        stages[stage] = StageSnapshot(
+            name=stage,
+            time=at,
+            items_total=int(g(samples, "autominato_stage_items_total", stage=stage, rank=rank)),
+            bytes_total=int(g(samples, "autominato_stage_bytes_total", stage=stage, rank=rank)),
+            service_seconds_total=g(
+                samples, "autominato_stage_service_seconds_sum", stage=stage, rank=rank
+            ),
+            wait_seconds_total=g(
+                samples, "autominato_stage_wait_seconds_sum", stage=stage, rank=rank
+            ),
+            queue_len=int(g(samples, "autominato_stage_queue_items", stage=stage, rank=rank)),
+            queue_capacity=int(
+                g(samples, "autominato_stage_queue_capacity_items", stage=stage, rank=rank)
+            ),
+            workers=int(g(samples, "autominato_stage_workers", stage=stage, rank=rank)),
+            busy_workers=0,
+        )
+    knobs = {
+        dict(k)["knob"]: int(v)
+        for k, v in samples.get("autominato_knob_value", {}).items()
+        if dict(k).get("rank") == rank
+    }
+    name = "autominato_consumer_wait_seconds"
+    waits = _waits_from_buckets(
+        _buckets(previous, name, rank) if previous is not None else [],
+        _buckets(samples, name, rank),
+    )
+    return LoaderSnapshot(
+        time=at,
+        stages=stages,
+        consumer_wait_seconds_total=g(samples, name + "_sum", rank=rank),
+        consumer_wait_recent_s=waits,
+        consumer_busy_seconds_total=g(samples, "autominato_consumer_step_seconds_sum", rank=rank),
+        batches_total=int(g(samples, "autominato_batches_total", rank=rank)),
+        samples_total=int(g(samples, "autominato_samples_total", rank=rank)),
+        epoch=int(g(samples, "autominato_epoch", rank=rank)),
+        stragglers_total=int(g(samples, "autominato_stragglers_total", rank=rank)),
+        skipped_total=int(g(samples, "autominato_samples_skipped_total", rank=rank)),
+        worker_restarts_total=int(g(samples, "autominato_worker_restarts_total", rank=rank)),
+        h2d_bytes_total=int(g(samples, "autominato_h2d_bytes_total", rank=rank)),
+        h2d_seconds_total=g(samples, "autominato_h2d_copy_seconds_sum", rank=rank),
+        knobs=knobs,
+        sample_bytes=0.0,
+        pool_bytes=int(g(samples, "autominato_pool_bytes", rank=rank)),
+    )
+
+
+def remote_reports(url: str, interval: float = 5.0, *, timeout: float = 5.0) -> dict[str, str]:
+    """Fetch ``url`` twice ``interval`` seconds apart; return rank -> report text.
+
+    Raises:
+        OSError: the exporter cannot be reached.
+        LookupError: the endpoint exposes no autominato loader metrics.
+    """
+    url = metrics_url(url)
+    t0, first = time.monotonic(), _samples(fetch(url, timeout))
+    time.sleep(interval)
+    t1, second = time.monotonic(), _samples(fetch(url, timeout))
+    ranks = _ranks(second)
+    if not ranks:
+        raise LookupError(f"{url} exposes no autominato loader metrics (autominato_batches_total)")
+    reports = {}
+    for rank in ranks:
+        history = [snapshot_from_samples(second, rank, t1, first)]
+        if rank in _ranks(first):
+            history.insert(0, snapshot_from_samples(first, rank, t0))
+        reports[rank] = format_report(diagnose(history), title=f"Data Monitor (rank {rank}) {url}")
+    return reports
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default=f"http://127.0.0.1:{DEFAULT_PORT}/metrics",
+        help="the exporter's metrics URL, or host:port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help="seconds between the two fetches the report compares (default: %(default)s)",
+    )
+    parser.add_argument("--rank", default=None, help="report only this rank (default: all)")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="HTTP timeout, seconds (default: %(default)s)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report of each rank; 2 when unreachable, 1 when there is nothing to report."""
+    if not args.interval > 0:
+        print(f"autominato monitor: --interval must be > 0, got {args.interval}", file=sys.stderr)
+        return 2
+    try:
+        reports = remote_reports(args.url, args.interval, timeout=args.timeout)
+    except OSError as e:
+        print(f"autominato monitor: cannot read {metrics_url(args.url)}: {e}", file=sys.stderr)
+        return 2
+    except LookupError as e:
+        print(f"autominato monitor: {e}", file=sys.stderr)
+        return 1
+    if args.rank is not None:
+        if args.rank not in reports:
+            print(
+                f"autominato monitor: no rank {args.rank} at {metrics_url(args.url)} "
+                f"(ranks: {', '.join(reports)})",
+                file=sys.stderr,
+            )
+            return 1
+        reports = {args.rank: reports[args.rank]}
+    print("\n\n".join(reports.values()))
+    return 0
