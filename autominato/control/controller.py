@@ -1,0 +1,238 @@
+"""The controller thread: every interval, snapshot the loader, ask the rule, turn the knobs.
+
+All judgement lives in the rule (:mod:`autominato.control.rule`); this module only measures
+what a snapshot cannot know (CPU time and memory of the worker processes, with psutil),
+applies the decisions to ``loader.knobs``, logs them and reports them to the loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from autominato.config import load_config
+from autominato.control.rule import (
+    CPU_SECONDS_KEY,
+    WORKER_COUNT_KEY,
+    WORKER_RSS_KEY,
+    Budget,
+    Decision,
+    Rule,
+    StageBasedRule,
+)
+from autominato.pipeline.knobs import usable_cores
+from autominato.pipeline.stats import LoaderSnapshot
+
+log = logging.getLogger("autominato.control")
+
+#: Default memory budget: this fraction of the host's available RAM (psutil
+#: ``virtual_memory().available``) when the controller starts. Half leaves the training job
+#: and the page cache the rest; a project choice, settable with ``memory_budget_bytes``.
+MEMORY_FRACTION = 0.5
+
+#: Snapshots kept for the rule (10 minutes at the default 1 s interval).
+HISTORY = 600
+
+
+def _slim(s: LoaderSnapshot, extra: dict[str, float]) -> LoaderSnapshot:
+    """``s`` without its rings of recent timings (the rule reads totals; 600 snapshots of
+    five 512-long rings would hold ~100 MB of Python floats), plus ``extra``."""
+    stages = {n: replace(st, recent_service_s=(), recent_wait_s=()) for n, st in s.stages.items()}
+    return replace(s, stages=stages, consumer_wait_recent_s=(), extra={**s.extra, **extra})
+
+
+class _ProcessMeter:
+    """Cumulative CPU seconds of this process and the worker processes, and worker memory.
+
+    Worker processes come and go as the ``workers`` knob changes, so the CPU total adds
+    each live process's increase since the last reading: it never goes back when a worker
+    exits, which keeps window differences non-negative.
+    """
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._procs: dict[int, psutil.Process] = {}
+        self._last: dict[int, float] = {}
+        self.cpu_seconds_total = 0.0
+
+    @staticmethod
+    def _cpu(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    def read(self, pids: list[int]) -> dict[str, float]:
+        rss = 0.0
+        alive = 0
+        readings = [(self._me.pid, self._me)]
+        for pid in pids:
+            if pid not in self._procs:
+                try:
+                    self._procs[pid] = psutil.Process(pid)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            readings.append((pid, self._procs[pid]))
+        seen = set()
+        for pid, p in readings:
+            try:
+                cpu = self._cpu(p)
+                if pid != self._me.pid:
+                    mem = p.memory_info()
+                    # Private memory: shared pages (the pool's shared-memory slots, libraries)
+                    # are counted once, in the pool's bytes, not once per worker.
+                    shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
+                    rss += max(0, mem.rss - shared)
+                    alive += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            seen.add(pid)
+            # A new worker's first reading counts its CPU since it started (its start-up).
+            self.cpu_seconds_total += max(0.0, cpu - self._last.get(pid, 0.0))
+            self._last[pid] = cpu
+        for pid in list(self._procs):
+            if pid not in seen:
+                self._procs.pop(pid, None)
+                self._last.pop(pid, None)
+        return {
+            CPU_SECONDS_KEY: self.cpu_seconds_total,
+            WORKER_RSS_KEY: rss,
+            WORKER_COUNT_KEY: float(alive),
+        }
+
+
+class Controller:
+    """Retunes a loader's knobs while it runs.
+
+    Args:
+        loader: an :class:`autominato.Loader` (anything with ``snapshot()`` and ``knobs``;
+            ``worker_pids()`` and ``report_decision(decision)`` are used when present).
+        interval: seconds between two looks at the loader.
+        rule: the decision rule; default :class:`StageBasedRule`.
+        config: a configuration (path or mapping, :func:`autominato.config.load_config`)
+            written by ``autominato tune``: its ``bounds`` become the knobs' bounds and its
+            ``knobs`` the starting values (warm start).
+        memory_budget_bytes: host memory the loader may hold, bytes; default
+            :data:`MEMORY_FRACTION` of the available RAM at construction.
+        cores: the CPU-core budget; default :func:`~autominato.pipeline.knobs.usable_cores`.
+
+    Raises:
+        autominato.config.ConfigError: ``config`` is invalid.
+        ValueError: ``interval`` is not positive.
+
+    Example::
+
+        ctl = Controller(loader, interval=1.0).start()
+        ...
+        ctl.stop()
+        for d in ctl.decisions:
+            print(d.line())
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        interval: float = 1.0,
+        rule: Rule | None = None,
+        config: str | Path | dict[str, Any] | None = None,
+        memory_budget_bytes: float | None = None,
+        cores: int | None = None,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"controller interval must be > 0 seconds, got {interval!r}")
+        self.loader = loader
+        self.interval = float(interval)
+        self.rule: Rule = rule if rule is not None else StageBasedRule()
+        if memory_budget_bytes is None:
+            memory_budget_bytes = MEMORY_FRACTION * psutil.virtual_memory().available
+        self.budget = Budget(cores=cores or usable_cores(), memory_bytes=float(memory_budget_bytes))
+        if config is not None:
+            self._warm_start(load_config(config))
+        self.history: deque[LoaderSnapshot] = deque(maxlen=HISTORY)
+        self.decisions: list[Decision] = []
+        self._state = self.rule.initial_state()
+        self._meter = _ProcessMeter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _warm_start(self, cfg: dict[str, Any]) -> None:
+        knobs = self.loader.knobs
+        for name, (lo, hi) in cfg["bounds"].items():
+            knobs.set_bounds(name, lo, hi)
+        for name, value in cfg["knobs"].items():
+            knobs.set(name, value)
+        log.info("warm start from configuration: %r", knobs)
+
+    def step(self) -> list[Decision]:
+        """Take one snapshot, run the rule once and apply what it decides.
+
+        The thread calls this every ``interval``; tests and benchmarks may call it directly.
+
+        Returns:
+            The decisions applied, with ``new`` as the knobs clamped it.
+        """
+        with self._lock:
+            pids = list(self.loader.worker_pids()) if hasattr(self.loader, "worker_pids") else []
+            snap = _slim(self.loader.snapshot(), self._meter.read(pids))
+            self.history.append(snap)
+            knobs = self.loader.knobs
+            decisions, self._state = self.rule.decide(
+                list(self.history), knobs.bounds_dict(), self.budget, self._state
+            )
+            applied = []
+            for d in decisions:
+                new = knobs.set(d.knob, d.new)
+                if new == d.old:
+                    continue
+                d = replace(d, new=new)
+                applied.append(d)
+                self.decisions.append(d)
+                log.info("%s", d.line())
+                report = getattr(self.loader, "report_decision", None)
+                if report is not None:
+                    report(d)
+            return applied
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.step()
+            except Exception:
+                # A controller fault must never take the training job down with it; the
+                # knobs simply stay where they are.
+                log.exception("controller step failed; knobs left unchanged")
+
+    def start(self) -> Controller:
+        """Start the thread (a daemon, named ``autominato-controller``); returns ``self``."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="autominato-controller", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the thread and wait up to ``timeout`` seconds for it; idempotent."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

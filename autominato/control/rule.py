@@ -1,0 +1,661 @@
+"""The controller's decision rule: a pure function from a stats history to knob changes.
+
+A rule sees a history of :class:`~autominato.pipeline.stats.LoaderSnapshot` (oldest first),
+the knobs' bounds, a :class:`Budget` (cores, memory) and its own previous :class:`RuleState`,
+and returns the changes to make and its next state. It has no threads, no clocks and no side
+effects: time comes only from the snapshots, so a test can replay a synthetic history and get
+the same answer every time. :class:`Rule` is the interface; :class:`StageBasedRule` is the
+default.
+
+The target is the consumer, as in tf.data's ``STAGE_BASED`` autotuning (Murray et al.,
+"tf.data: A Machine Learning Data Processing Framework", VLDB 2021, section 3.3): deliver each
+batch by the time the training step asks for it (accelerator-idle ratio near zero) with the
+fewest workers and the least memory that does so, rather than maximise throughput.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from autominato.pipeline.stats import LoaderSnapshot, idle_ratio_between
+
+#: Why a knob changed. A bounded set, so that it can label a Prometheus counter.
+REASONS = (
+    "transform_bound",  # the transform stage is saturated: add workers
+    "read_bound",  # the read stage is saturated: add read threads
+    "pool_bound",  # samples in flight sit at the pool size: add pool slots
+    "starved",  # no stage saturated yet the consumer waits (bursts): deepen the prefetch
+    "over_provisioned",  # the consumer never waits and a stage has slack: remove some
+    "revert",  # the last trial did not help: undo it
+    "memory_pressure",  # predicted host memory is over the budget: shrink
+    "core_budget",  # more CPU-bound transform workers than usable cores: shrink
+)
+
+#: Keys that :class:`~autominato.control.Controller` adds to ``LoaderSnapshot.extra``.
+CPU_SECONDS_KEY = "control.cpu_seconds_total"
+WORKER_RSS_KEY = "control.worker_rss_bytes"
+WORKER_COUNT_KEY = "control.worker_processes"
+
+#: (stage, knob) pairs whose concurrency a knob sets.
+STAGE_KNOBS = (("transform", "workers"), ("read", "read_threads"))
+
+Bounds = Mapping[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One knob change.
+
+    Attributes:
+        knob: a name from :data:`~autominato.pipeline.knobs.KNOB_NAMES`.
+        old / new: the value before and after (``new`` as applied, after clamping).
+        reason: one of :data:`REASONS`.
+        detail: the figures the rule saw, human-readable, one line.
+    """
+
+    knob: str
+    old: int
+    new: int
+    reason: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.reason not in REASONS:
+            raise ValueError(f"decision reason {self.reason!r} is not one of {REASONS}")
+
+    def line(self) -> str:
+        """The one-line log form: ``workers 2 -> 3 (transform_bound): idle 0.310 ...``."""
+        return f"{self.knob} {self.old} -> {self.new} ({self.reason}): {self.detail}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Resources the loader may use.
+
+    Attributes:
+        cores: usable CPU cores (affinity and cgroup quota,
+            :func:`~autominato.pipeline.knobs.usable_cores`); CPU-bound transform workers never
+            exceed it.
+        memory_bytes: host memory the loader may hold (buffered samples plus worker
+            processes), bytes; ``None`` for no limit.
+    """
+
+    cores: int
+    memory_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """Figures measured between two snapshots ``a`` (older) and ``b`` of the same epoch.
+
+    Attributes:
+        start / end: snapshot times, seconds (``time.monotonic()``).
+        batches: batches delivered in the window.
+        idle: accelerator-idle ratio, ``wait / (wait + busy)`` in [0, 1].
+        wait_per_batch_s: consumer wait per batch, seconds.
+        wait_sd_s: standard deviation of the wait per batch between the window's
+            intervals (consecutive snapshots), seconds; 0.0 with fewer than two intervals.
+        intervals: intervals with at least one batch in the window.
+        idle_sd: standard deviation of the idle ratio between the window's intervals; 0.0
+            with fewer than two intervals.
+        step_s: consumer step time per batch (time between ``next()`` calls), seconds.
+        batch_size: mean samples per batch.
+        demand: samples/s that would keep the consumer from ever waiting,
+            ``batch_size / step_s``.
+        util: per stage, mean fraction of its workers busy,
+            ``service seconds / (window seconds x workers)``.
+        service_s: per stage, mean service time per item in the window, seconds.
+        workers: per stage, the concurrency the stage reported at ``b``.
+        cpu_cores: mean cores used by the loader's processes, or ``None`` when unknown.
+        in_flight_max: most samples seen holding pool slots (queued in or served by the
+            read, transform and batch stages) at any snapshot of the window; when the stages
+            do not report busy workers, the transform stage's mean busy workers are added.
+        knobs: knob values at ``b``.
+        memory_bytes: predicted host memory at ``b`` (see :func:`predicted_memory`).
+    """
+
+    start: float
+    end: float
+    batches: int
+    idle: float
+    wait_per_batch_s: float
+    wait_sd_s: float
+    intervals: int
+    idle_sd: float
+    step_s: float
+    batch_size: float
+    demand: float
+    util: dict[str, float]
+    service_s: dict[str, float]
+    workers: dict[str, int]
+    cpu_cores: float | None
+    in_flight_max: int
+    knobs: dict[str, int]
+    memory_bytes: float
+
+    def describe(self, budget: Budget) -> str:
+        """The figures as one log line."""
+        util = " ".join(f"{s}={self.util[s]:.2f}" for s, _ in STAGE_KNOBS if s in self.util)
+        cpu = "?" if self.cpu_cores is None else f"{self.cpu_cores:.2f}"
+        mem = f"{self.memory_bytes / 2**20:.0f}"
+        cap = "inf" if budget.memory_bytes is None else f"{budget.memory_bytes / 2**20:.0f}"
+        return (
+            f"idle {self.idle:.3f} wait/batch {self.wait_per_batch_s * 1e3:.1f} ms "
+            f"step {self.step_s * 1e3:.1f} ms demand {self.demand:.1f} samples/s "
+            f"util {util} cpu {cpu}/{budget.cores} cores mem {mem}/{cap} MiB "
+            f"over {self.batches} batches"
+        )
+
+
+#: Stages whose queued samples hold pool slots (the pool bounds the samples dispatched and
+#: not yet collated into a batch).
+POOL_STAGES = ("read", "transform", "batch")
+
+
+def _in_flight(s: LoaderSnapshot) -> int:
+    return sum(
+        st.queue_len + st.busy_workers for name, st in s.stages.items() if name in POOL_STAGES
+    )
+
+
+def predicted_memory(s: LoaderSnapshot, knobs: Mapping[str, int], batch_size: float) -> float:
+    """Host memory in bytes the loader would hold at ``knobs``, from what ``s`` measured.
+
+    ``buffered samples x bytes per sample + worker processes x bytes per worker``, where
+    buffered samples are ``pool_size + depth x batch_size`` (the pool's slots plus the
+    batches prefetched ahead of the consumer), bytes per sample is the larger of the mean
+    transformed sample (``s.sample_bytes``) and the pool's measured bytes per buffered
+    sample, and bytes per worker is the mean private memory (RSS less shared pages, psutil)
+    of the worker processes the controller measured (``0`` for thread workers).
+    """
+    buffered_now = s.knobs.get("pool_size", 0) + s.knobs.get("depth", 0) * batch_size
+    per_sample = s.sample_bytes
+    if buffered_now > 0 and s.pool_bytes > 0:
+        per_sample = max(per_sample, s.pool_bytes / buffered_now)
+    n_proc = s.extra.get(WORKER_COUNT_KEY, 0.0)
+    per_worker = s.extra.get(WORKER_RSS_KEY, 0.0) / n_proc if n_proc > 0 else 0.0
+    buffered = knobs.get("pool_size", 0) + knobs.get("depth", 0) * batch_size
+    return buffered * per_sample + knobs.get("workers", 0) * per_worker
+
+
+def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapshot] = ()) -> Window:
+    """The :class:`Window` figures between snapshots ``a`` and ``b`` (``b`` later).
+
+    ``window`` (the snapshots from ``a`` to ``b``, oldest first) feeds ``in_flight_max``,
+    ``wait_sd_s`` and ``intervals``.
+
+    Where one set of workers runs two stages, the stages are folded so that utilisation is
+    that of the workers: with ``workers == 0`` (transforms inline in the read threads) the
+    transform stage is folded into ``read``; when the read stage reports no workers (reads
+    fused into the transform worker processes) it is folded into ``transform``.
+    """
+    dt = max(b.time - a.time, 1e-9)
+    batches = b.batches_total - a.batches_total
+    wait = b.consumer_wait_seconds_total - a.consumer_wait_seconds_total
+    busy = b.consumer_busy_seconds_total - a.consumer_busy_seconds_total
+    samples = b.samples_total - a.samples_total
+    batch_size = samples / batches if batches > 0 else 0.0
+    step_s = busy / batches if batches > 0 else 0.0
+    util: dict[str, float] = {}
+    service: dict[str, float] = {}
+    workers: dict[str, int] = {}
+    for name, sb in b.stages.items():
+        sa = a.stages.get(name)
+        if sa is None:
+            continue
+        items = sb.items_total - sa.items_total
+        served = sb.service_seconds_total - sa.service_seconds_total
+        workers[name] = sb.workers
+        service[name] = served / items if items > 0 else sb.mean_service_s
+        util[name] = min(1.0, served / (dt * sb.workers)) if sb.workers > 0 else 0.0
+    inline = b.knobs.get("workers", 1) == 0
+    fused = "read" in workers and workers["read"] == 0 and workers.get("transform", 0) > 0
+    if (inline or fused) and "read" in util and "transform" in util:
+        into, other = ("read", "transform") if inline else ("transform", "read")
+        util[into] = min(1.0, util[into] + util.pop(other) * workers[other] / max(1, workers[into]))
+        service[into] += service.pop(other)
+        workers.pop(other)
+    in_flight = max((_in_flight(s) for s in (*window, a, b)), default=0)
+    if not any(st.busy_workers for st in b.stages.values()) and "transform" in util:
+        in_flight += round(util["transform"] * workers["transform"])
+    pairs = [
+        (x, y)
+        for x, y in zip(window[:-1], window[1:], strict=True)
+        if y.batches_total > x.batches_total
+    ]
+    per_interval = [
+        (y.consumer_wait_seconds_total - x.consumer_wait_seconds_total)
+        / (y.batches_total - x.batches_total)
+        for x, y in pairs
+    ]
+    idle_per_interval = [idle_ratio_between(x, y) for x, y in pairs]
+    cpu = None
+    if CPU_SECONDS_KEY in a.extra and CPU_SECONDS_KEY in b.extra:
+        cpu = max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / dt
+    return Window(
+        start=a.time,
+        end=b.time,
+        batches=batches,
+        idle=idle_ratio_between(a, b),
+        wait_per_batch_s=wait / batches if batches > 0 else 0.0,
+        wait_sd_s=float(np.std(per_interval, ddof=1)) if len(per_interval) > 1 else 0.0,
+        intervals=len(per_interval),
+        idle_sd=float(np.std(idle_per_interval, ddof=1)) if len(pairs) > 1 else 0.0,
+        step_s=step_s,
+        batch_size=batch_size,
+        demand=batch_size / step_s if step_s > 0 else math.inf,
+        util=util,
+        service_s=service,
+        workers=workers,
+        cpu_cores=cpu,
+        in_flight_max=in_flight,
+        knobs=dict(b.knobs),
+        memory_bytes=predicted_memory(b, b.knobs, batch_size),
+    )
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A change on probation: kept if the next window shows it helped, else reverted."""
+
+    decision: Decision
+    baseline: Window
+    grow: bool
+
+
+@dataclass(frozen=True)
+class RuleState:
+    """What :class:`StageBasedRule` remembers between calls (immutable; each call returns a new one).
+
+    Attributes:
+        since: time of the snapshot on which the last change was decided; windows start
+            after it, so that no window mixes two configurations.
+        trial: the change being judged, or ``None``.
+        failures: ``(knob, direction) -> consecutive reverted trials``.
+        backoff_until: ``(knob, direction) -> batches_total`` before which the move is not
+            tried again (doubling with each failure: the hysteresis against oscillation).
+        decisions: changes made so far.
+    """
+
+    since: float = -math.inf
+    trial: Trial | None = None
+    failures: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    backoff_until: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    decisions: int = 0
+
+
+class Rule(ABC):
+    """Interface of a decision rule; swap in another with ``Controller(loader, rule=...)``."""
+
+    @abstractmethod
+    def initial_state(self) -> Any:
+        """The state before the first call of :meth:`decide`."""
+
+    @abstractmethod
+    def decide(
+        self, history: Sequence[LoaderSnapshot], bounds: Bounds, budget: Budget, state: Any
+    ) -> tuple[list[Decision], Any]:
+        """Decide what to change.
+
+        Args:
+            history: snapshots, oldest first, taken every controller interval; each carries
+                the knob values in force when it was taken.
+            bounds: ``knob -> (low, high)``, inclusive.
+            budget: cores and memory the loader may use.
+            state: what the previous call returned (or :meth:`initial_state`).
+
+        Returns:
+            ``(decisions, next_state)``; each decision's ``new`` lies within ``bounds``.
+        """
+
+
+@dataclass(frozen=True)
+class StageBasedRule(Rule):
+    """Find the bottleneck stage, change one knob, judge it over a window, keep or revert.
+
+    A window is a run of snapshots of the current epoch, all taken after the last change
+    under the same knobs (once new workers are up and past the epoch's first
+    ``warmup_batches``); it ends at the latest snapshot and reaches back at most
+    ``max_window_batches`` batches. Each call:
+
+    1. Memory: when the predicted memory exceeds the budget, shrink depth, then the pool
+       (not below one slot per worker and read thread), then workers, then read threads, as
+       far as needed. This needs no window and no trial: it is not undone.
+    2. Judges the change on trial once its window holds ``judge_batches``. A grow is kept
+       when the consumer's wait per batch fell by more than ``z`` standard errors of the
+       difference (the spread of the per-interval waits before the change is the noise
+       estimate: a window picked for its high idle tends to be followed by a lower one by
+       chance alone) and either by at least ``min_gain`` or to an idle below ``idle_low``.
+       When that test fails the window grows to ``max_window_batches``, and the grow is
+       then kept only if idle stays below ``idle_low`` over it. A shrink is kept while idle stays below ``(idle_low + idle_high) / 2``.
+       Otherwise it is reverted and the move is barred for
+       ``backoff_batches x 2**(failures - 1)`` batches (at most ``max_backoff_batches``).
+       A kept grow also bars shrinking that knob for ``backoff_batches``. This hysteresis
+       is what lets a noisy steady workload settle instead of oscillating.
+    3. Cores: more transform workers than usable cores while the loader's processes use at
+       least ``cpu_saturated`` of them: shrink to the core count.
+    4. Idle above ``idle_high`` by more than ``z_trigger`` standard errors of the window's
+       per-interval idle (window of at least ``min_batches``): grow the stage with the
+       highest utilisation if it is saturated (``util >= util_saturated``) to
+       ``ceil(service x demand x headroom)`` workers (Little's law: the concurrency that
+       serves ``demand`` samples/s), at least one more and at most double. Transform workers
+       stop at the core count unless the stage is I/O-like (the loader's processes use less
+       than ``cpu_busy`` of the cores); then they stop where the CPU use, scaled with the
+       worker count, would reach ``cpu_saturated`` of the cores. No stage saturated: grow
+       the pool when samples in flight reach ``pool_fill`` of it, else deepen the prefetch.
+       A grow that would break the memory budget is not made.
+    5. Idle below ``idle_low`` over a window of at least ``shrink_batches``: shrink a stage
+       whose utilisation would stay below ``util_shrink`` with fewer workers (workers first,
+       then read threads), else a pool never more than half used, to twice its peak use
+       (at most halving it).
+
+    Defaults: ``idle_high`` 5 % and ``idle_low`` 2 % bracket "near zero" with a dead band;
+    ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
+    bursts. They are this project's choices, checked on the synthetic workloads of
+    ``tests/test_control_rule.py`` (:mod:`autominato.control.sim`).
+    """
+
+    idle_high: float = 0.05
+    idle_low: float = 0.02
+    min_batches: int = 8
+    judge_batches: int = 16
+    shrink_batches: int = 48
+    max_window_batches: int = 64
+    min_gain: float = 0.10
+    z: float = 2.0
+    z_trigger: float = 1.0
+    util_saturated: float = 0.8
+    util_shrink: float = 0.7
+    headroom: float = 1.2
+    cpu_busy: float = 0.6
+    cpu_saturated: float = 0.9
+    pool_fill: float = 0.8
+    backoff_batches: int = 32
+    max_backoff_batches: int = 1024
+    settle_snapshots: int = 4
+    warmup_batches: int = 4
+
+    def initial_state(self) -> RuleState:
+        return RuleState()
+
+    # -- window -------------------------------------------------------------------------
+
+    def _fresh(self, history: Sequence[LoaderSnapshot], since: float) -> list[LoaderSnapshot]:
+        """The latest snapshots after ``since`` with the latest epoch and knobs, oldest first,
+        leaving out the epoch's first ``warmup_batches`` (the consumer waits while the
+        pipeline fills at the start of every epoch, whatever the knobs)."""
+        b = history[-1]
+        out: list[LoaderSnapshot] = []
+        epoch_start: int | None = 0 if history[0].batches_total == 0 else None
+        for s in reversed(history):
+            if s.epoch != b.epoch:
+                epoch_start = s.batches_total
+                break
+        for s in reversed(history):
+            if s.time <= since or s.epoch != b.epoch or s.knobs != b.knobs:
+                break
+            if epoch_start is not None and s.batches_total < epoch_start + self.warmup_batches:
+                break
+            out.append(s)
+        return out[::-1]
+
+    def _window(self, fresh: list[LoaderSnapshot]) -> list[LoaderSnapshot]:
+        """The latest window (oldest first): settled, at most ``max_window_batches`` long."""
+        # A new worker takes a while to start (a spawned process imports torch): wait until
+        # the stages report the concurrency the knobs ask for, or a few snapshots at most.
+        start = 0
+        for i, s in enumerate(fresh):
+            start = i
+            if i >= self.settle_snapshots or self._settled(s):
+                break
+        fresh = fresh[start:]
+        b = fresh[-1]
+        first = next(
+            i
+            for i, s in enumerate(fresh)
+            if b.batches_total - s.batches_total <= self.max_window_batches
+        )
+        # One interval longer than the cap (a fast loader) is still a window.
+        return fresh[min(first, max(0, len(fresh) - 2)) :]
+
+    @staticmethod
+    def _settled(s: LoaderSnapshot) -> bool:
+        for stage, knob in STAGE_KNOBS:
+            st = s.stages.get(stage)
+            want = s.knobs.get(knob, 0)
+            # A stage with no workers of its own (fused or inline) follows another knob.
+            if st is not None and want > 0 and st.workers not in (0, want):
+                return False
+        return True
+
+    # -- rule ---------------------------------------------------------------------------
+
+    def decide(
+        self, history: Sequence[LoaderSnapshot], bounds: Bounds, budget: Budget, state: RuleState
+    ) -> tuple[list[Decision], RuleState]:
+        if len(history) < 2:
+            return [], state
+        b = history[-1]
+        fresh = self._fresh(history, state.since)
+        if len(fresh) < 2:
+            return [], state
+        memory = self._memory(history, bounds, budget)
+        if memory is not None:
+            return [memory], replace(state, since=b.time, trial=None, decisions=state.decisions + 1)
+        snaps = self._window(fresh)
+        w = measure(snaps[0], b, snaps)
+        if state.trial is not None:
+            if w.batches < self.judge_batches:
+                return [], state
+            verdict, state = self._judge(state, w, b, budget)
+            if verdict:
+                return verdict, state
+        for choose in (self._cores, self._grow, self._shrink):
+            picked = choose(w, bounds, budget, state, b)
+            if picked is not None:
+                break
+        else:
+            return [], state
+        decision, on_trial = replace(picked[0], detail=w.describe(budget)), picked[1]
+        return [decision], replace(
+            state,
+            since=b.time,
+            trial=Trial(decision, w, decision.new > decision.old) if on_trial else None,
+            decisions=state.decisions + 1,
+        )
+
+    def _judge(
+        self, state: RuleState, w: Window, b: LoaderSnapshot, budget: Budget
+    ) -> tuple[list[Decision], RuleState]:
+        trial = state.trial
+        assert trial is not None
+        d = trial.decision
+        move = (d.knob, 1 if trial.grow else -1)
+        if trial.grow:
+            base = trial.baseline
+            gain = base.wait_per_batch_s - w.wait_per_batch_s
+            noise = base.wait_sd_s * math.sqrt(
+                1.0 / max(1, base.intervals) + 1.0 / max(1, w.intervals)
+            )
+            ok = gain > self.z * noise and (
+                w.idle < self.idle_low or gain >= self.min_gain * base.wait_per_batch_s
+            )
+            if not ok and w.batches < self.max_window_batches:
+                return [], state  # not conclusive yet: let the window grow
+            # A full window with the consumer fed is conclusive on its own.
+            ok = ok or w.idle < self.idle_low
+        else:
+            ok = w.idle < (self.idle_low + self.idle_high) / 2
+        if ok:
+            failures = {k: v for k, v in state.failures.items() if k != move}
+            backoff = dict(state.backoff_until)
+            if trial.grow:
+                backoff[(d.knob, -1)] = b.batches_total + self.backoff_batches
+            return [], replace(state, trial=None, failures=failures, backoff_until=backoff)
+        n = state.failures.get(move, 0) + 1
+        wait = min(self.max_backoff_batches, self.backoff_batches * 2 ** (n - 1))
+        revert = Decision(
+            d.knob,
+            d.new,
+            d.old,
+            "revert",
+            f"{d.knob} {d.old} -> {d.new} ({d.reason}) did not help: before idle "
+            f"{trial.baseline.idle:.3f} wait/batch {trial.baseline.wait_per_batch_s * 1e3:.1f} ms, "
+            f"after {w.describe(budget)}; not retried for {wait} batches",
+        )
+        return [revert], replace(
+            state,
+            since=b.time,
+            trial=None,
+            failures={**state.failures, move: n},
+            backoff_until={**state.backoff_until, move: b.batches_total + wait},
+            decisions=state.decisions + 1,
+        )
+
+    def _allowed(
+        self, knob: str, new: int, old: int, bounds: Bounds, state: RuleState, b: LoaderSnapshot
+    ) -> bool:
+        lo, hi = bounds[knob]
+        if new == old or not lo <= new <= hi:
+            return False
+        until = state.backoff_until.get((knob, 1 if new > old else -1), -1)
+        return b.batches_total >= until
+
+    def _io_like(self, w: Window, budget: Budget) -> bool:
+        return w.cpu_cores is not None and w.cpu_cores < self.cpu_busy * budget.cores
+
+    @staticmethod
+    def _pool_floor(knobs: Mapping[str, int], bounds: Bounds) -> int:
+        # Every read thread and worker needs a slot to work on.
+        return max(
+            bounds["pool_size"][0], 1, knobs.get("workers", 0) + knobs.get("read_threads", 0)
+        )
+
+    def _memory(
+        self, history: Sequence[LoaderSnapshot], bounds: Bounds, budget: Budget
+    ) -> Decision | None:
+        if budget.memory_bytes is None:
+            return None
+        b = history[-1]
+        batch_size = b.samples_total / b.batches_total if b.batches_total else 1.0
+        knobs = dict(b.knobs)
+        now = predicted_memory(b, knobs, batch_size)
+        if now <= budget.memory_bytes:
+            return None
+        for knob in ("depth", "pool_size", "workers", "read_threads"):
+            old = knobs.get(knob, 0)
+            floor = bounds[knob][0]
+            if knob == "pool_size":
+                floor = self._pool_floor(knobs, bounds)
+            elif knob in ("workers", "read_threads"):
+                floor = max(floor, 1)
+            if old <= floor:
+                continue
+            new = old
+            while (
+                new > floor
+                and predicted_memory(b, {**knobs, knob: new}, batch_size) > budget.memory_bytes
+            ):
+                new -= 1
+            mib = 2**20
+            detail = (
+                f"predicted memory {now / mib:.0f} MiB over the budget {budget.memory_bytes / mib:.0f} "
+                f"MiB (sample {b.sample_bytes / mib:.1f} MiB, batch {batch_size:.1f}, "
+                f"worker private {b.extra.get(WORKER_RSS_KEY, 0.0) / mib:.0f} MiB in total)"
+            )
+            return Decision(knob, old, new, "memory_pressure", detail)
+        return None
+
+    def _cores(self, w, bounds, budget, state, b):
+        old = w.knobs.get("workers", 0)
+        if old <= budget.cores or w.cpu_cores is None:
+            return None
+        if w.cpu_cores < self.cpu_saturated * budget.cores:
+            return None
+        new = max(bounds["workers"][0], budget.cores)
+        return (Decision("workers", old, new, "core_budget"), False) if new < old else None
+
+    def _fits(self, knob: str, new: int, w: Window, budget: Budget, b: LoaderSnapshot) -> bool:
+        if budget.memory_bytes is None:
+            return True
+        return predicted_memory(b, {**w.knobs, knob: new}, w.batch_size) <= budget.memory_bytes
+
+    def _grow(self, w, bounds, budget, state, b):
+        if w.batches < self.min_batches:
+            return None
+        # Above idle_high by more than the window's noise: windows are picked for their
+        # high idle, so a noisy steady workload would otherwise trigger by chance.
+        excess = w.idle - self.idle_high
+        if excess <= 0 or excess <= self.z_trigger * w.idle_sd / math.sqrt(max(1, w.intervals)):
+            return None
+        saturated = sorted(
+            (
+                (w.util[stage], stage, knob)
+                for stage, knob in STAGE_KNOBS
+                if stage in w.util and w.util[stage] >= self.util_saturated
+            ),
+            reverse=True,
+        )
+        for _, stage, knob in saturated:
+            old = w.knobs[knob]
+            if old == 0:
+                continue  # inline transforms run in the read threads, which the read stage shows
+            need = w.service_s[stage] * w.demand * self.headroom
+            new = min(max(old + 1, math.ceil(need) if math.isfinite(need) else old + 1), 2 * old)
+            if knob == "workers":
+                cap = budget.cores
+                if self._io_like(w, budget):
+                    cpu = max(w.cpu_cores or 0.0, 1e-3)
+                    cap = max(cap, math.floor(old * self.cpu_saturated * budget.cores / cpu))
+                new = min(new, cap)
+            new = min(new, bounds[knob][1])
+            if self._allowed(knob, new, old, bounds, state, b) and self._fits(
+                knob, new, w, budget, b
+            ):
+                reason = "transform_bound" if stage == "transform" else "read_bound"
+                return Decision(knob, old, new, reason), True
+        if saturated:
+            # The bottleneck is at its limit (cores, bounds, memory or backoff): a deeper
+            # queue or a bigger pool would not raise a saturated stage's throughput.
+            return None
+        pool = w.knobs.get("pool_size", 0)
+        if pool > 0 and w.in_flight_max >= self.pool_fill * pool:
+            new = min(bounds["pool_size"][1], max(pool + 1, math.ceil(pool * 1.5)))
+            if self._allowed("pool_size", new, pool, bounds, state, b) and self._fits(
+                "pool_size", new, w, budget, b
+            ):
+                return Decision("pool_size", pool, new, "pool_bound"), True
+        depth = w.knobs.get("depth", 0)
+        new = min(bounds["depth"][1], depth + 1)
+        if self._allowed("depth", new, depth, bounds, state, b) and self._fits(
+            "depth", new, w, budget, b
+        ):
+            return Decision("depth", depth, new, "starved"), True
+        return None
+
+    def _shrink(self, w, bounds, budget, state, b):
+        if w.idle >= self.idle_low or w.batches < self.shrink_batches:
+            return None
+        for stage, knob in STAGE_KNOBS:
+            old = w.knobs.get(knob, 0)
+            if stage not in w.util or old <= max(1, bounds[knob][0]):
+                continue
+            busy = w.util[stage] * old  # mean busy workers
+            if busy / (old - 1) >= self.util_shrink:
+                continue
+            new = max(bounds[knob][0], 1, math.ceil(busy / self.util_shrink), (old + 1) // 2)
+            if self._allowed(knob, new, old, bounds, state, b):
+                return Decision(knob, old, new, "over_provisioned"), True
+        pool = w.knobs.get("pool_size", 0)
+        floor = self._pool_floor(w.knobs, bounds)
+        if pool > floor and 0 < w.in_flight_max <= pool // 2:
+            new = max(floor, 2 * w.in_flight_max, pool // 2)
+            if new < pool and self._allowed("pool_size", new, pool, bounds, state, b):
+                return Decision("pool_size", pool, new, "over_provisioned"), True
+        return None
