@@ -1,0 +1,280 @@
+"""The arms of the benchmark: the loaders a user would pick, each set up as its docs suggest.
+
+Every arm runs the same :class:`~autominato.bench.workload.SampleFn` work (read, then
+transform with the generator of ``(seed, epoch, index)``), the same collate (torch's
+``default_collate``) and a sequential sampler; only the scheduling differs.
+
+=====================  =====================================================================
+arm                    set-up
+=====================  =====================================================================
+dataloader             ``torch.utils.data.DataLoader``: ``num_workers`` = usable cores,
+                       ``pin_memory=True``, ``prefetch_factor=2`` (as users commonly set it)
+dataloader-unordered   the same with ``in_order=False`` (torch >= 2.6)
+dataloader-best        the fastest of a small grid of ``num_workers`` x ``prefetch_factor``
+                       x ``in_order``, probed on part of the epoch before the timed runs
+torchdata              ``torchdata.nodes``: ``ParallelMapper`` (processes, ``num_workers`` =
+                       cores, ``in_order=False``) -> ``Batcher`` -> collate ``Mapper`` ->
+                       ``PinMemory`` (with CUDA only) -> ``Prefetcher(2)``
+spdl                   ``spdl.pipeline``: read stage (threads, concurrency 2 x cores) ->
+                       transform stage (concurrency = cores; threads, SPDL's default, or a
+                       process pool) -> ``aggregate`` -> collate -> sink(2); completion order
+autominato             ``autominato.Loader`` with defaults (controller on)
+autominato-tuned       ``autominato.Loader(config=...)`` with a file ``autominato tune`` wrote
+=====================  =====================================================================
+
+An arm whose library cannot be imported is reported as missing with the import error; it is
+never dropped silently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autominato.bench.workload import SampleFn, Workload, sample_rng
+
+#: Arm names in the order the report lists them.
+ARM_NAMES = (
+    "dataloader",
+    "dataloader-unordered",
+    "dataloader-best",
+    "torchdata",
+    "spdl",
+    "autominato",
+    "autominato-tuned",
+)
+
+Built = tuple[Iterable[Any], Callable[[], None]]
+
+
+@dataclass
+class Context:
+    """What every arm needs besides the workload.
+
+    Attributes:
+        cores: usable CPU cores (``autominato.pipeline.knobs.usable_cores``).
+        device: ``"cpu"`` or ``"cuda"``; with ``"cuda"`` pinning is on where an arm offers it.
+        tuned_config: path of a configuration written by ``autominato tune`` (or ``None``).
+        spdl_executor: ``"thread"`` (SPDL's default) or ``"process"`` for its transform stage.
+    """
+
+    cores: int
+    device: str = "cpu"
+    tuned_config: str | None = None
+    spdl_executor: str = "thread"
+
+
+@dataclass
+class Arm:
+    """One arm: its name, the kind of loader, and its settings (shown in the report)."""
+
+    name: str
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+
+def default_arms(ctx: Context) -> dict[str, Arm]:
+    """The arms with their settings for ``ctx`` (``dataloader-best`` is filled by its grid)."""
+    c = ctx.cores
+    dl = {"num_workers": c, "prefetch_factor": 2, "pin_memory": True}
+    return {
+        "dataloader": Arm("dataloader", "dataloader", {**dl, "in_order": True}),
+        "dataloader-unordered": Arm("dataloader-unordered", "dataloader", {**dl, "in_order": False}),
+        "dataloader-best": Arm("dataloader-best", "dataloader", {}),
+        "torchdata": Arm(
+            "torchdata",
+            "torchdata",
+            {"num_workers": c, "method": "process", "in_order": False, "prefetch_factor": 2},
+        ),
+        "spdl": Arm(
+            "spdl",
+            "spdl",
+            {"read_concurrency": 2 * c, "transform_concurrency": c, "executor": ctx.spdl_executor},
+        ),
+        "autominato": Arm("autominato", "autominato", {"autotune": True}),
+        "autominato-tuned": Arm(
+            "autominato-tuned", "autominato", {"config": ctx.tuned_config} if ctx.tuned_config else {}
+        ),
+    }
+
+
+def dataloader_grid(
+    cores: int,
+    workers: Iterable[int] | None = None,
+    prefetch: Iterable[int] = (2, 4),
+    in_order: Iterable[bool] = (True, False),
+) -> list[dict[str, Any]]:
+    """The DataLoader settings ``dataloader-best`` chooses from.
+
+    Defaults: ``num_workers`` in {cores, 2 x cores} (more workers than cores overlaps reads
+    with transforms), ``prefetch_factor`` in {2, 4}, ``in_order`` in {True, False}: 8 settings.
+    """
+    ws = sorted(set(workers)) if workers is not None else sorted({cores, 2 * cores})
+    return [
+        {"num_workers": w, "prefetch_factor": p, "pin_memory": True, "in_order": o}
+        for w in ws
+        for p in prefetch
+        for o in in_order
+    ]
+
+
+def unavailable(arm: Arm) -> str | None:
+    """Why ``arm`` cannot run here (``"missing: ..."`` / ``"not given: ..."``), else ``None``."""
+    try:
+        if arm.kind == "torchdata":
+            import torchdata.nodes  # noqa: F401
+        elif arm.kind == "spdl":
+            import spdl.pipeline  # noqa: F401
+        elif arm.kind == "autominato":
+            from autominato import Loader  # noqa: F401
+    except Exception as e:  # an import may fail with more than ImportError (ABI, CUDA)
+        return f"missing: {type(e).__name__}: {e}"
+    if arm.name == "autominato-tuned" and not arm.params.get("config"):
+        return "not given: pass --tuned-config FILE (written by `autominato tune`)"
+    return None
+
+
+def build(arm: Arm, workload: Workload, ctx: Context) -> Built:
+    """Build ``arm``'s loader over ``workload``.
+
+    Returns:
+        ``(iterable of batches, close)``; each batch is ``[indices (B,) int64, samples]``.
+
+    Raises:
+        ValueError: unknown arm kind.
+    """
+    builders = {
+        "dataloader": _dataloader,
+        "torchdata": _torchdata,
+        "spdl": _spdl,
+        "autominato": _autominato,
+    }
+    if arm.kind not in builders:
+        raise ValueError(f"unknown arm kind {arm.kind!r} (arm {arm.name!r})")
+    return builders[arm.kind](arm.params, workload, ctx)
+
+
+def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
+    from torch.utils.data import DataLoader
+
+    workers = int(p["num_workers"])
+    dl = DataLoader(
+        SampleFn(wl),
+        batch_size=wl.batch_size,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=bool(p.get("pin_memory", True)),
+        prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
+        in_order=bool(p.get("in_order", True)),
+    )
+    with warnings.catch_warnings():
+        # pin_memory=True without an accelerator warns once and does nothing: expected here.
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        it = iter(dl)
+
+    def close() -> None:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    return it, close
+
+
+def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
+    import torchdata.nodes as tn
+    from torch.utils.data import SequentialSampler, default_collate
+
+    node: Any = tn.SamplerWrapper(SequentialSampler(range(len(wl))))
+    mapper = tn.ParallelMapper(
+        node,
+        map_fn=SampleFn(wl),
+        num_workers=int(p["num_workers"]),
+        in_order=bool(p["in_order"]),
+        method=p["method"],
+    )
+    node = tn.Batcher(mapper, batch_size=wl.batch_size, drop_last=False)
+    node = tn.Mapper(node, default_collate)
+    if ctx.device == "cuda":
+        node = tn.PinMemory(node)
+    node = tn.Prefetcher(node, prefetch_factor=int(p["prefetch_factor"]))
+    loader = tn.Loader(node)
+    it = iter(loader)
+
+    def close() -> None:
+        # torchdata has no public close: its map node stops its workers in _shutdown().
+        inner = getattr(mapper, "_it", None)
+        for obj in (inner, getattr(inner, "source", None)):
+            fn = getattr(obj, "_shutdown", None)
+            if fn is not None:
+                fn()
+
+    return it, close
+
+
+class _SpdlRead:
+    def __init__(self, wl: Workload) -> None:
+        self.dataset = wl.indexed_dataset()
+
+    def __call__(self, index: int) -> Any:
+        return self.dataset[index]
+
+
+class _SpdlTransform:
+    def __init__(self, wl: Workload, epoch: int = 0) -> None:
+        self.transform = wl.indexed_transform()
+        self.seed = wl.seed
+        self.epoch = epoch
+
+    def __call__(self, item: tuple[int, Any]) -> Any:
+        return self.transform(item, sample_rng(self.seed, self.epoch, item[0]))
+
+
+def _spdl(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from spdl.pipeline import PipelineBuilder
+    from torch.utils.data import default_collate
+
+    tc = int(p["transform_concurrency"])
+    executor = ProcessPoolExecutor(max_workers=tc) if p["executor"] == "process" else None
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(len(wl)))
+        .pipe(_SpdlRead(wl), concurrency=int(p["read_concurrency"]))
+        .pipe(_SpdlTransform(wl), concurrency=tc, executor=executor)
+        .aggregate(wl.batch_size, drop_last=False)
+        .pipe(default_collate)
+        .add_sink(2)
+        .build(num_threads=int(p["read_concurrency"]) + tc)
+    )
+    pipeline.start()
+
+    def close() -> None:
+        pipeline.stop()
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+
+    return pipeline.get_iterator(), close
+
+
+def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
+    from autominato import Loader
+
+    kwargs: dict[str, Any] = {
+        "batch_size": wl.batch_size,
+        "shuffle": False,
+        "transform": wl.indexed_transform(),
+        "seed": wl.seed,
+        "autotune": bool(p.get("autotune", True)),
+    }
+    if p.get("config"):
+        kwargs["config"] = p["config"]
+    if ctx.device == "cuda":
+        kwargs["device"] = "cuda"
+    loader = Loader(wl.indexed_dataset(), **kwargs)
+    return iter(loader), loader.close

@@ -1,0 +1,287 @@
+"""What the benchmark measures, the same way for every arm.
+
+* :class:`TreeSampler`: a thread that walks this process's tree (psutil) and sums CPU-seconds
+  and PSS (proportional set size: shared pages, ``/dev/shm`` included, are split between the
+  processes that map them, so the sum over a tree counts each page once).
+* :class:`NvmlSampler`: GPU utilisation and PCIe throughput from NVML (``pynvml``), when a GPU
+  and ``nvidia-ml-py`` are present.
+* :func:`consume`: the training loop. It times the span from building the loader to the end of
+  the last step, each ``next()`` (consumer wait, i.e. accelerator idle) and each step, and
+  collects the sample indices that arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psutil
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    """Resource use of a process tree over one sampled span.
+
+    Attributes:
+        cpu_s: user + system CPU-seconds spent during the span by the root and every process
+            seen in its tree (children seen only between two samples are missed).
+        peak_pss_bytes: highest sum of PSS over the tree at any sample, bytes.
+        start_pss_bytes: sum of PSS when sampling started, bytes (the baseline).
+        samples: number of samples taken.
+    """
+
+    cpu_s: float
+    peak_pss_bytes: int
+    start_pss_bytes: int
+    samples: int
+
+
+class TreeSampler:
+    """Samples CPU-seconds and PSS of the process tree rooted at ``pid`` every ``interval`` s.
+
+    CPU time of a child is the last value read while it lived, minus what it had used when
+    sampling started (pids are keyed with their creation time, so a reused pid is a new
+    process). The root's own time is read once more at :meth:`stop`, so its figure is exact.
+    """
+
+    def __init__(self, interval: float = 0.05, pid: int | None = None) -> None:
+        self.interval = interval
+        self.root = psutil.Process(pid)
+        self._procs: dict[int, psutil.Process] = {}
+        self._base: dict[tuple[int, float], float] = {}
+        self._last: dict[tuple[int, float], float] = {}
+        self._peak = 0
+        self._start_pss = 0
+        self._samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-tree-sampler", daemon=True)
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            kids = self.root.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        out = [self.root]
+        for k in kids:
+            # Reuse Process objects: psutil caches the creation time that keys the pid.
+            p = self._procs.get(k.pid)
+            if p is None or not p.is_running():
+                p = self._procs[k.pid] = k
+            out.append(p)
+        return out
+
+    def _sample(self) -> tuple[dict[tuple[int, float], float], int]:
+        cpu: dict[tuple[int, float], float] = {}
+        pss = 0
+        for p in self._tree():
+            try:
+                with p.oneshot():
+                    key = (p.pid, p.create_time())
+                    t = p.cpu_times()
+                    mem = p.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                continue
+            cpu[key] = t.user + t.system
+            pss += getattr(mem, "pss", mem.rss)
+        return cpu, pss
+
+    def _record(self) -> None:
+        cpu, pss = self._sample()
+        self._last.update(cpu)
+        self._peak = max(self._peak, pss)
+        self._samples += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._record()
+
+    def start(self) -> TreeSampler:
+        self._base, self._start_pss = self._sample()
+        self._last = dict(self._base)
+        self._peak = self._start_pss
+        self._samples = 1
+        self._thread.start()
+        return self
+
+    def stop(self) -> TreeUsage:
+        """Take a last sample, stop the thread and return the span's usage."""
+        self._stop.set()
+        self._thread.join()
+        self._record()
+        cpu = sum(v - self._base.get(k, 0.0) for k, v in self._last.items())
+        return TreeUsage(max(0.0, cpu), int(self._peak), int(self._start_pss), self._samples)
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """NVML readings over a span: means of utilisation (%) and PCIe throughput (bytes/s)."""
+
+    util_mean: float
+    pcie_rx_bytes_per_s: float
+    pcie_tx_bytes_per_s: float
+    series: tuple[tuple[float, float], ...] = ()  # (monotonic seconds, utilisation %)
+
+
+class NvmlSampler:
+    """Samples GPU ``index``'s utilisation and PCIe RX/TX every ``interval`` seconds via NVML.
+
+    ``nvmlDeviceGetPcieThroughput`` reports KB/s averaged over NVML's own 20 ms window; the
+    figures are converted to bytes/s (x1024, NVML's KB).
+
+    Raises:
+        RuntimeError: NVML is not importable or no GPU ``index`` is present.
+    """
+
+    def __init__(self, index: int = 0, interval: float = 0.1) -> None:
+        try:
+            import pynvml
+        except ImportError as e:
+            raise RuntimeError("NVML sampling needs nvidia-ml-py (import pynvml)") from e
+        try:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:
+            raise RuntimeError(f"NVML: no GPU {index}: {e}") from e
+        self._nvml = pynvml
+        self.interval = interval
+        self._rows: list[tuple[float, float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-nvml", daemon=True)
+
+    def _loop(self) -> None:
+        nv, h = self._nvml, self._handle
+        while not self._stop.wait(self.interval):
+            try:
+                util = nv.nvmlDeviceGetUtilizationRates(h).gpu
+                rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
+                tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1024.0
+            except nv.NVMLError:
+                continue
+            self._rows.append((time.monotonic(), float(util), rx, tx))
+
+    def start(self) -> NvmlSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> GpuUsage:
+        self._stop.set()
+        self._thread.join()
+        if not self._rows:
+            return GpuUsage(float("nan"), float("nan"), float("nan"))
+        a = np.asarray(self._rows)
+        series = tuple((float(t), float(u)) for t, u, _, _ in self._rows)
+        return GpuUsage(float(a[:, 1].mean()), float(a[:, 2].mean()), float(a[:, 3].mean()), series)
+
+
+@dataclass
+class Consumption:
+    """What the training loop saw over one epoch.
+
+    Attributes:
+        wall_s: seconds from the start of building the loader to the end of the last step.
+        build_s: seconds spent building the loader (inside ``wall_s``).
+        waits_s: per-batch seconds blocked in ``next()`` (the first includes start-up).
+        steps_s: per-batch step seconds.
+        busy: ``(start, end)`` of each step, seconds since the build started.
+        indices: sample indices delivered, in arrival order.
+    """
+
+    wall_s: float = 0.0
+    build_s: float = 0.0
+    waits_s: list[float] = field(default_factory=list)
+    steps_s: list[float] = field(default_factory=list)
+    busy: list[tuple[float, float]] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+
+    @property
+    def busy_s(self) -> float:
+        return float(sum(self.steps_s))
+
+    @property
+    def idle_ratio(self) -> float:
+        """Fraction of the span in which the accelerator was not stepping, in [0, 1]."""
+        return min(1.0, max(0.0, 1.0 - self.busy_s / self.wall_s)) if self.wall_s > 0 else 0.0
+
+    @property
+    def p99_wait_s(self) -> float:
+        return float(np.quantile(self.waits_s, 0.99)) if self.waits_s else 0.0
+
+
+def batch_indices(batch: Any) -> list[int]:
+    """Sample indices of a batch collated from ``(index, sample)`` pairs.
+
+    ``default_collate`` turns a list of pairs into ``[indices (B,) int64 tensor, samples]``.
+
+    Raises:
+        TypeError: the batch does not start with a 1-D tensor of indices.
+    """
+    head = batch[0] if isinstance(batch, (list, tuple)) and batch else None
+    if head is None or not hasattr(head, "tolist") or getattr(head, "ndim", 0) != 1:
+        raise TypeError(
+            "benchmark batch must be collated from (index, sample) pairs; got "
+            f"{type(batch).__name__} whose first element is {type(head).__name__}"
+        )
+    return [int(i) for i in head.tolist()]
+
+
+def consume(
+    build: Callable[[], tuple[Iterable[Any], Callable[[], None]]],
+    step: Callable[[Any], None],
+) -> tuple[Consumption, Callable[[], None]]:
+    """Build a loader, iterate one epoch and run ``step`` on every batch; time it all.
+
+    Args:
+        build: returns ``(iterable of batches, close)``; its time counts in ``wall_s``.
+        step: the accelerator step, called with each batch.
+
+    Returns:
+        The consumption record and the loader's ``close`` (not yet called: shutting a loader
+        down is outside the measured span, which ends with the last step).
+    """
+    c = Consumption()
+    t0 = time.perf_counter()
+    iterable, close = build()
+    it = iter(iterable)
+    c.build_s = time.perf_counter() - t0
+    try:
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            c.indices.extend(batch_indices(batch))
+            step(batch)
+            t2 = time.perf_counter()
+            c.waits_s.append(t1 - t)
+            c.steps_s.append(t2 - t1)
+            c.busy.append((t1 - t0, t2 - t0))
+        c.wall_s = (c.busy[-1][1] if c.busy else time.perf_counter() - t0)
+    except BaseException:
+        close()
+        raise
+    return c, close
+
+
+def utilisation_series(
+    busy: list[tuple[float, float]], end_s: float, bins: int = 100
+) -> tuple[np.ndarray, np.ndarray]:
+    """Accelerator utilisation over time from step intervals.
+
+    Returns:
+        ``(t, u)``: bin centres in seconds, shape ``(bins,)``, and the busy fraction of each
+        bin in [0, 1], shape ``(bins,)``.
+    """
+    edges = np.linspace(0.0, max(end_s, 1e-9), bins + 1)
+    u = np.zeros(bins)
+    for s, e in busy:
+        lo = np.clip(edges[:-1], s, e)
+        hi = np.clip(edges[1:], s, e)
+        u += hi - lo
+    width = np.diff(edges)
+    return (edges[:-1] + edges[1:]) / 2, np.clip(u / width, 0.0, 1.0)

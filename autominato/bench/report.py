@@ -1,0 +1,269 @@
+"""Results of the benchmark: CSV files, a printed table (rich), PNG plots (matplotlib, Agg).
+
+Files written under the output folder:
+
+* ``runs.csv``: one row per run (:data:`~autominato.bench.runner.RUN_COLUMNS`);
+* ``summary.csv``: one row per workload and arm, median / min / max over the repeats
+  (:data:`SUMMARY_COLUMNS`);
+* ``<workload>_time.png``: median wall time per arm with min-max bars and the limit;
+* ``<workload>_utilisation.png``: accelerator utilisation over time of each arm's median run.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autominato.bench.measure import utilisation_series
+from autominato.bench.runner import RUN_COLUMNS, RunRecord, WorkloadResult
+
+#: Figures summarised over repeats (each gets ``_median``, ``_min``, ``_max`` columns).
+METRICS = (
+    "wall_s",
+    "samples_per_s",
+    "ratio_to_limit",
+    "idle_ratio",
+    "p99_wait_s",
+    "cpu_s",
+    "peak_pss_bytes",
+)
+
+#: Columns of ``summary.csv``, in order (pinned by the tests: change them deliberately).
+SUMMARY_COLUMNS = (
+    "workload",
+    "arm",
+    "status",
+    "detail",
+    "runs",
+    "limit_s",
+    *(f"{m}_{s}" for m in METRICS for s in ("median", "min", "max")),
+    "speedup_vs_dataloader",
+)
+
+
+def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per (workload, arm): medians and ranges over the arm's successful runs.
+
+    ``status`` is ``ok`` when every run succeeded, ``ok (k of n)`` when some did, else the
+    first failure's status. ``speedup_vs_dataloader`` is the arm's median samples/s divided
+    by the ``dataloader`` arm's (NaN when that arm has no successful run).
+    """
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault((r.workload, r.arm), []).append(r)
+    rows = []
+    for (wl, arm), recs in groups.items():
+        good = [r for r in recs if r.ok]
+        if len(good) == len(recs):
+            status = "ok"
+        elif good:
+            status = f"ok ({len(good)} of {len(recs)})"
+        else:
+            status = recs[0].status
+        row: dict[str, Any] = {
+            "workload": wl,
+            "arm": arm,
+            "status": status,
+            "detail": recs[0].detail,
+            "runs": len(good),
+            "limit_s": recs[0].limit_s,
+        }
+        for m in METRICS:
+            vals = np.asarray([getattr(r, m) for r in good], dtype=float)
+            row[f"{m}_median"] = float(np.median(vals)) if len(vals) else math.nan
+            row[f"{m}_min"] = float(vals.min()) if len(vals) else math.nan
+            row[f"{m}_max"] = float(vals.max()) if len(vals) else math.nan
+        rows.append(row)
+    for row in rows:
+        ref = next(
+            (r for r in rows if r["workload"] == row["workload"] and r["arm"] == "dataloader"),
+            None,
+        )
+        base = ref["samples_per_s_median"] if ref else math.nan
+        row["speedup_vs_dataloader"] = (
+            row["samples_per_s_median"] / base if base and not math.isnan(base) else math.nan
+        )
+    return rows
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Path:
+    """Write ``rows`` with exactly ``columns`` (floats with 6 significant digits)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns))
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    return path
+
+
+def _range(row: dict[str, Any], m: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    med = row[f"{m}_median"]
+    if math.isnan(med):
+        return "-"
+    lo, hi = row[f"{m}_min"] * scale, row[f"{m}_max"] * scale
+    text = fmt.format(med * scale)
+    return text if row["runs"] < 2 else f"{text} [{fmt.format(lo)}-{fmt.format(hi)}]"
+
+
+def make_console() -> Any:
+    """A rich console at least 132 columns wide when writing to a file or pipe."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 132)
+    return console
+
+
+def print_table(result: WorkloadResult, rows: Sequence[dict[str, Any]], console: Any = None) -> None:
+    """Print one workload's summary as a rich table (medians, [min-max] over repeats).
+
+    Each arm's settings and any non-``ok`` status follow the table as notes, so that the
+    table stays readable at 120 columns.
+    """
+    from rich.table import Table
+
+    console = console or make_console()
+    wl = result.workload
+    title = (
+        f"{wl.name}: {wl.description}; batch {wl.batch_size}, step {result.step_s * 1e3:.1f} ms, "
+        f"limit {result.limit_s:.2f} s"
+    )
+    t = Table(title=title, title_justify="left")
+    for col in ("arm", "status", "wall s", "samples/s", "x limit", "idle %", "p99 wait ms",
+                "CPU-s", "peak PSS MB", "vs dataloader"):
+        t.add_column(col, justify="left" if col in ("arm", "status") else "right", no_wrap=True)
+    notes = []
+    for row in rows:
+        if row["workload"] != wl.name:
+            continue
+        speed = row["speedup_vs_dataloader"]
+        status = row["status"]
+        t.add_row(
+            row["arm"],
+            status if status.startswith("ok") else status.split(":")[0],
+            _range(row, "wall_s"),
+            _range(row, "samples_per_s", fmt="{:.1f}"),
+            _range(row, "ratio_to_limit"),
+            _range(row, "idle_ratio", 100, "{:.1f}"),
+            _range(row, "p99_wait_s", 1e3, "{:.0f}"),
+            _range(row, "cpu_s", fmt="{:.1f}"),
+            _range(row, "peak_pss_bytes", 2**-20, "{:.0f}"),
+            "-" if math.isnan(speed) else f"{speed:.2f}x",
+        )
+        note = row["detail"] if status.startswith("ok") else status
+        if note:
+            notes.append(f"  {row['arm']}: {note}")
+    console.print(t)
+    for note in notes:
+        console.print(note, highlight=False, markup=False)
+
+
+def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals for ``autominato`` (defaults) on ``workload``.
+
+    Returns:
+        ``(goal, met, figures)`` per goal; ``met`` is ``None`` when an arm it needs is absent.
+    """
+    by = {r["arm"]: r for r in rows if r["workload"] == workload and r["runs"] > 0}
+    a, dl, best = by.get("autominato"), by.get("dataloader"), by.get("dataloader-best")
+    out: list[tuple[str, bool | None, str]] = []
+
+    def add(goal: str, need: Sequence[Any], test: Any, figures: Any) -> None:
+        if any(x is None for x in need):
+            out.append((goal, None, "arm missing"))
+        else:
+            out.append((goal, bool(test()), figures()))
+
+    add("samples/s >= 1.3x dataloader", [a, dl],
+        lambda: a["samples_per_s_median"] >= 1.3 * dl["samples_per_s_median"],
+        lambda: f"{a['samples_per_s_median'] / dl['samples_per_s_median']:.2f}x")
+    add("samples/s >= dataloader-best", [a, best],
+        lambda: a["samples_per_s_median"] >= best["samples_per_s_median"],
+        lambda: f"{a['samples_per_s_median']:.1f} vs {best['samples_per_s_median']:.1f}")
+    add("time <= 1.15x limit", [a], lambda: a["ratio_to_limit_median"] <= 1.15,
+        lambda: f"{a['ratio_to_limit_median']:.2f}x")
+    add("idle < 5%", [a], lambda: a["idle_ratio_median"] < 0.05,
+        lambda: f"{a['idle_ratio_median']:.1%}")
+    add("peak memory <= dataloader", [a, dl],
+        lambda: a["peak_pss_bytes_median"] <= dl["peak_pss_bytes_median"],
+        lambda: f"{a['peak_pss_bytes_median'] / 2**20:.0f} vs "
+        f"{dl['peak_pss_bytes_median'] / 2**20:.0f} MB")
+    return out
+
+
+def _median_run(records: Sequence[RunRecord]) -> RunRecord:
+    good = sorted((r for r in records if r.ok), key=lambda r: r.wall_s)
+    return good[(len(good) - 1) // 2]
+
+
+def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    """Write ``<workload>_time.png`` and ``<workload>_utilisation.png`` under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = result.workload.name
+    mine = [r for r in rows if r["workload"] == name and r["runs"] > 0]
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(mine) + 1.8))
+    y = np.arange(len(mine))
+    med = np.asarray([r["wall_s_median"] for r in mine])
+    err = np.asarray([[m - r["wall_s_min"], r["wall_s_max"] - m] for r, m in zip(mine, med, strict=True)]).T
+    ax.barh(y, med, xerr=err if len(mine) else None, color="tab:blue", alpha=0.8, capsize=3)
+    ax.axvline(result.limit_s, color="tab:red", linestyle="--",
+               label=f"limit {result.limit_s:.2f} s")
+    for yi, r in zip(y, mine, strict=True):
+        ax.text(r["wall_s_median"], yi, f"  x{r['ratio_to_limit_median']:.2f}", va="center")
+    ax.set_yticks(y, [r["arm"] for r in mine])
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time, build to last batch consumed (s); median, min-max")
+    ax.set_title(name)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    paths.append(out / f"{name}_time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in mine:
+        recs = [x for x in result.records if x.arm == r["arm"]]
+        run = _median_run(recs)
+        t, u = utilisation_series(run.busy, run.wall_s, bins=max(10, min(100, run.batches)))
+        ax.plot(t, u, label=f"{r['arm']} ({run.wall_s:.1f} s)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlabel("time since the loader was built (s)")
+    ax.set_ylabel("accelerator utilisation")
+    ax.set_title(f"{name}: accelerator utilisation (median run of each arm)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    paths.append(out / f"{name}_utilisation.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_all(results: Sequence[WorkloadResult], out: Path, console: Any = None) -> dict[str, Any]:
+    """Write the CSVs and plots of ``results`` under ``out`` and print the tables.
+
+    Returns:
+        ``{"runs": path, "summary": path, "plots": [paths], "rows": summary rows}``.
+    """
+    records = [r for res in results for r in res.records]
+    rows = summarise(records)
+    runs_csv = write_csv(out / "runs.csv", RUN_COLUMNS, (r.row() for r in records))
+    summary_csv = write_csv(out / "summary.csv", SUMMARY_COLUMNS, rows)
+    plots: list[Path] = []
+    for res in results:
+        print_table(res, rows, console)
+        plots += plot(res, rows, out)
+    return {"runs": runs_csv, "summary": summary_csv, "plots": plots, "rows": rows}

@@ -1,0 +1,371 @@
+"""Run the arms of the benchmark, interleaved and repeated, each in a fresh process.
+
+For each workload the runner
+
+1. measures the epoch's work serially (:func:`~autominato.bench.workload.measure_serial`),
+   calibrates the simulated step if none was given, and computes the physical limit;
+2. picks ``dataloader-best`` by probing a small grid on part of the epoch (not timed);
+3. runs every available arm ``repeats`` times, interleaved (repeat ``r`` starts at arm
+   ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
+   Python process (``python -m autominato.bench.child``) so that no arm inherits another's
+   warm pools, threads or heap; ``isolate=False`` runs them in this process (tests).
+
+Every run yields a :class:`RunRecord`; an arm that cannot run yields one record whose status
+says why (``missing: ...``, ``not given: ...``, ``error: ...``, ``timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from autominato.bench.arms import ARM_NAMES, Arm, Context, build, dataloader_grid, default_arms
+from autominato.bench.arms import unavailable as arm_unavailable
+from autominato.bench.measure import NvmlSampler, TreeSampler, consume
+from autominato.bench.step import make_step
+from autominato.bench.workload import (
+    SampleFn,
+    SerialCost,
+    Workload,
+    calibrate_step,
+    measure_serial,
+    physical_limit,
+)
+
+
+@dataclass
+class RunRecord:
+    """The figures of one run of one arm (one CSV row; ``busy`` is kept for plots only).
+
+    Units: seconds, bytes, samples/s; ratios in [0, 1] except ``ratio_to_limit`` (>= 1 for a
+    loader that does not beat physics). ``gpu_*`` / ``pcie_*`` are NaN without NVML.
+    """
+
+    workload: str
+    arm: str
+    repeat: int
+    position: int
+    status: str
+    detail: str = ""
+    samples: int = 0
+    unique_samples: int = 0
+    batches: int = 0
+    wall_s: float = float("nan")
+    build_s: float = float("nan")
+    samples_per_s: float = float("nan")
+    limit_s: float = float("nan")
+    ratio_to_limit: float = float("nan")
+    idle_ratio: float = float("nan")
+    p99_wait_s: float = float("nan")
+    cpu_s: float = float("nan")
+    peak_pss_bytes: float = float("nan")
+    start_pss_bytes: float = float("nan")
+    gpu_util_mean: float = float("nan")
+    pcie_rx_bytes_per_s: float = float("nan")
+    pcie_tx_bytes_per_s: float = float("nan")
+    busy: list[tuple[float, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def row(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "busy"}
+
+
+#: Columns of ``runs.csv``, in order (pinned by the tests: change them deliberately).
+RUN_COLUMNS = tuple(f.name for f in fields(RunRecord) if f.name != "busy")
+
+
+@dataclass
+class RunSpec:
+    """Everything a (child) process needs for one run; pickled with cloudpickle."""
+
+    workload: Workload
+    arm: Arm
+    ctx: Context
+    step: dict[str, Any]
+    sampler_interval: float = 0.05
+    nvml: bool = False
+
+
+def execute(spec: RunSpec) -> dict[str, Any]:
+    """Run one arm over one epoch in this process and return its raw figures.
+
+    The step (and, for the UNet, the model) is built before the measured span; the loader is
+    built inside it and closed after it.
+    """
+    step = make_step(spec.step)
+    sampler = TreeSampler(spec.sampler_interval).start()
+    gpu = NvmlSampler().start() if spec.nvml else None
+    try:
+        c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step)
+    finally:
+        usage = sampler.stop()
+        g = gpu.stop() if gpu is not None else None
+    close()
+    return {
+        "indices": c.indices,
+        "batches": len(c.waits_s),
+        "wall_s": c.wall_s,
+        "build_s": c.build_s,
+        "idle_ratio": c.idle_ratio,
+        "p99_wait_s": c.p99_wait_s,
+        "cpu_s": usage.cpu_s,
+        "peak_pss_bytes": usage.peak_pss_bytes,
+        "start_pss_bytes": usage.start_pss_bytes,
+        "busy": c.busy,
+        "gpu_util_mean": g.util_mean if g else float("nan"),
+        "pcie_rx_bytes_per_s": g.pcie_rx_bytes_per_s if g else float("nan"),
+        "pcie_tx_bytes_per_s": g.pcie_tx_bytes_per_s if g else float("nan"),
+    }
+
+
+class RunFailed(RuntimeError):
+    """A run did not finish: ``status`` is ``error: ...`` or ``timeout``."""
+
+    def __init__(self, status: str, detail: str = "") -> None:
+        super().__init__(status)
+        self.status = status
+        self.detail = detail
+
+
+def error_status(e: BaseException) -> str:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run ``spec`` in a fresh process (``isolate``) or in this one; return its raw figures.
+
+    Raises:
+        RunFailed: the run raised, crashed or exceeded ``timeout_s`` (its whole process group
+            is then killed: the child and the loader workers it started).
+    """
+    if not isolate:
+        try:
+            return execute(spec)
+        except Exception as e:
+            raise RunFailed(error_status(e), traceback.format_exc()) from e
+    with tempfile.TemporaryDirectory(prefix="autominato-bench-run-") as d:
+        spec_path, out_path = Path(d, "spec.pkl"), Path(d, "result.json")
+        spec_path.write_bytes(cloudpickle.dumps(spec))
+        cmd = [sys.executable, "-m", "autominato.bench.child", str(spec_path), str(out_path)]
+        # A new session makes the child the leader of a process group that holds its
+        # workers too, so a hung run can be killed whole and no orphan outlives it.
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            raise RunFailed("timeout", f"no result after {timeout_s:.0f} s") from None
+        _kill_group(proc.pid)
+        if not out_path.exists():
+            raise RunFailed(f"error: child exited with status {rc} and no result")
+        result = json.loads(out_path.read_text())
+    if "error" in result:
+        raise RunFailed(result["error"], result.get("traceback", ""))
+    return result
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Options:
+    """How to run the benchmark.
+
+    Attributes:
+        arms: arm names to run, in report order (a subset of :data:`ARM_NAMES`).
+        repeats: timed runs per arm (the issue asks >= 3; tests use 1).
+        isolate: each run in a fresh process.
+        ctx: cores, device, tuned configuration, SPDL executor.
+        grid: DataLoader settings ``dataloader-best`` chooses from (``None``: the default grid).
+        grid_fraction: part of the epoch each grid probe runs (at least 4 batches).
+        step: ``"sleep"`` (simulated accelerator) or ``"unet"`` (real step, CUDA only).
+        unet_model: ``"mlperf"`` or ``"compact"`` for the real step.
+        sampler_interval: seconds between process-tree samples.
+        nvml: sample GPU utilisation and PCIe throughput.
+        timeout_s: per-run timeout; ``None``: 10 x the limit + 120 s.
+        log: progress messages.
+    """
+
+    arms: Sequence[str] = ARM_NAMES
+    repeats: int = 3
+    isolate: bool = True
+    ctx: Context = field(default_factory=lambda: Context(cores=1))
+    grid: list[dict[str, Any]] | None = None
+    grid_fraction: float = 0.5
+    step: str = "sleep"
+    unet_model: str = "mlperf"
+    sampler_interval: float = 0.05
+    nvml: bool = False
+    timeout_s: float | None = None
+    log: Callable[[str], None] = print
+
+
+@dataclass
+class WorkloadResult:
+    """All runs of one workload, with what the limit was computed from."""
+
+    workload: Workload
+    serial: SerialCost
+    step_s: float
+    limit_s: float
+    records: list[RunRecord]
+    best_grid: dict[str, Any] | None = None
+
+
+def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[str, Any], float]:
+    if opts.step == "unet":
+        import torch
+
+        from autominato.bench.step import UNetStep, image_label
+
+        image, _ = image_label(SampleFn(wl)(0)[1])
+        shape = (wl.batch_size, *image.shape)
+        step = UNetStep(opts.unet_model)
+        step_s = step.calibrate(shape)
+        del step
+        torch.cuda.empty_cache()  # the runs build their own model in their own process
+        return {"kind": "unet", "model": opts.unet_model, "image_shape": shape}, step_s
+    step_s = wl.step_s if wl.step_s is not None else calibrate_step(wl, serial, opts.ctx.cores)
+    return {"kind": "sleep", "step_s": step_s}, step_s
+
+
+def _record(
+    wl: Workload, arm: Arm, repeat: int, position: int, limit_s: float, r: dict[str, Any]
+) -> RunRecord:
+    n = len(wl)
+    idx = r["indices"]
+    samples, unique = len(idx), len(set(idx))
+    status = "ok"
+    if samples != n or unique != n:
+        status = f"wrong: delivered {samples} samples ({unique} distinct) of {n}"
+    wall = float(r["wall_s"])
+    return RunRecord(
+        workload=wl.name,
+        arm=arm.name,
+        repeat=repeat,
+        position=position,
+        status=status,
+        detail=arm.describe(),
+        samples=samples,
+        unique_samples=unique,
+        batches=int(r["batches"]),
+        wall_s=wall,
+        build_s=float(r["build_s"]),
+        samples_per_s=samples / wall if wall > 0 else float("nan"),
+        limit_s=limit_s,
+        ratio_to_limit=wall / limit_s if limit_s > 0 else float("nan"),
+        idle_ratio=float(r["idle_ratio"]),
+        p99_wait_s=float(r["p99_wait_s"]),
+        cpu_s=float(r["cpu_s"]),
+        peak_pss_bytes=float(r["peak_pss_bytes"]),
+        start_pss_bytes=float(r["start_pss_bytes"]),
+        gpu_util_mean=float(r["gpu_util_mean"]),
+        pcie_rx_bytes_per_s=float(r["pcie_rx_bytes_per_s"]),
+        pcie_tx_bytes_per_s=float(r["pcie_tx_bytes_per_s"]),
+        busy=[(float(a), float(b)) for a, b in r["busy"]],
+    )
+
+
+def choose_dataloader(
+    wl: Workload, opts: Options, step: dict[str, Any], timeout_s: float
+) -> tuple[dict[str, Any] | None, str]:
+    """Probe the DataLoader grid on the first part of the epoch; return the fastest setting.
+
+    Returns:
+        ``(settings, note)``; settings is ``None`` when every probe failed (note says why).
+    """
+    grid = opts.grid if opts.grid is not None else dataloader_grid(opts.ctx.cores)
+    n = min(len(wl), max(4 * wl.batch_size, int(len(wl) * opts.grid_fraction)))
+    probe_wl = wl.subset(n)
+    best: tuple[float, dict[str, Any]] | None = None
+    last_error = "empty grid"
+    for cfg in grid:
+        spec = RunSpec(probe_wl, Arm("dataloader-probe", "dataloader", cfg), opts.ctx, step,
+                       opts.sampler_interval)
+        try:
+            r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)
+        except RunFailed as e:
+            last_error = e.status
+            opts.log(f"  grid {Arm('', '', cfg).describe()}: {e.status}")
+            continue
+        opts.log(f"  grid {Arm('', '', cfg).describe()}: {r['wall_s']:.2f} s on {n} samples")
+        if best is None or r["wall_s"] < best[0]:
+            best = (r["wall_s"], cfg)
+    if best is None:
+        return None, last_error
+    return best[1], f"fastest of {len(grid)} on {n} samples"
+
+
+def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
+    """Measure the limit, pick ``dataloader-best``, then run the arms interleaved."""
+    unknown = [a for a in opts.arms if a not in ARM_NAMES]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; arms are {', '.join(ARM_NAMES)}")
+    cores = opts.ctx.cores
+    opts.log(f"[{wl.name}] {wl.description}; measuring the work serially ...")
+    serial = measure_serial(wl)
+    step, step_s = _step_spec(wl, opts, serial)
+    limit = physical_limit(serial, wl.n_batches, step_s, cores)
+    opts.log(
+        f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s / {cores} cores, "
+        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms -> limit {limit:.2f} s"
+    )
+    timeout_s = opts.timeout_s if opts.timeout_s is not None else 10 * limit + 120
+    arms = default_arms(opts.ctx)
+    records: list[RunRecord] = []
+    runnable: list[Arm] = []
+    for name in opts.arms:
+        arm = arms[name]
+        why = arm_unavailable(arm)
+        if why is None and name == "dataloader-best":
+            cfg, note = choose_dataloader(wl, opts, step, timeout_s)
+            if cfg is None:
+                why = f"error: every grid setting failed ({note})"
+            else:
+                arm.params = dict(cfg)
+        if why is not None:
+            opts.log(f"[{wl.name}] {name}: {why}")
+            records.append(RunRecord(wl.name, name, 0, 0, why, arm.describe(), limit_s=limit))
+        else:
+            runnable.append(arm)
+    for rep in range(opts.repeats):
+        k = len(runnable)
+        order = runnable[rep % k :] + runnable[: rep % k] if k else []
+        for pos, arm in enumerate(order):
+            spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml)
+            try:
+                r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)
+            except RunFailed as e:
+                opts.log(f"[{wl.name}] {arm.name} #{rep}: {e.status}")
+                if e.detail:
+                    opts.log(e.detail.rstrip())
+                records.append(RunRecord(wl.name, arm.name, rep, pos, e.status, arm.describe(),
+                                         limit_s=limit))
+                continue
+            rec = _record(wl, arm, rep, pos, limit, r)
+            records.append(rec)
+            opts.log(
+                f"[{wl.name}] {arm.name} #{rep}: {rec.wall_s:.2f} s "
+                f"(x{rec.ratio_to_limit:.2f} limit), idle {rec.idle_ratio:.1%}"
+                + ("" if rec.ok else f" -- {rec.status}")
+            )
+    return WorkloadResult(wl, serial, step_s, limit, records)

@@ -1,0 +1,478 @@
+"""Benchmark workloads: the same dataset, transform and consumer step for every arm.
+
+A :class:`Workload` is what every arm is given: a map-style dataset (the read stage), a
+``transform(sample, rng)`` (the transform stage), a batch size and the simulated accelerator
+step time. Arms differ only in how they schedule that work, so the comparison is fair: the
+per-sample work is byte-for-byte the same function in every arm, seeded the same way, with the
+same collate (torch's ``default_collate``).
+
+Samples are wrapped as ``(index, sample)`` (:class:`IndexedDataset`, :class:`IndexedTransform`)
+so that the consumer can count every delivered sample and prove that none was lost or
+duplicated, whatever order an arm delivers them in.
+
+The synthetic workload's cost is CPU-seconds, not loop iterations: :func:`burn_cpu` runs small
+NumPy kernels (which release the GIL) until the calling thread's CPU clock has advanced by the
+sample's cost, so a sample costs the same CPU time on every arm, whether it runs in a process
+or a thread, and the serial sum of the costs is the work the cores must do.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The distributions of per-sample transform cost that the synthetic workload offers.
+COST_DISTRIBUTIONS = ("constant", "lognormal", "bimodal")
+
+Transform = Callable[[Any, np.random.Generator], Any]
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The augmentation generator of sample ``index`` in ``epoch`` (NumPy ``SeedSequence``).
+
+    Seeded by ``(seed, epoch, index)`` as DESIGN.md asks, so a sample's augmentation does not
+    depend on which worker of which arm ran it.
+    """
+    return np.random.default_rng((seed, epoch, index))
+
+
+def burn_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (``time.thread_time``) in NumPy kernels.
+
+    Each kernel is a square root over a 256 Ki float64 scratch array (about 0.4 ms); NumPy
+    releases the GIL inside it, so threads of one process burn in parallel as real array code
+    does. Sleeping or being descheduled does not count: the cost is CPU-seconds, not wall time.
+    """
+    if seconds <= 0:
+        return
+    # Smaller kernels let the GIL hand-off dominate: with 32 Ki elements two threads took
+    # 1.5x as long as two processes on a 2-core machine; with 256 Ki they matched.
+    scratch = np.full(256 * 1024, 2.0)
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        np.sqrt(scratch, out=scratch)
+        scratch += 1.0  # keeps the values away from 1.0 so the kernel never degenerates
+
+
+def draw_costs(
+    n: int,
+    dist: str,
+    mean_s: float,
+    *,
+    sigma: float = 0.5,
+    straggler_fraction: float = 0.05,
+    straggler_factor: float = 10.0,
+    double_at: float | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Per-sample transform costs in CPU-seconds, shape ``(n,)``, float64.
+
+    Args:
+        n: number of samples.
+        dist: ``constant`` (every sample ``mean_s``); ``lognormal`` (mean ``mean_s``, log-space
+            standard deviation ``sigma``: ``mu = ln(mean_s) - sigma^2 / 2``); ``bimodal``
+            (``straggler_fraction`` of the samples, drawn at random, cost
+            ``straggler_factor * mean_s``, the rest ``mean_s``).
+        mean_s: the base cost, seconds.
+        double_at: if given, samples with index ``>= double_at * n`` cost twice as much (the
+            "cost doubles half-way" scenario; benchmark samplers are sequential, so index order
+            is dispatch order).
+        seed: seed of the draw (the costs are a property of the dataset, fixed per seed).
+
+    Raises:
+        ValueError: unknown ``dist`` or a negative parameter.
+    """
+    if dist not in COST_DISTRIBUTIONS:
+        raise ValueError(f"cost distribution {dist!r}: expected one of {', '.join(COST_DISTRIBUTIONS)}")
+    if mean_s < 0 or sigma < 0 or not 0 <= straggler_fraction <= 1 or straggler_factor < 0:
+        raise ValueError(
+            f"cost parameters must be non-negative (mean_s={mean_s}, sigma={sigma}, "
+            f"straggler_fraction={straggler_fraction}, straggler_factor={straggler_factor})"
+        )
+    rng = np.random.default_rng(seed)
+    if dist == "constant":
+        costs = np.full(n, float(mean_s))
+    elif dist == "lognormal":
+        mu = math.log(mean_s) - sigma**2 / 2 if mean_s > 0 else -math.inf
+        costs = rng.lognormal(mu, sigma, n) if mean_s > 0 else np.zeros(n)
+    else:
+        costs = np.full(n, float(mean_s))
+        k = int(round(straggler_fraction * n))
+        costs[rng.choice(n, size=k, replace=False)] *= straggler_factor
+    if double_at is not None:
+        costs[int(double_at * n) :] *= 2.0
+    return costs
+
+
+class SyntheticDataset:
+    """``n`` float32 samples of ``sample_mb`` MB each, read after ``read_latency_s`` seconds.
+
+    ``dataset[i]`` returns ``{"image": float32 (1, L) array, "cost_s": float}`` where
+    ``L = sample_mb * 2**20 / 4`` and ``cost_s`` is sample ``i``'s transform cost. The read
+    sleeps ``read_latency_s`` (storage latency, no CPU) and then materialises the array: from an
+    ``.npy`` file under ``root`` when the dataset is on disk, else by filling a fresh array.
+
+    Raises:
+        IndexError: ``i`` is outside ``[0, n)``.
+        FileNotFoundError: the sample's file is missing (the message names index and path).
+    """
+
+    def __init__(
+        self,
+        costs: np.ndarray,
+        sample_mb: float,
+        read_latency_s: float = 0.0,
+        root: str | Path | None = None,
+    ) -> None:
+        self.costs = np.asarray(costs, dtype=np.float64)
+        self.sample_mb = float(sample_mb)
+        self.length = max(1, int(sample_mb * 2**20 / 4))
+        self.read_latency_s = float(read_latency_s)
+        self.root = Path(root) if root is not None else None
+
+    def __len__(self) -> int:
+        return len(self.costs)
+
+    def sample_path(self, index: int) -> str | None:
+        return str(self.root / f"sample_{index:06d}.npy") if self.root is not None else None
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self.costs):
+            raise IndexError(f"sample index {index} out of range [0, {len(self.costs)})")
+        if self.read_latency_s > 0:
+            time.sleep(self.read_latency_s)
+        path = self.sample_path(index)
+        if path is None:
+            image = np.full((1, self.length), index % 251, dtype=np.float32)
+        else:
+            try:
+                image = np.load(path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"sample {index}: file {path} is missing") from e
+        return {"image": image, "cost_s": float(self.costs[index])}
+
+    def write(self, root: str | Path) -> SyntheticDataset:
+        """Write every sample to ``root`` as ``.npy`` and return the on-disk dataset."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        on_disk = SyntheticDataset(self.costs, self.sample_mb, self.read_latency_s, root)
+        for i in range(len(self)):
+            np.save(on_disk.sample_path(i), np.full((1, self.length), i % 251, dtype=np.float32))
+        return on_disk
+
+
+class SyntheticTransform:
+    """Burns the sample's ``cost_s`` CPU-seconds, then scales the image by a random factor.
+
+    Input ``{"image": float32 array, "cost_s": float}``; output ``{"image": float32 array}``
+    (same shape; the scaling touches every byte once, as an intensity augmentation would).
+    """
+
+    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        burn_cpu(sample["cost_s"])
+        image = sample["image"]
+        image *= np.float32(rng.uniform(0.9, 1.1))
+        return {"image": image}
+
+
+class IndexedDataset:
+    """``dataset[i] -> (i, inner[i])``; forwards ``sample_path`` so errors name the file."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.inner[index]
+
+    def sample_path(self, index: int) -> str | None:
+        fn = getattr(self.inner, "sample_path", None)
+        return fn(index) if fn is not None else None
+
+
+class IndexedTransform:
+    """``(i, sample), rng -> (i, inner(sample, rng))``: keeps the index beside the sample."""
+
+    def __init__(self, inner: Transform) -> None:
+        self.inner = inner
+
+    def __call__(self, item: tuple[int, Any], rng: np.random.Generator) -> tuple[int, Any]:
+        index, sample = item
+        return index, self.inner(sample, rng)
+
+
+class SampleFn:
+    """Read and transform sample ``i`` in one call, as the peers' workers run it.
+
+    ``SampleFn(workload)(i)`` is ``transform(dataset[i], sample_rng(seed, epoch, i))`` on the
+    indexed dataset and transform; also usable as a map-style dataset (``len``, ``[i]``).
+    """
+
+    def __init__(self, workload: Workload, epoch: int = 0) -> None:
+        self.dataset = workload.indexed_dataset()
+        self.transform = workload.indexed_transform()
+        self.seed = workload.seed
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __call__(self, index: int) -> tuple[int, Any]:
+        return self.transform(self.dataset[index], sample_rng(self.seed, self.epoch, index))
+
+    __getitem__ = __call__
+
+
+@dataclass
+class Workload:
+    """Everything an arm needs to run one epoch of the benchmark.
+
+    Attributes:
+        name: short name used in tables and file names (``synthetic-balanced_stragglers``).
+        dataset: map-style dataset (``len`` and ``[i]``), picklable; the read stage.
+        transform: ``transform(sample, rng) -> sample``, picklable; the transform stage.
+        batch_size: samples per batch.
+        step_s: simulated accelerator step time per batch, seconds (``None`` until calibrated).
+        seed: augmentation seed (see :func:`sample_rng`).
+        description: one line for reports (sizes, costs, step).
+        step_basis: what ``calibrate`` divides by the cores: ``cpu`` (serial CPU-seconds per
+            batch, the issue's rule) or ``wall`` (serial wall seconds per batch, read latency
+            included; for I/O-bound scenarios).
+        step_factor: multiplies the calibrated step.
+        cleanup: folders to delete when the benchmark ends (on-disk synthetic samples).
+    """
+
+    name: str
+    dataset: Any
+    transform: Transform
+    batch_size: int
+    step_s: float | None = None
+    seed: int = 0
+    description: str = ""
+    step_basis: str = "cpu"
+    step_factor: float = 1.0
+    cleanup: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def n_batches(self) -> int:
+        """Batches in one epoch (the last one may be partial: ``drop_last=False``)."""
+        return -(-len(self.dataset) // self.batch_size)
+
+    def indexed_dataset(self) -> IndexedDataset:
+        return IndexedDataset(self.dataset)
+
+    def indexed_transform(self) -> IndexedTransform:
+        return IndexedTransform(self.transform)
+
+    def subset(self, n: int) -> Workload:
+        """The same workload on its first ``n`` samples (for short probe runs)."""
+        return replace(self, name=self.name, dataset=_Prefix(self.dataset, n), cleanup=[])
+
+    def remove_files(self) -> None:
+        for folder in self.cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Prefix:
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner = inner
+        self.n = min(n, len(inner))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.n:
+            raise IndexError(f"sample index {index} out of range [0, {self.n})")
+        return self.inner[index]
+
+    def sample_path(self, index: int) -> str | None:
+        fn = getattr(self.inner, "sample_path", None)
+        return fn(index) if fn is not None else None
+
+
+@dataclass(frozen=True)
+class SerialCost:
+    """The work of one epoch measured serially in one thread (the limit's numerator).
+
+    Attributes:
+        cpu_s: per-sample CPU-seconds of read + transform (``time.process_time``), shape (n,).
+        wall_s: per-sample wall seconds of read + transform, shape (n,).
+    """
+
+    cpu_s: np.ndarray
+    wall_s: np.ndarray
+
+    @property
+    def cpu_total_s(self) -> float:
+        return float(self.cpu_s.sum())
+
+    @property
+    def wall_total_s(self) -> float:
+        return float(self.wall_s.sum())
+
+
+def measure_serial(workload: Workload, warmup: int = 1) -> SerialCost:
+    """Run read + transform of every sample once, serially, in this process; time each.
+
+    ``warmup`` samples are run first and not counted, so first-call costs (imports, page
+    faults of fresh buffers) do not inflate the limit.
+    """
+    fn = SampleFn(workload)
+    for i in range(min(warmup, len(fn))):
+        fn(i)
+    n = len(fn)
+    cpu, wall = np.zeros(n), np.zeros(n)
+    for i in range(n):
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn(i)
+        cpu[i] = time.process_time() - c0
+        wall[i] = time.perf_counter() - w0
+    return SerialCost(cpu, wall)
+
+
+def calibrate_step(workload: Workload, serial: SerialCost, cores: int) -> float:
+    """The simulated step time that balances the loader's work against the accelerator.
+
+    ``step_factor * mean per-batch cost / cores`` where the cost is serial CPU-seconds
+    (``step_basis="cpu"``, the issue's rule) or serial wall seconds (``"wall"``), seconds.
+    """
+    per_sample = serial.cpu_s if workload.step_basis == "cpu" else serial.wall_s
+    return float(workload.step_factor * per_sample.mean() * workload.batch_size / cores)
+
+
+def physical_limit(serial: SerialCost, n_batches: int, step_s: float, cores: int) -> float:
+    """The best wall time any loader could reach, seconds (the issue's definition).
+
+    ``max(serial CPU-seconds / usable cores, batches * step time)``: the cores cannot do the
+    epoch's CPU work faster than in parallel without loss, and the accelerator cannot run its
+    steps faster than back to back.
+    """
+    return max(serial.cpu_total_s / cores, n_batches * step_s)
+
+
+#: Cost and step parameters of the synthetic workload when no scenario or option sets them.
+SYNTHETIC_DEFAULTS: dict[str, Any] = dict(
+    read_latency_s=0.0,
+    cost_dist="constant",
+    cost_s=0.030,
+    sigma=0.5,
+    straggler_fraction=0.05,
+    straggler_factor=10.0,
+    double_at=None,
+    step_basis="cpu",
+    step_factor=1.0,
+)
+
+#: Synthetic scenarios: overrides of :data:`SYNTHETIC_DEFAULTS`.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # Reads dominate: 60 ms of storage latency per sample and little CPU; the accelerator
+    # keeps pace with `cores` concurrent readers, so a loader must overlap more reads than it
+    # has cores to feed it.
+    "io_bound": dict(read_latency_s=0.060, cost_dist="constant", cost_s=0.004, step_basis="wall"),
+    # Transforms dominate and the accelerator is twice as fast as the cores can feed it.
+    "cpu_bound": dict(read_latency_s=0.0, cost_dist="constant", cost_s=0.040, step_factor=0.5),
+    # Balanced on average, but 5 % of the samples cost 10x: the case completion-order
+    # batching is for.
+    "balanced_stragglers": dict(
+        read_latency_s=0.004,
+        cost_dist="bimodal",
+        cost_s=0.030,
+        straggler_fraction=0.05,
+        straggler_factor=10.0,
+    ),
+    # Over-provisioned for the first half, under-provisioned for the second: a static
+    # setting tuned on the first half is wrong for the second.
+    "cost_doubles": dict(read_latency_s=0.002, cost_dist="constant", cost_s=0.020, double_at=0.5),
+}
+
+
+def synthetic_workload(
+    scenario: str | None = None,
+    *,
+    samples: int = 128,
+    batch_size: int = 2,
+    sample_mb: float = 8.0,
+    on_disk: bool = False,
+    step_s: float | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> Workload:
+    """Build a synthetic workload.
+
+    Cost and step parameters (the keys of :data:`SYNTHETIC_DEFAULTS`: ``read_latency_s``,
+    ``cost_dist``, ``cost_s``, ``sigma``, ``straggler_fraction``, ``straggler_factor``,
+    ``double_at``, ``step_basis``, ``step_factor``; see :func:`draw_costs`) come from the
+    defaults, then the named ``scenario`` of :data:`SCENARIOS`, then ``overrides``.
+    ``on_disk`` writes the samples as ``.npy`` files in a temporary folder that
+    ``Workload.remove_files`` deletes. ``step_s=None`` leaves the step to be calibrated.
+
+    Raises:
+        ValueError: unknown scenario, parameter or distribution, or a non-positive size.
+    """
+    params = dict(SYNTHETIC_DEFAULTS)
+    if scenario is not None:
+        if scenario not in SCENARIOS:
+            raise ValueError(f"scenario {scenario!r}: expected one of {', '.join(SCENARIOS)}")
+        params.update(SCENARIOS[scenario])
+    unknown = set(overrides) - set(SYNTHETIC_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown synthetic parameter(s): {', '.join(sorted(unknown))}")
+    params.update(overrides)
+    if samples < 1 or batch_size < 1 or sample_mb <= 0:
+        raise ValueError(
+            f"samples ({samples}), batch_size ({batch_size}) and sample_mb ({sample_mb}) "
+            "must be positive"
+        )
+    if params["step_basis"] not in ("cpu", "wall"):
+        raise ValueError(f"step_basis {params['step_basis']!r}: expected 'cpu' or 'wall'")
+    costs = draw_costs(
+        samples,
+        params["cost_dist"],
+        params["cost_s"],
+        sigma=params["sigma"],
+        straggler_fraction=params["straggler_fraction"],
+        straggler_factor=params["straggler_factor"],
+        double_at=params["double_at"],
+        seed=seed,
+    )
+    dataset = SyntheticDataset(costs, sample_mb, params["read_latency_s"])
+    cleanup = []
+    if on_disk:
+        folder = tempfile.mkdtemp(prefix="autominato-bench-")
+        dataset = dataset.write(folder)
+        cleanup.append(folder)
+    desc = (
+        f"{samples} samples x {sample_mb:g} MB{' on disk' if on_disk else ''}, "
+        f"read {params['read_latency_s'] * 1e3:g} ms, cost {params['cost_dist']} "
+        f"{params['cost_s'] * 1e3:g} ms"
+    )
+    if params["cost_dist"] == "bimodal":
+        desc += f" ({params['straggler_fraction']:.0%} x{params['straggler_factor']:g})"
+    if params["double_at"] is not None:
+        desc += f", doubling at {params['double_at']:.0%}"
+    return Workload(
+        name=f"synthetic-{scenario or 'custom'}",
+        dataset=dataset,
+        transform=SyntheticTransform(),
+        batch_size=batch_size,
+        step_s=step_s,
+        seed=seed,
+        description=desc,
+        step_basis=params["step_basis"],
+        step_factor=params["step_factor"],
+        cleanup=cleanup,
+    )
