@@ -525,6 +525,7 @@ class Engine:
             import threading as _t
 
             report = ErrorReport.capture(e, index, sample_path(self.spec.dataset, index), f"thread {_t.current_thread().name}")
+            report.original = e
             return ("read_err", gen, pos, report)
 
     def _thread_transform_task(self, task: tuple) -> tuple:
@@ -535,6 +536,7 @@ class Engine:
             return ("thr_ok", gen, pos, sample, transform_s, t_start - t_ready, packed_nbytes(sample))
         except BaseException as e:  # noqa: BLE001
             report = ErrorReport.capture(e, index, sample_path(self.spec.dataset, index), f"thread {threading.current_thread().name}")
+            report.original = e
             return ("thr_err", gen, pos, report)
 
     # completion, errors, batching --------------------------------------------------

@@ -103,6 +103,12 @@ class ErrorReport:
     message: str
     traceback: str
     pickled: bytes | None
+    original: BaseException | None = None  # set only when raised in this process
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["original"] = None  # the live object never crosses a process boundary
+        return state
 
     @classmethod
     def capture(cls, exc: BaseException, index: int, path: str | None, worker: str) -> ErrorReport:
@@ -113,7 +119,14 @@ class ErrorReport:
             pickled = pickle.dumps(exc)
             pickle.loads(pickled)  # a multi-argument constructor fails only on load
         except Exception:
-            pickled = None
+            # Rebuild without calling __init__ (which may need other arguments than .args):
+            # the class, .args and the attributes are enough for a readable original.
+            try:
+                t = type(exc)
+                pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, exc.args, vars(exc)))
+                _from_parts(pickle.loads(pickled))
+            except Exception:
+                pickled = None
         try:
             message = str(exc)
         except Exception:
@@ -129,10 +142,12 @@ class ErrorReport:
 
     def to_exception(self) -> BaseException:
         """Rebuild the exception to raise in the training loop (see the module docstring)."""
-        exc: BaseException | None = None
-        if self.pickled is not None:
+        exc: BaseException | None = self.original
+        if exc is None and self.pickled is not None:
             try:
                 exc = pickle.loads(self.pickled)
+                if isinstance(exc, tuple):
+                    exc = _from_parts(exc)
             except Exception:
                 exc = None
         if exc is None:
@@ -153,5 +168,21 @@ class ErrorReport:
                 pass
             if hasattr(exc, "add_note"):
                 exc.add_note(f"[autominato] {self.where()}")
-        exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in {self.worker}:\n{self.traceback}")
+        if exc is not self.original:
+            exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in {self.worker}:\n{self.traceback}")
         return exc
+
+
+def _from_parts(parts: tuple) -> BaseException:
+    import importlib
+
+    _, module, qualname, args, attrs = parts
+    cls: object = importlib.import_module(module)
+    for name in qualname.split("."):
+        cls = getattr(cls, name)
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        raise TypeError(f"{module}.{qualname} is not an exception class")
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(attrs)
+    return exc
