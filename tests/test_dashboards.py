@@ -159,7 +159,8 @@ def test_each_required_view_is_on_the_dashboard():
         exprs["PCIe bandwidth"]
     )
     assert by_title["Knob values"]["type"] == "state-timeline"
-    assert "autominato_controller_decisions_total" in model["annotations"]["list"][0]["expr"]
+    assert "autominato_controller_decisions_total" in exprs["Controller decisions"]
+    assert "changes(autominato_knob_value" in model["annotations"]["list"][0]["expr"]
     assert "autominato_stragglers_total" in exprs["Stragglers, skips, restarts"]
     # The GPU row holds exactly the panels that read NVML / DCGM metrics.
     gpu = {t for t, e in exprs.items() if _metric_names(e) & (NVML_METRICS | DCGM_METRICS)}

@@ -245,12 +245,19 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 (
                     Query(
                         f"autominato_h2d_bandwidth_bytes_per_second{{{LOADER}}}",
-                        "rank {{rank}} last copy",
+                        "rank {{rank}} exporter window",
                     ),
-                    Query(_rate("autominato_h2d_bytes_total", "rank"), "rank {{rank}} average"),
+                    # Bytes over copy time, both counters: the same figure over the rate
+                    # interval, so it can be compared across ranks and zoomed.
+                    Query(
+                        _rate("autominato_h2d_bytes_total", "rank")
+                        + " / "
+                        + _rate("autominato_h2d_copy_seconds_sum", "rank"),
+                        "rank {{rank}} rate interval",
+                    ),
                 ),
-                "Bytes per second of host-to-device copies: the latest copy's rate and the "
-                "average over the rate interval (0 without CUDA).",
+                "Achieved bandwidth of host-to-device copies (bytes / copy time), bytes/s. "
+                "Empty until a batch is copied to a CUDA device.",
                 w=8,
             ),
             PanelSpec(
@@ -366,12 +373,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     ),
 )
 
-#: Annotation: a marker on every time-series panel where the controller changed a knob.
-DECISIONS_ANNOTATION = Query(
-    "sum by (knob, reason) (increase(autominato_controller_decisions_total{"
-    + LOADER
-    + "}[$__rate_interval])) > 0",
-    "Controller decisions",
+#: Annotation: a marker on every time-series panel where a knob changed value (the online
+#: controller's decisions, or the user's). ``changes`` of the knob gauge rather than
+#: ``increase`` of the decision counter, because a counter series that is born at 1 shows no
+#: increase in Prometheus, which would hide the first decision of each knob and reason.
+KNOB_CHANGES_ANNOTATION = Query(
+    f"changes(autominato_knob_value{{{LOADER}}}[$__rate_interval]) > 0",
+    "Knob changes",
 )
 
 #: Template variables other than ``datasource``: name -> (label, Prometheus query).
@@ -505,11 +513,11 @@ def build_dashboard() -> dict[str, Any]:
         )
         .annotation(
             gdash.AnnotationQuery()
-            .name(DECISIONS_ANNOTATION.legend)
+            .name(KNOB_CHANGES_ANNOTATION.legend)
             .datasource(DATASOURCE)
             .enable(True)
             .icon_color("orange")
-            .expr(DECISIONS_ANNOTATION.expr)
+            .expr(KNOB_CHANGES_ANNOTATION.expr)
         )
     )
     for name, label, query in VARIABLES:
