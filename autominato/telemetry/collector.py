@@ -42,13 +42,17 @@ class SlidingWindow:
 
     The window runs from the oldest sample no older than ``window_s`` seconds to now; with no
     such sample it falls back to the most recent earlier one, and with none at all to the
-    loader's start (cumulative figures), so the first scrape already has a value.
+    loader's start (cumulative figures), so the first scrape already has a value. When no
+    batch (or no copy) completed within the window, the last value is kept: a loop that has
+    stopped calling ``next()`` has no new ratio to report.
     """
 
     def __init__(self, window_s: float = WINDOW_S, keep: int = 256) -> None:
         self.window_s = window_s
         self._points: deque[_Point] = deque(maxlen=keep)
         self._lock = threading.Lock()
+        self._idle = 0.0
+        self._bw: float | None = None
 
     def update(self, snap: LoaderSnapshot) -> tuple[float, float | None]:
         """Add ``snap``; return ``(idle_ratio, h2d_bytes_per_second or None)`` over the window."""
@@ -72,13 +76,13 @@ class SlidingWindow:
             while len(self._points) > 1 and self._points[1].time < now.time - self.window_s:
                 self._points.popleft()
             self._points.append(now)
-        wait, busy = now.wait_s - base.wait_s, now.busy_s - base.busy_s
-        idle = wait / (wait + busy) if wait + busy > 0 else 0.0
-        copy_s = now.h2d_s - base.h2d_s
-        bw = (now.h2d_bytes - base.h2d_bytes) / copy_s if copy_s > 0 else None
-        if bw is None and now.h2d_s > 0:
-            bw = now.h2d_bytes / now.h2d_s  # no copy in the window: the mean since the start
-        return idle, bw
+            wait, busy = now.wait_s - base.wait_s, now.busy_s - base.busy_s
+            if wait + busy > 0:
+                self._idle = wait / (wait + busy)
+            copy_s = now.h2d_s - base.h2d_s
+            if copy_s > 0:
+                self._bw = (now.h2d_bytes - base.h2d_bytes) / copy_s
+            return self._idle, self._bw
 
 
 @dataclass

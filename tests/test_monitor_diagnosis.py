@@ -1,0 +1,283 @@
+"""The Data Monitor's diagnosis: pure rule on synthetic histories, then three real pipelines."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.telemetry import diagnose, format_report
+from autominato.telemetry.monitor import IDLE_THRESHOLD, SATURATED
+
+B = 4  # samples per batch in the synthetic histories
+
+
+def _stage(name: str, t: float, items: int, service_s: float, workers: int) -> StageSnapshot:
+    return StageSnapshot(
+        name=name,
+        time=t,
+        items_total=items,
+        bytes_total=items * 1000,
+        service_seconds_total=items * service_s,
+        wait_seconds_total=0.0,
+        queue_len=0,
+        queue_capacity=8,
+        workers=workers,
+        busy_workers=0,
+    )
+
+
+def snapshot(
+    t: float,
+    batches: int,
+    *,
+    step_s: float,
+    wait_s: float,
+    read_s: float = 0.001,
+    transform_s: float = 0.001,
+    collate_s: float = 0.0005,
+    read_workers: int = 2,
+    transform_workers: int = 2,
+    h2d_s: float = 0.0,
+    h2d_bytes_per_batch: int = 0,
+    waits: tuple[float, ...] | None = None,
+) -> LoaderSnapshot:
+    """A steady pipeline after ``batches`` batches: every figure per batch times ``batches``."""
+    samples = batches * B
+    stages = {
+        "read": _stage("read", t, samples, read_s, read_workers),
+        "transform": _stage("transform", t, samples, transform_s, transform_workers),
+        "batch": _stage("batch", t, batches, collate_s, 1),
+    }
+    if h2d_s:
+        stages["transfer"] = _stage("transfer", t, batches, h2d_s, 1)
+    return LoaderSnapshot(
+        time=t,
+        stages=stages,
+        consumer_wait_seconds_total=batches * wait_s,
+        consumer_wait_recent_s=waits if waits is not None else (wait_s,) * min(batches, 512),
+        consumer_busy_seconds_total=batches * step_s,
+        batches_total=batches,
+        samples_total=samples,
+        epoch=0,
+        stragglers_total=0,
+        skipped_total=0,
+        worker_restarts_total=0,
+        h2d_bytes_total=batches * h2d_bytes_per_batch,
+        h2d_seconds_total=batches * h2d_s,
+        knobs={
+            "depth": 2,
+            "read_threads": read_workers,
+            "workers": transform_workers,
+            "pool_size": 12,
+        },
+        sample_bytes=1000.0,
+        pool_bytes=12000,
+    )
+
+
+def history(**kw) -> list[LoaderSnapshot]:
+    return [snapshot(10.0, 100, **kw), snapshot(20.0, 200, **kw)]
+
+
+def test_slow_read_is_io_bound_and_suggests_more_read_threads():
+    # 50 ms per read x 4 samples / 2 threads = 100 ms per batch against a 10 ms step.
+    d = diagnose(history(step_s=0.010, wait_s=0.090, read_s=0.050))
+    assert d.kind == "io" and d.stage == "read"
+    assert d.shares["read"] == pytest.approx(10.0)
+    assert "read_threads 2 -> 25" in d.suggestion  # ceil(2 * 10 / 0.8)
+
+
+def test_slow_transform_is_cpu_bound_and_suggests_workers_up_to_the_cores(monkeypatch):
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    d = diagnose(history(step_s=0.010, wait_s=0.040, transform_s=0.025))
+    assert d.kind == "cpu" and d.stage == "transform"
+    assert d.shares["transform"] == pytest.approx(5.0)
+    # ceil(2 x 5 / 0.8) = 13 workers would be needed; 8 cores cap the advice.
+    assert "workers 2 -> 8" in d.suggestion
+    assert "cheaper transforms" in d.suggestion
+
+
+def test_cpu_bound_without_spare_cores_suggests_cheaper_transforms(monkeypatch):
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    d = diagnose(history(step_s=0.010, wait_s=0.040, transform_s=0.025))
+    assert d.kind == "cpu"
+    assert "no spare cores (2 usable)" in d.suggestion
+    assert "cheaper transforms" in d.suggestion
+
+
+def test_slow_copy_is_transfer_bound():
+    d = diagnose(history(step_s=0.010, wait_s=0.010, h2d_s=0.020, h2d_bytes_per_batch=20_000_000))
+    assert d.kind == "transfer" and d.stage == "transfer"
+    bandwidth = next(r for r in d.rows if r.metric == "H2D bandwidth")
+    assert bandwidth.current == pytest.approx(1e9)  # 20 MB in 20 ms
+    assert bandwidth.threshold == pytest.approx(2e9)  # 20 MB must move within the 10 ms step
+    assert bandwidth.status == "bad"
+    assert "pinned" in d.suggestion
+
+
+def test_slow_consumer_means_the_loader_keeps_up():
+    d = diagnose(history(step_s=0.100, wait_s=0.001, read_s=0.010, transform_s=0.010))
+    assert d.kind == "consumer" and d.stage is None
+    assert d.idle_ratio == pytest.approx(0.001 / 0.101)
+
+
+def test_waiting_with_no_saturated_stage_is_synchronisation_bound():
+    # Every stage needs at most half the step, yet a quarter of the time is idle: jitter.
+    waits = (0.0, 0.0, 0.030) * 170  # one batch in three finds the queue empty
+    d = diagnose(history(step_s=0.020, wait_s=0.007, read_s=0.005, transform_s=0.005, waits=waits))
+    assert d.kind == "sync"
+    assert max(d.shares.values()) < SATURATED
+    assert "depth 2 -> 4" in d.suggestion
+    queue = next(r for r in d.rows if r.metric == "queue wait share")
+    assert queue.current == pytest.approx(1 / 3, abs=0.01)
+
+
+def test_thresholds_scale_with_the_measured_step_time():
+    fast = diagnose(history(step_s=0.010, wait_s=0.0))
+    slow = diagnose(history(step_s=0.040, wait_s=0.0))
+
+    def limit(d):
+        return next(r.threshold for r in d.rows if r.metric == "load latency")
+
+    # A read may take step x read threads / samples per batch: 10 ms x 2 / 4.
+    assert limit(fast) == pytest.approx(0.005)
+    assert limit(slow) == pytest.approx(4 * limit(fast))
+
+
+def test_fused_read_and_transform_add_up_on_the_shared_workers():
+    # read.workers == 0: the transform workers read. Each share alone is under the
+    # saturation limit, together they are over it.
+    d = diagnose(
+        history(
+            step_s=0.010,
+            wait_s=0.020,
+            read_s=0.003,
+            transform_s=0.0025,
+            read_workers=0,
+            transform_workers=2,
+        )
+    )
+    assert d.shares["read"] < SATURATED and d.shares["transform"] < SATURATED
+    assert d.kind == "io" and d.stage == "read"
+    assert "fuse_read=False" in d.suggestion
+
+
+def test_current_window_is_the_last_two_snapshots_and_mean_is_since_start():
+    early = snapshot(10.0, 100, step_s=0.010, wait_s=0.0, read_s=0.001)
+    # Between 10 s and 20 s reads became 9 ms slower on average per sample.
+    late = snapshot(20.0, 200, step_s=0.010, wait_s=0.0, read_s=0.001)
+    late_read = _stage("read", 20.0, 800, 0.0, 2)
+    late_read = StageSnapshot(
+        **{**late_read.__dict__, "service_seconds_total": 400 * 0.001 + 400 * 0.010}
+    )
+    late = LoaderSnapshot(**{**late.__dict__, "stages": {**late.stages, "read": late_read}})
+    row = next(r for r in diagnose([early, late]).rows if r.metric == "load latency")
+    assert row.current == pytest.approx(0.010)
+    assert row.mean == pytest.approx(0.0055)
+
+
+def test_no_batches_yet_says_so():
+    empty = snapshot(1.0, 0, step_s=0.0, wait_s=0.0)
+    assert diagnose([empty]).kind == "none"
+
+
+def test_empty_history_is_an_error():
+    with pytest.raises(ValueError, match="at least one"):
+        diagnose([])
+
+
+def test_report_table_lists_every_figure_and_the_diagnosis():
+    text = format_report(
+        diagnose(history(step_s=0.010, wait_s=0.090, read_s=0.050)), title="Data Monitor (rank 3)"
+    )
+    assert text.startswith("Data Monitor (rank 3)")
+    for name in (
+        "load latency",
+        "transform share",
+        "H2D bandwidth",
+        "queue wait share",
+        "accelerator idle",
+        "running mean",
+        "threshold",
+        "status",
+    ):
+        assert name in text
+    assert "50.00 ms" in text  # the read latency
+    assert "diagnosis: I/O bound (read)" in text
+    assert "suggestion: more read threads" in text
+    assert "\x1b[" not in text  # plain text for log files
+
+
+# --- the real loader on three synthetic pipelines -------------------------------------------
+
+N = 48
+
+
+class Volumes:
+    """Small arrays; ``read_s`` seconds of sleep per read (a slow disk)."""
+
+    def __init__(self, read_s: float = 0.0) -> None:
+        self.read_s = read_s
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        if self.read_s:
+            time.sleep(self.read_s)
+        return np.full((8, 8, 8), i, np.float32)
+
+
+def cheap(sample, rng):
+    return sample
+
+
+def heavy(sample, rng):
+    # ~20 ms of pure-Python CPU work: a slow augmentation.
+    t = time.perf_counter()
+    x = 0
+    while time.perf_counter() - t < 0.020:
+        x += 1
+    return sample + (x % 2)
+
+
+def run_pipeline(dataset, transform, step_s: float) -> list[LoaderSnapshot]:
+    """Two epochs; snapshots after the first epoch (warm) and at the end."""
+    from autominato import Loader
+
+    with Loader(
+        dataset,
+        batch_size=B,
+        transform=transform,
+        worker_kind="thread",
+        workers=2,
+        read_threads=2,
+        autotune=False,
+        seed=0,
+    ) as loader:
+        for _ in loader:
+            time.sleep(step_s)
+        warm = loader.snapshot()
+        for _ in loader:
+            time.sleep(step_s)
+        return [warm, loader.snapshot()]
+
+
+def test_real_pipeline_with_slow_read_is_io_bound():
+    d = diagnose(run_pipeline(Volumes(read_s=0.030), cheap, step_s=0.002))
+    assert d.kind == "io", format_report(d)
+    assert d.shares["read"] > d.shares["transform"]
+
+
+def test_real_pipeline_with_slow_transform_is_cpu_bound():
+    d = diagnose(run_pipeline(Volumes(), heavy, step_s=0.002))
+    assert d.kind == "cpu" and d.stage == "transform", format_report(d)
+
+
+def test_real_pipeline_with_slow_consumer_is_consumer_bound():
+    d = diagnose(run_pipeline(Volumes(), cheap, step_s=0.030))
+    assert d.kind == "consumer", format_report(d)
+    assert d.idle_ratio <= IDLE_THRESHOLD

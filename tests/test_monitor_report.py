@@ -1,0 +1,147 @@
+"""The Data Monitor in the logs, its environment switch, and ``autominato monitor URL``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from autominato import Loader
+from autominato.cli import main as cli_main
+from autominato.telemetry import DataMonitor
+from autominato.telemetry.handle import monitor_interval_from_env
+from autominato.telemetry.remote import metrics_url
+
+
+class Volumes:
+    def __init__(self, n: int = 24, read_s: float = 0.0) -> None:
+        self.n, self.read_s = n, read_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.read_s:
+            time.sleep(self.read_s)
+        return np.full((4, 4, 4), i, np.float32)
+
+
+def reports(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "autominato.monitor"]
+
+
+def test_monitor_logs_a_report_every_interval_and_at_each_epoch_end(caplog):
+    caplog.set_level(logging.INFO, logger="autominato.monitor")
+    with Loader(
+        Volumes(read_s=0.01),
+        batch_size=4,
+        worker_kind="thread",
+        monitor_interval=0.1,
+        autotune=False,
+        seed=0,
+    ) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                time.sleep(0.01)
+        monitor = loader._telemetry.monitor
+        periodic = monitor.reports
+    texts = reports(caplog)
+    ends = [t for t in texts if "end of epoch" in t]
+    assert [("end of epoch 0" in ends[0]), ("end of epoch 1" in ends[1])] == [True, True]
+    assert periodic >= 3  # 2 epoch ends + at least one timed report: loading takes > 0.3 s
+    for text in texts:
+        assert "accelerator idle" in text and "diagnosis:" in text and "suggestion:" in text
+    # The end-of-run report is skipped when no batch came after the last epoch's report.
+    assert not any("end of run" in t for t in texts)
+
+
+def test_data_monitor_rejects_a_non_positive_interval():
+    with pytest.raises(ValueError, match="interval must be > 0"):
+        DataMonitor(lambda: None, 0)  # type: ignore[arg-type,return-value]
+
+
+def test_environment_switch_turns_the_monitor_on_without_code_changes(monkeypatch, caplog):
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR", "1")
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR_INTERVAL", "0.25")
+    caplog.set_level(logging.INFO, logger="autominato.monitor")
+    with Loader(Volumes(), batch_size=4, worker_kind="thread", autotune=False) as loader:
+        assert loader._telemetry is not None
+        assert loader._telemetry.monitor.interval == 0.25
+        assert loader._telemetry.exporter is None  # the monitor alone, no HTTP port
+        list(loader)
+    assert any("end of epoch 0" in t for t in reports(caplog))
+
+
+@pytest.mark.parametrize(
+    ("flag", "interval", "expected"),
+    [("", "", None), ("0", "5", None), ("1", "", 30.0), ("true", "2.5", 2.5)],
+)
+def test_monitor_interval_from_env(monkeypatch, flag, interval, expected):
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR", flag)
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR_INTERVAL", interval)
+    assert monitor_interval_from_env() == expected
+
+
+def test_a_bad_interval_in_the_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR", "1")
+    monkeypatch.setenv("AUTOMINATO_DATA_MONITOR_INTERVAL", "soon")
+    with pytest.raises(ValueError, match="AUTOMINATO_DATA_MONITOR_INTERVAL='soon'"):
+        monitor_interval_from_env()
+
+
+def test_metrics_url_completes_host_port_and_path():
+    assert metrics_url("node7:9464") == "http://node7:9464/metrics"
+    assert metrics_url("http://node7:9464") == "http://node7:9464/metrics"
+    assert metrics_url("https://x/y/metrics") == "https://x/y/metrics"
+
+
+def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys):
+    stop = threading.Event()
+    # Slow reads and a fast step: the remote report must find the same I/O bottleneck.
+    loader = Loader(
+        Volumes(n=32, read_s=0.02),
+        batch_size=4,
+        transform=lambda s, rng: s,
+        worker_kind="thread",
+        workers=2,
+        read_threads=2,
+        metrics_port=0,
+        autotune=False,
+        seed=0,
+    )
+
+    def train() -> None:
+        while not stop.is_set():
+            for _ in loader:
+                time.sleep(0.001)
+                if stop.is_set():
+                    return
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        rc = cli_main(["monitor", f"127.0.0.1:{loader._telemetry.port}", "--interval", "1.5"])
+    finally:
+        stop.set()
+        trainer.join(timeout=30)
+        loader.close()
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("Data Monitor (rank 0)")
+    assert "load latency" in out and "queue wait share" in out
+    assert "diagnosis: I/O bound (read)" in out
+
+
+def test_autominato_monitor_says_when_the_exporter_is_unreachable(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = cli_main(["monitor", f"127.0.0.1:{port}", "--interval", "0.1", "--timeout", "2"])
+    assert rc == 2
+    assert f"cannot read http://127.0.0.1:{port}/metrics" in capsys.readouterr().err

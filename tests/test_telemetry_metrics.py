@@ -1,0 +1,409 @@
+"""Prometheus metrics of a real loader: families, values, labels, promtool, exporter, NVML."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from autominato import Loader
+from autominato.telemetry import PortInUseError, attach, serve
+from autominato.telemetry import nvml as nvml_module
+from autominato.telemetry.metrics import COLLECTED, bounded_reason
+
+N, B = 22, 4  # 6 batches, the last one short; index 5 fails under on_error="skip"
+
+
+class Volumes:
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        if i == 5:
+            raise OSError("truncated file")
+        return np.full((4, 4, 4), i, np.float32), np.int64(i)
+
+
+def shift(sample, rng):
+    image, label = sample
+    return image + 1.0, label
+
+
+def scrape(url: str) -> dict[str, dict]:
+    """family name -> {"type": ..., "samples": [(name, labels, value), ...]}."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = {
+            "type": fam.type,
+            "samples": [(s.name, s.labels, s.value) for s in fam.samples],
+        }
+    return out
+
+
+def value(fams, sample_name: str, **labels) -> float:
+    family = sample_name
+    for suffix in ("_total", "_sum", "_count", "_bucket"):
+        if family.endswith(suffix) and family[: -len(suffix)] in fams:
+            family = family[: -len(suffix)]
+    hits = [
+        v
+        for name, lab, v in fams[family]["samples"]
+        if name == sample_name and all(lab.get(k) == str(x) for k, x in labels.items())
+    ]
+    assert len(hits) == 1, (sample_name, labels, hits)
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def ran():
+    """One short run with the exporter on; yields (loader, scraped families, exposition)."""
+    loader = Loader(
+        Volumes(),
+        batch_size=B,
+        transform=shift,
+        worker_kind="thread",
+        workers=2,
+        on_error="skip",
+        metrics_port=0,
+        autotune=False,
+        seed=0,
+    )
+    batches = list(loader)
+    loader.report_decision(
+        SimpleNamespace(
+            knob="workers", old=2, new=3, reason="cpu_bound", detail="transform share 1.4"
+        )
+    )
+    handle = loader._telemetry
+    with urllib.request.urlopen(handle.url, timeout=5) as r:
+        text = r.read().decode()
+    yield loader, scrape(handle.url), text, batches
+    loader.close()
+
+
+def test_every_metric_family_is_present_after_a_short_run(ran):
+    _, fams, _, _ = ran
+    expected = {
+        "autominato_stage_service_seconds": "histogram",
+        "autominato_stage_wait_seconds": "histogram",
+        "autominato_consumer_wait_seconds": "histogram",
+        "autominato_consumer_step_seconds": "histogram",
+        "autominato_h2d_copy_seconds": "histogram",
+        "autominato_controller_decisions": "counter",
+    }
+    for name, (kind, _, _) in COLLECTED.items():
+        expected[name.removesuffix("_total")] = kind
+    for name, kind in expected.items():
+        assert name in fams, name
+        assert fams[name]["type"] == kind, name
+
+
+def test_stage_histograms_and_counters_moved(ran):
+    loader, fams, _, _ = ran
+    done = N - 1  # one sample skipped
+    for stage in ("read", "transform"):
+        assert value(fams, "autominato_stage_service_seconds_count", stage=stage, rank=0) >= done
+        assert value(fams, "autominato_stage_service_seconds_sum", stage=stage, rank=0) > 0
+        assert value(fams, "autominato_stage_wait_seconds_count", stage=stage, rank=0) >= done
+        assert value(fams, "autominato_stage_items_total", stage=stage, rank=0) >= done
+    # 21 samples x 64 float32 = 5376 bytes transformed; collated batches add label bytes.
+    assert value(fams, "autominato_stage_bytes_total", stage="transform", rank=0) == done * 256
+    assert value(fams, "autominato_stage_items_total", stage="batch", rank=0) == 6
+    assert value(fams, "autominato_stage_bytes_total", stage="batch", rank=0) > done * 256
+    assert value(fams, "autominato_stage_workers", stage="transform", rank=0) == 2
+    assert (
+        value(fams, "autominato_stage_workers", stage="read", rank=0) == loader.knobs.read_threads
+    )
+    assert (
+        value(fams, "autominato_stage_queue_capacity_items", stage="transfer", rank=0)
+        == loader.knobs.depth
+    )
+    assert value(fams, "autominato_stage_queue_items", stage="transfer", rank=0) == 0  # drained
+    # Buckets are cumulative and end in +Inf == count.
+    buckets = [
+        (float(lab["le"]), v)
+        for name, lab, v in fams["autominato_stage_service_seconds"]["samples"]
+        if name.endswith("_bucket") and lab["stage"] == "read"
+    ]
+    assert buckets[0][0] == 0.0005 and buckets[-2][0] == 10.0
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts)
+    assert counts[-1] == value(fams, "autominato_stage_service_seconds_count", stage="read", rank=0)
+
+
+def test_consumer_and_delivery_counters_match_the_batches_received(ran):
+    _, fams, _, batches = ran
+    assert len(batches) == 6
+    delivered = sum(len(b[1]) for b in batches)
+    assert delivered == N - 1
+    assert value(fams, "autominato_samples_total", rank=0) == delivered
+    assert value(fams, "autominato_batches_total", rank=0) == 6
+    assert value(fams, "autominato_consumer_wait_seconds_count", rank=0) == 6
+    assert value(fams, "autominato_consumer_step_seconds_count", rank=0) == 6
+    assert value(fams, "autominato_samples_skipped_total", rank=0) == 1
+    idle = value(fams, "autominato_accelerator_idle_ratio", rank=0)
+    # The loop did nothing between next() calls, so it waited most of the time.
+    assert 0.5 < idle <= 1.0
+    assert value(fams, "autominato_epoch", rank=0) == 0
+    assert value(fams, "autominato_pool_bytes", rank=0) > 0
+    assert value(fams, "autominato_stragglers_total", rank=0) >= 0
+    assert value(fams, "autominato_worker_restarts_total", rank=0) == 0  # thread workers
+
+
+def test_knob_values_and_controller_decisions_are_exported(ran):
+    loader, fams, _, _ = ran
+    for knob, v in loader.knobs.as_dict().items():
+        assert value(fams, "autominato_knob_value", knob=knob, rank=0) == v
+    assert (
+        value(
+            fams,
+            "autominato_controller_decisions_total",
+            knob="workers",
+            reason="cpu_bound",
+            rank=0,
+        )
+        == 1
+    )
+
+
+def test_without_a_device_the_copy_figures_stay_empty(ran):
+    _, fams, _, _ = ran
+    assert value(fams, "autominato_h2d_bytes_total", rank=0) == 0
+    assert value(fams, "autominato_h2d_copy_seconds_count", rank=0) == 0
+    # No copy, no bandwidth: absent rather than a misleading 0 bytes/s.
+    assert fams["autominato_h2d_bandwidth_bytes_per_second"]["samples"] == []
+
+
+def test_labels_have_bounded_cardinality(ran):
+    _, fams, _, _ = ran
+    allowed = {"rank", "stage", "knob", "reason", "le", "gpu", "UUID"}
+    for name, fam in fams.items():
+        if not name.startswith("autominato_"):
+            continue
+        for _, labels, _ in fam["samples"]:
+            assert set(labels) <= allowed, (name, labels)
+            assert labels.get("stage", "read") in ("read", "transform", "batch", "transfer")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_check_metrics_passes_on_the_real_exposition(ran):
+    _, _, text, _ = ran
+    done = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "" and done.stderr.strip() == ""
+
+
+def test_reason_label_is_bounded():
+    assert bounded_reason("queue_starved") == "queue_starved"
+    assert bounded_reason("/data/case_00042.nii.gz failed") == "other"
+    assert bounded_reason("Idle 43%") == "other"
+
+
+def test_two_loaders_in_one_process_keep_separate_rank_series():
+    a = Loader(
+        Volumes(),
+        batch_size=B,
+        rank=0,
+        world_size=2,
+        worker_kind="thread",
+        on_error="skip",
+        metrics_port=0,
+        autotune=False,
+        seed=0,
+    )
+    b = Loader(
+        Volumes(),
+        batch_size=B,
+        rank=1,
+        world_size=2,
+        worker_kind="thread",
+        on_error="skip",
+        metrics_port=a._telemetry.port,
+        autotune=False,
+        seed=0,
+    )
+    c = Loader(
+        Volumes(),
+        batch_size=B,
+        rank=0,
+        world_size=2,
+        worker_kind="thread",
+        on_error="skip",
+        autotune=False,
+        seed=0,
+    )
+    handle_c = attach(c)  # a second live loader of rank 0 (say, validation)
+    try:
+        got_a, got_b = list(a), list(b)
+        assert a._telemetry.url == b._telemetry.url  # one exporter per process
+        ra, rb, rc = a._telemetry.rank, b._telemetry.rank, handle_c.rank
+        # Other live rank-0 loaders of this module may hold "0": ours are distinct anyway.
+        assert rb == "1" and len({ra, rb, rc}) == 3
+        assert ra.split("-")[0] == rc.split("-")[0] == "0"
+        fams = scrape(a._telemetry.url)
+        ranks = {lab["rank"] for _, lab, _ in fams["autominato_batches"]["samples"]}
+        assert {ra, rb, rc} <= ranks
+        assert value(fams, "autominato_samples_total", rank=ra) == sum(len(x[1]) for x in got_a)
+        assert value(fams, "autominato_samples_total", rank=rb) == sum(len(x[1]) for x in got_b)
+        assert value(fams, "autominato_samples_total", rank=rc) == 0
+        b.close()
+        fams = scrape(a._telemetry.url)
+        ranks = {lab["rank"] for _, lab, _ in fams["autominato_batches"]["samples"]}
+        assert rb not in ranks and {ra, rc} <= ranks
+        hist = fams["autominato_stage_service_seconds"]["samples"]
+        assert rb not in {lab["rank"] for _, lab, _ in hist}
+    finally:
+        handle_c.close()
+        c.close()
+        b.close()
+        a.close()
+
+
+def test_exporter_stops_when_its_last_loader_closes():
+    loader = Loader(
+        Volumes(),
+        batch_size=B,
+        worker_kind="thread",
+        on_error="skip",
+        metrics_port=0,
+        autotune=False,
+    )
+    port = loader._telemetry.port
+    assert scrape(f"http://127.0.0.1:{port}/metrics")
+    loader.close()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+        s.bind(("127.0.0.1", port))  # nothing listens there any more
+
+
+def test_port_in_use_gives_a_clear_error_or_a_free_port_when_asked(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"metrics port {taken} on 127.0.0.1 is already"):
+            serve(taken)
+        with caplog.at_level(logging.WARNING, logger="autominato.telemetry.exporter"):
+            exporter = serve(taken, free_if_busy=True)
+        try:
+            assert exporter.port != taken
+            assert f"serving on port {exporter.port} instead" in caplog.text
+            assert "autominato_" in urllib.request.urlopen(exporter.url, timeout=5).read().decode()
+        finally:
+            exporter.close()
+
+
+def test_exporter_binds_loopback_by_default():
+    exporter = serve(0)
+    try:
+        assert exporter.host == "127.0.0.1"
+        assert exporter._server.server_address[0] == "127.0.0.1"
+    finally:
+        exporter.close()
+
+
+# --- NVML -----------------------------------------------------------------------------------
+
+
+def _gpu_families(url: str) -> set[str]:
+    return {n for n in scrape(url) if n.startswith("autominato_gpu_")}
+
+
+@pytest.fixture
+def fresh_nvml():
+    nvml_module._reset_for_tests()
+    yield
+    nvml_module._reset_for_tests()
+
+
+def test_without_nvidia_ml_py_gpu_metrics_are_absent_and_silent(monkeypatch, caplog, fresh_nvml):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails like a missing package
+    with caplog.at_level(logging.INFO):
+        loader = Loader(
+            Volumes(),
+            batch_size=B,
+            worker_kind="thread",
+            on_error="skip",
+            metrics_port=0,
+            autotune=False,
+        )
+        try:
+            assert len(list(loader)) == 6
+            assert _gpu_families(loader._telemetry.url) == set()
+            assert "autominato_batches" in scrape(loader._telemetry.url)
+        finally:
+            loader.close()
+    telemetry_warnings = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("autominato.telemetry")
+    ]
+    assert telemetry_warnings == []
+    assert nvml_module.nvml_collector() is None
+
+
+def test_nvml_without_a_driver_is_silent(caplog, fresh_nvml):
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass  # the case under test: a machine without the NVIDIA driver
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("an NVIDIA driver is present")
+    with caplog.at_level(logging.DEBUG, logger="autominato.telemetry.nvml"):
+        assert nvml_module.nvml_collector() is None
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+class FakeNvml:
+    """Just the nvidia-ml-py calls the collector makes, with fixed figures for one GPU."""
+
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("h", i)
+
+    def nvmlDeviceGetUUID(self, h):
+        return b"GPU-0b2c"
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=37, memory=5)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=3 * 2**30, total=80 * 2**30, free=77 * 2**30)
+
+    def nvmlDeviceGetPcieThroughput(self, h, counter):
+        if counter == self.NVML_PCIE_UTIL_RX_BYTES:
+            raise self.NVMLError("Not Supported")
+        return 2_000_000  # KB/s
+
+
+def test_nvml_figures_are_converted_to_base_units_with_dcgm_labels():
+    collector = nvml_module.NvmlCollector(FakeNvml())
+    fams = {f.name: f.samples for f in collector.collect()}
+    util = fams["autominato_gpu_utilization_ratio"][0]
+    assert util.labels == {"gpu": "0", "UUID": "GPU-0b2c"}
+    assert util.value == pytest.approx(0.37)
+    assert fams["autominato_gpu_memory_used_bytes"][0].value == 3 * 2**30
+    assert fams["autominato_gpu_pcie_tx_bytes_per_second"][0].value == 2_000_000 * 1024
+    # A counter the GPU does not support is left out, not reported as 0.
+    assert "autominato_gpu_pcie_rx_bytes_per_second" not in fams
