@@ -179,6 +179,35 @@ def test_interpolate_follows_grafanas_rate_interval_definition():
         dash.interpolate('x{gpu=~"$gpu"}', {}, interval_s=1, range_s=1, scrape_interval_s=1)
 
 
+def test_every_interpolated_query_is_valid_promql(tmp_path):
+    """promtool parses each query (as a recording rule) after substitution, including values
+    with regex metacharacters escaped the way Grafana escapes them."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    variables = {
+        "job": dash.regex_escape("train.v2 (a|b)"),
+        "rank": dash.regex_escape("0-1"),
+        "gpu": dash.ALL_VALUE,
+    }
+    targets = dash.dashboard_targets(dash.build_dashboard())
+    rules = [
+        {
+            "record": f"autominato:dashboard_query_{i}",
+            "expr": dash.interpolate(
+                t.expr, variables, interval_s=15, range_s=900, scrape_interval_s=15
+            ),
+        }
+        for i, t in enumerate(targets)
+    ]
+    assert 'job=~"train\\\\.v2 \\\\(a\\\\|b\\\\)"' in rules[0]["expr"]
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(targets)} rules found" in r.stdout
+
+
 # --- provisioning and the compose stack ----------------------------------------------------
 
 

@@ -722,6 +722,17 @@ def interpolate(
     return _VAR.sub(sub, expr)
 
 
+def regex_escape(value: str) -> str:
+    """``value`` as Grafana puts one selected value into a PromQL ``=~"..."`` matcher.
+
+    Regex metacharacters get a backslash, itself doubled because the regex sits inside a
+    PromQL string literal (``a.b`` -> ``a\\\\.b`` in the query text); the character set is
+    the one of Grafana's ``prometheusSpecialRegexEscape`` (Prometheus data source).
+    """
+    value = value.replace("\\", "\\\\\\\\")
+    return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value)
+
+
 #: ``label_values(selector, label)``, the Grafana Prometheus variable query form used here.
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*(\w+)\s*\)\s*$")
 
@@ -784,8 +795,7 @@ def resolve_variables(
     """Pick a value for each query variable of ``dash`` the way a user opening it would.
 
     Each variable's ``label_values`` query runs against ``prom`` (earlier variables
-    substituted first); the first value (regex-escaped, as Grafana formats a value for
-    ``=~``) is taken, or :data:`ALL_VALUE` when the query finds none (the GPU variable on a
+    substituted first); the first value (escaped by :func:`regex_escape`) is taken, or :data:`ALL_VALUE` when the query finds none (the GPU variable on a
     host without a GPU).
 
     Raises:
@@ -804,7 +814,7 @@ def resolve_variables(
             m.group(1), chosen, interval_s=1.0, range_s=end - start, scrape_interval_s=1.0
         )
         values = prom.label_values(m.group(2), selector, start, end)
-        chosen[var["name"]] = re.escape(values[0]) if values else ALL_VALUE
+        chosen[var["name"]] = regex_escape(values[0]) if values else ALL_VALUE
     return chosen
 
 
