@@ -298,3 +298,15 @@ def test_compose_publishes_ports_on_loopback_only(resolved_compose):
         for port in ports:
             text = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port['published']}"
             assert text.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+
+
+def test_dashboards_check_reports_an_unreachable_prometheus(monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port that nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr("sys.argv", ["autominato"])
+    rc = cli.main(["dashboards", "check", "--prometheus-url", f"http://127.0.0.1:{port}"])
+    assert rc == 1
+    assert f"cannot reach Prometheus at http://127.0.0.1:{port}" in capsys.readouterr().err

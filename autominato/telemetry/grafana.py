@@ -294,7 +294,7 @@ def _check(args: argparse.Namespace) -> int:
             model, prom, start=end - args.range, end=end,
             step_s=max(1.0, args.range / 300), scrape_interval_s=args.scrape_interval,
         )
-    except ConnectionError as e:
+    except (ConnectionError, RuntimeError, ValueError) as e:
         print(f"autominato dashboards check: {e}", file=sys.stderr)
         return 1
     gpu = set(dash.gpu_panel_titles())
