@@ -202,25 +202,26 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
     samples = b.samples_total - a.samples_total
     batch_size = samples / batches if batches > 0 else 0.0
     step_s = busy / batches if batches > 0 else 0.0
-    util: dict[str, float] = {}
-    service: dict[str, float] = {}
+    served: dict[str, float] = {}
+    items: dict[str, int] = {}
     workers: dict[str, int] = {}
     for name, sb in b.stages.items():
         sa = a.stages.get(name)
-        if sa is None:
-            continue
-        items = sb.items_total - sa.items_total
-        served = sb.service_seconds_total - sa.service_seconds_total
-        workers[name] = sb.workers
-        service[name] = served / items if items > 0 else sb.mean_service_s
-        util[name] = min(1.0, served / (dt * sb.workers)) if sb.workers > 0 else 0.0
+        if sa is not None:
+            items[name] = sb.items_total - sa.items_total
+            served[name] = sb.service_seconds_total - sa.service_seconds_total
+            workers[name] = sb.workers
     inline = b.knobs.get("workers", 1) == 0
-    fused = "read" in workers and workers["read"] == 0 and workers.get("transform", 0) > 0
-    if (inline or fused) and "read" in util and "transform" in util:
+    fused = workers.get("read") == 0 and workers.get("transform", 0) > 0
+    if (inline or fused) and "read" in served and "transform" in served:
         into, other = ("read", "transform") if inline else ("transform", "read")
-        util[into] = min(1.0, util[into] + util.pop(other) * workers[other] / max(1, workers[into]))
-        service[into] += service.pop(other)
+        served[into] += served.pop(other)
+        items.pop(other)
         workers.pop(other)
+    util = {n: min(1.0, served[n] / (dt * workers[n])) if workers[n] > 0 else 0.0 for n in served}
+    service = {
+        n: served[n] / items[n] if items[n] > 0 else b.stages[n].mean_service_s for n in served
+    }
     in_flight = max((_in_flight(s) for s in (*window, a, b)), default=0)
     if not any(st.busy_workers for st in b.stages.values()) and "transform" in util:
         in_flight += round(util["transform"] * workers["transform"])
@@ -280,6 +281,7 @@ class RuleState:
         failures: ``(knob, direction) -> consecutive reverted trials``.
         backoff_until: ``(knob, direction) -> batches_total`` before which the move is not
             tried again (doubling with each failure: the hysteresis against oscillation).
+        last_kept: ``knob -> direction`` (+1 / -1) of its last kept trial.
         decisions: changes made so far.
     """
 
@@ -287,6 +289,7 @@ class RuleState:
     trial: Trial | None = None
     failures: Mapping[tuple[str, int], int] = field(default_factory=dict)
     backoff_until: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    last_kept: Mapping[str, int] = field(default_factory=dict)
     decisions: int = 0
 
 
@@ -321,8 +324,8 @@ class StageBasedRule(Rule):
 
     A window is a run of snapshots of the current epoch, all taken after the last change
     under the same knobs (once new workers are up and past the epoch's first
-    ``warmup_batches``); it ends at the latest snapshot and reaches back at most
-    ``max_window_batches`` batches. Each call:
+    ``warmup_batches``); it ends at the latest snapshot and reaches back no further than
+    needed to cover ``max_window_batches`` batches. Each call:
 
     1. Memory: when the predicted memory exceeds the budget, shrink depth, then the pool
        (not below one slot per worker and read thread), then workers, then read threads, as
@@ -336,8 +339,11 @@ class StageBasedRule(Rule):
        then kept only if idle stays below ``idle_low`` over it. A shrink is kept while idle stays below ``(idle_low + idle_high) / 2``.
        Otherwise it is reverted and the move is barred for
        ``backoff_batches x 2**(failures - 1)`` batches (at most ``max_backoff_batches``).
-       A kept grow also bars shrinking that knob for ``backoff_batches``. This hysteresis
-       is what lets a noisy steady workload settle instead of oscillating.
+       A shrink is judged over a full ``max_window_batches`` window (sooner only if idle
+       rises above ``idle_high``). A kept grow bars shrinking that knob for
+       ``backoff_batches``; if it grew back what a kept shrink removed, that counts as a
+       failure of the shrink and the bar doubles like a revert's. This hysteresis is what
+       lets a noisy steady workload settle instead of oscillating.
     3. Cores: more transform workers than usable cores while the loader's processes use at
        least ``cpu_saturated`` of them: shrink to the core count.
     4. Idle above ``idle_high`` by more than ``z_trigger`` standard errors of the window's
@@ -376,8 +382,8 @@ class StageBasedRule(Rule):
     cpu_busy: float = 0.6
     cpu_saturated: float = 0.9
     pool_fill: float = 0.8
-    backoff_batches: int = 32
-    max_backoff_batches: int = 1024
+    backoff_batches: int = 64
+    max_backoff_batches: int = 4096
     settle_snapshots: int = 4
     warmup_batches: int = 4
 
@@ -406,7 +412,8 @@ class StageBasedRule(Rule):
         return out[::-1]
 
     def _window(self, fresh: list[LoaderSnapshot]) -> list[LoaderSnapshot]:
-        """The latest window (oldest first): settled, at most ``max_window_batches`` long."""
+        """The latest window (oldest first): settled, and reaching back no further than needed
+        to cover ``max_window_batches``."""
         # A new worker takes a while to start (a spawned process imports torch): wait until
         # the stages report the concurrency the knobs ask for, or a few snapshots at most.
         start = 0
@@ -416,13 +423,13 @@ class StageBasedRule(Rule):
                 break
         fresh = fresh[start:]
         b = fresh[-1]
-        first = next(
-            i
-            for i, s in enumerate(fresh)
-            if b.batches_total - s.batches_total <= self.max_window_batches
-        )
-        # One interval longer than the cap (a fast loader) is still a window.
-        return fresh[min(first, max(0, len(fresh) - 2)) :]
+        # The latest start that still covers max_window_batches, else the earliest.
+        first = 0
+        for i in range(len(fresh) - 2, -1, -1):
+            if b.batches_total - fresh[i].batches_total >= self.max_window_batches:
+                first = i
+                break
+        return fresh[first:]
 
     @staticmethod
     def _settled(s: LoaderSnapshot) -> bool:
@@ -454,7 +461,7 @@ class StageBasedRule(Rule):
             if w.batches < self.judge_batches:
                 return [], state
             verdict, state = self._judge(state, w, b, budget)
-            if verdict:
+            if verdict or state.trial is not None:  # reverted, or still being judged
                 return verdict, state
         for choose in (self._cores, self._grow, self._shrink):
             picked = choose(w, bounds, budget, state, b)
@@ -491,15 +498,28 @@ class StageBasedRule(Rule):
             # A full window with the consumer fed is conclusive on its own.
             ok = ok or w.idle < self.idle_low
         else:
+            # Shrinks are never urgent: one must hold over a full window, unless it clearly
+            # starves the consumer sooner.
+            if w.idle <= self.idle_high and w.batches < self.max_window_batches:
+                return [], state
             ok = w.idle < (self.idle_low + self.idle_high) / 2
         if ok:
             failures = {k: v for k, v in state.failures.items() if k != move}
             backoff = dict(state.backoff_until)
             if trial.grow:
-                backoff[(d.knob, -1)] = b.batches_total + self.backoff_batches
-            return [], replace(state, trial=None, failures=failures, backoff_until=backoff)
+                # Growing back what a kept shrink removed counts as that shrink's failure, so
+                # a shrink / grow cycle on one knob backs off like a reverted trial.
+                shrink = (d.knob, -1)
+                n = failures.get(shrink, 0) + 1 if state.last_kept.get(d.knob) == -1 else 1
+                if n > 1:
+                    failures[shrink] = n
+                backoff[shrink] = b.batches_total + self._backoff(n)
+            last_kept = {**state.last_kept, d.knob: move[1]}
+            return [], replace(
+                state, trial=None, failures=failures, backoff_until=backoff, last_kept=last_kept
+            )
         n = state.failures.get(move, 0) + 1
-        wait = min(self.max_backoff_batches, self.backoff_batches * 2 ** (n - 1))
+        wait = self._backoff(n)
         revert = Decision(
             d.knob,
             d.new,
@@ -517,6 +537,10 @@ class StageBasedRule(Rule):
             backoff_until={**state.backoff_until, move: b.batches_total + wait},
             decisions=state.decisions + 1,
         )
+
+    def _backoff(self, failures: int) -> int:
+        """Batches a move is barred after its ``failures``-th failure (doubling, capped)."""
+        return min(self.max_backoff_batches, self.backoff_batches * 2 ** (failures - 1))
 
     def _allowed(
         self, knob: str, new: int, old: int, bounds: Bounds, state: RuleState, b: LoaderSnapshot
@@ -615,6 +639,8 @@ class StageBasedRule(Rule):
                     cap = max(cap, math.floor(old * self.cpu_saturated * budget.cores / cpu))
                 new = min(new, cap)
             new = min(new, bounds[knob][1])
+            while new > old + 1 and not self._fits(knob, new, w, budget, b):
+                new -= 1  # the largest step the memory budget allows
             if self._allowed(knob, new, old, bounds, state, b) and self._fits(
                 knob, new, w, budget, b
             ):

@@ -196,10 +196,18 @@ class SimulatedLoader:
 
 @dataclass
 class Trace:
-    """What :func:`run_rule` saw: the snapshots, the decisions and the knobs after each step."""
+    """What :func:`run_rule` saw.
+
+    Attributes:
+        history: the snapshots, the starting one first (``len = steps + 1``).
+        decisions: the decisions, as applied.
+        at: for each decision, the index into ``history`` of the snapshot it was taken on.
+        knobs: the knob values after each step (``len = steps``).
+    """
 
     history: list[LoaderSnapshot]
     decisions: list[Decision]
+    at: list[int]
     knobs: list[dict[str, int]]
 
 
@@ -218,7 +226,7 @@ def run_rule(
     applied clamped to ``bounds``, as :class:`~autominato.pipeline.knobs.Knobs` would.
     """
     state = rule.initial_state()
-    trace = Trace([sim.snapshot()], [], [])
+    trace = Trace([sim.snapshot()], [], [], [])
     for i in range(steps):
         if on_step is not None:
             on_step(i, sim)
@@ -229,6 +237,7 @@ def run_rule(
             new = max(lo, min(hi, d.new))
             sim.knobs[d.knob] = new
             trace.decisions.append(replace(d, new=new))
+            trace.at.append(len(trace.history) - 1)
         trace.knobs.append(dict(sim.knobs))
     return trace
 
