@@ -123,15 +123,26 @@ def dataloader_grid(
     ]
 
 
+def preload(arm: Arm) -> None:
+    """Import what ``arm`` needs (torch first), so that no import lands in the timed span.
+
+    Raises:
+        ImportError: (or whatever the import raises) the arm's library is not usable.
+    """
+    import torch.utils.data  # noqa: F401
+
+    if arm.kind == "torchdata":
+        import torchdata.nodes  # noqa: F401
+    elif arm.kind == "spdl":
+        import spdl.pipeline  # noqa: F401
+    elif arm.kind == "autominato":
+        from autominato import Loader  # noqa: F401
+
+
 def unavailable(arm: Arm) -> str | None:
     """Why ``arm`` cannot run here (``"missing: ..."`` / ``"not given: ..."``), else ``None``."""
     try:
-        if arm.kind == "torchdata":
-            import torchdata.nodes  # noqa: F401
-        elif arm.kind == "spdl":
-            import spdl.pipeline  # noqa: F401
-        elif arm.kind == "autominato":
-            from autominato import Loader  # noqa: F401
+        preload(arm)
     except Exception as e:  # an import may fail with more than ImportError (ABI, CUDA)
         return f"missing: {type(e).__name__}: {e}"
     if arm.name == "autominato-tuned" and not arm.params.get("config"):

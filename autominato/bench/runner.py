@@ -30,7 +30,15 @@ from typing import Any
 
 import cloudpickle
 
-from autominato.bench.arms import ARM_NAMES, Arm, Context, build, dataloader_grid, default_arms
+from autominato.bench.arms import (
+    ARM_NAMES,
+    Arm,
+    Context,
+    build,
+    dataloader_grid,
+    default_arms,
+    preload,
+)
 from autominato.bench.arms import unavailable as arm_unavailable
 from autominato.bench.measure import NvmlSampler, TreeSampler, consume
 from autominato.bench.step import make_step
@@ -103,9 +111,10 @@ class RunSpec:
 def execute(spec: RunSpec) -> dict[str, Any]:
     """Run one arm over one epoch in this process and return its raw figures.
 
-    The step (and, for the UNet, the model) is built before the measured span; the loader is
-    built inside it and closed after it.
+    The arm's libraries are imported and the step (for the UNet, the model) is built before
+    the measured span; the loader is built inside it and closed after it.
     """
+    preload(spec.arm)
     step = make_step(spec.step)
     sampler = TreeSampler(spec.sampler_interval).start()
     gpu = NvmlSampler().start() if spec.nvml else None
@@ -142,7 +151,15 @@ class RunFailed(RuntimeError):
 
 
 def error_status(e: BaseException) -> str:
-    return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    """``error: Type: message`` in one line of at most 200 characters.
+
+    Loaders that re-raise a worker's exception put the original traceback in the message
+    (the DataLoader's "Caught ... in DataLoader worker process 0"); its last line is the
+    original error, which names the sample, so that line is kept.
+    """
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[-1] if lines else ""
+    return f"error: {type(e).__name__}: {msg}"[:200]
 
 
 def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -315,6 +332,17 @@ def choose_dataloader(
     return best[1], f"fastest of {len(grid)} on {n} samples"
 
 
+def run_order(arms: Sequence[Arm], repeat: int) -> list[Arm]:
+    """The order of ``arms`` in repeat ``repeat``: rotated by ``repeat`` places.
+
+    Over ``len(arms)`` repeats every arm runs once in every position, so a slow first run
+    (cold page cache, CPU frequency ramp) or a noisy neighbour is not always charged to the
+    same arm.
+    """
+    k = len(arms)
+    return list(arms[repeat % k :]) + list(arms[: repeat % k]) if k else []
+
+
 def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     """Measure the limit, pick ``dataloader-best``, then run the arms interleaved."""
     unknown = [a for a in opts.arms if a not in ARM_NAMES]
@@ -348,9 +376,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         else:
             runnable.append(arm)
     for rep in range(opts.repeats):
-        k = len(runnable)
-        order = runnable[rep % k :] + runnable[: rep % k] if k else []
-        for pos, arm in enumerate(order):
+        for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml)
             try:
                 r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)

@@ -1,0 +1,270 @@
+"""`autominato bench`: every arm on a tiny workload, figures consistent, CSV stable, plots."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autominato.bench import run_bench
+from autominato.bench.arms import ARM_NAMES, Arm, Context
+from autominato.bench.measure import batch_indices, utilisation_series
+from autominato.bench.runner import (
+    Options,
+    RunFailed,
+    RunSpec,
+    run_once,
+    run_order,
+    run_workload,
+)
+from autominato.bench.workload import (
+    SampleFn,
+    SerialCost,
+    burn_cpu,
+    draw_costs,
+    measure_serial,
+    physical_limit,
+    synthetic_workload,
+)
+from autominato.config import save_config
+
+CORES = 2
+#: One DataLoader setting instead of the 8-setting grid, to keep the suite fast.
+ONE_SETTING_GRID = [{"num_workers": 2, "prefetch_factor": 2, "pin_memory": True, "in_order": False}]
+
+
+def tiny(samples: int = 8, **kw) -> object:
+    """8 samples of 64 KiB, 2 ms transforms, 20 ms steps: the limit is the steps."""
+    params = dict(sample_mb=1 / 16, cost_dist="constant", cost_s=0.002, step_s=0.02)
+    params.update(kw)
+    return synthetic_workload(None, samples=samples, batch_size=2, **params)
+
+
+def options(tmp_path: Path, **kw) -> Options:
+    cfg = save_config({"knobs": {"workers": 1, "depth": 2}, "loader": {}}, tmp_path / "tuned.yaml")
+    base = dict(
+        repeats=1,
+        isolate=False,
+        ctx=Context(cores=CORES, tuned_config=str(cfg)),
+        grid=ONE_SETTING_GRID,
+        log=lambda m: None,
+    )
+    base.update(kw)
+    return Options(**base)
+
+
+@pytest.fixture(scope="module")
+def all_arms(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    wl = tiny()
+    return wl, run_bench([(wl, options(tmp))], tmp / "out"), tmp / "out"
+
+
+def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
+    wl, res, _ = all_arms
+    recs = {r.arm: r for r in res["results"][0].records}
+    assert set(recs) == set(ARM_NAMES)
+    limit = res["results"][0].limit_s
+    for name, r in recs.items():
+        assert r.status == "ok", (name, r.status)
+        assert r.samples == len(wl) and r.unique_samples == len(wl), name
+        assert r.batches == wl.n_batches == 4, name
+        assert 0.0 <= r.idle_ratio <= 1.0, name
+        assert r.limit_s == limit and limit <= r.wall_s, name
+        assert r.ratio_to_limit >= 1.0, name
+        assert r.samples_per_s == pytest.approx(len(wl) / r.wall_s), name
+        assert 0 <= r.p99_wait_s <= r.wall_s, name
+        assert 0 < r.build_s <= r.wall_s, name
+        assert r.cpu_s > 0, name
+        assert r.peak_pss_bytes >= r.start_pss_bytes > 0, name
+        # Four 20 ms sleeps in steps, never more busy time than wall time.
+        busy = sum(b - a for a, b in r.busy)
+        assert 4 * 0.02 <= busy <= r.wall_s, name
+        assert math.isnan(r.gpu_util_mean), name
+    assert "config=" in recs["autominato-tuned"].detail
+    assert recs["dataloader-best"].detail == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False"
+
+
+def test_limit_is_the_steps_when_the_accelerator_is_the_bottleneck(all_arms):
+    wl, res, _ = all_arms
+    result = res["results"][0]
+    assert result.step_s == 0.02
+    assert result.limit_s == pytest.approx(max(result.serial.cpu_total_s / CORES, 4 * 0.02))
+    # 8 samples x 2 ms of transform cannot outweigh 4 x 20 ms of steps on 2 cores.
+    assert result.limit_s == pytest.approx(0.08)
+
+
+def test_csv_columns_are_stable(all_arms):
+    _, res, out = all_arms
+    with open(out / "runs.csv") as f:
+        header = next(csv.reader(f))
+    assert header == [
+        "workload", "arm", "repeat", "position", "status", "detail", "samples",
+        "unique_samples", "batches", "wall_s", "build_s", "samples_per_s", "limit_s",
+        "ratio_to_limit", "idle_ratio", "p99_wait_s", "cpu_s", "peak_pss_bytes",
+        "start_pss_bytes", "gpu_util_mean", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s",
+    ]
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    stats = [f"{m}_{s}" for m in ("wall_s", "samples_per_s", "ratio_to_limit", "idle_ratio",
+                                  "p99_wait_s", "cpu_s", "peak_pss_bytes")
+             for s in ("median", "min", "max")]
+    assert list(rows[0]) == ["workload", "arm", "status", "detail", "runs", "limit_s", *stats,
+                             "speedup_vs_dataloader"]
+    assert [r["arm"] for r in rows] == list(ARM_NAMES)
+    dl = next(r for r in rows if r["arm"] == "dataloader")
+    assert float(dl["speedup_vs_dataloader"]) == 1.0
+    for r in rows:  # one repeat: median = min = max
+        assert r["wall_s_median"] == r["wall_s_min"] == r["wall_s_max"]
+
+
+def test_plots_are_written_as_png(all_arms):
+    import matplotlib.image
+
+    wl, res, out = all_arms
+    names = sorted(p.name for p in res["plots"])
+    assert names == [f"{wl.name}_time.png", f"{wl.name}_utilisation.png"]
+    for p in res["plots"]:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        h, w = matplotlib.image.imread(p).shape[:2]
+        assert h >= 200 and w >= 400
+
+
+def test_a_peer_that_cannot_be_imported_is_reported_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "spdl.pipeline", None)  # import now raises ImportError
+    res = run_workload(tiny(4), options(tmp_path, arms=["spdl", "autominato-tuned"],
+                                        ctx=Context(cores=CORES)))
+    by = {r.arm: r for r in res.records}
+    assert by["spdl"].status.startswith("missing: ModuleNotFoundError: import of spdl.pipeline")
+    assert by["autominato-tuned"].status.startswith("not given")
+    assert len(res.records) == 2
+
+
+def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind():
+    wl = tiny(6)
+    arm = Arm("dataloader", "dataloader", {"num_workers": 2, "prefetch_factor": 2,
+                                           "pin_memory": True, "in_order": True})
+    before = {p.pid for p in __import__("psutil").Process().children(recursive=True)}
+    r = run_once(RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.01}))
+    assert sorted(r["indices"]) == list(range(6))
+    assert r["batches"] == 3 and r["wall_s"] >= 3 * 0.01
+    # The child's tree (itself + 2 workers) used CPU and memory of its own.
+    assert r["cpu_s"] > 0 and r["peak_pss_bytes"] > r["start_pss_bytes"] > 0
+    after = {p.pid for p in __import__("psutil").Process().children(recursive=True)}
+    assert after <= before
+
+
+def test_a_failing_sample_is_reported_with_its_index_and_file(tmp_path):
+    wl = synthetic_workload(None, samples=4, batch_size=2, sample_mb=1 / 64, cost_s=0.0,
+                            on_disk=True, step_s=0.0)
+    missing = Path(wl.dataset.sample_path(3))
+    arm = Arm("dataloader", "dataloader", {"num_workers": 1, "prefetch_factor": 2,
+                                           "pin_memory": False, "in_order": True})
+    try:
+        missing.unlink()
+        with pytest.raises(FileNotFoundError, match=f"sample 3: file {missing} is missing"):
+            run_workload(wl, options(tmp_path, arms=["dataloader"]))  # the serial pass
+        with pytest.raises(RunFailed) as failed:
+            run_once(RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}),
+                     isolate=False)
+        # The DataLoader wraps the worker's error; the status keeps the original line.
+        assert failed.value.status == (
+            f"error: FileNotFoundError: FileNotFoundError: sample 3: file {missing} is missing"
+        )
+    finally:
+        wl.remove_files()
+    assert not missing.parent.exists()
+
+
+def test_interleaving_puts_every_arm_in_every_position():
+    arms = [Arm(n, "dataloader") for n in ("a", "b", "c")]
+    orders = [[a.name for a in run_order(arms, r)] for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for pos in range(3):
+        assert {o[pos] for o in orders} == {"a", "b", "c"}
+
+
+def test_physical_limit_is_cpu_over_cores_or_the_steps_whichever_is_longer():
+    serial = SerialCost(cpu_s=np.full(8, 0.5), wall_s=np.full(8, 0.6))
+    assert physical_limit(serial, n_batches=4, step_s=0.25, cores=2) == 2.0  # CPU: 4 s / 2
+    assert physical_limit(serial, n_batches=4, step_s=1.5, cores=2) == 6.0  # steps: 4 x 1.5
+
+
+def test_serial_measurement_counts_the_transform_cost_in_cpu_seconds():
+    wl = tiny(4, cost_s=0.02)
+    serial = measure_serial(wl)
+    assert serial.cpu_s.shape == (4,)
+    assert np.all(serial.cpu_s >= 0.02)
+    assert np.all(serial.wall_s >= serial.cpu_s * 0.5)
+
+
+def test_burn_cpu_spends_thread_cpu_time_not_wall_time():
+    t0, w0 = time.thread_time(), time.perf_counter()
+    burn_cpu(0.05)
+    spent = time.thread_time() - t0
+    assert 0.05 <= spent < 0.1
+    assert time.perf_counter() - w0 >= spent * 0.99
+
+
+def test_cost_distributions_follow_their_definitions():
+    n = 2000
+    bim = draw_costs(n, "bimodal", 0.01, straggler_fraction=0.05, straggler_factor=10.0)
+    assert np.count_nonzero(bim == 0.1) == 100 and np.count_nonzero(bim == 0.01) == n - 100
+    logn = draw_costs(n, "lognormal", 0.01, sigma=0.5)
+    assert abs(logn.mean() - 0.01) < 0.001 and logn.std() > 0.003
+    dbl = draw_costs(10, "constant", 0.01, double_at=0.5)
+    assert list(dbl) == [0.01] * 5 + [0.02] * 5
+    with pytest.raises(ValueError, match="expected one of constant, lognormal, bimodal"):
+        draw_costs(3, "uniform", 0.01)
+
+
+def test_scenarios_set_their_parameters_and_options_override_them():
+    s = synthetic_workload("balanced_stragglers", samples=100, sample_mb=0.01)
+    costs = s.dataset.costs
+    assert np.count_nonzero(costs == 0.3) == 5 and s.dataset.read_latency_s == 0.004
+    io = synthetic_workload("io_bound", samples=4, sample_mb=0.01, read_latency_s=0.01)
+    assert io.dataset.read_latency_s == 0.01 and io.step_basis == "wall"
+    with pytest.raises(ValueError, match="scenario 'nope'"):
+        synthetic_workload("nope")
+    with pytest.raises(ValueError, match="unknown synthetic parameter"):
+        synthetic_workload(None, cost=1)
+
+
+def test_samples_carry_their_index_through_every_arm_function():
+    wl = tiny(3)
+    idx, sample = SampleFn(wl)(2)
+    assert idx == 2 and sample["image"].shape == (1, 2**14) and sample["image"].dtype == np.float32
+    from torch.utils.data import default_collate
+
+    assert batch_indices(default_collate([SampleFn(wl)(i) for i in (2, 0)])) == [2, 0]
+    with pytest.raises(TypeError, match="collated from \\(index, sample\\) pairs"):
+        batch_indices({"image": 1})
+
+
+def test_utilisation_is_the_busy_fraction_of_each_time_bin():
+    t, u = utilisation_series([(0.0, 1.0), (2.0, 2.5)], end_s=4.0, bins=4)
+    assert list(t) == [0.5, 1.5, 2.5, 3.5]
+    assert list(u) == [1.0, 0.0, 0.5, 0.0]
+
+
+def test_cli_runs_one_arm_and_writes_its_files(tmp_path, monkeypatch):
+    from autominato import cli
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # children import the checkout
+    rc = cli.main([
+        "bench", "--workload", "synthetic", "--scenario", "custom", "--arms", "dataloader",
+        "--repeats", "1", "--no-isolate", "--samples", "4", "--sample-mb", "0.01",
+        "--cost-ms", "1", "--step", "0.005", "--out", str(tmp_path),
+    ])
+    assert rc == 0
+    with open(tmp_path / "summary.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["arm"] == "dataloader" and row["status"] == "ok" and row["runs"] == "1"
+    assert (tmp_path / "synthetic-custom_time.png").exists()
+    assert os.path.getsize(tmp_path / "runs.csv") > 0
