@@ -1,0 +1,175 @@
+"""``autominato tune``: find the loader settings that minimise accelerator idle time.
+
+Runs an Optuna study over the search space (``tuner/default.yaml`` or ``--space FILE``): each
+trial builds the user's pipeline with one configuration, warms it up, then measures the idle
+ratio of a window of batches against the training step (``--step-time`` simulated, or
+``--model``). The study lives in SQLite (``OUT/study.db``), so running the same command again
+resumes it with more trials. Writes ``OUT/loader.yaml`` (read by ``Loader(config=...)``,
+``autominato run --config`` and the online controller), ``OUT/objective.png`` and
+``OUT/importance.png``.
+
+Examples::
+
+    autominato tune --recipe kits19 --data data/kits19-prepared --trials 20
+    autominato tune --dataset mypkg.data:make_dataset --transform mypkg.aug:augment \\
+        --batch-size 2 --step-time 0.3 --space my-space.yaml --memory-budget 16GiB
+
+The library API is :mod:`autominato.tuning` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from rich.console import Console
+
+from autominato.config import ConfigError
+from autominato.tuning import (
+    PipelineFailed,
+    PipelineSpecError,
+    SpaceError,
+    TuneResult,
+    load_space,
+    make_pipeline,
+    run_study,
+)
+from autominato.tuning.report import print_summary
+
+__all__ = [
+    "TuneResult",
+    "add_arguments",
+    "load_space",
+    "make_pipeline",
+    "parse_size",
+    "run",
+    "run_study",
+]
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30}
+_UNITS.update({"gib": 2**30, "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9})
+_UNITS["tb"] = 10**12
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``"16GiB"``, ``"512M"``, ``"1.5GB"`` or ``"1000000"`` (K/M/G/T and KiB...
+    are powers of 1024, KB/MB/GB/TB powers of 1000).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 16GiB, 512MiB, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``autominato tune``."""
+    p = parser.add_argument_group("pipeline")
+    p.add_argument(
+        "--recipe", help="built-in pipeline (tuner/recipes/NAME.yaml, e.g. kits19) or a recipe file"
+    )
+    p.add_argument(
+        "--data", help="dataset folder, passed to the dataset factory (a recipe may need it)"
+    )
+    p.add_argument("--dataset", help="module:factory returning a map-style dataset")
+    p.add_argument(
+        "--transform", help="module:callable, transform(sample, rng) or transform(sample)"
+    )
+    p.add_argument(
+        "--batch-size", type=_positive, help="samples per batch (default: recipe's, else 1)"
+    )
+    p.add_argument("--step-time", type=float, help="simulated training step, seconds per batch")
+    p.add_argument("--model", help="module:factory returning step(batch), a real training step")
+    p.add_argument("--device", help="Loader device (e.g. cuda) for a real step")
+    s = parser.add_argument_group("search")
+    s.add_argument("--space", type=Path, help="search-space YAML (default tuner/default.yaml)")
+    s.add_argument(
+        "--trials", type=_positive, default=20, help="trials to add in this run (default 20)"
+    )
+    s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    s.add_argument(
+        "--warmup", type=int, help="warm-up batches per trial (overrides the space file)"
+    )
+    s.add_argument(
+        "--window", type=_positive, help="measured batches per trial (overrides the space file)"
+    )
+    s.add_argument("--memory-budget", type=parse_size, help="e.g. 16GiB; a trial above it fails")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    s.add_argument(
+        "--no-baseline", action="store_true", help="do not measure the default configuration"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", type=Path, help="output folder (default runs/tune/STUDY-NAME)")
+    o.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUT/study.db)")
+    o.add_argument("--study-name", help="default: derived from the pipeline, so reruns resume")
+    o.add_argument(
+        "--config-out",
+        type=Path,
+        help="configuration file (default OUT/loader.yaml; .json for JSON)",
+    )
+    o.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (one line per trial)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command. Exit status: 0 done, 1 no usable result or a pipeline failure, 2 bad
+    input (search space, recipe, import path), 130 interrupted (rerun the command to resume)."""
+    # soft_wrap: long paths stay on one line when the output is a file or a pipe.
+    console = Console(soft_wrap=True)
+    try:
+        space = load_space(args.space).with_trial(
+            warmup_batches=args.warmup, window_batches=args.window
+        )
+        pipeline = make_pipeline(
+            dataset=args.dataset,
+            transform=args.transform,
+            recipe=args.recipe,
+            data=args.data,
+            batch_size=args.batch_size,
+            step_time=args.step_time,
+            model=args.model,
+            device=args.device,
+        )
+    except (SpaceError, PipelineSpecError, ConfigError) as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    name = args.study_name or pipeline.study_name()
+    try:
+        result = run_study(
+            pipeline,
+            space,
+            n_trials=args.trials,
+            out_dir=args.out or Path("runs") / "tune" / name,
+            timeout=args.timeout,
+            storage=args.storage,
+            study_name=name,
+            memory_budget_bytes=args.memory_budget,
+            seed=args.seed,
+            baseline=not args.no_baseline,
+            config_path=args.config_out,
+            console=console,
+            progress=not args.no_progress,
+        )
+    except PipelineFailed as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print("the study is kept: fix the pipeline and run the same command to resume")
+        return 1
+    except KeyboardInterrupt:
+        console.print("interrupted: the study is kept; run the same command to resume")
+        return 130
+    print_summary(console, result)
+    if result.best is None:
+        console.print("[red]no trial completed[/red]: no configuration written")
+        return 1
+    return 0

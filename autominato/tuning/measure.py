@@ -1,0 +1,254 @@
+"""One trial's measurement: run a loader against a training step and time the step's waits.
+
+The training loop is the consumer: the time it spends blocked in ``next(loader)`` is time the
+accelerator would sit idle. Over a measured window of batches (after a warm-up that lets
+workers start and queues fill) the objective is::
+
+    idle_ratio = wait / (wait + busy)
+
+where ``wait`` sums the seconds blocked in ``next()`` and ``busy`` the seconds in the step,
+both timed here around the calls, so the number does not depend on the loader's own
+bookkeeping. CPU seconds (user + system of this process and the loader's worker processes)
+and peak memory over the window are measured for breaking ties between equally idle
+configurations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+
+#: ``step(batch)`` runs one training step on a batch and returns when it is done (a real step
+#: on an accelerator must synchronise, e.g. with ``loss.item()``).
+Step = Callable[[Any], object]
+#: ``on_report(batches_measured, idle_ratio_so_far)``; may raise to stop the trial
+#: (``optuna.TrialPruned``).
+ReportFn = Callable[[int, float], None]
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """The loader's processes used more memory than the budget; the configuration is infeasible.
+
+    Attributes:
+        used_bytes: proportional set size (PSS) summed over the processes, bytes.
+        budget_bytes: the budget, bytes.
+    """
+
+    def __init__(self, used_bytes: int, budget_bytes: int) -> None:
+        super().__init__(
+            f"memory {used_bytes / 2**30:.2f} GiB over the budget of {budget_bytes / 2**30:.2f} GiB "
+            "(training process + loader workers, proportional set size)"
+        )
+        self.used_bytes = used_bytes
+        self.budget_bytes = budget_bytes
+
+
+class NoBatches(RuntimeError):
+    """The loader yielded no batch in a whole epoch (empty dataset, or drop_last on too few)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one trial measured over its window.
+
+    Attributes:
+        idle_ratio: ``wait_s / (wait_s + busy_s)`` in [0, 1], the objective.
+        wait_s: seconds the step loop spent blocked in ``next()``.
+        busy_s: seconds spent in the training step.
+        batches / samples: delivered in the window.
+        cpu_s: CPU seconds (user + system) of this process and the loader's workers.
+        peak_memory_bytes: highest PSS sum of this process and the workers, bytes.
+        warmup_s / window_s: wall seconds of the warm-up and of the window.
+    """
+
+    idle_ratio: float
+    wait_s: float
+    busy_s: float
+    batches: int
+    samples: int
+    cpu_s: float
+    peak_memory_bytes: int
+    warmup_s: float
+    window_s: float
+
+    @property
+    def cpu_s_per_sample(self) -> float:
+        return self.cpu_s / self.samples if self.samples else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class SleepStep:
+    """A simulated training step: sleeps ``seconds`` per batch (no accelerator needed).
+
+    Sleeping, not spinning, because a real accelerator step leaves the host CPU free for the
+    loader's workers; spinning would steal a core the real run would not lose.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"step time must be >= 0 seconds, got {seconds}")
+        self.seconds = seconds
+
+    def __call__(self, batch: Any) -> None:
+        time.sleep(self.seconds)
+
+    def __repr__(self) -> str:
+        return f"SleepStep({self.seconds:g} s)"
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the leading size of its first tensor or array (1 if none)."""
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()), None)
+    elif isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape else 1
+
+
+class _Processes:
+    """CPU time and memory of the training process plus the loader's worker processes."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._me = psutil.Process()
+        self._procs: dict[int, psutil.Process] = {}
+        self._cpu_last: dict[int, float] = {}
+
+    def _refresh(self) -> None:
+        pids_fn = getattr(self._loader, "worker_pids", None)
+        pids = list(pids_fn()) if callable(pids_fn) else []
+        for pid in pids:
+            if pid not in self._procs:
+                try:
+                    self._procs[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+
+    def cpu_seconds(self) -> float:
+        """Cumulative CPU seconds of all processes seen; a process that exited keeps its last."""
+        self._refresh()
+        for pid, proc in [(0, self._me), *self._procs.items()]:
+            try:
+                t = proc.cpu_times()
+                self._cpu_last[pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return sum(self._cpu_last.values())
+
+    def memory_bytes(self) -> int:
+        """PSS summed over live processes: shared-memory slots count once, not once per mapper."""
+        self._refresh()
+        total = 0
+        for proc in [self._me, *self._procs.values()]:
+            try:
+                info = proc.memory_full_info()
+                total += getattr(info, "pss", info.rss)
+            except psutil.Error:
+                pass
+        return total
+
+
+def measure(
+    loader: Any,
+    step: Step,
+    *,
+    warmup_batches: int,
+    window_batches: int,
+    report_every: int = 0,
+    on_report: ReportFn | None = None,
+    memory_budget_bytes: int | None = None,
+) -> Measurement:
+    """Run ``loader`` against ``step`` and measure the accelerator-idle ratio of a window.
+
+    Iterates over epochs (``loader.set_epoch``) as needed until ``warmup_batches`` plus
+    ``window_batches`` batches have been stepped on. Memory is sampled at each report and at
+    the end of the window.
+
+    Args:
+        loader: an iterable of batches (an ``autominato.Loader``; ``worker_pids()`` and
+            ``set_epoch()`` are used when present).
+        step: the training step, called once per batch.
+        warmup_batches: batches run before the window starts (not measured).
+        window_batches: batches measured (>= 1).
+        report_every: call ``on_report`` every this many measured batches (0: never).
+        on_report: receives ``(batches_measured, idle_ratio_so_far)``; may raise to stop.
+        memory_budget_bytes: raise :class:`MemoryBudgetExceeded` when a sample exceeds it.
+
+    Raises:
+        MemoryBudgetExceeded: memory over ``memory_budget_bytes``.
+        NoBatches: an epoch yielded no batch.
+        Exception: whatever the loader raises for a sample (it names the sample and file).
+    """
+    if window_batches < 1:
+        raise ValueError(f"window_batches must be >= 1, got {window_batches}")
+    procs = _Processes(loader)
+    batches = _batches(loader)
+    wait = busy = 0.0
+    samples = 0
+    peak = 0
+
+    def check_memory() -> None:
+        nonlocal peak
+        peak = max(peak, procs.memory_bytes())
+        if memory_budget_bytes is not None and peak > memory_budget_bytes:
+            raise MemoryBudgetExceeded(peak, memory_budget_bytes)
+
+    t0 = time.perf_counter()
+    for _ in range(warmup_batches):
+        step(next(batches))
+    t1 = time.perf_counter()
+    cpu0 = procs.cpu_seconds()
+    for i in range(1, window_batches + 1):
+        a = time.perf_counter()
+        batch = next(batches)
+        b = time.perf_counter()
+        step(batch)
+        c = time.perf_counter()
+        wait += b - a
+        busy += c - b
+        samples += batch_len(batch)
+        if report_every and i % report_every == 0 and i < window_batches:
+            check_memory()
+            if on_report is not None:
+                on_report(i, _ratio(wait, busy))
+    t2 = time.perf_counter()
+    cpu = procs.cpu_seconds() - cpu0
+    check_memory()
+    return Measurement(
+        idle_ratio=_ratio(wait, busy),
+        wait_s=wait,
+        busy_s=busy,
+        batches=window_batches,
+        samples=samples,
+        cpu_s=cpu,
+        peak_memory_bytes=peak,
+        warmup_s=t1 - t0,
+        window_s=t2 - t1,
+    )
+
+
+def _ratio(wait: float, busy: float) -> float:
+    return wait / (wait + busy) if wait + busy > 0 else 0.0
+
+
+def _batches(loader: Iterable[Any]):
+    """Endless batches from ``loader``, advancing its epoch at each end."""
+    epoch = 0
+    set_epoch = getattr(loader, "set_epoch", None)
+    while True:
+        if callable(set_epoch):
+            set_epoch(epoch)
+        n = 0
+        for batch in loader:
+            n += 1
+            yield batch
+        if n == 0:
+            raise NoBatches(f"epoch {epoch} of the loader yielded no batch")
+        epoch += 1

@@ -1,0 +1,123 @@
+"""What a study shows its user: a per-trial line, the final table and two PNG plots."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console
+from rich.table import Table
+
+from autominato.tuning.select import has_variation, ranked
+
+log = logging.getLogger(__name__)
+
+
+def fmt_params(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def trial_line(t: FrozenTrial) -> str:
+    """One line on a finished trial, for the console while the study runs."""
+    head = f"trial {t.number:>3}"
+    if t.state == TrialState.COMPLETE:
+        a = t.user_attrs
+        return (
+            f"{head}  idle {t.value:.3f}  cpu {a.get('cpu_s_per_sample', 0.0) * 1e3:.0f} ms/sample  "
+            f"mem {a.get('peak_memory_bytes', 0) / 2**30:.2f} GiB  {fmt_params(t.params)}"
+        )
+    if t.state == TrialState.PRUNED:
+        step = t.last_step
+        value = t.intermediate_values.get(step, float("nan")) if step is not None else float("nan")
+        return f"{head}  pruned after {step} batches (idle {value:.3f})  {fmt_params(t.params)}"
+    reason = t.user_attrs.get("failure", "see the log")
+    return f"{head}  failed: {reason}  {fmt_params(t.params)}"
+
+
+def best_table(trials: list[FrozenTrial], top: int = 5, title: str = "Best trials") -> Table:
+    """A rich table of the ``top`` best completed trials (best first, see ``select``)."""
+    rows = ranked(trials)[:top]
+    names = sorted({n for t in rows for n in t.params})
+    table = Table(title=title)
+    for col in ("trial", "idle", "CPU ms/sample", "memory GiB", *names):
+        table.add_column(col, justify="right")
+    for t in rows:
+        a = t.user_attrs
+        table.add_row(
+            str(t.number),
+            f"{t.value:.3f}",
+            f"{a.get('cpu_s_per_sample', 0.0) * 1e3:.1f}",
+            f"{a.get('peak_memory_bytes', 0) / 2**30:.2f}",
+            *(str(t.params.get(n, "")) for n in names),
+        )
+    return table
+
+
+def save_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
+    """Write ``objective.png`` (idle ratio by trial, best so far) and, where defined,
+    ``importance.png`` (PED-ANOVA parameter importance; needs >= 2 completed trials with
+    differing values, else it is skipped with a log line). Returns the paths written by kind.
+    """
+    import matplotlib.pyplot as plt
+    from optuna.importance import PedAnovaImportanceEvaluator
+    from optuna.visualization import matplotlib as ovm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    with warnings.catch_warnings():
+        # The matplotlib plots are marked experimental; the warning says nothing to a user.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+            ax = ovm.plot_optimization_history(study, target_name="idle ratio")
+            ax.set_title(f"autominato tune: {study.study_name}")
+            written["objective"] = _save(ax.figure, out_dir / "objective.png", plt)
+        else:
+            log.info("no completed trial: objective.png not written")
+        if has_variation(study):
+            # PED-ANOVA: Optuna's own estimator, no scikit-learn needed (fANOVA needs it).
+            ax = ovm.plot_param_importances(study, evaluator=PedAnovaImportanceEvaluator())
+            written["importance"] = _save(ax.figure, out_dir / "importance.png", plt)
+        else:
+            log.info(
+                "parameter importance needs >= 2 completed trials with differing idle ratios: "
+                "importance.png not written"
+            )
+    return written
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.set_size_inches(8, 4.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def print_summary(console: Console, result: Any) -> None:
+    """The closing lines: the table, the baseline comparison, where things were written."""
+    trials = result.study.get_trials(deepcopy=False)
+    states = {s: sum(t.state == s for t in trials) for s in TrialState}
+    console.print(best_table(trials))
+    console.print(
+        f"study {result.study.study_name!r}: {len(trials)} trials "
+        f"({states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
+        f"{states[TrialState.FAIL]} failed); this run {result.elapsed_s:.0f} s"
+    )
+    if result.baseline is not None:
+        console.print(
+            f"default configuration ({fmt_params(result.baseline_knobs)}): "
+            f"idle {result.baseline.idle_ratio:.3f}"
+        )
+    if result.best is not None:
+        console.print(
+            f"best: trial {result.best.number}, idle {result.best.value:.3f}, "
+            f"{fmt_params(result.best.params)}"
+        )
+    if result.config_path is not None:
+        console.print(f"configuration written to {result.config_path}")
+    for kind, path in result.plots.items():
+        console.print(f"{kind} plot: {path}")

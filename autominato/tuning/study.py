@@ -1,0 +1,331 @@
+"""The Optuna study: one trial per candidate configuration, stored so that it resumes.
+
+Each trial builds the pipeline's loader with the configuration the sampler drew, measures it
+(:func:`autominato.tuning.measure.measure`) and returns the window's idle ratio, which Optuna
+minimises. Intermediate idle ratios go to a ``MedianPruner``. Failures are sorted by cause:
+
+* memory over the budget, or anything else that depends on the configuration (a worker killed,
+  shared memory exhausted): the trial fails with its reason in the user attribute
+  ``failure`` and the study goes on;
+* an exception raised for a sample by the user's dataset or transform (it names the sample
+  index and file): no configuration can fix it, so the trial is recorded as failed and
+  :class:`PipelineFailed` stops the study. The stored study stays usable: fix the code and run
+  the same command to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autominato.config import save_config
+from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied
+from autominato.pipeline.knobs import KNOB_NAMES
+from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, measure
+from autominato.tuning.pipeline import Pipeline
+from autominato.tuning.report import fmt_params, save_plots, trial_line
+from autominato.tuning.select import completed, select_best
+from autominato.tuning.space import STATIC_NAMES, SearchSpace
+
+log = logging.getLogger(__name__)
+
+
+class PipelineFailed(RuntimeError):
+    """The user's dataset or transform raised for a sample; the message names index and file."""
+
+
+class TrialFailed(RuntimeError):
+    """A configuration could not be measured (the cause is chained); the study goes on."""
+
+
+@dataclass
+class TuneResult:
+    """What :func:`run_study` returns.
+
+    Attributes:
+        study: the Optuna study (all its trials, this run's and earlier ones).
+        best: the best completed trial (:func:`select_best`), ``None`` if none completed.
+        baseline: the default configuration measured in this run (``None`` if skipped).
+        baseline_knobs: the knob values of that default configuration.
+        config: the configuration written (``load_config`` form), ``None`` without a best.
+        config_path: where it was written.
+        plots: ``{"objective": path, "importance": path}`` for the PNGs written.
+        elapsed_s: wall seconds of this run, baseline included.
+    """
+
+    study: optuna.Study
+    best: FrozenTrial | None
+    baseline: Measurement | None
+    baseline_knobs: dict[str, int]
+    config: dict[str, Any] | None
+    config_path: Path | None
+    plots: dict[str, Path] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def is_sample_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's code failing on a sample, not the configuration failing.
+
+    The loader tags such exceptions with ``sample_index``; a worker that died (OOM killer) or
+    timed out also names a sample but may be the configuration's fault (too many workers).
+    """
+    return getattr(exc, "sample_index", None) is not None and not isinstance(
+        exc, (WorkerDied, SampleTimeout)
+    )
+
+
+def measure_config(
+    pipeline: Pipeline,
+    space: SearchSpace,
+    params: dict[str, Any],
+    *,
+    on_report: Any = None,
+    memory_budget_bytes: int | None = None,
+) -> tuple[Measurement, dict[str, int]]:
+    """Build the loader for ``params``, measure it, close it.
+
+    Returns:
+        The measurement and the knob values the loader applied (after its clamping).
+
+    Raises:
+        PipelineFailed: the dataset or transform raised for a sample.
+        MemoryBudgetExceeded: the configuration is over ``memory_budget_bytes``.
+        optuna.TrialPruned: raised by ``on_report``.
+        TrialFailed: any other failure of this configuration.
+    """
+    batch_size = int(params.get("batch_size", pipeline.batch_size))
+    try:
+        with pipeline.build_loader(params) as loader:
+            knobs = loader.knobs.as_dict()
+            m = measure(
+                loader,
+                pipeline.step_for(batch_size),
+                warmup_batches=space.trial["warmup_batches"],
+                window_batches=space.trial["window_batches"],
+                report_every=space.trial["report_every"],
+                on_report=on_report,
+                memory_budget_bytes=memory_budget_bytes,
+            )
+    except (MemoryBudgetExceeded, optuna.TrialPruned):
+        raise
+    except Exception as e:
+        if is_sample_error(e):
+            where = f"sample index {e.sample_index}"  # type: ignore[attr-defined]
+            path = getattr(e, "sample_path", None)
+            if path:
+                where += f" (file {path})"
+            # A SampleError's message already names the sample; a re-raised user exception's
+            # does not (the loader adds it as a note, which str() leaves out).
+            message = str(e) if isinstance(e, SampleError) else f"{type(e).__name__}: {e}"
+            raise PipelineFailed(f"the dataset or transform failed on {where}: {message}") from e
+        raise TrialFailed(f"{type(e).__name__}: {e}") from e
+    return m, knobs
+
+
+def _objective(pipeline: Pipeline, space: SearchSpace, memory_budget_bytes: int | None):
+    def objective(trial: optuna.Trial) -> float:
+        params = space.suggest(trial)
+
+        def on_report(batches: int, idle: float) -> None:
+            trial.report(idle, batches)
+            if trial.should_prune():
+                raise optuna.TrialPruned(
+                    f"idle {idle:.3f} after {batches} batches is above the median of earlier trials"
+                )
+
+        try:
+            m, knobs = measure_config(
+                pipeline,
+                space,
+                params,
+                on_report=on_report,
+                memory_budget_bytes=memory_budget_bytes,
+            )
+        except (MemoryBudgetExceeded, TrialFailed, PipelineFailed) as e:
+            trial.set_user_attr("failure", str(e))
+            raise
+        for key, value in m.as_dict().items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("cpu_s_per_sample", m.cpu_s_per_sample)
+        trial.set_user_attr("knobs", knobs)
+        return m.idle_ratio
+
+    return objective
+
+
+def best_config(
+    best: FrozenTrial, space: SearchSpace, pipeline: Pipeline, provenance: dict[str, Any]
+) -> dict[str, Any]:
+    """The configuration file's content for trial ``best`` (``autominato.config`` form).
+
+    ``knobs``: the values the best trial's loader applied; ``bounds``: the searched knobs'
+    ranges (the online controller stays inside them); ``loader``: the static settings
+    (``worker_kind``, ``in_order`` where set, and the batch size).
+    """
+    params = {**space.fixed, **best.params}
+    applied = best.user_attrs.get("knobs") or {}
+    knobs = {
+        k: int(applied.get(k, params.get(k))) for k in KNOB_NAMES if k in applied or k in params
+    }
+    loader = {k: params[k] for k in STATIC_NAMES if k in params}
+    loader.setdefault("batch_size", pipeline.batch_size)
+    return {"knobs": knobs, "bounds": space.knob_bounds(), "loader": loader, "study": provenance}
+
+
+def default_storage(out_dir: Path) -> str:
+    """``sqlite:///OUT/study.db``: one file that survives interruption and that
+    ``optuna-dashboard`` opens."""
+    return f"sqlite:///{out_dir / 'study.db'}"
+
+
+def run_study(
+    pipeline: Pipeline,
+    space: SearchSpace,
+    *,
+    n_trials: int,
+    out_dir: str | Path,
+    timeout: float | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    memory_budget_bytes: int | None = None,
+    seed: int = 0,
+    baseline: bool = True,
+    config_path: str | Path | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+) -> TuneResult:
+    """Run (or resume) a study of ``n_trials`` more trials and write its outputs.
+
+    Args:
+        pipeline: what a trial builds (:func:`autominato.tuning.pipeline.make_pipeline`).
+        space: the search space (:func:`autominato.tuning.space.load_space`).
+        n_trials: trials to add in this run (Optuna's ``optimize(n_trials=...)``).
+        out_dir: folder for ``study.db`` (default storage), ``loader.yaml`` and the PNGs.
+        timeout: stop starting trials after this many seconds (Optuna's ``timeout``).
+        storage: an Optuna storage URL; default :func:`default_storage`.
+        study_name: default :meth:`Pipeline.study_name`, so the same command resumes the study.
+        memory_budget_bytes: a trial above it fails (the study goes on).
+        seed: TPE seed; offset by the trials already stored so a resumed study draws new points.
+        baseline: measure the default configuration first, for comparison: the Loader's
+            defaults for every searched parameter, the space's fixed values for the rest.
+        config_path: where to write the configuration; default ``out_dir/loader.yaml``.
+        console: where lines, the progress bar and the table go.
+        progress: show a progress bar.
+
+    Raises:
+        PipelineFailed: the dataset or transform raised for a sample (the study stays usable).
+        KeyboardInterrupt: the running trial is stored as failed; rerun to resume.
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    console = console or Console()
+    name = study_name or pipeline.study_name()
+    url = storage or default_storage(out)
+    existing = 0
+    try:
+        existing = len(optuna.load_study(study_name=name, storage=url).trials)
+    except KeyError:
+        pass
+    study = optuna.create_study(
+        study_name=name,
+        storage=url,
+        direction="minimize",
+        load_if_exists=True,
+        sampler=optuna.samplers.TPESampler(seed=seed + existing),
+        pruner=optuna.pruners.MedianPruner(**space.pruner),
+    )
+    study.set_user_attr("pipeline", pipeline.identity)
+    console.print(
+        f"study {name!r} in {url}: {existing} stored trials, adding {n_trials} "
+        f"(window {space.trial['window_batches']} batches after {space.trial['warmup_batches']} "
+        f"warm-up, space {space.source})"
+    )
+    base: Measurement | None = None
+    base_knobs: dict[str, int] = {}
+    if baseline:
+        try:
+            base, base_knobs = measure_config(pipeline, space, dict(space.fixed))
+        except TrialFailed as e:
+            console.print(f"default configuration could not be measured: {e}")
+        else:
+            console.print(
+                f"default configuration: idle {base.idle_ratio:.3f}  {fmt_params(base_knobs)}"
+            )
+            study.set_user_attr("baseline", {"idle_ratio": base.idle_ratio, "knobs": base_knobs})
+
+    bar = (
+        Progress(
+            TextColumn("[bold]tuning"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[best]}"),
+            console=console,
+        )
+        if progress
+        else None
+    )
+    task = bar.add_task("trials", total=n_trials, best="") if bar else None
+
+    def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+        line = trial_line(trial)
+        if bar is not None:
+            best = select_best(study.get_trials(deepcopy=False))
+            shown = f"best idle {best.value:.3f} (trial {best.number})" if best else ""
+            bar.update(task, advance=1, best=shown)
+            bar.console.print(line)
+        else:
+            console.print(line)
+
+    verbosity = optuna.logging.get_verbosity()
+    # Our per-trial line replaces Optuna's (which prints a traceback for every failed trial).
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with bar if bar is not None else nullcontext():
+            study.optimize(
+                _objective(pipeline, space, memory_budget_bytes),
+                n_trials=n_trials,
+                timeout=timeout,
+                catch=(MemoryBudgetExceeded, TrialFailed),
+                callbacks=[after_trial],
+            )
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+    trials = study.get_trials(deepcopy=False)
+    best = select_best(trials)
+    config = written = None
+    if best is not None:
+        provenance = {
+            "name": name,
+            "best_trial": best.number,
+            "idle_ratio": round(float(best.value), 4),
+            "baseline_idle_ratio": round(base.idle_ratio, 4) if base else None,
+            "trials_complete": len(completed(trials)),
+            "trials_total": len(trials),
+            "pipeline": {k: v for k, v in pipeline.identity.items() if k != "data" and v},
+            "window_batches": space.trial["window_batches"],
+        }
+        config = best_config(best, space, pipeline, provenance)
+        written = save_config(config, config_path or out / "loader.yaml")
+    plots = save_plots(study, out)
+    return TuneResult(
+        study=study,
+        best=best,
+        baseline=base,
+        baseline_knobs=base_knobs,
+        config=config,
+        config_path=written,
+        plots=plots,
+        elapsed_s=time.perf_counter() - t0,
+    )

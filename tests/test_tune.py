@@ -1,0 +1,208 @@
+"""``autominato tune`` end to end on synthetic pipelines with the real Loader.
+
+The workloads are sleep-based (a sleeping transform thread costs no CPU), so what a
+configuration can deliver does not depend on how busy this machine's 2 cores are: with a
+transform of T seconds per sample, B samples per batch and a step of S seconds, the loader
+keeps up only with at least ``T * B / S`` workers. Thread workers start in milliseconds, which
+keeps a study of a dozen trials within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import autominato
+from autominato import cli
+from autominato.config import load_config
+from autominato.tune import add_arguments, run
+
+#: Transform seconds per sample, batch size, step seconds: 0.04 * 4 / 0.04 -> 4 workers.
+SAMPLE_S, BATCH, STEP_S = 0.04, 4, 0.04
+
+
+class Volumes:
+    """64 small float32 volumes with a label; ``sample_path`` names a (fictitious) file."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        return np.full((1, 4, 4, 4), i, dtype=np.float32), np.int64(i % 3)
+
+    def sample_path(self, i: int) -> str:
+        return f"volumes/case_{i:05d}.npy"
+
+
+def make_dataset() -> Volumes:
+    return Volumes()
+
+
+def slow_transform(sample, rng):
+    time.sleep(SAMPLE_S)
+    image, label = sample
+    return image * rng.uniform(0.9, 1.1), label
+
+
+def quick_transform(sample, rng):
+    time.sleep(0.002)
+    return sample
+
+
+def broken_transform(sample, rng):
+    if int(sample[0].flat[0]) % 4 == 1:
+        raise ValueError("cannot flip a volume of 4 voxels")
+    return sample
+
+
+SPACE = """
+params:
+  depth: 2
+  read_threads: 2
+  workers: {type: int, low: 1, high: 8}
+  pool_size: 24
+  worker_kind: thread
+trial: {warmup_batches: 3, window_batches: 8, report_every: 2}
+pruner: {n_startup_trials: 3, n_warmup_steps: 1}
+"""
+
+
+def tune(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run(parser.parse_args([*argv, "--no-progress"]))
+
+
+@pytest.fixture
+def space(tmp_path: Path) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE)
+    return path
+
+
+def pipeline_args(transform: str = "quick_transform", step: float = 0.01) -> list[str]:
+    return [
+        "--dataset", f"{__name__}:make_dataset",
+        "--transform", f"{__name__}:{transform}",
+        "--batch-size", "2",
+        "--step-time", str(step),
+    ]  # fmt: skip
+
+
+def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
+    tmp_path, space, capsys
+):
+    out = tmp_path / "out"
+    argv = [*pipeline_args(), "--space", str(space), "--trials", "2", "--out", str(out),
+            "--window", "4", "--warmup", "1", "--study-name", "small"]  # fmt: skip
+    assert tune(*argv) == 0
+    assert (out / "study.db").is_file()
+    storage = f"sqlite:///{out / 'study.db'}"
+    assert len(optuna.load_study(study_name="small", storage=storage).trials) == 2
+    cfg = load_config(out / "loader.yaml")
+    assert cfg["bounds"] == {"workers": (1, 8)}
+    assert 1 <= cfg["knobs"]["workers"] <= 8 and cfg["knobs"]["depth"] == 2
+    assert cfg["loader"] == {"worker_kind": "thread", "in_order": False, "batch_size": 2}
+    assert cfg["study"]["trials_complete"] == 2
+    assert (out / "objective.png").stat().st_size > 0
+    text = capsys.readouterr().out
+    assert "default configuration: idle" in text and "Best trials" in text
+
+    assert tune(*argv) == 0  # same command: two more trials in the same study
+    study = optuna.load_study(study_name="small", storage=storage)
+    assert [t.number for t in study.trials] == [0, 1, 2, 3]
+    cfg = load_config(out / "loader.yaml")
+    assert cfg["study"]["trials_total"] == 4
+
+    with autominato.Loader(make_dataset(), 2, config=out / "loader.yaml", autotune=False) as loader:
+        assert loader.knobs.workers == cfg["knobs"]["workers"]
+        assert loader.knobs.bounds("workers") == (1, 8)
+
+
+def test_best_trial_lands_where_enough_workers_keep_up(tmp_path, space):
+    out = tmp_path / "out"
+    # TPE's first 10 draws are random; seed 2 draws workers 4, 1, 5, 4, 4, 3, 2, 5: both sides
+    rc = tune(
+        "--dataset", f"{__name__}:make_dataset", "--transform", f"{__name__}:slow_transform",
+        "--batch-size", str(BATCH), "--step-time", str(STEP_S), "--space", str(space),
+        "--trials", "8", "--seed", "2", "--out", str(out), "--no-baseline", "--study-name", "region",
+    )  # fmt: skip
+    assert rc == 0
+    study = optuna.load_study(study_name="region", storage=f"sqlite:///{out / 'study.db'}")
+    needed = SAMPLE_S * BATCH / STEP_S
+    assert min(t.params["workers"] for t in study.trials) < needed  # the search had a choice
+    best = load_config(out / "loader.yaml")
+    assert best["knobs"]["workers"] >= needed
+    assert best["study"]["idle_ratio"] < 0.5
+    for t in study.trials:
+        if t.params["workers"] <= needed / 2:
+            # at most half the samples the step consumes: pruned or clearly more idle
+            last = t.value if t.state == TrialState.COMPLETE else t.intermediate_values[t.last_step]
+            assert last > best["study"]["idle_ratio"]
+    assert (out / "importance.png").stat().st_size > 0
+
+
+def test_invalid_space_gives_the_key_and_exit_status_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("params:\n  workers: {type: int, low: 0, high: lots}\n")
+    rc = tune(*pipeline_args(), "--space", str(bad), "--out", str(tmp_path / "out"))
+    assert rc == 2
+    err = capsys.readouterr().out
+    assert "params.workers.high" in err and "lots" in err
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_memory_budget_violation_fails_trials_and_the_study_stays_usable(tmp_path, space, capsys):
+    out = tmp_path / "out"
+    common = [*pipeline_args(), "--space", str(space), "--out", str(out), "--window", "4",
+              "--warmup", "1", "--study-name", "budget", "--no-baseline"]  # fmt: skip
+    assert tune(*common, "--trials", "2", "--memory-budget", "1MiB") == 1
+    text = capsys.readouterr().out
+    assert "over the budget of 0.00 GiB" in text and "no trial completed" in text
+    storage = f"sqlite:///{out / 'study.db'}"
+    study = optuna.load_study(study_name="budget", storage=storage)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert all("over the budget" in t.user_attrs["failure"] for t in study.trials)
+    assert not (out / "loader.yaml").exists()
+
+    assert tune(*common, "--trials", "1") == 0  # without the budget the same study goes on
+    study = optuna.load_study(study_name="budget", storage=storage)
+    assert [t.state for t in study.trials][-1] == TrialState.COMPLETE
+    assert load_config(out / "loader.yaml")["study"]["best_trial"] == 2
+
+
+def test_transform_that_raises_names_the_sample_and_file_and_the_study_resumes(
+    tmp_path, space, capsys
+):
+    out = tmp_path / "out"
+    common = ["--space", str(space), "--out", str(out), "--window", "4", "--warmup", "1",
+              "--study-name", "broken", "--no-baseline"]  # fmt: skip
+    rc = tune(*pipeline_args("broken_transform"), *common, "--trials", "3")
+    assert rc == 1
+    text = capsys.readouterr().out
+    index = re.search(r"sample index (\d+) \(file volumes/case_(\d+)\.npy\)", text)
+    assert index and int(index[1]) == int(index[2]) and int(index[1]) % 4 == 1
+    assert "ValueError: cannot flip a volume of 4 voxels" in text
+    assert "run the same command to resume" in text
+    storage = f"sqlite:///{out / 'study.db'}"
+    trials = optuna.load_study(study_name="broken", storage=storage).trials
+    assert [t.state for t in trials] == [TrialState.FAIL]  # stopped at once: no config fixes it
+
+    assert tune(*pipeline_args("quick_transform"), *common, "--trials", "1") == 0
+    trials = optuna.load_study(study_name="broken", storage=storage).trials
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+
+
+def test_cli_dispatches_tune(tmp_path, space, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["autominato"])
+    out = tmp_path / "out"
+    rc = cli.main(["tune", *pipeline_args(), "--space", str(space), "--trials", "1", "--window", "2",
+                   "--warmup", "0", "--out", str(out), "--no-baseline", "--no-progress"])  # fmt: skip
+    assert rc == 0 and (out / "loader.yaml").is_file()

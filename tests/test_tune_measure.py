@@ -1,0 +1,106 @@
+"""One trial's measurement against fake loaders whose delivery time is known (sleep-based, so
+the orderings hold on a busy machine: a sleep never returns early)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from autominato.tuning import MemoryBudgetExceeded, NoBatches, SleepStep, measure
+from autominato.tuning.measure import batch_len
+
+
+class FakeLoader:
+    """Yields ``n`` batches of ``batch`` samples per epoch, sleeping ``delay`` s before each."""
+
+    def __init__(self, n: int = 4, delay: float = 0.0, batch: int = 2) -> None:
+        self.n, self.delay, self.batch = n, delay, batch
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.delay)
+            yield torch.zeros(self.batch, 3)
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+
+def test_a_loader_slower_than_the_step_is_mostly_idle():
+    m = measure(FakeLoader(n=100, delay=0.03), SleepStep(0.003), warmup_batches=1, window_batches=6)
+    # wait >= 6 * 0.03 s, busy: sleeps of 0.003 s that a loaded machine may stretch a little
+    assert m.wait_s >= 6 * 0.03 and m.busy_s >= 6 * 0.003
+    assert m.idle_ratio > 0.5
+    fast = measure(FakeLoader(n=100), SleepStep(0.02), warmup_batches=1, window_batches=6)
+    assert fast.idle_ratio < m.idle_ratio
+    assert fast.idle_ratio == pytest.approx(fast.wait_s / (fast.wait_s + fast.busy_s))
+
+
+def test_window_counts_batches_and_samples_across_epochs():
+    loader = FakeLoader(n=3, batch=5)
+    m = measure(loader, SleepStep(0.0), warmup_batches=2, window_batches=8)
+    assert m.batches == 8 and m.samples == 40
+    assert loader.epochs == [0, 1, 2, 3]  # 10 batches of 3 per epoch: epochs 0..3
+    assert m.cpu_s >= 0.0 and m.peak_memory_bytes > 0
+
+
+def test_intermediate_idle_ratios_are_reported_every_n_batches():
+    seen: list[tuple[int, float]] = []
+    measure(
+        FakeLoader(n=50),
+        SleepStep(0.0),
+        warmup_batches=0,
+        window_batches=12,
+        report_every=4,
+        on_report=lambda i, idle: seen.append((i, idle)),
+    )
+    assert [i for i, _ in seen] == [4, 8]  # the 12th is the trial's final value
+    assert all(0.0 <= idle <= 1.0 for _, idle in seen)
+
+
+def test_report_callback_can_stop_the_trial():
+    class Stop(Exception):
+        pass
+
+    def stop(i, idle):
+        raise Stop(i)
+
+    loader = FakeLoader(n=50)
+    with pytest.raises(Stop):
+        measure(loader, SleepStep(0.0), warmup_batches=0, window_batches=12, report_every=2, on_report=stop)
+
+
+def test_memory_over_the_budget_raises_with_both_numbers():
+    with pytest.raises(MemoryBudgetExceeded, match="over the budget of") as err:
+        measure(FakeLoader(n=10), SleepStep(0.0), warmup_batches=0, window_batches=2, memory_budget_bytes=1)
+    assert err.value.used_bytes > err.value.budget_bytes == 1
+
+
+def test_an_empty_loader_is_an_error_not_a_hang():
+    with pytest.raises(NoBatches, match="epoch 0"):
+        measure(FakeLoader(n=0), SleepStep(0.0), warmup_batches=0, window_batches=1)
+
+
+@pytest.mark.parametrize(
+    ("batch", "n"),
+    [
+        (torch.zeros(3, 2), 3),
+        ((np.zeros((4, 1)), np.zeros(4)), 4),
+        ({"image": torch.zeros(5, 1), "label": torch.zeros(5)}, 5),
+        ([torch.zeros(2)], 2),
+        (7, 1),
+    ],
+)
+def test_batch_len_reads_the_leading_size(batch, n):
+    assert batch_len(batch) == n
+
+
+def test_sleep_step_rejects_negative_time():
+    with pytest.raises(ValueError, match="step time"):
+        SleepStep(-1)
