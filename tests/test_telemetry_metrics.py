@@ -407,3 +407,27 @@ def test_nvml_figures_are_converted_to_base_units_with_dcgm_labels():
     assert fams["autominato_gpu_pcie_tx_bytes_per_second"][0].value == 2_000_000 * 1024
     # A counter the GPU does not support is left out, not reported as 0.
     assert "autominato_gpu_pcie_rx_bytes_per_second" not in fams
+
+
+def test_latency_histogram_counts_values_in_prometheus_le_buckets():
+    from autominato.telemetry.metrics import LATENCY_BUCKETS, LatencyHistogram, PairedChildren
+
+    service = LatencyHistogram("test_service_seconds", "test", ["stage"], registered=False)
+    wait = LatencyHistogram("test_wait_seconds", "test", ["stage"], registered=False)
+    pair = PairedChildren(service, wait, "read")
+    # A value equal to a bound belongs to that bucket (le is inclusive); 20 s is over 10 s.
+    for s, w in ((0.0005, 0.0), (0.0006, 0.0), (10.0, 0.0), (20.0, 0.003)):
+        pair.observe(s, w)
+    fam = service.family()
+    buckets = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    assert buckets["0.0005"] == 1 and buckets["0.001"] == 2
+    assert buckets["5.0"] == 2 and buckets["10.0"] == 3 and buckets["+Inf"] == 4
+    assert len(buckets) == len(LATENCY_BUCKETS) + 1
+    total = next(s.value for s in fam.samples if s.name == "test_service_seconds_sum")
+    assert total == pytest.approx(30.0011)
+    waits = {s.labels["le"]: s.value for s in wait.family().samples if s.name.endswith("_bucket")}
+    assert waits["0.0005"] == 3 and waits["0.0025"] == 3 and waits["0.005"] == 4
+    service.remove("read")
+    assert service.family().samples == []
+    with pytest.raises(ValueError, match="expected labels"):
+        service.labels("read", "extra")

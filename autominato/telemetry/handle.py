@@ -27,6 +27,7 @@ from autominato.telemetry.metrics import (
     STAGE_SERVICE_SECONDS,
     STAGE_WAIT_SECONDS,
     STAGES,
+    PairedChildren,
     bounded_reason,
 )
 from autominato.telemetry.monitor import DataMonitor, diagnose, format_report
@@ -110,15 +111,15 @@ class TelemetryHandle:
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
         self._closed = False
-        self._stage_children = {
-            stage: (
-                STAGE_SERVICE_SECONDS.labels(stage, self.rank),
-                STAGE_WAIT_SECONDS.labels(stage, self.rank),
-            )
+        # stage -> children observed with (service_s, wait_s) of each recorded item; the
+        # consumer's "service" is its step time between two next() calls.
+        self._pairs = {
+            stage: PairedChildren(STAGE_SERVICE_SECONDS, STAGE_WAIT_SECONDS, stage, self.rank)
             for stage in STAGES
         }
-        self._consumer_wait = CONSUMER_WAIT_SECONDS.labels(self.rank)
-        self._consumer_step = CONSUMER_STEP_SECONDS.labels(self.rank)
+        self._pairs["consumer"] = PairedChildren(
+            CONSUMER_STEP_SECONDS, CONSUMER_WAIT_SECONDS, self.rank
+        )
         self._h2d_copy = H2D_COPY_SECONDS.labels(self.rank)
         self._decision_labels: set[tuple[str, str]] = set()
         self._hooked: list[StageStats] = []
@@ -156,16 +157,11 @@ class TelemetryHandle:
         return self.exporter.url if self.exporter is not None else None
 
     def _on_item(self, stage: str, service_s: float, wait_s: float, nbytes: int) -> None:
-        # Runs on the recording thread for every item: dictionary look-ups and observes only.
-        if stage == "consumer":
-            self._consumer_wait.observe(wait_s)
-            self._consumer_step.observe(service_s)
+        # Runs on the recording thread for every item: one look-up, one paired observe.
+        pair = self._pairs.get(stage)
+        if pair is None:
             return
-        children = self._stage_children.get(stage)
-        if children is None:
-            return
-        children[0].observe(service_s)
-        children[1].observe(wait_s)
+        pair.observe(service_s, wait_s)
         if stage == "transfer":
             # The loader records the transfer stage once per batch copied to the device, with
             # the copy time from CUDA events (the stage is silent without a device).
