@@ -74,10 +74,10 @@ pruner: {n_startup_trials: 3, n_warmup_steps: 1}
 """
 
 
-def tune(*argv: str) -> int:
+def tune(*argv: str, progress: bool = False) -> int:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return run(parser.parse_args([*argv, "--no-progress"]))
+    return run(parser.parse_args([*argv] if progress else [*argv, "--no-progress"]))
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
     out = tmp_path / "out"
     argv = [*pipeline_args(), "--space", str(space), "--trials", "2", "--out", str(out),
             "--window", "4", "--warmup", "1", "--study-name", "small"]  # fmt: skip
-    assert tune(*argv) == 0
+    assert tune(*argv, progress=True) == 0
     assert (out / "study.db").is_file()
     storage = f"sqlite:///{out / 'study.db'}"
     assert len(optuna.load_study(study_name="small", storage=storage).trials) == 2
@@ -114,6 +114,7 @@ def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
     assert (out / "objective.png").stat().st_size > 0
     text = capsys.readouterr().out
     assert "default configuration: idle" in text and "Best trials" in text
+    assert "tuning" in text and "2/2" in text  # the progress bar's last state
 
     assert tune(*argv) == 0  # same command: two more trials in the same study
     study = optuna.load_study(study_name="small", storage=storage)
