@@ -80,15 +80,33 @@ def test_io_like_transform_may_use_more_workers_than_cores():
     assert tail_idle(trace) < 0.05
 
 
+def changes_per_half(trace):
+    """Intervals in which some knob changed, in the first and the second half of the run."""
+    at = [i for i in range(1, len(trace.knobs)) if trace.knobs[i] != trace.knobs[i - 1]]
+    half = len(trace.knobs) // 2
+    return sum(1 for i in at if i < half), sum(1 for i in at if i >= half)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_noisy_steady_workload_settles_with_a_bounded_number_of_changes(seed):
-    # Demand 40 samples/s, 3 workers serve 60: steady, with 20 % noise on every interval.
+def test_noisy_steady_workload_settles(seed):
+    # Demand 40 samples/s, 3 workers serve 60: steady, with 10 % noise on every interval.
+    wl = Workload(transform_s=0.05, step_s=0.1, cores=4, noise=0.1)
+    trace = run(wl, dict(depth=2, read_threads=2, workers=3, pool_size=16), steps=600, seed=seed)
+    first, second = changes_per_half(trace)
+    assert first <= 4 and second == 0
+    assert trace.knobs[-1]["workers"] == 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_very_noisy_steady_workload_changes_ever_more_rarely(seed):
+    # 20 % noise on every interval makes 3 workers borderline now and then: the rule may
+    # try a fourth, but the backoff makes such changes rarer as the run goes on.
     wl = Workload(transform_s=0.05, step_s=0.1, cores=4, noise=0.2)
     trace = run(wl, dict(depth=2, read_threads=2, workers=3, pool_size=16), steps=600, seed=seed)
-    changes = [i for i in range(1, len(trace.knobs)) if trace.knobs[i] != trace.knobs[i - 1]]
-    assert len(changes) <= 12
-    assert sum(1 for i in changes if i >= 300) <= 4  # backoff: it calms down
-    assert 2 <= trace.knobs[-1]["workers"] <= 4
+    first, second = changes_per_half(trace)
+    assert first + second <= 15
+    assert second <= first
+    assert 3 <= trace.knobs[-1]["workers"] <= 4
 
 
 def test_memory_budget_over_is_shrunk_first_and_then_respected():

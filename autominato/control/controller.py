@@ -43,9 +43,10 @@ HISTORY = 600
 
 def _slim(s: LoaderSnapshot, extra: dict[str, float]) -> LoaderSnapshot:
     """``s`` without its rings of recent timings (the rule reads totals; 600 snapshots of
-    five 512-long rings would hold ~100 MB of Python floats), plus ``extra``."""
+    five 512-long rings would hold ~100 MB of Python floats), plus ``extra`` where the
+    loader did not report those figures itself."""
     stages = {n: replace(st, recent_service_s=(), recent_wait_s=()) for n, st in s.stages.items()}
-    return replace(s, stages=stages, consumer_wait_recent_s=(), extra={**s.extra, **extra})
+    return replace(s, stages=stages, consumer_wait_recent_s=(), extra={**extra, **s.extra})
 
 
 class _ProcessMeter:
@@ -116,7 +117,8 @@ class Controller:
         rule: the decision rule; default :class:`StageBasedRule`.
         config: a configuration (path or mapping, :func:`autominato.config.load_config`)
             written by ``autominato tune``: its ``bounds`` become the knobs' bounds and its
-            ``knobs`` the starting values (warm start).
+            ``knobs`` the starting values (warm start). Skipped when it equals
+            ``loader.config``, which the loader has applied already.
         memory_budget_bytes: host memory the loader may hold, bytes; default
             :data:`MEMORY_FRACTION` of the available RAM at construction.
         cores: the CPU-core budget; default :func:`~autominato.pipeline.knobs.usable_cores`.
@@ -153,7 +155,11 @@ class Controller:
             memory_budget_bytes = MEMORY_FRACTION * psutil.virtual_memory().available
         self.budget = Budget(cores=cores or usable_cores(), memory_bytes=float(memory_budget_bytes))
         if config is not None:
-            self._warm_start(load_config(config))
+            cfg = load_config(config)
+            # autominato.Loader(config=...) applies its configuration itself (explicit knob
+            # arguments winning); applying it again here would undo those arguments.
+            if getattr(loader, "config", None) != cfg:
+                self._warm_start(cfg)
         self.history: deque[LoaderSnapshot] = deque(maxlen=HISTORY)
         self.decisions: list[Decision] = []
         self._state = self.rule.initial_state()
@@ -164,10 +170,14 @@ class Controller:
 
     def _warm_start(self, cfg: dict[str, Any]) -> None:
         knobs = self.loader.knobs
+        # A loader built without workers (transforms inline) cannot grow them while it runs.
+        skip = {"workers"} if knobs.workers == 0 else set()
         for name, (lo, hi) in cfg["bounds"].items():
-            knobs.set_bounds(name, lo, hi)
+            if name not in skip:
+                knobs.set_bounds(name, lo, hi)
         for name, value in cfg["knobs"].items():
-            knobs.set(name, value)
+            if name not in skip:
+                knobs.set(name, value)
         log.info("warm start from configuration: %r", knobs)
 
     def step(self) -> list[Decision]:

@@ -104,6 +104,7 @@ class Window:
         intervals: intervals with at least one batch in the window.
         idle_sd: standard deviation of the idle ratio between the window's intervals; 0.0
             with fewer than two intervals.
+        idle_min: the lowest idle ratio of the window's intervals (0.0 without any).
         step_s: consumer step time per batch (time between ``next()`` calls), seconds.
         batch_size: mean samples per batch.
         demand: samples/s that would keep the consumer from ever waiting,
@@ -128,6 +129,7 @@ class Window:
     wait_sd_s: float
     intervals: int
     idle_sd: float
+    idle_min: float
     step_s: float
     batch_size: float
     demand: float
@@ -248,6 +250,7 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
         wait_sd_s=float(np.std(per_interval, ddof=1)) if len(per_interval) > 1 else 0.0,
         intervals=len(per_interval),
         idle_sd=float(np.std(idle_per_interval, ddof=1)) if len(pairs) > 1 else 0.0,
+        idle_min=min(idle_per_interval, default=0.0),
         step_s=step_s,
         batch_size=batch_size,
         demand=batch_size / step_s if step_s > 0 else math.inf,
@@ -347,7 +350,10 @@ class StageBasedRule(Rule):
     3. Cores: more transform workers than usable cores while the loader's processes use at
        least ``cpu_saturated`` of them: shrink to the core count.
     4. Idle above ``idle_high`` by more than ``z_trigger`` standard errors of the window's
-       per-interval idle (window of at least ``min_batches``): grow the stage with the
+       per-interval idle (window of at least ``min_batches``; the latest ``judge_batches``
+       alone when their idle exceeds ``idle_urgent`` and each of their intervals' idle
+       exceeds ``idle_high``, so that a shift in the workload is met at once, with figures
+       not diluted by the time before it): grow the stage with the
        highest utilisation if it is saturated (``util >= util_saturated``) to
        ``ceil(service x demand x headroom)`` workers (Little's law: the concurrency that
        serves ``demand`` samples/s), at least one more and at most double. Transform workers
@@ -376,6 +382,7 @@ class StageBasedRule(Rule):
     min_gain: float = 0.10
     z: float = 2.0
     z_trigger: float = 1.0
+    idle_urgent: float = 0.15
     util_saturated: float = 0.8
     util_shrink: float = 0.7
     headroom: float = 1.2
@@ -463,6 +470,22 @@ class StageBasedRule(Rule):
             verdict, state = self._judge(state, w, b, budget)
             if verdict or state.trial is not None:  # reverted, or still being judged
                 return verdict, state
+        # A long window averages noise out but reacts late to a change of workload; a
+        # starved consumer over the latest judge_batches is acted on at once, and that
+        # shorter window is then the baseline the change is judged against.
+        recent = snaps
+        for i in range(len(snaps) - 2, -1, -1):
+            if b.batches_total - snaps[i].batches_total >= self.judge_batches:
+                recent = snaps[i:]
+                break
+        short = measure(recent[0], b, recent)
+        if (
+            short.idle > self.idle_urgent
+            and short.batches >= self.min_batches
+            and short.intervals >= 2
+            and short.idle_min > self.idle_high  # every interval starved, not one burst
+        ):
+            w = short
         for choose in (self._cores, self._grow, self._shrink):
             picked = choose(w, bounds, budget, state, b)
             if picked is not None:
@@ -504,7 +527,11 @@ class StageBasedRule(Rule):
                 return [], state
             ok = w.idle < (self.idle_low + self.idle_high) / 2
         if ok:
-            failures = {k: v for k, v in state.failures.items() if k != move}
+            # A kept grow clears its failures; a kept shrink does not clear its own, which
+            # count how often shrinking this knob was regretted (see below).
+            failures = dict(state.failures)
+            if trial.grow:
+                failures.pop(move, None)
             backoff = dict(state.backoff_until)
             if trial.grow:
                 # Growing back what a kept shrink removed counts as that shrink's failure, so
