@@ -80,7 +80,7 @@ def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
         assert r.ratio_to_limit >= 1.0, name
         assert r.samples_per_s == pytest.approx(len(wl) / r.wall_s), name
         assert 0 <= r.p99_wait_s <= r.wall_s, name
-        assert 0 < r.build_s <= r.wall_s, name
+        assert 0 < r.build_s <= r.first_batch_s == r.busy[0][0] < r.wall_s, name
         assert r.cpu_s > 0, name
         assert r.peak_pss_bytes >= r.start_pss_bytes > 0, name
         # Four 20 ms sleeps in steps, never more busy time than wall time.
@@ -88,7 +88,10 @@ def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
         assert 4 * 0.02 <= busy <= r.wall_s, name
         assert math.isnan(r.gpu_util_mean), name
     assert "config=" in recs["autominato-tuned"].detail
-    assert recs["dataloader-best"].detail == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False"
+    assert (
+        recs["dataloader-best"].detail
+        == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False"
+    )
 
 
 def test_limit_is_the_steps_when_the_accelerator_is_the_bottleneck(all_arms):
@@ -105,18 +108,53 @@ def test_csv_columns_are_stable(all_arms):
     with open(out / "runs.csv") as f:
         header = next(csv.reader(f))
     assert header == [
-        "workload", "arm", "repeat", "position", "status", "detail", "samples",
-        "unique_samples", "batches", "wall_s", "build_s", "samples_per_s", "limit_s",
-        "ratio_to_limit", "idle_ratio", "p99_wait_s", "cpu_s", "peak_pss_bytes",
-        "start_pss_bytes", "gpu_util_mean", "pcie_rx_bytes_per_s", "pcie_tx_bytes_per_s",
+        "workload",
+        "arm",
+        "repeat",
+        "position",
+        "status",
+        "detail",
+        "samples",
+        "unique_samples",
+        "batches",
+        "wall_s",
+        "build_s",
+        "first_batch_s",
+        "samples_per_s",
+        "limit_s",
+        "ratio_to_limit",
+        "idle_ratio",
+        "p99_wait_s",
+        "cpu_s",
+        "peak_pss_bytes",
+        "start_pss_bytes",
+        "gpu_util_mean",
+        "pcie_rx_bytes_per_s",
+        "pcie_tx_bytes_per_s",
     ]
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    stats = [f"{m}_{s}" for m in ("wall_s", "samples_per_s", "ratio_to_limit", "idle_ratio",
-                                  "p99_wait_s", "cpu_s", "peak_pss_bytes")
-             for s in ("median", "min", "max")]
-    assert list(rows[0]) == ["workload", "arm", "status", "detail", "runs", "limit_s", *stats,
-                             "speedup_vs_dataloader"]
+    metrics = (
+        "wall_s",
+        "first_batch_s",
+        "samples_per_s",
+        "ratio_to_limit",
+        "idle_ratio",
+        "p99_wait_s",
+        "cpu_s",
+        "peak_pss_bytes",
+    )
+    stats = [f"{m}_{s}" for m in metrics for s in ("median", "min", "max")]
+    assert list(rows[0]) == [
+        "workload",
+        "arm",
+        "status",
+        "detail",
+        "runs",
+        "limit_s",
+        *stats,
+        "speedup_vs_dataloader",
+    ]
     assert [r["arm"] for r in rows] == list(ARM_NAMES)
     dl = next(r for r in rows if r["arm"] == "dataloader")
     assert float(dl["speedup_vs_dataloader"]) == 1.0
@@ -138,8 +176,9 @@ def test_plots_are_written_as_png(all_arms):
 
 def test_a_peer_that_cannot_be_imported_is_reported_missing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "spdl.pipeline", None)  # import now raises ImportError
-    res = run_workload(tiny(4), options(tmp_path, arms=["spdl", "autominato-tuned"],
-                                        ctx=Context(cores=CORES)))
+    res = run_workload(
+        tiny(4), options(tmp_path, arms=["spdl", "autominato-tuned"], ctx=Context(cores=CORES))
+    )
     by = {r.arm: r for r in res.records}
     assert by["spdl"].status.startswith("missing: ModuleNotFoundError: import of spdl.pipeline")
     assert by["autominato-tuned"].status.startswith("not given")
@@ -148,8 +187,11 @@ def test_a_peer_that_cannot_be_imported_is_reported_missing(tmp_path, monkeypatc
 
 def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind():
     wl = tiny(6)
-    arm = Arm("dataloader", "dataloader", {"num_workers": 2, "prefetch_factor": 2,
-                                           "pin_memory": True, "in_order": True})
+    arm = Arm(
+        "dataloader",
+        "dataloader",
+        {"num_workers": 2, "prefetch_factor": 2, "pin_memory": True, "in_order": True},
+    )
     before = {p.pid for p in __import__("psutil").Process().children(recursive=True)}
     r = run_once(RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.01}))
     assert sorted(r["indices"]) == list(range(6))
@@ -161,18 +203,24 @@ def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind
 
 
 def test_a_failing_sample_is_reported_with_its_index_and_file(tmp_path):
-    wl = synthetic_workload(None, samples=4, batch_size=2, sample_mb=1 / 64, cost_s=0.0,
-                            on_disk=True, step_s=0.0)
+    wl = synthetic_workload(
+        None, samples=4, batch_size=2, sample_mb=1 / 64, cost_s=0.0, on_disk=True, step_s=0.0
+    )
     missing = Path(wl.dataset.sample_path(3))
-    arm = Arm("dataloader", "dataloader", {"num_workers": 1, "prefetch_factor": 2,
-                                           "pin_memory": False, "in_order": True})
+    arm = Arm(
+        "dataloader",
+        "dataloader",
+        {"num_workers": 1, "prefetch_factor": 2, "pin_memory": False, "in_order": True},
+    )
     try:
         missing.unlink()
         with pytest.raises(FileNotFoundError, match=f"sample 3: file {missing} is missing"):
             run_workload(wl, options(tmp_path, arms=["dataloader"]))  # the serial pass
         with pytest.raises(RunFailed) as failed:
-            run_once(RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}),
-                     isolate=False)
+            run_once(
+                RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}),
+                isolate=False,
+            )
         # The DataLoader wraps the worker's error; the status keeps the original line.
         assert failed.value.status == (
             f"error: FileNotFoundError: FileNotFoundError: sample 3: file {missing} is missing"
@@ -257,11 +305,30 @@ def test_cli_runs_one_arm_and_writes_its_files(tmp_path, monkeypatch):
     from autominato import cli
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # children import the checkout
-    rc = cli.main([
-        "bench", "--workload", "synthetic", "--scenario", "custom", "--arms", "dataloader",
-        "--repeats", "1", "--no-isolate", "--samples", "4", "--sample-mb", "0.01",
-        "--cost-ms", "1", "--step", "0.005", "--out", str(tmp_path),
-    ])
+    rc = cli.main(
+        [
+            "bench",
+            "--workload",
+            "synthetic",
+            "--scenario",
+            "custom",
+            "--arms",
+            "dataloader",
+            "--repeats",
+            "1",
+            "--no-isolate",
+            "--samples",
+            "4",
+            "--sample-mb",
+            "0.01",
+            "--cost-ms",
+            "1",
+            "--step",
+            "0.005",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     with open(tmp_path / "summary.csv") as f:
         (row,) = list(csv.DictReader(f))

@@ -62,52 +62,118 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.set_defaults(bench_suite="loaders")
     g = parser.add_argument_group("what to run")
-    g.add_argument("--workload", nargs="+", choices=["kits19", "synthetic"],
-                   default=["kits19", "synthetic"], help="workloads (default: both)")
-    g.add_argument("--scenario", nargs="+", choices=[*SCENARIOS, "custom"],
-                   default=["balanced_stragglers"],
-                   help="synthetic scenario(s) (default balanced_stragglers); 'custom' uses "
-                   "only the options below")
-    g.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=list(ARM_NAMES),
-                   help="arms to run (default: all)")
+    g.add_argument(
+        "--workload",
+        nargs="+",
+        choices=["kits19", "synthetic"],
+        default=["kits19", "synthetic"],
+        help="workloads (default: both)",
+    )
+    g.add_argument(
+        "--scenario",
+        nargs="+",
+        choices=[*SCENARIOS, "custom"],
+        default=["balanced_stragglers"],
+        help="synthetic scenario(s) (default balanced_stragglers); 'custom' uses "
+        "only the options below",
+    )
+    g.add_argument(
+        "--arms",
+        nargs="+",
+        choices=ARM_NAMES,
+        default=list(ARM_NAMES),
+        help="arms to run (default: all)",
+    )
     g.add_argument("--repeats", type=int, default=3, help="timed runs per arm (default 3)")
-    g.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="folder for CSV files and plots (default ./bench-results)")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="folder for CSV files and plots (default ./bench-results)",
+    )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-isolate", action="store_true",
-                   help="run every arm in this process instead of a fresh one per run")
-    g.add_argument("--timeout", type=float, default=None,
-                   help="seconds one run may take (default 10x the limit + 120)")
+    g.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="run every arm in this process instead of a fresh one per run",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one run may take (default 10x the limit + 120)",
+    )
 
     g = parser.add_argument_group("consumer (accelerator)")
-    g.add_argument("--step", type=float, default=None, metavar="SECONDS",
-                   help="simulated step time per batch (default: calibrated to the mean "
-                   "per-batch CPU cost / usable cores)")
-    g.add_argument("--step-factor", type=float, default=None,
-                   help="multiply the calibrated step (scenarios set their own)")
-    g.add_argument("--unet", choices=["auto", "on", "off"], default="auto",
-                   help="real 3D-UNet step for kits19 (auto: when CUDA is available)")
+    g.add_argument(
+        "--step",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="simulated step time per batch (default: calibrated to the mean "
+        "per-batch CPU cost / usable cores)",
+    )
+    g.add_argument(
+        "--step-factor",
+        type=float,
+        default=None,
+        help="multiply the calibrated step (scenarios set their own)",
+    )
+    g.add_argument(
+        "--unet",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="real 3D-UNet step for kits19 (auto: when CUDA is available)",
+    )
     g.add_argument("--unet-model", choices=["mlperf", "compact"], default="mlperf")
-    g.add_argument("--nvml", action="store_true",
-                   help="sample GPU utilisation and PCIe throughput (nvidia-ml-py)")
+    g.add_argument(
+        "--nvml",
+        action="store_true",
+        help="sample GPU utilisation and PCIe throughput (nvidia-ml-py)",
+    )
 
     g = parser.add_argument_group("arms")
-    g.add_argument("--tuned-config", type=Path, default=None,
-                   help="configuration written by `autominato tune` for autominato-tuned")
-    g.add_argument("--grid-workers", type=int, nargs="+", default=None,
-                   help="DataLoader grid: num_workers values (default: cores, 2x cores)")
+    g.add_argument(
+        "--tuned-config",
+        type=Path,
+        default=None,
+        help="configuration written by `autominato tune` for autominato-tuned",
+    )
+    g.add_argument(
+        "--grid-workers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="DataLoader grid: num_workers values (default: cores, 2x cores)",
+    )
     g.add_argument("--grid-prefetch", type=int, nargs="+", default=[2, 4])
-    g.add_argument("--grid-fraction", type=float, default=0.5,
-                   help="part of the epoch each grid probe runs (default 0.5)")
-    g.add_argument("--spdl-executor", choices=["thread", "process"], default="thread",
-                   help="SPDL transform stage executor (default thread, SPDL's own default)")
+    g.add_argument(
+        "--grid-fraction",
+        type=float,
+        default=0.5,
+        help="part of the epoch each grid probe runs (default 0.5)",
+    )
+    g.add_argument(
+        "--spdl-executor",
+        choices=["thread", "process"],
+        default="thread",
+        help="SPDL transform stage executor (default thread, SPDL's own default)",
+    )
 
     g = parser.add_argument_group("synthetic workload")
     g.add_argument("--samples", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=None,
-                   help="samples per batch (default 2, as MLPerf 3D-UNet)")
-    g.add_argument("--sample-mb", type=float, default=8.0,
-                   help="MB per sample (default 8: one 128^3 float32 patch)")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per batch (default 2, as MLPerf 3D-UNet)",
+    )
+    g.add_argument(
+        "--sample-mb",
+        type=float,
+        default=8.0,
+        help="MB per sample (default 8: one 128^3 float32 patch)",
+    )
     g.add_argument("--on-disk", action="store_true", help="read samples from .npy files")
     g.add_argument("--read-latency-ms", type=float, default=None)
     g.add_argument("--cost-dist", choices=COST_DISTRIBUTIONS, default=None)
@@ -115,20 +181,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-sigma", type=float, default=None, help="lognormal log-space sigma")
     g.add_argument("--straggler-fraction", type=float, default=None)
     g.add_argument("--straggler-factor", type=float, default=None)
-    g.add_argument("--double-at", type=float, default=None,
-                   help="fraction of the epoch after which the cost doubles")
+    g.add_argument(
+        "--double-at",
+        type=float,
+        default=None,
+        help="fraction of the epoch after which the cost doubles",
+    )
 
     g = parser.add_argument_group("kits19 workload")
-    g.add_argument("--data", type=Path, default=None,
-                   help="folder prepared by `autominato prepare` (default: prepare from "
-                   "../shared/kits19/labels with synthesised CT, cached)")
-    g.add_argument("--labels", type=Path, default=None,
-                   help="KiTS19 label folder (default ../shared/kits19/labels)")
+    g.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder prepared by `autominato prepare` (default: prepare from "
+        "../shared/kits19/labels with synthesised CT, cached)",
+    )
+    g.add_argument(
+        "--labels",
+        type=Path,
+        default=None,
+        help="KiTS19 label folder (default ../shared/kits19/labels)",
+    )
     g.add_argument("--cases", type=int, default=None, help="cases to use (default: all)")
-    g.add_argument("--scale", type=float, default=1.0,
-                   help="shrink volumes and patch by this factor for quick runs (default 1)")
-    g.add_argument("--cache", type=Path, default=None,
-                   help="where prepared cases are cached (default ~/.cache/autominato)")
+    g.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="shrink volumes and patch by this factor for quick runs (default 1)",
+    )
+    g.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="where prepared cases are cached (default ~/.cache/autominato)",
+    )
 
 
 def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
@@ -180,8 +266,11 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``autominato bench``; returns the exit status (1 if any run failed)."""
     if getattr(args, "bench_suite", "loaders") == "controller":
         if importlib.util.find_spec("autominato.bench.controller") is None:
-            print("autominato bench controller: not available in this version "
-                  "(autominato/bench/controller.py is missing)", file=sys.stderr)
+            print(
+                "autominato bench controller: not available in this version "
+                "(autominato/bench/controller.py is missing)",
+                file=sys.stderr,
+            )
             return 2
         from autominato.bench import controller
 
@@ -204,11 +293,20 @@ def run(args: argparse.Namespace) -> int:
         from autominato.bench.kits19 import kits19_workload
 
         try:
-            workloads.append(kits19_workload(
-                data=args.data, labels=args.labels, cases=args.cases, scale=args.scale,
-                batch_size=args.batch_size or 2, step_s=args.step, seed=args.seed,
-                cache=args.cache, step_factor=args.step_factor or 1.0, log=console.print,
-            ))
+            workloads.append(
+                kits19_workload(
+                    data=args.data,
+                    labels=args.labels,
+                    cases=args.cases,
+                    scale=args.scale,
+                    batch_size=args.batch_size or 2,
+                    step_s=args.step,
+                    seed=args.seed,
+                    cache=args.cache,
+                    step_factor=args.step_factor or 1.0,
+                    log=console.print,
+                )
+            )
         except (FileNotFoundError, ImportError, ValueError) as e:
             console.print(f"[red]kits19 workload unavailable:[/] {e}")
             return 2
@@ -233,11 +331,17 @@ def run(args: argparse.Namespace) -> int:
     jobs = []
     for wl in workloads:
         opts = Options(
-            arms=args.arms, repeats=args.repeats, isolate=not args.no_isolate, ctx=ctx,
-            grid=grid, grid_fraction=args.grid_fraction,
+            arms=args.arms,
+            repeats=args.repeats,
+            isolate=not args.no_isolate,
+            ctx=ctx,
+            grid=grid,
+            grid_fraction=args.grid_fraction,
             # The real step is for the KiTS19 volumes only: synthetic samples are not images.
             step="unet" if unet and wl.name.startswith("kits19") else "sleep",
-            unet_model=args.unet_model, nvml=args.nvml, timeout_s=args.timeout,
+            unet_model=args.unet_model,
+            nvml=args.nvml,
+            timeout_s=args.timeout,
             log=lambda m: console.print(m, highlight=False, markup=False),
         )
         jobs.append((wl, opts))

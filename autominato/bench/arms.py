@@ -84,7 +84,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
     dl = {"num_workers": c, "prefetch_factor": 2, "pin_memory": True}
     return {
         "dataloader": Arm("dataloader", "dataloader", {**dl, "in_order": True}),
-        "dataloader-unordered": Arm("dataloader-unordered", "dataloader", {**dl, "in_order": False}),
+        "dataloader-unordered": Arm(
+            "dataloader-unordered", "dataloader", {**dl, "in_order": False}
+        ),
         "dataloader-best": Arm("dataloader-best", "dataloader", {}),
         "torchdata": Arm(
             "torchdata",
@@ -98,7 +100,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
         ),
         "autominato": Arm("autominato", "autominato", {"autotune": True}),
         "autominato-tuned": Arm(
-            "autominato-tuned", "autominato", {"config": ctx.tuned_config} if ctx.tuned_config else {}
+            "autominato-tuned",
+            "autominato",
+            {"config": ctx.tuned_config} if ctx.tuned_config else {},
         ),
     }
 

@@ -261,7 +261,7 @@ def consume(
             c.waits_s.append(t1 - t)
             c.steps_s.append(t2 - t1)
             c.busy.append((t1 - t0, t2 - t0))
-        c.wall_s = (c.busy[-1][1] if c.busy else time.perf_counter() - t0)
+        c.wall_s = c.busy[-1][1] if c.busy else time.perf_counter() - t0
     except BaseException:
         close()
         raise

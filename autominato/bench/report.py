@@ -25,6 +25,7 @@ from autominato.bench.runner import RUN_COLUMNS, RunRecord, WorkloadResult
 #: Figures summarised over repeats (each gets ``_median``, ``_min``, ``_max`` columns).
 METRICS = (
     "wall_s",
+    "first_batch_s",
     "samples_per_s",
     "ratio_to_limit",
     "idle_ratio",
@@ -121,7 +122,9 @@ def make_console() -> Any:
     return console
 
 
-def print_table(result: WorkloadResult, rows: Sequence[dict[str, Any]], console: Any = None) -> None:
+def print_table(
+    result: WorkloadResult, rows: Sequence[dict[str, Any]], console: Any = None
+) -> None:
     """Print one workload's summary as a rich table (medians, [min-max] over repeats).
 
     Each arm's settings and any non-``ok`` status follow the table as notes, so that the
@@ -136,8 +139,19 @@ def print_table(result: WorkloadResult, rows: Sequence[dict[str, Any]], console:
         f"limit {result.limit_s:.2f} s"
     )
     t = Table(title=title, title_justify="left")
-    for col in ("arm", "status", "wall s", "samples/s", "x limit", "idle %", "p99 wait ms",
-                "CPU-s", "peak PSS MB", "vs dataloader"):
+    for col in (
+        "arm",
+        "status",
+        "wall s",
+        "1st batch s",
+        "samples/s",
+        "x limit",
+        "idle %",
+        "p99 wait ms",
+        "CPU-s",
+        "peak PSS MB",
+        "vs dataloader",
+    ):
         t.add_column(col, justify="left" if col in ("arm", "status") else "right", no_wrap=True)
     notes = []
     for row in rows:
@@ -149,6 +163,7 @@ def print_table(result: WorkloadResult, rows: Sequence[dict[str, Any]], console:
             row["arm"],
             status if status.startswith("ok") else status.split(":")[0],
             _range(row, "wall_s"),
+            _range(row, "first_batch_s"),
             _range(row, "samples_per_s", fmt="{:.1f}"),
             _range(row, "ratio_to_limit"),
             _range(row, "idle_ratio", 100, "{:.1f}"),
@@ -181,20 +196,39 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         else:
             out.append((goal, bool(test()), figures()))
 
-    add("samples/s >= 1.3x dataloader", [a, dl],
+    add(
+        "samples/s >= 1.3x dataloader",
+        [a, dl],
         lambda: a["samples_per_s_median"] >= 1.3 * dl["samples_per_s_median"],
-        lambda: f"{a['samples_per_s_median'] / dl['samples_per_s_median']:.2f}x")
-    add("samples/s >= dataloader-best", [a, best],
+        lambda: f"{a['samples_per_s_median'] / dl['samples_per_s_median']:.2f}x",
+    )
+    add(
+        "samples/s >= dataloader-best",
+        [a, best],
         lambda: a["samples_per_s_median"] >= best["samples_per_s_median"],
-        lambda: f"{a['samples_per_s_median']:.1f} vs {best['samples_per_s_median']:.1f}")
-    add("time <= 1.15x limit", [a], lambda: a["ratio_to_limit_median"] <= 1.15,
-        lambda: f"{a['ratio_to_limit_median']:.2f}x")
-    add("idle < 5%", [a], lambda: a["idle_ratio_median"] < 0.05,
-        lambda: f"{a['idle_ratio_median']:.1%}")
-    add("peak memory <= dataloader", [a, dl],
+        lambda: f"{a['samples_per_s_median']:.1f} vs {best['samples_per_s_median']:.1f}",
+    )
+    add(
+        "time <= 1.15x limit",
+        [a],
+        lambda: a["ratio_to_limit_median"] <= 1.15,
+        lambda: f"{a['ratio_to_limit_median']:.2f}x",
+    )
+    add(
+        "idle < 5%",
+        [a],
+        lambda: a["idle_ratio_median"] < 0.05,
+        lambda: f"{a['idle_ratio_median']:.1%}",
+    )
+    add(
+        "peak memory <= dataloader",
+        [a, dl],
         lambda: a["peak_pss_bytes_median"] <= dl["peak_pss_bytes_median"],
-        lambda: f"{a['peak_pss_bytes_median'] / 2**20:.0f} vs "
-        f"{dl['peak_pss_bytes_median'] / 2**20:.0f} MB")
+        lambda: (
+            f"{a['peak_pss_bytes_median'] / 2**20:.0f} vs "
+            f"{dl['peak_pss_bytes_median'] / 2**20:.0f} MB"
+        ),
+    )
     return out
 
 
@@ -218,10 +252,13 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(mine) + 1.8))
     y = np.arange(len(mine))
     med = np.asarray([r["wall_s_median"] for r in mine])
-    err = np.asarray([[m - r["wall_s_min"], r["wall_s_max"] - m] for r, m in zip(mine, med, strict=True)]).T
+    err = np.asarray(
+        [[m - r["wall_s_min"], r["wall_s_max"] - m] for r, m in zip(mine, med, strict=True)]
+    ).T
     ax.barh(y, med, xerr=err if len(mine) else None, color="tab:blue", alpha=0.8, capsize=3)
-    ax.axvline(result.limit_s, color="tab:red", linestyle="--",
-               label=f"limit {result.limit_s:.2f} s")
+    ax.axvline(
+        result.limit_s, color="tab:red", linestyle="--", label=f"limit {result.limit_s:.2f} s"
+    )
     for yi, r in zip(y, mine, strict=True):
         ax.text(r["wall_s_median"], yi, f"  x{r['ratio_to_limit_median']:.2f}", va="center")
     ax.set_yticks(y, [r["arm"] for r in mine])
@@ -234,7 +271,7 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for r in mine:
         recs = [x for x in result.records if x.arm == r["arm"]]
         run = _median_run(recs)
@@ -244,7 +281,7 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     ax.set_xlabel("time since the loader was built (s)")
     ax.set_ylabel("accelerator utilisation")
     ax.set_title(f"{name}: accelerator utilisation (median run of each arm)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     paths.append(out / f"{name}_utilisation.png")
     fig.savefig(paths[-1], dpi=110)

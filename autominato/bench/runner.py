@@ -57,7 +57,9 @@ class RunRecord:
     """The figures of one run of one arm (one CSV row; ``busy`` is kept for plots only).
 
     Units: seconds, bytes, samples/s; ratios in [0, 1] except ``ratio_to_limit`` (>= 1 for a
-    loader that does not beat physics). ``gpu_*`` / ``pcie_*`` are NaN without NVML.
+    loader that does not beat physics). ``build_s`` is the time to construct the loader and
+    call ``iter``; ``first_batch_s`` the time from the span's start until the first batch
+    arrived (worker start-up). ``gpu_*`` / ``pcie_*`` are NaN without NVML.
     """
 
     workload: str
@@ -71,6 +73,7 @@ class RunRecord:
     batches: int = 0
     wall_s: float = float("nan")
     build_s: float = float("nan")
+    first_batch_s: float = float("nan")
     samples_per_s: float = float("nan")
     limit_s: float = float("nan")
     ratio_to_limit: float = float("nan")
@@ -129,6 +132,7 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         "batches": len(c.waits_s),
         "wall_s": c.wall_s,
         "build_s": c.build_s,
+        "first_batch_s": c.busy[0][0] if c.busy else float("nan"),
         "idle_ratio": c.idle_ratio,
         "p99_wait_s": c.p99_wait_s,
         "cpu_s": usage.cpu_s,
@@ -287,6 +291,7 @@ def _record(
         batches=int(r["batches"]),
         wall_s=wall,
         build_s=float(r["build_s"]),
+        first_batch_s=float(r["first_batch_s"]),
         samples_per_s=samples / wall if wall > 0 else float("nan"),
         limit_s=limit_s,
         ratio_to_limit=wall / limit_s if limit_s > 0 else float("nan"),
@@ -316,8 +321,13 @@ def choose_dataloader(
     best: tuple[float, dict[str, Any]] | None = None
     last_error = "empty grid"
     for cfg in grid:
-        spec = RunSpec(probe_wl, Arm("dataloader-probe", "dataloader", cfg), opts.ctx, step,
-                       opts.sampler_interval)
+        spec = RunSpec(
+            probe_wl,
+            Arm("dataloader-probe", "dataloader", cfg),
+            opts.ctx,
+            step,
+            opts.sampler_interval,
+        )
         try:
             r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)
         except RunFailed as e:
@@ -384,8 +394,9 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 opts.log(f"[{wl.name}] {arm.name} #{rep}: {e.status}")
                 if e.detail:
                     opts.log(e.detail.rstrip())
-                records.append(RunRecord(wl.name, arm.name, rep, pos, e.status, arm.describe(),
-                                         limit_s=limit))
+                records.append(
+                    RunRecord(wl.name, arm.name, rep, pos, e.status, arm.describe(), limit_s=limit)
+                )
                 continue
             rec = _record(wl, arm, rep, pos, limit, r)
             records.append(rec)

@@ -91,7 +91,9 @@ def draw_costs(
         ValueError: unknown ``dist`` or a negative parameter.
     """
     if dist not in COST_DISTRIBUTIONS:
-        raise ValueError(f"cost distribution {dist!r}: expected one of {', '.join(COST_DISTRIBUTIONS)}")
+        raise ValueError(
+            f"cost distribution {dist!r}: expected one of {', '.join(COST_DISTRIBUTIONS)}"
+        )
     if mean_s < 0 or sigma < 0 or not 0 <= straggler_fraction <= 1 or straggler_factor < 0:
         raise ValueError(
             f"cost parameters must be non-negative (mean_s={mean_s}, sigma={sigma}, "
