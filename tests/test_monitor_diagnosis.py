@@ -87,7 +87,16 @@ def test_slow_read_is_io_bound_and_suggests_more_read_threads():
     d = diagnose(history(step_s=0.010, wait_s=0.090, read_s=0.050))
     assert d.kind == "io" and d.stage == "read"
     assert d.shares["read"] == pytest.approx(10.0)
-    assert "read_threads 2 -> 25" in d.suggestion  # ceil(2 * 10 / 0.8)
+    # ceil(2 x 10 / 0.8) = 25 readers would be needed: storage first, 4x the threads meanwhile.
+    assert d.suggestion.startswith("faster storage")
+    assert "needs about 25 readers" in d.suggestion and "read_threads 2 -> 8" in d.suggestion
+
+
+def test_moderately_slow_read_suggests_the_read_threads_needed():
+    # 6 ms x 4 samples / 2 threads = 12 ms per batch against a 10 ms step: share 1.2.
+    d = diagnose(history(step_s=0.010, wait_s=0.002, read_s=0.006))
+    assert d.kind == "io"
+    assert d.suggestion.startswith("more readers (read_threads 2 -> 3)")
 
 
 def test_slow_transform_is_cpu_bound_and_suggests_workers_up_to_the_cores(monkeypatch):
@@ -162,7 +171,7 @@ def test_fused_read_and_transform_add_up_on_the_shared_workers():
     )
     assert d.shares["read"] < SATURATED and d.shares["transform"] < SATURATED
     assert d.kind == "io" and d.stage == "read"
-    assert "fuse_read=False" in d.suggestion
+    assert "workers 2 -> 3" in d.suggestion and "fuse_read=False" in d.suggestion
 
 
 def test_current_window_is_the_last_two_snapshots_and_mean_is_since_start():
@@ -207,7 +216,7 @@ def test_report_table_lists_every_figure_and_the_diagnosis():
         assert name in text
     assert "50.00 ms" in text  # the read latency
     assert "diagnosis: I/O bound (read)" in text
-    assert "suggestion: more read threads" in text
+    assert "suggestion: faster storage" in text
     assert "\x1b[" not in text  # plain text for log files
 
 

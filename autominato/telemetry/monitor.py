@@ -349,6 +349,10 @@ def diagnose(
     )
 
 
+#: The most a suggestion multiplies a reader count by before it puts storage first.
+MAX_SCALE = 4
+
+
 def _needed(current: int, share: float) -> int:
     # Scale the worker count so the stage's share would land at 80 % of the step.
     return max(current + 1, math.ceil(current * share / WARN_FRACTION))
@@ -366,20 +370,27 @@ def _bottleneck(
     workers = _effective_workers(last, stage)
     if stage == "read":
         lat = cur.mean_service("read") or 0.0
-        if last.stages["read"].workers == 0:  # fused: the transform workers read
-            n = knobs.get("workers", workers)
-            more = (
-                f"more workers (workers {n} -> {_needed(n, share)}; reading blocks on I/O, so "
-                "more than the cores can help) or a separate read stage (fuse_read=False)"
+        storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
+        fused = last.stages["read"].workers == 0  # the transform workers read
+        knob = "workers" if fused else "read_threads"
+        n = knobs.get(knob, workers)
+        need = _needed(n, share)
+        if need > MAX_SCALE * n:
+            # More readers than a few times the current count rarely scale on one disk or
+            # network share: the storage is the fix, more readers only a stopgap.
+            advice = (
+                f"{storage}: at this latency the step needs about {need} readers; meanwhile "
+                f"{knob} {n} -> {MAX_SCALE * n}"
             )
         else:
-            n = knobs.get("read_threads", workers)
-            more = f"more read threads (read_threads {n} -> {_needed(n, share)})"
+            advice = f"more readers ({knob} {n} -> {need}), or {storage}"
+        if fused:
+            advice += "; or a separate read stage in threads (fuse_read=False)"
         return (
             "io",
             f"reading takes {lat * 1e3:.1f} ms per sample, {share:.2f} of the "
             f"{step * 1e3:.1f} ms step per reader (limit {(read_threshold or 0) * 1e3:.1f} ms)",
-            f"{more}, or faster storage (local NVMe, page cache, samples preprocessed to .npy)",
+            advice,
         )
     if stage in ("transform", "batch"):
         n = knobs.get("workers", workers)
