@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -171,18 +172,16 @@ class SyntheticDataset:
         return on_disk
 
 
-class SyntheticTransform:
-    """Burns the sample's ``cost_s`` CPU-seconds, then scales the image by a random factor.
+def synthetic_transform(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """Burn the sample's ``cost_s`` CPU-seconds, then scale the image by a random factor.
 
     Input ``{"image": float32 array, "cost_s": float}``; output ``{"image": float32 array}``
     (same shape; the scaling touches every byte once, as an intensity augmentation would).
     """
-
-    def __call__(self, sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        burn_cpu(sample["cost_s"])
-        image = sample["image"]
-        image *= np.float32(rng.uniform(0.9, 1.1))
-        return {"image": image}
+    burn_cpu(sample["cost_s"])
+    image = sample["image"]
+    image *= np.float32(rng.uniform(0.9, 1.1))
+    return {"image": image}
 
 
 class IndexedDataset:
@@ -469,7 +468,7 @@ def synthetic_workload(
     return Workload(
         name=f"synthetic-{scenario or 'custom'}",
         dataset=dataset,
-        transform=SyntheticTransform(),
+        transform=synthetic_transform,
         batch_size=batch_size,
         step_s=step_s,
         seed=seed,
@@ -478,3 +477,24 @@ def synthetic_workload(
         step_factor=params["step_factor"],
         cleanup=cleanup,
     )
+
+
+def scenario_dataset(
+    scenario: str = "balanced_stragglers", samples: int = 128, sample_mb: float = 8.0, seed: int = 0
+) -> SyntheticDataset:
+    """The dataset of a synthetic scenario with the benchmark's default sizes.
+
+    For ``autominato tune``, which takes a dataset factory and a transform by import path::
+
+        autominato tune --dataset autominato.bench.workload:balanced_stragglers_dataset \
+            --transform autominato.bench.workload:synthetic_transform --batch-size 2 \
+            --step-time 0.045 --config-out tuned.yaml
+    """
+    return synthetic_workload(scenario, samples=samples, sample_mb=sample_mb, seed=seed).dataset
+
+
+#: Factories of each scenario's dataset (``module:factory`` import paths for ``autominato tune``).
+io_bound_dataset = partial(scenario_dataset, "io_bound")
+cpu_bound_dataset = partial(scenario_dataset, "cpu_bound")
+balanced_stragglers_dataset = partial(scenario_dataset, "balanced_stragglers")
+cost_doubles_dataset = partial(scenario_dataset, "cost_doubles")
