@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from autominato import Loader
+from autominato.control.rule import Decision
 from autominato.telemetry import PortInUseError, attach, serve
 from autominato.telemetry import nvml as nvml_module
 from autominato.telemetry.metrics import COLLECTED, bounded_reason
@@ -79,11 +80,8 @@ def ran():
         seed=0,
     )
     batches = list(loader)
-    loader.report_decision(
-        SimpleNamespace(
-            knob="workers", old=2, new=3, reason="cpu_bound", detail="transform share 1.4"
-        )
-    )
+    # What the online controller reports for each knob change it makes.
+    loader.report_decision(Decision("workers", 2, 3, "transform_bound", "transform share 1.4"))
     handle = loader._telemetry
     with urllib.request.urlopen(handle.url, timeout=5) as r:
         text = r.read().decode()
@@ -169,7 +167,7 @@ def test_knob_values_and_controller_decisions_are_exported(ran):
             fams,
             "autominato_controller_decisions_total",
             knob="workers",
-            reason="cpu_bound",
+            reason="transform_bound",
             rank=0,
         )
         == 1
