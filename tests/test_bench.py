@@ -252,6 +252,14 @@ def test_serial_measurement_counts_the_transform_cost_in_cpu_seconds():
     assert np.all(serial.wall_s >= serial.cpu_s * 0.5)
 
 
+def test_a_serial_subset_extrapolates_to_the_whole_epoch():
+    wl = tiny(6, cost_s=0.01)
+    part = measure_serial(wl, samples=2)
+    assert part.cpu_s.shape == (2,) and part.estimated
+    assert part.cpu_total_s == pytest.approx(part.cpu_s.mean() * 6)
+    assert not measure_serial(wl).estimated
+
+
 def test_burn_cpu_spends_thread_cpu_time_not_wall_time():
     t0, w0 = time.thread_time(), time.perf_counter()
     burn_cpu(0.05)

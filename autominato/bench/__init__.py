@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every arm in this process instead of a fresh one per run",
     )
     g.add_argument(
+        "--serial-samples",
+        type=int,
+        default=None,
+        metavar="K",
+        help="measure the limit's serial CPU cost on K samples and extrapolate (default: all)",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -337,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
             ctx=ctx,
             grid=grid,
             grid_fraction=args.grid_fraction,
+            serial_samples=args.serial_samples,
             # The real step is for the KiTS19 volumes only: synthetic samples are not images.
             step="unet" if unet and wl.name.startswith("kits19") else "sleep",
             unet_model=args.unet_model,

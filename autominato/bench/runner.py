@@ -218,6 +218,8 @@ class Options:
         ctx: cores, device, tuned configuration, SPDL executor.
         grid: DataLoader settings ``dataloader-best`` chooses from (``None``: the default grid).
         grid_fraction: part of the epoch each grid probe runs (at least 4 batches).
+        serial_samples: measure the limit's serial cost on this many samples only and
+            extrapolate (``None``: all; the report says when the limit is an estimate).
         step: ``"sleep"`` (simulated accelerator) or ``"unet"`` (real step, CUDA only).
         unet_model: ``"mlperf"`` or ``"compact"`` for the real step.
         sampler_interval: seconds between process-tree samples.
@@ -232,6 +234,7 @@ class Options:
     ctx: Context = field(default_factory=lambda: Context(cores=1))
     grid: list[dict[str, Any]] | None = None
     grid_fraction: float = 0.5
+    serial_samples: int | None = None
     step: str = "sleep"
     unet_model: str = "mlperf"
     sampler_interval: float = 0.05
@@ -360,11 +363,12 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; arms are {', '.join(ARM_NAMES)}")
     cores = opts.ctx.cores
     opts.log(f"[{wl.name}] {wl.description}; measuring the work serially ...")
-    serial = measure_serial(wl)
+    serial = measure_serial(wl, samples=opts.serial_samples)
     step, step_s = _step_spec(wl, opts, serial)
     limit = physical_limit(serial, wl.n_batches, step_s, cores)
+    est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
     opts.log(
-        f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s / {cores} cores, "
+        f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est} / {cores} cores, "
         f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms -> limit {limit:.2f} s"
     )
     timeout_s = opts.timeout_s if opts.timeout_s is not None else 10 * limit + 120

@@ -65,7 +65,9 @@ class UNetStep:
 
         if not torch.cuda.is_available():
             raise RuntimeError("the UNet step needs CUDA; use the simulated step (--step)")
-        torch.backends.cudnn.benchmark = True
+        # No cuDNN autotuning: it costs seconds per process and per shape, which every
+        # fresh run process would pay, and the GPU script has 8 minutes in all.
+        torch.backends.cudnn.benchmark = False
         self.torch = torch
         self.device = torch.device(device)
         net = UNet3D.mlperf() if model == "mlperf" else UNet3D.compact()

@@ -310,39 +310,52 @@ class SerialCost:
     """The work of one epoch measured serially in one thread (the limit's numerator).
 
     Attributes:
-        cpu_s: per-sample CPU-seconds of read + transform (``time.process_time``), shape (n,).
-        wall_s: per-sample wall seconds of read + transform, shape (n,).
+        cpu_s: per-sample CPU-seconds of read + transform (``time.process_time``), shape (k,).
+        wall_s: per-sample wall seconds of read + transform, shape (k,).
+        n_samples: samples in the epoch; when more than the ``k`` measured (a subset was
+            measured to save time), totals are the measured mean times ``n_samples``.
     """
 
     cpu_s: np.ndarray
     wall_s: np.ndarray
+    n_samples: int = 0
+
+    @property
+    def _n(self) -> int:
+        return self.n_samples or len(self.cpu_s)
 
     @property
     def cpu_total_s(self) -> float:
-        return float(self.cpu_s.sum())
+        return float(self.cpu_s.mean() * self._n) if len(self.cpu_s) else 0.0
 
     @property
     def wall_total_s(self) -> float:
-        return float(self.wall_s.sum())
+        return float(self.wall_s.mean() * self._n) if len(self.wall_s) else 0.0
+
+    @property
+    def estimated(self) -> bool:
+        """True when only a subset was measured and the totals are extrapolated."""
+        return self._n > len(self.cpu_s)
 
 
-def measure_serial(workload: Workload, warmup: int = 1) -> SerialCost:
+def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = None) -> SerialCost:
     """Run read + transform of every sample once, serially, in this process; time each.
 
     ``warmup`` samples are run first and not counted, so first-call costs (imports, page
-    faults of fresh buffers) do not inflate the limit.
+    faults of fresh buffers) do not inflate the limit. ``samples`` measures only the first
+    that many (the totals are then extrapolated, see :class:`SerialCost`).
     """
     fn = SampleFn(workload)
     for i in range(min(warmup, len(fn))):
         fn(i)
-    n = len(fn)
+    n = len(fn) if samples is None else max(1, min(samples, len(fn)))
     cpu, wall = np.zeros(n), np.zeros(n)
     for i in range(n):
         c0, w0 = time.process_time(), time.perf_counter()
         fn(i)
         cpu[i] = time.process_time() - c0
         wall[i] = time.perf_counter() - w0
-    return SerialCost(cpu, wall)
+    return SerialCost(cpu, wall, len(fn))
 
 
 def calibrate_step(workload: Workload, serial: SerialCost, cores: int) -> float:
