@@ -313,9 +313,6 @@ def run(args: argparse.Namespace) -> int:
             f"{row['idle_last_quarter']:13.3f} {t90s:>7} {fin:>6} {row['decisions']:9d}  "
             f"{row['start']} -> {row['end']}"
         )
-    for r in runs:
-        for line in r.decisions:
-            log.info("[%s] %s", r.workload, line)
     if args.out is not None:
         for p in write_outputs(runs, args.out):
             print(f"wrote {p}")
