@@ -17,9 +17,12 @@ Positions, not indices, are the unit: a sampler may repeat an index.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +33,14 @@ import numpy as np
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, to_device
 from autominato.pipeline.errors import ErrorReport, SampleTimeout, WorkerDied
 from autominato.pipeline.executor import ProcessWorkers, ThreadWorkers
-from autominato.pipeline.shm import SlotPool, pack, packed_nbytes, unpack
+from autominato.pipeline.shm import (
+    SHM_DIR,
+    SlotPool,
+    leftover_segments,
+    pack,
+    packed_nbytes,
+    unpack,
+)
 from autominato.pipeline.stats import StageStats
 from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
 
@@ -133,6 +143,7 @@ class Engine:
         self.worker_restarts = 0
         self.stragglers = 0
         self.skipped = 0
+        self._skip_logged: set[int] = set()  # indices skipped (and warned about) so far
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self.gen = 0
@@ -145,6 +156,8 @@ class Engine:
         self.batch_thread = threading.Thread(target=self._batch_loop, name="autominato-batch", daemon=True)
         self.thread.start()
         self.batch_thread.start()
+        _live.add(self)
+        _install_termination_cleanup()
 
     # ------------------------------------------------------------------ stats wiring
     def _wire_stats(self) -> None:
@@ -198,6 +211,12 @@ class Engine:
 
     def worker_pids(self) -> list[int]:
         return self.procs.pids() if self.procs else []
+
+    def kill_workers(self) -> None:
+        """SIGKILL every worker process at once, taking no lock (for a dying main process)."""
+        if self.procs is not None:
+            for w in list(self.procs.workers.values()):
+                self.procs.kill(w)
 
     # ------------------------------------------------------------------ scheduler thread
     def _apply_knobs(self) -> None:
@@ -467,13 +486,41 @@ class Engine:
         st["redo"].appendleft(pos)
 
     def _check_timeouts(self) -> None:
-        if self.L.timeout is None or self.procs is None:
+        if self.L.timeout is None:
             return
-        now = time.monotonic()
-        for w in list(self.procs.workers.values()):
-            if w.task is not None and not w.info.get("timed_out") and now - w.task_started > self.L.timeout:
-                w.info["timed_out"] = True
-                self.procs.kill(w)
+        if self.procs is not None:
+            now = time.monotonic()
+            for w in list(self.procs.workers.values()):
+                if w.task is not None and not w.info.get("timed_out") and now - w.task_started > self.L.timeout:
+                    w.info["timed_out"] = True
+                    self.procs.kill(w)  # the death event then applies the error policy
+        for pool in (self.reads, self.threads):
+            if pool is None:
+                continue
+            for task in pool.overdue(self.L.timeout):
+                if pool.abandon(task):
+                    self._thread_timed_out(pool, task)
+
+    def _thread_timed_out(self, pool: ThreadWorkers, task: tuple) -> None:
+        gen, pos = task[0], task[1]
+        self.worker_restarts += 1
+        cur = self._current(gen, pos)
+        if cur is None:
+            return
+        st, rec = cur
+        rec.worker = None
+        self.slots.release(rec.in_slot)
+        rec.in_slot = rec.in_desc = None
+        path = sample_path(self.spec.dataset, rec.index)
+        log.warning("a %s thread is stuck on sample index %d for over timeout=%s s; a thread cannot "
+                    "be killed, so it is abandoned and a new one takes its place", pool.name,
+                    rec.index, self.L.timeout)
+        exc = SampleTimeout(
+            f"sample index {rec.index} ({path or 'no file'}) took longer than timeout="
+            f"{self.L.timeout} s in a {pool.name} thread; the thread was abandoned and replaced",
+            sample_index=rec.index, sample_path=path, worker=f"{pool.name} thread",
+        )
+        self._policy(st, rec, exc)
 
     def _on_thread_event(self, ev: tuple) -> None:
         kind, gen, pos = ev[0], ev[1], ev[2]
@@ -558,8 +605,11 @@ class Engine:
             st["remaining"] -= 1
             self.skipped += 1
             path = sample_path(self.spec.dataset, rec.index)
-            log.warning("skipping sample index %d%s: %s: %s", rec.index, f" (file {path})" if path else "",
-                        type(exc).__name__, exc)
+            # A corrupt file is skipped every epoch: warn once per sample, count every time.
+            level = logging.DEBUG if rec.index in self._skip_logged else logging.WARNING
+            self._skip_logged.add(rec.index)
+            log.log(level, "skipping sample index %d%s: %s: %s", rec.index,
+                    f" (file {path})" if path else "", type(exc).__name__, exc)
             if self.L._on_skip is not None:
                 self.L._on_skip(rec.index, path, exc)
             if self.L.in_order:
@@ -667,6 +717,45 @@ class Engine:
                 h2d = (e0, e1, nbytes, host)
             if not self.out.put(("batch", gen, batch, indices, h2d), self._stop.is_set):
                 return
+
+
+# ------------------------------------------------------------------------------------------
+# Termination by signal. SIGINT raises KeyboardInterrupt and the loaders close on the way out
+# (``with``, ``Loader.close`` or the atexit hook). SIGTERM's default action ends the process
+# at once, without atexit, leaving /dev/shm segments (which outlive processes) and workers busy
+# on a sample. So, where SIGTERM still has its default action, a handler cleans up first and
+# then dies by SIGTERM all the same (the exit status a job scheduler expects).
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_installed_in: int | None = None  # pid of the process whose SIGTERM handler is ours
+
+
+def _install_termination_cleanup() -> None:
+    global _installed_in
+    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can be set only from the main thread
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the application handles SIGTERM itself (and its exit path closes loaders)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed_in = os.getpid()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # This runs in the main thread between two bytecodes, perhaps while it holds a lock that
+    # an orderly close would need: take no lock, join nothing.
+    if os.getpid() == _installed_in:  # not in a child forked after installing
+        for engine in list(_live):
+            try:
+                engine.kill_workers()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        for name in leftover_segments(os.getpid()):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _Skipped:

@@ -40,7 +40,10 @@ class ThreadWorker:
 class ThreadWorkers:
     """A pool of threads running ``fn(task) -> event`` and posting each event.
 
-    ``fn`` must not raise (it returns an error event instead).
+    ``fn`` must not raise (it returns an error event instead). A thread stuck in ``fn`` (a read
+    from a hung network file system) cannot be killed: :meth:`abandon` stops counting it and
+    starts a replacement; when ``fn`` returns at last, its event is still posted (the scheduler
+    discards it, freeing what it holds) and the thread ends.
     """
 
     def __init__(self, name: str, fn: Callable[[Any], tuple], post: Post) -> None:
@@ -51,13 +54,16 @@ class ThreadWorkers:
         self._lock = threading.Lock()
         self._alive = 0
         self._retire = 0
+        self._stuck = 0  # abandoned threads still inside fn
         self._ids = itertools.count()
+        self._running: dict[int, tuple[Any, float]] = {}  # thread id -> (task, start time)
+        self._abandoned: set[int] = set()
         self.in_flight = 0
         self._closed = False
 
     @property
     def size(self) -> int:
-        return self._alive - self._retire
+        return self._alive - self._retire - self._stuck
 
     def resize(self, n: int) -> None:
         with self._lock:
@@ -83,7 +89,29 @@ class ThreadWorkers:
             self.in_flight += 1
         self._q.put(task)
 
+    def overdue(self, limit: float) -> list[Any]:
+        """Tasks that have been running for more than ``limit`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            return [task for tid, (task, t0) in self._running.items()
+                    if now - t0 > limit and tid not in self._abandoned]
+
+    def abandon(self, task: Any) -> bool:
+        """Give up on the thread running ``task`` and start a replacement (see the class doc)."""
+        with self._lock:
+            tid = next((t for t, (held, _) in self._running.items() if held is task), None)
+            if tid is None or tid in self._abandoned:
+                return False
+            self._abandoned.add(tid)
+            self._stuck += 1
+            self.in_flight -= 1
+            t = threading.Thread(target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True)
+            self._alive += 1
+        t.start()
+        return True
+
     def _loop(self) -> None:
+        tid = threading.get_ident()
         while True:
             with self._lock:
                 if self._retire > 0 or self._closed:
@@ -94,10 +122,21 @@ class ThreadWorkers:
                 task = self._q.get(timeout=0.05)
             except queue.Empty:
                 continue
+            with self._lock:
+                self._running[tid] = (task, time.monotonic())
             event = self.fn(task)
             with self._lock:
-                self.in_flight -= 1
+                del self._running[tid]
+                stuck = tid in self._abandoned
+                if stuck:
+                    self._abandoned.discard(tid)
+                    self._stuck -= 1
+                    self._alive -= 1
+                else:
+                    self.in_flight -= 1
             self.post(event)
+            if stuck:
+                return
 
     def close(self) -> None:
         with self._lock:

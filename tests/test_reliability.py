@@ -1,0 +1,529 @@
+"""Reliability (issue 9): faults, bad input and long runs lose nothing and leave nothing behind.
+
+Each scenario is small and deterministic: faults are triggered by the sample index (and, where
+a fault must strike only once, by a marker file that the first worker to try claims), never
+by racing a timer. Every scenario checks what was delivered against what was expected, value
+by value, so a duplicate or a partial sample in a failed one's place cannot pass.
+
+Worker processes re-import this module: keep it light at import time.
+
+Run with ``-s`` to see the closing table (fault, what happened, delivered / expected, time to
+recover, leftovers found).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from autominato import Loader
+from autominato.pipeline.errors import SampleTimeout, WorkerDied
+from autominato.pipeline.shm import leftover_segments
+
+ROWS: list[tuple[str, str, str, str, str]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _closing_table():
+    yield
+    if ROWS:
+        head = ("fault", "what happened", "delivered/expected", "recover s", "leftovers")
+        widths = [max(len(str(r[k])) for r in [head, *ROWS]) for k in range(5)]
+        print("\n")
+        for r in [head, *ROWS]:
+            print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def row(fault: str, happened: str, got: int, want: int, recover: float | None, left: str) -> None:
+    ROWS.append((fault, happened, f"{got}/{want}", "-" if recover is None else f"{recover:.2f}", left))
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets and transforms (module level: worker processes unpickle them by reference)
+
+
+class IndexDataset:
+    """Sample ``i`` is ``(a (4, 8) float32 array filled with i, i)``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sample_path(self, i: int) -> str:
+        return f"case_{i:05d}.npy"
+
+    def __getitem__(self, i: int):
+        return np.full((4, 8), i, np.float32), i
+
+
+class NiftiCases:
+    """Reads ``paths[i]`` with nibabel; sample ``i`` is ``(voxels, i)``.
+
+    ``nibabel.load`` reads only the header and, for ``.nii.gz``, reads the voxels lazily and
+    stops before the gzip trailer, so a CRC error would go unnoticed: the whole member is
+    decompressed here, which checks the CRC-32 and the length.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = [str(p) for p in paths]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def sample_path(self, i: int) -> str:
+        return self.paths[i]
+
+    def __getitem__(self, i: int):
+        import nibabel as nib
+
+        path = self.paths[i]
+        img = nib.load(path)  # the header: an empty file fails here
+        if path.endswith(".gz"):
+            with open(path, "rb") as f:
+                img = nib.Nifti1Image.from_bytes(gzip.decompress(f.read()))
+        return np.asarray(img.dataobj), i
+
+
+def identity(sample, rng):
+    return sample
+
+
+class ClaimOnce:
+    """Transform: the first worker to get sample ``index`` writes its pid to ``marker`` and then
+    ``hang_s`` seconds pass (it is killed or times out meanwhile); later tries run normally."""
+
+    def __init__(self, index: int, marker: str, hang_s: float = 600.0) -> None:
+        self.index, self.marker, self.hang_s = index, marker, hang_s
+
+    def __call__(self, sample, rng):
+        if sample[1] == self.index:
+            try:
+                os.close(os.open(self.marker + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return sample
+            Path(self.marker + ".tmp").write_text(str(os.getpid()))
+            os.rename(self.marker + ".tmp", self.marker)  # readers see the pid whole
+            time.sleep(self.hang_s)
+        return sample
+
+
+class KillFor:
+    """Transform that SIGKILLs its own worker on sample ``index`` (an OOM kill, every time)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, sample, rng):
+        if sample[1] == self.index:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def run_epoch(loader, expect=lambda i: i) -> tuple[list[int], dict[int, float]]:
+    """Indices delivered in one epoch and when (``time.monotonic()``) each arrived.
+
+    Raises AssertionError when a delivered sample does not hold ``expect(index)`` (a partial
+    or mixed-up sample)."""
+    got, when = [], {}
+    for x, idx in loader:
+        now = time.monotonic()
+        for row_, i in zip(x.numpy(), idx.tolist(), strict=True):
+            assert np.array_equal(row_, np.broadcast_to(expect(i), row_.shape)), f"sample {i} corrupted"
+            got.append(i)
+            when[i] = now
+    return got, when
+
+
+def alive(pids) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.add(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids, limit: float = 10.0) -> set[int]:
+    """Poll until none of ``pids`` is alive or ``limit`` seconds pass; return the survivors."""
+    deadline = time.monotonic() + limit
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+def descendants() -> set[int]:
+    """Live child processes of this process except multiprocessing's forkserver and resource
+    tracker (started once, shared by every loader of the process)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and not ("forkserver" in cmd or "resource_tracker" in cmd):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def leftovers(before: set[int]) -> str:
+    """What a closed loader left: processes started since ``before`` and /dev/shm segments."""
+    procs = wait_gone(descendants() - before)
+    segs = leftover_segments(os.getpid())
+    if not procs and not segs:
+        return "none"
+    names = [" ".join(psutil.Process(p).cmdline())[-60:] for p in alive(procs)]
+    return f"{len(procs)} processes {names}, {len(segs)} segments"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Error policy: corrupt files of four kinds
+
+
+def voxels(k: int) -> np.ndarray:
+    """The (8, 16, 16) float32 volume of case ``k``: distinct values, so a gzip stream of it
+    is longer than its header and a half-truncated file still has a readable header."""
+    return (np.arange(8 * 16 * 16, dtype=np.float32) + 10_000 * k).reshape(8, 16, 16)
+
+
+ALL_BAD = {"truncated .nii.gz": 1, "CRC error": 4, "truncated .nii": 6, "empty file": 9}
+
+
+def write_cases(tmp_path: Path, n: int, bad: dict[str, int]) -> list[Path]:
+    """``n`` NIfTI cases holding ``voxels(position)``, ``.nii`` and ``.nii.gz`` in turn, except
+    that the case at ``bad[kind]`` is corrupt in the way ``kind`` names."""
+    import nibabel as nib
+
+    kinds = {k: kind for kind, k in bad.items()}
+    suffix = {"truncated .nii.gz": ".nii.gz", "CRC error": ".nii.gz", "truncated .nii": ".nii"}
+    paths = []
+    for k in range(n):
+        kind = kinds.get(k)
+        p = tmp_path / f"case_{k:03d}{suffix.get(kind, '.nii.gz' if k % 2 else '.nii')}"
+        nib.save(nib.Nifti1Image(voxels(k), np.eye(4)), p)
+        if kind in ("truncated .nii.gz", "truncated .nii"):
+            raw = p.read_bytes()
+            p.write_bytes(raw[: len(raw) // 2])  # the header survives, the voxels do not
+        elif kind == "CRC error":
+            raw = bytearray(p.read_bytes())
+            raw[-8] ^= 0xFF  # the member's CRC-32 (RFC 1952); the voxels are intact
+            p.write_bytes(bytes(raw))
+        elif kind == "empty file":
+            p.write_bytes(b"")
+        paths.append(p)
+    return paths
+
+
+CORRUPT_ERRORS = {
+    "truncated .nii.gz": (EOFError, "end-of-stream"),
+    "CRC error": (gzip.BadGzipFile, "CRC check failed"),
+    "truncated .nii": (OSError, "could the file be damaged"),
+    "empty file": (Exception, "Empty file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT_ERRORS))
+def test_corrupt_file_raises_with_index_path_worker_and_traceback(tmp_path, kind):
+    pos = ALL_BAD[kind]
+    paths = write_cases(tmp_path, 12, {kind: pos})
+    before = descendants()
+    with Loader(NiftiCases(paths), 2, transform=identity, fuse_read=True, workers=2, seed=0,
+                in_order=True, autotune=False) as loader:
+        with pytest.raises(CORRUPT_ERRORS[kind][0]) as info:
+            run_epoch(loader, voxels)
+    e = info.value
+    assert CORRUPT_ERRORS[kind][1] in str(e)
+    assert e.sample_index == pos and e.sample_path == str(paths[pos])
+    assert e.worker.startswith("worker ") and "process" in e.worker
+    assert f"sample index {pos} (file {paths[pos]})" in "".join(e.__notes__)
+    remote = str(e.__cause__)
+    assert "Traceback in worker" in remote and "__getitem__" in remote
+    left = leftovers(before)
+    assert left == "none"
+    row(f"corrupt: {kind} (raise)", f"{type(e).__name__} raised naming index, file, worker",
+        0, 0, None, left)
+
+
+@pytest.mark.parametrize("fuse_read", [False, True], ids=["read-threads", "read-in-workers"])
+def test_corrupt_files_are_skipped_once_and_every_other_sample_arrives_once(tmp_path, caplog, fuse_read):
+    bad = ALL_BAD
+    paths = write_cases(tmp_path, 12, bad)
+    good = [j for j in range(len(paths)) if j not in bad.values()]
+    before = descendants()
+    caplog.set_level(logging.WARNING, logger="autominato.pipeline")
+    with Loader(NiftiCases(paths), 3, transform=identity, fuse_read=fuse_read, workers=2,
+                on_error="skip", seed=0, autotune=False) as loader:
+        epochs = [run_epoch(loader, voxels)[0] for _ in range(2)]
+        snap = loader.snapshot()
+    for got in epochs:
+        assert Counter(got) == Counter(good)
+    assert snap.skipped_total == 2 * len(bad)
+    skips = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping sample")]
+    assert len(skips) == len(bad), skips  # once per sample, not once per epoch
+    for kind, k in bad.items():
+        line = next(m for m in skips if f"index {k} " in m)
+        assert str(paths[k]) in line and CORRUPT_ERRORS[kind][1] in line
+    left = leftovers(before)
+    assert left == "none"
+    row(f"corrupt: 4 kinds (skip, {'workers' if fuse_read else 'threads'})",
+        "each skipped and logged once, counted", len(epochs[0]), len(good), None, left)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Worker death
+
+
+def claimed_pid(marker: Path, limit: float = 60.0) -> int:
+    deadline = time.monotonic() + limit
+    while not marker.exists():
+        assert time.monotonic() < deadline, "no worker claimed the sample"
+        time.sleep(0.02)
+    return int(marker.read_text())
+
+
+@pytest.mark.parametrize("fuse_read", [False, True], ids=["read-threads", "read-in-workers"])
+def test_sigkill_of_a_worker_mid_epoch_still_delivers_every_sample_once(tmp_path, fuse_read):
+    marker = tmp_path / "claimed"
+    killed: dict[str, float] = {}
+
+    def kill_the_claimant() -> None:
+        pid = claimed_pid(marker)
+        killed["pid"], killed["t"] = pid, time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+    before = descendants()
+    with Loader(IndexDataset(40), 4, transform=ClaimOnce(5, str(marker)), fuse_read=fuse_read,
+                workers=2, seed=0, autotune=False) as loader:
+        killer = threading.Thread(target=kill_the_claimant)
+        killer.start()
+        got, when = run_epoch(loader)
+        killer.join()
+        snap = loader.snapshot()
+        pids = loader.worker_pids()
+        again, _ = run_epoch(loader)
+    assert sorted(got) == list(range(40)) and sorted(again) == list(range(40))
+    assert snap.worker_restarts_total == 1
+    assert len(pids) == 2 and killed["pid"] not in pids
+    left = leftovers(before)
+    assert left == "none"
+    row(f"SIGKILL of a worker mid-epoch ({'fused read' if fuse_read else 'split'})",
+        "replaced; its sample re-dispatched", len(got), 40, when[5] - killed["t"], left)
+
+
+def test_worker_death_raises_when_asked_naming_pid_signal_and_sample(tmp_path):
+    marker = tmp_path / "claimed"
+    before = descendants()
+    with Loader(IndexDataset(20), 4, transform=ClaimOnce(5, str(marker)), workers=2, seed=0,
+                on_worker_death="raise", autotune=False) as loader:
+        killer = threading.Thread(target=lambda: os.kill(claimed_pid(marker), signal.SIGKILL))
+        killer.start()
+        with pytest.raises(WorkerDied) as info:
+            run_epoch(loader)
+        killer.join()
+    pid = int(marker.read_text())
+    e = info.value
+    assert f"pid {pid}" in str(e) and "signal 9" in str(e) and "sample index 5" in str(e)
+    assert e.sample_index == 5 and e.sample_path == "case_00005.npy"
+    left = leftovers(before)
+    assert left == "none"
+    row("SIGKILL, on_worker_death='raise'", "WorkerDied naming pid, signal, sample", 0, 0, None, left)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_sample_that_kills_every_worker_goes_through_the_error_policy(on_error):
+    before = descendants()
+    t0 = time.monotonic()
+    with Loader(IndexDataset(24), 4, transform=KillFor(7), workers=2, seed=0, max_tries=2,
+                on_error=on_error, autotune=False) as loader:
+        if on_error == "skip":
+            got, _ = run_epoch(loader)
+            assert sorted(got) == [i for i in range(24) if i != 7]
+        else:
+            got = []
+            with pytest.raises(WorkerDied) as info:
+                run_epoch(loader)
+            assert info.value.sample_index == 7 and "killed 2 workers" in str(info.value)
+        t1 = time.monotonic()
+        snap = loader.snapshot()
+        assert snap.worker_restarts_total == 2
+        assert snap.skipped_total == (1 if on_error == "skip" else 0)
+        # Replacements keep the pool at its size; the next epoch still works around the sample.
+        assert len(loader.worker_pids()) == 2
+    left = leftovers(before)
+    assert left == "none"
+    row(f"sample kills every worker ({on_error})", "2 tries, then " + (
+        "skipped" if on_error == "skip" else "WorkerDied raised"), len(got), 23 if on_error == "skip" else 0,
+        t1 - t0, left)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Hang
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_hanging_transform_times_out_naming_the_index_and_its_worker_is_replaced(tmp_path, on_error):
+    marker = tmp_path / "claimed"
+    before = descendants()
+    with Loader(IndexDataset(24), 4, transform=ClaimOnce(7, str(marker)), workers=2, seed=0,
+                timeout=2.0, on_error=on_error, autotune=False) as loader:
+        t0 = time.monotonic()
+        if on_error == "skip":
+            got, _ = run_epoch(loader)
+            assert sorted(got) == [i for i in range(24) if i != 7]
+        else:
+            got = []
+            with pytest.raises(SampleTimeout) as info:
+                run_epoch(loader)
+            e = info.value
+            assert e.sample_index == 7 and "sample index 7" in str(e) and "timeout=2.0" in str(e)
+            assert e.sample_path == "case_00007.npy"
+        t1 = time.monotonic()
+        hung = int(marker.read_text())
+        snap = loader.snapshot()
+        assert snap.worker_restarts_total == 1 and snap.skipped_total == (on_error == "skip")
+        assert hung not in loader.worker_pids() and not alive([hung])
+        again, _ = run_epoch(loader)  # the sample does not hang a second time
+        assert sorted(again) == list(range(24))
+        assert len(loader.worker_pids()) == 2
+    left = leftovers(before)
+    assert left == "none"
+    row(f"transform hangs, timeout=2 ({on_error})", "worker SIGKILLed and replaced; " + (
+        "sample skipped" if on_error == "skip" else "SampleTimeout raised"),
+        len(got), 23 if on_error == "skip" else 0, t1 - t0, left)
+
+
+RELEASE = threading.Event()  # lets the threads stuck in HangsInThreads go once a test ends
+
+
+class HangsInThreads(IndexDataset):
+    """Reading sample ``hang`` blocks (in the loader's read threads) until :data:`RELEASE`."""
+
+    def __init__(self, n: int, hang: int) -> None:
+        super().__init__(n)
+        self.hang = hang
+
+    def __getitem__(self, i: int):
+        if i == self.hang:
+            RELEASE.wait(60)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("workers,kind", [(2, "process"), (2, "thread"), (0, "process")],
+                         ids=["split-read-thread", "thread-workers", "inline"])
+def test_a_read_hanging_in_a_thread_times_out_and_a_new_thread_takes_over(workers, kind):
+    RELEASE.clear()
+    try:
+        with Loader(HangsInThreads(24, 7), 4, transform=identity, workers=workers, worker_kind=kind,
+                    fuse_read=False, timeout=1.0, on_error="skip", seed=0, autotune=False) as loader:
+            t0 = time.monotonic()
+            got, _ = run_epoch(loader)
+            t1 = time.monotonic()
+            assert sorted(got) == [i for i in range(24) if i != 7]
+            assert loader.snapshot().skipped_total == 1
+            before = loader.snapshot().stages["read"].workers
+            RELEASE.set()  # the stuck thread returns; its late result must not be delivered
+            got, _ = run_epoch(loader)
+            assert sorted(got) == list(range(24))
+            assert loader.snapshot().stages["read"].workers == before
+    finally:
+        RELEASE.set()
+    row(f"read hangs in a thread ({kind}, workers={workers}), timeout=1 (skip)",
+        "sample skipped; thread abandoned, replaced", 23, 23, t1 - t0, "1 stuck thread until it returns")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-5. Interrupts: Ctrl-C in the training loop, SIGTERM of the main process
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from autominato import Loader
+
+    class Slow:
+        def __len__(self):
+            return 100_000
+
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            return np.full((64, 64), i, np.float32)
+
+    def slow(x, rng):
+        time.sleep(0.05)
+        return x
+
+    if __name__ == "__main__":
+        loader = Loader(Slow(), 2, transform=slow, workers=2, autotune=False)
+        for k, batch in enumerate(loader):
+            if k == 2:
+                print("READY", *loader.worker_pids(), flush=True)
+            time.sleep(0.01)  # the training step
+""")
+
+
+def run_child_until_ready(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "train.py"
+    script.write_text(CHILD)
+    # A session of its own, so that a signal to its process group is what Ctrl-C in a
+    # terminal sends (the main process, its workers and the forkserver all get it).
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=root, env=env,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = child.stdout.readline()
+    assert line.startswith("READY"), child.communicate(timeout=60)
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 2 and alive(pids) == set(pids)
+    assert leftover_segments(child.pid), "the scenario must have segments to clean up"
+    return child, pids
+
+
+def test_ctrl_c_raises_one_keyboard_interrupt_and_leaves_no_worker_or_segment(tmp_path):
+    child, pids = run_child_until_ready(tmp_path)
+    t0 = time.monotonic()
+    os.killpg(child.pid, signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    survivors = wait_gone(pids, 5.0)
+    t1 = time.monotonic()
+    assert child.returncode in (1, -signal.SIGINT), err
+    assert err.count("KeyboardInterrupt") == 1, err
+    assert "Error" not in err.replace("KeyboardInterrupt", ""), err  # nothing else went wrong
+    assert not survivors, f"workers still alive 5 s after Ctrl-C: {survivors}"
+    segs = leftover_segments(child.pid)
+    assert segs == []
+    row("Ctrl-C (SIGINT to the process group)", "one KeyboardInterrupt; workers and segments gone",
+        0, 0, t1 - t0, "none" if not segs and not survivors else f"{survivors} {segs}")
+
+
+def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path):
+    child, pids = run_child_until_ready(tmp_path)
+    t0 = time.monotonic()
+    os.kill(child.pid, signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    survivors = wait_gone(pids, 5.0)
+    t1 = time.monotonic()
+    assert child.returncode == -signal.SIGTERM, err  # it still dies by SIGTERM, as asked
+    assert not survivors, f"workers still alive 5 s after SIGTERM: {survivors}"
+    segs = leftover_segments(child.pid)
+    assert segs == []
+    row("SIGTERM of the main process", "segments unlinked, workers ended, exit by SIGTERM",
+        0, 0, t1 - t0, "none" if not segs and not survivors else f"{survivors} {segs}")
