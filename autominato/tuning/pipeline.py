@@ -6,9 +6,9 @@ module:callable``, ``--model module:factory``) or from a recipe, a YAML file und
 ``tuner/recipes/kits19.yaml``)::
 
     dataset: autominato.data.kits19:KiTS19Dataset   # called as factory(DIR) when --data DIR
-    dataset_kwargs: {split: train}                  # extra keyword arguments of the factory
-    transform: autominato.data.transforms:train_transforms
-    transform_kwargs: {patch_size: [128, 128, 128]} # a factory: called with these
+    dataset_kwargs: {cases: [0, 1, 2]}              # extra keyword arguments of the factory
+    transform: autominato.data.transforms:mlperf_train_transform
+    transform_kwargs: {patch: 128}                  # a factory: called with these
     batch_size: 2
     step_time: 0.3                                  # seconds per batch, simulated
     needs_data: true
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import re
 import sys
@@ -108,6 +109,20 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     return raw
 
 
+def is_factory(obj: Any) -> bool:
+    """Whether ``obj`` builds a transform rather than being one: a class, or a callable with
+    no required argument (a transform takes at least the sample)."""
+    if isinstance(obj, type):
+        return True
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: take it as a transform
+        return False
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    varargs = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+    return not varargs and not any(p.kind in required and p.default is p.empty for p in params)
+
+
 @dataclass
 class Pipeline:
     """Everything a trial needs besides the searched parameters.
@@ -179,8 +194,9 @@ def make_pipeline(
 
     The dataset is ``factory(data, **dataset_kwargs)`` when ``data`` is given, else
     ``factory(**dataset_kwargs)``; an attribute that already is a dataset (has ``__len__``
-    and is not a class) is used as is. A transform attribute that is a class, or a recipe
-    transform with ``transform_kwargs``, is called to build the transform. ``model`` names a
+    and is not a class) is used as is. A transform attribute that is a factory
+    (:func:`is_factory`), or a recipe transform with ``transform_kwargs``, is called (with
+    them) to build the transform. ``model`` names a
     factory called with no arguments that returns ``step(batch)``.
 
     Raises:
@@ -213,7 +229,7 @@ def make_pipeline(
                 f"--dataset {dataset!r}: building the dataset failed: {e}"
             ) from e
     tf_obj = import_object(transform, "--transform") if transform else None
-    if tf_obj is not None and (isinstance(tf_obj, type) or rec.get("transform_kwargs")):
+    if tf_obj is not None and (is_factory(tf_obj) or rec.get("transform_kwargs")):
         try:
             tf_obj = tf_obj(**(rec.get("transform_kwargs") or {}))
         except Exception as e:

@@ -1,0 +1,287 @@
+"""The tuner's pure parts: search-space files, best-trial selection, the output configuration,
+import paths and recipes. No loader runs here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from autominato.config import load_config, save_config
+from autominato.tune import parse_size
+from autominato.tuning import (
+    PipelineSpecError,
+    SleepStep,
+    SpaceError,
+    best_config,
+    load_recipe,
+    load_space,
+    make_pipeline,
+    select_best,
+)
+from autominato.tuning.pipeline import RECIPE_DIR, Pipeline, import_object, is_factory
+from autominato.tuning.select import has_variation, ranked
+from autominato.tuning.space import DEFAULT_SPACE
+
+
+def write(tmp_path: Path, text: str, name: str = "space.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_default_space_searches_the_four_knobs_and_worker_kind_with_cores_resolved():
+    space = load_space(cores=6)
+    assert set(space.searched) == {"depth", "read_threads", "workers", "pool_size", "worker_kind"}
+    assert space.searched["workers"] == IntDistribution(0, 6)
+    assert space.searched["pool_size"].log is True
+    assert space.searched["worker_kind"].choices == ("process", "thread")
+    assert space.fixed == {"in_order": False}  # batch_size: null is left to the command line
+    assert space.trial["window_batches"] >= 1 and space.pruner["n_startup_trials"] >= 0
+    assert space.knob_bounds()["workers"] == (0, 6)
+    assert "worker_kind" not in space.knob_bounds()
+
+
+def test_user_file_overrides_default_keys_and_keeps_the_rest(tmp_path):
+    path = write(
+        tmp_path,
+        "params:\n  workers: {type: int, low: 2, high: 5}\n  worker_kind: thread\n"
+        "  batch_size: {type: int, low: 1, high: 4, step: 1}\ntrial: {window_batches: 7}\n",
+    )
+    space = load_space(path, cores=2)
+    assert space.searched["workers"] == IntDistribution(2, 5)
+    assert space.fixed["worker_kind"] == "thread" and "worker_kind" not in space.searched
+    assert space.searched["batch_size"] == IntDistribution(1, 4)
+    assert space.searched["depth"] == load_space(cores=2).searched["depth"]  # from the default
+    assert space.trial["window_batches"] == 7
+    assert space.trial["warmup_batches"] == load_space(cores=2).trial["warmup_batches"]
+    assert space.with_trial(warmup_batches=1, window_batches=None).trial["warmup_batches"] == 1
+
+
+def test_suggest_draws_inside_the_ranges_and_adds_fixed_values(tmp_path):
+    path = write(tmp_path, "params:\n  in_order: {type: bool}\n  depth: 3\n")
+    space = load_space(path, cores=4)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(20):
+        params = space.suggest(study.ask())
+        assert params["depth"] == 3
+        assert 0 <= params["workers"] <= 4 and 4 <= params["pool_size"] <= 64
+        assert params["in_order"] in (False, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("params:\n  wrokers: 2\n", "params.wrokers: unknown parameter"),
+        ("params:\n  workers: {type: int, low: 0, high: many}\n", "params.workers.high"),
+        ("params:\n  workers: {type: int, low: 5, high: 2}\n", "params.workers: low 5 > high 2"),
+        ("params:\n  depth: {type: int, low: 0, high: 4}\n", "params.depth.low: expected an integer >= 1"),
+        ("params:\n  depth: {type: int, high: 4}\n", "params.depth.low: missing"),
+        ("params:\n  depth: {type: float, low: 1, high: 4}\n", "params.depth.type"),
+        ("params:\n  depth: {type: int, low: 1, high: 4, lgo: true}\n", "params.depth.lgo"),
+        ("params:\n  worker_kind: {type: categorical, choices: [process, fork]}\n",
+         "params.worker_kind.choices: expected 'process' or 'thread'"),
+        ("params:\n  in_order: yes please\n", "params.in_order: expected true or false"),
+        ("params:\n  pool_size: {type: int, low: 0, high: 8, log: true}\n", "params.pool_size.low"),
+        ("trial: {window_batches: 0}\n", "trial.window_batches: expected an integer >= 1"),
+        ("trial: {windows: 3}\n", "trial.windows: unknown key"),
+        ("pruner: {n_startup_trials: -1}\n", "pruner.n_startup_trials"),
+        ("prams: {}\n", "unknown key 'prams'"),
+        ("params: [1, 2]\n", "params: expected a mapping"),
+        ("params:\n  depth: {type: int\n", "not valid YAML"),
+        ("- just\n- a list\n", "top level must be a mapping"),
+    ],
+)
+def test_invalid_space_file_names_the_file_and_key(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(SpaceError) as err:
+        load_space(path, cores=2)
+    assert key in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_space_without_a_default_must_be_complete(tmp_path):
+    path = write(tmp_path, "params:\n  depth: 2\n")
+    with pytest.raises(SpaceError, match=r"trial\.warmup_batches: missing"):
+        load_space(path, base=None)
+    with pytest.raises(SpaceError, match="cannot read"):
+        load_space(tmp_path / "absent.yaml")
+
+
+def trial(number, idle, cpu, mem, state=TrialState.COMPLETE, **params):
+    params = params or {"workers": number + 1}
+    return create_trial(
+        state=state,
+        value=idle if state == TrialState.COMPLETE else None,
+        params=params,
+        distributions={k: IntDistribution(0, 64) for k in params},
+        user_attrs={"cpu_s_per_sample": cpu, "peak_memory_bytes": mem},
+    )
+
+
+def with_numbers(trials):
+    for i, t in enumerate(trials):
+        t.number = i
+    return trials
+
+
+def test_select_best_prefers_lowest_idle_outside_the_tolerance():
+    ts = with_numbers([trial(0, 0.30, 0.01, 1e9), trial(1, 0.05, 0.09, 9e9), trial(2, 0.20, 0.0, 0)])
+    assert select_best(ts).number == 1
+
+
+def test_select_best_breaks_idle_ties_by_cpu_then_memory():
+    ts = with_numbers(
+        [
+            trial(0, 0.000, 0.050, 1 * 2**30),  # lowest idle, but costly CPU
+            trial(1, 0.008, 0.020, 3 * 2**30),  # idle tie, cheap CPU, more memory
+            trial(2, 0.009, 0.021, 2 * 2**30),  # idle tie, CPU tie with 1, least memory
+            trial(3, 0.050, 0.001, 0),  # cheapest of all but clearly more idle
+            trial(4, 0.0, 0.0, 0, state=TrialState.PRUNED),
+            trial(5, 0.0, 0.0, 0, state=TrialState.FAIL),
+        ]
+    )
+    assert select_best(ts).number == 2
+    assert select_best(ts, idle_tolerance=0.0).number == 0
+    assert select_best(ts, cpu_tolerance=0.0).number == 1
+    assert [t.number for t in ranked(ts)] == [2, 0, 1, 3]
+
+
+def test_select_best_without_completed_trials_is_none():
+    assert select_best([trial(0, 0.0, 0, 0, state=TrialState.FAIL)]) is None
+    assert select_best([]) is None
+
+
+def test_importance_is_defined_only_with_two_differing_trials():
+    study = optuna.create_study()
+    study.add_trial(trial(0, 0.5, 0, 0, workers=1))
+    assert not has_variation(study)
+    study.add_trial(trial(1, 0.5, 0, 0, workers=2))
+    assert not has_variation(study)  # same value: nothing to attribute
+    study.add_trial(trial(2, 0.1, 0, 0, workers=3))
+    assert has_variation(study)
+
+
+def test_best_config_round_trips_and_bounds_are_the_search_ranges(tmp_path):
+    space = load_space(write(tmp_path, "params:\n  worker_kind: thread\n"), cores=4)
+    best = create_trial(
+        value=0.01,
+        params={"depth": 3, "read_threads": 2, "workers": 4, "pool_size": 12},
+        distributions={k: space.searched[k] for k in ("depth", "read_threads", "workers", "pool_size")},
+        user_attrs={"knobs": {"depth": 3, "read_threads": 2, "workers": 4, "pool_size": 12}},
+    )
+    pipeline = Pipeline([0], None, 2, SleepStep(0.1), {"dataset": "x:y"})
+    cfg = best_config(best, space, pipeline, {"name": "s", "idle_ratio": 0.01})
+    path = save_config(cfg, tmp_path / "loader.yaml")
+    back = load_config(path)
+    assert back["knobs"] == {"depth": 3, "read_threads": 2, "workers": 4, "pool_size": 12}
+    assert back["bounds"] == {"depth": (1, 8), "read_threads": (1, 4), "workers": (0, 4), "pool_size": (4, 64)}
+    assert back["loader"] == {"worker_kind": "thread", "in_order": False, "batch_size": 2}
+    assert back["study"]["idle_ratio"] == 0.01
+    json_back = load_config(save_config(cfg, tmp_path / "loader.json"))
+    assert json_back == back
+
+
+def test_simulated_step_scales_with_a_searched_batch_size():
+    pipeline = Pipeline([0], None, 2, SleepStep(0.1), {})
+    assert pipeline.step_for(2).seconds == pytest.approx(0.1)
+    assert pipeline.step_for(6).seconds == pytest.approx(0.3)
+
+
+def test_study_name_is_stable_and_depends_on_the_pipeline():
+    a = Pipeline([0], None, 2, SleepStep(0.1), {"dataset": "pkg.mod:make", "step": "sleep 0.1 s"})
+    b = Pipeline([0], None, 2, SleepStep(0.1), {"dataset": "pkg.mod:make", "step": "sleep 0.2 s"})
+    assert a.study_name() == Pipeline([1], None, 2, SleepStep(0.1), dict(a.identity)).study_name()
+    assert a.study_name() != b.study_name()
+    assert a.study_name().startswith("make-b2-")
+
+
+def make_list_dataset(data=None, n=5):
+    return list(range(n if data is None else int(data)))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon", "expected 'module:attribute'"),
+        ("surely_not_a_module_xyz:f", "cannot import 'surely_not_a_module_xyz'"),
+        (f"{__name__}:no_such_attr", "has no 'no_such_attr'"),
+    ],
+)
+def test_bad_import_path_is_a_clear_error(spec, message):
+    with pytest.raises(PipelineSpecError, match=message):
+        import_object(spec, "--dataset")
+
+
+def test_make_pipeline_calls_the_factory_with_data_and_requires_a_step():
+    p = make_pipeline(dataset=f"{__name__}:make_list_dataset", data="7", step_time=0.01)
+    assert p.dataset == list(range(7)) and isinstance(p.step, SleepStep) and p.batch_size == 1
+    with pytest.raises(PipelineSpecError, match="--step-time"):
+        make_pipeline(dataset=f"{__name__}:make_list_dataset")
+    with pytest.raises(PipelineSpecError, match="--dataset module:factory or --recipe"):
+        make_pipeline(step_time=0.1)
+
+
+def plain_transform(sample, rng=None):
+    return sample
+
+
+def transform_factory(scale: float = 2.0):
+    return lambda sample, rng: sample * scale
+
+
+def test_a_transform_without_required_arguments_is_a_factory_and_is_called():
+    assert not is_factory(plain_transform) and is_factory(transform_factory)
+    assert is_factory(dict) and not is_factory(print)
+    p = make_pipeline(
+        dataset=f"{__name__}:make_list_dataset", transform=f"{__name__}:transform_factory", step_time=0
+    )
+    assert p.transform(3, None) == 6.0
+    p = make_pipeline(
+        dataset=f"{__name__}:make_list_dataset", transform=f"{__name__}:plain_transform", step_time=0
+    )
+    assert p.transform is plain_transform
+
+
+def test_recipes_in_tuner_are_valid_and_unknown_ones_are_named(tmp_path):
+    recipes = sorted(RECIPE_DIR.glob("*.yaml"))
+    assert recipes, "tuner/recipes/ holds at least the kits19 recipe"
+    for path in recipes:
+        assert load_recipe(path.stem)["dataset"]
+    with pytest.raises(PipelineSpecError, match="recipe 'nope'.*kits19"):
+        load_recipe("nope")
+    bad = write(tmp_path, "dataset: a:b\nstep_tiem: 1\n", "r.yaml")
+    with pytest.raises(PipelineSpecError, match="unknown key 'step_tiem'"):
+        load_recipe(str(bad))
+    with pytest.raises(PipelineSpecError, match="needs --data"):
+        make_pipeline(recipe="kits19")
+
+
+def test_default_space_file_is_in_the_tuner_folder():
+    assert DEFAULT_SPACE.parent.name == "tuner" and DEFAULT_SPACE.is_file()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16GiB", 16 * 2**30), ("512M", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1000", 1000)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_rejects_nonsense():
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size("lots")
+    assert math.isclose(parse_size("0.5k"), 512)
+
+
+def test_categorical_knob_bounds_span_the_choices(tmp_path):
+    path = write(tmp_path, "params:\n  depth: {type: categorical, choices: [2, 8, 4]}\n")
+    space = load_space(path, cores=2)
+    assert space.searched["depth"] == CategoricalDistribution([2, 8, 4])
+    assert space.knob_bounds()["depth"] == (2, 8)
