@@ -168,7 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("synthetic workload")
-    g.add_argument("--samples", type=int, default=128)
+    g.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per epoch (synthetic default 128; kits19 default one per case)",
+    )
     g.add_argument(
         "--batch-size",
         type=int,
@@ -234,7 +239,7 @@ def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
             overrides[param] = v * scale if scale else v
     return synthetic_workload(
         None if scenario == "custom" else scenario,
-        samples=args.samples,
+        samples=args.samples or 128,
         batch_size=args.batch_size or 2,
         sample_mb=args.sample_mb,
         on_disk=args.on_disk,
@@ -295,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
 
     cuda = torch.cuda.is_available()
     console = make_console()
+    unet = args.unet == "on" or (args.unet == "auto" and cuda)
+    if unet and not cuda:
+        print("--unet on needs CUDA", file=sys.stderr)
+        return 2
     workloads = []
     if "kits19" in args.workload:
         from autominato.bench.kits19 import kits19_workload
@@ -305,13 +314,16 @@ def run(args: argparse.Namespace) -> int:
                     data=args.data,
                     labels=args.labels,
                     cases=args.cases,
+                    samples=args.samples,
                     scale=args.scale,
+                    # The UNet halves every spatial size once per level.
+                    patch_multiple=32 if unet and args.unet_model == "mlperf" else 16,
                     batch_size=args.batch_size or 2,
                     step_s=args.step,
                     seed=args.seed,
                     cache=args.cache,
                     step_factor=args.step_factor or 1.0,
-                    log=console.print,
+                    log=lambda m: console.print(m, highlight=False, markup=False),
                 )
             )
         except (FileNotFoundError, ImportError, ValueError) as e:
@@ -320,10 +332,6 @@ def run(args: argparse.Namespace) -> int:
     if "synthetic" in args.workload:
         for scenario in args.scenario:
             workloads.append(_synthetic(args, scenario))
-    unet = args.unet == "on" or (args.unet == "auto" and cuda)
-    if unet and not cuda:
-        print("--unet on needs CUDA", file=sys.stderr)
-        return 2
     ctx = Context(
         cores=usable_cores(),
         device="cuda" if cuda else "cpu",
