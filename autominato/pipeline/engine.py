@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, to_device
-from autominato.pipeline.errors import ErrorReport, SampleTimeout, WorkerDied
+from autominato.pipeline.errors import ErrorReport, SampleTimeout, WorkerDied, describe
 from autominato.pipeline.executor import ProcessWorkers, ThreadWorkers
 from autominato.pipeline.shm import (
     SHM_DIR,
@@ -608,8 +608,8 @@ class Engine:
             # A corrupt file is skipped every epoch: warn once per sample, count every time.
             level = logging.DEBUG if rec.index in self._skip_logged else logging.WARNING
             self._skip_logged.add(rec.index)
-            log.log(level, "skipping sample index %d%s: %s: %s", rec.index,
-                    f" (file {path})" if path else "", type(exc).__name__, exc)
+            log.log(level, "skipping sample index %d%s: %s", rec.index,
+                    f" (file {path})" if path else "", describe(exc))
             if self.L._on_skip is not None:
                 self.L._on_skip(rec.index, path, exc)
             if self.L.in_order:

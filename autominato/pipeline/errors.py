@@ -92,6 +92,15 @@ class _RemoteTraceback(Exception):
         return self.tb
 
 
+def describe(exc: BaseException) -> str:
+    """``"TypeName: message"`` of ``exc``, even when its ``__str__`` raises."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() failed>"
+    return f"{type(exc).__name__}: {message}"
+
+
 @dataclass
 class ErrorReport:
     """A picklable description of an exception raised for one sample."""

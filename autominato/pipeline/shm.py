@@ -120,7 +120,9 @@ class SlotPool:
                 return slot
             # Grow: replace the largest too-small free slot, or add one within the budgets.
             if self._free and len(self._all) >= self.max_slots:
-                self._drop(max(self._free, key=lambda s: s.size))
+                victim = max(self._free, key=lambda s: s.size)
+                self._free.remove(victim)  # else it would be handed out again, unmapped
+                self._drop(victim)
             if len(self._all) >= self.max_slots:
                 return None
             size = -(-nbytes // 4096) * 4096
@@ -297,27 +299,51 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
 
 
 class SlotCache:
-    """Worker-side maps of slots by name (LRU), so a worker maps each slot once."""
+    """Worker-side maps of slots by name (LRU), so a worker maps each slot once.
 
-    def __init__(self, capacity: int = 256) -> None:
+    A slot that the main process drops (the pool shrank, or a bigger slot replaced it) is
+    unlinked there, but its memory stays allocated while any process still maps it. So the
+    cache unmaps slots whose file is gone: on every miss (when the pool is changing) and every
+    ``check_every`` lookups (a few ``stat`` calls per sample), else a worker would keep up to
+    ``capacity`` dead segments' memory.
+    """
+
+    def __init__(self, capacity: int = 256, check_every: int = 16) -> None:
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self.capacity = capacity
+        self.check_every = check_every
+        self._lookups = 0
+
+    def purge(self) -> None:
+        """Unmap every cached slot whose segment was unlinked."""
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            _close(self._maps.pop(name))
 
     def get(self, name: str, size: int) -> mmap.mmap:
+        self._lookups += 1
+        if self._lookups % self.check_every == 0:
+            self.purge()
         m = self._maps.get(name)
         if m is not None and len(m) >= size:
             self._maps.move_to_end(name)
             return m
+        self.purge()
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
             m = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        old = self._maps.pop(name, None)  # mapped before with a smaller size
+        if old is not None:
+            _close(old)
         self._maps[name] = m
         while len(self._maps) > self.capacity:
-            _, old = self._maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:
-                pass
+            _close(self._maps.popitem(last=False)[1])
         return m
+
+
+def _close(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:
+        pass  # a view still uses it; it is unmapped when the last view is freed
