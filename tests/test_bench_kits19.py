@@ -85,3 +85,30 @@ def test_kits19_epoch_delivers_every_sample_once(tmp_path, arm):
 def test_missing_labels_are_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="KiTS19 labels not found at"):
         kits19_workload(labels=tmp_path / "nowhere", cache=tmp_path / "cache")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "labels").is_dir(), reason="../shared/kits19 is absent")
+def test_kits19_workload_from_a_real_mask_prepares_once_and_runs(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    # The smallest real mask (36 slices): the preparation stays quick at scale 0.25.
+    (raw / "case_00148.nii.gz").symlink_to(SHARED / "labels" / "case_00148.nii.gz")
+    kw = dict(labels=raw, cases=1, samples=4, scale=0.25, step_s=0.0, cache=tmp_path / "cache")
+    logged: list[str] = []
+    wl = kits19_workload(**kw, log=logged.append)
+    assert "synthetic CT" in wl.description and len(wl) == 4
+    assert any("SYNTHETIC" in m for m in logged)
+    index, (image, label) = SampleFn(wl)(3)
+    assert image.shape == label.shape == (1, 32, 32, 32)
+    assert set(np.unique(label)) <= {0, 1, 2}
+    logged.clear()
+    kits19_workload(**kw, log=logged.append)  # the second time the cases are reused
+    assert any("1 case(s) already in" in m for m in logged)
+    res = run_workload(
+        wl,
+        Options(
+            arms=["dataloader"], repeats=1, isolate=False, ctx=Context(cores=2), log=lambda m: None
+        ),
+    )
+    assert res.records[0].status == "ok" and res.records[0].samples == 4
