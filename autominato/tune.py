@@ -125,8 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the command. Exit status: 0 done, 1 no usable result or a pipeline failure, 2 bad
     input (search space, recipe, import path), 130 interrupted (rerun the command to resume)."""
-    # soft_wrap: long paths stay on one line when the output is a file or a pipe.
+    # soft_wrap: long paths stay on one line; a file or a pipe gets a table wider than 80.
     console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(soft_wrap=True, width=160)
     try:
         space = load_space(args.space).with_trial(
             warmup_batches=args.warmup, window_batches=args.window
@@ -169,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         console.print("interrupted: the study is kept; run the same command to resume")
         return 130
     print_summary(console, result)
+    if result.stopped:
+        console.print(f"[red]stopped:[/red] {result.stopped}", highlight=False)
+        return 1
     if result.best is None:
         console.print("[red]no trial completed[/red]: no configuration written")
         return 1

@@ -45,6 +45,13 @@ def make_dataset() -> Volumes:
     return Volumes()
 
 
+class Ragged(Volumes):
+    """Samples of three different shapes: no configuration can stack them into a batch."""
+
+    def __getitem__(self, i: int):
+        return np.zeros(i % 3 + 1, dtype=np.float32)
+
+
 def slow_transform(sample, rng):
     time.sleep(SAMPLE_S)
     image, label = sample
@@ -70,7 +77,7 @@ params:
   pool_size: 24
   worker_kind: thread
 trial: {warmup_batches: 3, window_batches: 8, report_every: 2}
-pruner: {n_startup_trials: 3, n_warmup_steps: 1}
+pruner: {n_startup_trials: 3, n_warmup_steps: 1, margin: 0.02}
 """
 
 
@@ -199,6 +206,20 @@ def test_transform_that_raises_names_the_sample_and_file_and_the_study_resumes(
     assert tune(*pipeline_args("quick_transform"), *common, "--trials", "1") == 0
     trials = optuna.load_study(study_name="broken", storage=storage).trials
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+
+
+def test_the_same_error_in_every_configuration_stops_the_study(tmp_path, space, capsys):
+    out = tmp_path / "out"
+    rc = tune(
+        "--dataset", f"{__name__}:Ragged", "--batch-size", "4", "--step-time", "0.01",
+        "--space", str(space), "--trials", "6", "--out", str(out), "--study-name", "ragged",
+    )  # fmt: skip
+    assert rc == 1
+    text = capsys.readouterr().out
+    assert "default configuration could not be measured: ValueError: cannot stack" in text
+    assert "3 trials in a row failed with the same error" in text
+    trials = optuna.load_study(study_name="ragged", storage=f"sqlite:///{out / 'study.db'}").trials
+    assert [t.state for t in trials] == [TrialState.FAIL] * 3
 
 
 def test_cli_dispatches_tune(tmp_path, space, monkeypatch):

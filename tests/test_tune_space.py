@@ -25,6 +25,7 @@ from autominato.tuning import (
     select_best,
 )
 from autominato.tuning.pipeline import RECIPE_DIR, Pipeline, import_object, is_factory
+from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.select import has_variation, ranked
 from autominato.tuning.space import DEFAULT_SPACE
 
@@ -91,6 +92,7 @@ def test_suggest_draws_inside_the_ranges_and_adds_fixed_values(tmp_path):
         ("trial: {window_batches: 0}\n", "trial.window_batches: expected an integer >= 1"),
         ("trial: {windows: 3}\n", "trial.windows: unknown key"),
         ("pruner: {n_startup_trials: -1}\n", "pruner.n_startup_trials"),
+        ("pruner: {margin: -0.1}\n", "pruner.margin: expected a number >= 0.0"),
         ("prams: {}\n", "unknown key 'prams'"),
         ("params: [1, 2]\n", "params: expected a mapping"),
         ("params:\n  depth: {type: int\n", "not valid YAML"),
@@ -285,3 +287,22 @@ def test_categorical_knob_bounds_span_the_choices(tmp_path):
     space = load_space(path, cores=2)
     assert space.searched["depth"] == CategoricalDistribution([2, 8, 4])
     assert space.knob_bounds()["depth"] == (2, 8)
+
+
+def with_reports(values: dict[int, float], final: float = 1.0):
+    return create_trial(value=final, intermediate_values=values, params={}, distributions={})
+
+
+def test_pruner_stops_only_trials_worse_than_the_median_by_more_than_the_margin():
+    pruner = MarginMedianPruner(n_startup_trials=3, n_warmup_steps=1, margin=0.02)
+    study = optuna.create_study()
+    for idle in (0.00, 0.01, 0.40):
+        study.add_trial(with_reports({4: idle, 8: idle}, final=idle))
+    # median at step 8 is 0.01
+    assert not pruner.prune(study, with_reports({4: 0.9, 8: 0.025}))  # noise-level: kept
+    assert pruner.prune(study, with_reports({4: 0.9, 8: 0.2}))
+    assert not pruner.prune(study, with_reports({4: 0.9}))  # its first report: warm-up
+    assert not pruner.prune(study, with_reports({4: 0.9, 12: 0.9}))  # no one reported at 12
+    assert not MarginMedianPruner(n_startup_trials=4).prune(study, with_reports({4: 0.9, 8: 0.9}))
+    with pytest.raises(ValueError, match="margin"):
+        MarginMedianPruner(margin=-1)

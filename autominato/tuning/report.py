@@ -57,8 +57,11 @@ def best_table(trials: list[FrozenTrial], top: int = 5, title: str = "Best trial
     return table
 
 
-def save_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
-    """Write ``objective.png`` (idle ratio by trial, best so far) and, where defined,
+def save_plots(
+    study: optuna.Study, out_dir: Path, baseline_idle: float | None = None
+) -> dict[str, Path]:
+    """Write ``objective.png`` (idle ratio by trial, best so far, and the default
+    configuration's idle ratio ``baseline_idle`` as a dashed line) and, where defined,
     ``importance.png`` (PED-ANOVA parameter importance; needs >= 2 completed trials with
     differing values, else it is skipped with a log line). Returns the paths written by kind.
     """
@@ -74,6 +77,9 @@ def save_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
         if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
             ax = ovm.plot_optimization_history(study, target_name="idle ratio")
             ax.set_title(f"autominato tune: {study.study_name}")
+            if baseline_idle is not None:
+                ax.axhline(baseline_idle, color="grey", linestyle="--", label="default configuration")
+                ax.legend()
             written["objective"] = _save(ax.figure, out_dir / "objective.png", plt)
         else:
             log.info("no completed trial: objective.png not written")

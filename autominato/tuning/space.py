@@ -9,7 +9,7 @@ A space file has three sections (see ``tuner/default.yaml`` for the documented d
       in_order: false             # fixed: not searched
       batch_size: null            # null: not set here (the loader's default / the command line)
     trial: {warmup_batches: 4, window_batches: 24, report_every: 4}
-    pruner: {n_startup_trials: 4, n_warmup_steps: 1}
+    pruner: {n_startup_trials: 4, n_warmup_steps: 1, margin: 0.02}
 
 Keys a file leaves out are taken from ``tuner/default.yaml``, so a user's copy may hold only
 what it changes. Every error names the file and the key (``space.yaml: params.workers.high:
@@ -39,7 +39,7 @@ MINIMUM = {"depth": 1, "read_threads": 1, "workers": 0, "pool_size": 1, "batch_s
 SECTIONS = {
     "params": None,
     "trial": {"warmup_batches": 0, "window_batches": 1, "report_every": 1},
-    "pruner": {"n_startup_trials": 0, "n_warmup_steps": 0},
+    "pruner": {"n_startup_trials": 0, "n_warmup_steps": 0, "margin": 0.0},
 }
 
 
@@ -56,14 +56,15 @@ class SearchSpace:
             ``CategoricalDistribution``) for the parameters a trial draws.
         fixed: parameter name -> value for parameters set but not searched.
         trial: ``warmup_batches``, ``window_batches``, ``report_every`` (batches).
-        pruner: ``n_startup_trials``, ``n_warmup_steps`` of ``optuna.pruners.MedianPruner``.
+        pruner: ``n_startup_trials``, ``n_warmup_steps``, ``margin`` of
+            :class:`autominato.tuning.pruner.MarginMedianPruner`.
         source: the file(s) it was read from, for messages.
     """
 
     searched: dict[str, optuna.distributions.BaseDistribution]
     fixed: dict[str, Any]
     trial: dict[str, int]
-    pruner: dict[str, int]
+    pruner: dict[str, float]
     source: str = "<dict>"
     cores: int = field(default=1, compare=False)
 
@@ -151,14 +152,15 @@ def load_space(
             searched[name] = _distribution(key, name, spec, cores)
         elif spec is not None:
             fixed[name] = _check_value(key, name, spec)
-    settings: dict[str, dict[str, int]] = {}
+    settings: dict[str, dict[str, Any]] = {}
     for section in ("trial", "pruner"):
         settings[section] = {}
         for key, minimum in SECTIONS[section].items():
             if key not in merged[section]:
                 raise SpaceError(f"{' + '.join(sources)}: {section}.{key}: missing")
             where, value = merged[section][key]
-            settings[section][key] = _check_count(f"{where}: {section}.{key}", value, minimum)
+            check = _check_number if isinstance(minimum, float) else _check_count
+            settings[section][key] = check(f"{where}: {section}.{key}", value, minimum)
         for key, (where, _) in merged[section].items():
             if key not in SECTIONS[section]:
                 raise SpaceError(
@@ -190,6 +192,12 @@ def _check_count(key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpaceError(f"{key}: expected an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _check_number(key: str, value: Any, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise SpaceError(f"{key}: expected a number >= {minimum}, got {value!r}")
+    return float(value)
 
 
 def _check_value(key: str, name: str, value: Any) -> Any:

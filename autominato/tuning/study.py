@@ -2,7 +2,8 @@
 
 Each trial builds the pipeline's loader with the configuration the sampler drew, measures it
 (:func:`autominato.tuning.measure.measure`) and returns the window's idle ratio, which Optuna
-minimises. Intermediate idle ratios go to a ``MedianPruner``. Failures are sorted by cause:
+minimises. Intermediate idle ratios go to a median pruner with a noise margin
+(:class:`autominato.tuning.pruner.MarginMedianPruner`). Failures are sorted by cause:
 
 * memory over the budget, or anything else that depends on the configuration (a worker killed,
   shared memory exhausted): the trial fails with its reason in the user attribute
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -32,11 +33,17 @@ from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, measure
 from autominato.tuning.pipeline import Pipeline
+from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.report import fmt_params, save_plots, trial_line
 from autominato.tuning.select import completed, select_best
 from autominato.tuning.space import STATIC_NAMES, SearchSpace
 
 log = logging.getLogger(__name__)
+
+#: This many consecutive trials failing with the same message (not a memory-budget failure)
+#: stop the study: an error that follows every configuration is the pipeline's or the
+#: installation's, and more trials would only repeat it.
+REPEATED_FAILURES = 3
 
 
 class PipelineFailed(RuntimeError):
@@ -60,6 +67,8 @@ class TuneResult:
         config_path: where it was written.
         plots: ``{"objective": path, "importance": path}`` for the PNGs written.
         elapsed_s: wall seconds of this run, baseline included.
+        stopped: why the study stopped before ``n_trials`` (``None`` if it did not stop early
+            for a failure; see :data:`REPEATED_FAILURES`).
     """
 
     study: optuna.Study
@@ -70,6 +79,7 @@ class TuneResult:
     config_path: Path | None
     plots: dict[str, Path] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    stopped: str | None = None
 
 
 def is_sample_error(exc: BaseException) -> bool:
@@ -242,7 +252,7 @@ def run_study(
         direction="minimize",
         load_if_exists=True,
         sampler=optuna.samplers.TPESampler(seed=seed + existing),
-        pruner=optuna.pruners.MedianPruner(**space.pruner),
+        pruner=MarginMedianPruner(**space.pruner),
     )
     study.set_user_attr("pipeline", pipeline.identity)
     console.print(
@@ -277,8 +287,22 @@ def run_study(
     )
     task = bar.add_task("trials", total=n_trials, best="") if bar else None
 
+    run_failures: list[str | None] = []
+    stopped: list[str] = []
+
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
         line = trial_line(trial)
+        failure = trial.user_attrs.get("failure") if trial.state == TrialState.FAIL else None
+        if isinstance(failure, str) and "over the budget" in failure:
+            failure = None  # a budget failure depends on the configuration by definition
+        run_failures.append(failure)
+        last = run_failures[-REPEATED_FAILURES:]
+        if len(last) == REPEATED_FAILURES and last[0] is not None and len(set(last)) == 1:
+            stopped.append(
+                f"{REPEATED_FAILURES} trials in a row failed with the same error, which does not "
+                f"look like the configurations' fault: {last[0]}"
+            )
+            study.stop()
         if bar is not None:
             best = select_best(study.get_trials(deepcopy=False))
             shown = f"best idle {best.value:.3f} (trial {best.number})" if best else ""
@@ -318,7 +342,7 @@ def run_study(
         }
         config = best_config(best, space, pipeline, provenance)
         written = save_config(config, config_path or out / "loader.yaml")
-    plots = save_plots(study, out)
+    plots = save_plots(study, out, base.idle_ratio if base else None)
     return TuneResult(
         study=study,
         best=best,
@@ -328,4 +352,5 @@ def run_study(
         config_path=written,
         plots=plots,
         elapsed_s=time.perf_counter() - t0,
+        stopped=stopped[0] if stopped else None,
     )
