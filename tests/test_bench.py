@@ -343,3 +343,18 @@ def test_cli_runs_one_arm_and_writes_its_files(tmp_path, monkeypatch):
     assert row["arm"] == "dataloader" and row["status"] == "ok" and row["runs"] == "1"
     assert (tmp_path / "synthetic-custom_time.png").exists()
     assert os.path.getsize(tmp_path / "runs.csv") > 0
+
+
+def test_tuned_configs_are_given_per_workload_or_for_all(tmp_path):
+    from autominato.bench import _tuned_configs
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("knobs: {}\n")
+    b.write_text("knobs: {}\n")
+    names = ["kits19", "synthetic-io_bound"]
+    assert _tuned_configs([str(a)], names) == {"kits19": str(a), "synthetic-io_bound": str(a)}
+    assert _tuned_configs([f"kits19={b}"], names) == {"kits19": str(b)}
+    with pytest.raises(ValueError, match="no workload 'nope'"):
+        _tuned_configs([f"nope={a}"], names)
+    with pytest.raises(ValueError, match="no such file"):
+        _tuned_configs([str(tmp_path / "missing.yaml")], names)

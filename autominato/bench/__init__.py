@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("arms")
     g.add_argument(
         "--tuned-config",
-        type=Path,
+        nargs="+",
         default=None,
-        help="configuration written by `autominato tune` for autominato-tuned",
+        metavar="[WORKLOAD=]FILE",
+        help="configuration written by `autominato tune` for autominato-tuned: one FILE for "
+        "every workload, or WORKLOAD=FILE each (e.g. kits19=k.yaml "
+        "synthetic-balanced_stragglers=s.yaml)",
     )
     g.add_argument(
         "--grid-workers",
@@ -249,6 +253,26 @@ def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
     )
 
 
+def _tuned_configs(specs: list[str], workloads: list[str]) -> dict[str, str]:
+    """``{workload: config path}`` from ``FILE`` (every workload) or ``WORKLOAD=FILE`` items.
+
+    Raises:
+        ValueError: an unknown workload name or a missing file.
+    """
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        if name and name not in workloads:
+            raise ValueError(f"{spec}: no workload {name!r} in this run ({', '.join(workloads)})")
+        if not Path(path).is_file():
+            raise ValueError(f"{spec}: no such file {path}")
+        for wl in [name] if name else workloads:
+            out[wl] = str(path)
+    return out
+
+
 def run_bench(jobs: list[tuple[Any, Any]], out: Path, console: Any = None) -> dict[str, Any]:
     """Run each ``(workload, options)`` job, write CSV and plots under ``out``, print tables.
 
@@ -332,11 +356,13 @@ def run(args: argparse.Namespace) -> int:
     if "synthetic" in args.workload:
         for scenario in args.scenario:
             workloads.append(_synthetic(args, scenario))
+    try:
+        tuned = _tuned_configs(args.tuned_config or [], [wl.name for wl in workloads])
+    except ValueError as e:
+        print(f"--tuned-config: {e}", file=sys.stderr)
+        return 2
     ctx = Context(
-        cores=usable_cores(),
-        device="cuda" if cuda else "cpu",
-        tuned_config=str(args.tuned_config) if args.tuned_config else None,
-        spdl_executor=args.spdl_executor,
+        cores=usable_cores(), device="cuda" if cuda else "cpu", spdl_executor=args.spdl_executor
     )
     grid = None
     if args.grid_workers is not None or args.grid_prefetch != [2, 4]:
@@ -349,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
             arms=args.arms,
             repeats=args.repeats,
             isolate=not args.no_isolate,
-            ctx=ctx,
+            ctx=replace(ctx, tuned_config=tuned.get(wl.name)),
             grid=grid,
             grid_fraction=args.grid_fraction,
             serial_samples=args.serial_samples,
