@@ -121,16 +121,8 @@ class Churn(Rule):
         return (out if new != old else []), state + 1
 
 
-# Known loader bug, found by this test: SlotPool.acquire (autominato/pipeline/shm.py) drops the
-# largest free slot without taking it out of the free list, so a later acquire hands out an
-# unlinked slot ("mmap closed or invalid") or drops it twice (KeyError) once the pool shrinks.
-SLOT_POOL_BUG = pytest.mark.xfail(
-    reason="SlotPool.acquire drops a free slot but leaves it in _free (shm.py)", strict=False
-)
-
-
 @pytest.mark.parametrize(
-    "kind", ["thread", pytest.param("process", marks=[pytest.mark.slow, SLOT_POOL_BUG])]
+    "kind", ["thread", pytest.param("process", marks=pytest.mark.slow)]
 )
 def test_exactly_once_holds_while_the_controller_turns_every_knob(kind):
     # Worker processes take seconds to start on a small machine: churn fewer of them.

@@ -100,8 +100,26 @@ def run_sample(
     return sample, t1 - t0, time.perf_counter() - t1
 
 
+#: Variables that BLAS / OpenMP libraries read when they load (OpenBLAS, MKL, BLIS, Apple
+#: Accelerate, numexpr): a library that a transform imports later starts with the cap too.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+              "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def threads_per_worker(cores: int, workers: int) -> int:
+    """Intra-op threads each of ``workers`` processes may use so that workers x threads does
+    not exceed ``cores`` (at least 1)."""
+    return max(1, cores // max(1, workers))
+
+
 def limit_threads(n: int) -> None:
-    """Cap BLAS / OpenMP / torch intra-op threads of this process to ``n``."""
+    """Cap BLAS / OpenMP / torch intra-op threads of this process to ``n``.
+
+    Libraries already loaded are capped through threadpoolctl and torch; libraries loaded
+    afterwards through the environment variables in :data:`THREAD_ENV`.
+    """
+    for var in THREAD_ENV:
+        os.environ[var] = str(n)
     try:
         from threadpoolctl import threadpool_limits
 
@@ -116,13 +134,14 @@ def limit_threads(n: int) -> None:
         pass
 
 
-def process_main(wid: int, conn, payload: bytes) -> None:
+def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> None:
     """Body of a transform worker process.
 
-    Messages from the loader: ``None`` (exit) or a task tuple
+    Messages from the loader: ``None`` (exit), ``("threads", n)`` (cap intra-op threads at
+    ``n``: the worker count changed) or a task tuple
     ``(pos, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
     or ``None``. Replies: ``("ok", pos, desc, need, read_s, transform_s, pack_s)`` or
-    ``("err", pos, ErrorReport)``.
+    ``("err", pos, ErrorReport)``. ``threads`` overrides the payload's ``threads_per_worker``.
     """
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
@@ -131,13 +150,16 @@ def process_main(wid: int, conn, payload: bytes) -> None:
 
     worker = f"worker {wid} (process {os.getpid()})"
     try:
-        spec: WorkSpec = cloudpickle.loads(payload)
-    except BaseException as e:
-        conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
-        return
-    limit_threads(spec.threads_per_worker)
-    cache = SlotCache()
-    conn.send(("ready", os.getpid()))
+        try:
+            spec: WorkSpec = cloudpickle.loads(payload)
+        except BaseException as e:
+            conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+            return
+        limit_threads(spec.threads_per_worker if threads is None else threads)
+        cache = SlotCache()
+        conn.send(("ready", os.getpid()))
+    except (EOFError, OSError):
+        return  # retired (or the loader closed) before this worker was ready: nothing to say
     while True:
         try:
             msg = conn.recv()
@@ -145,6 +167,9 @@ def process_main(wid: int, conn, payload: bytes) -> None:
             return  # the loader is gone
         if msg is None:
             return
+        if msg[0] == "threads":
+            limit_threads(msg[1])
+            continue
         pos, index, epoch, read, in_slot, in_desc, out_slot = msg
         try:
             sample = None
