@@ -358,3 +358,21 @@ def test_tuned_configs_are_given_per_workload_or_for_all(tmp_path):
         _tuned_configs([f"nope={a}"], names)
     with pytest.raises(ValueError, match="no such file"):
         _tuned_configs([str(tmp_path / "missing.yaml")], names)
+
+
+def test_a_hung_run_times_out_and_its_process_group_is_killed():
+    import psutil
+
+    wl = synthetic_workload(None, samples=2, batch_size=2, sample_mb=0.01, read_latency_s=600.0)
+    arm = Arm("dataloader", "dataloader", {"num_workers": 1, "prefetch_factor": 2})
+    before = {p.pid for p in psutil.process_iter()}
+    with pytest.raises(RunFailed) as failed:
+        run_once(
+            RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}), timeout_s=2.0
+        )
+    assert failed.value.status == "timeout"
+    # 6 s is past the child's start-up on an idle machine: its forked DataLoader worker (same
+    # command line) is asleep in the read, and must be gone too.
+    time.sleep(0.5)  # SIGKILL is asynchronous
+    new = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before]
+    assert not [p for p in new if "autominato.bench.child" in " ".join(p.info["cmdline"] or [])]

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -185,19 +186,29 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
         # A new session makes the child the leader of a process group that holds its
         # workers too, so a hung run can be killed whole and no orphan outlives it.
         proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.wait()
-            raise RunFailed("timeout", f"no result after {timeout_s:.0f} s") from None
+        exited = _wait_unreaped(proc.pid, timeout_s)
+        # The exited child stays a zombie until reaped, so its pid (the group's id) cannot
+        # be reused by an unrelated process before the group is killed.
         _kill_group(proc.pid)
+        rc = proc.wait()
+        if not exited:
+            raise RunFailed("timeout", f"no result after {timeout_s:.0f} s")
         if not out_path.exists():
             raise RunFailed(f"error: child exited with status {rc} and no result")
         result = json.loads(out_path.read_text())
     if "error" in result:
         raise RunFailed(result["error"], result.get("traceback", ""))
     return result
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait until child ``pid`` exits, without reaping it; False if ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _kill_group(pgid: int) -> None:
