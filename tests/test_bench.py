@@ -368,7 +368,7 @@ def test_a_hung_run_times_out_and_its_process_group_is_killed():
     before = {p.pid for p in psutil.process_iter()}
     with pytest.raises(RunFailed) as failed:
         run_once(
-            RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}), timeout_s=2.0
+            RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}), timeout_s=6.0
         )
     assert failed.value.status == "timeout"
     # 6 s is past the child's start-up on an idle machine: its forked DataLoader worker (same
