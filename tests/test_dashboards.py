@@ -8,11 +8,13 @@ in ``test_dashboards_prometheus.py``.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -287,6 +289,20 @@ def test_compose_requires_the_admin_password_from_the_environment(resolved_compo
     assert r.returncode != 0
     assert "GRAFANA_ADMIN_PASSWORD" in r.stderr
     assert resolved_compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "pw-from-env"
+
+
+def test_compose_training_job_command_is_accepted_by_autominato_run(resolved_compose):
+    train = pytest.importorskip("autominato.train")
+    script = resolved_compose["services"]["train"]["command"][-1]
+    words = shlex.split(script.split("exec ", 1)[1].replace("$$STEPS", "10"))
+    assert words[:2] == ["autominato", "run"]
+    parser = argparse.ArgumentParser(prog="autominato run")
+    train.add_arguments(parser)
+    try:
+        args = parser.parse_args(words[2:])
+    except SystemExit as e:
+        raise AssertionError(f"`autominato run` rejects the compose command {words}") from e
+    assert (args.metrics_port, args.metrics_host) == (9100, "0.0.0.0")
 
 
 def test_compose_publishes_ports_on_loopback_only(resolved_compose):
