@@ -222,6 +222,73 @@ def test_the_same_error_in_every_configuration_stops_the_study(tmp_path, space, 
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
 
 
+@pytest.mark.slow
+def test_kits19_recipe_tunes_a_prepared_folder(tmp_path, space):
+    pytest.importorskip("autominato.data.kits19")
+    data = tmp_path / "prepared"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for case in range(3):  # the smallest volumes a 128^3 patch fits in
+        label = np.zeros((1, 128, 128, 128), np.uint8)
+        label[0, 40:80, 50:90, 60:100] = 1 + case % 2
+        np.save(data / f"case_{case:05d}_x.npy", rng.standard_normal(label.shape, np.float32))
+        np.save(data / f"case_{case:05d}_y.npy", label)
+    out = tmp_path / "out"
+    rc = tune("--recipe", "kits19", "--data", str(data), "--step-time", "0.05", "--space", str(space),
+              "--trials", "1", "--window", "2", "--warmup", "1", "--out", str(out))  # fmt: skip
+    assert rc == 0
+    cfg = load_config(out / "loader.yaml")
+    assert cfg["loader"]["batch_size"] == 2  # the recipe's
+    assert cfg["study"]["pipeline"]["recipe"] == "kits19"
+
+
+STEPS: list[int] = []
+
+
+def counting_step_factory():
+    """A real step for --model: a tiny linear model's optimiser step on the batch."""
+    import torch
+
+    model = torch.nn.Linear(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(batch):
+        image, label = batch
+        loss = (model(image.reshape(image.shape[0], -1)).squeeze(1) - label.float()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        STEPS.append(image.shape[0])
+        return float(loss)
+
+    return step
+
+
+def test_model_option_runs_a_real_step_on_every_batch(tmp_path, space):
+    STEPS.clear()
+    out = tmp_path / "out"
+    rc = tune("--dataset", f"{__name__}:make_dataset", "--transform", f"{__name__}:quick_transform",
+              "--batch-size", "2", "--model", f"{__name__}:counting_step_factory", "--space", str(space),
+              "--trials", "1", "--window", "5", "--warmup", "2", "--out", str(out), "--no-baseline")  # fmt: skip
+    assert rc == 0
+    assert STEPS == [2] * 7  # warm-up and window, every batch of 2 stepped on once
+    assert load_config(out / "loader.yaml")["study"]["pipeline"]["step"].endswith(":counting_step_factory")
+
+
+@pytest.mark.slow
+def test_unet3d_step_trains_the_project_model_on_a_batch():
+    import torch
+
+    from autominato.tuning.steps import unet3d
+
+    step = unet3d(device="cpu")
+    image = torch.randn(1, 1, 64, 64, 64)
+    label = torch.zeros(1, 1, 64, 64, 64, dtype=torch.uint8)
+    label[..., 16:48, 16:48, 16:48] = 1
+    first = step((image, label))
+    assert np.isfinite(first) and step((image, label)) != first  # the weights moved
+
+
 def test_cli_dispatches_tune(tmp_path, space, monkeypatch):
     monkeypatch.setattr("sys.argv", ["autominato"])
     out = tmp_path / "out"

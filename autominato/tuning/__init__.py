@@ -6,7 +6,9 @@
     pipeline.py  the user's dataset / transform / step from import paths or a recipe
     measure.py   one trial: warm-up, measured window, idle ratio, CPU seconds, memory
     select.py    the best trial: lowest idle ratio, ties by CPU seconds then memory
-    study.py     the Optuna study (SQLite, MedianPruner, failures) and the output config
+    pruner.py    the median stopping rule with a noise margin
+    steps.py     real training steps for --model (the project's 3D-UNet)
+    study.py     the Optuna study (SQLite, pruning, failures) and the output config
     report.py    per-trial lines, the final table, the PNG plots
 
 Example::
