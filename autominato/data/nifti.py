@@ -8,16 +8,21 @@ Layouts found in a folder:
 
 or an explicit list of ``(image_path, label_path)`` pairs.
 
-nibabel's ``load`` reads only the header; a truncated or corrupt file fails when the voxels are
-read. ``__getitem__`` reads them (``np.asarray(img.dataobj)``), so a bad file fails there, in the
-loader's read stage, with its index and path.
+nibabel's ``load`` reads only the header; a truncated file fails only when the voxels are read,
+and a ``.nii.gz`` with a flipped byte is not caught at all (nibabel stops reading before the
+gzip trailer, so the CRC-32 is never checked, and returns wrong voxels). :func:`load_nifti`
+therefore decompresses a ``.gz`` whole with :mod:`gzip` (which checks the CRC and the length)
+and ``__getitem__`` reads the voxels (``np.asarray(img.dataobj)``), so a bad file fails there,
+in the loader's read stage, with its index and path.
 """
 
 from __future__ import annotations
 
+import gzip
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -134,16 +139,39 @@ class NiftiDataset:
         return image[None].astype(np.float32, copy=False), label[None]
 
 
+def load_nifti(path: str | Path) -> Any:
+    """Open a NIfTI-1 or NIfTI-2 file; a ``.gz`` is decompressed in full and CRC-checked.
+
+    Returns:
+        a nibabel image whose data are in memory (``.gz``) or memory-mapped (``.nii``).
+
+    Raises:
+        EOFError, gzip.BadGzipFile, OSError, ValueError, nibabel's ImageFileError: the file is
+            truncated, corrupt, unreadable or not NIfTI.
+    """
+    import nibabel
+
+    path = Path(path)
+    if not path.name.endswith(".gz"):
+        return nibabel.load(str(path))
+    raw = gzip.decompress(path.read_bytes())  # verifies the CRC-32 and length trailer
+    size = int.from_bytes(raw[:4], "little") if len(raw) >= 4 else 0
+    size_be = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else 0
+    if 348 in (size, size_be):  # sizeof_hdr: 348 for NIfTI-1, 540 for NIfTI-2
+        return nibabel.Nifti1Image.from_bytes(raw)
+    if 540 in (size, size_be):
+        return nibabel.Nifti2Image.from_bytes(raw)
+    raise ValueError(f"not a NIfTI-1/2 file (header size field {size})")
+
+
 def read_volume(index: int, path: Path) -> np.ndarray:
     """All voxels of a 3D NIfTI file (a trailing axis of size 1 is dropped).
 
     Raises:
         DatasetError: the file cannot be opened or decoded, or is not 3D.
     """
-    import nibabel
-
     try:
-        img = nibabel.load(str(path))
+        img = load_nifti(path)
         # Reading the voxels is what fails on a truncated or corrupt file (load reads only
         # the header), so it happens here, inside the dataset's read.
         data = np.asarray(img.dataobj)

@@ -37,7 +37,7 @@ import numpy as np
 import scipy.ndimage
 
 from autominato.data.kits19 import MANIFEST, image_file, label_file, read_manifest
-from autominato.data.nifti import CT_CLIP, CT_MEAN, CT_STD
+from autominato.data.nifti import CT_CLIP, CT_MEAN, CT_STD, load_nifti
 
 #: MLPerf reference constants (preprocess_dataset.py: TARGET_SPACING, TARGET_SHAPE).
 TARGET_SPACING = (1.6, 1.2, 1.2)
@@ -154,18 +154,16 @@ def prepare_one(case: Case, out: Path, settings: dict[str, Any]) -> dict[str, An
     Raises:
         ValueError: the case cannot be read or processed; the message names the file.
     """
-    import nibabel
-
     t0 = time.perf_counter()
     try:
-        limg = nibabel.load(str(case.label))
+        limg = load_nifti(case.label)
         label = np.asarray(limg.dataobj)
         spacing = [float(z) for z in limg.header.get_zooms()[:3]]
     except Exception as e:
         raise ValueError(f"{case.label}: cannot read the mask: {type(e).__name__}: {e}") from e
     if case.image is not None:
         try:
-            iimg = nibabel.load(str(case.image))
+            iimg = load_nifti(case.image)
             image = np.asarray(iimg.dataobj, dtype=np.float32)
             # The reference takes the image's spacing (pixdim[1:4]) for both volumes.
             spacing = [float(z) for z in iimg.header.get_zooms()[:3]]
