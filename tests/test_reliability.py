@@ -134,6 +134,22 @@ class KillFor:
         return sample
 
 
+class ByEpoch:
+    """Sampler: epoch ``e`` visits ``orders[e]``."""
+
+    def __init__(self, orders: list[list[int]]) -> None:
+        self.orders, self.epoch = orders, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(self.orders[self.epoch])
+
+    def __len__(self) -> int:
+        return len(self.orders[self.epoch])
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers
 
@@ -242,26 +258,34 @@ CORRUPT_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(CORRUPT_ERRORS))
-def test_corrupt_file_raises_with_index_path_worker_and_traceback(tmp_path, kind):
-    pos = ALL_BAD[kind]
-    paths = write_cases(tmp_path, 12, {kind: pos})
+def test_corrupt_file_raises_with_index_path_worker_and_traceback(tmp_path):
+    paths = write_cases(tmp_path, 12, ALL_BAD)
+    good = [j for j in range(12) if j not in ALL_BAD.values()]
+    kinds = list(CORRUPT_ERRORS)
     before = descendants()
-    with Loader(NiftiCases(paths), 2, transform=identity, fuse_read=True, workers=2, seed=0,
-                in_order=True, autotune=False) as loader:
-        with pytest.raises(CORRUPT_ERRORS[kind][0]) as info:
-            run_epoch(loader, voxels)
-    e = info.value
-    assert CORRUPT_ERRORS[kind][1] in str(e)
-    assert e.sample_index == pos and e.sample_path == str(paths[pos])
-    assert e.worker.startswith("worker ") and "process" in e.worker
-    assert f"sample index {pos} (file {paths[pos]})" in "".join(e.__notes__)
-    remote = str(e.__cause__)
-    assert "Traceback in worker" in remote and "__getitem__" in remote
+    # Epoch e visits the good cases and the corrupt case of kinds[e]; the loader stays usable
+    # after each error.
+    sampler = ByEpoch([good[:4] + [ALL_BAD[kind]] + good[4:] for kind in kinds])
+    raised = []
+    with Loader(NiftiCases(paths), 2, sampler=sampler, transform=identity, fuse_read=True,
+                workers=2, in_order=True, autotune=False) as loader:
+        for epoch, kind in enumerate(kinds):
+            pos = ALL_BAD[kind]
+            loader.set_epoch(epoch)
+            with pytest.raises(CORRUPT_ERRORS[kind][0]) as info:
+                run_epoch(loader, voxels)
+            e = info.value
+            assert CORRUPT_ERRORS[kind][1] in str(e), kind
+            assert e.sample_index == pos and e.sample_path == str(paths[pos]), kind
+            assert e.worker.startswith("worker ") and "process" in e.worker, kind
+            assert f"sample index {pos} (file {paths[pos]})" in "".join(e.__notes__), kind
+            remote = str(e.__cause__)
+            assert "Traceback in worker" in remote and "__getitem__" in remote, kind
+            raised.append(type(e).__name__)
     left = leftovers(before)
     assert left == "none"
-    row(f"corrupt: {kind} (raise)", f"{type(e).__name__} raised naming index, file, worker",
-        0, 0, None, left)
+    row("corrupt: 4 kinds (raise)", f"{', '.join(raised)} naming index, file, worker, "
+        "traceback; next epoch runs", 0, 0, None, left)
 
 
 @pytest.mark.parametrize("fuse_read", [False, True], ids=["read-threads", "read-in-workers"])
@@ -497,13 +521,14 @@ def run_child_until_ready(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
     return child, pids
 
 
+@pytest.mark.slow  # a fresh Python that imports torch, twice (with its forkserver)
 def test_ctrl_c_raises_one_keyboard_interrupt_and_leaves_no_worker_or_segment(tmp_path):
     child, pids = run_child_until_ready(tmp_path)
     t0 = time.monotonic()
     os.killpg(child.pid, signal.SIGINT)
-    _, err = child.communicate(timeout=60)
     survivors = wait_gone(pids, 5.0)
     t1 = time.monotonic()
+    _, err = child.communicate(timeout=60)
     assert child.returncode in (1, -signal.SIGINT), err
     assert err.count("KeyboardInterrupt") == 1, err
     assert "Error" not in err.replace("KeyboardInterrupt", ""), err  # nothing else went wrong
@@ -514,13 +539,14 @@ def test_ctrl_c_raises_one_keyboard_interrupt_and_leaves_no_worker_or_segment(tm
         0, 0, t1 - t0, "none" if not segs and not survivors else f"{survivors} {segs}")
 
 
+@pytest.mark.slow  # a fresh Python that imports torch, twice (with its forkserver)
 def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path):
     child, pids = run_child_until_ready(tmp_path)
     t0 = time.monotonic()
     os.kill(child.pid, signal.SIGTERM)
-    _, err = child.communicate(timeout=60)
     survivors = wait_gone(pids, 5.0)
     t1 = time.monotonic()
+    _, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGTERM, err  # it still dies by SIGTERM, as asked
     assert not survivors, f"workers still alive 5 s after SIGTERM: {survivors}"
     segs = leftover_segments(child.pid)
@@ -575,27 +601,33 @@ class RaisesUnpicklable(IndexDataset):
         return super().__getitem__(i)
 
 
-@pytest.mark.parametrize("kind", list(UNPICKLABLE))
-def test_an_exception_that_cannot_be_pickled_arrives_readable(kind):
+def test_an_exception_that_cannot_be_pickled_arrives_readable():
     from autominato.pipeline.errors import SampleError
 
-    with Loader(RaisesUnpicklable(12, {5: kind}), 3, fuse_read=True, workers=1, seed=0,
+    bad = dict(zip((1, 4, 6, 9), UNPICKLABLE, strict=True))
+    good = [i for i in range(12) if i not in bad]
+    sampler = ByEpoch([good + [pos] for pos in bad])  # epoch e: the good ones and one bad
+    with Loader(RaisesUnpicklable(12, bad), 3, sampler=sampler, fuse_read=True, workers=1,
                 autotune=False) as loader:
-        with pytest.raises(Exception) as info:  # noqa: B017 - which type is the point
-            run_epoch(loader)
-    e = info.value
-    assert e.sample_index == 5 and e.sample_path == "case_00005.npy" and "process" in e.worker
-    if isinstance(e, SampleError):
-        # Not rebuildable here: the original type's name, message and traceback travel as text.
-        assert kind in ("local class", "lock attribute")
-        assert "sample index 5" in str(e) and "case_00005.npy" in str(e)
-        assert e.original_type.split(".")[-1] in ("LocalError", "HoldsALock")
-        assert "bad header" in str(e) and "__getitem__" in e.remote_traceback
-    else:
-        # Rebuilt without calling __init__ (or __reduce__): the original type and args.
-        assert type(e).__name__ in ("ReduceFails", "StrFails")
-        assert e.args == ("bad header",)
-        assert "__getitem__" in str(e.__cause__)
+        for epoch, (pos, kind) in enumerate(bad.items()):
+            loader.set_epoch(epoch)
+            with pytest.raises(Exception) as info:  # noqa: B017 - which type is the point
+                run_epoch(loader)
+            e = info.value
+            assert e.sample_index == pos and e.sample_path == f"case_{pos:05d}.npy", kind
+            assert "process" in e.worker, kind
+            if kind in ("local class", "lock attribute"):
+                # Not rebuildable here: the original type's name, message and traceback arrive
+                # as text in a SampleError.
+                assert isinstance(e, SampleError), kind
+                assert f"sample index {pos}" in str(e) and f"case_{pos:05d}.npy" in str(e)
+                assert e.original_type.split(".")[-1] in ("LocalError", "HoldsALock")
+                assert "bad header" in str(e) and "__getitem__" in e.remote_traceback
+            else:
+                # Rebuilt without calling __init__ (or __reduce__): the original type and args.
+                assert type(e).__name__ in ("ReduceFails", "StrFails"), kind
+                assert e.args == ("bad header",)
+                assert "__getitem__" in str(e.__cause__)
 
 
 def test_unpicklable_exceptions_are_skipped_like_any_other():
@@ -729,3 +761,87 @@ def test_slots_dropped_while_the_pool_changes_are_unmapped_and_never_reused():
             stale.append(sum(unlinked_maps(p) for p in loader.worker_pids()))
     print("\nunlinked segments still mapped by the workers, per epoch:", stale)
     assert max(stale) <= 8, stale
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Thread oversubscription
+
+
+def thread_counts(sample, rng):
+    """Reports the worker's torch intra-op threads and the most threads of any BLAS / OpenMP
+    pool, after loading a BLAS that was not loaded when the worker started (scipy's)."""
+    import scipy.linalg  # noqa: F401
+    import threadpoolctl
+    import torch
+
+    blas = max(p["num_threads"] for p in threadpoolctl.threadpool_info())
+    return sample[0], sample[1], torch.get_num_threads(), blas
+
+
+def test_workers_times_threads_stays_within_the_cores_as_the_worker_count_changes():
+    from autominato.pipeline.knobs import usable_cores
+
+    cores = usable_cores()
+    seen = {}
+    with Loader(IndexDataset(8), 2, transform=thread_counts, workers=1, seed=0,
+                autotune=False) as loader:
+        for workers in (1, 2, 1):
+            loader.knobs.workers = workers
+            for _, _, torch_threads, blas_threads in loader:
+                seen.setdefault(workers, set()).update(
+                    zip(torch_threads.tolist(), blas_threads.tolist(), strict=True))
+            assert len(loader.worker_pids()) == workers
+    want = {w: {(max(1, cores // w),) * 2} for w in (1, 2)}
+    assert seen == want, (cores, seen)
+    row("thread oversubscription", f"{cores} cores: 1 worker x {max(1, cores)} threads, "
+        f"2 workers x {max(1, cores // 2)}", 24, 24, None, "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Shared memory: too little of it
+
+
+def test_a_budget_beyond_free_shared_memory_is_capped_with_both_numbers_logged(caplog):
+    from autominato.pipeline.shm import SlotPool, shm_free_bytes
+
+    caplog.set_level(logging.WARNING, logger="autominato.pipeline")
+    asked = shm_free_bytes() + 2**40
+    pool = SlotPool(max_slots=4, budget_bytes=asked)
+    try:
+        assert pool.budget_bytes <= shm_free_bytes() + 2**20
+        line = next(r.getMessage() for r in caplog.records if "budget" in r.getMessage())
+        free = int(line.split(" has ")[1].split()[0])
+        assert str(asked) in line and abs(free - shm_free_bytes()) < 2**30
+    finally:
+        pool.close()
+
+
+def test_a_full_shared_memory_file_system_falls_back_to_pipes_with_a_clear_warning(monkeypatch, caplog):
+    """``posix_fallocate`` reports a full /dev/shm as ENOSPC (instead of a SIGBUS when a worker
+    writes into a sparse segment); the loader then sends samples pickled through the pipes."""
+    import errno
+
+    real = os.posix_fallocate
+    calls = []
+
+    def full_after_three(fd, offset, length):
+        calls.append(length)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_after_three)
+    caplog.set_level(logging.WARNING, logger="autominato.pipeline")
+    before = descendants()
+    with Loader(Volumes(24), 4, transform=identity, workers=2, seed=0, autotune=False) as loader:
+        got = []
+        for x, idx in loader:
+            assert torch_equal_rows(x, idx)
+            got += idx.tolist()
+    assert sorted(got) == list(range(24)) and len(calls) > 3
+    warnings = [r.getMessage() for r in caplog.records if "cannot grow" in r.getMessage()]
+    assert len(warnings) == 1 and "bytes free, a slot needs" in warnings[0]
+    left = leftovers(before)
+    assert left == "none"
+    row("/dev/shm full (ENOSPC at the 4th slot)", "warned with both sizes; pickled via pipes",
+        len(got), 24, None, left)

@@ -175,6 +175,7 @@ class ProcessWorkers:
             self.ctx.set_forkserver_preload(["autominato.pipeline.worker", "numpy", "torch"])
         self.workers: dict[int, ProcWorker] = {}
         self.dead: dict[int, ProcWorker] = {}
+        self.threads: int | None = None  # intra-op thread cap of each worker (None: payload's)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -188,7 +189,16 @@ class ProcessWorkers:
         return sum(1 for w in self.workers.values() if not w.retiring)
 
     def resize(self, n: int) -> None:
+        from autominato.pipeline.knobs import usable_cores
+        from autominato.pipeline.worker import threads_per_worker
+
         active = [w for w in self.workers.values() if not w.retiring]
+        threads = threads_per_worker(usable_cores(), n)
+        if self.threads is not None and threads != self.threads:
+            # Workers x threads must stay within the cores whatever the worker count becomes.
+            for w in active:
+                self._send_control(w, ("threads", threads))
+        self.threads = threads
         for _ in range(n - len(active)):
             self.start_one()
         if n < len(active):
@@ -204,8 +214,11 @@ class ProcessWorkers:
 
         wid = next(self._ids)
         parent, child = self.ctx.Pipe(duplex=True)
+        # Not a daemon: a transform may start a process pool of its own (daemons may not have
+        # children); close() ends the workers instead.
         proc = self.ctx.Process(
-            target=process_main, args=(wid, child, self.payload), name=f"autominato-worker-{wid}", daemon=False
+            target=process_main, args=(wid, child, self.payload, self.threads),
+            name=f"autominato-worker-{wid}", daemon=False,
         )
         proc.start()
         child.close()
@@ -225,6 +238,12 @@ class ProcessWorkers:
             w.conn.send(msg)
         except (BrokenPipeError, OSError):
             pass  # its death is reported by the collector; the task is re-dispatched then
+
+    def _send_control(self, w: ProcWorker, msg: tuple) -> None:
+        try:
+            w.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            pass  # a dead worker: the collector reports it
 
     def task_done(self, w: ProcWorker) -> None:
         w.task = None

@@ -85,6 +85,14 @@ class SlotPool:
     """
 
     def __init__(self, max_slots: int, budget_bytes: int) -> None:
+        free = shm_free_bytes()
+        if budget_bytes > free:
+            # Checked up front so that the numbers are in the log before anything runs; each
+            # slot is also reserved with posix_fallocate, for space taken by others later.
+            log.warning("%s has %d bytes free, less than the shared-memory budget of %d bytes; "
+                        "the pool is capped at the free space (raise --shm-size in Docker)",
+                        SHM_DIR, free, budget_bytes)
+            budget_bytes = free
         self._lock = threading.Lock()
         self._free: list[Slot] = []
         self._all: dict[str, Slot] = {}
