@@ -1,0 +1,135 @@
+"""`autominato run`: a few training steps through the real Loader on tiny prepared sets."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import nibabel
+import numpy as np
+import pytest
+import torch
+
+from autominato.cli import main as cli_main
+from autominato.data import KiTS19Dataset
+from autominato.data.prepare import prepare_kits19
+from autominato.models import DiceCELoss, UNet3D
+from autominato.train import open_dataset, prepare_demo, train
+
+
+def made_masks(raw: Path, n: int) -> None:
+    """``n`` small kidney/tumour masks of different sizes (flat KiTS19-style folder)."""
+    for i in range(n):
+        d = 10 + 3 * i
+        m = np.zeros((d, 60, 60), np.uint8)
+        m[2 : d - 2, 15:35, 10:30] = 1
+        m[4:8, 20:26, 14:20] = 2
+        img = nibabel.Nifti1Image(m, np.diag([5.0, 0.8, 0.8, 1.0]))
+        raw.mkdir(parents=True, exist_ok=True)
+        nibabel.save(img, raw / f"case_{i:05d}.nii.gz")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """Three prepared cases at scale 0.5 (padded to 64^3), synthetic CT."""
+    root = tmp_path_factory.mktemp("tiny")
+    made_masks(root / "raw", 3)
+    prepare_kits19(root / "raw", root / "out", synthesize_ct=True, scale=0.5, progress=False,
+                   log=lambda m: None)
+    return root / "out"
+
+
+def test_run_trains_a_few_steps_and_prints_the_summary(tiny, capsys):
+    rc = cli_main(["run", "--data", str(tiny), "--steps", "3", "--patch", "64",
+                   "--batch-size", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "SYNTHETIC" in out
+    # 3 samples in batches of 2: epoch 0 gives 2 + 1, epoch 1 starts with 2
+    assert re.search(r"steps\s+3 \(batch 2, 5 samples, 2 epoch", out), out
+    for field in ("samples/s", "data wait", "% of wall time", "stragglers", "deferred"):
+        assert field in out
+    start, end = map(float, re.search(r"loss\s+start (\S+) -> end (\S+)", out).groups())
+    assert math.isfinite(start) and math.isfinite(end) and start > 0
+
+
+def test_train_counts_steps_samples_epochs_and_waits(tiny):
+    res = train(KiTS19Dataset(tiny), epochs=2, batch_size=2, patch=(64, 64, 64), progress=False)
+    # 3 samples, batch 2, no drop_last: 2 batches (2 + 1 samples) per epoch
+    assert res.steps == 4 and res.samples == 6 and res.epochs_started == 2
+    assert len(res.losses) == 4 and all(math.isfinite(v) and v > 0 for v in res.losses)
+    assert 0 < res.first_wait_s <= res.data_wait_s < res.wall_s
+    assert 0 < res.compute_s < res.wall_s
+    assert res.samples_per_s == pytest.approx(6 / res.wall_s)
+    assert res.stragglers >= 0 and set(res.knobs) == {"depth", "read_threads", "workers",
+                                                      "pool_size"}
+
+
+def test_run_on_a_nifti_folder_z_scores_and_trains(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        (tmp_path / "imagesTr").mkdir(exist_ok=True)
+        (tmp_path / "labelsTr").mkdir(exist_ok=True)
+        t1 = rng.uniform(0, 255, (70, 66, 64)).astype(np.uint8)
+        lab = np.zeros((70, 66, 64), np.uint8)
+        lab[5:20, 5:20, 5:20] = 1 + i
+        nibabel.save(nibabel.Nifti1Image(t1, np.eye(4)), tmp_path / "imagesTr" / f"s{i}.nii.gz")
+        nibabel.save(nibabel.Nifti1Image(lab, np.eye(4)), tmp_path / "labelsTr" / f"s{i}.nii.gz")
+    ds = open_dataset(tmp_path)
+    x, _ = ds[0]
+    assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1) < 1e-3
+    rc = cli_main(["run", "--data", str(tmp_path), "--epochs", "1", "--patch", "64",
+                   "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "NiftiDataset" in out and re.search(r"steps\s+1 \(batch 2", out)
+
+
+def test_run_names_the_file_of_a_corrupt_sample(tiny, tmp_path, capsys):
+    for p in tiny.glob("case_*.npy"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    bad = tmp_path / "case_00001_y.npy"
+    np.save(bad, np.zeros((3, 3), np.uint8))
+    rc = cli_main(["run", "--data", str(tmp_path), "--steps", "2", "--patch", "64",
+                   "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert str(bad) in err and "sample 1" in err
+
+
+def test_demo_set_is_generated_once_and_marked_synthetic(tmp_path):
+    out = prepare_demo(tmp_path, cases=2, seed=3)
+    ds = KiTS19Dataset(out)
+    assert len(ds) == 2 and ds.synthetic
+    x, y = ds[0]
+    assert min(x.shape[1:]) >= 128 and set(np.unique(y).tolist()) == {0, 1, 2}
+    mtime = (out / "case_00000_x.npy").stat().st_mtime_ns
+    prepare_demo(tmp_path, cases=2, seed=3)
+    assert (out / "case_00000_x.npy").stat().st_mtime_ns == mtime
+
+
+def test_models_segment_a_patch_and_check_their_input():
+    loss = DiceCELoss()
+    for model in (UNet3D.compact(), UNet3D.mlperf()):
+        assert model.divisor == 32
+        with torch.no_grad():  # forward only: the full-size backward is too slow for a test
+            logits = model(torch.randn(1, 1, 64, 64, 64))
+        assert logits.shape == (1, 3, 64, 64, 64)
+        value = loss(logits, torch.zeros(1, 1, 64, 64, 64, dtype=torch.uint8))
+        assert value.ndim == 0 and math.isfinite(float(value))
+        with pytest.raises(ValueError, match="divisible by 32"):
+            model(torch.randn(1, 1, 64, 64, 48))
+    assert sum(p.numel() for p in UNet3D.mlperf().parameters()) > 30 * sum(
+        p.numel() for p in UNet3D.compact().parameters())
+    for bad in ((48, 64, 64), (32, 64, 64)):
+        with pytest.raises(ValueError, match="multiple of 32 and at least 64"):
+            train(None, steps=1, patch=bad, progress=False)
+
+
+def test_dice_ce_loss_is_lower_for_the_right_answer():
+    target = torch.zeros(1, 1, 8, 8, 8, dtype=torch.uint8)
+    target[0, 0, 2:6, 2:6, 2:6] = 1
+    target[0, 0, 3:5, 3:5, 3:5] = 2
+    onehot = torch.nn.functional.one_hot(target[:, 0].long(), 3).movedim(-1, 1).float()
+    right, wrong = DiceCELoss()(onehot * 20, target), DiceCELoss()(onehot.flip(1) * 20, target)
+    assert float(right) < 0.01 < 0.9 < float(wrong)
