@@ -845,3 +845,34 @@ def test_a_full_shared_memory_file_system_falls_back_to_pipes_with_a_clear_warni
     assert left == "none"
     row("/dev/shm full (ENOSPC at the 4th slot)", "warned with both sizes; pickled via pipes",
         len(got), 24, None, left)
+
+
+class DiesOnArrival(IndexDataset):
+    """A dataset that ends any process that unpickles it except the one that made it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if os.getpid() != self.home:
+            os._exit(3)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_workers_that_die_before_they_are_ready_raise_instead_of_respawning_forever(on_error):
+    before = descendants()
+    with Loader(DiesOnArrival(8), 2, transform=identity, workers=2, max_tries=3,
+                on_error=on_error, autotune=False) as loader:
+        for _ in range(2):  # each epoch tries again, and fails the same way
+            with pytest.raises(WorkerDied) as info:
+                run_epoch(loader)
+            assert "died before they were ready" in str(info.value)
+            assert "exit code 3" in str(info.value)
+        restarts = loader.snapshot().worker_restarts_total
+    assert 6 <= restarts <= 8  # 3 in a row per epoch, plus at most one more still starting
+    left = leftovers(before)
+    assert left == "none"
+    row(f"workers die on start-up ({on_error})", "WorkerDied after 3 in a row (was: respawned "
+        "forever, training loop hung)", 0, 0, None, left)

@@ -144,6 +144,7 @@ class Engine:
         self.stragglers = 0
         self.skipped = 0
         self._skip_logged: set[int] = set()  # indices skipped (and warned about) so far
+        self._startup_deaths = 0  # workers in a row that died before they were ready
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self.gen = 0
@@ -282,6 +283,9 @@ class Engine:
     def _begin(self, gen: int, order: list[int], epoch: int) -> None:
         if self._epoch_state is not None:
             self._abort()
+        if self.procs is not None and self.procs.size < self.L.knobs.workers:
+            self._startup_deaths = 0  # workers that could not start get a new chance
+            self.procs.resize(self.L.knobs.workers)
         n = len(order)
         self._epoch_state = {
             "gen": gen,
@@ -395,6 +399,7 @@ class Engine:
         if reply[0] == "ready":
             if w is not None:
                 w.ready = True
+            self._startup_deaths = 0
             return
         if reply[0] == "fatal":
             self._fail(reply[1].to_exception())
@@ -444,6 +449,22 @@ class Engine:
         self.worker_restarts += 1
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
+        if not w.ready:
+            # Dying before it is ready is no sample's fault (the dataset or transform cannot be
+            # unpickled or imported there, or memory is short): replacing such workers forever
+            # would hang the training loop with no error.
+            self._startup_deaths += 1
+            if self._startup_deaths >= self.L.max_tries:
+                if self._startup_deaths == self.L.max_tries:
+                    log.warning("transform worker %d (pid %s) died (%s) before it was ready",
+                                wid, w.pid, how)
+                    self._fail(WorkerDied(
+                        f"{self._startup_deaths} transform worker processes in a row died before "
+                        f"they were ready (the last: worker {wid}, pid {w.pid}, {how}): the "
+                        "dataset or transform cannot be set up in a worker process (it is "
+                        "unpickled there; check its imports and __setstate__), or memory is short",
+                        worker=f"worker {wid} (process {w.pid})"))
+                return
         log.warning("transform worker %d (pid %s) died (%s)%s", wid, w.pid, how,
                     "; replacing it" if not self.L.on_worker_death == "raise" else "")
         held = w.task
