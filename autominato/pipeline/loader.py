@@ -222,7 +222,9 @@ class Loader:
         self.knobs.subscribe(self._knob_changed)
         _live.add(self)
 
-        if metrics_port is not None or monitor_interval is not None or os.environ.get("AUTOMINATO_DATA_MONITOR") == "1":
+        from autominato.telemetry.handle import monitor_interval_from_env
+
+        if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
 
             self._telemetry = telemetry.attach(
@@ -333,6 +335,16 @@ class Loader:
             self.close()
         except Exception:
             pass
+
+    @property
+    def telemetry(self) -> Any:
+        """The telemetry handle (exporter ``.url``, ``.report()``), or ``None`` when off."""
+        return self._telemetry
+
+    @property
+    def controller(self) -> Any:
+        """The online controller (``.decisions``), or ``None`` with ``autotune=False``."""
+        return self._controller
 
     # ------------------------------------------------------------------ control surface
     def _knob_changed(self, name: str, old: int, new: int) -> None:
