@@ -178,18 +178,20 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     from torch.utils.data import DataLoader
 
     workers = int(p["num_workers"])
-    dl = DataLoader(
-        SampleFn(wl),
-        batch_size=wl.batch_size,
-        shuffle=False,
-        num_workers=workers,
-        pin_memory=bool(p.get("pin_memory", True)),
-        prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
-        in_order=bool(p.get("in_order", True)),
-    )
     with warnings.catch_warnings():
-        # pin_memory=True without an accelerator warns once and does nothing: expected here.
+        # pin_memory=True without an accelerator warns once and does nothing, and the grid
+        # tries more workers than cores on purpose: both warnings are expected here.
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+        dl = DataLoader(
+            SampleFn(wl),
+            batch_size=wl.batch_size,
+            shuffle=False,
+            num_workers=workers,
+            pin_memory=bool(p.get("pin_memory", True)),
+            prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
+            in_order=bool(p.get("in_order", True)),
+        )
         it = iter(dl)
 
     def close() -> None:
