@@ -1,4 +1,4 @@
-"""`autominato prepare kits19`: MLPerf preprocessing on real KiTS19 masks and on small made cases."""
+"""`autominato prepare kits19`: MLPerf preprocessing of real KiTS19 masks and of made cases."""
 
 from __future__ import annotations
 
