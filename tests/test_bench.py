@@ -378,14 +378,17 @@ def test_a_hung_run_times_out_and_its_process_group_is_killed():
     assert not [p for p in new if "autominato.bench.child" in " ".join(p.info["cmdline"] or [])]
 
 
-def test_bench_controller_is_routed_to_the_controller_suite(monkeypatch):
+def test_bench_controller_is_routed_to_the_controller_suite():
     from autominato import cli
 
     argv = ["bench", "controller", "--samples", "10"]
-    monkeypatch.setattr(sys, "argv", ["autominato", *argv])
-    args = cli.build_parser().parse_args(argv)
+    args = cli.build_parser(argv).parse_args(argv)
     assert (args.bench_suite, args.suite, args.samples) == ("controller", "controller", 10)
     argv = ["bench", "--workload", "synthetic", "--samples", "10"]
-    monkeypatch.setattr(sys, "argv", ["autominato", *argv])
-    args = cli.build_parser().parse_args(argv)
-    assert (args.bench_suite, args.workload, args.samples) == ("loaders", ["synthetic"], 10)
+    args = cli.build_parser(argv).parse_args(argv)
+    assert (args.bench_suite, args.suite, args.workload, args.samples) == (
+        "loaders",
+        None,
+        ["synthetic"],
+        10,
+    )

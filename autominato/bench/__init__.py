@@ -38,26 +38,12 @@ _SYNTH_OVERRIDES = {
 }
 
 
-def _controller_requested() -> bool:
-    # The lead's cli.py imports only the chosen command's module; the same look-ahead picks
-    # the suite here, so that the controller suite owns its own options.
-    argv = sys.argv[1:]
-    if "bench" not in argv:
-        return False
-    rest = [a for a in argv[argv.index("bench") + 1 :] if not a.startswith("-")]
-    return bool(rest) and rest[0] == "controller"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``autominato bench``'s options (or the controller suite's, after ``controller``)."""
-    if _controller_requested():
-        parser.add_argument("suite", choices=["controller"], help="the controller scenarios")
-        if importlib.util.find_spec("autominato.bench.controller") is not None:
-            from autominato.bench import controller
+    """Add ``autominato bench``'s options, and the ``controller`` suite as a sub-command.
 
-            controller.add_arguments(parser)
-        parser.set_defaults(bench_suite="controller")
-        return
+    ``autominato bench [options]`` runs the loaders benchmark; ``autominato bench controller
+    [its options]`` runs :mod:`autominato.bench.controller` (its options follow the word).
+    """
     from autominato.bench.arms import ARM_NAMES
     from autominato.bench.workload import COST_DISTRIBUTIONS, SCENARIOS
 
@@ -231,6 +217,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where prepared cases are cached (default ~/.cache/autominato)",
     )
+    suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=False)
+    if importlib.util.find_spec("autominato.bench.controller") is not None:
+        from autominato.bench import controller
+
+        p = suites.add_parser(
+            "controller",
+            help="the online controller against the best static setting",
+            description=(controller.__doc__ or "").splitlines()[0],
+        )
+        controller.add_arguments(p)
+        p.set_defaults(bench_suite="controller")
 
 
 def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
@@ -301,13 +298,6 @@ def run_bench(jobs: list[tuple[Any, Any]], out: Path, console: Any = None) -> di
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``autominato bench``; returns the exit status (1 if any run failed)."""
     if getattr(args, "bench_suite", "loaders") == "controller":
-        if importlib.util.find_spec("autominato.bench.controller") is None:
-            print(
-                "autominato bench controller: not available in this version "
-                "(autominato/bench/controller.py is missing)",
-                file=sys.stderr,
-            )
-            return 2
         from autominato.bench import controller
 
         return int(controller.run(args) or 0)
