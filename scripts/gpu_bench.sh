@@ -15,7 +15,8 @@
 #   PYTHON   interpreter (default: python)
 #   LABELS   KiTS19 label folder (default ../shared/kits19/labels); absent: synthetic masks
 #   DATA     a folder already prepared by `autominato prepare` (skips preparation)
-#   CASES    cases to prepare (default 24)       SAMPLES  samples per epoch (default 192)
+#   CASES    cases to prepare (default 24; the limit's serial cost is measured on one sample
+#            of each and extrapolated)           SAMPLES  samples per epoch (default 192)
 #   SCALE    volume and patch scale (default 1)  REPEATS  timed runs per arm (default 1)
 #   MODEL    mlperf | compact (default mlperf)   CACHE    where prepared cases go
 #   BUDGET_S seconds for the whole script (default 450)
@@ -32,6 +33,7 @@ MODEL=${MODEL:-mlperf}
 LABELS=${LABELS:-../shared/kits19/labels}
 CACHE=${CACHE:-${TMPDIR:-/tmp}/autominato-gpu-bench}
 T0=$(date +%s)
+export PYTHONUNBUFFERED=1
 
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_bench.log") 2>&1
@@ -88,7 +90,7 @@ set +e
 timeout --kill-after=10 "$run_s" "$PY" -m autominato.cli bench \
   --workload kits19 --unet on --unet-model "$MODEL" "${nvml[@]}" \
   "${data[@]}" --samples "$SAMPLES" --scale "$SCALE" --cache "$CACHE" \
-  --repeats "$REPEATS" --grid-workers "$cores" $((2 * cores)) --grid-prefetch 2 \
+  --serial-samples "$CASES" --repeats "$REPEATS" --grid-workers "$cores" $((2 * cores)) --grid-prefetch 2 \
   --grid-fraction 0.25 --timeout 90 --out "$OUT"
 rc=$?
 set -e
