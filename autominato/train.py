@@ -364,7 +364,9 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except (FileNotFoundError, ValueError, ConfigError, SampleError) as e:
-        print(f"autominato run: {e}", file=sys.stderr)
+        # The loader's note names the sample and file of an error raised in a transform.
+        notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", []))
+        print(f"autominato run: {type(e).__name__}: {e}{notes}", file=sys.stderr)
         return 1
     model = "MLPerf 3D-UNet (full size)" if args.full_size else "compact 3D-UNet"
     print(f"autominato run: {model} on {_device(args.device)}, patch "

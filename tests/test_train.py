@@ -97,6 +97,19 @@ def test_run_names_the_file_of_a_corrupt_sample(tiny, tmp_path, capsys):
     assert str(bad) in err and "sample 1" in err
 
 
+def test_run_names_the_sample_whose_volume_is_smaller_than_the_patch(tiny, tmp_path, capsys):
+    for p in tiny.glob("case_*.npy"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    small = tmp_path / "case_00002_x.npy"
+    np.save(small, np.zeros((1, 40, 64, 64), np.float32))
+    np.save(tmp_path / "case_00002_y.npy", np.zeros((1, 40, 64, 64), np.uint8))
+    rc = cli_main(["run", "--data", str(tmp_path), "--epochs", "1", "--patch", "64",
+                   "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "smaller than the patch" in err and str(small) in err and "index 2" in err
+
+
 def test_demo_set_is_generated_once_and_marked_synthetic(tmp_path):
     out = prepare_demo(tmp_path, cases=2, seed=3)
     ds = KiTS19Dataset(out)
