@@ -13,7 +13,6 @@ recover, leftovers found).
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
 import signal
@@ -71,34 +70,6 @@ class IndexDataset:
         return np.full((4, 8), i, np.float32), i
 
 
-class NiftiCases:
-    """Reads ``paths[i]`` with nibabel; sample ``i`` is ``(voxels, i)``.
-
-    ``nibabel.load`` reads only the header and, for ``.nii.gz``, reads the voxels lazily and
-    stops before the gzip trailer, so a CRC error would go unnoticed: the whole member is
-    decompressed here, which checks the CRC-32 and the length.
-    """
-
-    def __init__(self, paths: list[Path]) -> None:
-        self.paths = [str(p) for p in paths]
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def sample_path(self, i: int) -> str:
-        return self.paths[i]
-
-    def __getitem__(self, i: int):
-        import nibabel as nib
-
-        path = self.paths[i]
-        img = nib.load(path)  # the header: an empty file fails here
-        if path.endswith(".gz"):
-            with open(path, "rb") as f:
-                img = nib.Nifti1Image.from_bytes(gzip.decompress(f.read()))
-        return np.asarray(img.dataobj), i
-
-
 def identity(sample, rng):
     return sample
 
@@ -154,16 +125,16 @@ class ByEpoch:
 # Helpers
 
 
-def run_epoch(loader, expect=lambda i: i) -> tuple[list[int], dict[int, float]]:
+def run_epoch(loader) -> tuple[list[int], dict[int, float]]:
     """Indices delivered in one epoch and when (``time.monotonic()``) each arrived.
 
-    Raises AssertionError when a delivered sample does not hold ``expect(index)`` (a partial
-    or mixed-up sample)."""
+    Raises AssertionError when a delivered sample does not hold its own index (a partial or
+    mixed-up sample)."""
     got, when = [], {}
     for x, idx in loader:
         now = time.monotonic()
         for row_, i in zip(x.numpy(), idx.tolist(), strict=True):
-            assert np.array_equal(row_, np.broadcast_to(expect(i), row_.shape)), f"sample {i} corrupted"
+            assert np.all(row_ == i), f"sample {i} corrupted"
             got.append(i)
             when[i] = now
     return got, when
@@ -217,96 +188,113 @@ def leftovers(before: set[int]) -> str:
 
 
 def voxels(k: int) -> np.ndarray:
-    """The (8, 16, 16) float32 volume of case ``k``: distinct values, so a gzip stream of it
-    is longer than its header and a half-truncated file still has a readable header."""
+    """The (8, 16, 16) float32 image of case ``k``: distinct values (so a gzip stream of it is
+    longer than its header and a half-truncated file still has a readable header), and ``k``
+    can be read back from the first voxel."""
     return (np.arange(8 * 16 * 16, dtype=np.float32) + 10_000 * k).reshape(8, 16, 16)
 
 
 ALL_BAD = {"truncated .nii.gz": 1, "CRC error": 4, "truncated .nii": 6, "empty file": 9}
 
 
-def write_cases(tmp_path: Path, n: int, bad: dict[str, int]) -> list[Path]:
-    """``n`` NIfTI cases holding ``voxels(position)``, ``.nii`` and ``.nii.gz`` in turn, except
-    that the case at ``bad[kind]`` is corrupt in the way ``kind`` names."""
+def write_cases(tmp_path: Path, n: int, bad: dict[str, int]) -> list[tuple[Path, Path]]:
+    """``n`` (image, label) NIfTI pairs: image ``voxels(k)`` as ``.nii`` and ``.nii.gz`` in
+    turn, label ``k mod 3`` everywhere; the image at ``bad[kind]`` is corrupt as ``kind`` says."""
     import nibabel as nib
 
     kinds = {k: kind for kind, k in bad.items()}
     suffix = {"truncated .nii.gz": ".nii.gz", "CRC error": ".nii.gz", "truncated .nii": ".nii"}
-    paths = []
+    pairs = []
     for k in range(n):
         kind = kinds.get(k)
-        p = tmp_path / f"case_{k:03d}{suffix.get(kind, '.nii.gz' if k % 2 else '.nii')}"
-        nib.save(nib.Nifti1Image(voxels(k), np.eye(4)), p)
+        image = tmp_path / f"case_{k:03d}{suffix.get(kind, '.nii.gz' if k % 2 else '.nii')}"
+        label = tmp_path / f"case_{k:03d}_seg.nii.gz"
+        nib.save(nib.Nifti1Image(voxels(k), np.eye(4)), image)
+        nib.save(nib.Nifti1Image(np.full((8, 16, 16), k % 3, np.uint8), np.eye(4)), label)
         if kind in ("truncated .nii.gz", "truncated .nii"):
-            raw = p.read_bytes()
-            p.write_bytes(raw[: len(raw) // 2])  # the header survives, the voxels do not
+            raw = image.read_bytes()
+            image.write_bytes(raw[: len(raw) // 2])  # the header survives, the voxels do not
         elif kind == "CRC error":
-            raw = bytearray(p.read_bytes())
+            raw = bytearray(image.read_bytes())
             raw[-8] ^= 0xFF  # the member's CRC-32 (RFC 1952); the voxels are intact
-            p.write_bytes(bytes(raw))
+            image.write_bytes(bytes(raw))
         elif kind == "empty file":
-            p.write_bytes(b"")
-        paths.append(p)
-    return paths
+            image.write_bytes(b"")
+        pairs.append((image, label))
+    return pairs
 
 
+def run_cases_epoch(loader) -> list[int]:
+    """Case numbers delivered in one epoch of a ``NiftiDataset`` loader, each checked whole."""
+    got = []
+    for images, labels in loader:
+        for image, label in zip(images.numpy(), labels.numpy(), strict=True):
+            k = int(image.flat[0]) // 10_000
+            assert np.array_equal(image, voxels(k)[None]), f"case {k}: image corrupted"
+            assert np.all(label == k % 3), f"case {k}: label corrupted"
+            got.append(k)
+    return got
+
+
+#: The original error of each kind (named in the DatasetError's message) and a phrase of it.
 CORRUPT_ERRORS = {
-    "truncated .nii.gz": (EOFError, "end-of-stream"),
-    "CRC error": (gzip.BadGzipFile, "CRC check failed"),
-    "truncated .nii": (OSError, "could the file be damaged"),
-    "empty file": (Exception, "Empty file"),
+    "truncated .nii.gz": ("EOFError", "end-of-stream"),
+    "CRC error": ("BadGzipFile", "CRC check failed"),
+    "truncated .nii": ("OSError", "could the file be damaged"),
+    "empty file": ("ValueError", "not a NIfTI"),  # an empty gzip stream decompresses to b""
 }
 
 
 def test_corrupt_file_raises_with_index_path_worker_and_traceback(tmp_path):
-    paths = write_cases(tmp_path, 12, ALL_BAD)
+    from autominato.data import DatasetError, NiftiDataset
+
+    pairs = write_cases(tmp_path, 12, ALL_BAD)
     good = [j for j in range(12) if j not in ALL_BAD.values()]
-    kinds = list(CORRUPT_ERRORS)
     before = descendants()
-    # Epoch e visits the good cases and the corrupt case of kinds[e]; the loader stays usable
+    # Epoch e visits the good cases and the corrupt case of kind e; the loader stays usable
     # after each error.
-    sampler = ByEpoch([good[:4] + [ALL_BAD[kind]] + good[4:] for kind in kinds])
-    raised = []
-    with Loader(NiftiCases(paths), 2, sampler=sampler, transform=identity, fuse_read=True,
+    sampler = ByEpoch([good[:4] + [pos] + good[4:] for pos in ALL_BAD.values()])
+    with Loader(NiftiDataset(pairs), 2, sampler=sampler, transform=identity, fuse_read=True,
                 workers=2, in_order=True, autotune=False) as loader:
-        for epoch, kind in enumerate(kinds):
-            pos = ALL_BAD[kind]
+        for epoch, (kind, pos) in enumerate(ALL_BAD.items()):
             loader.set_epoch(epoch)
-            with pytest.raises(CORRUPT_ERRORS[kind][0]) as info:
-                run_epoch(loader, voxels)
-            e = info.value
-            assert CORRUPT_ERRORS[kind][1] in str(e), kind
-            assert e.sample_index == pos and e.sample_path == str(paths[pos]), kind
+            with pytest.raises(DatasetError) as info:
+                run_cases_epoch(loader)
+            e, (original, phrase) = info.value, CORRUPT_ERRORS[kind]
+            path = str(pairs[pos][0])
+            assert f"{original}: " in str(e) and phrase in str(e), kind
+            assert e.sample_index == pos and e.sample_path == path, kind
             assert e.worker.startswith("worker ") and "process" in e.worker, kind
-            assert f"sample index {pos} (file {paths[pos]})" in "".join(e.__notes__), kind
+            assert f"sample index {pos} (file {path})" in "".join(e.__notes__), kind
             remote = str(e.__cause__)
             assert "Traceback in worker" in remote and "__getitem__" in remote, kind
-            raised.append(type(e).__name__)
+            assert original in remote  # the original exception's own traceback, chained
     left = leftovers(before)
     assert left == "none"
-    row("corrupt: 4 kinds (raise)", f"{', '.join(raised)} naming index, file, worker, "
-        "traceback; next epoch runs", 0, 0, None, left)
+    row("corrupt: 4 kinds (raise)", f"DatasetError ({', '.join(v[0] for v in CORRUPT_ERRORS.values())}"
+        ") naming index, file, worker, traceback; next epoch runs", 0, 0, None, left)
 
 
 @pytest.mark.parametrize("fuse_read", [False, True], ids=["read-threads", "read-in-workers"])
 def test_corrupt_files_are_skipped_once_and_every_other_sample_arrives_once(tmp_path, caplog, fuse_read):
-    bad = ALL_BAD
-    paths = write_cases(tmp_path, 12, bad)
-    good = [j for j in range(len(paths)) if j not in bad.values()]
+    from autominato.data import NiftiDataset
+
+    pairs = write_cases(tmp_path, 12, ALL_BAD)
+    good = [j for j in range(12) if j not in ALL_BAD.values()]
     before = descendants()
     caplog.set_level(logging.WARNING, logger="autominato.pipeline")
-    with Loader(NiftiCases(paths), 3, transform=identity, fuse_read=fuse_read, workers=2,
+    with Loader(NiftiDataset(pairs), 3, transform=identity, fuse_read=fuse_read, workers=2,
                 on_error="skip", seed=0, autotune=False) as loader:
-        epochs = [run_epoch(loader, voxels)[0] for _ in range(2)]
+        epochs = [run_cases_epoch(loader) for _ in range(2)]
         snap = loader.snapshot()
     for got in epochs:
         assert Counter(got) == Counter(good)
-    assert snap.skipped_total == 2 * len(bad)
+    assert snap.skipped_total == 2 * len(ALL_BAD)
     skips = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping sample")]
-    assert len(skips) == len(bad), skips  # once per sample, not once per epoch
-    for kind, k in bad.items():
-        line = next(m for m in skips if f"index {k} " in m)
-        assert str(paths[k]) in line and CORRUPT_ERRORS[kind][1] in line
+    assert len(skips) == len(ALL_BAD), skips  # once per sample, not once per epoch
+    for kind, pos in ALL_BAD.items():
+        line = next(m for m in skips if f"index {pos} " in m)
+        assert str(pairs[pos][0]) in line and CORRUPT_ERRORS[kind][1] in line
     left = leftovers(before)
     assert left == "none"
     row(f"corrupt: 4 kinds (skip, {'workers' if fuse_read else 'threads'})",
