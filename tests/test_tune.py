@@ -259,7 +259,7 @@ def counting_step_factory():
         loss.backward()
         opt.step()
         STEPS.append(image.shape[0])
-        return float(loss)
+        return loss.item()
 
     return step
 
