@@ -129,6 +129,8 @@ def train(
     seed: int = 0,
     config: str | Path | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    monitor_interval: float | None = None,
     progress: bool = True,
     loader_kwargs: dict[str, Any] | None = None,
 ) -> TrainResult:
@@ -147,7 +149,10 @@ def train(
             sizes of 56+; for a run of tens of steps at batch 2 Adam (Kingma & Ba, 2015, with
             its default 1e-3) is what moves the loss.
         config: a configuration written by ``autominato tune`` (knobs, bounds, loader settings).
-        metrics_port: serve Prometheus metrics on this port.
+        metrics_port: serve Prometheus metrics on this port; ``metrics_host``: on this
+            address (``0.0.0.0`` for a Prometheus in another container).
+        monitor_interval: log the Data Monitor report every this many seconds and at the end
+            of the run (``None``: only when ``AUTOMINATO_DATA_MONITOR`` asks for it).
         loader_kwargs: further :class:`autominato.Loader` arguments (tests use them).
 
     Returns:
@@ -187,7 +192,8 @@ def train(
     loader = Loader(
         dataset, batch_size, shuffle=True, transform=mlperf_train_transform(patch, 0.4),
         seed=seed, device=dev if dev.type == "cuda" else None, config=config,
-        metrics_port=metrics_port, **(loader_kwargs or {}),
+        metrics_port=metrics_port, metrics_host=metrics_host, monitor_interval=monitor_interval,
+        **(loader_kwargs or {}),
     )
     res = TrainResult()
     bar = _Progress(progress, steps if steps is not None else (epochs or 1) * len(loader))
@@ -318,6 +324,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loader configuration written by `autominato tune`")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (127.0.0.1)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint binds (0.0.0.0 inside a container)")
+    parser.add_argument("--monitor-interval", type=float, default=60.0,
+                        help="seconds between Data Monitor reports in the log (0: only at the "
+                        "end of the run)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
     parser.add_argument("--full-size", action="store_true",
                         help="the MLPerf reference 3D-UNet (31 M parameters) instead of compact")
@@ -361,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
             dataset, steps=args.steps, epochs=args.epochs, batch_size=batch_size,
             patch=args.patch, device=args.device, full_size=args.full_size, lr=args.lr,
             seed=args.seed, config=args.config, metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            monitor_interval=args.monitor_interval if args.monitor_interval > 0 else 1e9,
             progress=not args.no_progress,
         )
     except (FileNotFoundError, ValueError, ConfigError, SampleError) as e:
