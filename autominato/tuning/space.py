@@ -28,7 +28,18 @@ import yaml
 from autominato.pipeline.knobs import KNOB_NAMES, usable_cores
 
 #: The top-level ``tuner/`` folder of a source checkout (search spaces and recipes).
-TUNER_DIR = Path(__file__).resolve().parents[2] / "tuner"
+def _tuner_dir() -> Path:
+    """The ``tuner/`` folder: the checkout's (editable install), else the copy that a wheel
+    installs under ``<prefix>/share/autominato/tuner`` (pyproject's data-files)."""
+    checkout = Path(__file__).resolve().parents[2] / "tuner"
+    if checkout.is_dir():
+        return checkout
+    import sysconfig
+
+    return Path(sysconfig.get_path("data")) / "share" / "autominato" / "tuner"
+
+
+TUNER_DIR = _tuner_dir()
 DEFAULT_SPACE = TUNER_DIR / "default.yaml"
 
 #: Loader settings that are not live knobs but may be searched (they need a new loader).
