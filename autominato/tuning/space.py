@@ -27,6 +27,7 @@ import yaml
 
 from autominato.pipeline.knobs import KNOB_NAMES, usable_cores
 
+
 #: The top-level ``tuner/`` folder of a source checkout (search spaces and recipes).
 def _tuner_dir() -> Path:
     """The ``tuner/`` folder: the checkout's (editable install), else the copy that a wheel
