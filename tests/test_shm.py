@@ -57,3 +57,24 @@ def test_pack_round_trip_keeps_arrays_tensors_and_objects():
     assert need2 == need
     np.testing.assert_array_equal(unpack(desc, None)["image"], sample["image"])
     pool.close()
+
+
+def test_segments_of_a_killed_loader_are_reaped_by_the_next_pool(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal\n"
+        "from autominato.pipeline.shm import SlotPool\n"
+        "p = SlotPool(4, 1 << 20)\n"
+        "held = [p.acquire(4096) for _ in range(3)]\n"
+        "print(os.getpid(), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL
+    pid = int(out.stdout.split()[0])
+    assert len(leftover_segments(pid)) == 4  # three slots and the owner's lock file
+    SlotPool(1, 4096).close()  # any new pool reaps what dead owners left
+    assert leftover_segments(pid) == []

@@ -72,8 +72,9 @@ class Loader:
         on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
-        timeout: seconds one sample may take in a worker process before the worker is replaced
-            and the sample goes through ``on_error``.
+        timeout: seconds one sample may take in a worker (process or thread) before that
+            worker is replaced and the sample goes through ``on_error`` as a ``SampleTimeout``
+            (a thread cannot be killed: it is abandoned and lingers until its call returns).
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.

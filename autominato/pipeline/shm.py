@@ -14,6 +14,7 @@ that writes into a sparse segment.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -32,6 +33,7 @@ log = logging.getLogger("autominato.pipeline")
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "autominato_"
+LOCK_SUFFIX = ".lock"
 ALIGN = 64
 
 
@@ -103,6 +105,12 @@ class SlotPool:
         self._n = 0
         self._warned = False
         self.closed = False
+        reap_stale_segments()
+        # Held for the pool's life: a lock that anyone can take marks an owner that died
+        # without cleaning up (SIGKILL, a crash), whose segments reap_stale_segments removes.
+        self._lockfile = os.path.join(SHM_DIR, f"{self._tag}{LOCK_SUFFIX}")
+        self._lockfd = os.open(self._lockfile, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lockfd, fcntl.LOCK_EX)
 
     def set_max_slots(self, n: int) -> None:
         with self._lock:
@@ -184,6 +192,55 @@ class SlotPool:
             self._all.clear()
             self._free.clear()
             self.bytes = 0
+            if self._lockfd is not None:
+                try:
+                    os.unlink(self._lockfile)
+                except FileNotFoundError:
+                    pass
+                os.close(self._lockfd)
+                self._lockfd = None
+
+
+def reap_stale_segments() -> int:
+    """Unlink the segments of pools whose owner process died without closing them.
+
+    Each pool holds an exclusive ``flock`` on ``<tag>.lock`` while it lives; the kernel drops
+    it when the owner dies, even by SIGKILL. Taking that lock therefore proves the owner is
+    gone, also for an owner in another PID namespace sharing ``/dev/shm``. Returns the
+    number of segments removed.
+    """
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for lock in (n for n in names if n.startswith(PREFIX) and n.endswith(LOCK_SUFFIX)):
+        path = os.path.join(SHM_DIR, lock)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner is alive
+        tag = lock[: -len(LOCK_SUFFIX)]
+        for n in names:
+            if n.startswith(tag + "_"):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, n))
+                    removed += 1
+                except OSError:
+                    pass
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+    if removed:
+        log.info("removed %d shared-memory segments left by loaders that died", removed)
+    return removed
 
 
 def leftover_segments(pid: int | None = None) -> list[str]:
