@@ -416,25 +416,43 @@ def test_nvml_figures_are_converted_to_base_units_with_dcgm_labels():
     assert "autominato_gpu_pcie_rx_bytes_per_second" not in fams
 
 
-def test_latency_histogram_counts_values_in_prometheus_le_buckets():
-    from autominato.telemetry.metrics import LATENCY_BUCKETS, LatencyHistogram, PairedChildren
+def test_latency_histograms_count_values_in_prometheus_le_buckets():
+    from autominato.telemetry.metrics import (
+        LATENCY_BUCKETS,
+        STAGE_SERVICE_SECONDS,
+        STAGE_WAIT_SECONDS,
+    )
 
-    service = LatencyHistogram("test_service_seconds", "test", ["stage"], registered=False)
-    wait = LatencyHistogram("test_wait_seconds", "test", ["stage"], registered=False)
-    pair = PairedChildren(service, wait, "read")
-    # A value equal to a bound belongs to that bucket (le is inclusive); 20 s is over 10 s.
-    for s, w in ((0.0005, 0.0), (0.0006, 0.0), (10.0, 0.0), (20.0, 0.003)):
-        pair.observe(s, w)
-    fam = service.family()
-    buckets = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
-    assert buckets["0.0005"] == 1 and buckets["0.001"] == 2
-    assert buckets["5.0"] == 2 and buckets["10.0"] == 3 and buckets["+Inf"] == 4
-    assert len(buckets) == len(LATENCY_BUCKETS) + 1
-    total = next(s.value for s in fam.samples if s.name == "test_service_seconds_sum")
-    assert total == pytest.approx(30.0011)
-    waits = {s.labels["le"]: s.value for s in wait.family().samples if s.name.endswith("_bucket")}
-    assert waits["0.0005"] == 3 and waits["0.0025"] == 3 and waits["0.005"] == 4
-    service.remove("read")
-    assert service.family().samples == []
-    with pytest.raises(ValueError, match="expected labels"):
-        service.labels("read", "extra")
+    labels = ("read", "le-test")  # a rank no loader uses
+
+    def samples(hist):
+        (fam,) = hist.collect()
+        return [s for s in fam.samples if s.labels.get("rank") == "le-test"]
+
+    def buckets(hist):
+        return {s.labels["le"]: s.value for s in samples(hist) if s.name.endswith("_bucket")}
+
+    service, wait = STAGE_SERVICE_SECONDS.labels(*labels), STAGE_WAIT_SECONDS.labels(*labels)
+    try:
+        # A value equal to a bound belongs to that bucket (le is inclusive); 20 s is over 10 s.
+        for s, w in ((0.0005, 0.0), (0.0006, 0.0), (10.0, 0.0), (20.0, 0.003)):
+            service.observe(s)
+            wait.observe(w)
+        got = buckets(STAGE_SERVICE_SECONDS)
+        assert got["0.0005"] == 1 and got["0.001"] == 2
+        assert got["5.0"] == 2 and got["10.0"] == 3 and got["+Inf"] == 4
+        assert len(got) == len(LATENCY_BUCKETS) + 1
+        total = next(
+            s.value
+            for s in samples(STAGE_SERVICE_SECONDS)
+            if s.name == "autominato_stage_service_seconds_sum"
+        )
+        assert total == pytest.approx(30.0011)
+        waits = buckets(STAGE_WAIT_SECONDS)
+        assert waits["0.0005"] == 3 and waits["0.0025"] == 3 and waits["0.005"] == 4
+    finally:
+        STAGE_SERVICE_SECONDS.remove(*labels)
+        STAGE_WAIT_SECONDS.remove(*labels)
+    assert samples(STAGE_SERVICE_SECONDS) == [] and samples(STAGE_WAIT_SECONDS) == []
+    with pytest.raises(ValueError, match="label count"):
+        STAGE_SERVICE_SECONDS.labels("read", "le-test", "extra")

@@ -27,7 +27,6 @@ from autominato.telemetry.metrics import (
     STAGE_SERVICE_SECONDS,
     STAGE_WAIT_SECONDS,
     STAGES,
-    PairedChildren,
     bounded_reason,
 )
 from autominato.telemetry.monitor import DataMonitor, diagnose, format_report
@@ -111,14 +110,18 @@ class TelemetryHandle:
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
         self._closed = False
-        # stage -> children observed with (service_s, wait_s) of each recorded item; the
-        # consumer's "service" is its step time between two next() calls.
+        # stage -> (service child, wait child) observed with (service_s, wait_s) of each
+        # recorded item; the consumer's "service" is its step time between two next() calls.
         self._pairs = {
-            stage: PairedChildren(STAGE_SERVICE_SECONDS, STAGE_WAIT_SECONDS, stage, self.rank)
+            stage: (
+                STAGE_SERVICE_SECONDS.labels(stage, self.rank),
+                STAGE_WAIT_SECONDS.labels(stage, self.rank),
+            )
             for stage in STAGES
         }
-        self._pairs["consumer"] = PairedChildren(
-            CONSUMER_STEP_SECONDS, CONSUMER_WAIT_SECONDS, self.rank
+        self._pairs["consumer"] = (
+            CONSUMER_STEP_SECONDS.labels(self.rank),
+            CONSUMER_WAIT_SECONDS.labels(self.rank),
         )
         self._h2d_copy = H2D_COPY_SECONDS.labels(self.rank)
         self._decision_labels: set[tuple[str, str]] = set()
@@ -157,11 +160,12 @@ class TelemetryHandle:
         return self.exporter.url if self.exporter is not None else None
 
     def _on_item(self, stage: str, service_s: float, wait_s: float, nbytes: int) -> None:
-        # Runs on the recording thread for every item: one look-up, one paired observe.
+        # Runs on the recording thread for every item: one look-up, two observes.
         pair = self._pairs.get(stage)
         if pair is None:
             return
-        pair.observe(service_s, wait_s)
+        pair[0].observe(service_s)
+        pair[1].observe(wait_s)
         if stage == "transfer":
             # The loader records the transfer stage once per batch copied to the device, with
             # the copy time from CUDA events (the stage is silent without a device).
