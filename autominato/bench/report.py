@@ -103,29 +103,33 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict[str, Any]]
     return path
 
 
-def _range(row: dict[str, Any], m: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+def _fmt(
+    row: dict[str, Any], m: str, scale: float = 1.0, fmt: str = "{:.2f}", spread: bool = False
+) -> str:
+    """The median of ``m``; with ``spread``, followed by ``[min-max]`` over the repeats."""
     med = row[f"{m}_median"]
     if math.isnan(med):
         return "-"
-    lo, hi = row[f"{m}_min"] * scale, row[f"{m}_max"] * scale
     text = fmt.format(med * scale)
-    return text if row["runs"] < 2 else f"{text} [{fmt.format(lo)}-{fmt.format(hi)}]"
+    if not spread or row["runs"] < 2:
+        return text
+    return f"{text} [{fmt.format(row[f'{m}_min'] * scale)}-{fmt.format(row[f'{m}_max'] * scale)}]"
 
 
 def make_console() -> Any:
-    """A rich console at least 132 columns wide when writing to a file or pipe."""
+    """A rich console at least 170 columns wide when writing to a file or pipe."""
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 132)
+        console.width = max(console.width, 170)
     return console
 
 
 def print_table(
     result: WorkloadResult, rows: Sequence[dict[str, Any]], console: Any = None
 ) -> None:
-    """Print one workload's summary as a rich table (medians, [min-max] over repeats).
+    """Print one workload's summary as a rich table: medians; wall time with [min-max].
 
     Each arm's settings and any non-``ok`` status follow the table as notes, so that the
     table stays readable at 120 columns.
@@ -162,14 +166,14 @@ def print_table(
         t.add_row(
             row["arm"],
             status if status.startswith("ok") else status.split(":")[0],
-            _range(row, "wall_s"),
-            _range(row, "first_batch_s"),
-            _range(row, "samples_per_s", fmt="{:.1f}"),
-            _range(row, "ratio_to_limit"),
-            _range(row, "idle_ratio", 100, "{:.1f}"),
-            _range(row, "p99_wait_s", 1e3, "{:.0f}"),
-            _range(row, "cpu_s", fmt="{:.1f}"),
-            _range(row, "peak_pss_bytes", 2**-20, "{:.0f}"),
+            _fmt(row, "wall_s", spread=True),
+            _fmt(row, "first_batch_s"),
+            _fmt(row, "samples_per_s", fmt="{:.1f}"),
+            _fmt(row, "ratio_to_limit"),
+            _fmt(row, "idle_ratio", 100, "{:.1f}"),
+            _fmt(row, "p99_wait_s", 1e3, "{:.0f}"),
+            _fmt(row, "cpu_s", fmt="{:.1f}"),
+            _fmt(row, "peak_pss_bytes", 2**-20, "{:.0f}"),
             "-" if math.isnan(speed) else f"{speed:.2f}x",
         )
         note = row["detail"] if status.startswith("ok") else status
