@@ -259,15 +259,20 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     err = np.asarray(
         [[m - r["wall_s_min"], r["wall_s_max"] - m] for r, m in zip(mine, med, strict=True)]
     ).T
-    ax.barh(y, med, xerr=err if len(mine) else None, color="tab:blue", alpha=0.8, capsize=3)
+    colors = ["tab:orange" if r["arm"].startswith("autominato") else "tab:blue" for r in mine]
+    ax.barh(y, med, xerr=err if len(mine) else None, color=colors, alpha=0.8, capsize=3)
     ax.axvline(
         result.limit_s, color="tab:red", linestyle="--", label=f"limit {result.limit_s:.2f} s"
     )
     for yi, r in zip(y, mine, strict=True):
-        ax.text(r["wall_s_median"], yi, f"  x{r['ratio_to_limit_median']:.2f}", va="center")
+        # Beside the range bar, not over it.
+        ax.text(r["wall_s_max"], yi, f"  x{r['ratio_to_limit_median']:.2f}", va="center")
     ax.set_yticks(y, [r["arm"] for r in mine])
     ax.invert_yaxis()
-    ax.set_xlabel("wall time, build to last batch consumed (s); median, min-max")
+    ax.set_xlabel(
+        "wall time, build to last batch consumed (s); median, min-max; x = median / limit"
+    )
+    ax.set_xlim(0, max([result.limit_s, *(r["wall_s_max"] for r in mine)]) * 1.15)
     ax.set_title(name)
     ax.legend(loc="lower right")
     fig.tight_layout()
