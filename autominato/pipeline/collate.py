@@ -106,8 +106,8 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         n = len(first)
         if any(len(s) != n for s in samples):
             raise ValueError("cannot collate samples: sequences of different lengths in one batch")
-        out = [collate(list(f), pool) for f in zip(*samples, strict=True)]
-        return tuple(out) if isinstance(first, tuple) else out
+        # A list for tuple samples too, as torch's default_collate returns.
+        return [collate(list(f), pool) for f in zip(*samples, strict=True)]
     return list(samples)
 
 

@@ -460,7 +460,11 @@ class Engine:
                                 wid, w.pid, how)
                     self._fail(WorkerDied(
                         f"{self._startup_deaths} transform worker processes in a row died before "
-                        f"they were ready (the last: worker {wid}, pid {w.pid}, {how}): the "
+                        f"they were ready (the last: worker {wid}, pid {w.pid}, {how}). Workers "
+                        f"start with {self.L._start_method!r}, which re-imports your main module: "
+                        "a script that builds the Loader at top level needs an "
+                        "`if __name__ == \"__main__\":` guard (or pass start_method=\"fork\" "
+                        "before any thread starts, or worker_kind=\"thread\"). Otherwise the "
                         "dataset or transform cannot be set up in a worker process (it is "
                         "unpickled there; check its imports and __setstate__), or memory is short",
                         worker=f"worker {wid} (process {w.pid})"))

@@ -50,6 +50,26 @@ class Observable(Protocol):
     def snapshot(self) -> LoaderSnapshot: ...
 
 
+def _ensure_report_visible() -> None:
+    """Give the report a handler when the program configured no logging at all.
+
+    A script that never calls ``logging.basicConfig`` would otherwise drop the INFO records of
+    ``autominato.monitor`` (Python's last-resort handler shows WARNING and above only), and
+    ``AUTOMINATO_DATA_MONITOR=1`` would print nothing. A program that configured logging keeps
+    full control: nothing is added then.
+    """
+    from autominato.telemetry.monitor import LOGGER_NAME
+
+    mon = logging.getLogger(LOGGER_NAME)
+    if mon.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    mon.addHandler(handler)
+    if mon.getEffectiveLevel() > logging.INFO:
+        mon.setLevel(logging.INFO)
+
+
 def monitor_interval_from_env() -> float | None:
     """The interval the environment asks for, or None when ``AUTOMINATO_DATA_MONITOR`` is
     unset, empty, ``0``, ``false`` or ``no``.
@@ -142,6 +162,7 @@ class TelemetryHandle:
             if monitor_interval is None:
                 monitor_interval = monitor_interval_from_env()
             if monitor_interval is not None:
+                _ensure_report_visible()
                 self.monitor = DataMonitor(
                     loader.snapshot, monitor_interval, rank=self.rank
                 ).start()

@@ -404,7 +404,7 @@ def _bottleneck(
         )
         return (
             "cpu",
-            f"{where} need {share:.2f} of the {step * 1e3:.1f} ms step per worker",
+            f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker",
             f"{more}, or cheaper transforms (crop before resampling, fewer random "
             "augmentations per sample, float16 arrays)",
         )
@@ -454,7 +454,7 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
             else ("<= " if r.higher_is_worse else ">= ") + _fmt(r.threshold, r.unit)
         )
         table.add_row(
-            f"{r.metric} ({r.unit})",
+            f"{r.metric} ({r.unit.replace('s/', 'per ', 1) if r.unit.startswith('s/') else r.unit})",
             _fmt(r.current, r.unit),
             _fmt(r.mean, r.unit),
             limit,
