@@ -280,17 +280,23 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for r in mine:
-        recs = [x for x in result.records if x.arm == r["arm"]]
-        run = _median_run(recs)
-        t, u = utilisation_series(run.busy, run.wall_s, bins=max(10, min(100, run.batches)))
-        ax.plot(t, u, label=f"{r['arm']} ({run.wall_s:.1f} s)")
-    ax.set_ylim(-0.02, 1.05)
-    ax.set_xlabel("time since the loader was built (s)")
-    ax.set_ylabel("accelerator utilisation")
-    ax.set_title(f"{name}: accelerator utilisation (median run of each arm)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # One row per arm on a shared time axis: overlaid lines of 7 arms are unreadable.
+    fig, axes = plt.subplots(
+        len(mine), 1, figsize=(9, 0.9 * len(mine) + 1.2), sharex=True, squeeze=False
+    )
+    for ax, r in zip(axes[:, 0], mine, strict=True):
+        run = _median_run([x for x in result.records if x.arm == r["arm"]])
+        # Bins of about four steps: finer bins only show each step switching on and off.
+        t, u = utilisation_series(run.busy, run.wall_s, bins=max(10, min(60, run.batches // 4)))
+        color = "tab:orange" if r["arm"].startswith("autominato") else "tab:blue"
+        ax.fill_between(t, u, step="mid", color=color, alpha=0.6)
+        ax.axvline(run.wall_s, color="black", linewidth=0.8)
+        ax.set_ylim(0, 1.05)
+        ax.set_yticks([0, 1])
+        ax.set_ylabel(r["arm"], rotation=0, ha="right", va="center", fontsize=8)
+        ax.text(run.wall_s, 0.5, f" {run.wall_s:.1f} s", va="center", fontsize=8)
+    axes[-1, 0].set_xlabel("time since the loader was built (s)")
+    axes[0, 0].set_title(f"{name}: accelerator utilisation (median run of each arm)")
     fig.tight_layout()
     paths.append(out / f"{name}_utilisation.png")
     fig.savefig(paths[-1], dpi=110)
