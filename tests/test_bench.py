@@ -392,3 +392,22 @@ def test_bench_controller_is_routed_to_the_controller_suite():
         ["synthetic"],
         10,
     )
+
+
+def test_the_unet_step_trains_on_a_collated_kits19_batch():
+    import torch
+
+    from autominato.bench.step import UNetStep
+
+    torch.manual_seed(0)
+    step = UNetStep("compact", device="cpu", amp=False)
+    before = [p.detach().clone() for p in step.model.parameters()]
+    image = torch.randn(2, 1, 64, 64, 64)
+    label = torch.randint(0, 3, (2, 1, 64, 64, 64), dtype=torch.uint8)
+    step([torch.tensor([4, 7]), [image, label]])  # the layout default_collate gives
+    assert torch.isfinite(step.last_loss)
+    after = list(step.model.parameters())
+    # Every convolution kernel (5-D) moved after one SGD step.
+    kernels = [(a, b) for a, b in zip(before, after, strict=True) if a.ndim == 5]
+    assert len(kernels) > 10 and all(not torch.equal(a, b) for a, b in kernels)
+    assert step.calibrate((2, 1, 64, 64, 64), warmup=0, steps=1) > 0

@@ -250,6 +250,13 @@ def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
     )
 
 
+def _unet_divisor(model: str) -> int:
+    """What every spatial size of the UNet's input must divide by (one halving per level)."""
+    from autominato.models.unet3d import UNet3D
+
+    return (UNet3D.mlperf() if model == "mlperf" else UNet3D.compact()).divisor
+
+
 def _tuned_configs(specs: list[str], workloads: list[str]) -> dict[str, str]:
     """``{workload: config path}`` from ``FILE`` (every workload) or ``WORKLOAD=FILE`` items.
 
@@ -330,8 +337,7 @@ def run(args: argparse.Namespace) -> int:
                     cases=args.cases,
                     samples=args.samples,
                     scale=args.scale,
-                    # The UNet halves every spatial size once per level.
-                    patch_multiple=32 if unet and args.unet_model == "mlperf" else 16,
+                    patch_multiple=_unet_divisor(args.unet_model) if unet else 16,
                     batch_size=args.batch_size or 2,
                     step_s=args.step,
                     seed=args.seed,

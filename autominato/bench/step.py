@@ -52,9 +52,10 @@ class UNetStep:
     The model is ``autominato.models.unet3d.UNet3D.mlperf()`` (the MLPerf reference size) or
     ``.compact()``; bfloat16 autocast as MLPerf submissions run it. The step ends with
     ``torch.cuda.synchronize()`` so that its time is the device's, not the launch's.
+    ``device="cpu"`` runs the same step on the host (for tests of the step itself).
 
     Raises:
-        RuntimeError: CUDA is not available.
+        RuntimeError: ``device`` is CUDA and CUDA is not available.
     """
 
     def __init__(self, model: str = "mlperf", device: str = "cuda", amp: bool = True) -> None:
@@ -63,13 +64,13 @@ class UNetStep:
         from autominato.models.losses import DiceCELoss
         from autominato.models.unet3d import UNet3D
 
-        if not torch.cuda.is_available():
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("the UNet step needs CUDA; use the simulated step (--step)")
         # No cuDNN autotuning: it costs seconds per process and per shape, which every
         # fresh run process would pay, and the GPU script has 8 minutes in all.
         torch.backends.cudnn.benchmark = False
         self.torch = torch
-        self.device = torch.device(device)
         net = UNet3D.mlperf() if model == "mlperf" else UNet3D.compact()
         self.model = net.to(self.device)
         self.loss = DiceCELoss()
@@ -82,12 +83,14 @@ class UNetStep:
         image, label = image_label(batch[1])
         image = image.to(self.device, non_blocking=True).float()
         label = label.to(self.device, non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             loss = self.loss(self.model(image), label)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
+        self.last_loss = loss.detach()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def calibrate(self, image_shape: tuple[int, ...], warmup: int = 3, steps: int = 5) -> float:
         """Median seconds of one step on random data of ``image_shape`` ``(B, C, D, H, W)``.
@@ -95,7 +98,7 @@ class UNetStep:
         The first ``warmup`` steps (cuDNN autotuning, allocator growth) are not timed.
         """
         torch = self.torch
-        image = torch.randn(image_shape, pin_memory=True)
+        image = torch.randn(image_shape, pin_memory=self.device.type == "cuda")
         label = torch.randint(0, 3, (image_shape[0], 1, *image_shape[2:]), dtype=torch.uint8)
         batch = [torch.arange(image_shape[0]), [image, label]]
         for _ in range(warmup):
