@@ -137,7 +137,7 @@ class Engine:
         if self.mode == "thread":
             self.threads = ThreadWorkers("transform", self._thread_transform_task, self.events.put)
         if self.mode in ("fused", "split"):
-            self.procs = ProcessWorkers(payload, self.events.put, loader._start_method)
+            self.procs = ProcessWorkers(payload, self.events.put, loader._start_method, initial=k.workers)
         self.out_estimate = 0  # bytes of one transformed sample, learned from replies
         self.sample_bytes = 0.0
         self.worker_restarts = 0

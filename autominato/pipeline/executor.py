@@ -164,15 +164,19 @@ class ProcessWorkers:
     All methods except the collector thread's are called from the scheduler thread.
     """
 
-    def __init__(self, payload: bytes, post: Post, start_method: str = "forkserver") -> None:
+    def __init__(self, payload: bytes, post: Post, start_method: str = "auto", initial: int = 0) -> None:
         self.payload = payload
         self.post = post
+        fork_first = start_method == "auto" and can_fork_now()
+        if start_method == "auto":
+            start_method = "forkserver"
         if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
             start_method = "spawn"
         self.ctx = mp.get_context(start_method)
+        self._start_ctx = self.ctx
         if start_method == "forkserver":
             # Workers fork from a server that already imported these: fast starts.
-            self.ctx.set_forkserver_preload(["autominato.pipeline.worker", "numpy", "torch"])
+            self.ctx.set_forkserver_preload(["__main__", "autominato.pipeline.worker", "numpy", "torch"])
         self.workers: dict[int, ProcWorker] = {}
         self.dead: dict[int, ProcWorker] = {}
         self.threads: int | None = None  # intra-op thread cap of each worker (None: payload's)
@@ -180,6 +184,21 @@ class ProcessWorkers:
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._closing = False
+        if fork_first and initial > 0:
+            # No thread runs yet in this process, so the first workers may fork straight from
+            # it: no interpreter start and no torch import (seconds) before the first batch.
+            # Workers started later (resizes, replacements) come from the fork server, which
+            # starts then (a background start would print its traceback on an early Ctrl-C).
+            from autominato.pipeline.knobs import usable_cores
+            from autominato.pipeline.worker import threads_per_worker
+
+            self.threads = threads_per_worker(usable_cores(), initial)
+            self._start_ctx = mp.get_context("fork")
+            try:
+                for _ in range(initial):
+                    self.start_one()
+            finally:
+                self._start_ctx = self.ctx
         self._collector = threading.Thread(target=self._collect, name="autominato-collector", daemon=True)
         self._collector.start()
 
@@ -213,10 +232,10 @@ class ProcessWorkers:
         from autominato.pipeline.worker import process_main
 
         wid = next(self._ids)
-        parent, child = self.ctx.Pipe(duplex=True)
+        parent, child = self._start_ctx.Pipe(duplex=True)
         # Not a daemon: a transform may start a process pool of its own (daemons may not have
         # children); close() ends the workers instead.
-        proc = self.ctx.Process(
+        proc = self._start_ctx.Process(
             target=process_main, args=(wid, child, self.payload, self.threads),
             name=f"autominato-worker-{wid}", daemon=False,
         )
@@ -358,6 +377,20 @@ class ProcessWorkers:
                 self.post(("proc", w.wid, w.conn.recv()))
         except (EOFError, OSError):
             pass  # the sentinel reports the death
+
+
+def can_fork_now() -> bool:
+    """Whether this process may fork workers safely: Linux-style ``fork`` exists, only one
+    thread runs (a lock held by another thread at fork time stays held in the child forever)
+    and CUDA is not initialised (a forked child cannot use it)."""
+    if "fork" not in mp.get_all_start_methods() or threading.active_count() != 1:
+        return False
+    try:
+        import torch
+
+        return not torch.cuda.is_initialized()
+    except ImportError:  # pragma: no cover
+        return True
 
 
 def _reap(proc: Any, timeout: float) -> None:

@@ -77,6 +77,10 @@ class Loader:
             (a thread cannot be killed: it is abandoned and lingers until its call returns).
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
+        start_method: how worker processes start. ``"auto"``: the first workers fork from
+            this process when that is safe (one thread, CUDA not initialised; so the loader
+            starts them when it is built), later ones come from a ``forkserver``;
+            ``"forkserver"``, ``"spawn"`` or ``"fork"`` for all of them.
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
@@ -108,7 +112,7 @@ class Loader:
         max_tries: int = 3,
         timeout: float | None = None,
         memory_budget_bytes: int | None = None,
-        start_method: str = "forkserver",
+        start_method: str = "auto",
         config: str | Path | dict | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -221,6 +225,11 @@ class Loader:
         self._controller = None
         self.knobs.subscribe(self._knob_changed)
         _live.add(self)
+
+        if self._mode in ("fused", "split") and start_method == "auto":
+            # Build the workers now, before telemetry and the controller start threads, so
+            # that they can fork (see start_method).
+            self._ensure_engine()
 
         from autominato.telemetry.handle import monitor_interval_from_env
 

@@ -146,6 +146,9 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked worker inherits the loader's SIGTERM clean-up handler, which must not run here.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
     import cloudpickle
 
     worker = f"worker {wid} (process {os.getpid()})"
@@ -162,6 +165,11 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
         return  # retired (or the loader closed) before this worker was ready: nothing to say
     while True:
         try:
+            # A forked worker's pipe may also be open in its siblings, so the loader's death
+            # does not always close it: a new parent (we were re-parented) says so instead.
+            while not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the loader is gone
