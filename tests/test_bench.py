@@ -196,7 +196,9 @@ def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind
     r = run_once(RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.01}))
     assert sorted(r["indices"]) == list(range(6))
     assert r["batches"] == 3 and r["wall_s"] >= 3 * 0.01
-    # The child's tree (itself + 2 workers) used CPU and memory of its own.
+    # Sampled from this process over the child's span: the child's tree (itself + 2 workers)
+    # used CPU and memory of its own.
+    assert r["span_end"] - r["span_start"] == pytest.approx(r["wall_s"])
     assert r["cpu_s"] > 0 and r["peak_pss_bytes"] > r["start_pss_bytes"] > 0
     after = {p.pid for p in __import__("psutil").Process().children(recursive=True)}
     assert after <= before
@@ -228,6 +230,18 @@ def test_a_failing_sample_is_reported_with_its_index_and_file(tmp_path):
     finally:
         wl.remove_files()
     assert not missing.parent.exists()
+
+
+def test_usage_between_cuts_a_span_out_of_the_samples():
+    from autominato.bench.measure import TreeSampler
+
+    s = TreeSampler()
+    # (monotonic s, CPU-seconds so far, PSS bytes): samples every 0.1 s.
+    s.series = [(0.0, 0.0, 100), (0.1, 0.2, 300), (0.2, 0.5, 900), (0.3, 0.6, 200), (0.4, 0.9, 50)]
+    u = s.usage_between(0.15, 0.25)  # widened to the samples at 0.1 and 0.3
+    assert u.cpu_s == pytest.approx(0.4) and u.peak_pss_bytes == 900
+    assert u.start_pss_bytes == 300 and u.samples == 3
+    assert s.usage_between(-1.0, 9.0).cpu_s == pytest.approx(0.9)
 
 
 def test_interleaving_puts_every_arm_in_every_position():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -45,7 +46,13 @@ class TreeSampler:
 
     CPU time of a child is the last value read while it lived, minus what it had used when
     sampling started (pids are keyed with their creation time, so a reused pid is a new
-    process). The root's own time is read once more at :meth:`stop`, so its figure is exact.
+    process). Every sample is kept as ``(time.monotonic(), CPU-seconds so far, PSS bytes)``,
+    so that :meth:`usage_between` can cut out a span that another process timed (CLOCK_MONOTONIC
+    is system-wide on Linux).
+
+    Sampling ``pid`` from another process keeps the sampler's thread out of the measured
+    process: a loader that forks its workers only while it is the sole thread (autominato's
+    ``start_method="auto"``) then behaves as it would in a training script.
     """
 
     def __init__(self, interval: float = 0.05, pid: int | None = None) -> None:
@@ -54,9 +61,7 @@ class TreeSampler:
         self._procs: dict[int, psutil.Process] = {}
         self._base: dict[tuple[int, float], float] = {}
         self._last: dict[tuple[int, float], float] = {}
-        self._peak = 0
-        self._start_pss = 0
-        self._samples = 0
+        self.series: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-tree-sampler", daemon=True)
 
@@ -90,30 +95,44 @@ class TreeSampler:
         return cpu, pss
 
     def _record(self) -> None:
+        t = time.monotonic()
         cpu, pss = self._sample()
         self._last.update(cpu)
-        self._peak = max(self._peak, pss)
-        self._samples += 1
+        total = sum(v - self._base.get(k, 0.0) for k, v in self._last.items())
+        self.series.append((t, max(0.0, total), pss))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._record()
 
     def start(self) -> TreeSampler:
-        self._base, self._start_pss = self._sample()
+        t = time.monotonic()
+        self._base, pss = self._sample()
         self._last = dict(self._base)
-        self._peak = self._start_pss
-        self._samples = 1
+        self.series = [(t, 0.0, pss)]
         self._thread.start()
         return self
 
     def stop(self) -> TreeUsage:
-        """Take a last sample, stop the thread and return the span's usage."""
+        """Take a last sample, stop the thread and return the usage since :meth:`start`."""
         self._stop.set()
         self._thread.join()
         self._record()
-        cpu = sum(v - self._base.get(k, 0.0) for k, v in self._last.items())
-        return TreeUsage(max(0.0, cpu), int(self._peak), int(self._start_pss), self._samples)
+        return self.usage_between(self.series[0][0], self.series[-1][0])
+
+    def usage_between(self, t0: float, t1: float) -> TreeUsage:
+        """Usage over ``[t0, t1]`` (``time.monotonic()`` seconds), from the last sample at or
+        before ``t0`` to the first at or after ``t1`` (so at most one interval wider)."""
+        times = [row[0] for row in self.series]
+        i = max(0, bisect.bisect_right(times, t0) - 1)
+        j = min(len(times) - 1, bisect.bisect_left(times, t1))
+        rows = self.series[i : j + 1]
+        return TreeUsage(
+            cpu_s=rows[-1][1] - rows[0][1],
+            peak_pss_bytes=int(max(r[2] for r in rows)),
+            start_pss_bytes=int(rows[0][2]),
+            samples=len(rows),
+        )
 
 
 @dataclass(frozen=True)
@@ -168,12 +187,18 @@ class NvmlSampler:
         return self
 
     def stop(self) -> GpuUsage:
+        """Stop sampling; the usage over every sample taken."""
         self._stop.set()
         self._thread.join()
-        if not self._rows:
+        return self.usage_between(-np.inf, np.inf)
+
+    def usage_between(self, t0: float, t1: float) -> GpuUsage:
+        """Means over the samples taken in ``[t0, t1]`` (``time.monotonic()`` seconds)."""
+        rows = [r for r in self._rows if t0 <= r[0] <= t1]
+        if not rows:
             return GpuUsage(float("nan"), float("nan"), float("nan"))
-        a = np.asarray(self._rows)
-        series = tuple((float(t), float(u)) for t, u, _, _ in self._rows)
+        a = np.asarray(rows)
+        series = tuple((float(t), float(u)) for t, u, _, _ in rows)
         return GpuUsage(float(a[:, 1].mean()), float(a[:, 2].mean()), float(a[:, 3].mean()), series)
 
 
@@ -188,6 +213,8 @@ class Consumption:
         steps_s: per-batch step seconds.
         busy: ``(start, end)`` of each step, seconds since the build started.
         indices: sample indices delivered, in arrival order.
+        span_start: ``time.monotonic()`` when the build started (the span's start, comparable
+            across processes); the span ends at ``span_start + wall_s``.
     """
 
     wall_s: float = 0.0
@@ -196,6 +223,11 @@ class Consumption:
     steps_s: list[float] = field(default_factory=list)
     busy: list[tuple[float, float]] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
+    span_start: float = 0.0
+
+    @property
+    def span_end(self) -> float:
+        return self.span_start + self.wall_s
 
     @property
     def busy_s(self) -> float:
@@ -242,7 +274,7 @@ def consume(
         The consumption record and the loader's ``close`` (not yet called: shutting a loader
         down is outside the measured span, which ends with the last step).
     """
-    c = Consumption()
+    c = Consumption(span_start=time.monotonic())
     t0 = time.perf_counter()
     iterable, close = build()
     it = iter(iterable)

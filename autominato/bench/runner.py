@@ -25,7 +25,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,11 @@ RUN_COLUMNS = tuple(f.name for f in fields(RunRecord) if f.name != "busy")
 
 @dataclass
 class RunSpec:
-    """Everything a (child) process needs for one run; pickled with cloudpickle."""
+    """Everything a (child) process needs for one run; pickled with cloudpickle.
+
+    ``sample_in_process=False`` leaves CPU, memory and NVML sampling to the parent (the
+    process-tree sampler's thread would otherwise run inside the measured process).
+    """
 
     workload: Workload
     arm: Arm
@@ -110,39 +114,49 @@ class RunSpec:
     step: dict[str, Any]
     sampler_interval: float = 0.05
     nvml: bool = False
+    sample_in_process: bool = True
 
 
 def execute(spec: RunSpec) -> dict[str, Any]:
     """Run one arm over one epoch in this process and return its raw figures.
 
     The arm's libraries are imported and the step (for the UNet, the model) is built before
-    the measured span; the loader is built inside it and closed after it.
+    the measured span; the loader is built inside it and closed after it. Without in-process
+    sampling, ``cpu_s``, ``peak_pss_bytes``, ``start_pss_bytes`` and the NVML figures are NaN
+    here and filled in by the parent from ``span_start`` / ``span_end``.
     """
     preload(spec.arm)
     step = make_step(spec.step)
-    sampler = TreeSampler(spec.sampler_interval).start()
-    gpu = NvmlSampler().start() if spec.nvml else None
+    inproc = spec.sample_in_process
+    sampler = TreeSampler(spec.sampler_interval).start() if inproc else None
+    gpu = NvmlSampler().start() if spec.nvml and inproc else None
     try:
         c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step)
     finally:
-        usage = sampler.stop()
+        usage = sampler.stop() if sampler is not None else None
         g = gpu.stop() if gpu is not None else None
+    if not inproc:
+        # Let the parent's sampler see the tree once after the span, before workers leave.
+        time.sleep(3 * spec.sampler_interval)
     close()
+    nan = float("nan")
     return {
         "indices": c.indices,
         "batches": len(c.waits_s),
         "wall_s": c.wall_s,
         "build_s": c.build_s,
-        "first_batch_s": c.busy[0][0] if c.busy else float("nan"),
+        "first_batch_s": c.busy[0][0] if c.busy else nan,
         "idle_ratio": c.idle_ratio,
         "p99_wait_s": c.p99_wait_s,
-        "cpu_s": usage.cpu_s,
-        "peak_pss_bytes": usage.peak_pss_bytes,
-        "start_pss_bytes": usage.start_pss_bytes,
+        "span_start": c.span_start,
+        "span_end": c.span_end,
+        "cpu_s": usage.cpu_s if usage else nan,
+        "peak_pss_bytes": usage.peak_pss_bytes if usage else nan,
+        "start_pss_bytes": usage.start_pss_bytes if usage else nan,
         "busy": c.busy,
-        "gpu_util_mean": g.util_mean if g else float("nan"),
-        "pcie_rx_bytes_per_s": g.pcie_rx_bytes_per_s if g else float("nan"),
-        "pcie_tx_bytes_per_s": g.pcie_tx_bytes_per_s if g else float("nan"),
+        "gpu_util_mean": g.util_mean if g else nan,
+        "pcie_rx_bytes_per_s": g.pcie_rx_bytes_per_s if g else nan,
+        "pcie_tx_bytes_per_s": g.pcie_tx_bytes_per_s if g else nan,
     }
 
 
@@ -170,6 +184,10 @@ def error_status(e: BaseException) -> str:
 def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run ``spec`` in a fresh process (``isolate``) or in this one; return its raw figures.
 
+    In a fresh process the child times the span and this process samples the child's tree
+    (and NVML), then cuts the child's span out of the samples: no sampling thread runs in
+    the measured process.
+
     Raises:
         RunFailed: the run raised, crashed or exceeded ``timeout_s`` (its whole process group
             is then killed: the child and the loader workers it started).
@@ -179,6 +197,7 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
             return execute(spec)
         except Exception as e:
             raise RunFailed(error_status(e), traceback.format_exc()) from e
+    spec = replace(spec, sample_in_process=False)
     with tempfile.TemporaryDirectory(prefix="autominato-bench-run-") as d:
         spec_path, out_path = Path(d, "spec.pkl"), Path(d, "result.json")
         spec_path.write_bytes(cloudpickle.dumps(spec))
@@ -186,7 +205,17 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
         # A new session makes the child the leader of a process group that holds its
         # workers too, so a hung run can be killed whole and no orphan outlives it.
         proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            sampler = TreeSampler(spec.sampler_interval, pid=proc.pid).start()
+            gpu = NvmlSampler().start() if spec.nvml else None
+        except BaseException:
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
         exited = _wait_unreaped(proc.pid, timeout_s)
+        sampler.stop()
+        if gpu is not None:
+            gpu.stop()
         # The exited child stays a zombie until reaped, so its pid (the group's id) cannot
         # be reused by an unrelated process before the group is killed.
         _kill_group(proc.pid)
@@ -198,6 +227,16 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
         result = json.loads(out_path.read_text())
     if "error" in result:
         raise RunFailed(result["error"], result.get("traceback", ""))
+    span = (result["span_start"], result["span_end"])
+    u = sampler.usage_between(*span)
+    result.update(cpu_s=u.cpu_s, peak_pss_bytes=u.peak_pss_bytes, start_pss_bytes=u.start_pss_bytes)
+    if gpu is not None:
+        g = gpu.usage_between(*span)
+        result.update(
+            gpu_util_mean=g.util_mean,
+            pcie_rx_bytes_per_s=g.pcie_rx_bytes_per_s,
+            pcie_tx_bytes_per_s=g.pcie_tx_bytes_per_s,
+        )
     return result
 
 
