@@ -375,6 +375,13 @@ class Engine:
         self._qlen["read"] = self.reads.in_flight if self.mode != "fused" else 0
         self._qlen["transform"] = len(st["ready"])
         self._qlen["batch"] = len(st["done"]) + len(st["done_by_pos"])
+        # Workers holding a sample now (the controller reads these as in-flight work).
+        reading = self.reads.in_flight if self.mode != "fused" else 0
+        self.stats["read"].busy = reading
+        if self.procs is not None:
+            self.stats["transform"].busy = sum(1 for w in self.procs.workers.values() if w.task is not None)
+        else:
+            self.stats["transform"].busy = self.threads.in_flight if self.threads else reading
 
     def _send_proc(self, st: dict, rec: Rec, w: Any) -> None:
         if rec.out_slot is None and self.out_estimate:
