@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from autominato.pipeline.tree import map_leaves
+
 
 class BatchPool:
     """Reusable host buffers for batches, keyed by (shape, dtype).
@@ -121,28 +123,15 @@ def batch_nbytes(batch: Any) -> int:
     return 0
 
 
-def to_device(batch: Any, device: torch.device, stream: Any = None) -> Any:
+def to_device(batch: Any, device: torch.device) -> Any:
     """Copy every tensor of ``batch`` to ``device`` (non-blocking from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        out = [to_device(v, device) for v in batch]
-        return tuple(out) if isinstance(batch, tuple) else out
-    return batch
+    return map_leaves(batch, lambda t: t.to(device, non_blocking=True), _is_tensor)
 
 
 def record_stream(batch: Any, stream: Any) -> None:
     """Tell the CUDA caching allocator that ``stream`` uses the tensors of ``batch``."""
-    if isinstance(batch, torch.Tensor):
-        if batch.is_cuda:
-            batch.record_stream(stream)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            record_stream(v, stream)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            record_stream(v, stream)
+    map_leaves(batch, lambda t: t.record_stream(stream) if t.is_cuda else None, _is_tensor)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)

@@ -36,12 +36,14 @@ from autominato.pipeline.executor import ProcessWorkers, ThreadWorkers
 from autominato.pipeline.shm import (
     SHM_DIR,
     SlotPool,
+    is_array,
     leftover_segments,
     pack,
     packed_nbytes,
     unpack,
 )
 from autominato.pipeline.stats import StageStats
+from autominato.pipeline.tree import map_leaves
 from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
 
 log = logging.getLogger("autominato.pipeline")
@@ -800,17 +802,4 @@ _SKIPPED = _Skipped()
 
 def _copy_arrays(obj: Any) -> Any:
     """Deep-copy the arrays of a sample out of its shared-memory slot."""
-    import torch
-
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_copy_arrays(o) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        out = [_copy_arrays(o) for o in obj]
-        return tuple(out) if isinstance(obj, tuple) else out
-    if isinstance(obj, dict):
-        return {k: _copy_arrays(v) for k, v in obj.items()}
-    return obj
+    return map_leaves(obj, lambda a: a.copy() if isinstance(a, np.ndarray) else a.clone(), is_array)

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from autominato.pipeline.tree import map_leaves
+
 log = logging.getLogger("autominato.pipeline")
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -266,17 +268,9 @@ class ArrayRef:
     torch: bool
 
 
-def _leaves(obj: Any, out: list) -> None:
-    if isinstance(obj, np.ndarray) and obj.dtype != object:
-        out.append(obj)
-    elif _is_tensor(obj):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _leaves(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _leaves(o, out)
+def is_array(obj: Any) -> bool:
+    """A leaf that travels through a slot: a NumPy array (not of objects) or a torch tensor."""
+    return (isinstance(obj, np.ndarray) and obj.dtype != object) or _is_tensor(obj)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -287,7 +281,7 @@ def _is_tensor(obj: Any) -> bool:
 def packed_nbytes(sample: Any) -> int:
     """Bytes of slot space the arrays of ``sample`` need (with alignment)."""
     leaves: list = []
-    _leaves(sample, leaves)
+    map_leaves(sample, leaves.append, is_array)
     total = 0
     for a in leaves:
         n = a.nbytes if isinstance(a, np.ndarray) else a.element_size() * a.numel()
@@ -307,27 +301,17 @@ def pack(sample: Any, buf: memoryview | mmap.mmap | None) -> tuple[bytes, int]:
         return pickle.dumps(("inline", sample), protocol=pickle.HIGHEST_PROTOCOL), need
     offset = 0
 
-    def walk(obj: Any) -> Any:
+    def write(obj: Any) -> ArrayRef:
         nonlocal offset
         is_t = _is_tensor(obj)
-        if (isinstance(obj, np.ndarray) and obj.dtype != object) or is_t:
-            arr = obj.detach().cpu().numpy() if is_t else obj
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=buf, offset=offset)
-            np.copyto(dst, arr, casting="no")
-            ref = ArrayRef(offset, tuple(arr.shape), arr.dtype.str, is_t)
-            offset += -(-arr.nbytes // ALIGN) * ALIGN
-            return ref
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(o) for o in obj)
-        if isinstance(obj, list):
-            return [walk(o) for o in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, tuple):  # a namedtuple
-            return type(obj)(*(walk(o) for o in obj))
-        return obj
+        arr = obj.detach().cpu().numpy() if is_t else obj
+        dst = np.ndarray(arr.shape, arr.dtype, buffer=buf, offset=offset)
+        np.copyto(dst, arr, casting="no")
+        ref = ArrayRef(offset, tuple(arr.shape), arr.dtype.str, is_t)
+        offset += -(-arr.nbytes // ALIGN) * ALIGN
+        return ref
 
-    tree = walk(sample)
+    tree = map_leaves(sample, write, is_array)
     return pickle.dumps(("slot", tree), protocol=pickle.HIGHEST_PROTOCOL), need
 
 
@@ -340,27 +324,17 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
     if kind == "inline":
         return tree
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, ArrayRef):
-            arr = np.ndarray(obj.shape, np.dtype(obj.dtype), buffer=buf, offset=obj.offset)
-            if copy:
-                arr = arr.copy()
-            if obj.torch:
-                import torch
+    def read(ref: ArrayRef) -> Any:
+        arr = np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=buf, offset=ref.offset)
+        if copy:
+            arr = arr.copy()
+        if ref.torch:
+            import torch
 
-                return torch.from_numpy(arr)
-            return arr
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(o) for o in obj)
-        if isinstance(obj, list):
-            return [walk(o) for o in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, tuple):
-            return type(obj)(*(walk(o) for o in obj))
-        return obj
+            return torch.from_numpy(arr)
+        return arr
 
-    return walk(tree)
+    return map_leaves(tree, read, lambda x: isinstance(x, ArrayRef))
 
 
 class SlotCache:
