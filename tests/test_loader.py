@@ -168,7 +168,7 @@ def _per_index(loader) -> dict[int, np.ndarray]:
 def test_augmentation_does_not_depend_on_workers_or_worker_kind():
     ref = None
     for kw in (dict(workers=0), dict(workers=1), dict(workers=3), dict(workers=2, worker_kind="thread"),
-               dict(workers=2, fuse_read=True)):
+               dict(workers=2, fuse_read=False)):
         with Loader(IndexDataset(20), 3, transform=noisy, seed=7, autotune=False, **kw) as loader:
             loader.set_epoch(4)
             got = _per_index(loader)

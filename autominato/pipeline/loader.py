@@ -67,8 +67,10 @@ class Loader:
         rank, world_size: this process's share of each epoch (``DistributedSampler``
             semantics); read from ``torch.distributed`` when initialised and not given.
         worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
-        fuse_read: read inside the transform workers. Default: fused when ``transform`` is
-            ``None`` (all the work is in ``__getitem__``), else a separate read stage in threads.
+        fuse_read: read inside the transform worker processes (default), so that only the
+            transformed sample crosses to the main process. ``False`` adds a separate read
+            stage of threads (``read_threads``) for I/O-bound reads (network storage), whose
+            samples reach the workers through shared memory.
         on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
@@ -198,7 +200,9 @@ class Loader:
         elif worker_kind == "thread":
             self._mode = "thread"
         else:
-            fused = (transform is None) if fuse_read is None else fuse_read
+            # Read inside the workers by default: a whole volume then never crosses a process
+            # boundary, only the transformed (cropped) sample does.
+            fused = True if fuse_read is None else fuse_read
             self._mode = "fused" if fused else "split"
         self._pin = self.device is not None and self.device.type == "cuda"
         avail = psutil.virtual_memory().available
