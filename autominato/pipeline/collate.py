@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from autominato.pipeline.shm import is_array
 from autominato.pipeline.tree import map_leaves
 
 
@@ -69,10 +70,6 @@ class BatchPool:
             self.bytes = 0
 
 
-def _is_array(x: Any) -> bool:
-    return (isinstance(x, np.ndarray) and x.dtype != object) or isinstance(x, torch.Tensor)
-
-
 def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     """Stack a list of samples into a batch (see the module docstring).
 
@@ -81,7 +78,7 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             gives the field's shapes.
     """
     first = samples[0]
-    if _is_array(first):
+    if is_array(first):
         arrays = [s.detach().cpu().numpy() if isinstance(s, torch.Tensor) else s for s in samples]
         shape = arrays[0].shape
         dtype = arrays[0].dtype

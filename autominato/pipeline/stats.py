@@ -81,7 +81,7 @@ class StageStats:
         self.queue_len: Callable[[], int] = lambda: 0
         self.queue_capacity: Callable[[], int] = lambda: 0
         self.workers: Callable[[], int] = lambda: 0
-        self.busy = 0
+        self.busy = 0  # workers holding an item now, set by the scheduler
         self.hooks: list[StageHook] = []
 
     def record(self, service_s: float, wait_s: float = 0.0, nbytes: int = 0, items: int = 1) -> None:
@@ -95,15 +95,6 @@ class StageStats:
             self._recent_wait.append(wait_s)
         for hook in self.hooks:
             hook(self.name, service_s, wait_s, nbytes)
-
-    def begin(self) -> None:
-        """Mark one worker of the stage busy (pair with :meth:`end`)."""
-        with self._lock:
-            self.busy += 1
-
-    def end(self) -> None:
-        with self._lock:
-            self.busy -= 1
 
     def snapshot(self) -> StageSnapshot:
         with self._lock:
