@@ -1,0 +1,220 @@
+"""The epoch state machine alone: no threads, no processes (autominato.pipeline.epoch)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autominato.pipeline.epoch import (
+    Completed,
+    Discard,
+    Emit,
+    End,
+    Epoch,
+    Failed,
+    Lost,
+    Raise,
+    Skip,
+)
+
+
+class Boom(Exception):
+    pass
+
+
+def run_all(ep: Epoch, fail: set[int] = frozenset()) -> list:
+    """Dispatch and complete everything in order; positions in ``fail`` raise."""
+    out = ep.start()
+    while not ep.finished:
+        tasks = ep.take(4)
+        assert tasks or ep.in_flight == 0
+        for t in tasks:
+            ev = Failed(t.pos, t.attempt, Boom(t.index)) if t.pos in fail else Completed(t.pos, t.attempt, t.index)
+            out += ep.on(ev)
+    return out
+
+
+def batches(decisions: list) -> list[list[int]]:
+    return [[i for _, i, _ in d.items] for d in decisions if isinstance(d, Emit)]
+
+
+def test_completion_order_batches_are_full_except_the_last():
+    out = run_all(Epoch(list(range(10)), batch_size=4))
+    assert batches(out) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert isinstance(out[-1], End)
+
+
+def test_empty_epoch_ends_at_once():
+    assert Epoch([], batch_size=3).start() == [End()]
+
+
+def test_drop_last_with_skips_delivers_no_short_batch():
+    out = run_all(Epoch(list(range(8)), batch_size=4, drop_last=True, skip_errors=True), fail={1})
+    assert batches(out) == [[0, 2, 3, 4]]
+    assert sum(isinstance(d, Discard) for d in out) == 3  # 5, 6, 7: dropped, and freed
+    assert [d.index for d in out if isinstance(d, Skip)] == [1]
+
+
+def test_in_order_skip_shortens_only_the_last_batch():
+    out = run_all(Epoch(list(range(9)), batch_size=3, in_order=True, skip_errors=True), fail={4})
+    assert batches(out) == [[0, 1, 2], [3, 5, 6], [7, 8]]
+
+
+def test_in_order_waits_for_the_straggler():
+    ep = Epoch(list(range(4)), batch_size=2, in_order=True)
+    t = ep.take(4)
+    assert ep.on(Completed(t[1].pos, 0, "b")) == []
+    out = ep.on(Completed(t[0].pos, 0, "a"))
+    assert batches(out) == [[0, 1]]
+
+
+def test_straggler_is_counted_when_it_joins_a_later_batch():
+    ep = Epoch(list(range(4)), batch_size=2)
+    t = ep.take(4)
+    out = ep.on(Completed(1, 0, 1)) + ep.on(Completed(2, 0, 2)) + ep.on(Completed(3, 0, 3))
+    out += ep.on(Completed(0, 0, 0))
+    assert batches(out) == [[1, 2], [3, 0]]
+    assert ep.stragglers == 1 and len(t) == 4
+
+
+def test_raise_policy_ends_the_epoch_and_frees_what_it_held():
+    ep = Epoch(list(range(6)), batch_size=4)
+    ep.take(6)
+    out = ep.on(Completed(0, 0, "r0")) + ep.on(Failed(1, 0, Boom()))
+    assert isinstance(out[0], Raise)
+    assert [d.result for d in out if isinstance(d, Discard)] == ["r0"]
+    assert ep.on(Completed(2, 0, "late")) == [Discard("late")]
+    assert ep.take(1) == []
+
+
+def test_a_death_redispatches_until_max_tries_then_applies_the_policy():
+    ep = Epoch([7], batch_size=1, skip_errors=True, max_tries=2)
+    (t,) = ep.take(1)
+    assert ep.on(Lost(t.pos, t.attempt, Boom())) == []
+    (t2,) = ep.take(1)
+    assert t2.attempt == t.attempt + 1
+    assert ep.on(Lost(t.pos, t.attempt, Boom())) == []  # the old attempt's late death: ignored
+    out = ep.on(Lost(t2.pos, t2.attempt, Boom()))
+    assert [type(d) for d in out] == [Skip, End]
+
+
+def test_a_timeout_is_not_retried():
+    ep = Epoch([0, 1], batch_size=2, skip_errors=True)
+    ep.take(2)
+    out = ep.on(Lost(0, 0, TimeoutError(), retry=False))
+    assert isinstance(out[0], Skip)
+    assert ep.take(1) == []
+    # The abandoned thread's result arrives after all: never delivered, but freed.
+    assert ep.on(Completed(0, 0, "late")) == [Discard("late")]
+    assert batches(ep.on(Completed(1, 0, "x"))) == [[1]]
+
+
+def test_a_sampler_may_repeat_an_index():
+    out = run_all(Epoch([3, 3, 3], batch_size=2))
+    assert batches(out) == [[3, 3], [3]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_interleavings_deliver_every_position_exactly_once(seed):
+    """Thousands of random event orders: completions (also duplicates and late ones),
+    failures, worker deaths, timeouts and window changes, against the invariants."""
+    rng = random.Random(seed)
+    for _trial in range(60):
+        n = rng.randint(0, 40)
+        B = rng.randint(1, 6)
+        ep = Epoch(
+            [rng.randrange(max(n, 1)) for _ in range(n)], batch_size=B,
+            drop_last=rng.random() < 0.4, in_order=rng.random() < 0.4,
+            skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3),
+        )
+        _check_one_run(ep, rng)
+
+
+def _check_one_run(ep: Epoch, rng: random.Random) -> None:
+    n, B = ep.size, ep.batch_size
+    made: list[str] = []  # every result produced by a "worker"
+    freed: list[str] = []
+    delivered: list[int] = []  # positions, in batch order
+    skipped: list[int] = []
+    sizes: list[int] = []
+    raised = False
+    in_flight: list = []  # tasks a worker holds (may include superseded attempts)
+    window = rng.randint(1, 8)
+
+    def apply(decisions: list) -> None:
+        nonlocal raised
+        for d in decisions:
+            assert not (raised and isinstance(d, Emit)), "a batch after Raise"
+            if isinstance(d, Emit):
+                sizes.append(len(d.items))
+                for pos, index, result in d.items:
+                    assert ep.order[pos] == index
+                    delivered.append(pos)
+                    freed.append(result)
+            elif isinstance(d, Skip):
+                skipped.append(d.pos)
+            elif isinstance(d, Discard):
+                freed.append(d.result)
+            elif isinstance(d, Raise):
+                raised = True
+
+    apply(ep.start())
+    steps = 0
+    while not ep.finished or in_flight:
+        steps += 1
+        assert steps < 10_000, "no progress"
+        r = rng.random()
+        if r < 0.1:
+            window = rng.randint(1, 8)  # a knob change
+        if not ep.finished and rng.random() < 0.5:
+            in_flight += ep.take(max(0, window - ep.held))
+        if not in_flight:
+            if ep.finished:
+                break
+            if ep.held >= window and ep.in_flight == 0:
+                window += 1  # everything held waits for a batch: the window must open
+            continue
+        t = in_flight.pop(rng.randrange(len(in_flight)))
+        r = rng.random()
+        if r < 0.75:
+            res = f"r{t.pos}.{t.attempt}.{len(made)}"
+            made.append(res)
+            apply(ep.on(Completed(t.pos, t.attempt, res)))
+            if rng.random() < 0.05:  # a duplicate reply of the same attempt
+                res = f"dup{len(made)}"
+                made.append(res)
+                apply(ep.on(Completed(t.pos, t.attempt, res)))
+        elif r < 0.85:
+            apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
+            if rng.random() < 0.3:  # the dead worker's death reported twice
+                apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
+        elif r < 0.93:
+            apply(ep.on(Failed(t.pos, t.attempt, Boom("bad sample"))))
+        else:
+            apply(ep.on(Lost(t.pos, t.attempt, TimeoutError(), retry=False)))
+            if rng.random() < 0.5:  # the abandoned thread returns after all
+                res = f"late{len(made)}"
+                made.append(res)
+                apply(ep.on(Completed(t.pos, t.attempt, res)))
+
+    # Every result produced is freed exactly once (delivered in a batch or discarded).
+    assert sorted(freed) == sorted(made)
+    assert len(set(delivered)) == len(delivered), "a position delivered twice"
+    assert not set(delivered) & set(skipped)
+    if raised:
+        assert ep.failed
+        return
+    assert ep.ended
+    dropped = set(range(n)) - set(delivered) - set(skipped)
+    # Every position is final exactly once: delivered, skipped, or (drop_last) dropped.
+    if ep.drop_last:
+        assert len(dropped) < B
+        assert all(s == B for s in sizes)
+    else:
+        assert not dropped
+        assert all(s == B for s in sizes[:-1]) and (not sizes or 1 <= sizes[-1] <= B)
+    if ep.in_order:
+        assert delivered == sorted(delivered)
+        if ep.drop_last:
+            assert all(p > max(delivered, default=-1) for p in dropped)
