@@ -9,7 +9,7 @@ __all__ = ["Loader", "__version__"]
 def __getattr__(name: str):
     # Lazy, so that `autominato --help` and light tools do not import torch.
     if name == "Loader":
-        from autominato.pipeline.loader import Loader
+        from autominato.loader import Loader
 
         return Loader
     raise AttributeError(name)

@@ -133,7 +133,7 @@ def run_epoch(
     """One epoch of ``dataset`` through ``autominato.Loader`` with a sleeping consumer."""
     from autominato.bench.workload import synthetic_transform
     from autominato.control import Controller
-    from autominato.pipeline.loader import Loader
+    from autominato.loader import Loader
 
     transform = WaitTransform() if args.cost == "wait" else synthetic_transform
     loader = Loader(

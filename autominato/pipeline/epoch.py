@@ -189,6 +189,10 @@ class Epoch:
     def finished(self) -> bool:
         return self.ended or self.failed
 
+    def deaths(self, pos: int) -> int:
+        """Workers that died holding ``pos`` so far."""
+        return self._deaths.get(pos, 0)
+
     def is_current(self, pos: int, attempt: int) -> bool:
         return self._attempt.get(pos) == attempt
 

@@ -33,7 +33,8 @@ def epoch_order(
         epoch: epoch number; reseeds shuffling (``seed + epoch``, as ``DistributedSampler``).
         seed: base seed of the shuffle.
         shuffle: random permutation (``torch.randperm``) instead of ``0..n-1``.
-        sampler: a user sampler; if it has ``set_epoch`` it is called with ``epoch``.
+        sampler: a user sampler, iterated as it is (its ``set_epoch`` is the caller's business,
+            as with the DataLoader: overriding it would replay the wrong epoch on resume).
         rank, world_size: this process's share (``DistributedSampler`` semantics).
         batch_size, drop_last: with ``drop_last`` the last ``len % batch_size`` are dropped.
 
@@ -41,8 +42,6 @@ def epoch_order(
         The list of indices (repeats allowed when the sampler repeats).
     """
     if sampler is not None:
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
         order = [int(i) for i in sampler]
     elif world_size > 1:
         ds = DistributedSampler(

@@ -1,4 +1,10 @@
-"""``autominato.Loader``: a drop-in for ``torch.utils.data.DataLoader`` on heavy samples."""
+"""``autominato.Loader``: a drop-in for ``torch.utils.data.DataLoader`` on heavy samples.
+
+This is the one module that wires the pipeline (:mod:`autominato.pipeline`, which knows
+nothing else) to telemetry, the online controller and configuration files written by
+``autominato tune``. Telemetry and the controller see the loader through a weak proxy, so a
+Loader dropped without ``close()`` is collected and frees its workers and shared memory.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.sampler import epoch_order
+from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
 from autominato.pipeline.worker import WorkSpec, takes_rng
@@ -32,17 +38,24 @@ def default_knobs(batch_size: int, cores: int, workers: int | None = None) -> tu
 
     ``workers`` defaults to the usable cores (what users commonly give the DataLoader);
     ``pool_size`` (samples in flight) to ``2 * batch_size + workers + read_threads``: enough to
-    keep every worker busy while one batch fills and one waits.
+    keep every worker busy while one batch fills and one waits. The controller may take
+    ``workers`` up to ``4 * cores`` (workers that wait on I/O leave cores idle).
     """
     w = cores if workers is None else workers
     values = {"depth": 2, "read_threads": 2, "workers": w, "pool_size": 2 * batch_size + w + 2}
     bounds = {
         "depth": (1, 32),
         "read_threads": (1, 32),
-        "workers": (0, 0) if w == 0 else (1, max(4 * cores, w, 8)),
+        "workers": (0, 0) if w == 0 else (1, max(4 * cores, 8)),
         "pool_size": (batch_size, max(64 * batch_size, 256)),
     }
     return values, bounds
+
+
+def draw_seed() -> int:
+    """A base seed drawn from torch's default generator, as the DataLoader draws its own (so
+    ``torch.manual_seed`` makes a run reproducible)."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
 class Loader:
@@ -53,13 +66,19 @@ class Loader:
             ``sample_path(index) -> str | None`` so that errors name the file.
         batch_size: samples per batch.
         shuffle: reshuffle every epoch (seeded by ``seed + epoch``).
-        sampler: an iterable of indices used instead of ``shuffle`` (``set_epoch`` is called).
+        sampler: an iterable of indices used instead of ``shuffle``. It is iterated as it is
+            (as the DataLoader does): its ``set_epoch`` is called only by
+            :meth:`set_epoch`, so a sampler that the training loop set itself is respected.
         collate_fn: builds a batch from a list of samples; default stacks arrays into pooled
             buffers like ``default_collate``.
-        drop_last: drop the last short batch (the same indices the DataLoader drops).
+        drop_last: drop the last short batch (the same indices the DataLoader drops); with
+            ``on_error="skip"`` no batch is ever short.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
             ``(seed, epoch, index)``, or a plain ``transform(sample)``.
-        seed: base seed of shuffling and augmentation (random if ``None``).
+        seed: base seed of shuffling and augmentation. ``None``: drawn from torch's default
+            generator (as the DataLoader does), except that with several ranks the shuffle
+            uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
+            permutation and the ranks' shards never overlap.
         in_order: deliver batches in sampler order (as the DataLoader); default is completion
             order, where a slow sample joins a later batch of the same epoch.
         device: ``"cuda"`` etc.: batches arrive on this device, copied from pinned memory on a
@@ -69,20 +88,17 @@ class Loader:
         worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
         fuse_read: read inside the transform worker processes (default), so that only the
             transformed sample crosses to the main process. ``False`` adds a separate read
-            stage of threads (``read_threads``) for I/O-bound reads (network storage), whose
-            samples reach the workers through shared memory.
+            stage of threads (``read_threads``) for I/O-bound reads (network storage).
         on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
-        timeout: seconds one sample may take in a worker (process or thread) before that
-            worker is replaced and the sample goes through ``on_error`` as a ``SampleTimeout``
-            (a thread cannot be killed: it is abandoned and lingers until its call returns).
+        timeout: seconds one sample may take in a worker before that worker is replaced and
+            the sample goes through ``on_error`` as a ``SampleTimeout``; ``None`` or ``0``
+            (the DataLoader's "no timeout") wait for ever.
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
-        start_method: how worker processes start. ``"auto"``: the first workers fork from
-            this process when that is safe (one thread, CUDA not initialised; so the loader
-            starts them when it is built), later ones come from a ``forkserver``;
-            ``"forkserver"``, ``"spawn"`` or ``"fork"`` for all of them.
+        start_method: how worker processes start (see
+            :class:`autominato.pipeline.executor.ProcessWorkers`).
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
@@ -90,6 +106,9 @@ class Loader:
 
     Raises:
         ValueError: invalid arguments (the message names the argument).
+
+    Iterators are independent, as the DataLoader's: ``zip(loader, loader)`` gives
+    ``len(loader)`` pairs, each side a whole epoch.
     """
 
     def __init__(
@@ -122,8 +141,8 @@ class Loader:
         autotune: bool = True,
         **knobs: int,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if sampler is not None and shuffle:
             raise ValueError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
         if worker_kind not in ("process", "thread"):
@@ -132,9 +151,14 @@ class Loader:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if on_worker_death not in ("retry", "raise"):
             raise ValueError(f"on_worker_death must be 'retry' or 'raise', got {on_worker_death!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be seconds >= 0 (0 or None: no timeout), got {timeout!r}")
         unknown = set(knobs) - set(KNOB_NAMES)
         if unknown:
             raise ValueError(f"unknown argument(s) {sorted(unknown)}; knobs are {', '.join(KNOB_NAMES)}")
+        for name, v in knobs.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         try:
             self._n = len(dataset)
         except TypeError as e:
@@ -156,7 +180,6 @@ class Loader:
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.transform = transform
-        self.seed = int(np.random.SeedSequence().entropy % (2**63)) if seed is None else int(seed)
         self.in_order = in_order
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
@@ -168,13 +191,15 @@ class Loader:
         self.rank = int(rank or 0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.seed = draw_seed() if seed is None else int(seed)
+        # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
+        self.shuffle_seed = 0 if seed is None and self.world_size > 1 else self.seed
         self.worker_kind = worker_kind
         self.on_error = on_error
         self.on_worker_death = on_worker_death
         self.max_tries = max(1, int(max_tries))
-        self.timeout = timeout
+        self.timeout = timeout or None
         self.config = cfg
-        self._start_method = start_method
         self._on_skip: Callable | None = None
         self.decision_hooks: list[Callable[[Any], None]] = []
         self.decisions: deque = deque(maxlen=1000)
@@ -184,33 +209,36 @@ class Loader:
         if cfg is not None:
             start = {**cfg["knobs"], **start}
         values, bounds = default_knobs(self.batch_size, cores, start.get("workers"))
-        values.update(start)
         if cfg is not None:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
+        values.update(start)
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:
             bounds["workers"] = (1, max(1, bounds["workers"][1]))
-        bounds["pool_size"] = (max(self.batch_size, bounds["pool_size"][0]), max(self.batch_size, bounds["pool_size"][1]))
+        if "workers" not in knobs and values["workers"] > bounds["workers"][1]:
+            # A configuration tuned on a bigger machine: say so rather than oversubscribe.
+            log.warning("the configuration asks for %d workers, more than this machine's bound "
+                        "of %d (%d usable cores); using %d", values["workers"],
+                        bounds["workers"][1], cores, bounds["workers"][1])
+        elif values["workers"] > bounds["workers"][1]:
+            bounds["workers"] = (bounds["workers"][0], values["workers"])  # the user's explicit choice
+        bounds["pool_size"] = (max(self.batch_size, bounds["pool_size"][0]),
+                               max(self.batch_size, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
 
-        if values["workers"] == 0:
-            self._mode = "inline"
-        elif worker_kind == "thread":
-            self._mode = "thread"
-        else:
-            # Read inside the workers by default: a whole volume then never crosses a process
-            # boundary, only the transformed (cropped) sample does.
-            fused = True if fuse_read is None else fuse_read
-            self._mode = "fused" if fused else "split"
-        self._pin = self.device is not None and self.device.type == "cuda"
+        fused = True if fuse_read is None else bool(fuse_read)
         avail = psutil.virtual_memory().available
-        self._shm_budget = (
-            int(memory_budget_bytes) if memory_budget_bytes is not None
-            else int(min(shm_free_bytes() * 0.5, avail * 0.25))
+        shm_budget = (int(memory_budget_bytes) if memory_budget_bytes is not None
+                      else int(min(shm_free_bytes() * 0.5, avail * 0.25)))
+        self._cfg = PipelineConfig(
+            batch_size=self.batch_size, drop_last=drop_last, in_order=in_order, on_error=on_error,
+            on_worker_death=on_worker_death, max_tries=self.max_tries, sample_timeout=self.timeout,
+            collate_fn=collate_fn, device=self.device, worker_kind=worker_kind, fuse_read=fused,
+            start_method=start_method, shm_budget_bytes=shm_budget,
         )
-
+        self._start_method = start_method
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
         self._consumer_wait = 0.0
@@ -221,40 +249,40 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self._started = False
-        self._engine = None
-        self._iter: _EpochIterator | None = None
+        self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._telemetry = None
         self._controller = None
-        self.knobs.subscribe(self._knob_changed)
         _live.add(self)
 
-        if self._mode in ("fused", "split") and start_method == "auto":
-            # Build the workers now, before telemetry and the controller start threads, so
+        if values["workers"] > 0 and worker_kind == "process" and start_method == "auto":
+            # Start the workers now, before telemetry and the controller start threads, so
             # that they can fork (see start_method).
-            self._ensure_engine()
+            self._ensure_pipeline()
 
         from autominato.telemetry.handle import monitor_interval_from_env
 
+        me = weakref.proxy(self)
         if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
 
             self._telemetry = telemetry.attach(
-                self, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
+                me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
             )
         if autotune:
-            try:
-                from autominato.control import Controller
-            except ImportError:  # the controller is optional until it ships
-                Controller = None  # noqa: N806
-            if Controller is not None:
-                self._controller = Controller(self, config=cfg)
-                self._controller.start()
+            from autominato.control import Controller
+
+            self._controller = Controller(me, config=cfg)
+            self._controller.start()
 
     # ------------------------------------------------------------------ DataLoader API
     def __len__(self) -> int:
-        """Batches per epoch on this rank (an upper bound when ``on_error="skip"`` drops some)."""
+        """Batches per epoch on this rank (an upper bound when ``on_error="skip"`` drops some).
+
+        Raises:
+            TypeError: the sampler has no length (a generator), as with the DataLoader.
+        """
         n = self._samples_per_epoch()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -263,15 +291,20 @@ class Loader:
             try:
                 return len(self.sampler)  # type: ignore[arg-type]
             except TypeError:
-                return len(self._order(self._epoch))
+                raise TypeError(
+                    f"the sampler ({type(self.sampler).__name__}) has no len(), so neither has "
+                    "the Loader (as with DataLoader); give a sampler with __len__") from None
         if self.world_size > 1:
             return -(-self._n // self.world_size)
         return self._n
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration's shuffle and augmentation seeds."""
+        """Use ``epoch`` for the next iteration's shuffle and augmentation seeds; a sampler
+        with ``set_epoch`` (``DistributedSampler``) gets it too."""
         self._epoch = int(epoch)
         self._epoch_set = True
+        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self._epoch)
 
     @property
     def epoch(self) -> int:
@@ -279,7 +312,7 @@ class Loader:
 
     def _order(self, epoch: int) -> list[int]:
         return epoch_order(
-            self._n, epoch=epoch, seed=self.seed, shuffle=self.shuffle, sampler=self.sampler,
+            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self.sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
         )
 
@@ -287,23 +320,16 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         with self._lock:
-            if self._iter is not None:
-                self._iter.stop()
             if self._started and not self._epoch_set:
                 self._epoch += 1  # like DataLoader's RandomSampler: a new shuffle each pass
             self._started = True
             self._epoch_set = False
-            engine = self._ensure_engine()
-            order = self._order(self._epoch)
-            self._iter = _EpochIterator(self, engine, order, self._epoch)
-            return self._iter
+            pipeline = self._ensure_pipeline()
+            run = pipeline.start(self._order(self._epoch), self._epoch)
+            return _EpochIterator(self, pipeline, run)
 
-    def _ensure_engine(self):
-        if self._engine is None:
-            import cloudpickle
-
-            from autominato.pipeline.engine import Engine
-
+    def _ensure_pipeline(self) -> Pipeline:
+        if self._pipeline is None:
             spec = WorkSpec(
                 dataset=self.dataset,
                 transform=self.transform,
@@ -311,17 +337,14 @@ class Loader:
                 seed=self.seed,
                 threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
             )
-            payload = b""
-            if self._mode in ("fused", "split"):
-                try:
-                    payload = cloudpickle.dumps(spec)
-                except Exception as e:
-                    raise ValueError(
-                        f"the dataset and transform must be picklable to run in worker processes "
-                        f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0"
-                    ) from e
-            self._engine = Engine(self, payload, spec)
-        return self._engine
+            self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats,
+                                      on_skip=self._skipped)
+            self.knobs.subscribe(self._pipeline.knobs_changed)
+        return self._pipeline
+
+    def _skipped(self, index: int, path: str | None, exc: BaseException) -> None:
+        if self._on_skip is not None:
+            self._on_skip(index, path, exc)
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
@@ -330,10 +353,8 @@ class Loader:
         self._closed = True
         if self._controller is not None:
             self._controller.stop()
-        if self._iter is not None:
-            self._iter.stop()
-        if self._engine is not None:
-            self._engine.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
         if self._telemetry is not None:
             self._telemetry.close()
 
@@ -360,13 +381,9 @@ class Loader:
         return self._controller
 
     # ------------------------------------------------------------------ control surface
-    def _knob_changed(self, name: str, old: int, new: int) -> None:
-        if self._engine is not None:
-            self._engine.knobs_changed()
-
     def worker_pids(self) -> list[int]:
         """PIDs of the transform worker processes (empty with thread workers)."""
-        return self._engine.worker_pids() if self._engine is not None else []
+        return self._pipeline.worker_pids() if self._pipeline is not None else []
 
     def report_decision(self, decision: Any) -> None:
         """Record a controller decision and pass it to every hook in ``decision_hooks``."""
@@ -376,7 +393,7 @@ class Loader:
 
     def snapshot(self) -> LoaderSnapshot:
         """A frozen copy of every figure the telemetry and the controller read."""
-        e = self._engine
+        p = self._pipeline
         stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
         cons = stages["consumer"]
         return LoaderSnapshot(
@@ -388,31 +405,35 @@ class Loader:
             batches_total=self._batches,
             samples_total=self._samples,
             epoch=self._epoch,
-            stragglers_total=e.stragglers if e else 0,
-            skipped_total=e.skipped if e else 0,
-            worker_restarts_total=e.worker_restarts if e else 0,
+            stragglers_total=p.stragglers if p else 0,
+            skipped_total=p.skipped if p else 0,
+            worker_restarts_total=p.worker_restarts if p else 0,
             h2d_bytes_total=self._h2d_bytes,
             h2d_seconds_total=self._h2d_seconds,
             knobs=self.knobs.as_dict(),
-            sample_bytes=e.sample_bytes if e else 0.0,
-            pool_bytes=(e.slots.bytes + e.batch_pool.bytes) if e else 0,
+            sample_bytes=p.sample_bytes if p else 0.0,
+            pool_bytes=p.pool_bytes if p else 0,
         )
 
 
 class _EpochIterator:
     """One epoch of batches; the training loop's waits in ``__next__`` are its idle time."""
 
-    def __init__(self, loader: Loader, engine: Any, order: list[int], epoch: int) -> None:
+    def __init__(self, loader: Loader, pipeline: Pipeline, run: Run) -> None:
         self.L = loader
-        self.engine = engine
-        self.epoch = epoch
-        self.gen = engine.start_epoch(order, epoch)
+        self.pipeline = pipeline
+        self.run = run
+        self.epoch = run.epoch_no
         self._done = False
         self._last_return: float | None = None
         self._pending_h2d: list = []
+        self.last_indices: list[int] = []
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def __len__(self) -> int:
+        return len(self.L)
 
     def __next__(self) -> Any:
         if self._done:
@@ -420,38 +441,33 @@ class _EpochIterator:
         t0 = time.monotonic()
         busy = t0 - self._last_return if self._last_return is not None else 0.0
         self._poll_h2d()
-        while True:
-            try:
-                item = self.engine.out.get(timeout=0.5)
-            except Exception:
-                if self.engine.fatal() is not None:
-                    self._done = True
-                    raise RuntimeError("autominato's scheduler failed") from self.engine.fatal()
-                if self.L._closed:
-                    self._done = True
-                    raise StopIteration from None
-                continue
-            if item[1] != self.gen:
-                continue  # left over from an earlier, abandoned epoch
-            kind = item[0]
-            if kind == "batch":
-                break
-            self._done = True
-            if self.L._iter is self:
-                self.L._iter = None
+        run = self.run
+        with run.cv:
+            while not run.out:
+                if self.L._closed or (run.closed and not run.out):
+                    self._finish()
+                    fatal = self.pipeline.fatal()
+                    if fatal is not None:
+                        raise RuntimeError("autominato's scheduler failed") from fatal
+                    raise StopIteration
+                run.cv.wait(0.5)
+            item = run.out.popleft()
+        kind = item[0]
+        if kind != "batch":
+            self._finish()
             if kind == "end":
                 if self.L._telemetry is not None:
                     self.L._telemetry.on_epoch_end(self.epoch)
                 raise StopIteration
-            if kind == "error":
-                raise item[2]
-        _, _, batch, indices, h2d = item
+            raise item[1]
+        self.pipeline.consumed(run)
+        _, batch, indices, h2d = item
         if h2d is not None:
+            from autominato.pipeline.collate import record_stream
+
             e0, e1, nbytes, host = h2d
             stream = torch.cuda.current_stream(self.L.device)
             stream.wait_event(e1)
-            from autominato.pipeline.collate import record_stream
-
             record_stream(batch, stream)
             self._pending_h2d.append(h2d)
         now = time.monotonic()
@@ -478,16 +494,18 @@ class _EpochIterator:
                 keep.append((e0, e1, nbytes, host))
         self._pending_h2d = keep
 
-    def stop(self) -> None:
+    def _finish(self) -> None:
         if not self._done:
             self._done = True
-            self.engine.stop_epoch(self.gen)
-        if self.L._iter is self:
-            self.L._iter = None
+            self.pipeline.stop(self.run)
+
+    def stop(self) -> None:
+        """Abandon the epoch: what the pipeline holds for it is freed."""
+        self._finish()
 
     def __del__(self) -> None:
         try:
-            self.stop()
+            self._finish()
         except Exception:
             pass
 

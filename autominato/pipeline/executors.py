@@ -1,0 +1,195 @@
+"""The executors behind :class:`~autominato.pipeline.stage.Stage`: threads and processes.
+
+Both implement :class:`~autominato.pipeline.stage.Executor` over the resizable pools of
+:mod:`autominato.pipeline.executor` and report every outcome as a
+:class:`~autominato.pipeline.stage.Result`. The scheduler thread is the only caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from autominato.pipeline.errors import SampleTimeout, WorkerDied
+from autominato.pipeline.executor import ProcessWorkers, ThreadWorkers
+from autominato.pipeline.stage import Result
+
+log = logging.getLogger("autominato.pipeline")
+
+
+class ThreadExecutor:
+    """Threads of this process running ``fn(key, item) -> Result``.
+
+    ``fn`` must not raise (it returns a failed :class:`Result`). A thread stuck past the
+    timeout cannot be killed: it is abandoned and replaced, and its late result is still
+    posted (the scheduler frees what it holds).
+    """
+
+    def __init__(self, name: str, fn: Callable[[Any, Any], Result], post: Callable[[Result], None],
+                 size: int) -> None:
+        self.name = name
+        self._post = post
+        self._pool = ThreadWorkers(name, lambda task: fn(*task), post)
+        self._pool.resize(size)
+
+    def submit(self, key: Any, item: Any) -> None:
+        self._pool.submit((key, item))
+
+    def resize(self, n: int) -> None:
+        self._pool.resize(n)
+
+    @property
+    def size(self) -> int:
+        return self._pool.size
+
+    @property
+    def busy(self) -> int:
+        return self._pool.in_flight
+
+    def free(self) -> int:
+        return self._pool.capacity()
+
+    def expire(self, seconds: float) -> None:
+        for task in self._pool.overdue(seconds):
+            if self._pool.abandon(task):
+                key = task[0]
+                self._post(Result(self.name, key, ok=False, lost=True, timed_out=True, error=SampleTimeout(
+                    f"took longer than timeout={seconds} s in a {self.name} thread; the thread "
+                    "was abandoned (a thread cannot be killed) and a new one took its place",
+                    worker=f"{self.name} thread")))
+
+    def stop(self) -> None:
+        self._pool.close()
+
+
+class ProcessExecutor:
+    """Worker processes (:class:`ProcessWorkers`) running :func:`worker.process_main`.
+
+    An item is the task message without its key: ``(index, epoch, read, in_slot, in_desc,
+    out_slot)``. The pool posts raw events (``("proc", wid, reply)``, ``("died", wid, code)``)
+    to the scheduler's queue; the scheduler hands them to :meth:`handle`, which turns them into
+    :class:`Result` s (``value`` = ``(descriptor, nbytes)``, see :func:`shm.pack`).
+
+    Args:
+        name: the stage's name.
+        workers: the pool.
+        max_startup_deaths: workers in a row that may die before they are ready; then
+            ``on_fatal`` is called (replacing them forever would hang the training loop).
+        on_fatal: ``on_fatal(exception)``: the pipeline cannot go on.
+        start_method: for the message that explains start-up deaths.
+    """
+
+    def __init__(self, name: str, workers: ProcessWorkers, max_startup_deaths: int,
+                 on_fatal: Callable[[BaseException], None], start_method: str) -> None:
+        self.name = name
+        self.pool = workers
+        self.max_startup_deaths = max_startup_deaths
+        self.on_fatal = on_fatal
+        self.start_method = start_method
+        self.restarts = 0
+        self._startup_deaths = 0
+        self.want = workers.size
+
+    def submit(self, key: Any, item: Any) -> None:
+        idle = self.pool.idle()
+        self.pool.send(idle[-1], key, (key, *item))
+
+    def resize(self, n: int) -> None:
+        self.want = n
+        if n > self.pool.size:
+            self._startup_deaths = 0  # workers that could not start get a new chance
+        self.pool.resize(n)
+
+    @property
+    def size(self) -> int:
+        return self.pool.size
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for w in self.pool.workers.values() if w.task is not None)
+
+    def free(self) -> int:
+        return len(self.pool.idle())
+
+    def pids(self) -> list[int]:
+        return self.pool.pids()
+
+    def expire(self, seconds: float) -> None:
+        now = time.monotonic()
+        for w in list(self.pool.workers.values()):
+            if w.task is not None and not w.info.get("timed_out") and now - w.task_started > seconds:
+                w.info["timed_out"] = seconds
+                self.pool.kill(w)  # its death event then reports the item as timed out
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker at once, taking no lock (for a dying main process)."""
+        for w in list(self.pool.workers.values()):
+            self.pool.kill(w)
+
+    def stop(self) -> None:
+        self.pool.close()
+
+    # -- events of the pool (scheduler thread) ---------------------------------------------
+    def handle(self, ev: tuple) -> Result | None:
+        if ev[0] == "proc":
+            return self._reply(ev[1], ev[2])
+        return self._died(ev[1], ev[2])
+
+    def _reply(self, wid: int, reply: tuple) -> Result | None:
+        pool = self.pool
+        w = pool.workers.get(wid) or pool.dead.get(wid)
+        kind = reply[0]
+        if kind == "ready":
+            if w is not None:
+                w.ready = True
+            self._startup_deaths = 0
+            return None
+        if kind == "fatal":
+            self.on_fatal(reply[1].to_exception())
+            return None
+        key = reply[1]
+        if w is not None and w.task == key:
+            pool.task_done(w)
+        if kind == "ok":
+            _, _, desc, need, read_s, transform_s, pack_s = reply
+            return Result(self.name, key, (desc, need), service_s=transform_s + pack_s,
+                          read_s=read_s, nbytes=need)
+        report = reply[2]
+        return Result(self.name, key, ok=False, error=report.to_exception())
+
+    def _died(self, wid: int, exitcode: int | None) -> Result | None:
+        w = self.pool.remove_dead(wid)
+        if w is None:
+            return None
+        self.restarts += 1
+        sig = -exitcode if exitcode is not None and exitcode < 0 else None
+        how = f"signal {sig}" if sig else f"exit code {exitcode}"
+        who = f"worker {wid} (pid {w.pid})"
+        if not w.ready:
+            self._startup_deaths += 1
+            if self._startup_deaths >= self.max_startup_deaths:
+                if self._startup_deaths == self.max_startup_deaths:
+                    self.on_fatal(WorkerDied(
+                        f"{self._startup_deaths} transform worker processes in a row died before "
+                        f"they were ready (the last: worker {wid}, pid {w.pid}, {how}). The "
+                        "dataset or transform cannot be set up in a worker process (it is "
+                        "unpickled or inherited there; check its imports and __setstate__), "
+                        f"or memory is short (workers start with {self.start_method!r})",
+                        worker=who))
+                return None
+        timed_out = w.info.get("timed_out")
+        if not timed_out:
+            log.warning("transform %s died (%s); replacing it", who, how)
+        if self.pool.size < self.want:
+            self.pool.start_one()
+        if w.task is None:
+            return None
+        if timed_out:
+            err: BaseException = SampleTimeout(
+                f"took longer than timeout={timed_out} s in {who}; the worker was replaced",
+                worker=who)
+        else:
+            err = WorkerDied(f"{who} died ({how})", worker=who)
+        return Result(self.name, w.task, ok=False, lost=True, timed_out=bool(timed_out), error=err)

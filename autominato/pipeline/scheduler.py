@@ -1,0 +1,769 @@
+"""The pipeline: stages composed for a configuration, and the scheduler thread that feeds them.
+
+The scheduler thread is a thin shell. It takes events from one queue (stage results, worker
+deaths, epoch starts and stops, knob changes, batches consumed), feeds sample outcomes to the
+pure :class:`~autominato.pipeline.epoch.Epoch` of their run and carries out its decisions:
+pass a sample to the next stage, hand a full batch to the batch stage, free a sample's
+shared-memory slots, skip, raise, end. Each stage is a
+:class:`~autominato.pipeline.stage.Stage`; a configuration is a list of sample stages
+(:func:`compose`) followed by the batch stage and, with CUDA, the transfer stage.
+
+Every live iterator of the loader is a *run* (one epoch's order, its own output queue), so two
+iterators of one loader are independent, as the DataLoader's are.
+
+This module knows nothing of telemetry, the controller or configuration files: it receives a
+frozen :class:`PipelineConfig`, the live :class:`~autominato.pipeline.knobs.Knobs`, and
+statistics records it fills (:class:`~autominato.pipeline.stats.StageStats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, record_stream, to_device
+from autominato.pipeline.epoch import (
+    Completed,
+    Discard,
+    Emit,
+    End,
+    Epoch,
+    Failed,
+    Lost,
+    Raise,
+    Skip,
+)
+from autominato.pipeline.errors import ErrorReport, SampleError, describe
+from autominato.pipeline.executor import ProcessWorkers
+from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
+from autominato.pipeline.knobs import Knobs
+from autominato.pipeline.shm import (
+    SHM_DIR,
+    SlotPool,
+    is_array,
+    leftover_segments,
+    pack,
+    packed_nbytes,
+    unpack,
+)
+from autominato.pipeline.stage import Result, Stage
+from autominato.pipeline.stats import StageStats
+from autominato.pipeline.tree import map_leaves
+from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
+
+log = logging.getLogger("autominato.pipeline")
+
+#: Samples whose arrays take fewer bytes than this travel pickled through the worker's pipe,
+#: not through a shared-memory slot: below it a slot's bookkeeping costs more than the copy.
+INLINE_MAX_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything about a pipeline that is fixed when it is built.
+
+    Attributes:
+        batch_size: samples per batch.
+        drop_last: never deliver a short batch.
+        in_order: batches in sampler order (else completion order).
+        on_error: ``"raise"`` or ``"skip"``.
+        on_worker_death: ``"retry"`` or ``"raise"``.
+        max_tries: a sample whose worker died this many times goes through ``on_error``.
+        sample_timeout: seconds one sample may take in a worker, or ``None``.
+        collate_fn: the user's collate function, or ``None`` for pooled collation.
+        device: a ``torch.device`` to copy batches to (CUDA: pinned memory, side stream).
+        worker_kind: ``"process"`` or ``"thread"``.
+        fuse_read: process workers read as well as transform (else a read stage of threads).
+        start_method: see :class:`~autominato.pipeline.executor.ProcessWorkers`.
+        shm_budget_bytes: most bytes of shared-memory slots.
+        batch_pool_bytes: most bytes of pooled batch buffers (``None``: unbounded by bytes).
+    """
+
+    batch_size: int
+    drop_last: bool = False
+    in_order: bool = False
+    on_error: str = "raise"
+    on_worker_death: str = "retry"
+    max_tries: int = 3
+    sample_timeout: float | None = None
+    collate_fn: Callable | None = None
+    device: Any = None
+    worker_kind: str = "process"
+    fuse_read: bool = True
+    start_method: str = "auto"
+    shm_budget_bytes: int = 1 << 30
+    batch_pool_bytes: int | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+
+@dataclass
+class Carried:
+    """A finished sample on its way to a batch, and the shared-memory slots its arrays use."""
+
+    sample: Any
+    slots: tuple = ()
+
+
+@dataclass
+class Run:
+    """One live iterator: an epoch's bookkeeping and the batches waiting for the consumer."""
+
+    gen: int
+    epoch_no: int
+    epoch: Epoch
+    out: deque = field(default_factory=deque)
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    uncollated: int = 0  # samples emitted to the batch stage, not yet collated
+    batching: int = 0  # batches in the batch / transfer stages
+    stopped: bool = False
+    closed: bool = False  # nothing more will be put in ``out``
+
+    def deliver(self, item: tuple) -> None:
+        with self.cv:
+            self.out.append(item)
+            self.cv.notify_all()
+
+
+_END = ("end",)
+
+
+class Pipeline:
+    """The stages of one loader and the scheduler thread that drives them.
+
+    Args:
+        cfg: the frozen configuration.
+        spec: what a worker needs to read and transform one sample.
+        knobs: the live knobs (read on every scheduling round).
+        stats: ``StageStats`` by stage name (``read``, ``transform``, ``batch``, ``transfer``),
+            filled by the stages' hooks.
+        on_skip: ``on_skip(index, path, exception)`` for every sample skipped.
+    """
+
+    def __init__(self, cfg: PipelineConfig, spec: WorkSpec, knobs: Knobs,
+                 stats: dict[str, StageStats],
+                 on_skip: Callable[[int, str | None, BaseException], None] | None = None) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.knobs = knobs
+        self.stats = stats
+        self.on_skip = on_skip
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.slots = SlotPool(max_slots=2 * knobs.pool_size, budget_bytes=cfg.shm_budget_bytes)
+        self.batch_pool = BatchPool(max_per_key=knobs.depth + 3, pin=cfg.cuda)
+        self.runs: dict[int, Run] = {}
+        self.held: dict[tuple, tuple] = {}  # key -> slots an attempt holds in a worker
+        self.out_estimate = 0  # bytes of one transformed sample's arrays, learned
+        self.sample_bytes = 0.0
+        self.stragglers = 0
+        self.skipped = 0
+        self._skip_logged: set[int] = set()
+        self._gen = 0
+        self._stop = threading.Event()
+        self._fatal: BaseException | None = None
+        self._next_expire = 0.0
+        self.procs: ProcessExecutor | None = None
+        self.sample_stages: list[Stage] = compose(self)
+        post = self.events.put
+        self.batch_stage = Stage("batch", ThreadExecutor("batch", self._collate, post, 1),
+                                 self._hook("batch"), lambda: 0)
+        # The copy's time is read from its CUDA events by the consumer, not from this thread.
+        self.transfer_stage = (
+            Stage("transfer", ThreadExecutor("transfer", self._transfer, post, 1),
+                  lambda *_: None, lambda: 0) if cfg.cuda else None)
+        self._stage = {s.name: s for s in self.sample_stages}
+        self._wire_stats()
+        self.thread = threading.Thread(target=self._loop, name="autominato-scheduler", daemon=True)
+        self.thread.start()
+        _live.add(self)
+        _install_termination_cleanup()
+
+    # -- any thread -------------------------------------------------------------------------
+    def start(self, order: Sequence[int], epoch: int) -> Run:
+        """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``."""
+        if self._stop.is_set():
+            raise RuntimeError("this Loader is closed")
+        self._gen += 1
+        cfg = self.cfg
+        ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries)
+        run = Run(self._gen, epoch, ep)
+        self.events.put(("start", run))
+        return run
+
+    def stop(self, run: Run) -> None:
+        """The consumer abandoned ``run``: free what it holds (its late results too)."""
+        run.stopped = True
+        self.events.put(("stop", run))
+
+    def consumed(self, run: Run) -> None:
+        self.events.put(("consumed", run))
+
+    def knobs_changed(self, *_: Any) -> None:
+        self.events.put(("knobs",))
+
+    def fatal(self) -> BaseException | None:
+        return self._fatal
+
+    def worker_pids(self) -> list[int]:
+        return self.procs.pids() if self.procs is not None else []
+
+    @property
+    def worker_restarts(self) -> int:
+        return self.procs.restarts if self.procs is not None else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots.bytes + self.batch_pool.bytes
+
+    def close(self) -> None:
+        """Stop every thread and worker and unlink the shared memory. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.events.put(("close",))
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+        for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
+            if st is not None:
+                st.executor.stop()
+        for run in list(self.runs.values()):
+            self._close_run(run)
+        self.runs.clear()
+        self.batch_pool.clear()
+        self.slots.close()
+
+    def kill_workers(self) -> None:
+        if self.procs is not None:
+            self.procs.kill_all()
+
+    # -- scheduler thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    ev = self.events.get(timeout=0.05)
+                except queue.Empty:
+                    ev = None
+                while ev is not None:
+                    if ev == ("close",):
+                        return
+                    self._handle(ev)
+                    try:
+                        ev = self.events.get_nowait()
+                    except queue.Empty:
+                        ev = None
+                self._expire()
+                self._dispatch()
+        except BaseException as e:  # a bug here must surface in the training loop, not hang it
+            log.exception("autominato scheduler failed")
+            self._fail_all(e)
+
+    def _handle(self, ev: Any) -> None:
+        if isinstance(ev, Result):
+            self._result(ev)
+            return
+        kind = ev[0]
+        if kind in ("proc", "died"):
+            r = self.procs.handle(ev)
+            if r is not None:
+                self._result(r)
+        elif kind == "start":
+            run = ev[1]
+            self.runs[run.gen] = run
+            if self.procs is not None and self.procs.size < self.knobs.workers:
+                self.procs.resize(self.knobs.workers)  # workers that could not start: again
+            self._decide(run, run.epoch.start())
+        elif kind == "stop":
+            self._abort(ev[1])
+        elif kind == "consumed":
+            pass  # room in a run's output: the batch stage is pumped below
+        elif kind == "knobs":
+            self._apply_knobs()
+
+    def _fail_runs(self, exc: BaseException) -> None:
+        """The pipeline cannot serve the live runs (workers die before they are ready): each
+        gets ``exc``; the next run tries again with fresh workers."""
+        for run in list(self.runs.values()):
+            self._abort(run)
+            run.deliver(("error", exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fatal = exc
+        for run in list(self.runs.values()):
+            run.deliver(("error", exc))
+            run.closed = True
+
+    def _apply_knobs(self) -> None:
+        k = self.knobs
+        for st in self.sample_stages:
+            st.executor.resize(k.workers if st.name == "transform" else k.read_threads)
+        self.slots.set_max_slots(2 * k.pool_size)
+        self.batch_pool.max_per_key = k.depth + 3
+        for run in self.runs.values():
+            with run.cv:
+                run.cv.notify_all()
+
+    def _expire(self) -> None:
+        t = self.cfg.sample_timeout
+        if t is None:
+            return
+        now = time.monotonic()
+        if now < self._next_expire:
+            return
+        self._next_expire = now + min(0.05, t / 4)
+        for st in self.sample_stages:
+            st.executor.expire(t)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        if self._stop.is_set():
+            return
+        stages = self.sample_stages
+        first = stages[0]
+        held = sum(r.epoch.held + r.uncollated for r in self.runs.values())
+        window = max(1, self.knobs.pool_size) - held
+        for run in sorted(self.runs.values(), key=lambda r: r.gen):
+            if window <= 0:
+                break
+            room = min(window, *(s.room() for s in stages))
+            if room <= 0 or run.epoch.finished:
+                continue
+            for t in run.epoch.take(room):
+                key = (run.gen, t.pos, t.attempt)
+                first.put(key, self._first_item(run, t.index, key))
+                window -= 1
+        for st in stages:
+            st.pump()
+            self.stats[st.name].busy = st.executor.busy
+        self._pump_batches()
+
+    def _first_item(self, run: Run, index: int, key: tuple) -> Any:
+        if self.procs is not None and self.sample_stages[0].executor is self.procs:
+            return self._proc_item(index, run.epoch_no, key, read=True)
+        return (index, run.epoch_no)
+
+    def _proc_item(self, index: int, epoch: int, key: tuple, read: bool,
+                   in_slot: Any = None, in_desc: Any = None) -> tuple:
+        out = None
+        if self.out_estimate >= INLINE_MAX_BYTES:
+            out = self.slots.acquire(self.out_estimate)
+        self.held[key] = (in_slot, out)
+        return (index, epoch, read,
+                (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
+                (out.name, out.size) if out is not None else None)
+
+    def _pump_batches(self) -> None:
+        bs = self.batch_stage
+        depth = max(1, self.knobs.depth)
+        while bs.queue and bs.executor.free() > 0:
+            key, (run, items), _ = bs.queue[0]
+            if items is not _END and len(run.out) + run.batching >= depth and not run.stopped:
+                break
+            if items is not _END:
+                run.batching += 1
+            bs.pump(1)
+        if self.transfer_stage is not None:
+            self.transfer_stage.pump()
+
+    # -- results ----------------------------------------------------------------------------
+    def _result(self, r: Result) -> None:
+        stage = self._stage.get(r.stage)
+        if stage is None:
+            self._batch_result(r)
+            return
+        stage.finished(r)
+        gen, pos, attempt = r.key
+        run = self.runs.get(gen)
+        slots = self.held.pop(r.key, ())
+        if r.ok:
+            if r.read_s:
+                self.stats["read"].record(r.read_s, 0.0, 0)
+            last = stage is self.sample_stages[-1]
+            value, slots = self._output(stage, r, slots, last)
+            if run is None or not run.epoch.is_current(pos, attempt) and not last:
+                self._free(slots)  # late (an abandoned thread's) or of an aborted run
+                return
+            if not last:
+                index = run.epoch.order[pos]
+                nxt = self.sample_stages[self.sample_stages.index(stage) + 1]
+                nxt.put(r.key, self._next_item(index, run.epoch_no, r.key, value))
+                return
+            self._decide(run, run.epoch.on(Completed(pos, attempt, Carried(value, slots))))
+            return
+        self._free(slots)
+        if run is None or run.epoch.finished:
+            return
+        index = run.epoch.order[pos]
+        err = _with_sample(r.error, index, sample_path(self.spec.dataset, index))
+        if r.lost and not r.timed_out and self.cfg.on_worker_death == "raise":
+            run.epoch.on(Failed(pos, attempt, err))  # makes the position final
+            self._decide(run, [Raise(err), *run.epoch.abort()])
+        elif r.lost:
+            if not r.timed_out and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
+                err = _with_note(err, f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried")
+            self._decide(run, run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out)))
+        else:
+            self._decide(run, run.epoch.on(Failed(pos, attempt, err)))
+
+    def _output(self, stage: Stage, r: Result, slots: tuple, last: bool) -> tuple[Any, tuple]:
+        """The sample a stage produced, and the slots its arrays now lie in."""
+        if last:
+            self._learn(r.nbytes)
+        if stage.executor is not self.procs:
+            if isinstance(r.value, _Packed):  # the split read stage packed it into a slot
+                return r.value, (r.value.slot,)
+            return r.value, ()
+        desc, need = r.value
+        in_slot, out = slots if slots else (None, None)
+        self.slots.release(in_slot)
+        if out is not None and need > out.size:  # it did not fit: it came pickled
+            self.slots.release(out)
+            out = None
+        return unpack(desc, out.mmap if out is not None else None), (out,)
+
+    def _learn(self, nbytes: int) -> None:
+        if nbytes > self.out_estimate:
+            self.out_estimate = int(nbytes * 1.05)
+        self.sample_bytes += (nbytes - self.sample_bytes) * 0.1 if self.sample_bytes else nbytes
+
+    def _next_item(self, index: int, epoch: int, key: tuple, value: Any) -> Any:
+        if isinstance(value, _Packed):  # read threads -> transform processes, through a slot
+            return self._proc_item(index, epoch, key, read=False, in_slot=value.slot,
+                                   in_desc=value.desc)
+        return (index, epoch, value)
+
+    def _free(self, slots: tuple) -> None:
+        for s in slots:
+            self.slots.release(s)
+
+    def _decide(self, run: Run, decisions: list) -> None:
+        for d in decisions:
+            if isinstance(d, Emit):
+                self.stragglers += d.stragglers
+                run.uncollated += len(d.items)
+                self.batch_stage.put((run.gen, "batch"), (run, d.items))
+            elif isinstance(d, Discard):
+                self._free(d.result.slots)
+            elif isinstance(d, Skip):
+                self._skip(d)
+            elif isinstance(d, Raise):
+                run.deliver(("error", d.error))
+                run.closed = True
+            elif isinstance(d, End):
+                self.batch_stage.put((run.gen, "end"), (run, _END))
+
+    def _skip(self, d: Skip) -> None:
+        self.skipped += 1
+        path = sample_path(self.spec.dataset, d.index)
+        # A corrupt file is skipped every epoch: warn once per sample, count every time.
+        level = logging.DEBUG if d.index in self._skip_logged else logging.WARNING
+        self._skip_logged.add(d.index)
+        log.log(level, "skipping sample index %d%s: %s", d.index,
+                f" (file {path})" if path else "", describe(d.error))
+        if self.on_skip is not None:
+            self.on_skip(d.index, path, d.error)
+
+    def _abort(self, run: Run) -> None:
+        if self.runs.pop(run.gen, None) is None:
+            return
+        self._decide(run, run.epoch.abort())
+        for st in self.sample_stages:
+            for key, _ in st.drop(lambda k, g=run.gen: k[0] != g):
+                self._free(self.held.pop(key, ()))
+        for _, (_, items) in self.batch_stage.drop(lambda k, g=run.gen: k[0] != g):
+            if items is not _END:
+                self._release_items(items)
+        self._close_run(run)
+
+    def _close_run(self, run: Run) -> None:
+        run.closed = True
+        with run.cv:
+            run.out.clear()
+            run.cv.notify_all()
+
+    # -- batch and transfer stages -------------------------------------------------------------
+    def _batch_result(self, r: Result) -> None:
+        stage = self.batch_stage if r.stage == "batch" else self.transfer_stage
+        stage.finished(r)
+        run, payload = r.value
+        if payload is _END:
+            if not run.stopped:
+                run.deliver(("end",))
+            self.runs.pop(run.gen, None)
+            run.closed = True
+            return
+        if r.stage == "batch":
+            run.uncollated -= payload[2] if r.ok else payload
+        if not r.ok:
+            run.batching -= 1
+            self._abort(run)
+            if not run.stopped:
+                run.deliver(("error", r.error))
+            return
+        if r.stage == "batch" and self.transfer_stage is not None:
+            self.transfer_stage.put(r.key, (run, payload))
+            return
+        run.batching -= 1
+        if run.stopped or run.gen not in self.runs:
+            return
+        batch, indices = payload[0], payload[1]
+        run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None))
+
+    def _collate(self, key: Any, job: tuple) -> Result:
+        """Batch stage function (its own thread): collate a group into pooled buffers."""
+        run, items = job
+        if items is _END:
+            return Result("batch", key, (run, _END))
+        t0 = time.perf_counter()
+        try:
+            samples = [c.sample for _, _, c in items]
+            if self.cfg.collate_fn is not None:
+                samples = [_copy_arrays(s) for s in samples]
+                self._release_items(items)
+                batch = self.cfg.collate_fn(samples)
+            else:
+                batch = collate(samples, self.batch_pool)
+                del samples
+                self._release_items(items)
+        except BaseException as e:  # noqa: BLE001 - the training loop gets it
+            self._release_items(items)
+            return Result("batch", key, (run, len(items)), ok=False, error=e)
+        indices = [index for _, index, _ in items]
+        return Result("batch", key, (run, (batch, indices, len(items))),
+                      service_s=time.perf_counter() - t0, nbytes=batch_nbytes(batch))
+
+    def _release_items(self, items: tuple) -> None:
+        for _, _, c in items:
+            for s in c.slots:
+                self.slots.release(s)
+
+    def _transfer(self, key: Any, job: tuple) -> Result:
+        """Transfer stage function (its own thread): start the host-to-device copy on a side
+        CUDA stream; the consumer's stream waits on its end event."""
+        import torch
+
+        run, (batch, indices, n) = job
+        device = self.cfg.device
+        stream = getattr(self, "_stream", None)
+        if stream is None:
+            stream = self._stream = torch.cuda.Stream(device=device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record(stream)
+            on_device = to_device(batch, device)
+            e1.record(stream)
+        # Timing comes from the events, when the copy has run (the consumer polls them).
+        return Result("transfer", key, (run, (on_device, indices, n, (e0, e1, batch_nbytes(batch), batch))),
+                      service_s=time.perf_counter() - t0, nbytes=0)
+
+    # -- statistics -------------------------------------------------------------------------------
+    def _hook(self, name: str) -> Callable[[float, float, int], None]:
+        rec = self.stats[name].record
+        return lambda service, wait, nbytes: rec(service, wait, nbytes)
+
+    @property
+    def _split(self) -> bool:
+        return len(self.sample_stages) == 2 and self.sample_stages[1].executor is self.procs
+
+    def _wire_stats(self) -> None:
+        s = self.stats
+        k = self.knobs
+        st = self._stage
+        tr = st["transform"]
+        s["transform"].queue_capacity = lambda: k.pool_size
+        s["transform"].queue_len = lambda: len(tr.queue)
+        s["transform"].workers = lambda: tr.executor.size
+        rd = st.get("read")
+        if rd is not None:
+            s["read"].queue_capacity = lambda: k.pool_size
+            s["read"].queue_len = lambda: len(rd.queue)
+            s["read"].workers = lambda: rd.executor.size
+        else:  # reads run inside the transform workers
+            s["read"].workers = lambda: tr.executor.size
+        s["batch"].queue_capacity = lambda: k.pool_size
+        s["batch"].queue_len = lambda: sum(len(items) for _, (_, items), _ in list(self.batch_stage.queue)
+                                           if items is not _END)
+        s["batch"].workers = lambda: 1
+        s["transfer"].queue_capacity = lambda: k.depth
+        s["transfer"].queue_len = lambda: sum(len(r.out) for r in list(self.runs.values()))
+        s["transfer"].workers = lambda: 1 if self.transfer_stage is not None else 0
+
+
+class _Packed:
+    """A sample read by the split read stage: its descriptor and the slot holding its arrays."""
+
+    __slots__ = ("desc", "slot", "nbytes")
+
+    def __init__(self, desc: bytes, slot: Any, nbytes: int) -> None:
+        self.desc, self.slot, self.nbytes = desc, slot, nbytes
+
+
+def compose(p: Pipeline) -> list[Stage]:
+    """The sample stages of ``p``'s configuration, in data order.
+
+    * ``workers == 0``: one stage of threads that read and transform (no worker process).
+    * ``worker_kind="thread"``: read threads, then transform threads.
+    * process workers, ``fuse_read`` (default): one stage of processes that read and transform.
+    * process workers, ``fuse_read=False``: read threads, then transform processes; samples
+      cross through shared memory.
+    """
+    cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
+    plain = WorkSpec(spec.dataset, None, False, spec.seed)
+
+    def stage(name: str, executor: Any, capacity: Callable[[], int]) -> Stage:
+        return Stage(name, executor, p._hook(name), capacity)
+
+    def read_and_transform(key: tuple, item: tuple) -> Result:
+        index, epoch = item
+        try:
+            sample, read_s, transform_s = run_sample(spec, index, epoch, read=True)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("transform", key, e, index, spec)
+        return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
+                      nbytes=_nbytes(sample))
+
+    def read(key: tuple, item: tuple) -> Result:
+        index, _ = item
+        try:
+            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("read", key, e, index, spec)
+        return Result("read", key, sample, service_s=read_s, nbytes=_nbytes(sample))
+
+    def read_packed(key: tuple, item: tuple) -> Result:
+        index, _ = item
+        try:
+            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+            t = time.perf_counter()
+            nbytes = _nbytes(sample)
+            slot = p.slots.acquire(nbytes) if nbytes >= INLINE_MAX_BYTES else None
+            desc, _ = pack(sample, slot.mmap if slot is not None else None)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("read", key, e, index, spec)
+        return Result("read", key, _Packed(desc, slot, nbytes),
+                      service_s=read_s + time.perf_counter() - t, nbytes=nbytes)
+
+    def transform(key: tuple, item: tuple) -> Result:
+        index, epoch, sample = item
+        try:
+            sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("transform", key, e, index, spec)
+        return Result("transform", key, sample, service_s=transform_s, nbytes=_nbytes(sample))
+
+    reads = lambda: k.read_threads  # noqa: E731
+    ahead = lambda: k.workers + k.read_threads  # noqa: E731 - read-ahead of the transform stage
+    if k.workers == 0:
+        return [stage("transform", ThreadExecutor("transform", read_and_transform, post, k.read_threads), reads)]
+    if cfg.worker_kind == "thread":
+        return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
+                stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
+    workers = ProcessWorkers(_payload(spec), post, cfg.start_method, initial=k.workers)
+    p.procs = ProcessExecutor("transform", workers, cfg.max_tries, p._fail_runs, cfg.start_method)
+    p.procs.resize(k.workers)  # those not forked already start from the fork server
+    if cfg.fuse_read:
+        return [stage("transform", p.procs, lambda: 0)]
+    return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
+            stage("transform", p.procs, ahead)]
+
+
+def _payload(spec: WorkSpec) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(spec)
+    except Exception as e:
+        raise ValueError(
+            f"the dataset and transform must be picklable to run in worker processes "
+            f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0") from e
+
+
+def _nbytes(sample: Any) -> int:
+    return packed_nbytes(sample)
+
+
+def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:
+    report = ErrorReport.capture(e, index, sample_path(spec.dataset, index),
+                                 f"thread {threading.current_thread().name}")
+    report.original = e
+    return Result(stage, key, ok=False, error=report.to_exception())
+
+
+def _with_sample(err: BaseException, index: int, path: str | None) -> BaseException:
+    """Name the sample in an error raised about it (worker deaths and timeouts carry only
+    the worker)."""
+    if isinstance(err, SampleError) and err.sample_index is None:
+        msg = f"sample index {index}" + (f" (file {path})" if path else "") + f": {err.args[0]}"
+        new = type(err)(msg, sample_index=index, sample_path=path, worker=err.worker)
+        return new
+    return err
+
+
+def _with_note(err: BaseException, note: str) -> BaseException:
+    if isinstance(err, SampleError):
+        return type(err)(f"{err.args[0]}; {note}", sample_index=err.sample_index,
+                         sample_path=err.sample_path, worker=err.worker)
+    return err
+
+
+def _copy_arrays(obj: Any) -> Any:
+    """Deep-copy the arrays of a sample out of its shared-memory slot."""
+    return map_leaves(obj, lambda a: a.copy() if isinstance(a, np.ndarray) else a.clone(), is_array)
+
+
+# ------------------------------------------------------------------------------------------
+# Termination by signal. SIGINT raises KeyboardInterrupt and the loaders close on the way out
+# (``with``, ``Loader.close`` or the atexit hook). SIGTERM's default action ends the process
+# at once, without atexit, leaving /dev/shm segments (which outlive processes) and workers busy
+# on a sample. So, where SIGTERM still has its default action, a handler cleans up first and
+# then dies by SIGTERM all the same (the exit status a job scheduler expects).
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_installed_in: int | None = None  # pid of the process whose SIGTERM handler is ours
+
+
+def _install_termination_cleanup() -> None:
+    global _installed_in
+    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can be set only from the main thread
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the application handles SIGTERM itself (and its exit path closes loaders)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed_in = os.getpid()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # This runs in the main thread between two bytecodes, perhaps while it holds a lock that
+    # an orderly close would need: take no lock, join nothing.
+    if os.getpid() == _installed_in:  # not in a child forked after installing
+        for p in list(_live):
+            try:
+                p.kill_workers()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        for name in leftover_segments(os.getpid()):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+__all__ = ["INLINE_MAX_BYTES", "Pipeline", "PipelineConfig", "Run", "compose", "record_stream"]

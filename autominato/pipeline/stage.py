@@ -1,0 +1,135 @@
+"""One stage of the pipeline, written once: a bounded input queue, an executor, a stats hook.
+
+Read, transform, batch and transfer are all :class:`Stage` instances; they differ only in
+the function their executor runs. The modes of the loader are compositions of stages (see
+:func:`autominato.pipeline.scheduler.compose`), never branches on a mode string.
+
+An executor runs one item per worker at a time (so the scheduler knows which items each
+worker holds, and a straggler never has work queued behind it) and reports every outcome as
+a :class:`Result` through the ``post`` callback it was built with. The protocol says nothing
+about threads or processes, so a remote executor (Ray actors) fits behind it too.
+
+Model: SPDL's ``_pipe`` (one function per stage, hooks for statistics) and torchdata.nodes'
+small base; see ``../shared/STYLE.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+#: ``hook(service_seconds, wait_seconds, nbytes)``, called once per finished item.
+StatsHook = Callable[[float, float, int], None]
+
+
+@dataclass(slots=True)
+class Result:
+    """The outcome of one item in one stage.
+
+    Attributes:
+        stage: the stage's name.
+        key: the key the item was submitted with.
+        value: the stage's output (``ok``), else ``None``.
+        ok: the function returned.
+        error: the exception it raised (``ok`` false, ``lost`` false), with sample context.
+        lost: the worker holding the item is gone (died, or timed out and was abandoned):
+            ``error`` says which; the item has no output.
+        service_s: seconds inside the stage's function.
+        read_s: seconds of those spent reading (a stage that reads and transforms), or 0.
+        nbytes: bytes of the output (array payload).
+    """
+
+    stage: str
+    key: Any
+    value: Any = None
+    ok: bool = True
+    error: BaseException | None = None
+    lost: bool = False
+    timed_out: bool = False
+    service_s: float = 0.0
+    read_s: float = 0.0
+    nbytes: int = 0
+
+
+class Executor(Protocol):
+    """What a stage needs from whatever runs its function."""
+
+    def submit(self, key: Any, item: Any) -> None:
+        """Run the stage's function on ``item``; its :class:`Result` is posted later."""
+
+    def resize(self, n: int) -> None:
+        """Change the number of workers while running; busy workers finish their item."""
+
+    @property
+    def size(self) -> int:
+        """Workers (not counting those retiring)."""
+
+    @property
+    def busy(self) -> int:
+        """Items held by workers now."""
+
+    def free(self) -> int:
+        """Items that can be submitted now without queueing behind a busy worker."""
+
+    def expire(self, seconds: float) -> None:
+        """Give up on items held longer than ``seconds``: each is posted as lost
+        (``timed_out``) once its worker is replaced."""
+
+    def stop(self) -> None:
+        """Stop every worker; nothing is posted afterwards."""
+
+
+class Stage:
+    """A bounded input queue in front of an executor, with a statistics hook.
+
+    Args:
+        name: ``"read"``, ``"transform"``, ``"batch"`` or ``"transfer"``.
+        executor: runs the items (see :class:`Executor`).
+        hook: called with ``(service_s, wait_s, nbytes)`` for every finished item.
+        capacity: the queue's capacity (a callable: it follows a live knob).
+
+    Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
+    """
+
+    def __init__(self, name: str, executor: Executor, hook: StatsHook,
+                 capacity: Callable[[], int]) -> None:
+        self.name = name
+        self.executor = executor
+        self.hook = hook
+        self.capacity = capacity
+        self.queue: deque = deque()
+        self._waits: dict[Any, float] = {}
+
+    def room(self) -> int:
+        """Items that may be put now: free workers plus free queue places."""
+        return self.executor.free() + max(0, self.capacity() - len(self.queue))
+
+    def put(self, key: Any, item: Any) -> None:
+        self.queue.append((key, item, time.monotonic()))
+
+    def pump(self, most: int | None = None) -> None:
+        """Move queued items (``most`` of them at most) to free workers, oldest first."""
+        ex = self.executor
+        n = len(self.queue) if most is None else most
+        while n > 0 and self.queue and ex.free() > 0:
+            n -= 1
+            key, item, t = self.queue.popleft()
+            self._waits[key] = time.monotonic() - t
+            ex.submit(key, item)
+
+    def finished(self, r: Result) -> None:
+        """Account for one result of this stage (call before acting on it)."""
+        wait = self._waits.pop(r.key, 0.0)
+        if r.ok:
+            self.hook(r.service_s, wait, r.nbytes)
+
+    def drop(self, keep: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+        """Remove queued items whose key fails ``keep``; returns them ``(key, item)``."""
+        kept, gone = deque(), []
+        for entry in self.queue:
+            (kept.append(entry) if keep(entry[0]) else gone.append(entry[:2]))
+        self.queue = kept
+        return gone
