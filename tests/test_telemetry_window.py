@@ -158,3 +158,13 @@ def test_ring_measures_over_the_window_and_falls_back_to_the_latest_earlier_snap
 def test_ring_needs_a_positive_window():
     with pytest.raises(ValueError, match="> 0 seconds"):
         Ring(0.0)
+
+
+def test_the_collectors_idle_gauge_keeps_its_value_while_no_batch_arrives():
+    from autominato.telemetry.collector import SlidingWindow
+
+    w = SlidingWindow(window_s=10.0)
+    assert w.update(at(0.0, 10, 1.0, 3.0)) == (0.25, None)  # since the start
+    assert w.update(at(5.0, 20, 3.0, 5.0)) == (0.5, None)  # 2 s wait, 2 s step since t=0
+    # No batch for 30 s: nothing to measure, so the gauge keeps its last value.
+    assert w.update(at(40.0, 20, 3.0, 5.0)) == (0.5, None)
