@@ -20,12 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from autominato.models.step import Step
 from autominato.telemetry.process import ProcessMeter, Reading
 from autominato.telemetry.window import idle_ratio
 
-#: ``step(batch)`` runs one training step on a batch and returns when it is done (a real step
-#: on an accelerator must synchronise, e.g. with ``loss.item()``).
-Step = Callable[[Any], object]
 #: ``on_report(batches_measured, idle_ratio_so_far)``; may raise to stop the trial
 #: (``optuna.TrialPruned``).
 ReportFn = Callable[[int, float], None]
@@ -82,25 +80,6 @@ class Measurement:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-class SleepStep:
-    """A simulated training step: sleeps ``seconds`` per batch (no accelerator needed).
-
-    Sleeping, not spinning, because a real accelerator step leaves the host CPU free for the
-    loader's workers; spinning would steal a core the real run would not lose.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"step time must be >= 0 seconds, got {seconds}")
-        self.seconds = seconds
-
-    def __call__(self, batch: Any) -> None:
-        time.sleep(self.seconds)
-
-    def __repr__(self) -> str:
-        return f"SleepStep({self.seconds:g} s)"
 
 
 def batch_len(batch: Any) -> int:
