@@ -174,8 +174,9 @@ def predicted_memory(s: LoaderSnapshot, knobs: Mapping[str, int], batch_size: fl
     buffered samples are ``pool_size + depth x batch_size`` (the pool's slots plus the
     batches prefetched ahead of the consumer), bytes per sample is the larger of the mean
     transformed sample (``s.sample_bytes``) and the pool's measured bytes per buffered
-    sample, and bytes per worker is the mean private memory (RSS less shared pages, psutil)
-    of the worker processes the controller measured (``0`` for thread workers).
+    sample, and bytes per worker is the mean private memory (RSS less shared pages, read by
+    :mod:`autominato.telemetry.process`) of the worker processes the controller measured
+    (``0`` for thread workers).
     """
     buffered_now = s.knobs.get("pool_size", 0) + s.knobs.get("depth", 0) * batch_size
     per_sample = s.sample_bytes
