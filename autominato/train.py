@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autominato.models.step import LEARNING_RATE
+
 #: Demo set size: enough cases for a few batches per epoch, small enough to prepare in seconds.
 DEMO_CASES = 8
 
@@ -125,7 +127,7 @@ def train(
     patch: tuple[int, int, int] = (128, 128, 128),
     device: str = "auto",
     full_size: bool = False,
-    lr: float = 1e-3,
+    lr: float = LEARNING_RATE,
     seed: int = 0,
     config: str | Path | None = None,
     metrics_port: int | None = None,
@@ -145,9 +147,9 @@ def train(
             least twice it (the bottleneck's instance norm needs more than one voxel).
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         full_size: the MLPerf reference width (31 M parameters) instead of the compact model.
-        lr: Adam learning rate. The reference uses SGD at 0.8 with a long warm-up for batch
-            sizes of 56+; for a run of tens of steps at batch 2 Adam (Kingma & Ba, 2015, with
-            its default 1e-3) is what moves the loss.
+        lr: SGD learning rate of the shared training step
+            (:class:`autominato.models.step.UNetStep`: SGD with Nesterov momentum as in the
+            MLPerf reference, bfloat16 autocast on CUDA).
         config: a configuration written by ``autominato tune`` (knobs, bounds, loader settings).
         metrics_port: serve Prometheus metrics on this port; ``metrics_host``: on this
             address (``0.0.0.0`` for a Prometheus in another container).
@@ -167,7 +169,7 @@ def train(
 
     from autominato import Loader
     from autominato.data.transforms import mlperf_train_transform
-    from autominato.models import DiceCELoss, UNet3D
+    from autominato.models.step import UNetStep
 
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -177,17 +179,14 @@ def train(
         epochs = 1
     dev = _device(device)
     torch.manual_seed(seed)
-    model = UNet3D.mlperf() if full_size else UNet3D.compact()
-    if any(p % model.divisor or p < 2 * model.divisor for p in patch):
+    step = UNetStep("mlperf" if full_size else "compact", dev, lr=lr)
+    divisor = step.model.divisor
+    if any(p % divisor or p < 2 * divisor for p in patch):
         # Instance norm needs more than one voxel at the bottleneck (patch / divisor) to train.
         raise ValueError(
-            f"patch {patch}: every size must be a multiple of {model.divisor} and at least "
-            f"{2 * model.divisor}"
+            f"patch {patch}: every size must be a multiple of {divisor} and at least "
+            f"{2 * divisor}"
         )
-    # channels_last_3d: measured faster for the compact model's 3D convolutions on CPU (oneDNN).
-    model = model.to(dev, memory_format=torch.channels_last_3d)
-    loss_fn = DiceCELoss()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
 
     loader = Loader(
         dataset, batch_size, shuffle=True, transform=mlperf_train_transform(patch, 0.4),
@@ -217,14 +216,7 @@ def train(
                     res.data_wait_s += t1 - t0
                     if res.steps == 0:
                         res.first_wait_s = t1 - t0
-                    image = image.to(dev, non_blocking=True).contiguous(
-                        memory_format=torch.channels_last_3d)
-                    label = label.to(dev, non_blocking=True)
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(model(image), label)
-                    loss.backward()
-                    opt.step()
-                    value = float(loss.detach())  # synchronises with the device
+                    value = step((image, label))  # returns once the device is done
                     res.compute_s += time.perf_counter() - t1
                     res.losses.append(value)
                     res.steps += 1
@@ -332,7 +324,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
     parser.add_argument("--full-size", action="store_true",
                         help="the MLPerf reference 3D-UNet (31 M parameters) instead of compact")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    parser.add_argument("--lr", type=float, default=LEARNING_RATE,
+                        help="SGD learning rate of the training step (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--demo-dir", type=Path, default=None,
                         help=f"where the demo set is cached (default {default_cache()}/demo)")

@@ -421,17 +421,18 @@ def test_bench_controller_is_routed_to_the_controller_suite():
 def test_the_unet_step_trains_on_a_collated_kits19_batch():
     import torch
 
-    from autominato.bench.step import UNetStep
+    from autominato.bench.step import make_step
 
     torch.manual_seed(0)
-    step = UNetStep("compact", device="cpu", amp=False)
-    before = [p.detach().clone() for p in step.model.parameters()]
+    step = make_step({"kind": "unet", "model": "compact", "device": "cpu"})
+    unet = step.step  # the shared UNetStep, fed the samples of a bench batch
+    before = [p.detach().clone() for p in unet.model.parameters()]
     image = torch.randn(2, 1, 64, 64, 64)
     label = torch.randint(0, 3, (2, 1, 64, 64, 64), dtype=torch.uint8)
     step([torch.tensor([4, 7]), [image, label]])  # the layout default_collate gives
-    assert torch.isfinite(step.last_loss)
-    after = list(step.model.parameters())
+    assert math.isfinite(unet.last_loss)
+    after = list(unet.model.parameters())
     # Every convolution kernel (5-D) moved after one SGD step.
     kernels = [(a, b) for a, b in zip(before, after, strict=True) if a.ndim == 5]
     assert len(kernels) > 10 and all(not torch.equal(a, b) for a, b in kernels)
-    assert step.calibrate((2, 1, 64, 64, 64), warmup=0, steps=1) > 0
+    assert unet.calibrate((2, 1, 64, 64, 64), warmup=0, steps=1) > 0

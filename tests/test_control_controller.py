@@ -14,7 +14,7 @@ import pytest
 
 from autominato.config import load_config, save_config
 from autominato.control import Budget, Controller, Decision, Rule
-from autominato.control.controller import MEMORY_FRACTION, _ProcessMeter
+from autominato.control.controller import MEMORY_FRACTION
 from autominato.control.rule import CPU_SECONDS_KEY, WORKER_COUNT_KEY, WORKER_RSS_KEY
 from autominato.control.sim import SimulatedLoader, Workload
 from autominato.pipeline.knobs import Knobs
@@ -175,8 +175,8 @@ def test_default_memory_budget_is_a_fraction_of_available_ram():
     assert isinstance(ctl.budget, Budget) and ctl.budget.cores >= 1
 
 
-def test_process_meter_counts_worker_cpu_and_private_memory():
-    # A child that burns 0.3 s of CPU, says so, then sleeps.
+def test_history_carries_the_workers_cpu_and_private_memory():
+    # A worker that burns 0.3 s of CPU and writes 64 MiB, says so, then sleeps.
     code = (
         "import time, sys\n"
         "x = bytearray(64 << 20)\n"
@@ -185,19 +185,24 @@ def test_process_meter_counts_worker_cpu_and_private_memory():
         "time.sleep(60)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    loader = starved_loader()
+    real = loader.snapshot
+    loader.snapshot = lambda: replace(real(), extra={})  # the simulator's own figures out
+    loader.worker_pids = lambda: [child.pid]
+    ctl = Controller(loader, cores=4, memory_budget_bytes=1e12)
     try:
-        meter = _ProcessMeter()
-        first = meter.read([child.pid])
+        ctl.step()
         assert child.stdout.readline().strip() == "done"
-        second = meter.read([child.pid])
+        ctl.step()
+        first, second = (s.extra for s in ctl.history)
         assert second[WORKER_COUNT_KEY] == 1.0
         assert second[WORKER_RSS_KEY] >= 32 << 20  # the 64 MiB it wrote is private memory
-        assert second[CPU_SECONDS_KEY] >= first[CPU_SECONDS_KEY]
-        burned = meter.cpu_seconds_total
-        assert burned >= 0.3  # includes the child's whole 0.3 s
+        burned = second[CPU_SECONDS_KEY]
+        assert burned >= 0.3 and burned >= first[CPU_SECONDS_KEY]  # the worker's whole 0.3 s
     finally:
         child.kill()
         child.wait()
-    gone = meter.read([child.pid])
+    ctl.step()
+    gone = ctl.history[-1].extra
     assert gone[WORKER_COUNT_KEY] == 0.0
     assert gone[CPU_SECONDS_KEY] >= burned  # a worker leaving never makes the total go back

@@ -16,7 +16,7 @@ import pytest
 from autominato import Loader
 from autominato.control import Controller, Decision, Rule
 from autominato.pipeline.knobs import KNOB_NAMES
-from autominato.pipeline.stats import idle_ratio_between
+from autominato.telemetry.window import between
 
 
 class Volumes:
@@ -78,8 +78,8 @@ def test_transform_cost_doubling_mid_run_adds_workers_and_idle_recovers(capsys):
     after = [d for d in ctl.decisions if d.knob == "workers" and d.new > at_shift]
     assert after and after[0].reason == "transform_bound"
     assert max(d.new for d in after) >= 4
-    shifted = idle_ratio_between(snaps[n // 2], snaps[n // 2 + 100])
-    final = idle_ratio_between(snaps[n - 100], snaps[n])
+    shifted = between(snaps[n // 2], snaps[n // 2 + 100]).idle_ratio
+    final = between(snaps[n - 100], snaps[n]).idle_ratio
     assert final < shifted, [d.line() for d in ctl.decisions]
     assert final < 0.15
     assert 1 <= len(ctl.decisions) <= 15

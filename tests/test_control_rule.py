@@ -9,7 +9,8 @@ import pytest
 from autominato.control import Budget, Decision, StageBasedRule, measure, predicted_memory
 from autominato.control.rule import CPU_SECONDS_KEY, REASONS, WORKER_RSS_KEY
 from autominato.control.sim import SimulatedLoader, Workload, run_rule
-from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot, idle_ratio_between
+from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.telemetry.window import between
 
 BOUNDS = {"depth": (1, 16), "read_threads": (1, 16), "workers": (1, 16), "pool_size": (4, 128)}
 GROWS = {"transform_bound", "read_bound", "pool_bound", "starved"}
@@ -22,7 +23,7 @@ def run(workload, knobs, steps=200, budget=None, bounds=BOUNDS, seed=0, on_step=
 
 
 def tail_idle(trace, intervals=20):
-    return idle_ratio_between(trace.history[-1 - intervals], trace.history[-1])
+    return between(trace.history[-1 - intervals], trace.history[-1]).idle_ratio
 
 
 def test_cpu_bound_transform_grows_workers_to_the_core_limit_and_no_further():
@@ -172,7 +173,7 @@ def test_bursty_producer_deepens_the_prefetch():
     trace = run(wl, dict(depth=1, read_threads=2, workers=2, pool_size=16))
     assert trace.decisions[0].knob == "depth" and trace.decisions[0].reason == "starved"
     assert trace.knobs[-1]["depth"] > 4
-    assert tail_idle(trace) < idle_ratio_between(trace.history[0], trace.history[10]) / 3
+    assert tail_idle(trace) < between(trace.history[0], trace.history[10]).idle_ratio / 3
 
 
 def test_a_change_that_does_not_help_is_reverted_and_retried_ever_later():

@@ -36,6 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from autominato.models.step import SleepStep
+from autominato.telemetry.window import idle_ratio
+
 log = logging.getLogger("autominato.bench.controller")
 
 #: Rolling window over which throughput is compared with the static arm's, seconds.
@@ -93,7 +96,7 @@ class Run:
         """Accelerator-idle ratio ``wait / (wait + step)`` from batch ``first`` on."""
         wait = float(self.wait_s[first:].sum())
         busy = self.step_s * len(self.wait_s[first:])
-        return wait / (wait + busy) if wait + busy > 0 else 0.0
+        return idle_ratio(wait, busy)
 
     def rolling(self, window_s: float = ROLLING_S) -> tuple[np.ndarray, np.ndarray]:
         """``(times, samples/s)`` over the trailing ``window_s`` at each batch."""
@@ -146,6 +149,7 @@ def run_epoch(
         **knobs,
     )
     run = Run(arm, workload, dict(loader.knobs.as_dict()), step_s=args.step_ms * 1e-3)
+    step = SleepStep(run.step_s)
     ctl = Controller(loader, interval=args.interval) if controller else None
     times, waits, sizes = [], [], []
     with loader:
@@ -163,7 +167,7 @@ def run_epoch(
             times.append(now - t0)
             waits.append(now - t_ask)
             sizes.append(len(batch["image"]))
-            time.sleep(run.step_s)
+            step(batch)
         if ctl is not None:
             ctl.stop()
             run.decisions = [d.line() for d in ctl.decisions]

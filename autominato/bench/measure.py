@@ -1,8 +1,9 @@
 """What the benchmark measures, the same way for every arm.
 
-* :class:`TreeSampler`: a thread that walks this process's tree (psutil) and sums CPU-seconds
-  and PSS (proportional set size: shared pages, ``/dev/shm`` included, are split between the
-  processes that map them, so the sum over a tree counts each page once).
+* :class:`TreeSampler`: a thread that reads a process tree with the process meter
+  (:mod:`autominato.telemetry.process`) and sums CPU-seconds and PSS (proportional set size:
+  shared pages, ``/dev/shm`` included, are split between the processes that map them, so the
+  sum over a tree counts each page once).
 * :class:`NvmlSampler`: GPU utilisation and PCIe throughput from NVML (``pynvml``), when a GPU
   and ``nvidia-ml-py`` are present.
 * :func:`consume`: the training loop. It times the span from building the loader to the end of
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import psutil
+
+from autominato.telemetry.process import ProcessMeter
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,12 @@ class TreeUsage:
 class TreeSampler:
     """Samples CPU-seconds and PSS of the process tree rooted at ``pid`` every ``interval`` s.
 
-    CPU time of a child is the last value read while it lived, minus what it had used when
-    sampling started (pids are keyed with their creation time, so a reused pid is a new
-    process). Every sample is kept as ``(time.monotonic(), CPU-seconds so far, PSS bytes)``,
-    so that :meth:`usage_between` can cut out a span that another process timed (CLOCK_MONOTONIC
-    is system-wide on Linux).
+    The readings come from the process meter (:class:`~autominato.telemetry.process.
+    ProcessMeter` over the root and all its descendants, with PSS): CPU time is that of
+    every process seen in the tree since sampling started (a child seen only between two
+    samples is missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
+    PSS bytes)``, so that :meth:`usage_between` can cut out a span that another process
+    timed (CLOCK_MONOTONIC is system-wide on Linux).
 
     Sampling ``pid`` from another process keeps the sampler's thread out of the measured
     process: a loader that forks its workers only while it is the sole thread (autominato's
@@ -57,59 +60,24 @@ class TreeSampler:
 
     def __init__(self, interval: float = 0.05, pid: int | None = None) -> None:
         self.interval = interval
-        self.root = psutil.Process(pid)
-        self._procs: dict[int, psutil.Process] = {}
-        self._base: dict[tuple[int, float], float] = {}
-        self._last: dict[tuple[int, float], float] = {}
+        self.meter = ProcessMeter(pid, children=True, pss=True)
+        self._base = 0.0
         self.series: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-tree-sampler", daemon=True)
 
-    def _tree(self) -> list[psutil.Process]:
-        try:
-            kids = self.root.children(recursive=True)
-        except psutil.Error:
-            kids = []
-        out = [self.root]
-        for k in kids:
-            # Reuse Process objects: psutil caches the creation time that keys the pid.
-            p = self._procs.get(k.pid)
-            if p is None or not p.is_running():
-                p = self._procs[k.pid] = k
-            out.append(p)
-        return out
-
-    def _sample(self) -> tuple[dict[tuple[int, float], float], int]:
-        cpu: dict[tuple[int, float], float] = {}
-        pss = 0
-        for p in self._tree():
-            try:
-                with p.oneshot():
-                    key = (p.pid, p.create_time())
-                    t = p.cpu_times()
-                    mem = p.memory_full_info()
-            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-                continue
-            cpu[key] = t.user + t.system
-            pss += getattr(mem, "pss", mem.rss)
-        return cpu, pss
-
     def _record(self) -> None:
-        t = time.monotonic()
-        cpu, pss = self._sample()
-        self._last.update(cpu)
-        total = sum(v - self._base.get(k, 0.0) for k, v in self._last.items())
-        self.series.append((t, max(0.0, total), pss))
+        r = self.meter.read()
+        self.series.append((r.time, max(0.0, r.cpu_seconds_total - self._base), r.pss_bytes))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._record()
 
     def start(self) -> TreeSampler:
-        t = time.monotonic()
-        self._base, pss = self._sample()
-        self._last = dict(self._base)
-        self.series = [(t, 0.0, pss)]
+        r = self.meter.read()
+        self._base = r.cpu_seconds_total
+        self.series = [(r.time, 0.0, r.pss_bytes)]
         self._thread.start()
         return self
 

@@ -42,7 +42,7 @@ from autominato.bench.arms import (
 )
 from autominato.bench.arms import unavailable as arm_unavailable
 from autominato.bench.measure import NvmlSampler, TreeSampler, consume
-from autominato.bench.step import make_step
+from autominato.bench.step import make_step, unet_step
 from autominato.bench.workload import (
     SampleFn,
     SerialCost,
@@ -309,11 +309,11 @@ def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[st
     if opts.step == "unet":
         import torch
 
-        from autominato.bench.step import UNetStep, image_label
+        from autominato.models.step import image_label
 
         image, _ = image_label(SampleFn(wl)(0)[1])
         shape = (wl.batch_size, *image.shape)
-        step = UNetStep(opts.unet_model)
+        step = unet_step(opts.unet_model)
         step_s = step.calibrate(shape)
         del step
         torch.cuda.empty_cache()  # the runs build their own model in their own process

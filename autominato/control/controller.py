@@ -1,14 +1,14 @@
 """The controller thread: every interval, snapshot the loader, ask the rule, turn the knobs.
 
 All judgement lives in the rule (:mod:`autominato.control.rule`); this module only measures
-what a snapshot cannot know (CPU time and memory of the worker processes, with psutil),
-applies the decisions to ``loader.knobs``, logs them and reports them to the loader.
+what a snapshot cannot know (CPU time and memory of the worker processes, with the process
+meter of :mod:`autominato.telemetry.process`), applies the decisions to ``loader.knobs``,
+logs them and reports them to the loader.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections import deque
 from dataclasses import replace
@@ -29,6 +29,8 @@ from autominato.control.rule import (
 )
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.process import ProcessMeter, Reading
+from autominato.telemetry.window import slim
 
 log = logging.getLogger("autominato.control")
 
@@ -41,70 +43,18 @@ MEMORY_FRACTION = 0.5
 HISTORY = 600
 
 
-def _slim(s: LoaderSnapshot, extra: dict[str, float]) -> LoaderSnapshot:
-    """``s`` without its rings of recent timings (the rule reads totals; 600 snapshots of
-    five 512-long rings would hold ~100 MB of Python floats), plus ``extra`` where the
-    loader did not report those figures itself."""
-    stages = {n: replace(st, recent_service_s=(), recent_wait_s=()) for n, st in s.stages.items()}
-    return replace(s, stages=stages, consumer_wait_recent_s=(), extra={**extra, **s.extra})
+def process_figures(reading: Reading) -> dict[str, float]:
+    """The ``LoaderSnapshot.extra`` figures the rule reads, from a process-meter reading of
+    this process (the root) and the loader's worker processes.
 
-
-class _ProcessMeter:
-    """Cumulative CPU seconds of this process and the worker processes, and worker memory.
-
-    Worker processes come and go as the ``workers`` knob changes, so the CPU total adds
-    each live process's increase since the last reading: it never goes back when a worker
-    exits, which keeps window differences non-negative.
+    Worker memory is private memory (RSS less shared pages): the pool's shared-memory slots
+    and the libraries are counted once, in the pool's bytes, not once per worker.
     """
-
-    def __init__(self) -> None:
-        self._me = psutil.Process()
-        self._procs: dict[int, psutil.Process] = {}
-        self._last: dict[int, float] = {}
-        self.cpu_seconds_total = 0.0
-
-    @staticmethod
-    def _cpu(p: psutil.Process) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
-
-    def read(self, pids: list[int]) -> dict[str, float]:
-        rss = 0.0
-        alive = 0
-        readings = [(self._me.pid, self._me)]
-        for pid in pids:
-            if pid not in self._procs:
-                try:
-                    self._procs[pid] = psutil.Process(pid)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-            readings.append((pid, self._procs[pid]))
-        seen = set()
-        for pid, p in readings:
-            try:
-                cpu = self._cpu(p)
-                if pid != self._me.pid:
-                    mem = p.memory_info()
-                    # Private memory: shared pages (the pool's shared-memory slots, libraries)
-                    # are counted once, in the pool's bytes, not once per worker.
-                    shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
-                    rss += max(0, mem.rss - shared)
-                    alive += 1
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-            seen.add(pid)
-            # A new worker's first reading counts its CPU since it started (its start-up).
-            self.cpu_seconds_total += max(0.0, cpu - self._last.get(pid, 0.0))
-            self._last[pid] = cpu
-        for pid in list(self._procs):
-            if pid not in seen:
-                self._procs.pop(pid, None)
-                self._last.pop(pid, None)
-        return {
-            CPU_SECONDS_KEY: self.cpu_seconds_total,
-            WORKER_RSS_KEY: rss,
-            WORKER_COUNT_KEY: float(alive),
-        }
+    return {
+        CPU_SECONDS_KEY: reading.cpu_seconds_total,
+        WORKER_RSS_KEY: float(reading.worker_private_bytes),
+        WORKER_COUNT_KEY: float(len(reading.workers)),
+    }
 
 
 class Controller:
@@ -163,7 +113,7 @@ class Controller:
         self.history: deque[LoaderSnapshot] = deque(maxlen=HISTORY)
         self.decisions: list[Decision] = []
         self._state = self.rule.initial_state()
-        self._meter = _ProcessMeter()
+        self._meter = ProcessMeter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,7 +140,10 @@ class Controller:
         """
         with self._lock:
             pids = list(self.loader.worker_pids()) if hasattr(self.loader, "worker_pids") else []
-            snap = _slim(self.loader.snapshot(), self._meter.read(pids))
+            snap = self.loader.snapshot()
+            # The rule reads totals only; the loader's own extras win over the meter's.
+            extra = {**process_figures(self._meter.read(pids)), **snap.extra}
+            snap = replace(slim(snap), extra=extra)
             self.history.append(snap)
             knobs = self.loader.knobs
             decisions, self._state = self.rule.decide(

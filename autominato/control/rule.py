@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from autominato.pipeline.stats import LoaderSnapshot, idle_ratio_between
+from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.window import between
 
 #: Why a knob changed. A bounded set, so that it can label a Prometheus counter.
 REASONS = (
@@ -173,8 +174,9 @@ def predicted_memory(s: LoaderSnapshot, knobs: Mapping[str, int], batch_size: fl
     buffered samples are ``pool_size + depth x batch_size`` (the pool's slots plus the
     batches prefetched ahead of the consumer), bytes per sample is the larger of the mean
     transformed sample (``s.sample_bytes``) and the pool's measured bytes per buffered
-    sample, and bytes per worker is the mean private memory (RSS less shared pages, psutil)
-    of the worker processes the controller measured (``0`` for thread workers).
+    sample, and bytes per worker is the mean private memory (RSS less shared pages, read by
+    :mod:`autominato.telemetry.process`) of the worker processes the controller measured
+    (``0`` for thread workers).
     """
     buffered_now = s.knobs.get("pool_size", 0) + s.knobs.get("depth", 0) * batch_size
     per_sample = s.sample_bytes
@@ -189,78 +191,65 @@ def predicted_memory(s: LoaderSnapshot, knobs: Mapping[str, int], batch_size: fl
 def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapshot] = ()) -> Window:
     """The :class:`Window` figures between snapshots ``a`` and ``b`` (``b`` later).
 
-    ``window`` (the snapshots from ``a`` to ``b``, oldest first) feeds ``in_flight_max``,
-    ``wait_sd_s`` and ``intervals``.
+    Rates and ratios come from :func:`autominato.telemetry.window.between`; this adds what
+    the controller makes of them. ``window`` (the snapshots from ``a`` to ``b``, oldest
+    first) feeds ``in_flight_max``, ``wait_sd_s`` and ``intervals``.
 
     Where one set of workers runs two stages, the stages are folded so that utilisation is
     that of the workers: with ``workers == 0`` (transforms inline in the read threads) the
     transform stage is folded into ``read``; when the read stage reports no workers (reads
     fused into the transform worker processes) it is folded into ``transform``.
     """
-    dt = max(b.time - a.time, 1e-9)
-    batches = b.batches_total - a.batches_total
-    wait = b.consumer_wait_seconds_total - a.consumer_wait_seconds_total
-    busy = b.consumer_busy_seconds_total - a.consumer_busy_seconds_total
-    samples = b.samples_total - a.samples_total
-    batch_size = samples / batches if batches > 0 else 0.0
-    step_s = busy / batches if batches > 0 else 0.0
-    served: dict[str, float] = {}
-    items: dict[str, int] = {}
-    workers: dict[str, int] = {}
-    for name, sb in b.stages.items():
-        sa = a.stages.get(name)
-        if sa is not None:
-            items[name] = sb.items_total - sa.items_total
-            served[name] = sb.service_seconds_total - sa.service_seconds_total
-            workers[name] = sb.workers
+    r = between(a, b)
+    stages = {name: st for name, st in r.stages.items() if name in a.stages}
     inline = b.knobs.get("workers", 1) == 0
-    fused = workers.get("read") == 0 and workers.get("transform", 0) > 0
-    if (inline or fused) and "read" in served and "transform" in served:
-        into, other = ("read", "transform") if inline else ("transform", "read")
-        served[into] += served.pop(other)
-        items.pop(other)
-        workers.pop(other)
-    util = {n: min(1.0, served[n] / (dt * workers[n])) if workers[n] > 0 else 0.0 for n in served}
+    read, transform = stages.get("read"), stages.get("transform")
+    fused = (
+        read is not None and read.workers == 0 and transform is not None and transform.workers > 0
+    )
+    if (inline or fused) and read is not None and transform is not None:
+        into, other = (read, transform) if inline else (transform, read)
+        stages[into.name] = replace(into, service_s=into.service_s + other.service_s)
+        del stages[other.name]
+    util = {n: st.utilisation for n, st in stages.items()}
     service = {
-        n: served[n] / items[n] if items[n] > 0 else b.stages[n].mean_service_s for n in served
+        n: st.mean_service_s if st.items > 0 else b.stages[n].mean_service_s
+        for n, st in stages.items()
     }
+    workers = {n: st.workers for n, st in stages.items()}
     in_flight = max((_in_flight(s) for s in (*window, a, b)), default=0)
     if not any(st.busy_workers for st in b.stages.values()) and "transform" in util:
         in_flight += round(util["transform"] * workers["transform"])
-    pairs = [
-        (x, y)
+    intervals = [
+        between(x, y)
         for x, y in zip(window[:-1], window[1:], strict=True)
         if y.batches_total > x.batches_total
     ]
-    per_interval = [
-        (y.consumer_wait_seconds_total - x.consumer_wait_seconds_total)
-        / (y.batches_total - x.batches_total)
-        for x, y in pairs
-    ]
-    idle_per_interval = [idle_ratio_between(x, y) for x, y in pairs]
+    per_interval = [w.wait_per_batch_s for w in intervals]
+    idle_per_interval = [w.idle_ratio for w in intervals]
     cpu = None
     if CPU_SECONDS_KEY in a.extra and CPU_SECONDS_KEY in b.extra:
-        cpu = max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / dt
+        cpu = max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / max(r.seconds, 1e-9)
     return Window(
-        start=a.time,
-        end=b.time,
-        batches=batches,
-        idle=idle_ratio_between(a, b),
-        wait_per_batch_s=wait / batches if batches > 0 else 0.0,
+        start=r.start,
+        end=r.end,
+        batches=r.batches,
+        idle=r.idle_ratio,
+        wait_per_batch_s=r.wait_per_batch_s,
         wait_sd_s=float(np.std(per_interval, ddof=1)) if len(per_interval) > 1 else 0.0,
         intervals=len(per_interval),
-        idle_sd=float(np.std(idle_per_interval, ddof=1)) if len(pairs) > 1 else 0.0,
+        idle_sd=float(np.std(idle_per_interval, ddof=1)) if len(intervals) > 1 else 0.0,
         idle_min=min(idle_per_interval, default=0.0),
-        step_s=step_s,
-        batch_size=batch_size,
-        demand=batch_size / step_s if step_s > 0 else math.inf,
+        step_s=r.step_s,
+        batch_size=r.samples_per_batch,
+        demand=r.samples_per_batch / r.step_s if r.step_s > 0 else math.inf,
         util=util,
         service_s=service,
         workers=workers,
         cpu_cores=cpu,
         in_flight_max=in_flight,
         knobs=dict(b.knobs),
-        memory_bytes=predicted_memory(b, b.knobs, batch_size),
+        memory_bytes=predicted_memory(b, b.knobs, r.samples_per_batch),
     )
 
 

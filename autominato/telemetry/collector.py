@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from prometheus_client.registry import Collector
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot
 from autominato.telemetry.metrics import COLLECTED, REGISTRY, STAGES
+from autominato.telemetry.window import Ring
 
 log = logging.getLogger(__name__)
 
@@ -28,60 +28,30 @@ log = logging.getLogger(__name__)
 WINDOW_S = 30.0
 
 
-@dataclass(frozen=True)
-class _Point:
-    time: float
-    wait_s: float
-    busy_s: float
-    h2d_bytes: int
-    h2d_s: float
-
-
 class SlidingWindow:
-    """Cumulative consumer and copy totals sampled at scrape times, for windowed ratios.
+    """The idle-ratio and bandwidth gauges over a sliding window of scrapes.
 
-    The window runs from the oldest sample no older than ``window_s`` seconds to now; with no
-    such sample it falls back to the most recent earlier one, and with none at all to the
-    loader's start (cumulative figures), so the first scrape already has a value. When no
-    batch (or no copy) completed within the window, the last value is kept: a loop that has
-    stopped calling ``next()`` has no new ratio to report.
+    Rates come from a :class:`~autominato.telemetry.window.Ring` of the snapshots taken at
+    scrape times (the window runs back ``window_s`` seconds, or further when scrapes are
+    sparse, or to the loader's start on the first scrape). When no batch (or no copy)
+    completed within the window, the last value is kept: a loop that has stopped calling
+    ``next()`` has no new ratio to report.
     """
 
     def __init__(self, window_s: float = WINDOW_S, keep: int = 256) -> None:
-        self.window_s = window_s
-        self._points: deque[_Point] = deque(maxlen=keep)
+        self._ring = Ring(window_s, keep)
         self._lock = threading.Lock()
         self._idle = 0.0
         self._bw: float | None = None
 
     def update(self, snap: LoaderSnapshot) -> tuple[float, float | None]:
         """Add ``snap``; return ``(idle_ratio, h2d_bytes_per_second or None)`` over the window."""
-        now = _Point(
-            snap.time,
-            snap.consumer_wait_seconds_total,
-            snap.consumer_busy_seconds_total,
-            snap.h2d_bytes_total,
-            snap.h2d_seconds_total,
-        )
+        r = self._ring.add(snap)
         with self._lock:
-            base = _Point(0.0, 0.0, 0.0, 0, 0.0)
-            for p in self._points:
-                if p.time >= now.time - self.window_s and p.time < now.time:
-                    base = p
-                    break
-            else:
-                if self._points and self._points[-1].time < now.time:
-                    base = self._points[-1]
-            # Drop what has left the window, but keep one point as the fallback baseline.
-            while len(self._points) > 1 and self._points[1].time < now.time - self.window_s:
-                self._points.popleft()
-            self._points.append(now)
-            wait, busy = now.wait_s - base.wait_s, now.busy_s - base.busy_s
-            if wait + busy > 0:
-                self._idle = wait / (wait + busy)
-            copy_s = now.h2d_s - base.h2d_s
-            if copy_s > 0:
-                self._bw = (now.h2d_bytes - base.h2d_bytes) / copy_s
+            if r.wait_s + r.busy_s > 0:
+                self._idle = r.idle_ratio
+            if r.h2d_bytes_per_s is not None:
+                self._bw = r.h2d_bytes_per_s
             return self._idle, self._bw
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.telemetry.window import Rates, between
 
 LOGGER_NAME = "autominato.monitor"
 logger = logging.getLogger(LOGGER_NAME)
@@ -94,8 +95,10 @@ class Diagnosis:
         step_time_s: measured step time over the latest window, seconds per batch.
         idle_ratio: accelerator idle share over the latest window, 0..1.
         shares: stage -> work per batch per worker as a share of the step (see module doc).
-        window_s: length of the latest window, seconds.
-        batches: batches delivered in the latest window.
+        window_s: length of the latest window, seconds; NaN when the diagnosis covers
+            everything since the loader started (one snapshot, or no batch in the latest
+            window).
+        batches: batches delivered in that window.
         epoch: epoch of the latest snapshot.
     """
 
@@ -110,58 +113,6 @@ class Diagnosis:
     window_s: float = 0.0
     batches: int = 0
     epoch: int = 0
-
-
-@dataclass(frozen=True)
-class _Window:
-    """Differences of cumulative counters between two snapshots (``a`` may be a zero baseline)."""
-
-    seconds: float
-    batches: int
-    samples: int
-    wait_s: float
-    busy_s: float
-    h2d_bytes: int
-    h2d_s: float
-    service_s: dict[str, float]
-    items: dict[str, int]
-
-    @property
-    def step_s(self) -> float:
-        return self.busy_s / self.batches if self.batches else 0.0
-
-    @property
-    def idle(self) -> float:
-        total = self.wait_s + self.busy_s
-        return self.wait_s / total if total > 0 else 0.0
-
-    def mean_service(self, stage: str) -> float | None:
-        n = self.items.get(stage, 0)
-        return self.service_s[stage] / n if n else None
-
-
-def _window(a: LoaderSnapshot | None, b: LoaderSnapshot) -> _Window:
-    def stage_delta(attr: str) -> dict[str, float]:
-        out = {}
-        for name, s in b.stages.items():
-            prev = a.stages.get(name) if a is not None else None
-            out[name] = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
-        return out
-
-    def d(attr: str) -> float:
-        return getattr(b, attr) - (getattr(a, attr) if a is not None else 0)
-
-    return _Window(
-        seconds=b.time - a.time if a is not None else 0.0,
-        batches=int(d("batches_total")),
-        samples=int(d("samples_total")),
-        wait_s=d("consumer_wait_seconds_total"),
-        busy_s=d("consumer_busy_seconds_total"),
-        h2d_bytes=int(d("h2d_bytes_total")),
-        h2d_s=d("h2d_seconds_total"),
-        service_s=stage_delta("service_seconds_total"),
-        items={k: int(v) for k, v in stage_delta("items_total").items()},
-    )
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
@@ -190,14 +141,14 @@ def _fused(snap: LoaderSnapshot) -> bool:
     return (read is not None and read.workers == 0) or snap.knobs.get("workers", 1) == 0
 
 
-def _shares(w: _Window, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
+def _shares(w: Rates, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
     """Stage -> mean service x items per batch / workers / step, for stages with items."""
     step = max(step_s, 1e-6)
     out = {}
     for name, stage in snap.stages.items():
         if name == "consumer":
             continue
-        mean = w.mean_service(name)
+        mean = w.stages[name].mean_service_s
         if mean is None:
             continue
         load = mean * _items_per_batch(snap, stage) / _effective_workers(snap, name)
@@ -270,8 +221,8 @@ def diagnose(
     if not history:
         raise ValueError("diagnose() needs at least one LoaderSnapshot")
     last = history[-1]
-    cur = _window(history[-2] if len(history) > 1 else None, last)
-    run = _window(None, last)
+    cur = between(history[-2] if len(history) > 1 else None, last)
+    run = between(None, last)
     # An empty latest window (a report right after another) is judged on the whole history.
     basis = cur if cur.batches else run
     # The step time is the reference every other threshold is derived from.
@@ -286,21 +237,20 @@ def diagnose(
     read_threshold = None
     if read is not None:
         read_threshold = step * _effective_workers(last, "read") / _items_per_batch(last, read)
-        lat, lat_mean = cur.mean_service("read"), run.mean_service("read")
+        lat, lat_mean = cur.stages["read"].mean_service_s, run.stages["read"].mean_service_s
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
     for name, label in (("transform", "transform share"), ("batch", "collate share")):
         if name in last.stages:
             rows.append(_row(label, "of step", shares.get(name), run_shares.get(name), 1.0))
 
-    bw = basis.h2d_bytes / basis.h2d_s if basis.h2d_s > 0 else None
-    bw_mean = run.h2d_bytes / run.h2d_s if run.h2d_s > 0 else None
+    bw, bw_mean = basis.h2d_bytes_per_s, run.h2d_bytes_per_s
     need_bw = (basis.h2d_bytes / basis.batches) / max(step, 1e-6) if basis.batches and bw else None
     rows.append(_row("H2D bandwidth", "bytes/s", bw, bw_mean, need_bw, higher_is_worse=False))
 
     blocked = _blocked_share(last, basis.batches, step)
     rows.append(_row("queue wait share", "of batches", blocked, None, queue_wait_threshold))
-    idle = basis.idle
-    rows.append(_row("accelerator idle", "of time", idle, run.idle, idle_threshold))
+    idle = basis.idle_ratio
+    rows.append(_row("accelerator idle", "of time", idle, run.idle_ratio, idle_threshold))
 
     base = dict(
         rows=tuple(rows),
@@ -362,14 +312,14 @@ def _bottleneck(
     stage: str,
     share: float,
     last: LoaderSnapshot,
-    cur: _Window,
+    cur: Rates,
     step: float,
     read_threshold: float | None,
     knobs: dict[str, int],
 ) -> tuple[str, str, str]:
     workers = _effective_workers(last, stage)
     if stage == "read":
-        lat = cur.mean_service("read") or 0.0
+        lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
         fused = last.stages["read"].workers == 0  # the transform workers read
         knob = "workers" if fused else "read_threads"
@@ -408,7 +358,7 @@ def _bottleneck(
             f"{more}, or cheaper transforms (crop before resampling, fewer random "
             "augmentations per sample, float16 arrays)",
         )
-    bw = cur.h2d_bytes / cur.h2d_s if cur.h2d_s > 0 else None
+    bw = cur.h2d_bytes_per_s
     got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
     return (
         "transfer",
@@ -463,9 +413,12 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False)
     console.print(table)
-    console.print(
-        f"window {diagnosis.window_s:.1f} s, {diagnosis.batches} batches, epoch {diagnosis.epoch}"
+    span = (
+        f"window {diagnosis.window_s:.1f} s"
+        if math.isfinite(diagnosis.window_s)
+        else "since the loader started"
     )
+    console.print(f"{span}, {diagnosis.batches} batches, epoch {diagnosis.epoch}")
     head = KINDS[diagnosis.kind]
     where = f" ({diagnosis.stage})" if diagnosis.stage else ""
     console.print(f"diagnosis: {head}{where}: {diagnosis.summary}")

@@ -7,7 +7,7 @@
     measure.py   one trial: warm-up, measured window, idle ratio, CPU seconds, memory
     select.py    the best trial: lowest idle ratio, ties by CPU seconds then memory
     pruner.py    the median stopping rule with a noise margin
-    steps.py     real training steps for --model (the project's 3D-UNet)
+    steps.py     --model factories of the shared 3D-UNet step (autominato.models.step)
     study.py     the Optuna study (SQLite, pruning, failures) and the output config
     report.py    per-trial lines, the final table, the PNG plots
 
@@ -21,13 +21,8 @@ Example::
     print(result.best.params, result.config_path)   # Loader(config=result.config_path)
 """
 
-from autominato.tuning.measure import (
-    Measurement,
-    MemoryBudgetExceeded,
-    NoBatches,
-    SleepStep,
-    measure,
-)
+from autominato.models.step import SleepStep
+from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, NoBatches, measure
 from autominato.tuning.pipeline import Pipeline, PipelineSpecError, load_recipe, make_pipeline
 from autominato.tuning.select import select_best
 from autominato.tuning.space import SearchSpace, SpaceError, load_space

@@ -20,11 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import psutil
+from autominato.models.step import Step
+from autominato.telemetry.process import ProcessMeter, Reading
+from autominato.telemetry.window import idle_ratio
 
-#: ``step(batch)`` runs one training step on a batch and returns when it is done (a real step
-#: on an accelerator must synchronise, e.g. with ``loss.item()``).
-Step = Callable[[Any], object]
 #: ``on_report(batches_measured, idle_ratio_so_far)``; may raise to stop the trial
 #: (``optuna.TrialPruned``).
 ReportFn = Callable[[int, float], None]
@@ -83,25 +82,6 @@ class Measurement:
         return asdict(self)
 
 
-class SleepStep:
-    """A simulated training step: sleeps ``seconds`` per batch (no accelerator needed).
-
-    Sleeping, not spinning, because a real accelerator step leaves the host CPU free for the
-    loader's workers; spinning would steal a core the real run would not lose.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"step time must be >= 0 seconds, got {seconds}")
-        self.seconds = seconds
-
-    def __call__(self, batch: Any) -> None:
-        time.sleep(self.seconds)
-
-    def __repr__(self) -> str:
-        return f"SleepStep({self.seconds:g} s)"
-
-
 def batch_len(batch: Any) -> int:
     """Samples in a collated batch: the leading size of its first tensor or array (1 if none)."""
     if isinstance(batch, dict):
@@ -110,49 +90,6 @@ def batch_len(batch: Any) -> int:
         batch = batch[0]
     shape = getattr(batch, "shape", None)
     return int(shape[0]) if shape else 1
-
-
-class _Processes:
-    """CPU time and memory of the training process plus the loader's worker processes."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self._me = psutil.Process()
-        self._procs: dict[int, psutil.Process] = {}
-        self._cpu_last: dict[int, float] = {}
-
-    def _refresh(self) -> None:
-        pids_fn = getattr(self._loader, "worker_pids", None)
-        pids = list(pids_fn()) if callable(pids_fn) else []
-        for pid in pids:
-            if pid not in self._procs:
-                try:
-                    self._procs[pid] = psutil.Process(pid)
-                except psutil.Error:
-                    continue
-
-    def cpu_seconds(self) -> float:
-        """Cumulative CPU seconds of all processes seen; a process that exited keeps its last."""
-        self._refresh()
-        for pid, proc in [(0, self._me), *self._procs.items()]:
-            try:
-                t = proc.cpu_times()
-                self._cpu_last[pid] = t.user + t.system
-            except psutil.Error:
-                pass
-        return sum(self._cpu_last.values())
-
-    def memory_bytes(self) -> int:
-        """PSS summed over live processes: shared-memory slots count once, not once per mapper."""
-        self._refresh()
-        total = 0
-        for proc in [self._me, *self._procs.values()]:
-            try:
-                info = proc.memory_full_info()
-                total += getattr(info, "pss", info.rss)
-            except psutil.Error:
-                pass
-        return total
 
 
 def measure(
@@ -188,15 +125,20 @@ def measure(
     """
     if window_batches < 1:
         raise ValueError(f"window_batches must be >= 1, got {window_batches}")
-    procs = _Processes(loader)
+    meter = ProcessMeter(pss=True)
+    pids_fn = getattr(loader, "worker_pids", None)
+
+    def read() -> Reading:
+        return meter.read(list(pids_fn()) if callable(pids_fn) else [])
+
     batches = _batches(loader)
     wait = busy = 0.0
     samples = 0
     peak = 0
 
-    def check_memory() -> None:
+    def check_memory(reading: Reading | None = None) -> None:
         nonlocal peak
-        peak = max(peak, procs.memory_bytes())
+        peak = max(peak, (reading or read()).pss_bytes)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
             raise MemoryBudgetExceeded(peak, memory_budget_bytes)
 
@@ -204,7 +146,7 @@ def measure(
     for _ in range(warmup_batches):
         step(next(batches))
     t1 = time.perf_counter()
-    cpu0 = procs.cpu_seconds()
+    cpu0 = read().cpu_seconds_total
     for i in range(1, window_batches + 1):
         a = time.perf_counter()
         batch = next(batches)
@@ -217,12 +159,13 @@ def measure(
         if report_every and i % report_every == 0 and i < window_batches:
             check_memory()
             if on_report is not None:
-                on_report(i, _ratio(wait, busy))
+                on_report(i, idle_ratio(wait, busy))
     t2 = time.perf_counter()
-    cpu = procs.cpu_seconds() - cpu0
-    check_memory()
+    end = read()
+    cpu = end.cpu_seconds_total - cpu0
+    check_memory(end)
     return Measurement(
-        idle_ratio=_ratio(wait, busy),
+        idle_ratio=idle_ratio(wait, busy),
         wait_s=wait,
         busy_s=busy,
         batches=window_batches,
@@ -232,10 +175,6 @@ def measure(
         warmup_s=t1 - t0,
         window_s=t2 - t1,
     )
-
-
-def _ratio(wait: float, busy: float) -> float:
-    return wait / (wait + busy) if wait + busy > 0 else 0.0
 
 
 def _batches(loader: Iterable[Any]):

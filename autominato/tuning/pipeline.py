@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
+from autominato.models.step import SleepStep, Step
 from autominato.pipeline.knobs import KNOB_NAMES
-from autominato.tuning.measure import SleepStep, Step
 from autominato.tuning.space import TUNER_DIR
 
 RECIPE_DIR = TUNER_DIR / "recipes"

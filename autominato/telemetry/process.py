@@ -1,0 +1,165 @@
+"""The process meter: CPU time and memory of a process and the processes that work for it.
+
+One meter for every reader: the controller (CPU and private memory of the loader's worker
+processes, every interval), the tuner (CPU seconds and peak memory of a trial) and the
+benchmark (a whole process tree, sampled from outside it). Figures come from psutil.
+
+Memory, per process, in bytes:
+
+* RSS: resident pages, shared ones included (each process that maps a page counts it).
+* private: RSS less the resident shared pages (file-backed and shared memory; Linux
+  ``/proc/PID/statm``): what the process holds for itself. Cheap to read.
+* PSS (proportional set size, Linux ``/proc/PID/smaps``): each shared page divided between
+  the processes that map it, so that a sum over processes counts every page once (the
+  loader's shared-memory slots included). Costs a walk of the process's mappings; read only
+  when the meter is built with ``pss=True``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """One process at one reading.
+
+    Attributes:
+        pid: the process id.
+        root: the process the meter was built for (else a child or a listed worker).
+        cpu_s: user + system CPU seconds since the process started.
+        rss_bytes / private_bytes: resident and private memory, bytes (see the module doc;
+            private equals RSS where the platform does not report shared pages).
+        pss_bytes: proportional set size, bytes; ``None`` unless the meter reads PSS and the
+            platform reports it (Linux).
+    """
+
+    pid: int
+    root: bool
+    cpu_s: float
+    rss_bytes: int
+    private_bytes: int
+    pss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What :meth:`ProcessMeter.read` measured.
+
+    Attributes:
+        time: ``time.monotonic()`` seconds when the reading was taken.
+        cpu_seconds_total: user + system CPU seconds of every process the meter has seen,
+            each up to its latest reading. Cumulative and never decreasing: the difference
+            of two readings is the CPU used between them (a process that started in between
+            counts from its start, one that exited up to its last reading).
+        processes: the live processes read, the root first when it is alive.
+    """
+
+    time: float
+    cpu_seconds_total: float
+    processes: tuple[ProcessUsage, ...]
+
+    @property
+    def workers(self) -> tuple[ProcessUsage, ...]:
+        """The processes other than the root."""
+        return tuple(p for p in self.processes if not p.root)
+
+    @property
+    def pss_bytes(self) -> int:
+        """PSS summed over the processes, bytes (RSS for a process whose PSS was not read)."""
+        return sum(p.pss_bytes if p.pss_bytes is not None else p.rss_bytes for p in self.processes)
+
+    @property
+    def worker_private_bytes(self) -> int:
+        """Private memory summed over the processes other than the root, bytes."""
+        return sum(p.private_bytes for p in self.workers)
+
+
+class ProcessMeter:
+    """Reads CPU time and memory of process ``pid`` and the processes that work for it.
+
+    Which processes: the root ``pid`` (default: this process), all its descendants when
+    ``children`` is true, and the ``pids`` given to each :meth:`read` (a loader's
+    ``worker_pids()``). A process is known by its pid and start time, so a reused pid is a
+    new process. Not thread-safe: one thread reads a meter.
+
+    Args:
+        pid: the root process; default this one.
+        children: also read every descendant of the root.
+        pss: also read each process's PSS (see the module doc for its cost).
+
+    Raises:
+        psutil.NoSuchProcess: no process ``pid``.
+    """
+
+    def __init__(self, pid: int | None = None, *, children: bool = False, pss: bool = False):
+        self.root = psutil.Process(pid)
+        self.children = children
+        self.pss = pss
+        self._procs: dict[int, psutil.Process] = {}
+        self._cpu: dict[tuple[int, float], float] = {}
+
+    def _process(self, pid: int, found: psutil.Process | None = None) -> psutil.Process | None:
+        p = self._procs.get(pid)
+        if p is not None and p.is_running():
+            return p  # the cached object keeps the start time that identifies the process
+        try:
+            p = self._procs[pid] = found or psutil.Process(pid)
+        except psutil.Error:
+            self._procs.pop(pid, None)
+            return None
+        return p
+
+    def _tree(self, pids: Iterable[int]) -> list[psutil.Process]:
+        out = [self.root]
+        seen = {self.root.pid}
+        found: list[tuple[int, psutil.Process | None]] = []
+        if self.children:
+            try:
+                found = [(k.pid, k) for k in self.root.children(recursive=True)]
+            except psutil.Error:
+                pass
+        found += [(pid, None) for pid in pids]
+        for pid, proc in found:
+            if pid in seen:
+                continue
+            seen.add(pid)
+            p = self._process(pid, proc)
+            if p is not None:
+                out.append(p)
+        for pid in [pid for pid in self._procs if pid not in seen]:
+            del self._procs[pid]  # gone from the tree: its CPU stays in the total
+        return out
+
+    def read(self, pids: Iterable[int] = ()) -> Reading:
+        """Read every process now; ``pids`` adds processes outside the root's tree."""
+        t = time.monotonic()
+        usages = []
+        for p in self._tree(pids):
+            try:
+                with p.oneshot():
+                    key = (p.pid, p.create_time())
+                    times = p.cpu_times()
+                    mem = p.memory_full_info() if self.pss else p.memory_info()
+            except psutil.Error:
+                continue  # exited, a zombie, or not ours to read
+            cpu = times.user + times.system
+            self._cpu[key] = cpu
+            shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
+            pss = getattr(mem, "pss", None) if self.pss else None
+            usages.append(
+                ProcessUsage(
+                    pid=p.pid,
+                    root=p.pid == self.root.pid,
+                    cpu_s=cpu,
+                    rss_bytes=int(mem.rss),
+                    private_bytes=int(max(0, mem.rss - shared)),
+                    pss_bytes=int(pss) if pss is not None else None,
+                )
+            )
+        return Reading(t, sum(self._cpu.values()), tuple(usages))
