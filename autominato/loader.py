@@ -263,7 +263,7 @@ class Loader:
 
         from autominato.telemetry.handle import monitor_interval_from_env
 
-        me = weakref.proxy(self)
+        me = _Observed(self)
         if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
 
@@ -337,14 +337,16 @@ class Loader:
                 seed=self.seed,
                 threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
             )
-            self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats,
-                                      on_skip=self._skipped)
+            me = weakref.ref(self)
+
+            def on_skip(index: int, path: str | None, exc: BaseException) -> None:
+                loader = me()
+                if loader is not None and loader._on_skip is not None:
+                    loader._on_skip(index, path, exc)
+
+            self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
-
-    def _skipped(self, index: int, path: str | None, exc: BaseException) -> None:
-        if self._on_skip is not None:
-            self._on_skip(index, path, exc)
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
@@ -414,6 +416,39 @@ class Loader:
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
         )
+
+
+class _Observed:
+    """What telemetry and the controller see of a Loader: its figures and knobs, through a
+    weak reference, so that their threads never keep a dropped Loader (and its workers and
+    shared memory) alive.
+
+    Raises:
+        ReferenceError: from :meth:`snapshot` once the Loader is gone.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._ref = weakref.ref(loader)
+        self.stage_stats = loader.stage_stats
+        self.knobs = loader.knobs
+        self.decision_hooks = loader.decision_hooks
+        self.rank = loader.rank
+        self.config = loader.config
+
+    def _loader(self) -> Loader:
+        loader = self._ref()
+        if loader is None:
+            raise ReferenceError("the Loader was garbage-collected")
+        return loader
+
+    def snapshot(self) -> LoaderSnapshot:
+        return self._loader().snapshot()
+
+    def worker_pids(self) -> list[int]:
+        return self._loader().worker_pids()
+
+    def report_decision(self, decision: Any) -> None:
+        self._loader().report_decision(decision)
 
 
 class _EpochIterator:

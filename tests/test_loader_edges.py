@@ -1,0 +1,197 @@
+"""Edges where the loader once differed from DataLoader or leaked: one test per defect found."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+import weakref
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from autominato import Loader
+from autominato.pipeline.shm import leftover_segments
+
+
+class Indexed:
+    """Sample i is (a (4,) float32 array filled with i, i); listed indices sleep or fail."""
+
+    def __init__(self, n: int, slow: dict[int, float] | None = None, bad: set[int] = frozenset(),
+                 shape: tuple = (4,)) -> None:
+        self.n, self.slow, self.bad, self.shape = n, slow or {}, set(bad), shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        if i in self.slow:
+            time.sleep(self.slow[i])
+        return np.full(self.shape, i, np.float32), i
+
+
+def indices(batches) -> list[int]:
+    return [int(i) for _, idx in batches for i in idx]
+
+
+def test_ranks_without_a_seed_share_the_permutation_and_never_overlap():
+    ds = Indexed(40)
+    shards = []
+    for rank in (0, 1):
+        with Loader(ds, 4, shuffle=True, rank=rank, world_size=2, workers=0, autotune=False) as L:
+            shards.append(indices(L))
+    assert not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(40))
+    # The same shards as DistributedSampler's default seed (0) gives.
+    for rank in (0, 1):
+        ds_sampler = DistributedSampler(range(40), num_replicas=2, rank=rank, shuffle=True)
+        assert sorted(shards[rank]) == sorted(ds_sampler)
+
+
+def test_seed_none_follows_torch_manual_seed_as_dataloader_does():
+    orders = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        with Loader(Indexed(20), 20, shuffle=True, workers=0, autotune=False, in_order=True) as L:
+            orders.append(indices(L))
+    assert orders[0] == orders[1] and orders[0] != list(range(20))
+
+
+def test_timeout_zero_means_no_timeout():
+    with Loader(Indexed(8, slow={3: 0.3}), 2, workers=1, worker_kind="thread", timeout=0,
+                autotune=False) as L:
+        assert sorted(indices(L)) == list(range(8))
+        assert L.snapshot().skipped_total == 0
+
+
+def _slots_all_free(loader) -> bool:
+    pool = loader._pipeline.slots
+    return len(pool._free) == len(pool._all)
+
+
+class HangOnce:
+    """Transform: sample ``index`` hangs past the timeout in every worker."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, sample, rng):
+        if int(sample[1]) == self.index:
+            time.sleep(30)
+        return sample
+
+
+def test_skip_after_a_timeout_frees_the_samples_shared_memory():
+    # Samples big enough (256 KiB) to travel through shared-memory slots.
+    ds = Indexed(12, shape=(64, 1024))
+    with Loader(ds, 4, transform=HangOnce(5), workers=2, timeout=1.0, on_error="skip",
+                autotune=False) as L:
+        counts = []
+        for _ in range(3):
+            got = indices(L)
+            assert sorted(got) == [i for i in range(12) if i != 5]
+            assert _slots_all_free(L)
+            counts.append(len(leftover_segments(os.getpid())))
+        # Slots are created lazily up to the pool's bound (plus its lock file), never beyond.
+        assert max(counts) <= 2 * L.knobs.pool_size + 1, counts
+        assert L.snapshot().skipped_total == 3
+
+
+def test_drop_last_with_skipped_samples_never_delivers_a_short_batch():
+    with Loader(Indexed(20, bad={3, 11}), 4, drop_last=True, on_error="skip", workers=2,
+                autotune=False) as L:
+        sizes = [len(idx) for _, idx in L]
+    assert sizes == [4, 4, 4, 4]  # 18 good samples: 4 full batches, 2 dropped
+
+
+def test_two_live_iterators_each_deliver_a_whole_epoch():
+    with Loader(Indexed(22), 4, shuffle=True, seed=0, workers=2, autotune=False) as L:
+        pairs = list(zip(L, L, strict=True))
+        assert len(pairs) == len(L) == 6
+        a = sorted(int(i) for (_, ia), _ in pairs for i in ia)
+        b = sorted(int(i) for _, (_, ib) in pairs for i in ib)
+        assert a == b == list(range(22))
+
+
+def test_a_sampler_set_by_the_training_loop_is_not_overridden():
+    sampler = DistributedSampler(range(16), num_replicas=1, rank=0, shuffle=True, seed=0)
+    with Loader(Indexed(16), 16, sampler=sampler, workers=0, in_order=True, autotune=False) as L:
+        sampler.set_epoch(5)
+        got = indices(L)
+    expected = DistributedSampler(range(16), num_replicas=1, rank=0, shuffle=True, seed=0)
+    expected.set_epoch(5)
+    assert got == list(expected)
+    with Loader(Indexed(16), 16, sampler=sampler, workers=0, in_order=True, autotune=False) as L:
+        L.set_epoch(7)  # the loader's set_epoch reaches the sampler too
+        got = indices(L)
+    expected.set_epoch(7)
+    assert got == list(expected)
+
+
+def test_len_of_a_loader_over_a_one_shot_sampler_raises_type_error_and_consumes_nothing():
+    sampler = (i for i in range(10))
+    with Loader(Indexed(10), 3, sampler=sampler, workers=0, autotune=False) as L:
+        with pytest.raises(TypeError, match="no len"):
+            len(L)
+        assert sorted(indices(L)) == list(range(10))
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_in_flight_samples_are_counted_once_and_sample_bytes_are_measured(kind):
+    ds = Indexed(24, slow={i: 0.05 for i in range(24)}, shape=(256,))
+    with Loader(ds, 4, workers=2, worker_kind=kind, fuse_read=False, autotune=False) as L:
+        it = iter(L)
+        next(it)
+        time.sleep(0.1)
+        snap = L.snapshot()
+        for name in ("read", "transform"):
+            st = snap.stages[name]
+            assert st.busy_workers <= st.workers
+            assert st.queue_len + st.busy_workers <= L.knobs.pool_size
+        list(it)
+        assert L.snapshot().sample_bytes == pytest.approx(256 * 4, rel=0.2)
+
+
+def test_a_configuration_beyond_this_machines_cores_is_clamped_with_a_warning(caplog):
+    caplog.set_level(logging.WARNING, "autominato.pipeline")
+    cfg = {"knobs": {"workers": 99}}
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, worker_kind="thread") as L:
+        assert L.knobs.workers < 99
+        assert L.knobs.workers == L.knobs.bounds("workers")[1]
+    assert "99 workers" in caplog.text
+
+
+def test_bad_argument_types_name_the_argument():
+    with pytest.raises(ValueError, match="batch_size"):
+        Loader(Indexed(4), batch_size=None, autotune=False)
+    with pytest.raises(ValueError, match="workers"):
+        Loader(Indexed(4), 2, workers="4", autotune=False)
+    with pytest.raises(ValueError, match="timeout"):
+        Loader(Indexed(4), 2, timeout=-1, autotune=False)
+
+
+def test_a_loader_dropped_without_close_frees_its_workers_and_shared_memory():
+    before = {p.pid for p in psutil.Process().children()}
+    L = Loader(Indexed(32, shape=(64, 1024)), 4, workers=2, monitor_interval=5.0)
+    it = iter(L)
+    next(it)
+    pids = set(L.worker_pids())
+    assert pids and leftover_segments(os.getpid())
+    ref = weakref.ref(L)
+    del it, L
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = {p.pid for p in psutil.Process().children()} - before
+        if not alive & pids and not leftover_segments(os.getpid()):
+            break
+        time.sleep(0.1)
+    assert not ({p.pid for p in psutil.Process().children()} & pids)
+    assert leftover_segments(os.getpid()) == []
