@@ -99,6 +99,14 @@ def test_a_death_redispatches_until_max_tries_then_applies_the_policy():
     assert [type(d) for d in out] == [Skip, End]
 
 
+def test_a_sample_that_never_started_is_requeued_without_blame():
+    ep = Epoch([0], batch_size=1, skip_errors=True, max_tries=1)
+    (t,) = ep.take(1)
+    assert ep.on(Lost(t.pos, t.attempt, Boom(), count=False)) == []
+    (t2,) = ep.take(1)
+    assert batches(ep.on(Completed(t2.pos, t2.attempt, "x"))) == [[0]]
+
+
 def test_a_timeout_is_not_retried():
     ep = Epoch([0, 1], batch_size=2, skip_errors=True)
     ep.take(2)
@@ -185,10 +193,12 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
                 res = f"dup{len(made)}"
                 made.append(res)
                 apply(ep.on(Completed(t.pos, t.attempt, res)))
-        elif r < 0.85:
+        elif r < 0.82:
             apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
             if rng.random() < 0.3:  # the dead worker's death reported twice
                 apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
+        elif r < 0.86:  # queued behind a dead worker's sample: back to the queue, blameless
+            apply(ep.on(Lost(t.pos, t.attempt, Boom("died"), count=False)))
         elif r < 0.93:
             apply(ep.on(Failed(t.pos, t.attempt, Boom("bad sample"))))
         else:

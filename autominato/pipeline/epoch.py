@@ -40,7 +40,7 @@ from typing import Any
 # -- events (in) ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Task:
     """A position handed to the pipeline: ``index = order[pos]``; ``attempt`` counts from 0."""
 
@@ -49,7 +49,7 @@ class Task:
     attempt: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Completed:
     """The sample at ``pos`` finished; ``result`` is whatever the pipeline carries for it."""
 
@@ -58,7 +58,7 @@ class Completed:
     result: Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Failed:
     """Reading or transforming the sample at ``pos`` raised ``error`` (the sample's fault)."""
 
@@ -67,15 +67,17 @@ class Failed:
     error: BaseException
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Lost:
     """The worker holding ``pos`` is gone: it died (``retry=True``: dispatch again, counted
-    against ``max_tries``) or timed out (``retry=False``: the error policy applies at once)."""
+    against ``max_tries`` unless ``count`` is false: the sample never started) or timed out
+    (``retry=False``: the error policy applies at once)."""
 
     pos: int
     attempt: int
     error: BaseException
     retry: bool = True
+    count: bool = True
 
 
 Event = Completed | Failed | Lost
@@ -83,7 +85,7 @@ Event = Completed | Failed | Lost
 # -- decisions (out) ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Emit:
     """Deliver one batch: ``items`` are ``(pos, index, result)`` in batch order.
     ``stragglers`` of them finished after a later-dispatched sample had been delivered."""
@@ -92,7 +94,7 @@ class Emit:
     stragglers: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Skip:
     """The sample at ``pos`` is dropped by ``on_error="skip"`` (log it, count it)."""
 
@@ -101,7 +103,7 @@ class Skip:
     error: BaseException
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Discard:
     """A result that will never be delivered (duplicate, late, or dropped by ``drop_last``
     after skips): free what it holds."""
@@ -109,14 +111,14 @@ class Discard:
     result: Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Raise:
     """``on_error="raise"``: the training loop gets ``error``; the epoch is over."""
 
     error: BaseException
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class End:
     """Every position is final and every batch emitted."""
 
@@ -231,7 +233,8 @@ class Epoch:
             if self.finished or not self.is_current(event.pos, event.attempt):
                 return []
             if event.retry:
-                deaths = self._deaths[event.pos] = self._deaths.get(event.pos, 0) + 1
+                deaths = self._deaths.get(event.pos, 0) + event.count
+                self._deaths[event.pos] = deaths
                 if deaths < self.max_tries:
                     del self._attempt[event.pos]
                     self._tries[event.pos] = event.attempt + 1

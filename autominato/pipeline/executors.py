@@ -51,6 +51,9 @@ class ThreadExecutor:
     def free(self) -> int:
         return self._pool.capacity()
 
+    def flush(self) -> None:
+        pass  # threads take each item as it is submitted
+
     def expire(self, seconds: float) -> None:
         for task in self._pool.overdue(seconds):
             if self._pool.abandon(task):
@@ -68,8 +71,15 @@ class ProcessExecutor:
     """Worker processes (:class:`ProcessWorkers`) running :func:`worker.process_main`.
 
     An item is the task message without its key: ``(index, epoch, read, in_slot, in_desc,
-    out_slot)``. The pool posts raw events (``("proc", wid, reply)``, ``("died", wid, code)``)
-    to the scheduler's queue; the scheduler hands them to :meth:`handle`, which turns them into
+    out_slot)``. Items are sent in *chunks*: up to :attr:`chunk` items per worker in one
+    message, answered in one message (the worker sends early every ``worker.FLUSH_S``). The
+    scheduler sets :attr:`chunk` from the measured service time, so that samples that take
+    microseconds cost one pipe round trip per chunk instead of one each (the DataLoader's
+    workers likewise get one message per batch), while a sample that takes longer than the
+    chunk's budget goes alone (a straggler never holds others back).
+
+    The pool posts raw events (``("proc", wid, reply)``, ``("died", wid, code)``) to the
+    scheduler's queue; the scheduler hands them to :meth:`handle`, which turns them into
     :class:`Result` s (``value`` = ``(descriptor, nbytes)``, see :func:`shm.pack`).
 
     Args:
@@ -77,7 +87,7 @@ class ProcessExecutor:
         workers: the pool.
         max_startup_deaths: workers in a row that may die before they are ready; then
             ``on_fatal`` is called (replacing them forever would hang the training loop).
-        on_fatal: ``on_fatal(exception)``: the pipeline cannot go on.
+        on_fatal: ``on_fatal(exception)``: the live epochs cannot go on.
         start_method: for the message that explains start-up deaths.
     """
 
@@ -89,12 +99,28 @@ class ProcessExecutor:
         self.on_fatal = on_fatal
         self.start_method = start_method
         self.restarts = 0
+        self.chunk = 1
         self._startup_deaths = 0
+        self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
+        self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
         self.want = workers.size
 
     def submit(self, key: Any, item: Any) -> None:
+        self._pending.append((key, item))
+
+    def flush(self) -> None:
+        """Send the submitted items, spread evenly over the idle workers."""
+        if not self._pending:
+            return
         idle = self.pool.idle()
-        self.pool.send(idle[-1], key, (key, *item))
+        per = max(1, -(-len(self._pending) // max(1, len(idle))))
+        for w in idle:
+            if not self._pending:
+                break
+            part, self._pending = self._pending[:per], self._pending[per:]
+            keys = [k for k, _ in part]
+            self._held[w.wid] = keys
+            self.pool.send(w, keys, ("many", [(k, *item) for k, item in part]))
 
     def resize(self, n: int) -> None:
         self.want = n
@@ -108,10 +134,10 @@ class ProcessExecutor:
 
     @property
     def busy(self) -> int:
-        return sum(1 for w in self.pool.workers.values() if w.task is not None)
+        return sum(len(keys) for keys in self._held.values())
 
     def free(self) -> int:
-        return len(self.pool.idle())
+        return len(self.pool.idle()) * self.chunk - len(self._pending)
 
     def pids(self) -> list[int]:
         return self.pool.pids()
@@ -132,12 +158,12 @@ class ProcessExecutor:
         self.pool.close()
 
     # -- events of the pool (scheduler thread) ---------------------------------------------
-    def handle(self, ev: tuple) -> Result | None:
+    def handle(self, ev: tuple) -> list[Result]:
         if ev[0] == "proc":
             return self._reply(ev[1], ev[2])
         return self._died(ev[1], ev[2])
 
-    def _reply(self, wid: int, reply: tuple) -> Result | None:
+    def _reply(self, wid: int, reply: tuple) -> list[Result]:
         pool = self.pool
         w = pool.workers.get(wid) or pool.dead.get(wid)
         kind = reply[0]
@@ -145,25 +171,35 @@ class ProcessExecutor:
             if w is not None:
                 w.ready = True
             self._startup_deaths = 0
-            return None
+            return []
         if kind == "fatal":
             self.on_fatal(reply[1].to_exception())
-            return None
-        key = reply[1]
-        if w is not None and w.task == key:
-            pool.task_done(w)
-        if kind == "ok":
-            _, _, desc, need, read_s, transform_s, pack_s = reply
-            return Result(self.name, key, (desc, need), service_s=transform_s + pack_s,
-                          read_s=read_s, nbytes=need)
-        report = reply[2]
-        return Result(self.name, key, ok=False, error=report.to_exception())
+            return []
+        held = self._held.get(wid, [])
+        out = []
+        for sub in reply[1]:
+            key = sub[1]
+            if key in held:
+                held.remove(key)
+            if sub[0] == "ok":
+                _, _, desc, need, read_s, transform_s, pack_s = sub
+                out.append(Result(self.name, key, (desc, need), service_s=transform_s + pack_s,
+                                  read_s=read_s, nbytes=need))
+            else:
+                out.append(Result(self.name, key, ok=False, error=sub[2].to_exception()))
+        if w is not None:
+            w.task_started = time.monotonic()  # the next item held started about now
+            if not held and w.task is not None:
+                self._held.pop(wid, None)
+                pool.task_done(w)
+        return out
 
-    def _died(self, wid: int, exitcode: int | None) -> Result | None:
+    def _died(self, wid: int, exitcode: int | None) -> list[Result]:
         w = self.pool.remove_dead(wid)
         if w is None:
-            return None
+            return []
         self.restarts += 1
+        held = self._held.pop(wid, [])
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
         who = f"worker {wid} (pid {w.pid})"
@@ -178,18 +214,22 @@ class ProcessExecutor:
                         "unpickled or inherited there; check its imports and __setstate__), "
                         f"or memory is short (workers start with {self.start_method!r})",
                         worker=who))
-                return None
+                return []
         timed_out = w.info.get("timed_out")
         if not timed_out:
             log.warning("transform %s died (%s); replacing it", who, how)
         if self.pool.size < self.want:
             self.pool.start_one()
-        if w.task is None:
-            return None
+        if not held:
+            return []
         if timed_out:
             err: BaseException = SampleTimeout(
                 f"took longer than timeout={timed_out} s in {who}; the worker was replaced",
                 worker=who)
         else:
             err = WorkerDied(f"{who} died ({how})", worker=who)
-        return Result(self.name, w.task, ok=False, lost=True, timed_out=bool(timed_out), error=err)
+        # The worker serves its chunk in order: the first item with no reply is the one it
+        # held; the others never started and go back to the queue, blameless.
+        out = [Result(self.name, held[0], ok=False, lost=True, timed_out=bool(timed_out), error=err)]
+        out += [Result(self.name, key, ok=False, lost=True, requeue=True, error=err) for key in held[1:]]
+        return out

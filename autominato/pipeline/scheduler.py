@@ -69,6 +69,12 @@ log = logging.getLogger("autominato.pipeline")
 INLINE_MAX_BYTES = 64 * 1024
 
 
+#: Seconds of work a worker process is given in one message at most (see
+#: :class:`~autominato.pipeline.executors.ProcessExecutor`): samples that take less go in
+#: chunks of up to ``batch_size``; samples that take this long or longer go one at a time.
+CHUNK_BUDGET_S = 0.01
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything about a pipeline that is fixed when it is built.
@@ -110,7 +116,7 @@ class PipelineConfig:
         return self.device is not None and self.device.type == "cuda"
 
 
-@dataclass
+@dataclass(slots=True)
 class Carried:
     """A finished sample on its way to a batch, and the shared-memory slots its arrays use."""
 
@@ -118,7 +124,7 @@ class Carried:
     slots: tuple = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class Run:
     """One live iterator: an epoch's bookkeeping and the batches waiting for the consumer."""
 
@@ -175,6 +181,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self._next_expire = 0.0
+        self._svc = CHUNK_BUDGET_S  # running mean seconds per sample in worker processes
         self.procs: ProcessExecutor | None = None
         self.sample_stages: list[Stage] = compose(self)
         post = self.events.put
@@ -278,8 +285,7 @@ class Pipeline:
             return
         kind = ev[0]
         if kind in ("proc", "died"):
-            r = self.procs.handle(ev)
-            if r is not None:
+            for r in self.procs.handle(ev):
                 self._result(r)
         elif kind == "start":
             run = ev[1]
@@ -409,9 +415,11 @@ class Pipeline:
             return
         index = run.epoch.order[pos]
         err = _with_sample(r.error, index, sample_path(self.spec.dataset, index))
-        if r.lost and not r.timed_out and self.cfg.on_worker_death == "raise":
+        if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             run.epoch.on(Failed(pos, attempt, err))  # makes the position final
             self._decide(run, [Raise(err), *run.epoch.abort()])
+        elif r.requeue:
+            self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
         elif r.lost:
             if not r.timed_out and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
                 err = _with_note(err, f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried")
@@ -427,6 +435,8 @@ class Pipeline:
             if isinstance(r.value, _Packed):  # the split read stage packed it into a slot
                 return r.value, (r.value.slot,)
             return r.value, ()
+        self._svc += ((r.service_s + r.read_s) - self._svc) * 0.05
+        self.procs.chunk = max(1, min(self.cfg.batch_size, int(CHUNK_BUDGET_S / max(self._svc, 1e-6))))
         desc, need = r.value
         in_slot, out = slots if slots else (None, None)
         self.slots.release(in_slot)

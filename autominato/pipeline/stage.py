@@ -37,6 +37,9 @@ class Result:
         error: the exception it raised (``ok`` false, ``lost`` false), with sample context.
         lost: the worker holding the item is gone (died, or timed out and was abandoned):
             ``error`` says which; the item has no output.
+        timed_out: lost because it took longer than the sample timeout.
+        requeue: lost although it never started (queued behind the item that was lost in a
+            worker's chunk): dispatch it again without counting it against the sample.
         service_s: seconds inside the stage's function.
         read_s: seconds of those spent reading (a stage that reads and transforms), or 0.
         nbytes: bytes of the output (array payload).
@@ -49,6 +52,7 @@ class Result:
     error: BaseException | None = None
     lost: bool = False
     timed_out: bool = False
+    requeue: bool = False
     service_s: float = 0.0
     read_s: float = 0.0
     nbytes: int = 0
@@ -73,6 +77,9 @@ class Executor(Protocol):
 
     def free(self) -> int:
         """Items that can be submitted now without queueing behind a busy worker."""
+
+    def flush(self) -> None:
+        """Start what was submitted (an executor may hold submissions to send them together)."""
 
     def expire(self, seconds: float) -> None:
         """Give up on items held longer than ``seconds``: each is posted as lost
@@ -119,6 +126,7 @@ class Stage:
             key, item, t = self.queue.popleft()
             self._waits[key] = time.monotonic() - t
             ex.submit(key, item)
+        ex.flush()
 
     def finished(self, r: Result) -> None:
         """Account for one result of this stage (call before acting on it)."""

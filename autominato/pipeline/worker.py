@@ -138,10 +138,11 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
     """Body of a transform worker process.
 
     Messages from the loader: ``None`` (exit), ``("threads", n)`` (cap intra-op threads at
-    ``n``: the worker count changed) or a task tuple
-    ``(pos, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
-    or ``None``. Replies: ``("ok", pos, desc, need, read_s, transform_s, pack_s)`` or
-    ``("err", pos, ErrorReport)``. ``threads`` overrides the payload's ``threads_per_worker``.
+    ``n``: the worker count changed) or ``("many", [task, ...])``, each task
+    ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
+    or ``None``, served in order. Replies: ``("many", [reply, ...])`` (see :data:`FLUSH_S`),
+    each ``("ok", key, desc, need, read_s, transform_s, pack_s)`` or
+    ``("err", key, ErrorReport)``. ``threads`` overrides the payload's ``threads_per_worker``.
     """
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
@@ -178,21 +179,51 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
         if msg[0] == "threads":
             limit_threads(msg[1])
             continue
-        pos, index, epoch, read, in_slot, in_desc, out_slot = msg
-        try:
-            sample = None
-            if in_slot is not None or in_desc is not None:
-                buf = cache.get(*in_slot) if in_slot is not None else None
-                sample = unpack(in_desc, buf)
-            sample, read_s, transform_s = run_sample(spec, index, epoch, read, sample)
-            t = time.perf_counter()
-            out = cache.get(*out_slot) if out_slot is not None else None
-            desc, need = pack(sample, out)
-            del sample
-            reply = ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
-        except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
-            reply = ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
-        try:
-            conn.send(reply)
-        except (EOFError, OSError, BrokenPipeError):
+        if not _serve_chunk(conn, spec, cache, worker, msg[1]):  # ("many", [task, ...])
             return
+
+
+#: A worker given several samples in one message replies for all of them in one message, but
+#: sends what it has at once when this many seconds have passed since the last send: the
+#: loader then knows which sample a worker holds when it hangs or dies (the first one with no
+#: reply), and a slow sample never holds back the results of fast ones for long.
+FLUSH_S = 0.02
+
+
+def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
+    """Read / transform one task and pack the result; returns the reply (never raises)."""
+    pos, index, epoch, read, in_slot, in_desc, out_slot = msg
+    try:
+        sample = None
+        if in_slot is not None or in_desc is not None:
+            buf = cache.get(*in_slot) if in_slot is not None else None
+            sample = unpack(in_desc, buf)
+        sample, read_s, transform_s = run_sample(spec, index, epoch, read, sample)
+        t = time.perf_counter()
+        out = cache.get(*out_slot) if out_slot is not None else None
+        desc, need = pack(sample, out)
+        del sample
+        return ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
+    except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
+        return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
+
+
+def _serve_chunk(conn, spec: WorkSpec, cache: SlotCache, worker: str, tasks: list) -> bool:
+    """Serve several tasks, replying ``("many", [reply, ...])`` (see :data:`FLUSH_S`).
+    Returns False when the loader is gone."""
+    replies: list = []
+    last = time.perf_counter()
+    for task in tasks:
+        replies.append(_serve(spec, cache, worker, task))
+        if time.perf_counter() - last > FLUSH_S:
+            try:
+                conn.send(("many", replies))
+            except (EOFError, OSError, BrokenPipeError):
+                return False
+            replies, last = [], time.perf_counter()
+    if replies:
+        try:
+            conn.send(("many", replies))
+        except (EOFError, OSError, BrokenPipeError):
+            return False
+    return True
