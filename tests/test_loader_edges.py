@@ -90,7 +90,7 @@ class HangOnce:
 def test_skip_after_a_timeout_frees_the_samples_shared_memory():
     # Samples big enough (256 KiB) to travel through shared-memory slots.
     ds = Indexed(12, shape=(64, 1024))
-    with Loader(ds, 4, transform=HangOnce(5), workers=2, timeout=1.0, on_error="skip",
+    with Loader(ds, 4, transform=HangOnce(5), workers=2, timeout=2.0, on_error="skip",
                 autotune=False) as L:
         counts = []
         for _ in range(3):

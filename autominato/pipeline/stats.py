@@ -161,11 +161,3 @@ class LoaderSnapshot:
         """Cumulative accelerator-idle ratio ``wait / (wait + busy)`` in [0, 1]."""
         total = self.consumer_wait_seconds_total + self.consumer_busy_seconds_total
         return self.consumer_wait_seconds_total / total if total > 0 else 0.0
-
-
-def idle_ratio_between(a: LoaderSnapshot, b: LoaderSnapshot) -> float:
-    """Accelerator-idle ratio over the window between snapshots ``a`` (older) and ``b``."""
-    wait = b.consumer_wait_seconds_total - a.consumer_wait_seconds_total
-    busy = b.consumer_busy_seconds_total - a.consumer_busy_seconds_total
-    total = wait + busy
-    return wait / total if total > 0 else 0.0
