@@ -18,6 +18,7 @@ statistics records it fills (:class:`~autominato.pipeline.stats.StageStats`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -182,6 +183,7 @@ class Pipeline:
         self._fatal: BaseException | None = None
         self._next_expire = 0.0
         self._svc = CHUNK_BUDGET_S  # running mean seconds per sample in worker processes
+        self._batch_ids = itertools.count()
         self.procs: ProcessExecutor | None = None
         self.sample_stages: list[Stage] = compose(self)
         post = self.events.put
@@ -465,7 +467,7 @@ class Pipeline:
             if isinstance(d, Emit):
                 self.stragglers += d.stragglers
                 run.uncollated += len(d.items)
-                self.batch_stage.put((run.gen, "batch"), (run, d.items))
+                self.batch_stage.put((run.gen, next(self._batch_ids)), (run, d.items))
             elif isinstance(d, Discard):
                 self._free(d.result.slots)
             elif isinstance(d, Skip):
@@ -474,7 +476,7 @@ class Pipeline:
                 run.deliver(("error", d.error))
                 run.closed = True
             elif isinstance(d, End):
-                self.batch_stage.put((run.gen, "end"), (run, _END))
+                self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _END))
 
     def _skip(self, d: Skip) -> None:
         self.skipped += 1
@@ -508,8 +510,8 @@ class Pipeline:
     # -- batch and transfer stages -------------------------------------------------------------
     def _batch_result(self, r: Result) -> None:
         stage = self.batch_stage if r.stage == "batch" else self.transfer_stage
-        stage.finished(r)
         run, payload = r.value
+        stage.finished(r, count=payload is not _END)
         if payload is _END:
             if not run.stopped:
                 run.deliver(("end",))

@@ -128,10 +128,11 @@ class Stage:
             ex.submit(key, item)
         ex.flush()
 
-    def finished(self, r: Result) -> None:
-        """Account for one result of this stage (call before acting on it)."""
+    def finished(self, r: Result, count: bool = True) -> None:
+        """Account for one result of this stage (call before acting on it); ``count=False``
+        for a marker that is not an item."""
         wait = self._waits.pop(r.key, 0.0)
-        if r.ok:
+        if r.ok and count:
             self.hook(r.service_s, wait, r.nbytes)
 
     def drop(self, keep: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
