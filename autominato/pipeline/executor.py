@@ -56,6 +56,7 @@ class ThreadWorkers:
         self._retire = 0
         self._stuck = 0  # abandoned threads still inside fn
         self._ids = itertools.count()
+        self._threads: set[threading.Thread] = set()  # started and not yet returned
         self._running: dict[int, tuple[Any, float]] = {}  # thread id -> (task, start time)
         self._abandoned: set[int] = set()
         self.in_flight = 0
@@ -77,6 +78,7 @@ class ThreadWorkers:
                         target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True
                     )
                     self._alive += 1
+                    self._threads.add(t)
                     t.start()
             elif want < cur:
                 self._retire += cur - want
@@ -107,6 +109,7 @@ class ThreadWorkers:
             self.in_flight -= 1
             t = threading.Thread(target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True)
             self._alive += 1
+            self._threads.add(t)
         t.start()
         return True
 
@@ -117,6 +120,7 @@ class ThreadWorkers:
                 if self._retire > 0 or self._closed:
                     self._retire = max(0, self._retire - 1)
                     self._alive -= 1
+                    self._threads.discard(threading.current_thread())
                     return
             try:
                 task = self._q.get(timeout=0.05)
@@ -132,15 +136,25 @@ class ThreadWorkers:
                     self._abandoned.discard(tid)
                     self._stuck -= 1
                     self._alive -= 1
+                    self._threads.discard(threading.current_thread())
                 else:
                     self.in_flight -= 1
             self.post(event)
             if stuck:
                 return
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.5) -> None:
+        """Stop the threads; wait up to ``timeout`` seconds for those not stuck in ``fn``.
+
+        Waiting lets a loader built next find this process single-threaded again, so that
+        its workers may fork (see :func:`autominato.pipeline.spawn.can_fork_now`)."""
         with self._lock:
             self._closed = True
+            waiting = [t for t in self._threads if t.ident not in self._abandoned]
+        deadline = time.monotonic() + timeout
+        for t in waiting:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
