@@ -2,8 +2,14 @@
 
 The same :func:`run_sample` serves thread workers and process workers, so a sample's result
 does not depend on where it ran: its random generator is seeded from ``(seed, epoch, index)``
-alone (``numpy.random.SeedSequence`` entropy), and so are Python's ``random``, NumPy's legacy
-global generator and torch's default generator, for transforms that use global randomness.
+alone (``numpy.random.SeedSequence`` entropy).
+
+Global generators. A worker process also seeds Python's ``random``, NumPy's legacy global
+generator and torch's default generator from the same ``(seed, epoch, index)`` before each
+sample (:func:`seed_globals`), for datasets and transforms that draw from them, as the
+DataLoader seeds each of its workers. Thread workers (``worker_kind="thread"``, ``workers=0``)
+run in the training process: they leave those generators alone, since reseeding them from a
+worker thread would repeat the training loop's own draws and race with them.
 """
 
 from __future__ import annotations
@@ -54,21 +60,35 @@ class WorkSpec:
     threads_per_worker: int = 1
 
 
+def _seed_sequence(seed: int, epoch: int, index: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
+
+
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``."""
-    ss = np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
-    g = np.random.default_rng(ss)
-    # Global generators too, for transforms that draw from them.
-    s32 = int(ss.generate_state(1, dtype=np.uint32)[0])
+    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``.
+
+    Touches no global generator (see :func:`seed_globals` for worker processes)."""
+    return np.random.default_rng(_seed_sequence(seed, epoch, index))
+
+
+def seed_globals(seed: int, epoch: int, index: int) -> None:
+    """Seed Python's ``random``, NumPy's legacy global generator and torch's default generator
+    for one sample, from the same ``(seed, epoch, index)`` as :func:`sample_rng`.
+
+    Only for worker processes: in the training process it would reseed the user's own
+    generators (see the module docstring)."""
+    s32 = int(_seed_sequence(seed, epoch, index).generate_state(1, dtype=np.uint32)[0])
     random.seed(s32)
     np.random.seed(s32)
     try:
         import torch
-
-        torch.manual_seed(s32)
     except ImportError:  # pragma: no cover
-        pass
-    return g
+        return
+    # Not torch.manual_seed: with CUDA not initialised (a worker's usual state) it queues a
+    # lazy CUDA seeding and formats the whole call stack for it, about 1 ms per sample.
+    torch.default_generator.manual_seed(s32)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s32)
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
@@ -181,6 +201,7 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
         pos, index, epoch, read, in_slot, in_desc, out_slot = msg
         try:
             sample = None
+            seed_globals(spec.seed, epoch, index)
             if in_slot is not None or in_desc is not None:
                 buf = cache.get(*in_slot) if in_slot is not None else None
                 sample = unpack(in_desc, buf)
