@@ -139,7 +139,11 @@ class Engine:
         if self.mode == "thread":
             self.threads = ThreadWorkers("transform", self._thread_transform_task, self.events.put)
         if self.mode in ("fused", "split"):
-            self.procs = ProcessWorkers(payload, self.events.put, loader._start_method, initial=k.workers)
+            try:
+                self.procs = ProcessWorkers(spec, self.events.put, loader._start_method, initial=k.workers)
+            except BaseException:  # ValueError: the spec must be pickled and cannot be
+                self.slots.close()
+                raise
         self.out_estimate = 0  # bytes of one transformed sample, learned from replies
         self.sample_bytes = 0.0
         self.worker_restarts = 0

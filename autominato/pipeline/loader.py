@@ -300,8 +300,6 @@ class Loader:
 
     def _ensure_engine(self):
         if self._engine is None:
-            import cloudpickle
-
             from autominato.pipeline.engine import Engine
 
             spec = WorkSpec(
@@ -311,16 +309,9 @@ class Loader:
                 seed=self.seed,
                 threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
             )
-            payload = b""
-            if self._mode in ("fused", "split"):
-                try:
-                    payload = cloudpickle.dumps(spec)
-                except Exception as e:
-                    raise ValueError(
-                        f"the dataset and transform must be picklable to run in worker processes "
-                        f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0"
-                    ) from e
-            self._engine = Engine(self, payload, spec)
+            # Process workers inherit the spec by fork, or their zygote pickles it (and raises
+            # ValueError when it cannot): see autominato.pipeline.spawn.
+            self._engine = Engine(self, b"", spec)
         return self._engine
 
     def close(self) -> None:

@@ -10,6 +10,18 @@ sample (:func:`seed_globals`), for datasets and transforms that draw from them, 
 DataLoader seeds each of its workers. Thread workers (``worker_kind="thread"``, ``workers=0``)
 run in the training process: they leave those generators alone, since reseeding them from a
 worker thread would repeat the training loop's own draws and race with them.
+
+Intra-op threads (BLAS, OpenMP, torch) of a worker process:
+
+* A worker that descends from the training process by fork (a zygote forked from it, see
+  :mod:`autominato.pipeline.spawn`) keeps **one** thread, as the DataLoader's workers do
+  (``torch.set_num_threads(1)`` in its worker loop). GNU libgomp, the OpenMP runtime of
+  torch's Linux wheels, does not survive fork: after the parent ran a parallel region, a
+  child that enters one with more than one thread waits forever for pool threads that fork
+  did not copy (GCC bug 60035). One thread never uses the pool.
+* A worker forked by a zygote that is a new interpreter (or spawned) never inherited an
+  OpenMP pool: it takes ``cores // workers`` threads (:func:`threads_per_worker`), updated
+  when the worker count changes, so that workers x threads stays within the cores.
 """
 
 from __future__ import annotations
@@ -51,7 +63,8 @@ def takes_rng(fn: Callable | None) -> bool:
 
 @dataclass
 class WorkSpec:
-    """Everything a worker needs, pickled (with cloudpickle) once per worker."""
+    """Everything a worker needs. Forked workers inherit it; a zygote in a new interpreter
+    receives it cloudpickled, once (see :mod:`autominato.pipeline.spawn`)."""
 
     dataset: Any
     transform: Callable | None
@@ -154,30 +167,34 @@ def limit_threads(n: int) -> None:
         pass
 
 
-def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> None:
+def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = None) -> None:
     """Body of a transform worker process.
 
+    ``spec`` is the :class:`WorkSpec` itself (inherited by fork) or its cloudpickle bytes.
     Messages from the loader: ``None`` (exit), ``("threads", n)`` (cap intra-op threads at
     ``n``: the worker count changed) or a task tuple
     ``(pos, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
-    or ``None``. Replies: ``("ok", pos, desc, need, read_s, transform_s, pack_s)`` or
-    ``("err", pos, ErrorReport)``. ``threads`` overrides the payload's ``threads_per_worker``.
+    or ``None``. Replies: ``("ready", pid)`` once, then ``("ok", pos, desc, need, read_s,
+    transform_s, pack_s)`` or ``("err", pos, ErrorReport)``; ``("fatal", ErrorReport)`` when
+    ``spec`` cannot be unpickled. ``threads`` overrides the spec's ``threads_per_worker``.
+    The worker ends at ``None`` or at the end of ``conn`` (the loader closed or died: only
+    the loader holds the other end).
     """
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the loader's SIGTERM clean-up handler, which must not run here.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    parent = os.getppid()
-    import cloudpickle
-
     worker = f"worker {wid} (process {os.getpid()})"
     try:
-        try:
-            spec: WorkSpec = cloudpickle.loads(payload)
-        except BaseException as e:
-            conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
-            return
+        if isinstance(spec, (bytes, bytearray)):
+            import cloudpickle
+
+            try:
+                spec = cloudpickle.loads(spec)
+            except BaseException as e:
+                conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+                return
         limit_threads(spec.threads_per_worker if threads is None else threads)
         cache = SlotCache()
         conn.send(("ready", os.getpid()))
@@ -185,11 +202,6 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
         return  # retired (or the loader closed) before this worker was ready: nothing to say
     while True:
         try:
-            # A forked worker's pipe may also be open in its siblings, so the loader's death
-            # does not always close it: a new parent (we were re-parented) says so instead.
-            while not conn.poll(1.0):
-                if os.getppid() != parent:
-                    return
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the loader is gone
