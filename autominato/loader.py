@@ -97,8 +97,12 @@ class Loader:
             (the DataLoader's "no timeout") wait for ever.
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
-        start_method: how worker processes start (see
-            :class:`autominato.pipeline.executor.ProcessWorkers`).
+        start_method: how worker processes start. ``"auto"`` (default): a fork server of this
+            loader's own (:mod:`autominato.pipeline.spawn`) is forked when the Loader is built,
+            if no other thread runs and CUDA is not initialised (workers then share the
+            dataset copy-on-write), else started as a new interpreter that unpickles the
+            dataset once; ``"fork"``, ``"forkserver"`` force one of these; ``"spawn"`` starts
+            each worker as a new interpreter. Workers never import ``__main__``.
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
@@ -256,7 +260,7 @@ class Loader:
         self._controller = None
         _live.add(self)
 
-        if values["workers"] > 0 and worker_kind == "process" and start_method == "auto":
+        if values["workers"] > 0 and worker_kind == "process" and start_method in ("auto", "fork"):
             # Start the workers now, before telemetry and the controller start threads, so
             # that they can fork (see start_method).
             self._ensure_pipeline()

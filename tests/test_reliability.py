@@ -159,6 +159,15 @@ def wait_gone(pids, limit: float = 10.0) -> set[int]:
     return alive(pids)
 
 
+def settled_pids(loader, n: int, limit: float = 10.0) -> list[int]:
+    """``loader.worker_pids()`` once it lists ``n`` workers (or after ``limit`` seconds): a
+    worker starts asynchronously, and its pid is known once its fork server has forked it."""
+    deadline = time.monotonic() + limit
+    while len(loader.worker_pids()) != n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return loader.worker_pids()
+
+
 def descendants() -> set[int]:
     """Live child processes of this process except multiprocessing's forkserver and resource
     tracker (started once, shared by every loader of the process)."""
@@ -331,7 +340,7 @@ def test_sigkill_of_a_worker_mid_epoch_still_delivers_every_sample_once(tmp_path
         got, when = run_epoch(loader)
         killer.join()
         snap = loader.snapshot()
-        pids = loader.worker_pids()
+        pids = settled_pids(loader, 2)
         again, _ = run_epoch(loader)
     assert sorted(got) == list(range(40)) and sorted(again) == list(range(40))
     assert snap.worker_restarts_total == 1
@@ -380,7 +389,7 @@ def test_a_sample_that_kills_every_worker_goes_through_the_error_policy(on_error
         assert snap.worker_restarts_total == 2
         assert snap.skipped_total == (1 if on_error == "skip" else 0)
         # Replacements keep the pool at its size; the next epoch still works around the sample.
-        assert len(loader.worker_pids()) == 2
+        assert len(settled_pids(loader, 2)) == 2
     left = leftovers(before)
     assert left == "none"
     row(f"sample kills every worker ({on_error})", "2 tries, then " + (
@@ -416,7 +425,7 @@ def test_a_hanging_transform_times_out_naming_the_index_and_its_worker_is_replac
         assert hung not in loader.worker_pids() and not alive([hung])
         again, _ = run_epoch(loader)  # the sample does not hang a second time
         assert sorted(again) == list(range(24))
-        assert len(loader.worker_pids()) == 2
+        assert len(settled_pids(loader, 2)) == 2
     left = leftovers(before)
     assert left == "none"
     row(f"transform hangs, timeout=2 ({on_error})", "worker SIGKILLed and replaced; " + (
@@ -797,23 +806,29 @@ def thread_counts(sample, rng):
     return sample[0], sample[1], torch.get_num_threads(), blas
 
 
-def test_workers_times_threads_stays_within_the_cores_as_the_worker_count_changes():
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_workers_times_threads_stays_within_the_cores_as_the_worker_count_changes(start_method):
+    """Workers forked from the training process keep one thread (libgomp's pool does not
+    survive fork, see worker.py); those of a fork server in a new interpreter share the cores."""
     from autominato.pipeline.knobs import usable_cores
 
     cores = usable_cores()
     seen = {}
     with Loader(IndexDataset(8), 2, transform=thread_counts, workers=1, seed=0,
-                autotune=False) as loader:
+                start_method=start_method, autotune=False) as loader:
         for workers in (1, 2, 1):
             loader.knobs.workers = workers
             for _, _, torch_threads, blas_threads in loader:
                 seen.setdefault(workers, set()).update(
                     zip(torch_threads.tolist(), blas_threads.tolist(), strict=True))
-            assert len(loader.worker_pids()) == workers
-    want = {w: {(max(1, cores // w),) * 2} for w in (1, 2)}
+            assert len(settled_pids(loader, workers)) == workers
+    if start_method == "fork":
+        want = {w: {(1, 1)} for w in (1, 2)}
+    else:
+        want = {w: {(max(1, cores // w),) * 2} for w in (1, 2)}
     assert seen == want, (cores, seen)
-    row("thread oversubscription", f"{cores} cores: 1 worker x {max(1, cores)} threads, "
-        f"2 workers x {max(1, cores // 2)}", 24, 24, None, "none")
+    row(f"thread oversubscription ({start_method})", f"{cores} cores: 1 worker x "
+        f"{want[1].pop()[0]} threads, 2 workers x {want[2].pop()[0]}", 24, 24, None, "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -882,8 +897,9 @@ class DiesOnArrival(IndexDataset):
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 def test_workers_that_die_before_they_are_ready_raise_instead_of_respawning_forever(on_error):
     before = descendants()
+    # A fork server in a new interpreter unpickles the dataset (forked workers inherit it).
     with Loader(DiesOnArrival(8), 2, transform=identity, workers=1, max_tries=2,
-                on_error=on_error, autotune=False) as loader:
+                on_error=on_error, start_method="forkserver", autotune=False) as loader:
         for _ in range(2):  # each epoch tries again, and fails the same way
             with pytest.raises(WorkerDied) as info:
                 run_epoch(loader)

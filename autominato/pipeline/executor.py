@@ -5,9 +5,10 @@ exactly which samples each worker holds) and report through one callback, ``post
 so the scheduler sees a single stream of events:
 
 * :class:`ThreadWorkers`: threads of this process (read stage; GIL-free transforms).
-* :class:`ProcessWorkers`: worker processes, each with its own duplex pipe. Per-worker pipes
-  (not one shared queue) mean a worker killed mid-message cannot leave a lock held that
-  blocks the others, and its death is seen at once through its process sentinel.
+* :class:`ProcessWorkers`: worker processes, forked by a per-loader zygote
+  (:mod:`autominato.pipeline.spawn`), each with its own socket to the loader. Per-worker
+  sockets (not one shared queue) mean a worker killed mid-message cannot leave a lock held
+  that blocks the others; the zygote reaps each worker and reports its exit at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
+
+from autominato.pipeline.errors import ErrorReport, describe
+from autominato.pipeline.spawn import Zygote, can_fork_now, zygote_kind
+
+__all__ = ["ProcWorker", "ProcessWorkers", "ThreadWorker", "ThreadWorkers", "can_fork_now"]
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -56,6 +62,7 @@ class ThreadWorkers:
         self._retire = 0
         self._stuck = 0  # abandoned threads still inside fn
         self._ids = itertools.count()
+        self._threads: set[threading.Thread] = set()  # started and not yet returned
         self._running: dict[int, tuple[Any, float]] = {}  # thread id -> (task, start time)
         self._abandoned: set[int] = set()
         self.in_flight = 0
@@ -77,6 +84,7 @@ class ThreadWorkers:
                         target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True
                     )
                     self._alive += 1
+                    self._threads.add(t)
                     t.start()
             elif want < cur:
                 self._retire += cur - want
@@ -107,6 +115,7 @@ class ThreadWorkers:
             self.in_flight -= 1
             t = threading.Thread(target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True)
             self._alive += 1
+            self._threads.add(t)
         t.start()
         return True
 
@@ -117,6 +126,7 @@ class ThreadWorkers:
                 if self._retire > 0 or self._closed:
                     self._retire = max(0, self._retire - 1)
                     self._alive -= 1
+                    self._threads.discard(threading.current_thread())
                     return
             try:
                 task = self._q.get(timeout=0.05)
@@ -132,21 +142,31 @@ class ThreadWorkers:
                     self._abandoned.discard(tid)
                     self._stuck -= 1
                     self._alive -= 1
+                    self._threads.discard(threading.current_thread())
                 else:
                     self.in_flight -= 1
             self.post(event)
             if stuck:
                 return
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.5) -> None:
+        """Stop the threads; wait up to ``timeout`` seconds for those not stuck in ``fn``.
+
+        Waiting lets a loader built next find this process single-threaded again, so that
+        its workers may fork (see :func:`autominato.pipeline.spawn.can_fork_now`)."""
         with self._lock:
             self._closed = True
+            waiting = [t for t in self._threads if t.ident not in self._abandoned]
+        deadline = time.monotonic() + timeout
+        for t in waiting:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
 class ProcWorker:
     wid: int
-    proc: Any
+    proc: Any  # a _Child: how the loader reaches the process (pid, kill, exit)
     conn: Any
     pid: int | None = None
     ready: bool = False
@@ -156,51 +176,119 @@ class ProcWorker:
     info: dict = field(default_factory=dict)
 
 
+class _Child:
+    """The loader's view of one worker process, which its zygote forked and reaps."""
+
+    def __init__(self, zygote: Zygote | None) -> None:
+        self.zygote = zygote
+        self.pid: int | None = None
+        self.started = False  # the zygote reported it forked it
+        self.eof = False  # its connection reached end of file
+        self.exitcode: int | None = None
+        self.exited = threading.Event()
+        self.stop_deadline: float | None = None  # asked to stop: SIGKILL it after this
+
+    @property
+    def forked(self) -> bool:
+        """It descends from the training process by fork (see worker.py on threads)."""
+        return self.zygote is not None and self.zygote.forked
+
+    def kill(self) -> None:
+        # Takes no lock: also called from a SIGTERM handler.
+        if self.pid is not None and not self.exited.is_set():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def is_alive(self) -> bool:
+        return not self.exited.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.exited.wait(timeout)
+
+
 class ProcessWorkers:
     """Resizable pool of worker processes running :func:`autominato.pipeline.worker.process_main`.
 
+    Workers are forked by a per-loader zygote (:mod:`autominato.pipeline.spawn`), started
+    here, so that they share ``spec`` copy-on-write and never run the user's ``__main__``.
+    :meth:`start_one` only sends a request: a worker is usable once its ``("ready", pid)``
+    reply arrives, and a start that fails is reported as a death.
+
     Events posted: ``("proc", wid, reply)`` for each reply of a worker and
-    ``("died", wid, exitcode)`` when a worker process ends without being asked to.
-    All methods except the collector thread's are called from the scheduler thread.
+    ``("died", wid, exitcode)`` when a worker process ends without being asked to
+    (``exitcode`` as multiprocessing's: ``-9`` for SIGKILL; ``None`` when unknown, e.g. the
+    worker never started). All methods except the collector thread's are called from the
+    scheduler thread.
+
+    Args:
+        spec: the :class:`~autominato.pipeline.worker.WorkSpec` the workers run. Pickled (once)
+            only for a zygote in a new interpreter.
+        post: receives the events.
+        start_method: ``"auto"``, ``"fork"``, ``"forkserver"`` or ``"spawn"`` (see
+            :func:`autominato.pipeline.spawn.zygote_kind`).
+        initial: workers to start now.
+
+    Raises:
+        ValueError: ``start_method`` is unknown, or the zygote must be a new interpreter and
+            ``spec`` cannot be pickled.
     """
 
-    def __init__(self, payload: bytes, post: Post, start_method: str = "auto", initial: int = 0) -> None:
-        self.payload = payload
+    def __init__(self, spec: Any, post: Post, start_method: str = "auto", initial: int = 0) -> None:
+        from autominato.pipeline.knobs import usable_cores
+        from autominato.pipeline.worker import threads_per_worker
+
+        self.spec = spec
         self.post = post
-        fork_first = start_method == "auto" and can_fork_now()
-        if start_method == "auto":
-            start_method = "forkserver"
-        if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
-            start_method = "spawn"
-        self.ctx = mp.get_context(start_method)
-        self._start_ctx = self.ctx
-        if start_method == "forkserver":
-            # Workers fork from a server that already imported these: fast starts.
-            self.ctx.set_forkserver_preload(["__main__", "autominato.pipeline.worker", "numpy", "torch"])
+        self.kind = zygote_kind(start_method)
         self.workers: dict[int, ProcWorker] = {}
         self.dead: dict[int, ProcWorker] = {}
-        self.threads: int | None = None  # intra-op thread cap of each worker (None: payload's)
+        # Intra-op thread cap of each worker that does not descend from this process by fork.
+        self.threads: int = threads_per_worker(usable_cores(), max(1, initial))
+        self._payload: bytes | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._children: dict[int, ProcWorker] = {}  # every worker whose end is not known yet
+        self._zygotes: list[Zygote] = []
         self._closing = False
-        if fork_first and initial > 0:
-            # No thread runs yet in this process, so the first workers may fork straight from
-            # it: no interpreter start and no torch import (seconds) before the first batch.
-            # Workers started later (resizes, replacements) come from the fork server, which
-            # starts then (a background start would print its traceback on an early Ctrl-C).
-            from autominato.pipeline.knobs import usable_cores
-            from autominato.pipeline.worker import threads_per_worker
-
-            self.threads = threads_per_worker(usable_cores(), initial)
-            self._start_ctx = mp.get_context("fork")
-            try:
-                for _ in range(initial):
-                    self.start_one()
-            finally:
-                self._start_ctx = self.ctx
+        self._stop_collector = False
+        # First, while this process runs one thread: a forked zygote is started right here.
+        self._zygote: Zygote | None = self._new_zygote(self.kind)
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        for _ in range(initial):
+            self.start_one()
         self._collector = threading.Thread(target=self._collect, name="autominato-collector", daemon=True)
         self._collector.start()
+
+    # -- zygotes -------------------------------------------------------------------------
+    def _pickled(self) -> bytes:
+        if self._payload is None:
+            import cloudpickle
+
+            try:
+                self._payload = cloudpickle.dumps(self.spec)
+            except Exception as e:
+                raise ValueError(
+                    f"the dataset and transform must be picklable to run in worker processes "
+                    f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0, or build "
+                    "the Loader before any thread starts so that its workers fork"
+                ) from e
+        return self._payload
+
+    def _new_zygote(self, kind: str) -> Zygote:
+        z = Zygote(kind, self.spec, self._pickled)
+        with self._lock:
+            self._zygotes.append(z)
+        return z
+
+    def _zygote_for_start(self) -> Zygote:
+        z = self._zygote
+        if z is None or z.gone or z.broken:
+            # Never fork this process again (threads run now): a new interpreter takes over.
+            z = self._zygote = None
+            z = self._zygote = self._new_zygote("spawn" if self.kind == "spawn" else "fresh")
+        return z
 
     # -- scheduler side ------------------------------------------------------------------
     @property
@@ -213,10 +301,12 @@ class ProcessWorkers:
 
         active = [w for w in self.workers.values() if not w.retiring]
         threads = threads_per_worker(usable_cores(), n)
-        if self.threads is not None and threads != self.threads:
+        if threads != self.threads:
             # Workers x threads must stay within the cores whatever the worker count becomes.
+            # Forked workers keep their one thread (see worker.py).
             for w in active:
-                self._send_control(w, ("threads", threads))
+                if not w.proc.forked:
+                    self._send_control(w, ("threads", threads))
         self.threads = threads
         for _ in range(n - len(active)):
             self.start_one()
@@ -229,23 +319,40 @@ class ProcessWorkers:
                     self._stop(w)
 
     def start_one(self) -> ProcWorker:
-        from autominato.pipeline.worker import process_main
-
+        """Ask the zygote for one more worker; returns at once (see the class docstring)."""
         wid = next(self._ids)
-        parent, child = self._start_ctx.Pipe(duplex=True)
-        # Not a daemon: a transform may start a process pool of its own (daemons may not have
-        # children); close() ends the workers instead.
-        proc = self._start_ctx.Process(
-            target=process_main, args=(wid, child, self.payload, self.threads),
-            name=f"autominato-worker-{wid}", daemon=False,
-        )
-        proc.start()
-        child.close()
-        w = ProcWorker(wid, proc, parent, pid=proc.pid)
+        parent, child = mp.Pipe(duplex=True)  # a socket pair: the worker's line to us
+        w = ProcWorker(wid, _Child(None), parent)
         with self._lock:
             self.workers[wid] = w
+            self._children[wid] = w
+        try:
+            for attempt in range(2):
+                z = w.proc.zygote = self._zygote_for_start()
+                try:
+                    z.request(wid, child.fileno(), 1 if z.forked else self.threads)
+                    break
+                except OSError:
+                    z.broken = True  # it died; its end of file is handled by the collector
+                    if attempt:
+                        raise
+        except (OSError, ValueError) as e:
+            self._start_failed(w, e)
+        finally:
+            child.close()
         self._wake()
         return w
+
+    def _start_failed(self, w: ProcWorker, e: BaseException) -> None:
+        log.warning("could not start transform worker %d: %s", w.wid, describe(e))
+        with self._lock:
+            self._children.pop(w.wid, None)
+            self.workers.pop(w.wid, None)
+            self.dead[w.wid] = w
+        w.proc.exited.set()
+        if isinstance(e, ValueError):  # the spec cannot be pickled: say so in the training loop
+            self.post(("proc", w.wid, ("fatal", ErrorReport.capture(e, -1, None, f"worker {w.wid}"))))
+        self.post(("died", w.wid, None))
 
     def idle(self) -> list[ProcWorker]:
         return [w for w in self.workers.values() if w.ready and w.task is None and not w.retiring]
@@ -274,8 +381,8 @@ class ProcessWorkers:
             w.conn.send(None)
         except (BrokenPipeError, OSError):
             pass
+        w.proc.stop_deadline = time.monotonic() + 5.0  # then the collector SIGKILLs it
         self._forget(w)
-        threading.Thread(target=_reap, args=(w.proc, 5.0), daemon=True).start()
 
     def _forget(self, w: ProcWorker) -> None:
         with self._lock:
@@ -288,10 +395,7 @@ class ProcessWorkers:
 
     def kill(self, w: ProcWorker) -> None:
         """SIGKILL ``w`` (a hung worker); its death is then handled like any other."""
-        try:
-            os.kill(w.pid, signal.SIGKILL)
-        except (ProcessLookupError, TypeError):
-            pass
+        w.proc.kill()
 
     def remove_dead(self, wid: int) -> ProcWorker | None:
         """Forget a worker whose death was posted; returns it (with the task it held)."""
@@ -308,28 +412,37 @@ class ProcessWorkers:
         return [w.pid for w in self.workers.values() if w.pid is not None]
 
     def close(self, timeout: float = 5.0) -> None:
-        self._closing = True
-        workers = list(self.workers.values())
-        for w in workers:
+        self._closing = True  # no more events
+        deadline = time.monotonic() + timeout
+        for w in list(self.workers.values()):
             try:
                 w.conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + timeout
-        for w in workers:
-            # A worker busy on a long sample would finish it first: do not wait for that.
-            w.proc.join(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        # Idle workers exit at once; one busy on a long sample would finish it first: do not
+        # wait for that (the zygote SIGKILLs what is left when its socket closes).
+        soft = min(deadline, time.monotonic() + 0.5)
+        for w in list(self._children.values()):
+            w.proc.join(max(0.0, soft - time.monotonic()))
+        self._stop_collector = True
+        self._wake()
+        self._collector.join(timeout=2.0)
+        for z in self._zygotes:
+            if z.exitcode is None:
+                z.close(max(0.1, deadline - time.monotonic()))
+        for w in list(self._children.values()):
+            z = w.proc.zygote
+            if not (z is not None and z.ended_workers) and not w.proc.eof:
+                w.proc.kill()  # its zygote died earlier (an orphan) or had to be killed
+        with self._lock:
+            ws = list(self._children.values()) + list(self.workers.values()) + list(self.dead.values())
+            self._children.clear()
+            self.workers.clear()
+        for w in ws:
             try:
                 w.conn.close()
             except OSError:
                 pass
-        with self._lock:
-            self.workers.clear()
-        self._wake()
-        self._collector.join(timeout=2.0)
         self._wake_r.close()
         self._wake_w.close()
 
@@ -341,16 +454,14 @@ class ProcessWorkers:
 
     # -- collector thread ----------------------------------------------------------------
     def _collect(self) -> None:
-        while not self._closing:
+        while not self._stop_collector:
             with self._lock:
-                ws = list(self.workers.values())
-            conns = {w.conn: w for w in ws}
-            sentinels = {w.proc.sentinel: w for w in ws}
+                conns = {w.conn: w for w in self._children.values() if not w.proc.eof and not w.conn.closed}
+                ctrls = {z.ctrl: z for z in self._zygotes if not z.gone}
             try:
-                ready = wait([self._wake_r, *conns, *sentinels], timeout=1.0)
-            except OSError:
+                ready = wait([self._wake_r, *conns, *ctrls], timeout=0.5)
+            except (OSError, ValueError):
                 continue  # a connection closed under us; rebuild the list
-            dead: list[ProcWorker] = []
             for r in ready:
                 if r is self._wake_r:
                     try:
@@ -358,43 +469,82 @@ class ProcessWorkers:
                             self._wake_r.recv_bytes()
                     except (EOFError, OSError):
                         return
-                elif r in conns:
-                    self._drain(conns[r])
+                elif r in ctrls:
+                    self._from_zygote(ctrls[r])
                 else:
-                    dead.append(sentinels[r])
-            for w in dead:
-                with self._lock:
-                    if self.workers.pop(w.wid, None) is None:
-                        continue  # stopped on purpose
-                    self.dead[w.wid] = w
-                self._drain(w)  # a reply sent just before dying still counts
-                w.proc.join(timeout=0.5)
-                self.post(("died", w.wid, w.proc.exitcode))
+                    w = conns[r]
+                    if self._drain(w) and (w.proc.zygote is None or w.proc.zygote.gone):
+                        self._ended(w, None)  # no zygote will report its exit
+            now = time.monotonic()
+            for w in list(self._children.values()):
+                if w.proc.stop_deadline is not None and now > w.proc.stop_deadline:
+                    w.proc.stop_deadline = None
+                    w.proc.kill()  # asked to stop 5 s ago and still there
 
-    def _drain(self, w: ProcWorker) -> None:
+    def _drain(self, w: ProcWorker) -> bool:
+        """Post the replies waiting from ``w``; True when its connection reached its end."""
         try:
             while w.conn.poll():
-                self.post(("proc", w.wid, w.conn.recv()))
+                reply = w.conn.recv()
+                if reply[0] == "ready" and w.pid is None:
+                    w.pid = w.proc.pid = reply[1]
+                self.post(("proc", w.wid, reply))
         except (EOFError, OSError):
-            pass  # the sentinel reports the death
+            w.proc.eof = True
+        return w.proc.eof
+
+    def _from_zygote(self, z: Zygote) -> None:
+        for msg in z.receive():
+            kind = msg[0]
+            if kind == "fatal":
+                z.fatal = msg[1]
+                continue
+            w = self._children.get(msg[1])
+            if w is None:
+                continue
+            if kind == "started":
+                w.proc.started = True
+                w.proc.pid = msg[2]
+                if w.pid is None:
+                    w.pid = msg[2]
+            elif kind == "exit":
+                self._ended(w, msg[2])
+            elif kind == "failed":
+                log.warning("could not start transform worker %d: %s", w.wid, msg[2])
+                self._ended(w, None)
+        if not z.gone:
+            return
+        code = z.reap(2.0)
+        if not self._closing:
+            log.warning("the transform workers' fork server (pid %s) ended (%s); later workers "
+                        "start from a new one", z.pid, _how(code))
+        fatal = z.fatal
+        for w in [w for w in list(self._children.values()) if w.proc.zygote is z]:
+            if w.pid is not None and not self._drain(w):
+                continue  # running: an orphan now, whose end shows as its connection's end
+            if fatal is not None and w.pid is None:
+                self.post(("proc", w.wid, ("fatal", fatal)))  # why it could not start
+                fatal = None
+            self._ended(w, None if w.pid is not None else code)
+
+    def _ended(self, w: ProcWorker, exitcode: int | None) -> None:
+        """``w``'s process is gone: post its death unless it was stopped on purpose."""
+        if w.wid not in self._children:
+            return
+        if not w.proc.eof and not w.conn.closed:
+            self._drain(w)  # a reply sent just before dying still counts
+        with self._lock:
+            self._children.pop(w.wid, None)
+            unexpected = self.workers.pop(w.wid, None) is not None
+            if unexpected:
+                self.dead[w.wid] = w
+        w.proc.exitcode = exitcode
+        w.proc.exited.set()
+        if unexpected and not self._closing:
+            self.post(("died", w.wid, exitcode))
 
 
-def can_fork_now() -> bool:
-    """Whether this process may fork workers safely: Linux-style ``fork`` exists, only one
-    thread runs (a lock held by another thread at fork time stays held in the child forever)
-    and CUDA is not initialised (a forked child cannot use it)."""
-    if "fork" not in mp.get_all_start_methods() or threading.active_count() != 1:
-        return False
-    try:
-        import torch
-
-        return not torch.cuda.is_initialized()
-    except ImportError:  # pragma: no cover
-        return True
-
-
-def _reap(proc: Any, timeout: float) -> None:
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(1.0)
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -185,7 +185,11 @@ class Pipeline:
         self._svc = CHUNK_BUDGET_S  # running mean seconds per sample in worker processes
         self._batch_ids = itertools.count()
         self.procs: ProcessExecutor | None = None
-        self.sample_stages: list[Stage] = compose(self)
+        try:
+            self.sample_stages: list[Stage] = compose(self)
+        except BaseException:
+            self.slots.close()  # an unpicklable dataset, say: leave no /dev/shm lock behind
+            raise
         post = self.events.put
         self.batch_stage = Stage("batch", ThreadExecutor("batch", self._collate, post, 1),
                                  self._hook("batch"), lambda: 0)
@@ -686,24 +690,13 @@ def compose(p: Pipeline) -> list[Stage]:
     if cfg.worker_kind == "thread":
         return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
                 stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
-    workers = ProcessWorkers(_payload(spec), post, cfg.start_method, initial=k.workers)
+    workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
     p.procs = ProcessExecutor("transform", workers, cfg.max_tries, p._fail_runs, cfg.start_method)
     p.procs.resize(k.workers)  # those not forked already start from the fork server
     if cfg.fuse_read:
         return [stage("transform", p.procs, lambda: 0)]
     return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
             stage("transform", p.procs, ahead)]
-
-
-def _payload(spec: WorkSpec) -> bytes:
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps(spec)
-    except Exception as e:
-        raise ValueError(
-            f"the dataset and transform must be picklable to run in worker processes "
-            f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0") from e
 
 
 def _nbytes(sample: Any) -> int:

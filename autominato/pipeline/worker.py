@@ -2,8 +2,26 @@
 
 The same :func:`run_sample` serves thread workers and process workers, so a sample's result
 does not depend on where it ran: its random generator is seeded from ``(seed, epoch, index)``
-alone (``numpy.random.SeedSequence`` entropy), and so are Python's ``random``, NumPy's legacy
-global generator and torch's default generator, for transforms that use global randomness.
+alone (``numpy.random.SeedSequence`` entropy).
+
+Global generators. A worker process also seeds Python's ``random``, NumPy's legacy global
+generator and torch's default generator from the same ``(seed, epoch, index)`` before each
+sample (:func:`seed_globals`), for datasets and transforms that draw from them, as the
+DataLoader seeds each of its workers. Thread workers (``worker_kind="thread"``, ``workers=0``)
+run in the training process: they leave those generators alone, since reseeding them from a
+worker thread would repeat the training loop's own draws and race with them.
+
+Intra-op threads (BLAS, OpenMP, torch) of a worker process:
+
+* A worker that descends from the training process by fork (a zygote forked from it, see
+  :mod:`autominato.pipeline.spawn`) keeps **one** thread, as the DataLoader's workers do
+  (``torch.set_num_threads(1)`` in its worker loop). GNU libgomp, the OpenMP runtime of
+  torch's Linux wheels, does not survive fork: after the parent ran a parallel region, a
+  child that enters one with more than one thread waits forever for pool threads that fork
+  did not copy (GCC bug 60035). One thread never uses the pool.
+* A worker forked by a zygote that is a new interpreter (or spawned) never inherited an
+  OpenMP pool: it takes ``cores // workers`` threads (:func:`threads_per_worker`), updated
+  when the worker count changes, so that workers x threads stays within the cores.
 """
 
 from __future__ import annotations
@@ -45,7 +63,8 @@ def takes_rng(fn: Callable | None) -> bool:
 
 @dataclass
 class WorkSpec:
-    """Everything a worker needs, pickled (with cloudpickle) once per worker."""
+    """Everything a worker needs. Forked workers inherit it; a zygote in a new interpreter
+    receives it cloudpickled, once (see :mod:`autominato.pipeline.spawn`)."""
 
     dataset: Any
     transform: Callable | None
@@ -54,21 +73,35 @@ class WorkSpec:
     threads_per_worker: int = 1
 
 
+def _seed_sequence(seed: int, epoch: int, index: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
+
+
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``."""
-    ss = np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
-    g = np.random.default_rng(ss)
-    # Global generators too, for transforms that draw from them.
-    s32 = int(ss.generate_state(1, dtype=np.uint32)[0])
+    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``.
+
+    Touches no global generator (see :func:`seed_globals` for worker processes)."""
+    return np.random.default_rng(_seed_sequence(seed, epoch, index))
+
+
+def seed_globals(seed: int, epoch: int, index: int) -> None:
+    """Seed Python's ``random``, NumPy's legacy global generator and torch's default generator
+    for one sample, from the same ``(seed, epoch, index)`` as :func:`sample_rng`.
+
+    Only for worker processes: in the training process it would reseed the user's own
+    generators (see the module docstring)."""
+    s32 = int(_seed_sequence(seed, epoch, index).generate_state(1, dtype=np.uint32)[0])
     random.seed(s32)
     np.random.seed(s32)
     try:
         import torch
-
-        torch.manual_seed(s32)
     except ImportError:  # pragma: no cover
-        pass
-    return g
+        return
+    # Not torch.manual_seed: with CUDA not initialised (a worker's usual state) it queues a
+    # lazy CUDA seeding and formats the whole call stack for it, about 1 ms per sample.
+    torch.default_generator.manual_seed(s32)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(s32)
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
@@ -134,31 +167,35 @@ def limit_threads(n: int) -> None:
         pass
 
 
-def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> None:
+def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = None) -> None:
     """Body of a transform worker process.
 
+    ``spec`` is the :class:`WorkSpec` itself (inherited by fork) or its cloudpickle bytes.
     Messages from the loader: ``None`` (exit), ``("threads", n)`` (cap intra-op threads at
     ``n``: the worker count changed) or ``("many", [task, ...])``, each task
     ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
     or ``None``, served in order. Replies: ``("many", [reply, ...])`` (see :data:`FLUSH_S`),
     each ``("ok", key, desc, need, read_s, transform_s, pack_s)`` or
-    ``("err", key, ErrorReport)``. ``threads`` overrides the payload's ``threads_per_worker``.
+    ``("err", key, ErrorReport)``; before them ``("ready", pid)`` once, or
+    ``("fatal", ErrorReport)`` when ``spec`` cannot be unpickled. ``threads`` overrides the
+    spec's ``threads_per_worker``. The worker ends at ``None`` or at the end of ``conn`` (the
+    loader closed or died: only the loader holds the other end).
     """
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the loader's SIGTERM clean-up handler, which must not run here.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    parent = os.getppid()
-    import cloudpickle
-
     worker = f"worker {wid} (process {os.getpid()})"
     try:
-        try:
-            spec: WorkSpec = cloudpickle.loads(payload)
-        except BaseException as e:
-            conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
-            return
+        if isinstance(spec, (bytes, bytearray)):
+            import cloudpickle
+
+            try:
+                spec = cloudpickle.loads(spec)
+            except BaseException as e:
+                conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+                return
         limit_threads(spec.threads_per_worker if threads is None else threads)
         cache = SlotCache()
         conn.send(("ready", os.getpid()))
@@ -166,11 +203,6 @@ def process_main(wid: int, conn, payload: bytes, threads: int | None = None) -> 
         return  # retired (or the loader closed) before this worker was ready: nothing to say
     while True:
         try:
-            # A forked worker's pipe may also be open in its siblings, so the loader's death
-            # does not always close it: a new parent (we were re-parented) says so instead.
-            while not conn.poll(1.0):
-                if os.getppid() != parent:
-                    return
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the loader is gone
@@ -195,6 +227,7 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
     pos, index, epoch, read, in_slot, in_desc, out_slot = msg
     try:
         sample = None
+        seed_globals(spec.seed, epoch, index)
         if in_slot is not None or in_desc is not None:
             buf = cache.get(*in_slot) if in_slot is not None else None
             sample = unpack(in_desc, buf)

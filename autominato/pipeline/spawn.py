@@ -1,0 +1,369 @@
+"""How worker processes start: a per-loader fork server, the *zygote*.
+
+Each :class:`~autominato.pipeline.executor.ProcessWorkers` starts one small, single-threaded
+process when it is built, the zygote, which holds the loader's :class:`WorkSpec` (dataset and
+transform) and forks every worker on request, for the whole life of the loader: the first
+workers, those the controller adds, and replacements after a death.
+
+* Forking is safe when the loader is built (one thread, CUDA not initialised: see
+  :func:`can_fork_now`): the zygote is forked from the training process. It and its workers
+  inherit the spec copy-on-write and never pickle it, so an in-memory dataset (a large NumPy
+  array, a MONAI ``CacheDataset``) is shared by every worker instead of copied into each.
+* Otherwise (``start_method="forkserver"``, or threads already run): the zygote is a new
+  interpreter (``python -c``) that unpickles the spec once and forks workers, which share
+  that one copy. ``start_method="spawn"``: the new interpreter starts each worker as a new
+  interpreter of its own (multiprocessing's ``spawn``), each unpickling the spec.
+
+Either way no worker ever runs the user's ``__main__``: the spec is cloudpickled (functions
+and classes of ``__main__`` travel by value) or inherited, so a script without an
+``if __name__ == "__main__":`` guard, or one read from stdin, works.
+
+Why this and not multiprocessing's forkserver. multiprocessing's forkserver and spawn import
+``__main__`` in every child (preparation data ``init_main_from_path``/``_name``), which
+re-runs an unguarded script and fails for ``python - < script.py``; avoiding that means
+subclassing private, version-dependent internals (``Popen._launch``,
+``spawn.get_preparation_data``, the forkserver's wire protocol, which changed between 3.10
+and 3.13). The forkserver is also one per process with a global preload list, it stalls the
+caller for seconds while it first starts, and a spec sent through it is pickled for, and
+copied into, every worker. The zygote needs only public APIs, one protocol whatever the
+start method, and makes a start one write on a socket.
+
+Protocol. One ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair per zygote (message boundaries kept,
+descriptors passed with ``SCM_RIGHTS``). The loader sends ``("start", wid, threads)`` with
+the worker's end of its own socket pair attached; the worker talks to the loader straight
+through that socket (the zygote keeps no copy). The zygote answers ``("started", wid, pid)``,
+``("exit", wid, exitcode)`` when it reaps the worker (``exitcode`` as multiprocessing's: a
+signal is its negative number), ``("failed", wid, reason)`` when it cannot fork, and
+``("fatal", ErrorReport)`` when a new-interpreter zygote cannot unpickle the spec (it then
+exits). The zygote exits, SIGKILLing the workers left, when the loader's end closes (the
+loader closed or died) or its parent changes (the loader died while another process holds
+its end).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from importlib import import_module
+from multiprocessing import spawn as mp_spawn
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+#: The start methods a loader accepts (see :func:`zygote_kind` for what each starts).
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+
+
+def can_fork_now() -> bool:
+    """Whether this process may fork workers safely: Linux-style ``fork`` exists, only one
+    thread runs (a lock held by another thread at fork time stays held in the child forever)
+    and CUDA is not initialised (a forked child cannot use it)."""
+    if "fork" not in mp.get_all_start_methods() or threading.active_count() != 1:
+        return False
+    try:
+        import torch
+
+        return not torch.cuda.is_initialized()
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def zygote_kind(start_method: str) -> str:
+    """``"fork"`` (forked from this process), ``"fresh"`` (a new interpreter forks the
+    workers) or ``"spawn"`` (a new interpreter spawns each worker) for ``start_method``.
+
+    Raises:
+        ValueError: ``start_method`` is not one of :data:`START_METHODS`.
+    """
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, "
+                         f"got {start_method!r}")
+    if "fork" not in mp.get_all_start_methods():
+        return "spawn"
+    if start_method == "auto":
+        return "fork" if can_fork_now() else "fresh"
+    return {"fork": "fork", "forkserver": "fresh", "spawn": "spawn"}[start_method]
+
+
+class Zygote:
+    """The loader's handle of one zygote (see the module docstring).
+
+    Args:
+        kind: ``"fork"``, ``"fresh"`` or ``"spawn"`` (see :func:`zygote_kind`).
+        spec: what the workers run (a :class:`~autominato.pipeline.worker.WorkSpec`); a
+            ``"fork"`` zygote inherits it.
+        payload: returns ``spec`` cloudpickled; called only for the other kinds.
+
+    Raises:
+        ValueError: ``payload`` does (the spec cannot be pickled).
+        OSError: the process could not be started.
+    """
+
+    def __init__(self, kind: str, spec: Any, payload: Callable[[], bytes]) -> None:
+        self.kind = kind
+        #: Its workers descend from the training process by fork (see worker.py on threads).
+        self.forked = kind == "fork"
+        self.gone = False  # its end of the socket closed: it exited (or is exiting)
+        self.broken = False  # a request could not be sent: start later workers elsewhere
+        self.exitcode: int | None = None
+        self.fatal: Any = None  # the ErrorReport of a spec it could not unpickle
+        self.ended_workers = False  # closed by the loader, it ended its workers and exited
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            if self.forked:
+                self._proc: Any = mp.get_context("fork").Process(
+                    target=_forked_main, args=(ours, theirs, spec), name="autominato-zygote")
+                self._proc.start()
+            else:
+                self._proc = _start_interpreter(theirs, kind, payload())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid: int = self._proc.pid
+        self.ctrl = ours
+
+    def request(self, wid: int, fd: int, threads: int | None) -> None:
+        """Ask for worker ``wid`` on socket ``fd`` (the caller closes its copy afterwards).
+
+        Raises:
+            OSError: the zygote is gone.
+        """
+        with self._lock:
+            socket.send_fds(self.ctrl, [pickle.dumps(("start", wid, threads))], [fd])
+
+    def receive(self) -> list[tuple]:
+        """Messages waiting from the zygote (never blocks); sets :attr:`gone` at its end."""
+        out = []
+        while not self.gone:
+            try:
+                data = self.ctrl.recv(1 << 20, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self.gone = True
+                break
+            out.append(pickle.loads(data))
+        return out
+
+    def reap(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` seconds for the process to end (then SIGKILL it); its exit code."""
+        deadline = time.monotonic() + timeout
+        while self._poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._poll() is None:
+            self._proc.kill()
+            deadline = time.monotonic() + 1.0
+            while self._poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.exitcode = self._poll()
+        return self.exitcode
+
+    def _poll(self) -> int | None:
+        # multiprocessing's join() waits on a pipe that the workers inherit too; waitpid does not.
+        return self._proc.exitcode if self.forked else self._proc.poll()
+
+    def close(self, timeout: float) -> int | None:
+        """Close the socket (the zygote then SIGKILLs the workers left and exits) and reap it.
+
+        Sets :attr:`ended_workers` when it exited by itself (so its workers are gone too)."""
+        with self._lock:
+            self.ctrl.close()
+        self.gone = True
+        code = self.reap(timeout)
+        self.ended_workers = code == 0
+        return code
+
+
+def _start_interpreter(ctrl: socket.socket, kind: str, payload: bytes) -> subprocess.Popen:
+    """A new interpreter running :func:`_fresh_main`; it reads ``payload`` from a memory file."""
+    meta = {"kind": kind, "argv": list(sys.argv),
+            "preload": [m for m in ("numpy", "torch") if m in sys.modules]}
+    try:
+        boot = os.fdopen(os.memfd_create("autominato-spec"), "w+b")
+    except (AttributeError, OSError):  # not Linux
+        boot = tempfile.TemporaryFile()
+    with boot:
+        pickle.dump(meta, boot)
+        boot.write(payload)
+        boot.flush()
+        boot.seek(0)
+        # -c: the new interpreter's __main__ has no file and no module name, so nothing it
+        # starts with multiprocessing (spawn-kind workers) re-imports a main module either.
+        code = (f"import sys; sys.path[:] = {sys.path!r}; "
+                f"from autominato.pipeline.spawn import _fresh_main; "
+                f"_fresh_main({ctrl.fileno()}, {boot.fileno()})")
+        flags = getattr(subprocess, "_args_from_interpreter_flags", list)()
+        return subprocess.Popen([mp_spawn.get_executable(), *flags, "-c", code],
+                                pass_fds=(ctrl.fileno(), boot.fileno()), stdin=subprocess.DEVNULL)
+
+
+# ------------------------------------------------------------------------------------------
+# Inside the zygote
+
+
+def _forked_main(ours: socket.socket, theirs: socket.socket, spec: Any) -> None:
+    ours.close()
+    _exit_after(_serve, theirs, spec, "fork")
+
+
+def _fresh_main(ctrl_fd: int, boot_fd: int) -> None:
+    """Body of a new-interpreter zygote: read the bootstrap, unpickle the spec, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the loader ends it; no traceback on Ctrl-C
+    _exit_after(_bootstrap, socket.socket(fileno=ctrl_fd), boot_fd)
+
+
+def _exit_after(fn: Callable[..., int | None], *args: Any) -> None:
+    """Run ``fn`` and exit without the interpreter's exit handlers: multiprocessing's would
+    join the workers, which the zygote has already ended (and whose own children may hold
+    the pipe that join waits on)."""
+    code = 1
+    try:
+        code = fn(*args) or 0
+    except BaseException:  # noqa: BLE001 - a bug here: say what it was, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _bootstrap(ctrl: socket.socket, boot_fd: int) -> int | None:
+    with os.fdopen(boot_fd, "rb") as boot:
+        meta = pickle.load(boot)
+        sys.argv[:] = meta["argv"]
+        if meta["kind"] == "spawn":
+            spec: Any = boot.read()  # each spawned worker unpickles its own copy
+        else:
+            try:
+                import cloudpickle
+
+                spec = cloudpickle.load(boot)
+            except BaseException as e:  # noqa: BLE001 - reported to the training loop
+                from autominato.pipeline.errors import ErrorReport
+
+                where = f"the workers' fork server (process {os.getpid()})"
+                _send(ctrl, ("fatal", ErrorReport.capture(e, -1, None, where)))
+                return 1
+    # What the training process had imported and the workers will need: import it once here.
+    for name in meta["preload"]:
+        try:
+            import_module(name)
+        except Exception:  # noqa: BLE001 - a worker that needs it reports the error
+            pass
+    import autominato.pipeline.worker  # noqa: F401
+    return _serve(ctrl, spec, meta["kind"])
+
+
+def _serve(ctrl: socket.socket, spec: Any, kind: str) -> None:
+    """The zygote's loop: fork (or spawn) a worker per request, report starts and exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the loader
+    loader = os.getppid()
+    if kind != "spawn":
+        try:
+            import threadpoolctl  # noqa: F401 - every worker caps its threads with it
+        except ImportError:  # pragma: no cover - a dependency
+            pass
+        # Objects that exist now are never collected here or in the workers, so the garbage
+        # collector does not write to (and thereby copy) the pages that hold them.
+        gc.freeze()
+    ctx = mp.get_context("spawn" if kind == "spawn" else "fork")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the wait below
+    signal.signal(signal.SIGCHLD, _ignore)
+    inherited = None if kind == "spawn" else (ctrl, wake_r, wake_w)
+    children: dict[int, Any] = {}
+    try:
+        while os.getppid() == loader:
+            ready = wait([ctrl, wake_r], timeout=1.0)
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            for wid, p in list(children.items()):
+                if p.exitcode is not None:  # waitpid: a worker's own children do not delay it
+                    del children[wid]
+                    if not _send(ctrl, ("exit", wid, p.exitcode)):
+                        return
+            if ctrl not in ready:
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(ctrl, 1 << 16, 1)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                return  # the loader closed its end, or died
+            _, wid, threads = pickle.loads(data)
+            conn = Connection(fds[0])
+            try:
+                # The spec in a list that the worker empties: a spawned worker then frees the
+                # pickled bytes once it has unpickled them (the Process keeps its arguments).
+                p = ctx.Process(target=_worker_main, args=(wid, conn, [spec], threads, inherited),
+                                name=f"autominato-worker-{wid}")
+                # Not a daemon: a transform may start a process pool of its own.
+                p.start()
+            except Exception as e:  # noqa: BLE001 - out of processes or memory: a death
+                reply: tuple = ("failed", wid, f"{type(e).__name__}: {e}")
+            else:
+                children[wid] = p
+                reply = ("started", wid, p.pid)
+            finally:
+                conn.close()
+            if not _send(ctrl, reply):
+                return
+    finally:
+        for p in children.values():
+            p.kill()
+        deadline = time.monotonic() + 2.0
+        for p in children.values():
+            while p.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def _worker_main(wid: int, conn: Connection, box: list, threads: int | None,
+                 inherited: tuple | None) -> None:
+    if inherited is not None:  # forked from the zygote: drop what is the zygote's
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        ctrl, wake_r, wake_w = inherited
+        ctrl.close()
+        os.close(wake_r)
+        os.close(wake_w)
+    from autominato.pipeline.worker import process_main
+
+    process_main(wid, conn, box.pop(), threads)
+
+
+def _send(ctrl: socket.socket, msg: tuple) -> bool:
+    try:
+        ctrl.send(pickle.dumps(msg))
+        return True
+    except OSError:
+        return False  # the loader is gone
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass

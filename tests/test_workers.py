@@ -1,0 +1,367 @@
+"""The process-worker model: how workers start (a per-loader zygote), what they share, what
+they never run, their threads and their random generators.
+
+Scenarios that depend on the state of a whole training process (a script without a
+``__main__`` guard, OpenMP already used before the loader forks) run in a fresh Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from autominato import Loader
+from autominato.pipeline.executor import ProcessWorkers
+from autominato.pipeline.shm import leftover_segments
+from autominato.pipeline.worker import WorkSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(code: str, tmp_path: Path, *args: str, stdin: bool = False, env: dict | None = None,
+               timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python (from a file, or fed on stdin as ``python -``) with this
+    checkout first on its path; ``timeout`` ends a hang as a test failure."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(code))
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    cmd = [sys.executable, "-" if stdin else str(script), *args]
+    with open(script) as f:
+        return subprocess.run(cmd, stdin=f if stdin else subprocess.DEVNULL, capture_output=True,
+                              text=True, cwd=tmp_path, env=full_env, timeout=timeout)
+
+
+def result_of(proc: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. An in-memory dataset is shared by the workers, not copied into each
+
+
+class InMemory:
+    """A (200, 128 Ki) float64 array (200 MiB); sample ``i`` is a copy of row ``i``."""
+
+    def __init__(self) -> None:
+        self.data = np.random.default_rng(0).random((200, 128 * 1024))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i].copy(), i
+
+
+def private_bytes(pid: int) -> int:
+    """Unique set size: the memory only ``pid`` holds (shared copy-on-write pages excluded)."""
+    return psutil.Process(pid).memory_full_info().uss
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_workers_share_an_in_memory_dataset_instead_of_copying_it(start_method):
+    dataset = InMemory()
+    size = dataset.data.nbytes
+    with Loader(dataset, 8, workers=2, start_method=start_method, seed=0, autotune=False) as loader:
+        got = []
+        for x, idx in loader:
+            assert np.array_equal(x.numpy(), dataset.data[idx.numpy()])
+            got += idx.tolist()
+        assert sorted(got) == list(range(200))
+        pids = loader.worker_pids()
+        assert len(pids) == 2
+        private = [private_bytes(p) for p in pids]
+    # Before: each worker unpickled its own copy, 208 MiB of private memory each.
+    assert max(private) < 0.25 * size, [f"{b / 2**20:.0f} MiB" for b in private]
+
+
+class HoldsALock:
+    """A dataset that cannot be pickled (a lock)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lock = n, threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        with self.lock:
+            return np.full(3, i, np.float32), i
+
+
+def test_a_dataset_that_cannot_be_pickled_runs_in_forked_workers():
+    with Loader(HoldsALock(10), 4, workers=2, start_method="fork", seed=0, autotune=False) as loader:
+        got = [i for _, idx in loader for i in idx.tolist()]
+    assert sorted(got) == list(range(10))
+
+
+def test_a_dataset_that_cannot_be_pickled_is_named_when_workers_need_a_new_interpreter():
+    loader = Loader(HoldsALock(10), 4, workers=2, start_method="forkserver", seed=0, autotune=False)
+    with pytest.raises(ValueError, match="must be picklable to run in worker processes"):
+        iter(loader)
+    loader.close()
+    assert leftover_segments(os.getpid()) == []  # the half-built pipeline let its pool go
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Workers never run the user's __main__
+
+
+UNGUARDED = """
+    import json, os, signal, sys, threading, time
+    import numpy as np
+    from autominato import Loader
+
+    with open(sys.argv[1], "a") as f:  # the top level's side effect: must happen once
+        f.write(f"top level ran in {os.getpid()}\\n")
+
+    class Counting:  # defined in __main__: travels by value, never re-imported
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            return np.full(4, i, np.float32), i
+
+    def slow(sample):
+        time.sleep(0.02)
+        return sample
+
+    if os.environ.get("START_A_THREAD"):  # forking is not safe now: a new interpreter forks workers
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    loader = Loader(Counting(), 2, transform=slow, workers=1, autotune=False)
+    got, killed = [], None
+    for k, (x, idx) in enumerate(loader):
+        assert all(row[0] == i for row, i in zip(x.tolist(), idx.tolist()))
+        got += idx.tolist()
+        if k == 2:
+            loader.knobs.workers = 3
+        if k == 8:
+            killed = loader.worker_pids()[0]
+            os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while len(loader.worker_pids()) != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("RESULT", json.dumps({"got": got, "pids": loader.worker_pids(), "killed": killed,
+                                "restarts": loader.snapshot().worker_restarts_total}), flush=True)
+    loader.close()
+"""
+
+
+@pytest.mark.slow  # fresh Pythons that import torch
+@pytest.mark.parametrize("how", ["file", "stdin", "stdin, threads running"])
+def test_workers_added_or_replaced_never_rerun_an_unguarded_main_script(tmp_path, how):
+    marker = tmp_path / "side-effects.txt"
+    env = {"START_A_THREAD": "1"} if "threads" in how else {}
+    proc = run_script(UNGUARDED, tmp_path, str(marker), stdin=how != "file", env=env)
+    out = result_of(proc)
+    ran = marker.read_text().splitlines()
+    # Before: every worker added later re-ran the script (6 lines), and from stdin they died
+    # with FileNotFoundError: '<stdin>'.
+    assert len(ran) == 1, ran
+    assert Counter(out["got"]) == Counter(range(48)), "every sample exactly once"
+    assert out["restarts"] == 1 and len(out["pids"]) == 3 and out["killed"] not in out["pids"]
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Starting a worker does not block the scheduler; a killed worker is reported with its signal
+
+
+def wait_for(events: queue.SimpleQueue, want, n: int = 1, limit: float = 60.0) -> list[tuple]:
+    """The first ``n`` events for which ``want(event)`` holds (others are dropped)."""
+    got, deadline = [], time.monotonic() + limit
+    while len(got) < n:
+        ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
+        if want(ev):
+            got.append(ev)
+    return got
+
+
+def is_ready(ev: tuple) -> bool:
+    return ev[0] == "proc" and ev[2][0] == "ready"
+
+
+def await_ready(pw: ProcessWorkers, events: queue.SimpleQueue, n: int = 1) -> list[tuple]:
+    """Wait for ``n`` "ready" replies and mark those workers ready, as the scheduler does."""
+    got = wait_for(events, is_ready, n)
+    for _, wid, _ in got:
+        pw.workers[wid].ready = True
+    return got
+
+
+def spec() -> WorkSpec:
+    return WorkSpec(dataset=[np.full(2, i) for i in range(10)], transform=None,
+                    transform_takes_rng=False, seed=0)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_resize_returns_at_once_and_new_workers_report_ready_later(start_method):
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    pw = ProcessWorkers(spec(), events.put, start_method, initial=1)
+    try:
+        await_ready(pw, events)
+        t0 = time.perf_counter()
+        pw.resize(3)
+        took = time.perf_counter() - t0
+        assert took < 0.1, f"resize(+2) took {took * 1000:.0f} ms"  # before: 1.5-2.5 s
+        assert pw.size == 3 and len(pw.idle()) == 1  # the new ones are not usable yet
+        await_ready(pw, events, n=2)
+        # Each worker serves a sample: (task, index, epoch, read, in_slot, in_desc, out_slot).
+        for i, w in enumerate(pw.idle()):
+            pw.send(w, i, ((0, i), i, 0, True, None, None, None))
+        oks = wait_for(events, lambda ev: ev[0] == "proc" and ev[2][0] == "ok", n=3)
+        assert sorted(ev[2][1] for ev in oks) == [(0, 0), (0, 1), (0, 2)]
+    finally:
+        pw.close()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_sigkilled_worker_is_reported_with_its_signal(start_method):
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    pw = ProcessWorkers(spec(), events.put, start_method, initial=1)
+    try:
+        (_, wid, (_, pid)), = wait_for(events, is_ready)
+        os.kill(pid, signal.SIGKILL)
+        (died,) = wait_for(events, lambda ev: ev[0] == "died", limit=10)
+        assert died == ("died", wid, -signal.SIGKILL)
+        assert pw.remove_dead(wid).pid == pid
+    finally:
+        pw.close()
+
+
+def test_when_the_fork_server_dies_workers_keep_serving_and_failed_starts_are_deaths():
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    # Unpicklable: the fork server cannot be replaced by one in a new interpreter.
+    pw = ProcessWorkers(WorkSpec(HoldsALock(4), None, False, 0), events.put, "fork", initial=1)
+    try:
+        (_, wid, (_, pid)), = await_ready(pw, events)
+        w = pw.workers[wid]
+        os.kill(pw._zygote.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not pw._zygote.gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert psutil.pid_exists(pid)  # an orphan now, still connected to the loader
+        pw.send(w, 0, ((0, 0), 3, 0, True, None, None, None))
+        (ok,) = wait_for(events, lambda ev: ev[0] == "proc" and ev[2][0] == "ok")
+        pw.task_done(w)
+        t0 = time.perf_counter()
+        new = pw.start_one()
+        assert time.perf_counter() - t0 < 0.1
+        fatal, died = wait_for(events, lambda ev: ev[1] == new.wid, n=2)
+        assert fatal[2][0] == "fatal" and "must be picklable" in fatal[2][1].message
+        assert died == ("died", new.wid, None)
+        # The orphan's death is seen at the end of its connection (no exit code to tell).
+        os.kill(pid, signal.SIGKILL)
+        (died,) = wait_for(events, lambda ev: ev[0] == "died", limit=10)
+        assert died == ("died", wid, None)
+    finally:
+        pw.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Forked workers after OpenMP work in the training process
+
+
+OPENMP_FIRST = """
+    import json, torch
+    import numpy as np
+    from autominato import Loader
+
+    class Volumes:
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return np.full((64, 64, 64), i, np.float32)
+
+    def conv_and_matmul(x):
+        t = torch.from_numpy(x)
+        y = torch.nn.functional.conv3d(t[None, None], torch.ones(1, 1, 3, 3, 3), padding=1)
+        z = t.reshape(64, -1) @ t.reshape(-1, 64)
+        return float(y.sum() + z.sum()), torch.get_num_threads()
+
+    torch.set_num_threads(2)  # libgomp's pool starts with the training process's matmul
+    a = torch.randn(1000, 1000)
+    for _ in range(3):
+        a @ a
+    with Loader(Volumes(), 2, transform=conv_and_matmul, workers=1, start_method="fork",
+                autotune=False) as loader:
+        threads = [n for _, ns in loader for n in ns.tolist()]
+    print("RESULT", json.dumps({"threads": threads}), flush=True)
+"""
+
+
+@pytest.mark.slow  # a fresh Python that imports torch
+def test_forked_workers_do_not_hang_after_the_training_process_used_openmp(tmp_path):
+    try:
+        proc = run_script(OPENMP_FIRST, tmp_path, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked worker hung in OpenMP (before: a 1-worker loader had 2 threads)")
+    assert result_of(proc)["threads"] == [1] * 6  # one intra-op thread, as the DataLoader's
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Thread workers leave the training process's generators alone
+
+
+def noisy(sample, rng):
+    x, i = sample
+    return x + rng.standard_normal(x.shape).astype(np.float32), i
+
+
+class Ones:
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        return np.ones(3, np.float32), i
+
+
+def draws() -> tuple:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
+
+
+@pytest.mark.parametrize("kw", [dict(workers=2, worker_kind="thread"), dict(workers=0)],
+                         ids=["thread-workers", "inline"])
+def test_thread_workers_leave_the_training_processs_random_generators_alone(kw):
+    def seed_all() -> None:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+
+    seed_all()
+    want = draws()
+    seed_all()
+    for seed in (1, 2):
+        with Loader(Ones(), 4, transform=noisy, seed=seed, autotune=False, **kw) as loader:
+            assert sum(len(i) for _, i in loader) == 12
+    assert draws() == want  # before: reseeded from the worker threads, the same every run
+
+
+# ---------------------------------------------------------------------------------------------
+# Consecutive loaders
+
+
+def test_a_closed_loader_leaves_no_thread_so_the_next_one_can_fork():
+    for kw in (dict(workers=2, worker_kind="thread"), dict(workers=2, fuse_read=False), dict(workers=0)):
+        with Loader(Ones(), 4, transform=noisy, seed=0, autotune=False, **kw) as loader:
+            list(loader)
+        left = [t.name for t in threading.enumerate() if t.name.startswith("autominato-")]
+        assert left == [], kw
