@@ -356,10 +356,15 @@ def is_array(obj: Any) -> bool:
         return not obj.dtype.hasobject
     if isinstance(obj, torch.Tensor):
         cls = type(obj)
-        return ((cls is torch.Tensor or _subclass_carried(cls))
-                and obj.layout is torch.strided and not obj.is_nested and not obj.is_meta
-                and _carry(obj.dtype) is not None)
+        return (cls is torch.Tensor or _subclass_carried(cls)) and has_flat_bytes(obj)
     return False
+
+
+def has_flat_bytes(t: Any) -> bool:
+    """Whether tensor ``t``'s elements can be copied as plain bytes into a flat buffer: strided
+    storage (not sparse, nested or meta) of a dtype that :func:`slot_dtype` can carry."""
+    return (t.layout is torch.strided and not t.is_nested and not t.is_meta
+            and _carry(t.dtype) is not None)
 
 
 def _nbytes(a: Any) -> int:
@@ -395,8 +400,8 @@ def _host(t: Any) -> np.ndarray:
 
 
 # How a descriptor rebuilds the sample around its arrays. The plain forms (one array; a tuple,
-# list or str-keyed dict of arrays) are most samples and keep the descriptor to builtins, which
-# pickle about five times faster than a tree with ArrayRef markers (3 us against 15 us here).
+# list or dict of arrays) are most samples and keep the descriptor to builtins, which
+# pickle about five times faster than a tree of ArrayRef markers (1.6 us against 9 us here).
 _NO_ARRAYS, _ONE, _TUPLE, _LIST, _DICT, _TREE = range(6)
 
 
