@@ -52,7 +52,10 @@ class BatchPool:
             still does not fit (the rest are in use) it is handed out without being kept.
             Whole-volume validation (a new shape almost every batch) thus holds at most this
             much, instead of one buffer per shape ever seen. A live setting (like
-            ``max_per_key``): a lower value applies at the next allocation.
+            ``max_per_key``): a lower value applies at the next allocation. With ``pin``, an
+            evicted buffer goes back to torch's pinned-memory cache, which keeps it
+            page-locked for later pinned allocations until
+            ``torch.accelerator.empty_host_cache()`` (recent torch) releases it.
 
     Counters: ``bytes`` (held now, bytes), ``allocations`` (buffers allocated),
     ``reuses`` (batches written into a kept buffer), ``evictions`` (buffers dropped).
