@@ -116,3 +116,22 @@ def test_batch_pool_never_evicts_a_buffer_in_use_and_hands_out_what_it_cannot_ke
     assert collate([np.zeros(1024, np.float32)], pool).data_ptr() != kept.data_ptr()
     big = collate([np.zeros(8192, np.float32)], pool)  # larger than the budget: not kept
     assert big.shape == (1, 8192) and pool.bytes <= 3 * 4096
+
+
+def test_the_default_budget_follows_the_batches_in_flight():
+    """No budget given: idle buffers are bounded by the working set, and a steady training
+    loop (fixed shapes, two fields, three batches in flight) stops allocating."""
+    pool = BatchPool(max_per_key=5)
+    for d in range(60):  # validation: one new shape per batch, each dropped before the next
+        collate([np.ones((16, 16, 8 + d), np.float32)], pool)
+        assert pool.bytes <= pool.budget <= 2 * 4 * 16 * 16 * 67
+    in_flight = []
+    for i in range(20):
+        in_flight.append(collate([(np.full((4, 4), i, np.float32), np.full(2, i, np.uint8))] * 2, pool))
+        if len(in_flight) > 3:
+            in_flight.pop(0)
+    before = pool.allocations
+    for i in range(10):
+        in_flight.append(collate([(np.full((4, 4), i, np.float32), np.full(2, i, np.uint8))] * 2, pool))
+        in_flight.pop(0)
+    assert pool.allocations == before and torch.all(in_flight[-1][0][0] == 9)

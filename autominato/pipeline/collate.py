@@ -47,34 +47,41 @@ class BatchPool:
         max_per_key: buffers kept per key (batches in flight: depth + the one the training
             loop holds + one being filled).
         pin: allocate page-locked (pinned) memory, for asynchronous host-to-device copies.
-        budget_bytes: most bytes (all keys together) the pool keeps. A new buffer that would
-            exceed it first evicts buffers not in use, least recently used key first; if it
-            still does not fit (the rest are in use) it is handed out without being kept.
-            Whole-volume validation (a new shape almost every batch) thus holds at most this
-            much, instead of one buffer per shape ever seen. A live setting (like
-            ``max_per_key``): a lower value applies at the next allocation. With ``pin``, an
+        budget_bytes: most bytes (all keys together) the pool keeps; None (the default):
+            twice the most bytes its buffers have had in use at once, so that the idle
+            buffers kept never outweigh the working set of batches in flight. A new buffer
+            that would exceed the budget first evicts buffers not in use, least recently used
+            key first; if it still does not fit (the rest are in use) it is handed out without
+            being kept. Whole-volume validation (a new shape almost every batch) thus holds a
+            few recent shapes instead of one buffer per shape ever seen. A live setting (like
+            ``max_per_key``): a new value applies at the next allocation. With ``pin``, an
             evicted buffer goes back to torch's pinned-memory cache, which keeps it
             page-locked for later pinned allocations until
             ``torch.accelerator.empty_host_cache()`` (recent torch) releases it.
 
-    Counters: ``bytes`` (held now, bytes), ``allocations`` (buffers allocated),
-    ``reuses`` (batches written into a kept buffer), ``evictions`` (buffers dropped).
+    Counters: ``bytes`` (held now, bytes), ``budget`` (the budget in force, bytes),
+    ``allocations`` (buffers allocated), ``reuses`` (batches written into a kept buffer),
+    ``evictions`` (buffers dropped).
     """
 
-    DEFAULT_BUDGET_BYTES = 1 << 30
-
     def __init__(self, max_per_key: int = 4, pin: bool = False,
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+                 budget_bytes: int | None = None) -> None:
         self.max_per_key = max_per_key
         self.pin = pin
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         # Least recently used key first.
         self._bufs: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()
+        self._peak_in_use = 0
         self.bytes = 0
         self.allocations = 0
         self.reuses = 0
         self.evictions = 0
+
+    @property
+    def budget(self) -> int:
+        """The budget in force (bytes): ``budget_bytes``, or the automatic one."""
+        return 2 * self._peak_in_use if self.budget_bytes is None else self.budget_bytes
 
     def acquire(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer of ``shape`` and NumPy ``dtype`` that nothing else uses (contents stale)."""
@@ -98,17 +105,20 @@ class BatchPool:
     def _make_room(self, nbytes: int) -> bool:
         """Evict idle buffers, least recently used first, until ``nbytes`` more fit the budget;
         False (and nothing evicted) when they cannot fit."""
-        if self.bytes + nbytes <= self.budget_bytes:
-            return True
         # Indexing, not iterating: a loop variable would be one more reference.
         idle = sum(bufs[i].nbytes for bufs in self._bufs.values()
                    for i in range(len(bufs)) if _refcount(bufs, i) <= _IDLE)
-        if self.bytes - idle + nbytes > self.budget_bytes:
+        in_use = self.bytes - idle + nbytes
+        self._peak_in_use = max(self._peak_in_use, in_use)
+        budget = self.budget
+        if in_use > budget:
             return False
         for key in list(self._bufs):
+            if self.bytes + nbytes <= budget:
+                break
             bufs = self._bufs[key]
             i = 0
-            while i < len(bufs) and self.bytes + nbytes > self.budget_bytes:
+            while i < len(bufs) and self.bytes + nbytes > budget:
                 if _refcount(bufs, i) <= _IDLE:
                     self.bytes -= bufs.pop(i).nbytes
                     self.evictions += 1
@@ -116,9 +126,7 @@ class BatchPool:
                     i += 1
             if not bufs:
                 del self._bufs[key]
-            if self.bytes + nbytes <= self.budget_bytes:
-                return True
-        return True  # pragma: no cover - the idle bytes counted above were enough
+        return True
 
     def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.pin:
@@ -130,6 +138,7 @@ class BatchPool:
         with self._lock:
             self._bufs.clear()
             self.bytes = 0
+            self._peak_in_use = 0
 
 
 def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
