@@ -401,8 +401,8 @@ def _host(t: Any) -> np.ndarray:
 
 
 # How a descriptor rebuilds the sample around its arrays. The plain forms (one array; a tuple,
-# list or dict of arrays) are most samples and keep the descriptor to builtins, which
-# pickle about five times faster than a tree of ArrayRef markers (1.6 us against 9 us here).
+# list or dict of arrays) are most samples and keep the descriptor to builtins: for a pair,
+# dumps + loads take 3.5 us here against 11 us with a tree of ArrayRef markers.
 _NO_ARRAYS, _ONE, _TUPLE, _LIST, _DICT, _TREE = range(6)
 
 
