@@ -170,3 +170,18 @@ def test_small_samples_are_sent_inline_and_large_ones_through_a_slot():
     assert not use_slot(packed_nbytes(torch.zeros(4, dtype=torch.int64)))
     assert not use_slot(INLINE_MAX_BYTES - 1) and use_slot(INLINE_MAX_BYTES)
     assert use_slot(packed_nbytes(np.zeros(INLINE_MAX_BYTES, np.uint8)))
+
+
+def test_samples_of_arrays_and_scalars_come_back_in_order_with_their_container_types():
+    image, label = torch.rand(2, 3).bfloat16(), np.arange(4)
+    for sample in ((image, 7), [None, label, "a", 2.5], {"image": image, "case": "c1", "label": label}, (3, "x")):
+        for out in _round_trips(sample):
+            assert type(out) is type(sample) and len(out) == len(sample)
+            pairs = zip(out.values(), sample.values(), strict=True) if isinstance(sample, dict) else zip(out, sample, strict=True)
+            for got, want in pairs:
+                if isinstance(want, (np.ndarray, torch.Tensor)):
+                    assert type(got) is type(want) and (got == want).all()
+                else:
+                    assert got == want and type(got) is type(want)
+            if isinstance(sample, dict):
+                assert list(out) == list(sample)
