@@ -258,15 +258,16 @@ def leftover_segments(pid: int | None = None) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Packing: a sample is a tree of tuples / lists / dicts whose leaves are arrays or objects.
 
-INLINE_MAX_BYTES = 32 * 1024
+INLINE_MAX_BYTES = 16 * 1024
 """Samples whose arrays total fewer bytes (:func:`packed_nbytes`) travel inline, pickled
 through the pipe, rather than through a slot.
 
 A slot costs a fixed amount per sample (the pool's lock on acquire and release, the worker's
 map lookup) and keeps a segment per sample in flight; inline costs a copy through the pipe
-per byte. Measured worker -> main (pack, pipe, unpack of a (tensor, 0-d tensor) pair; 2-core
-Linux host, Python 3.11, torch 2.13): inline is 3-10 us faster per sample up to 16 KiB, even
-at 32 KiB, and 20-35 us slower at 64 KiB, 40-70 us at 128 KiB.
+per byte. Measured worker -> main (pack, pipe, unpack of a (tensor, 0-d tensor) pair, best of
+5 x 2000 samples, 3 runs; 2-core Linux host, Python 3.11, torch 2.13): inline is faster by
+5-35 us per sample at 32 B and 3-8 us at 8 KiB, even at 16 KiB, and slower by up to 20-30 us
+from 24-32 KiB on (by 40-70 us at 128 KiB, 1 ms at 1 MiB).
 """
 
 
