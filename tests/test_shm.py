@@ -1,10 +1,12 @@
-"""Shared-memory slots: reuse, growth within the count limit, packing round trips."""
+"""Shared-memory slots: reuse, growth within the count limit, packing round trips of arrays,
+tensors of every dtype and tensor subclasses."""
 
 from __future__ import annotations
 
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from autominato.pipeline.shm import SlotPool, leftover_segments, pack, packed_nbytes, unpack
@@ -78,3 +80,108 @@ def test_segments_of_a_killed_loader_are_reaped_by_the_next_pool(tmp_path):
     assert len(leftover_segments(pid)) == 4  # three slots and the owner's lock file
     SlotPool(1, 4096).close()  # any new pool reaps what dead owners left
     assert leftover_segments(pid) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# What travels through a slot: tensor subclasses and dtypes that NumPy lacks
+
+
+class TaggedTensor(torch.Tensor):
+    """A user's tensor subclass that carries a Python attribute."""
+
+
+def _tagged(t: torch.Tensor, tag: str) -> TaggedTensor:
+    out = t.as_subclass(TaggedTensor)
+    out.tag = tag
+    return out
+
+
+def _round_trips(sample):
+    """The sample packed into a slot and unpacked, then packed inline and unpacked."""
+    pool = SlotPool(max_slots=1, budget_bytes=1 << 20)
+    try:
+        slot = pool.acquire(max(4096, packed_nbytes(sample)))
+        desc, _ = pack(sample, slot.mmap)
+        through_slot = unpack(desc, slot.mmap, copy=True)
+        desc, _ = pack(sample, None)
+        inline = unpack(desc, None)
+        return through_slot, inline
+    finally:
+        pool.close()
+
+
+def test_tensor_subclasses_are_arrays_and_come_back_as_their_class_with_their_attributes():
+    from autominato.pipeline.shm import is_array
+
+    x = _tagged(torch.arange(6.0).reshape(2, 3), "ct")
+    assert is_array(x) and is_array(torch.zeros(2)) and is_array(np.zeros(2))
+    for out in _round_trips({"image": x, "label": torch.tensor(1)}):
+        assert type(out["image"]) is TaggedTensor and out["image"].tag == "ct"
+        assert torch.equal(out["image"].as_subclass(torch.Tensor), x.as_subclass(torch.Tensor))
+    # Not carried as bytes, so pickled with the descriptor: object arrays, sparse tensors and
+    # Parameters (their own __reduce_ex__), which still come back as they were.
+    sparse = torch.eye(3).to_sparse()
+    param = torch.nn.Parameter(torch.ones(2))
+    assert not any(is_array(o) for o in (np.array([None]), sparse, param, "x", 3))
+    for out in _round_trips((sparse, param)):
+        assert torch.equal(out[0].to_dense(), torch.eye(3)) and type(out[1]) is torch.nn.Parameter
+
+
+def test_monai_meta_tensor_comes_back_with_its_metadata():
+    monai_data = pytest.importorskip("monai.data")
+    meta = {"filename_or_obj": "case_00001.nii.gz", "spacing": (1.0, 0.8, 0.8)}
+    x = monai_data.MetaTensor(torch.rand(1, 4, 4, 4), affine=torch.diag(torch.tensor([2.0, 1, 1, 1])), meta=meta)
+    for out in _round_trips((x, torch.tensor(0))):
+        y = out[0]
+        assert type(y) is monai_data.MetaTensor and torch.equal(y.as_tensor(), x.as_tensor())
+        assert y.meta["filename_or_obj"] == "case_00001.nii.gz" and y.meta["spacing"] == (1.0, 0.8, 0.8)
+        assert torch.equal(y.affine, x.affine) and y.is_batch is False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.bool])
+def test_dtypes_travel_bit_exact_including_those_numpy_lacks(dtype):
+    x = (torch.randn(3, 5) * 100).to(dtype)
+    for out in _round_trips({"x": x, "scalar": torch.tensor(1.5, dtype=dtype)}):
+        assert out["x"].dtype == dtype and out["scalar"].dtype == dtype and out["scalar"].shape == ()
+        if x.element_size() == 1:  # torch.equal has no kernel for float8; compare the bits
+            assert torch.equal(out["x"].view(torch.uint8), x.view(torch.uint8))
+        else:
+            assert torch.equal(out["x"], x)
+
+
+def test_non_contiguous_conjugated_and_grad_tensors_travel_as_their_values():
+    sample = [
+        torch.arange(12.0).reshape(3, 4).t(),
+        torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        torch.ones(3, requires_grad=True),
+        np.arange(10)[::-2],
+        np.array(["2024-01-02"], dtype="datetime64[D]"),
+    ]
+    for out in _round_trips(sample):
+        assert torch.equal(out[0], sample[0]) and torch.equal(out[1], sample[1].resolve_conj())
+        assert torch.equal(out[2], torch.ones(3)) and not out[2].requires_grad
+        np.testing.assert_array_equal(out[3], sample[3])
+        assert out[4].dtype == sample[4].dtype and out[4][0] == sample[4][0]
+
+
+def test_small_samples_are_sent_inline_and_large_ones_through_a_slot():
+    from autominato.pipeline.shm import INLINE_MAX_BYTES, use_slot
+
+    assert not use_slot(packed_nbytes(torch.zeros(4, dtype=torch.int64)))
+    assert not use_slot(INLINE_MAX_BYTES - 1) and use_slot(INLINE_MAX_BYTES)
+    assert use_slot(packed_nbytes(np.zeros(INLINE_MAX_BYTES, np.uint8)))
+
+
+def test_samples_of_arrays_and_scalars_come_back_in_order_with_their_container_types():
+    image, label = torch.rand(2, 3).bfloat16(), np.arange(4)
+    for sample in ((image, 7), [None, label, "a", 2.5], {"image": image, "case": "c1", "label": label}, (3, "x")):
+        for out in _round_trips(sample):
+            assert type(out) is type(sample) and len(out) == len(sample)
+            pairs = zip(out.values(), sample.values(), strict=True) if isinstance(sample, dict) else zip(out, sample, strict=True)
+            for got, want in pairs:
+                if isinstance(want, (np.ndarray, torch.Tensor)):
+                    assert type(got) is type(want) and (got == want).all()
+                else:
+                    assert got == want and type(got) is type(want)
+            if isinstance(sample, dict):
+                assert list(out) == list(sample)

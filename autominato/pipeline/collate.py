@@ -14,49 +14,119 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
-from autominato.pipeline.shm import is_array
+from autominato.pipeline.shm import has_flat_bytes, is_array, slot_dtype
 from autominato.pipeline.tree import map_leaves
+
+try:  # where torch keeps the per-type collate functions that default_collate dispatches on
+    from torch.utils.data._utils.collate import default_collate_fn_map
+except ImportError:  # pragma: no cover - a torch without it: no subclass registers one
+    default_collate_fn_map = {}
+
+
+def _refcount(bufs: list, i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+# What _refcount says of a buffer that only the pool holds: measured rather than assumed,
+# since temporary references differ between Python versions.
+_IDLE = _refcount([np.empty(0)], 0)
 
 
 class BatchPool:
-    """Reusable host buffers for batches, keyed by (shape, dtype).
+    """Reusable host buffers for batches, keyed by (shape, dtype), bounded in bytes.
 
     Args:
         max_per_key: buffers kept per key (batches in flight: depth + the one the training
             loop holds + one being filled).
         pin: allocate page-locked (pinned) memory, for asynchronous host-to-device copies.
+        budget_bytes: most bytes (all keys together) the pool keeps; None (the default):
+            twice the most bytes its buffers have had in use at once, so that the idle
+            buffers kept never outweigh the working set of batches in flight. A new buffer
+            that would exceed the budget first evicts buffers not in use, least recently used
+            key first; if it still does not fit (the rest are in use) it is handed out without
+            being kept. Whole-volume validation (a new shape almost every batch) thus holds a
+            few recent shapes instead of one buffer per shape ever seen. A live setting (like
+            ``max_per_key``): a new value applies at the next allocation. With ``pin``, an
+            evicted buffer goes back to torch's pinned-memory cache, which keeps it
+            page-locked for later pinned allocations until
+            ``torch.accelerator.empty_host_cache()`` (recent torch) releases it.
+
+    Counters: ``bytes`` (held now, bytes), ``budget`` (the budget in force, bytes),
+    ``allocations`` (buffers allocated), ``reuses`` (batches written into a kept buffer),
+    ``evictions`` (buffers dropped).
     """
 
-    def __init__(self, max_per_key: int = 4, pin: bool = False) -> None:
+    def __init__(self, max_per_key: int = 4, pin: bool = False,
+                 budget_bytes: int | None = None) -> None:
         self.max_per_key = max_per_key
         self.pin = pin
+        self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
-        self._bufs: dict[tuple, list[np.ndarray]] = {}
+        # Least recently used key first.
+        self._bufs: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()
+        self._peak_in_use = 0
         self.bytes = 0
         self.allocations = 0
         self.reuses = 0
+        self.evictions = 0
+
+    @property
+    def budget(self) -> int:
+        """The budget in force (bytes): ``budget_bytes``, or the automatic one."""
+        return 2 * self._peak_in_use if self.budget_bytes is None else self.budget_bytes
 
     def acquire(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        key = (tuple(shape), np.dtype(dtype).str)
+        """A buffer of ``shape`` and NumPy ``dtype`` that nothing else uses (contents stale)."""
+        dtype = np.dtype(dtype)
+        key = (tuple(shape), dtype.str)
         with self._lock:
-            bufs = self._bufs.setdefault(key, [])
-            for b in bufs:
-                # References: the list, the loop variable and getrefcount's argument.
-                if sys.getrefcount(b) <= 3:
-                    self.reuses += 1
-                    return b
+            bufs = self._bufs.get(key)
+            if bufs is not None:
+                self._bufs.move_to_end(key)
+                for i in range(len(bufs)):
+                    if _refcount(bufs, i) <= _IDLE:
+                        self.reuses += 1
+                        return bufs[i]
             buf = self._allocate(shape, dtype)
             self.allocations += 1
-            if len(bufs) < self.max_per_key:
-                bufs.append(buf)
+            if (bufs is None or len(bufs) < self.max_per_key) and self._make_room(buf.nbytes):
+                self._bufs.setdefault(key, []).append(buf)
                 self.bytes += buf.nbytes
             return buf
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict idle buffers, least recently used first, until ``nbytes`` more fit the budget;
+        False (and nothing evicted) when they cannot fit."""
+        # Indexing, not iterating: a loop variable would be one more reference.
+        idle = sum(bufs[i].nbytes for bufs in self._bufs.values()
+                   for i in range(len(bufs)) if _refcount(bufs, i) <= _IDLE)
+        in_use = self.bytes - idle + nbytes
+        self._peak_in_use = max(self._peak_in_use, in_use)
+        budget = self.budget
+        if in_use > budget:
+            return False
+        for key in list(self._bufs):
+            if self.bytes + nbytes <= budget:
+                break
+            bufs = self._bufs[key]
+            i = 0
+            while i < len(bufs) and self.bytes + nbytes > budget:
+                if _refcount(bufs, i) <= _IDLE:
+                    self.bytes -= bufs.pop(i).nbytes
+                    self.evictions += 1
+                else:
+                    i += 1
+            if not bufs:
+                del self._bufs[key]
+        return True
 
     def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.pin:
@@ -68,31 +138,29 @@ class BatchPool:
         with self._lock:
             self._bufs.clear()
             self.bytes = 0
+            self._peak_in_use = 0
 
 
 def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     """Stack a list of samples into a batch (see the module docstring).
+
+    Tensors of any dtype (``bfloat16`` and ``float8`` included) are stacked into a pooled
+    buffer, and a ``torch.Tensor`` subclass stays one, as with ``default_collate``: the copy
+    is ``torch.stack(samples, 0, out=buffer)``, which runs the subclass's
+    ``__torch_function__`` (MONAI's ``MetaTensor`` keeps the first sample's metadata, like
+    ``default_collate``; torchvision's ``tv_tensors`` unwrap to ``torch.Tensor``).
 
     Raises:
         ValueError: arrays of one field differ in shape or dtype across samples; the message
             gives the field's shapes.
     """
     first = samples[0]
-    if is_array(first):
-        arrays = [s.detach().cpu().numpy() if isinstance(s, torch.Tensor) else s for s in samples]
-        shape = arrays[0].shape
-        dtype = arrays[0].dtype
-        for a in arrays:
-            if a.shape != shape or a.dtype != dtype:
-                raise ValueError(
-                    "cannot stack samples into a batch: shapes/dtypes differ: "
-                    f"{sorted({(tuple(x.shape), str(x.dtype)) for x in arrays})}; "
-                    "give a collate_fn or make the transform produce equal shapes"
-                )
-        out = pool.acquire((len(arrays), *shape), dtype) if pool else np.empty((len(arrays), *shape), dtype)
-        for i, a in enumerate(arrays):
-            out[i] = a
-        return torch.from_numpy(out)
+    if isinstance(first, torch.Tensor):
+        return _stack_tensors(samples, pool)
+    if isinstance(first, np.ndarray) and is_array(first):
+        if all(type(s) is np.ndarray for s in samples):
+            return _stack_arrays(samples, pool)
+        return _stack_tensors([_as_tensor(s) for s in samples], pool)
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
         return torch.as_tensor(np.asarray(samples))
     if isinstance(first, (str, bytes)) or first is None:
@@ -108,6 +176,55 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         # A list for tuple samples too, as torch's default_collate returns.
         return [collate(list(f), pool) for f in zip(*samples, strict=True)]
     return list(samples)
+
+
+def _check_same(samples: Sequence[Any]) -> None:
+    shape, dtype = samples[0].shape, samples[0].dtype
+    if any(s.shape != shape or s.dtype != dtype for s in samples):
+        raise ValueError(
+            "cannot stack samples into a batch: shapes/dtypes differ: "
+            f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
+            "give a collate_fn or make the transform produce equal shapes"
+        )
+
+
+def _stack_arrays(arrays: Sequence[np.ndarray], pool: BatchPool | None) -> torch.Tensor:
+    _check_same(arrays)
+    shape = (len(arrays), *arrays[0].shape)
+    dtype = arrays[0].dtype
+    out = pool.acquire(shape, dtype) if pool else np.empty(shape, dtype)
+    for i, a in enumerate(arrays):
+        out[i] = a
+    return torch.from_numpy(out)
+
+
+def _as_tensor(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        # from_numpy shares memory but refuses negative strides (a flipped array).
+        return torch.from_numpy(x if x.flags.c_contiguous else x.copy(order="C"))
+    return x
+
+
+def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
+    first = samples[0]
+    cls = type(first)
+    if (cls is not torch.Tensor and cls in default_collate_fn_map) or not has_flat_bytes(first):
+        # A subclass that registered its own collate function with torch knows its metadata
+        # best; sparse, nested, quantized and meta tensors have no flat bytes to pool. Both
+        # get torch's default_collate as it is, in fresh memory.
+        return default_collate(list(samples))
+    samples = [_as_tensor(s) for s in samples]
+    _check_same(samples)
+    # torch.stack(out=) refuses inputs that need grad, and a CPU buffer takes CPU inputs.
+    parts = [(s.detach() if s.requires_grad else s) if s.is_cpu else s.detach().cpu()
+             for s in samples]
+    shape = (len(parts), *first.shape)
+    raw = slot_dtype(first.dtype)  # int16 for bfloat16: NumPy has no such type
+    buf = pool.acquire(shape, raw) if pool else np.empty(shape, raw)
+    out = torch.from_numpy(buf)
+    if out.dtype != first.dtype:
+        out = out.view(first.dtype)
+    return torch.stack(parts, 0, out=out)
 
 
 def batch_nbytes(batch: Any) -> int:

@@ -18,12 +18,17 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     """
     if is_leaf(obj):
         return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_leaves(o, fn, is_leaf) for o in obj))
-    if isinstance(obj, tuple):
-        return tuple(map_leaves(o, fn, is_leaf) for o in obj)
-    if isinstance(obj, list):
+    # Exact types first: this runs for every sample on the transport path, and plain tuples,
+    # lists and dicts are what samples are made of; list comprehensions beat generators here.
+    t = type(obj)
+    if t is tuple:
+        return tuple([map_leaves(o, fn, is_leaf) for o in obj])
+    if t is list or isinstance(obj, list):
         return [map_leaves(o, fn, is_leaf) for o in obj]
-    if isinstance(obj, dict):
+    if t is dict or isinstance(obj, dict):
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        if hasattr(obj, "_fields"):
+            return t(*[map_leaves(o, fn, is_leaf) for o in obj])
+        return tuple([map_leaves(o, fn, is_leaf) for o in obj])
     return obj

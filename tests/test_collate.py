@@ -1,0 +1,137 @@
+"""Batch assembly: collate agrees with torch's default_collate (tensor subclasses, bfloat16),
+writes into pooled buffers, and the pool stays within its byte budget."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from autominato.pipeline.collate import BatchPool, collate
+from autominato.pipeline.shm import SlotPool, pack, packed_nbytes, unpack
+
+
+class TaggedTensor(torch.Tensor):
+    """A user's tensor subclass."""
+
+
+def test_collate_keeps_a_tensor_subclass_as_default_collate_does_and_writes_into_the_pool():
+    pool = BatchPool(max_per_key=1)
+    samples = [torch.full((2, 3), float(i)).as_subclass(TaggedTensor) for i in range(4)]
+    batch = collate(samples, pool)
+    expected = default_collate(samples)
+    assert type(batch) is type(expected) is TaggedTensor
+    assert torch.equal(batch.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+    pooled = pool._bufs[((4, 2, 3), "<f4")][0].ctypes.data  # (a reference would keep it in use)
+    assert batch.data_ptr() == pooled  # the pooled buffer, re-wrapped
+    # In use while the batch lives; free again once it is dropped.
+    other = collate(samples, pool)
+    assert other.data_ptr() != batch.data_ptr() and pool.allocations == 2
+    del batch, other
+    gc.collect()
+    assert collate(samples, pool).data_ptr() == pooled and pool.reuses == 1
+
+
+def test_collate_of_monai_meta_tensors_matches_default_collate():
+    monai_data = pytest.importorskip("monai.data")
+    samples = [
+        monai_data.MetaTensor(torch.rand(1, 4, 4), affine=torch.eye(4) * (i + 1), meta={"filename_or_obj": f"case_{i}.nii.gz"})
+        for i in range(3)
+    ]
+    batch = collate(samples, BatchPool())
+    expected = default_collate(samples)
+    assert type(batch) is type(expected) is monai_data.MetaTensor
+    assert torch.equal(batch.as_tensor(), expected.as_tensor())
+    assert batch.meta["filename_or_obj"] == expected.meta["filename_or_obj"]
+    assert torch.equal(batch.affine, expected.affine) and batch.is_batch == expected.is_batch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2])
+def test_collate_stacks_dtypes_numpy_lacks_bit_exact(dtype):
+    samples = [(torch.randn(3, 4) * 10).to(dtype) for _ in range(3)]
+    batch = collate([(s, i) for i, s in enumerate(samples)], BatchPool())
+    assert batch[0].dtype == dtype and batch[0].shape == (3, 3, 4)
+    assert torch.equal(batch[0].view(torch.uint8), torch.stack(samples).view(torch.uint8))
+    assert torch.equal(batch[1], torch.tensor([0, 1, 2]))
+
+
+def test_samples_unpacked_from_slots_collate_to_their_subclass_and_dtype():
+    """The loader's path: pack in a worker, unpack views in the main process, collate."""
+    slots = SlotPool(max_slots=2, budget_bytes=1 << 20)
+    try:
+        samples = [(torch.randn(2, 2).as_subclass(TaggedTensor), torch.randn(3).bfloat16()) for _ in range(2)]
+        held, views = [], []
+        for s in samples:
+            slot = slots.acquire(packed_nbytes(s))
+            desc, _ = pack(s, slot.mmap)
+            held.append(slot)
+            views.append(unpack(desc, slot.mmap))
+        batch = collate(views, BatchPool())
+        del views
+        for slot in held:
+            slots.release(slot)
+        assert type(batch[0]) is TaggedTensor and batch[1].dtype == torch.bfloat16
+        assert torch.equal(batch[1], torch.stack([s[1] for s in samples]))
+    finally:
+        slots.close()
+
+
+def test_collate_matches_default_collate_on_nested_samples_and_rejects_ragged_shapes():
+    samples = [{"image": np.full((2, 2), i, np.float32), "label": i, "name": f"c{i}", "pair": (torch.tensor(i), 0.5)} for i in range(3)]
+    got, want = collate(samples, BatchPool()), default_collate(samples)
+    assert torch.equal(got["image"], want["image"]) and torch.equal(got["label"], want["label"])
+    assert got["name"] == want["name"] and torch.equal(got["pair"][0], want["pair"][0])
+    # A flipped array (negative strides), which default_collate refuses, stacks as its values.
+    assert torch.equal(collate([np.arange(3)[::-1]] * 2), torch.tensor([[2, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="shapes/dtypes differ"):
+        collate([torch.zeros(2), torch.zeros(3)])
+
+
+def test_batch_pool_stays_within_its_budget_over_60_shapes_and_reuses_repeating_ones():
+    """Whole-volume validation: batch size 1, a new shape almost every batch."""
+    budget = 1 << 20
+    pool = BatchPool(max_per_key=2, budget_bytes=budget)
+    shapes = [(1, 16, 16, 8 + d) for d in range(60)]  # 40 KiB to 240 KiB each, 8 MiB in all
+    for shape in shapes:
+        batch = collate([np.ones(shape[1:], np.float32)], pool)
+        assert batch.shape == shape and pool.bytes <= budget
+        del batch
+    assert pool.evictions > 0 and pool.allocations == 60 and pool.reuses == 0
+    # The most recent shapes are still held: repeating them allocates nothing.
+    for shape in shapes[-3:] * 2:
+        collate([np.zeros(shape[1:], np.float32)], pool)
+    assert pool.allocations == 60 and pool.reuses == 6 and pool.bytes <= budget
+
+
+def test_batch_pool_never_evicts_a_buffer_in_use_and_hands_out_what_it_cannot_keep():
+    pool = BatchPool(max_per_key=4, budget_bytes=3 * 4096)
+    kept = collate([np.full(1024, 7, np.float32)], pool)  # 4 KiB, in use throughout
+    for n in range(1025, 1045):  # other shapes push the pool to evict
+        collate([np.zeros(n, np.float32)], pool)
+        assert pool.bytes <= 3 * 4096
+    assert torch.all(kept == 7) and pool.evictions > 0
+    assert collate([np.zeros(1024, np.float32)], pool).data_ptr() != kept.data_ptr()
+    big = collate([np.zeros(8192, np.float32)], pool)  # larger than the budget: not kept
+    assert big.shape == (1, 8192) and pool.bytes <= 3 * 4096
+
+
+def test_the_default_budget_follows_the_batches_in_flight():
+    """No budget given: idle buffers are bounded by the working set, and a steady training
+    loop (fixed shapes, two fields, three batches in flight) stops allocating."""
+    pool = BatchPool(max_per_key=5)
+    for d in range(60):  # validation: one new shape per batch, each dropped before the next
+        collate([np.ones((16, 16, 8 + d), np.float32)], pool)
+        assert pool.bytes <= pool.budget <= 2 * 4 * 16 * 16 * 67
+    in_flight = []
+    for i in range(20):
+        in_flight.append(collate([(np.full((4, 4), i, np.float32), np.full(2, i, np.uint8))] * 2, pool))
+        if len(in_flight) > 3:
+            in_flight.pop(0)
+    before = pool.allocations
+    for i in range(10):
+        in_flight.append(collate([(np.full((4, 4), i, np.float32), np.full(2, i, np.uint8))] * 2, pool))
+        in_flight.pop(0)
+    assert pool.allocations == before and torch.all(in_flight[-1][0][0] == 9)
