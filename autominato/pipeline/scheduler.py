@@ -31,8 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, record_stream, to_device
 from autominato.pipeline.epoch import (
     Completed,
@@ -52,23 +50,17 @@ from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.shm import (
     SHM_DIR,
     SlotPool,
-    is_array,
     leftover_segments,
     pack,
     packed_nbytes,
     unpack,
+    use_slot,
 )
 from autominato.pipeline.stage import Result, Stage
 from autominato.pipeline.stats import StageStats
-from autominato.pipeline.tree import map_leaves
 from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
 
 log = logging.getLogger("autominato.pipeline")
-
-#: Samples whose arrays take fewer bytes than this travel pickled through the worker's pipe,
-#: not through a shared-memory slot: below it a slot's bookkeeping costs more than the copy.
-INLINE_MAX_BYTES = 64 * 1024
-
 
 #: Seconds of work a worker process is given in one message at most (see
 #: :class:`~autominato.pipeline.executors.ProcessExecutor`): samples that take less go in
@@ -371,7 +363,7 @@ class Pipeline:
     def _proc_item(self, index: int, epoch: int, key: tuple, read: bool,
                    in_slot: Any = None, in_desc: Any = None) -> tuple:
         out = None
-        if self.out_estimate >= INLINE_MAX_BYTES:
+        if use_slot(self.out_estimate):
             out = self.slots.acquire(self.out_estimate)
         self.held[key] = (in_slot, out)
         return (index, epoch, read,
@@ -449,6 +441,11 @@ class Pipeline:
         if out is not None and need > out.size:  # it did not fit: it came pickled
             self.slots.release(out)
             out = None
+        if out is not None and self.cfg.collate_fn is not None:
+            # The user's collate may keep references to the arrays: copy them out of the slot.
+            sample = unpack(desc, out.mmap, copy=True)
+            self.slots.release(out)
+            return sample, ()
         return unpack(desc, out.mmap if out is not None else None), (out,)
 
     def _learn(self, nbytes: int) -> None:
@@ -548,9 +545,8 @@ class Pipeline:
         try:
             samples = [c.sample for _, _, c in items]
             if self.cfg.collate_fn is not None:
-                samples = [_copy_arrays(s) for s in samples]
+                batch = self.cfg.collate_fn(samples)  # samples own their arrays (see _output)
                 self._release_items(items)
-                batch = self.cfg.collate_fn(samples)
             else:
                 batch = collate(samples, self.batch_pool)
                 del samples
@@ -668,7 +664,7 @@ def compose(p: Pipeline) -> list[Stage]:
             sample, read_s, _ = run_sample(plain, index, 0, read=True)
             t = time.perf_counter()
             nbytes = _nbytes(sample)
-            slot = p.slots.acquire(nbytes) if nbytes >= INLINE_MAX_BYTES else None
+            slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
             desc, _ = pack(sample, slot.mmap if slot is not None else None)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
@@ -727,11 +723,6 @@ def _with_note(err: BaseException, note: str) -> BaseException:
     return err
 
 
-def _copy_arrays(obj: Any) -> Any:
-    """Deep-copy the arrays of a sample out of its shared-memory slot."""
-    return map_leaves(obj, lambda a: a.copy() if isinstance(a, np.ndarray) else a.clone(), is_array)
-
-
 # ------------------------------------------------------------------------------------------
 # Termination by signal. SIGINT raises KeyboardInterrupt and the loaders close on the way out
 # (``with``, ``Loader.close`` or the atexit hook). SIGTERM's default action ends the process
@@ -771,4 +762,4 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-__all__ = ["INLINE_MAX_BYTES", "Pipeline", "PipelineConfig", "Run", "compose", "record_stream"]
+__all__ = ["Pipeline", "PipelineConfig", "Run", "compose", "record_stream"]
