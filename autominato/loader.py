@@ -94,7 +94,9 @@ class Loader:
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
         timeout: seconds one sample may take in a worker before that worker is replaced and
             the sample goes through ``on_error`` as a ``SampleTimeout``; ``None`` or ``0``
-            (the DataLoader's "no timeout") wait for ever.
+            (the DataLoader's "no timeout") wait for ever. Fast samples travel to a worker
+            in chunks: a sample that hangs in a chunk is first sent again alone (the others
+            are not blamed), so it is given up after up to twice ``timeout``.
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
         start_method: how worker processes start. ``"auto"`` (default): a fork server of this

@@ -76,7 +76,9 @@ class ProcessExecutor:
     scheduler sets :attr:`chunk` from the measured service time, so that samples that take
     microseconds cost one pipe round trip per chunk instead of one each (the DataLoader's
     workers likewise get one message per batch), while a sample that takes longer than the
-    chunk's budget goes alone (a straggler never holds others back).
+    chunk's budget goes alone (a straggler never holds others back). When a worker dies or
+    hangs holding several unanswered items, they are sent again one per message, so that the
+    guilty one is found and no other is blamed.
 
     The pool posts raw events (``("proc", wid, reply)``, ``("died", wid, code)``) to the
     scheduler's queue; the scheduler hands them to :meth:`handle`, which turns them into
@@ -103,6 +105,7 @@ class ProcessExecutor:
         self._startup_deaths = 0
         self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
         self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
+        self._alone: set = set()  # (gen, pos) of items to send one per message (suspects)
         self.want = workers.size
 
     def submit(self, key: Any, item: Any) -> None:
@@ -117,7 +120,15 @@ class ProcessExecutor:
         for w in idle:
             if not self._pending:
                 break
-            part, self._pending = self._pending[:per], self._pending[per:]
+            n = per
+            if self._alone:
+                for i, (k, _) in enumerate(self._pending[:per]):
+                    if k[:2] in self._alone:
+                        n = max(1, i)  # a suspect goes alone, in a message of its own
+                        if i == 0:
+                            self._alone.discard(k[:2])
+                        break
+            part, self._pending = self._pending[:n], self._pending[n:]
             keys = [k for k, _ in part]
             self._held[w.wid] = keys
             self.pool.send(w, keys, ("many", [(k, *item) for k, item in part]))
@@ -228,8 +239,10 @@ class ProcessExecutor:
                 worker=who)
         else:
             err = WorkerDied(f"{who} died ({how})", worker=who)
-        # The worker serves its chunk in order: the first item with no reply is the one it
-        # held; the others never started and go back to the queue, blameless.
-        out = [Result(self.name, held[0], ok=False, lost=True, timed_out=bool(timed_out), error=err)]
-        out += [Result(self.name, key, ok=False, lost=True, requeue=True, error=err) for key in held[1:]]
-        return out
+        if len(held) == 1:
+            return [Result(self.name, held[0], ok=False, lost=True, timed_out=bool(timed_out), error=err)]
+        # Replies of a chunk travel together, so which of its unanswered items the worker was
+        # on is unknown: each goes back to the queue, blameless, to be sent alone; the guilty
+        # one then dies (or hangs) alone and is blamed.
+        self._alone.update(key[:2] for key in held)
+        return [Result(self.name, key, ok=False, lost=True, requeue=True, error=err) for key in held]
