@@ -88,6 +88,22 @@ def test_raise_policy_ends_the_epoch_and_frees_what_it_held():
     assert ep.take(1) == []
 
 
+def test_in_order_raise_delivers_every_batch_before_the_failing_one_first():
+    ep = Epoch(list(range(12)), batch_size=4, in_order=True)
+    ep.take(12)
+    out = ep.on(Failed(6, 0, Boom()))  # fails before the samples ahead of it finish
+    assert out == []
+    for pos in (5, 4, 8, 3, 2, 1):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert out == []
+    out += ep.on(Completed(0, 0, "r0"))
+    assert batches(out) == [[0, 1, 2, 3]]
+    kinds = [type(d) for d in out if not isinstance(d, Discard)]
+    assert kinds == [Emit, Raise]
+    assert sorted(d.result for d in out if isinstance(d, Discard)) == ["r4", "r5", "r8"]
+    assert ep.on(Completed(7, 0, "r7")) == [Discard("r7")]
+
+
 def test_a_death_redispatches_until_max_tries_then_applies_the_policy():
     ep = Epoch([7], batch_size=1, skip_errors=True, max_tries=2)
     (t,) = ep.take(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 import weakref
 
@@ -195,3 +196,125 @@ def test_a_loader_dropped_without_close_frees_its_workers_and_shared_memory():
         time.sleep(0.1)
     assert not ({p.pid for p in psutil.Process().children()} & pids)
     assert leftover_segments(os.getpid()) == []
+
+
+# -- found in review of the core (each once reproduced) ------------------------------------------
+
+
+class Tensors:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), float(i))
+
+
+def _cpu_transfer_stage(monkeypatch, fail_at: int | None = None):
+    """Build the transfer stage on the CPU: its copy is a 5 ms sleep (or fails at call k)."""
+    from autominato.pipeline import scheduler as S
+    from autominato.pipeline.stage import Result
+
+    calls = [0]
+
+    def transfer(self, key, job):
+        _, payload = job
+        if isinstance(payload, S._Final):
+            return Result("transfer", key, payload)
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("CUDA out of memory (injected)")
+        time.sleep(0.005)
+        return Result("transfer", key, payload)
+
+    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
+    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
+
+
+def test_the_end_of_an_epoch_never_overtakes_batches_in_the_transfer_stage(monkeypatch):
+    _cpu_transfer_stage(monkeypatch)
+    with Loader(Tensors(40), 4, workers=0, autotune=False, collate_fn=torch.stack) as L:
+        for _ in range(3):
+            assert sorted(int(x) for b in L for x in b[:, 0]) == list(range(40))
+
+
+def test_a_failing_transfer_raises_in_the_training_loop_instead_of_hanging(monkeypatch):
+    _cpu_transfer_stage(monkeypatch, fail_at=2)
+    with Loader(Tensors(40), 4, workers=0, autotune=False, collate_fn=torch.stack) as L:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            for _ in L:
+                pass
+
+
+def test_a_collate_error_always_reaches_the_training_loop():
+    def coll(samples):
+        if any(int(s[0]) == 13 for s in samples):
+            raise ValueError("bad batch")
+        return torch.stack(samples)
+
+    with Loader(Tensors(24), 4, workers=0, autotune=False, collate_fn=coll, in_order=True) as L:
+        for _ in range(100):
+            with pytest.raises(ValueError, match="bad batch"):
+                for _ in L:
+                    pass
+
+
+def test_in_order_errors_come_after_every_batch_before_the_failing_sample():
+    with Loader(Indexed(64, bad={40}), 4, workers=0, autotune=False, in_order=True, depth=8,
+                pool_size=64) as L:
+        for _ in range(10):
+            n = 0
+            with pytest.raises(ValueError, match="bad sample 40"):
+                for _ in L:
+                    n += 1
+            assert n == 10  # as DataLoader: batches 0-9, then the error at batch 10
+
+
+def test_an_iterator_left_waiting_does_not_starve_a_newer_one():
+    with Loader(Indexed(200), 4, workers=0, autotune=False) as L:
+        peek = iter(L)
+        next(peek)
+        time.sleep(0.3)  # the first iterator fills its window and waits
+        t0 = time.monotonic()
+        assert sorted(indices(L)) == list(range(200))
+        assert time.monotonic() - t0 < 30
+        del peek
+
+
+def test_after_the_scheduler_fails_a_new_epoch_raises_instead_of_hanging(monkeypatch):
+    from autominato.pipeline import scheduler as S
+
+    with Loader(Indexed(20), 4, workers=0, autotune=False) as L:
+        assert len(indices(L)) == 20
+
+        def boom(self):
+            raise RuntimeError("injected scheduler bug")
+
+        monkeypatch.setattr(S.Pipeline, "_apply_knobs", boom)
+        L._pipeline.knobs_changed()
+        deadline = time.monotonic() + 5
+        while L._pipeline.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="scheduler failed"):
+            list(L)
+
+
+class HalfUnpicklable:
+    """Odd samples hold a lock (they cannot be packed); every sample is 128 KiB."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        big = np.zeros(32 * 1024, np.float32)
+        return (big, threading.Lock()) if i % 2 else (big, 0)
+
+
+def test_a_read_that_cannot_be_packed_frees_its_slot():
+    with Loader(HalfUnpicklable(), 2, workers=1, fuse_read=False, on_error="skip",
+                autotune=False) as L:
+        for _ in range(3):
+            assert sum(len(b[0]) for b in L) == 8
+            assert _slots_all_free(L)

@@ -180,7 +180,7 @@ class Epoch:
     def held(self) -> int:
         """Positions dispatched and not yet emitted or final: what the epoch holds resources for."""
         return len(self._attempt) + len(self._ready) + sum(
-            1 for r in self._done.values() if r is not _SKIPPED)
+            1 for r in self._done.values() if isinstance(r, tuple))
 
     @property
     def pending(self) -> int:
@@ -248,7 +248,7 @@ class Epoch:
         Positions still in flight are not returned; their results arrive later and are
         discarded by :meth:`on` (the epoch is then finished)."""
         out = [Discard(r) for _, _, r in self._ready]
-        out += [Discard(item[2]) for item in self._done.values() if item is not _SKIPPED]
+        out += [Discard(item[2]) for item in self._done.values() if isinstance(item, tuple)]
         self._ready.clear()
         self._done.clear()
         self.failed = True
@@ -264,9 +264,8 @@ class Epoch:
         item = (ev.pos, int(self.order[ev.pos]), ev.result)
         if self.in_order:
             self._done[ev.pos] = item
-            self._advance()
-        else:
-            self._ready.append(item)
+            return self._advance([])
+        self._ready.append(item)
         return self._emit_full([])
 
     def _policy(self, pos: int, error: BaseException) -> list[Decision]:
@@ -274,22 +273,40 @@ class Epoch:
         self._deaths.pop(pos, None)
         self._tries.pop(pos, None)
         if not self.skip_errors:
-            self.failed = True
-            return [Raise(error), *self.abort()]
+            if self.in_order:
+                # As the DataLoader: every batch before the failing sample's is delivered,
+                # then the error is raised in place of that batch.
+                self._done[pos] = _Failure(error)
+                return self._advance([])
+            return self._raise(error)
         self.skipped += 1
         self._final += 1
         out: list[Decision] = [Skip(pos, int(self.order[pos]), error)]
         if self.in_order:
             self._done[pos] = _SKIPPED
-            self._advance()
+            return self._advance(out)
         return self._emit_full(out)
 
-    def _advance(self) -> None:
+    def _raise(self, error: BaseException) -> list[Decision]:
+        self.failed = True
+        return [Raise(error), *self.abort()]
+
+    def _advance(self, out: list[Decision]) -> list[Decision]:
+        """In order: move the final positions at the cursor to the batch being filled."""
+        B = self.batch_size
         while self._next_pos in self._done:
             item = self._done.pop(self._next_pos)
+            if isinstance(item, _Failure):
+                # Emit the batches before this one; the partial batch it belongs to is not.
+                done = len(self._ready) - len(self._ready) % B
+                self._ready, rest = self._ready[:done], self._ready[done:]
+                self._emit_full(out)
+                out += [Discard(r) for _, _, r in rest]
+                return out + self._raise(item.error)
             if item is not _SKIPPED:
                 self._ready.append(item)
             self._next_pos += 1
+        return self._emit_full(out)
 
     def _emit_full(self, out: list[Decision]) -> list[Decision]:
         B = self.batch_size
@@ -323,6 +340,15 @@ class Epoch:
         self.ended = True
         out.append(End())
         return out
+
+
+class _Failure:
+    """In order, a failed position waits for its turn to raise."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class _Skipped:

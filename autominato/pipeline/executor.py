@@ -293,13 +293,13 @@ class ProcessWorkers:
     # -- scheduler side ------------------------------------------------------------------
     @property
     def size(self) -> int:
-        return sum(1 for w in self.workers.values() if not w.retiring)
+        return sum(1 for w in list(self.workers.values()) if not w.retiring)
 
     def resize(self, n: int) -> None:
         from autominato.pipeline.knobs import usable_cores
         from autominato.pipeline.worker import threads_per_worker
 
-        active = [w for w in self.workers.values() if not w.retiring]
+        active = [w for w in list(self.workers.values()) if not w.retiring]
         threads = threads_per_worker(usable_cores(), n)
         if threads != self.threads:
             # Workers x threads must stay within the cores whatever the worker count becomes.
@@ -355,7 +355,7 @@ class ProcessWorkers:
         self.post(("died", w.wid, None))
 
     def idle(self) -> list[ProcWorker]:
-        return [w for w in self.workers.values() if w.ready and w.task is None and not w.retiring]
+        return [w for w in list(self.workers.values()) if w.ready and w.task is None and not w.retiring]
 
     def send(self, w: ProcWorker, task: Any, msg: tuple) -> None:
         w.task = task
@@ -409,7 +409,7 @@ class ProcessWorkers:
         return w
 
     def pids(self) -> list[int]:
-        return [w.pid for w in self.workers.values() if w.pid is not None]
+        return [w.pid for w in list(self.workers.values()) if w.pid is not None]
 
     def close(self, timeout: float = 5.0) -> None:
         self._closing = True  # no more events

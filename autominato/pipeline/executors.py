@@ -31,7 +31,7 @@ class ThreadExecutor:
                  size: int) -> None:
         self.name = name
         self._post = post
-        self._pool = ThreadWorkers(name, lambda task: fn(*task), post)
+        self._pool = ThreadWorkers(name, lambda task: _guarded(name, fn, *task), post)
         self._pool.resize(size)
 
     def submit(self, key: Any, item: Any) -> None:
@@ -65,6 +65,15 @@ class ThreadExecutor:
 
     def stop(self) -> None:
         self._pool.close()
+
+
+def _guarded(name: str, fn: Callable[[Any, Any], Result], key: Any, item: Any) -> Result:
+    # A stage function reports its own errors; one that raises all the same (a bug) must not
+    # kill its thread and leave the item's consumer waiting for ever.
+    try:
+        return fn(key, item)
+    except BaseException as e:  # noqa: BLE001
+        return Result(name, key, ok=False, error=e)
 
 
 class ProcessExecutor:
@@ -152,6 +161,10 @@ class ProcessExecutor:
 
     def pids(self) -> list[int]:
         return self.pool.pids()
+
+    def forget(self, gen: int) -> None:
+        """A run ended: its suspects need not go alone any more."""
+        self._alone = {k for k in self._alone if k[0] != gen}
 
     def expire(self, seconds: float) -> None:
         now = time.monotonic()

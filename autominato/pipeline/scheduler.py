@@ -136,8 +136,27 @@ class Run:
             self.out.append(item)
             self.cv.notify_all()
 
+    def finish(self, last: tuple | None) -> None:
+        """Close the run with ``last`` (``("end",)`` or ``("error", e)``) as its final item, or
+        with ``None`` (the consumer left) dropping what waits; one step, under the lock, so
+        that a waking consumer never sees it closed before its final item."""
+        with self.cv:
+            if last is None:
+                self.out.clear()
+            else:
+                self.out.append(last)
+            self.closed = True
+            self.cv.notify_all()
 
-_END = ("end",)
+
+class _Final:
+    """The last item of a run (``("end",)`` or ``("error", e)``): it travels behind the run's
+    batches through the batch and transfer stages, so it never overtakes one."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: tuple) -> None:
+        self.item = item
 
 
 class Pipeline:
@@ -176,6 +195,7 @@ class Pipeline:
         self._next_expire = 0.0
         self._svc = CHUNK_BUDGET_S  # running mean seconds per sample in worker processes
         self._batch_ids = itertools.count()
+        self._collating: dict[tuple, int] = {}  # batch key -> samples, until collated
         self.procs: ProcessExecutor | None = None
         try:
             self.sample_stages: list[Stage] = compose(self)
@@ -201,6 +221,8 @@ class Pipeline:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``."""
         if self._stop.is_set():
             raise RuntimeError("this Loader is closed")
+        if self._fatal is not None or not self.thread.is_alive():
+            raise RuntimeError("autominato's scheduler failed; build a new Loader") from self._fatal
         self._gen += 1
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
@@ -246,7 +268,7 @@ class Pipeline:
             if st is not None:
                 st.executor.stop()
         for run in list(self.runs.values()):
-            self._close_run(run)
+            run.finish(None)
         self.runs.clear()
         self.batch_pool.clear()
         self.slots.close()
@@ -292,7 +314,7 @@ class Pipeline:
                 self.procs.resize(self.knobs.workers)  # workers that could not start: again
             self._decide(run, run.epoch.start())
         elif kind == "stop":
-            self._abort(ev[1])
+            self._end_run(ev[1], None)
         elif kind == "consumed":
             pass  # room in a run's output: the batch stage is pumped below
         elif kind == "knobs":
@@ -302,14 +324,12 @@ class Pipeline:
         """The pipeline cannot serve the live runs (workers die before they are ready): each
         gets ``exc``; the next run tries again with fresh workers."""
         for run in list(self.runs.values()):
-            self._abort(run)
-            run.deliver(("error", exc))
+            self._end_run(run, ("error", exc))
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fatal = exc
         for run in list(self.runs.values()):
-            run.deliver(("error", exc))
-            run.closed = True
+            run.finish(("error", exc))
 
     def _apply_knobs(self) -> None:
         k = self.knobs
@@ -338,18 +358,19 @@ class Pipeline:
             return
         stages = self.sample_stages
         first = stages[0]
-        held = sum(r.epoch.held + r.uncollated for r in self.runs.values())
-        window = max(1, self.knobs.pool_size) - held
-        for run in sorted(self.runs.values(), key=lambda r: r.gen):
-            if window <= 0:
-                break
-            room = min(window, *(s.room() for s in stages))
-            if room <= 0 or run.epoch.finished:
+        pool = max(1, self.knobs.pool_size)
+        # Oldest run first; each live run has a window of its own (``pool_size`` samples), as
+        # each DataLoader iterator has its own prefetch, so a run whose consumer pauses never
+        # starves another.
+        for run in self.runs.values():
+            if run.epoch.finished:
+                continue
+            room = min(pool - run.epoch.held - run.uncollated, *(s.room() for s in stages))
+            if room <= 0:
                 continue
             for t in run.epoch.take(room):
                 key = (run.gen, t.pos, t.attempt)
                 first.put(key, self._first_item(run, t.index, key))
-                window -= 1
         for st in stages:
             st.pump()
             self.stats[st.name].busy = st.executor.busy
@@ -371,15 +392,25 @@ class Pipeline:
                 (out.name, out.size) if out is not None else None)
 
     def _pump_batches(self) -> None:
+        """Start the next batch whose run has room for it in its output (``depth``); the
+        batches of a run whose consumer is behind wait without holding up other runs'."""
         bs = self.batch_stage
         depth = max(1, self.knobs.depth)
-        while bs.queue and bs.executor.free() > 0:
-            key, (run, items), _ = bs.queue[0]
-            if items is not _END and len(run.out) + run.batching >= depth and not run.stopped:
-                break
-            if items is not _END:
+        blocked: set[int] = set()
+        i = 0
+        while i < len(bs.queue) and bs.executor.free() > 0:
+            _, (run, items), _ = bs.queue[i]
+            final = isinstance(items, _Final)
+            if run.gen in blocked or (not final and len(run.out) + run.batching >= depth
+                                      and not run.stopped):
+                blocked.add(run.gen)  # keep this run's order: none of its later items pass
+                i += 1
+                continue
+            if not final:
                 run.batching += 1
+            bs.queue.rotate(-i)
             bs.pump(1)
+            bs.queue.rotate(i)
         if self.transfer_stage is not None:
             self.transfer_stage.pump()
 
@@ -468,16 +499,16 @@ class Pipeline:
             if isinstance(d, Emit):
                 self.stragglers += d.stragglers
                 run.uncollated += len(d.items)
-                self.batch_stage.put((run.gen, next(self._batch_ids)), (run, d.items))
+                key = (run.gen, next(self._batch_ids))
+                self._collating[key] = len(d.items)
+                self.batch_stage.put(key, (run, d.items))
             elif isinstance(d, Discard):
                 self._free(d.result.slots)
             elif isinstance(d, Skip):
                 self._skip(d)
-            elif isinstance(d, Raise):
-                run.deliver(("error", d.error))
-                run.closed = True
-            elif isinstance(d, End):
-                self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _END))
+            elif isinstance(d, (Raise, End)):
+                last = ("error", d.error) if isinstance(d, Raise) else ("end",)
+                self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
 
     def _skip(self, d: Skip) -> None:
         self.skipped += 1
@@ -490,57 +521,58 @@ class Pipeline:
         if self.on_skip is not None:
             self.on_skip(d.index, path, d.error)
 
-    def _abort(self, run: Run) -> None:
+    def _end_run(self, run: Run, last: tuple | None) -> None:
+        """End ``run`` now: free everything it holds in the stages (results still in workers
+        are freed when they arrive), then close it with ``last`` (``None``: the consumer left)."""
         if self.runs.pop(run.gen, None) is None:
             return
         self._decide(run, run.epoch.abort())
+        gone = lambda k, g=run.gen: k[0] != g  # noqa: E731
         for st in self.sample_stages:
-            for key, _ in st.drop(lambda k, g=run.gen: k[0] != g):
+            for key, _ in st.drop(gone):
                 self._free(self.held.pop(key, ()))
-        for _, (_, items) in self.batch_stage.drop(lambda k, g=run.gen: k[0] != g):
-            if items is not _END:
+        for _, (_, items) in self.batch_stage.drop(gone):
+            if not isinstance(items, _Final):
                 self._release_items(items)
-        self._close_run(run)
-
-    def _close_run(self, run: Run) -> None:
-        run.closed = True
-        with run.cv:
-            run.out.clear()
-            run.cv.notify_all()
+        if self.transfer_stage is not None:
+            self.transfer_stage.drop(gone)
+        if self.procs is not None:
+            self.procs.forget(run.gen)
+        run.finish(last)
 
     # -- batch and transfer stages -------------------------------------------------------------
     def _batch_result(self, r: Result) -> None:
         stage = self.batch_stage if r.stage == "batch" else self.transfer_stage
-        run, payload = r.value
-        stage.finished(r, count=payload is not _END)
-        if payload is _END:
-            if not run.stopped:
-                run.deliver(("end",))
-            self.runs.pop(run.gen, None)
-            run.closed = True
-            return
-        if r.stage == "batch":
-            run.uncollated -= payload[2] if r.ok else payload
+        run = self.runs.get(r.key[0])
+        payload = r.value
+        final = isinstance(payload, _Final)
+        stage.finished(r, count=not final)
+        if r.stage == "batch" and not final:
+            n = self._collating.pop(r.key, 0)
+            if run is not None:
+                run.uncollated -= n
+        if run is None:
+            return  # the run ended (its consumer left): the batch is dropped
         if not r.ok:
-            run.batching -= 1
-            self._abort(run)
-            if not run.stopped:
-                run.deliver(("error", r.error))
+            self._end_run(run, ("error", r.error))
             return
         if r.stage == "batch" and self.transfer_stage is not None:
             self.transfer_stage.put(r.key, (run, payload))
             return
-        run.batching -= 1
-        if run.stopped or run.gen not in self.runs:
+        if final:
+            self.runs.pop(run.gen, None)
+            run.finish(None if run.stopped else payload.item)
             return
-        batch, indices = payload[0], payload[1]
-        run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None))
+        run.batching -= 1
+        if not run.stopped:
+            batch, indices = payload[0], payload[1]
+            run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None))
 
     def _collate(self, key: Any, job: tuple) -> Result:
         """Batch stage function (its own thread): collate a group into pooled buffers."""
         run, items = job
-        if items is _END:
-            return Result("batch", key, (run, _END))
+        if isinstance(items, _Final):
+            return Result("batch", key, items)
         t0 = time.perf_counter()
         try:
             samples = [c.sample for _, _, c in items]
@@ -553,9 +585,9 @@ class Pipeline:
                 self._release_items(items)
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
             self._release_items(items)
-            return Result("batch", key, (run, len(items)), ok=False, error=e)
+            return Result("batch", key, None, ok=False, error=e)
         indices = [index for _, index, _ in items]
-        return Result("batch", key, (run, (batch, indices, len(items))),
+        return Result("batch", key, (batch, indices, len(items)),
                       service_s=time.perf_counter() - t0, nbytes=batch_nbytes(batch))
 
     def _release_items(self, items: tuple) -> None:
@@ -568,21 +600,27 @@ class Pipeline:
         CUDA stream; the consumer's stream waits on its end event."""
         import torch
 
-        run, (batch, indices, n) = job
+        run, payload = job
+        if isinstance(payload, _Final):
+            return Result("transfer", key, payload)
+        batch, indices, n = payload
         device = self.cfg.device
-        stream = getattr(self, "_stream", None)
-        if stream is None:
-            stream = self._stream = torch.cuda.Stream(device=device)
         t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            e0 = torch.cuda.Event(enable_timing=True)
-            e1 = torch.cuda.Event(enable_timing=True)
-            e0.record(stream)
-            on_device = to_device(batch, device)
-            e1.record(stream)
-        # Timing comes from the events, when the copy has run (the consumer polls them).
-        return Result("transfer", key, (run, (on_device, indices, n, (e0, e1, batch_nbytes(batch), batch))),
-                      service_s=time.perf_counter() - t0, nbytes=0)
+        try:
+            stream = getattr(self, "_stream", None)
+            if stream is None:
+                stream = self._stream = torch.cuda.Stream(device=device)
+            with torch.cuda.stream(stream):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record(stream)
+                on_device = to_device(batch, device)
+                e1.record(stream)
+        except BaseException as e:  # noqa: BLE001 - CUDA out of memory, say: the loop gets it
+            return Result("transfer", key, None, ok=False, error=e)
+        # The copy's time is read from its events by the consumer, once it has run.
+        return Result("transfer", key, (on_device, indices, n, (e0, e1, batch_nbytes(batch), batch)),
+                      service_s=time.perf_counter() - t0)
 
     # -- statistics -------------------------------------------------------------------------------
     def _hook(self, name: str) -> Callable[[float, float, int], None]:
@@ -610,7 +648,7 @@ class Pipeline:
             s["read"].workers = lambda: tr.executor.size
         s["batch"].queue_capacity = lambda: k.pool_size
         s["batch"].queue_len = lambda: sum(len(items) for _, (_, items), _ in list(self.batch_stage.queue)
-                                           if items is not _END)
+                                           if not isinstance(items, _Final))
         s["batch"].workers = lambda: 1
         s["transfer"].queue_capacity = lambda: k.depth
         s["transfer"].queue_len = lambda: sum(len(r.out) for r in list(self.runs.values()))
@@ -665,8 +703,12 @@ def compose(p: Pipeline) -> list[Stage]:
             t = time.perf_counter()
             nbytes = _nbytes(sample)
             slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
-            desc, _ = pack(sample, slot.mmap if slot is not None else None)
         except BaseException as e:  # noqa: BLE001
+            return _failed("read", key, e, index, spec)
+        try:
+            desc, _ = pack(sample, slot.mmap if slot is not None else None)
+        except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
+            p.slots.release(slot)
             return _failed("read", key, e, index, spec)
         return Result("read", key, _Packed(desc, slot, nbytes),
                       service_s=read_s + time.perf_counter() - t, nbytes=nbytes)

@@ -170,10 +170,14 @@ class Zygote:
             while self._poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
         self.exitcode = self._poll()
+        if self.forked and self.exitcode is not None:
+            self._proc.close()  # its sentinel pipe, not left to the garbage collector
         return self.exitcode
 
     def _poll(self) -> int | None:
         # multiprocessing's join() waits on a pipe that the workers inherit too; waitpid does not.
+        if self.exitcode is not None:
+            return self.exitcode  # reaped (and closed) already
         return self._proc.exitcode if self.forked else self._proc.poll()
 
     def close(self, timeout: float) -> int | None:
