@@ -386,7 +386,9 @@ def test_a_sample_that_kills_every_worker_goes_through_the_error_policy(on_error
             assert info.value.sample_index == 7 and "killed 2 workers" in str(info.value)
         t1 = time.monotonic()
         snap = loader.snapshot()
-        assert snap.worker_restarts_total == 2
+        # max_tries=2 deaths blamed on the sample; one more when the first death came while
+        # the worker held a chunk of fast samples (none blamed: each is then sent alone).
+        assert snap.worker_restarts_total in (2, 3)
         assert snap.skipped_total == (1 if on_error == "skip" else 0)
         # Replacements keep the pool at its size; the next epoch still works around the sample.
         assert len(settled_pids(loader, 2)) == 2
