@@ -120,9 +120,10 @@ class Stage:
     def pump(self, most: int | None = None) -> None:
         """Move queued items (``most`` of them at most) to free workers, oldest first."""
         ex = self.executor
-        n = len(self.queue) if most is None else most
-        while n > 0 and self.queue and ex.free() > 0:
-            n -= 1
+        n = min(len(self.queue), ex.free())
+        if most is not None:
+            n = min(n, most)
+        for _ in range(n):
             key, item, t = self.queue.popleft()
             self._waits[key] = time.monotonic() - t
             ex.submit(key, item)
