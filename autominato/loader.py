@@ -52,6 +52,20 @@ def default_knobs(batch_size: int, cores: int, workers: int | None = None) -> tu
     return values, bounds
 
 
+#: DataLoader arguments that Loader does not take (yet), and what to use instead.
+DATALOADER_ARGS = {
+    "num_workers": "use workers=N (worker processes; 0 loads without worker processes)",
+    "prefetch_factor": "use depth=N (batches prepared ahead of the training loop)",
+    "pin_memory": "use device='cuda': batches arrive on the GPU, copied from pinned memory",
+    "pin_memory_device": "use device=...",
+    "persistent_workers": "drop it: workers live as long as the Loader",
+    "multiprocessing_context": "use start_method='fork' | 'forkserver' | 'spawn'",
+    "generator": "use seed=N (shuffling and augmentation)",
+    "worker_init_fn": "not supported yet",
+    "batch_sampler": "not supported yet: give sampler=, batch_size= and drop_last=",
+}
+
+
 def draw_seed() -> int:
     """A base seed drawn from torch's default generator, as the DataLoader draws its own (so
     ``torch.manual_seed`` makes a run reproducible)."""
@@ -161,7 +175,10 @@ class Loader:
             raise ValueError(f"timeout must be seconds >= 0 (0 or None: no timeout), got {timeout!r}")
         unknown = set(knobs) - set(KNOB_NAMES)
         if unknown:
-            raise ValueError(f"unknown argument(s) {sorted(unknown)}; knobs are {', '.join(KNOB_NAMES)}")
+            hints = [f"{name}: {DATALOADER_ARGS.get(name, 'not an argument of Loader')}"
+                     for name in sorted(unknown)]
+            raise TypeError("Loader() got argument(s) it does not take: " + "; ".join(hints)
+                            + f" (the knobs are {', '.join(KNOB_NAMES)})")
         for name, v in knobs.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -305,8 +322,9 @@ class Loader:
         return self._n
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration's shuffle and augmentation seeds; a sampler
-        with ``set_epoch`` (``DistributedSampler``) gets it too."""
+        """Use ``epoch`` for the shuffle and augmentation seeds of every iteration until the
+        next call (as ``DistributedSampler.set_epoch``); a sampler with ``set_epoch`` gets it
+        too. Without any call, each pass over the Loader is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
         if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
@@ -327,9 +345,11 @@ class Loader:
             raise RuntimeError("this Loader is closed")
         with self._lock:
             if self._started and not self._epoch_set:
-                self._epoch += 1  # like DataLoader's RandomSampler: a new shuffle each pass
+                # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
+                # loop sets the epoch itself; from then on, as with DistributedSampler, the
+                # epoch is the one set (a peek with next(iter(loader)) does not advance it).
+                self._epoch += 1
             self._started = True
-            self._epoch_set = False
             pipeline = self._ensure_pipeline()
             run = pipeline.start(self._order(self._epoch), self._epoch)
             return _EpochIterator(self, pipeline, run)

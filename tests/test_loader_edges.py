@@ -318,3 +318,38 @@ def test_a_read_that_cannot_be_packed_frees_its_slot():
         for _ in range(3):
             assert sum(len(b[0]) for b in L) == 8
             assert _slots_all_free(L)
+
+
+# -- from a new user's trial -----------------------------------------------------------------------
+
+
+def test_dataloader_arguments_say_what_to_use_instead():
+    with pytest.raises(TypeError, match=r"num_workers: use workers=N") as info:
+        Loader(Indexed(4), 2, num_workers=2, pin_memory=True, autotune=False)
+    assert "pin_memory: use device='cuda'" in str(info.value)
+
+
+def test_set_epoch_holds_for_every_pass_until_set_again():
+    with Loader(Indexed(12), 12, shuffle=True, seed=3, workers=0, in_order=True,
+                autotune=False) as L:
+        L.set_epoch(4)
+        peek = indices([next(iter(L))])
+        assert indices(L) == peek  # the peek did not advance the epoch
+        L.set_epoch(5)
+        assert indices(L) != peek
+
+
+def test_a_transform_with_an_optional_rng_gets_the_samples_generator():
+    def aug(sample, rng=None):
+        x, i = sample
+        return x + rng.standard_normal(x.shape).astype(np.float32), i
+
+    with Loader(Indexed(4), 4, transform=aug, seed=0, workers=0, autotune=False) as L:
+        (x, _), = list(L)
+    assert not torch.equal(x, torch.round(x))  # noise was added
+
+
+def test_knobs_refuse_values_that_are_not_integers():
+    with Loader(Indexed(4), 2, workers=0, autotune=False) as L:
+        with pytest.raises(TypeError, match="knob depth takes an integer"):
+            L.knobs.depth = "3"

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def usable_cores() -> int:
     """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``)."""
@@ -86,9 +88,12 @@ class Knobs:
 
         Raises:
             KeyError: ``name`` is not a knob.
+            TypeError: ``value`` is not an integer.
         """
         if name not in self._knobs:
             raise KeyError(f"unknown knob {name!r}; knobs are {', '.join(KNOB_NAMES)}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"knob {name} takes an integer, got {value!r}")
         with self._lock:
             knob = self._knobs[name]
             old, knob.value = knob.value, knob.clamp(value)

@@ -46,8 +46,9 @@ from autominato.pipeline.shm import SlotCache, pack, unpack
 def takes_rng(fn: Callable | None) -> bool:
     """Whether ``fn`` is called as ``fn(sample, rng)`` rather than ``fn(sample)``.
 
-    True when ``fn`` has exactly two required positional parameters. A MONAI ``Compose``
-    (one required parameter, the rest defaulted) is therefore called as ``fn(sample)``.
+    True when ``fn`` has exactly two required positional parameters, or its second positional
+    parameter is named ``rng`` (``def aug(sample, rng=None)``). A MONAI ``Compose`` (one
+    required parameter, the rest defaulted) is therefore called as ``fn(sample)``.
     """
     if fn is None:
         return False
@@ -55,12 +56,11 @@ def takes_rng(fn: Callable | None) -> bool:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return False
-    required = [
-        p
-        for p in sig.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    return len(required) == 2
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    # ``def aug(sample, rng=None)`` asks for the generator by name.
+    return len(required) == 2 or (len(positional) >= 2 and positional[1].name == "rng")
 
 
 @dataclass
