@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
-import signal
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, record_stream, to_device
+from autominato.pipeline import cleanup
+from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, to_device
+from autominato.pipeline.compose import Packed, compose
 from autominato.pipeline.epoch import (
     Completed,
     Discard,
@@ -43,22 +42,17 @@ from autominato.pipeline.epoch import (
     Raise,
     Skip,
 )
-from autominato.pipeline.errors import ErrorReport, SampleError, describe
-from autominato.pipeline.executor import ProcessWorkers
+from autominato.pipeline.errors import SampleError, describe
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.shm import (
-    SHM_DIR,
     SlotPool,
-    leftover_segments,
-    pack,
-    packed_nbytes,
     unpack,
     use_slot,
 )
 from autominato.pipeline.stage import Result, Stage
 from autominato.pipeline.stats import StageStats
-from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
+from autominato.pipeline.worker import WorkSpec, sample_path
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -213,8 +207,8 @@ class Pipeline:
         self._wire_stats()
         self.thread = threading.Thread(target=self._loop, name="autominato-scheduler", daemon=True)
         self.thread.start()
-        _live.add(self)
-        _install_termination_cleanup()
+        cleanup.live.add(self)
+        cleanup.install()
 
     # -- any thread -------------------------------------------------------------------------
     def start(self, order: Sequence[int], epoch: int) -> Run:
@@ -461,7 +455,7 @@ class Pipeline:
         if last:
             self._learn(r.nbytes)
         if stage.executor is not self.procs:
-            if isinstance(r.value, _Packed):  # the split read stage packed it into a slot
+            if isinstance(r.value, Packed):  # the split read stage packed it into a slot
                 return r.value, (r.value.slot,)
             return r.value, ()
         self._svc += ((r.service_s + r.read_s) - self._svc) * 0.05
@@ -485,7 +479,7 @@ class Pipeline:
         self.sample_bytes += (nbytes - self.sample_bytes) * 0.1 if self.sample_bytes else nbytes
 
     def _next_item(self, index: int, epoch: int, key: tuple, value: Any) -> Any:
-        if isinstance(value, _Packed):  # read threads -> transform processes, through a slot
+        if isinstance(value, Packed):  # read threads -> transform processes, through a slot
             return self._proc_item(index, epoch, key, read=False, in_slot=value.slot,
                                    in_desc=value.desc)
         return (index, epoch, value)
@@ -655,99 +649,6 @@ class Pipeline:
         s["transfer"].workers = lambda: 1 if self.transfer_stage is not None else 0
 
 
-class _Packed:
-    """A sample read by the split read stage: its descriptor and the slot holding its arrays."""
-
-    __slots__ = ("desc", "slot", "nbytes")
-
-    def __init__(self, desc: bytes, slot: Any, nbytes: int) -> None:
-        self.desc, self.slot, self.nbytes = desc, slot, nbytes
-
-
-def compose(p: Pipeline) -> list[Stage]:
-    """The sample stages of ``p``'s configuration, in data order.
-
-    * ``workers == 0``: one stage of threads that read and transform (no worker process).
-    * ``worker_kind="thread"``: read threads, then transform threads.
-    * process workers, ``fuse_read`` (default): one stage of processes that read and transform.
-    * process workers, ``fuse_read=False``: read threads, then transform processes; samples
-      cross through shared memory.
-    """
-    cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
-    plain = WorkSpec(spec.dataset, None, False, spec.seed)
-
-    def stage(name: str, executor: Any, capacity: Callable[[], int]) -> Stage:
-        return Stage(name, executor, p._hook(name), capacity)
-
-    def read_and_transform(key: tuple, item: tuple) -> Result:
-        index, epoch = item
-        try:
-            sample, read_s, transform_s = run_sample(spec, index, epoch, read=True)
-        except BaseException as e:  # noqa: BLE001
-            return _failed("transform", key, e, index, spec)
-        return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
-                      nbytes=_nbytes(sample))
-
-    def read(key: tuple, item: tuple) -> Result:
-        index, _ = item
-        try:
-            sample, read_s, _ = run_sample(plain, index, 0, read=True)
-        except BaseException as e:  # noqa: BLE001
-            return _failed("read", key, e, index, spec)
-        return Result("read", key, sample, service_s=read_s, nbytes=_nbytes(sample))
-
-    def read_packed(key: tuple, item: tuple) -> Result:
-        index, _ = item
-        try:
-            sample, read_s, _ = run_sample(plain, index, 0, read=True)
-            t = time.perf_counter()
-            nbytes = _nbytes(sample)
-            slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
-        except BaseException as e:  # noqa: BLE001
-            return _failed("read", key, e, index, spec)
-        try:
-            desc, _ = pack(sample, slot.mmap if slot is not None else None)
-        except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
-            p.slots.release(slot)
-            return _failed("read", key, e, index, spec)
-        return Result("read", key, _Packed(desc, slot, nbytes),
-                      service_s=read_s + time.perf_counter() - t, nbytes=nbytes)
-
-    def transform(key: tuple, item: tuple) -> Result:
-        index, epoch, sample = item
-        try:
-            sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample)
-        except BaseException as e:  # noqa: BLE001
-            return _failed("transform", key, e, index, spec)
-        return Result("transform", key, sample, service_s=transform_s, nbytes=_nbytes(sample))
-
-    reads = lambda: k.read_threads  # noqa: E731
-    ahead = lambda: k.workers + k.read_threads  # noqa: E731 - read-ahead of the transform stage
-    if k.workers == 0:
-        return [stage("transform", ThreadExecutor("transform", read_and_transform, post, k.read_threads), reads)]
-    if cfg.worker_kind == "thread":
-        return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
-                stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
-    workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
-    p.procs = ProcessExecutor("transform", workers, cfg.max_tries, p._fail_runs, cfg.start_method)
-    p.procs.resize(k.workers)  # those not forked already start from the fork server
-    if cfg.fuse_read:
-        return [stage("transform", p.procs, lambda: 0)]
-    return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
-            stage("transform", p.procs, ahead)]
-
-
-def _nbytes(sample: Any) -> int:
-    return packed_nbytes(sample)
-
-
-def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:
-    report = ErrorReport.capture(e, index, sample_path(spec.dataset, index),
-                                 f"thread {threading.current_thread().name}")
-    report.original = e
-    return Result(stage, key, ok=False, error=report.to_exception())
-
-
 def _with_sample(err: BaseException, index: int, path: str | None) -> BaseException:
     """Name the sample in an error raised about it (worker deaths and timeouts carry only
     the worker)."""
@@ -765,43 +666,4 @@ def _with_note(err: BaseException, note: str) -> BaseException:
     return err
 
 
-# ------------------------------------------------------------------------------------------
-# Termination by signal. SIGINT raises KeyboardInterrupt and the loaders close on the way out
-# (``with``, ``Loader.close`` or the atexit hook). SIGTERM's default action ends the process
-# at once, without atexit, leaving /dev/shm segments (which outlive processes) and workers busy
-# on a sample. So, where SIGTERM still has its default action, a handler cleans up first and
-# then dies by SIGTERM all the same (the exit status a job scheduler expects).
-
-_live: weakref.WeakSet = weakref.WeakSet()
-_installed_in: int | None = None  # pid of the process whose SIGTERM handler is ours
-
-
-def _install_termination_cleanup() -> None:
-    global _installed_in
-    if _installed_in == os.getpid() or threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can be set only from the main thread
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # the application handles SIGTERM itself (and its exit path closes loaders)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _installed_in = os.getpid()
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # This runs in the main thread between two bytecodes, perhaps while it holds a lock that
-    # an orderly close would need: take no lock, join nothing.
-    if os.getpid() == _installed_in:  # not in a child forked after installing
-        for p in list(_live):
-            try:
-                p.kill_workers()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-        for name in leftover_segments(os.getpid()):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-__all__ = ["Pipeline", "PipelineConfig", "Run", "compose", "record_stream"]
+__all__ = ["Pipeline", "PipelineConfig", "Run"]

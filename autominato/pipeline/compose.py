@@ -1,0 +1,117 @@
+"""The sample stages of a configuration: which stages, which executor, which function.
+
+A mode of the loader is a composition of :class:`~autominato.pipeline.stage.Stage` s, never a
+branch on a mode string: :func:`compose` builds the list for a
+:class:`~autominato.pipeline.scheduler.Pipeline`, and each stage function below is what one
+item costs there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from autominato.pipeline.errors import ErrorReport
+from autominato.pipeline.executor import ProcessWorkers
+from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
+from autominato.pipeline.shm import pack, packed_nbytes, use_slot
+from autominato.pipeline.stage import Result, Stage
+from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
+
+if TYPE_CHECKING:
+    from autominato.pipeline.scheduler import Pipeline
+
+
+class Packed:
+    """A sample read by the split read stage: its descriptor and the slot holding its arrays."""
+
+    __slots__ = ("desc", "slot", "nbytes")
+
+    def __init__(self, desc: bytes, slot: Any, nbytes: int) -> None:
+        self.desc, self.slot, self.nbytes = desc, slot, nbytes
+
+
+def compose(p: Pipeline) -> list[Stage]:
+    """The sample stages of ``p``'s configuration, in data order.
+
+    * ``workers == 0``: one stage of threads that read and transform (no worker process).
+    * ``worker_kind="thread"``: read threads, then transform threads.
+    * process workers, ``fuse_read`` (default): one stage of processes that read and transform.
+    * process workers, ``fuse_read=False``: read threads, then transform processes; samples
+      cross through shared memory.
+    """
+    cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
+    plain = WorkSpec(spec.dataset, None, False, spec.seed)
+
+    def stage(name: str, executor: Any, capacity: Callable[[], int]) -> Stage:
+        return Stage(name, executor, p._hook(name), capacity)
+
+    def read_and_transform(key: tuple, item: tuple) -> Result:
+        index, epoch = item
+        try:
+            sample, read_s, transform_s = run_sample(spec, index, epoch, read=True)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("transform", key, e, index, spec)
+        return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
+                      nbytes=_nbytes(sample))
+
+    def read(key: tuple, item: tuple) -> Result:
+        index, _ = item
+        try:
+            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("read", key, e, index, spec)
+        return Result("read", key, sample, service_s=read_s, nbytes=_nbytes(sample))
+
+    def read_packed(key: tuple, item: tuple) -> Result:
+        index, _ = item
+        try:
+            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+            t = time.perf_counter()
+            nbytes = _nbytes(sample)
+            slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
+        except BaseException as e:  # noqa: BLE001
+            return _failed("read", key, e, index, spec)
+        try:
+            desc, _ = pack(sample, slot.mmap if slot is not None else None)
+        except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
+            p.slots.release(slot)
+            return _failed("read", key, e, index, spec)
+        return Result("read", key, Packed(desc, slot, nbytes),
+                      service_s=read_s + time.perf_counter() - t, nbytes=nbytes)
+
+    def transform(key: tuple, item: tuple) -> Result:
+        index, epoch, sample = item
+        try:
+            sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample)
+        except BaseException as e:  # noqa: BLE001
+            return _failed("transform", key, e, index, spec)
+        return Result("transform", key, sample, service_s=transform_s, nbytes=_nbytes(sample))
+
+    reads = lambda: k.read_threads  # noqa: E731
+    ahead = lambda: k.workers + k.read_threads  # noqa: E731 - read-ahead of the transform stage
+    if k.workers == 0:
+        return [stage("transform", ThreadExecutor("transform", read_and_transform, post, k.read_threads), reads)]
+    if cfg.worker_kind == "thread":
+        return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
+                stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
+    workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
+    p.procs = ProcessExecutor("transform", workers, cfg.max_tries, p._fail_runs, cfg.start_method)
+    p.procs.resize(k.workers)  # those not forked already start from the fork server
+    if cfg.fuse_read:
+        return [stage("transform", p.procs, lambda: 0)]
+    return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
+            stage("transform", p.procs, ahead)]
+
+
+def _nbytes(sample: Any) -> int:
+    return packed_nbytes(sample)
+
+
+def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:
+    report = ErrorReport.capture(e, index, sample_path(spec.dataset, index),
+                                 f"thread {threading.current_thread().name}")
+    report.original = e
+    return Result(stage, key, ok=False, error=report.to_exception())
