@@ -618,8 +618,7 @@ class Pipeline:
 
     # -- statistics -------------------------------------------------------------------------------
     def _hook(self, name: str) -> Callable[[float, float, int], None]:
-        rec = self.stats[name].record
-        return lambda service, wait, nbytes: rec(service, wait, nbytes)
+        return self.stats[name].record  # (service_s, wait_s, nbytes): called per item
 
     @property
     def _split(self) -> bool:
