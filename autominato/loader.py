@@ -261,7 +261,6 @@ class Loader:
             collate_fn=collate_fn, device=self.device, worker_kind=worker_kind, fuse_read=fused,
             start_method=start_method, shm_budget_bytes=shm_budget,
         )
-        self._start_method = start_method
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
         self._consumer_wait = 0.0
@@ -488,7 +487,6 @@ class _EpochIterator:
         self._done = False
         self._last_return: float | None = None
         self._pending_h2d: list = []
-        self.last_indices: list[int] = []
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -540,7 +538,6 @@ class _EpochIterator:
         L._samples += len(indices)
         L.stage_stats["consumer"].record(busy, wait, 0, items=len(indices))
         self._last_return = now
-        self.last_indices = indices
         return batch
 
     def _poll_h2d(self) -> None:

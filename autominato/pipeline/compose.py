@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 class Packed:
     """A sample read by the split read stage: its descriptor and the slot holding its arrays."""
 
-    __slots__ = ("desc", "slot", "nbytes")
+    __slots__ = ("desc", "slot")
 
-    def __init__(self, desc: bytes, slot: Any, nbytes: int) -> None:
-        self.desc, self.slot, self.nbytes = desc, slot, nbytes
+    def __init__(self, desc: bytes, slot: Any) -> None:
+        self.desc, self.slot = desc, slot
 
 
 def compose(p: Pipeline) -> list[Stage]:
@@ -55,7 +55,7 @@ def compose(p: Pipeline) -> list[Stage]:
         except BaseException as e:  # noqa: BLE001
             return _failed("transform", key, e, index, spec)
         return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
-                      nbytes=_nbytes(sample))
+                      nbytes=packed_nbytes(sample))
 
     def read(key: tuple, item: tuple) -> Result:
         index, _ = item
@@ -63,14 +63,14 @@ def compose(p: Pipeline) -> list[Stage]:
             sample, read_s, _ = run_sample(plain, index, 0, read=True)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
-        return Result("read", key, sample, service_s=read_s, nbytes=_nbytes(sample))
+        return Result("read", key, sample, service_s=read_s, nbytes=packed_nbytes(sample))
 
     def read_packed(key: tuple, item: tuple) -> Result:
         index, _ = item
         try:
             sample, read_s, _ = run_sample(plain, index, 0, read=True)
             t = time.perf_counter()
-            nbytes = _nbytes(sample)
+            nbytes = packed_nbytes(sample)
             slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
@@ -79,7 +79,7 @@ def compose(p: Pipeline) -> list[Stage]:
         except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
             p.slots.release(slot)
             return _failed("read", key, e, index, spec)
-        return Result("read", key, Packed(desc, slot, nbytes),
+        return Result("read", key, Packed(desc, slot),
                       service_s=read_s + time.perf_counter() - t, nbytes=nbytes)
 
     def transform(key: tuple, item: tuple) -> Result:
@@ -88,7 +88,7 @@ def compose(p: Pipeline) -> list[Stage]:
             sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample)
         except BaseException as e:  # noqa: BLE001
             return _failed("transform", key, e, index, spec)
-        return Result("transform", key, sample, service_s=transform_s, nbytes=_nbytes(sample))
+        return Result("transform", key, sample, service_s=transform_s, nbytes=packed_nbytes(sample))
 
     reads = lambda: k.read_threads  # noqa: E731
     ahead = lambda: k.workers + k.read_threads  # noqa: E731 - read-ahead of the transform stage
@@ -98,16 +98,13 @@ def compose(p: Pipeline) -> list[Stage]:
         return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
                 stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
     workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
-    p.procs = ProcessExecutor("transform", workers, cfg.max_tries, p._fail_runs, cfg.start_method)
+    p.procs = ProcessExecutor("transform", workers, cfg.batch_size, cfg.max_tries, p._fail_runs,
+                              cfg.start_method)
     p.procs.resize(k.workers)  # those not forked already start from the fork server
     if cfg.fuse_read:
         return [stage("transform", p.procs, lambda: 0)]
     return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
             stage("transform", p.procs, ahead)]
-
-
-def _nbytes(sample: Any) -> int:
-    return packed_nbytes(sample)
 
 
 def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:

@@ -183,11 +183,6 @@ class Epoch:
             1 for r in self._done.values() if isinstance(r, tuple))
 
     @property
-    def pending(self) -> int:
-        """Positions not yet dispatched (fresh or to redo)."""
-        return self.size - self._cursor + len(self._redo)
-
-    @property
     def finished(self) -> bool:
         return self.ended or self.failed
 

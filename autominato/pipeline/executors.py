@@ -18,6 +18,10 @@ from autominato.pipeline.stage import Result
 
 log = logging.getLogger("autominato.pipeline")
 
+#: Seconds of work a worker process is given in one message at most: samples that take less
+#: go in chunks of up to the batch size; samples that take this long or longer go one at a time.
+CHUNK_BUDGET_S = 0.01
+
 
 class ThreadExecutor:
     """Threads of this process running ``fn(key, item) -> Result``.
@@ -81,13 +85,13 @@ class ProcessExecutor:
 
     An item is the task message without its key: ``(index, epoch, read, in_slot, in_desc,
     out_slot)``. Items are sent in *chunks*: up to :attr:`chunk` items per worker in one
-    message, answered in one message (the worker sends early every ``worker.FLUSH_S``). The
-    scheduler sets :attr:`chunk` from the measured service time, so that samples that take
-    microseconds cost one pipe round trip per chunk instead of one each (the DataLoader's
-    workers likewise get one message per batch), while a sample that takes longer than the
-    chunk's budget goes alone (a straggler never holds others back). When a worker dies or
-    hangs holding several unanswered items, they are sent again one per message, so that the
-    guilty one is found and no other is blamed.
+    message, answered in one message (the worker sends early every ``worker.FLUSH_S``).
+    :attr:`chunk` follows the measured time per item (:data:`CHUNK_BUDGET_S` of work per
+    message at most), so that samples that take microseconds cost one pipe round trip per
+    chunk instead of one each (the DataLoader's workers likewise get one message per batch),
+    while a sample that takes longer than the budget goes alone (a straggler never holds
+    others back). When a worker dies or hangs holding several unanswered items, they are sent
+    again one per message, so that the guilty one is found and no other is blamed.
 
     The pool posts raw events (``("proc", wid, reply)``, ``("died", wid, code)``) to the
     scheduler's queue; the scheduler hands them to :meth:`handle`, which turns them into
@@ -96,16 +100,19 @@ class ProcessExecutor:
     Args:
         name: the stage's name.
         workers: the pool.
+        max_chunk: most items in one message (the batch size).
         max_startup_deaths: workers in a row that may die before they are ready; then
             ``on_fatal`` is called (replacing them forever would hang the training loop).
         on_fatal: ``on_fatal(exception)``: the live epochs cannot go on.
         start_method: for the message that explains start-up deaths.
     """
 
-    def __init__(self, name: str, workers: ProcessWorkers, max_startup_deaths: int,
+    def __init__(self, name: str, workers: ProcessWorkers, max_chunk: int, max_startup_deaths: int,
                  on_fatal: Callable[[BaseException], None], start_method: str) -> None:
         self.name = name
         self.pool = workers
+        self.max_chunk = max_chunk
+        self._service_s = CHUNK_BUDGET_S  # running mean seconds of worker time per item
         self.max_startup_deaths = max_startup_deaths
         self.on_fatal = on_fatal
         self.start_method = start_method
@@ -183,6 +190,7 @@ class ProcessExecutor:
 
     # -- events of the pool (scheduler thread) ---------------------------------------------
     def handle(self, ev: tuple) -> list[Result]:
+        """The results a pool event (a reply, or a worker's death) brings; possibly none."""
         if ev[0] == "proc":
             return self._reply(ev[1], ev[2])
         return self._died(ev[1], ev[2])
@@ -211,6 +219,10 @@ class ProcessExecutor:
                                   read_s=read_s, nbytes=need))
             else:
                 out.append(Result(self.name, key, ok=False, error=sub[2].to_exception()))
+        if out:  # the chunk size follows the measured time per item (mean over this reply)
+            mean = sum(r.service_s + r.read_s for r in out) / len(out)
+            self._service_s += (mean - self._service_s) * min(1.0, 0.05 * len(out))
+            self.chunk = max(1, min(self.max_chunk, int(CHUNK_BUDGET_S / max(self._service_s, 1e-6))))
         if w is not None:
             w.task_started = time.monotonic()  # the next item held started about now
             if not held and w.task is not None:

@@ -56,12 +56,6 @@ from autominato.pipeline.worker import WorkSpec, sample_path
 
 log = logging.getLogger("autominato.pipeline")
 
-#: Seconds of work a worker process is given in one message at most (see
-#: :class:`~autominato.pipeline.executors.ProcessExecutor`): samples that take less go in
-#: chunks of up to ``batch_size``; samples that take this long or longer go one at a time.
-CHUNK_BUDGET_S = 0.01
-
-
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything about a pipeline that is fixed when it is built.
@@ -80,7 +74,6 @@ class PipelineConfig:
         fuse_read: process workers read as well as transform (else a read stage of threads).
         start_method: see :class:`~autominato.pipeline.executor.ProcessWorkers`.
         shm_budget_bytes: most bytes of shared-memory slots.
-        batch_pool_bytes: most bytes of pooled batch buffers (``None``: unbounded by bytes).
     """
 
     batch_size: int
@@ -96,7 +89,6 @@ class PipelineConfig:
     fuse_read: bool = True
     start_method: str = "auto"
     shm_budget_bytes: int = 1 << 30
-    batch_pool_bytes: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -187,7 +179,6 @@ class Pipeline:
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self._next_expire = 0.0
-        self._svc = CHUNK_BUDGET_S  # running mean seconds per sample in worker processes
         self._batch_ids = itertools.count()
         self._collating: dict[tuple, int] = {}  # batch key -> samples, until collated
         self.procs: ProcessExecutor | None = None
@@ -437,15 +428,16 @@ class Pipeline:
         if run is None or run.epoch.finished:
             return
         index = run.epoch.order[pos]
-        err = _with_sample(r.error, index, sample_path(self.spec.dataset, index))
+        note = None
+        if r.lost and not r.timed_out and not r.requeue and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
+            note = f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried"
+        err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             run.epoch.on(Failed(pos, attempt, err))  # makes the position final
             self._decide(run, [Raise(err), *run.epoch.abort()])
         elif r.requeue:
             self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
         elif r.lost:
-            if not r.timed_out and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
-                err = _with_note(err, f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried")
             self._decide(run, run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out)))
         else:
             self._decide(run, run.epoch.on(Failed(pos, attempt, err)))
@@ -458,8 +450,6 @@ class Pipeline:
             if isinstance(r.value, Packed):  # the split read stage packed it into a slot
                 return r.value, (r.value.slot,)
             return r.value, ()
-        self._svc += ((r.service_s + r.read_s) - self._svc) * 0.05
-        self.procs.chunk = max(1, min(self.cfg.batch_size, int(CHUNK_BUDGET_S / max(self._svc, 1e-6))))
         desc, need = r.value
         in_slot, out = slots if slots else (None, None)
         self.slots.release(in_slot)
@@ -620,10 +610,6 @@ class Pipeline:
     def _hook(self, name: str) -> Callable[[float, float, int], None]:
         return self.stats[name].record  # (service_s, wait_s, nbytes): called per item
 
-    @property
-    def _split(self) -> bool:
-        return len(self.sample_stages) == 2 and self.sample_stages[1].executor is self.procs
-
     def _wire_stats(self) -> None:
         s = self.stats
         k = self.knobs
@@ -648,21 +634,16 @@ class Pipeline:
         s["transfer"].workers = lambda: 1 if self.transfer_stage is not None else 0
 
 
-def _with_sample(err: BaseException, index: int, path: str | None) -> BaseException:
-    """Name the sample in an error raised about it (worker deaths and timeouts carry only
-    the worker)."""
-    if isinstance(err, SampleError) and err.sample_index is None:
-        msg = f"sample index {index}" + (f" (file {path})" if path else "") + f": {err.args[0]}"
-        new = type(err)(msg, sample_index=index, sample_path=path, worker=err.worker)
-        return new
-    return err
-
-
-def _with_note(err: BaseException, note: str) -> BaseException:
-    if isinstance(err, SampleError):
-        return type(err)(f"{err.args[0]}; {note}", sample_index=err.sample_index,
-                         sample_path=err.sample_path, worker=err.worker)
-    return err
+def _about_sample(err: BaseException, index: int, path: str | None,
+                  note: str | None = None) -> BaseException:
+    """Name the sample in an error raised about it (worker deaths and timeouts carry only the
+    worker), with ``note`` appended; other errors (from the sample's own code) pass as they are."""
+    if not isinstance(err, SampleError) or err.sample_index is not None:
+        return err
+    msg = f"sample index {index}" + (f" (file {path})" if path else "") + f": {err.args[0]}"
+    if note:
+        msg += f"; {note}"
+    return type(err)(msg, sample_index=index, sample_path=path, worker=err.worker)
 
 
 __all__ = ["Pipeline", "PipelineConfig", "Run"]
