@@ -11,21 +11,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
+from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
+from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
+from autominato.pipeline.errors import ErrorReport, describe
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.sampler import epoch_order
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
-from autominato.pipeline.worker import WorkSpec, takes_rng
+from autominato.pipeline.worker import WorkSpec, run_sample, sample_path, takes_rng
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -52,49 +57,115 @@ def default_knobs(batch_size: int, cores: int, workers: int | None = None) -> tu
     return values, bounds
 
 
-#: DataLoader arguments that Loader does not take (yet), and what to use instead.
-DATALOADER_ARGS = {
-    "num_workers": "use workers=N (worker processes; 0 loads without worker processes)",
-    "prefetch_factor": "use depth=N (batches prepared ahead of the training loop)",
-    "pin_memory": "use device='cuda': batches arrive on the GPU, copied from pinned memory",
-    "pin_memory_device": "use device=...",
-    "persistent_workers": "drop it: workers live as long as the Loader",
-    "multiprocessing_context": "use start_method='fork' | 'forkserver' | 'spawn'",
-    "generator": "use seed=N (shuffling and augmentation)",
-    "worker_init_fn": "not supported yet",
-    "batch_sampler": "not supported yet: give sampler=, batch_size= and drop_last=",
+#: Arguments other loaders take that Loader does not, and what to use instead.
+OTHER_ARGS = {
+    "num_threads": "use workers=N with worker_kind='thread'",
+    "buffer_size": "use pool_size=N (samples in flight)",
+    "max_workers": "use workers=N (the controller's bound comes from the usable cores)",
 }
 
 
-def draw_seed() -> int:
-    """A base seed drawn from torch's default generator, as the DataLoader draws its own (so
-    ``torch.manual_seed`` makes a run reproducible)."""
-    return int(torch.empty((), dtype=torch.int64).random_().item())
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A base seed drawn from ``generator``, else torch's default generator, as the DataLoader
+    draws its own (so ``torch.manual_seed`` makes a run reproducible)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def _check_int(name: str, value: Any, low: int | None) -> int:
+    """``value`` as an int, or a ``TypeError``/``ValueError`` naming the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _start_method_of(context: Any) -> str:
+    """The start method named by DataLoader's ``multiprocessing_context`` (a string or a
+    ``multiprocessing`` context)."""
+    if isinstance(context, str):
+        name = context
+    elif hasattr(context, "get_start_method"):
+        name = context.get_start_method()
+    else:
+        raise TypeError("multiprocessing_context must be a start method name or a "
+                        f"multiprocessing context, got {type(context).__name__}")
+    if name not in ("fork", "forkserver", "spawn"):
+        raise ValueError("multiprocessing_context must be 'fork', 'forkserver' or 'spawn', "
+                         f"got {name!r}")
+    return name
+
+
+class _one:
+    """The collate of ``batch_size=None``: one sample, through ``collate_fn`` or, as
+    DataLoader's ``default_convert``, with arrays made tensors."""
+
+    def __init__(self, collate_fn: Callable | None) -> None:
+        self.fn = collate_fn
+
+    def __call__(self, samples: list) -> Any:
+        (sample,) = samples
+        if self.fn is not None:
+            return self.fn(sample)
+        from torch.utils.data import default_convert
+
+        return default_convert(sample)
 
 
 class Loader:
     """A staged asynchronous loader with completion-order batches and live knobs.
 
+    It takes ``torch.utils.data.DataLoader``'s arguments, in DataLoader's positional order and
+    with DataLoader's meaning (see the table in ``docs/parity.md``), plus its own.
+
     Args:
         dataset: a map-style dataset (``__len__``, ``__getitem__``). May define
             ``sample_path(index) -> str | None`` so that errors name the file.
-        batch_size: samples per batch.
-        shuffle: reshuffle every epoch (seeded by ``seed + epoch``).
+        batch_size: samples per batch; ``None`` delivers samples one by one, unbatched (numpy
+            arrays become tensors, as DataLoader's ``default_convert``; a ``collate_fn`` is
+            applied to each sample).
+        shuffle: reshuffle every epoch (seeded by ``seed + epoch``); ``None`` is ``False``.
         sampler: an iterable of indices used instead of ``shuffle``. It is iterated as it is
             (as the DataLoader does): its ``set_epoch`` is called only by
             :meth:`set_epoch`, so a sampler that the training loop set itself is respected.
+        batch_sampler: an iterable of lists of indices, each list one batch (mutually
+            exclusive with ``batch_size`` other than 1, ``shuffle``, ``sampler`` and
+            ``drop_last``, as in DataLoader). A batch is delivered once all its samples are
+            done: the first complete batch first, or in the sampler's order with ``in_order``.
+            Ranks are the batch sampler's business (it is not split).
+        num_workers: worker processes (or threads) to start with; the controller may change
+            them (the ``workers`` knob). ``0``: no worker, every sample is loaded in the
+            training loop's thread when a batch is asked for, as with the DataLoader (handy
+            under a debugger). Default: the usable cores.
         collate_fn: builds a batch from a list of samples; default stacks arrays into pooled
             buffers like ``default_collate``.
+        pin_memory: batches in page-locked host memory (needs an accelerator; without one it
+            is ignored with a warning, as by the DataLoader). ``device="cuda"`` pins anyway.
         drop_last: drop the last short batch (the same indices the DataLoader drops); with
             ``on_error="skip"`` no batch is ever short.
-        transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
-            ``(seed, epoch, index)``, or a plain ``transform(sample)``.
-        seed: base seed of shuffling and augmentation. ``None``: drawn from torch's default
-            generator (as the DataLoader does), except that with several ranks the shuffle
-            uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
-            permutation and the ranks' shards never overlap.
+        timeout: seconds the training loop may wait for one batch before ``RuntimeError``
+            (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample.
+        worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
+            starts, replacements and workers added by the controller included; ids are in
+            ``[0, workers)``.
+        multiprocessing_context: ``"fork"``, ``"forkserver"``, ``"spawn"`` or a
+            ``multiprocessing`` context; the same as ``start_method``.
+        generator: a ``torch.Generator`` that draws ``seed`` when ``seed`` is not given.
+        prefetch_factor: batches prepared ahead of the training loop (the ``depth`` knob's
+            start value; DataLoader counts them per worker, autominato for the loader).
+        persistent_workers: keep the workers, and the dataset they hold, across epochs
+            (default ``True``, unlike the DataLoader). ``False``: the dataset is sent to the
+            workers again at the start of every epoch, so changes made to it between epochs
+            are seen, as by the DataLoader's fresh workers (one pickle per epoch).
+        pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); default is completion
             order, where a slow sample joins a later batch of the same epoch.
+        transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
+            ``(seed, epoch, index)``, or a plain ``transform(sample)``.
+        seed: base seed of shuffling and augmentation. ``None``: drawn from ``generator``, else
+            from torch's default generator (as the DataLoader does), except that with several
+            ranks the shuffle uses seed 0, ``DistributedSampler``'s default, so that every
+            rank draws the same permutation and the ranks' shards never overlap.
         device: ``"cuda"`` etc.: batches arrive on this device, copied from pinned memory on a
             side stream. ``None`` leaves them on the host.
         rank, world_size: this process's share of each epoch (``DistributedSampler``
@@ -106,11 +177,11 @@ class Loader:
         on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
-        timeout: seconds one sample may take in a worker before that worker is replaced and
-            the sample goes through ``on_error`` as a ``SampleTimeout``; ``None`` or ``0``
-            (the DataLoader's "no timeout") wait for ever. Fast samples travel to a worker
-            in chunks: a sample that hangs in a chunk is first sent again alone (the others
-            are not blamed), so it is given up after up to twice ``timeout``.
+        sample_timeout: seconds one sample may take in a worker before that worker is
+            replaced and the sample goes through ``on_error`` as a ``SampleTimeout``; ``None``
+            or ``0`` wait for ever. Fast samples travel to a worker in chunks: a sample that
+            hangs in a chunk is first sent again alone (the others are not blamed), so it is
+            given up after up to twice ``sample_timeout``. Not applied with ``num_workers=0``.
         memory_budget_bytes: most bytes of shared memory for sample slots (default: half of
             the free ``/dev/shm``, at most a quarter of the available RAM).
         start_method: how worker processes start. ``"auto"`` (default): a fork server of this
@@ -122,10 +193,13 @@ class Loader:
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
-        depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`).
+        depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
+            ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
     Raises:
-        ValueError: invalid arguments (the message names the argument).
+        ValueError: invalid values (the message names the argument).
+        TypeError: an argument of the wrong type or one Loader does not take (the message
+            names it and, for a DataLoader argument with no meaning here, what to use).
 
     Iterators are independent, as the DataLoader's: ``zip(loader, loader)`` gives
     ``len(loader)`` pairs, each side a whole epoch.
@@ -134,15 +208,25 @@ class Loader:
     def __init__(
         self,
         dataset: Any,
-        batch_size: int = 1,
-        *,
-        shuffle: bool = False,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
         sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[list[int]] | None = None,
+        num_workers: int | None = None,
         collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = True,
+        pin_memory_device: str = "",
+        in_order: bool = False,
         transform: Callable | None = None,
         seed: int | None = None,
-        in_order: bool = False,
         device: str | torch.device | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -151,7 +235,7 @@ class Loader:
         on_error: str = "raise",
         on_worker_death: str = "retry",
         max_tries: int = 3,
-        timeout: float | None = None,
+        sample_timeout: float | None = None,
         memory_budget_bytes: int | None = None,
         start_method: str = "auto",
         config: str | Path | dict | None = None,
@@ -161,27 +245,73 @@ class Loader:
         autotune: bool = True,
         **knobs: int,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        unknown = set(knobs) - set(KNOB_NAMES)
+        if unknown:
+            hints = [f"{name}: {OTHER_ARGS.get(name, 'not an argument of Loader')}"
+                     for name in sorted(unknown)]
+            raise TypeError("Loader() got argument(s) it does not take: " + "; ".join(hints)
+                            + f" (the knobs are {', '.join(KNOB_NAMES)})")
+        for name, v in knobs.items():
+            _check_int(name, v, 0)
+        unbatched = batch_size is None
+        if batch_sampler is not None:
+            if (batch_size != 1 and not unbatched) or shuffle or sampler is not None or drop_last:
+                raise ValueError("batch_sampler option is mutually exclusive with batch_size, "
+                                 "shuffle, sampler, and drop_last (as in DataLoader)")
+            batch_size = 1
+        elif unbatched:
+            if drop_last:
+                raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                                 "exclusive with drop_last (as in DataLoader)")
+            batch_size = 1
+        _check_int("batch_size", batch_size, 1)
         if sampler is not None and shuffle:
-            raise ValueError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+            raise ValueError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
+        if num_workers is not None:
+            _check_int("num_workers", num_workers, 0)
+            if "workers" in knobs and knobs["workers"] != num_workers:
+                raise ValueError(f"num_workers={num_workers} and workers={knobs['workers']} "
+                                 "name the same knob: give one")
+            knobs["workers"] = num_workers
+        if prefetch_factor is not None:
+            _check_int("prefetch_factor", prefetch_factor, 1)
+            if num_workers == 0:
+                raise ValueError("prefetch_factor option could only be specified in "
+                                 "multiprocessing: let num_workers > 0 (as in DataLoader)")
+            if "depth" in knobs and knobs["depth"] != prefetch_factor:
+                raise ValueError(f"prefetch_factor={prefetch_factor} and depth={knobs['depth']} "
+                                 "name the same knob: give one")
+            knobs["depth"] = prefetch_factor
         if worker_kind not in ("process", "thread"):
             raise ValueError(f"worker_kind must be 'process' or 'thread', got {worker_kind!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if on_worker_death not in ("retry", "raise"):
             raise ValueError(f"on_worker_death must be 'retry' or 'raise', got {on_worker_death!r}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ValueError(f"timeout must be seconds >= 0 (0 or None: no timeout), got {timeout!r}")
-        unknown = set(knobs) - set(KNOB_NAMES)
-        if unknown:
-            hints = [f"{name}: {DATALOADER_ARGS.get(name, 'not an argument of Loader')}"
-                     for name in sorted(unknown)]
-            raise TypeError("Loader() got argument(s) it does not take: " + "; ".join(hints)
-                            + f" (the knobs are {', '.join(KNOB_NAMES)})")
-        for name, v in knobs.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout option should be non-negative (seconds to wait for a "
+                             f"batch, 0: for ever), got {timeout!r}")
+        if sample_timeout is not None and (isinstance(sample_timeout, bool) or not isinstance(
+                sample_timeout, (int, float)) or sample_timeout < 0):
+            raise ValueError("sample_timeout must be seconds >= 0 (0 or None: no timeout), "
+                             f"got {sample_timeout!r}")
+        if worker_init_fn is not None and not callable(worker_init_fn):
+            raise TypeError(f"worker_init_fn must be callable, got {type(worker_init_fn).__name__}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if multiprocessing_context is not None:
+            start_method = _start_method_of(multiprocessing_context)
+        if start_method not in ("auto", "fork", "forkserver", "spawn"):
+            raise ValueError("start_method must be 'auto', 'fork', 'forkserver' or 'spawn', "
+                             f"got {start_method!r}")
+        if pin_memory and device is None and not torch.cuda.is_available():
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=2)
+            pin_memory_effective = False
+        else:
+            pin_memory_effective = bool(pin_memory)
         try:
             self._n = len(dataset)
         except TypeError as e:
@@ -197,13 +327,27 @@ class Loader:
             in_order = static.get("in_order", in_order)
 
         self.dataset = dataset
-        self.batch_size = int(batch_size)
-        self.shuffle = shuffle
+        self._batch = int(batch_size)  # samples per batch as the pipeline runs it
+        #: DataLoader's attributes (``batch_size`` is ``None`` when unbatched or with a
+        #: ``batch_sampler``, as DataLoader's).
+        self.batch_size = None if unbatched or batch_sampler is not None else self._batch
+        self.shuffle = bool(shuffle)
         self.sampler = sampler
+        self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
         self.drop_last = drop_last
+        self.pin_memory = bool(pin_memory)
+        self.pin_memory_device = pin_memory_device
+        self.timeout = float(timeout)
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.persistent_workers = bool(persistent_workers)
         self.transform = transform
         self.in_order = in_order
+        self._unbatched = unbatched
+        if unbatched:
+            collate_fn = _one(collate_fn)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -214,14 +358,14 @@ class Loader:
         self.rank = int(rank or 0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
-        self.seed = draw_seed() if seed is None else int(seed)
+        self.seed = draw_seed(generator) if seed is None else _check_int("seed", seed, None)
         # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
         self.shuffle_seed = 0 if seed is None and self.world_size > 1 else self.seed
         self.worker_kind = worker_kind
         self.on_error = on_error
         self.on_worker_death = on_worker_death
         self.max_tries = max(1, int(max_tries))
-        self.timeout = timeout or None
+        self.sample_timeout = sample_timeout or None
         self.config = cfg
         self._on_skip: Callable | None = None
         self.decision_hooks: list[Callable[[Any], None]] = []
@@ -231,7 +375,7 @@ class Loader:
         start = dict(knobs)
         if cfg is not None:
             start = {**cfg["knobs"], **start}
-        values, bounds = default_knobs(self.batch_size, cores, start.get("workers"))
+        values, bounds = default_knobs(self._batch, cores, start.get("workers"))
         if cfg is not None:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
@@ -247,8 +391,8 @@ class Loader:
                         bounds["workers"][1], cores, bounds["workers"][1])
         elif values["workers"] > bounds["workers"][1]:
             bounds["workers"] = (bounds["workers"][0], values["workers"])  # the user's explicit choice
-        bounds["pool_size"] = (max(self.batch_size, bounds["pool_size"][0]),
-                               max(self.batch_size, bounds["pool_size"][1]))
+        bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
+                               max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
 
         fused = True if fuse_read is None else bool(fuse_read)
@@ -256,10 +400,12 @@ class Loader:
         shm_budget = (int(memory_budget_bytes) if memory_budget_bytes is not None
                       else int(min(shm_free_bytes() * 0.5, avail * 0.25)))
         self._cfg = PipelineConfig(
-            batch_size=self.batch_size, drop_last=drop_last, in_order=in_order, on_error=on_error,
-            on_worker_death=on_worker_death, max_tries=self.max_tries, sample_timeout=self.timeout,
-            collate_fn=collate_fn, device=self.device, worker_kind=worker_kind, fuse_read=fused,
-            start_method=start_method, shm_budget_bytes=shm_budget,
+            batch_size=self._batch, drop_last=drop_last, in_order=in_order, on_error=on_error,
+            on_worker_death=on_worker_death, max_tries=self.max_tries,
+            sample_timeout=self.sample_timeout, collate_fn=collate_fn, device=self.device,
+            worker_kind=worker_kind, fuse_read=fused, start_method=start_method,
+            shm_budget_bytes=shm_budget, persistent_workers=self.persistent_workers,
+            pin_memory=pin_memory_effective,
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
@@ -271,6 +417,8 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self._started = False
+        self._sync_skipped = 0
+        self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -305,8 +453,29 @@ class Loader:
         Raises:
             TypeError: the sampler has no length (a generator), as with the DataLoader.
         """
+        if self.batch_sampler is not None:
+            try:
+                return len(self.batch_sampler)  # type: ignore[arg-type]
+            except TypeError:
+                raise TypeError(f"the batch_sampler ({type(self.batch_sampler).__name__}) has "
+                                "no len(), so neither has the Loader (as with DataLoader)") from None
         n = self._samples_per_epoch()
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return n // self._batch if self.drop_last else -(-n // self._batch)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers now (the ``workers`` knob: the controller may change it); setting it
+        sets the knob."""
+        return self.knobs.workers
+
+    @num_workers.setter
+    def num_workers(self, n: int) -> None:
+        self.knobs.workers = _check_int("num_workers", n, 0)
+
+    @property
+    def prefetch_factor(self) -> int:
+        """Batches prepared ahead now (the ``depth`` knob)."""
+        return self.knobs.depth
 
     def _samples_per_epoch(self) -> int:
         if self.sampler is not None:
@@ -326,18 +495,25 @@ class Loader:
         too. Without any call, each pass over the Loader is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
-        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self._epoch)
+        for sampler in (self.sampler, self.batch_sampler,
+                        getattr(self.batch_sampler, "sampler", None)):
+            if sampler is not None and hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self._epoch)
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
-    def _order(self, epoch: int) -> list[int]:
+    def _order(self, epoch: int) -> tuple[list[int], list[int] | None]:
+        """The epoch's dataset indices in sampler order, and the sizes of the batch
+        sampler's batches (``None`` without one)."""
+        if self.batch_sampler is not None:
+            batches = [[int(i) for i in b] for b in self.batch_sampler]
+            return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self.sampler,
-            rank=self.rank, world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
-        )
+            rank=self.rank, world_size=self.world_size, batch_size=self._batch, drop_last=self.drop_last,
+        ), None
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -349,19 +525,37 @@ class Loader:
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
                 self._epoch += 1
             self._started = True
+            order, groups = self._order(self._epoch)
+            if self.knobs.workers == 0:
+                return _SyncIterator(self, order, groups, self._epoch)
             pipeline = self._ensure_pipeline()
-            run = pipeline.start(self._order(self._epoch), self._epoch)
+            run = pipeline.start(order, self._epoch, groups)
             return _EpochIterator(self, pipeline, run)
+
+    def _work_spec(self) -> WorkSpec:
+        return WorkSpec(
+            dataset=self.dataset,
+            transform=self.transform,
+            transform_takes_rng=takes_rng(self.transform),
+            seed=self.seed,
+            threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
+            worker_init_fn=self.worker_init_fn,
+        )
+
+    def _skip(self, index: int, error: BaseException) -> None:
+        """A sample skipped without workers (``num_workers=0``): as the pipeline's skips."""
+        self._sync_skipped += 1
+        path = sample_path(self.dataset, index)
+        level = logging.DEBUG if index in self._sync_skip_logged else logging.WARNING
+        self._sync_skip_logged.add(index)
+        log.log(level, "skipping sample index %d%s: %s", index,
+                f" (file {path})" if path else "", describe(error))
+        if self._on_skip is not None:
+            self._on_skip(index, path, error)
 
     def _ensure_pipeline(self) -> Pipeline:
         if self._pipeline is None:
-            spec = WorkSpec(
-                dataset=self.dataset,
-                transform=self.transform,
-                transform_takes_rng=takes_rng(self.transform),
-                seed=self.seed,
-                threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
-            )
+            spec = self._work_spec()
             me = weakref.ref(self)
 
             def on_skip(index: int, path: str | None, exc: BaseException) -> None:
@@ -433,7 +627,7 @@ class Loader:
             samples_total=self._samples,
             epoch=self._epoch,
             stragglers_total=p.stragglers if p else 0,
-            skipped_total=p.skipped if p else 0,
+            skipped_total=(p.skipped if p else 0) + self._sync_skipped,
             worker_restarts_total=p.worker_restarts if p else 0,
             h2d_bytes_total=self._h2d_bytes,
             h2d_seconds_total=self._h2d_seconds,
@@ -501,6 +695,7 @@ class _EpochIterator:
         busy = t0 - self._last_return if self._last_return is not None else 0.0
         self._poll_h2d()
         run = self.run
+        limit = self.L.timeout
         with run.cv:
             while not run.out:
                 if self.L._closed or (run.closed and not run.out):
@@ -509,7 +704,14 @@ class _EpochIterator:
                     if fatal is not None:
                         raise RuntimeError("autominato's scheduler failed") from fatal
                     raise StopIteration
-                run.cv.wait(0.5)
+                left = 0.5
+                if limit > 0:
+                    left = limit - (time.monotonic() - t0)
+                    if left <= 0:
+                        # DataLoader's words; the epoch goes on (a later next() may succeed).
+                        raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting "
+                                           "for a batch (timeout=)")
+                run.cv.wait(min(0.5, left))
             item = run.out.popleft()
         kind = item[0]
         if kind != "batch":
@@ -566,6 +768,88 @@ class _EpochIterator:
             self._finish()
         except Exception:
             pass
+
+
+class _SyncIterator:
+    """One epoch with no worker (``num_workers=0``): each batch is loaded in the training
+    loop's thread when it is asked for, as the DataLoader's single-process iterator does.
+    The same :class:`~autominato.pipeline.epoch.Epoch` decides batches, skips and the end, so
+    ``on_error``, ``drop_last``, a batch sampler and the seeds behave as with workers (samples
+    complete in sampler order, so completion order is sampler order)."""
+
+    def __init__(self, loader: Loader, order: list[int], groups: list[int] | None,
+                 epoch: int) -> None:
+        self.L = loader
+        self.epoch = epoch
+        self.spec = loader._work_spec()
+        self.ep = Epoch(order, loader._batch, drop_last=loader.drop_last, in_order=True,
+                        skip_errors=loader.on_error == "skip", max_tries=1, groups=groups)
+        self.todo: deque = deque(self.ep.start())
+        self._done = False
+        self._last_return: float | None = None
+
+    def __iter__(self) -> _SyncIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.L)
+
+    def __next__(self) -> Any:
+        if self._done or self.L._closed:
+            raise StopIteration
+        t0 = time.monotonic()
+        busy = t0 - self._last_return if self._last_return is not None else 0.0
+        L = self.L
+        while True:
+            while self.todo:
+                d = self.todo.popleft()
+                if isinstance(d, Emit):
+                    batch, n = self._batch(d.items), len(d.items)
+                    now = time.monotonic()
+                    L._consumer_wait += now - t0
+                    L._consumer_busy += busy
+                    L._batches += 1
+                    L._samples += n
+                    L.stage_stats["consumer"].record(busy, now - t0, 0, items=n)
+                    self._last_return = now
+                    return batch
+                if isinstance(d, Skip):
+                    L._skip(d.index, d.error)
+                elif isinstance(d, Raise):
+                    self._done = True
+                    raise d.error
+                elif isinstance(d, End):
+                    self._done = True
+                    if L._telemetry is not None:
+                        L._telemetry.on_epoch_end(self.epoch)
+                    raise StopIteration
+            (task,) = self.ep.take(1)
+            try:
+                sample, read_s, transform_s = run_sample(self.spec, task.index, self.epoch, read=True)
+            except Exception as e:  # noqa: BLE001 - through on_error, as with workers
+                report = ErrorReport.capture(e, task.index, sample_path(L.dataset, task.index),
+                                             "the training loop's thread (num_workers=0)")
+                report.original = e
+                self.todo.extend(self.ep.on(Failed(task.pos, task.attempt, report.to_exception())))
+                continue
+            L.stage_stats["read"].record(read_s)
+            L.stage_stats["transform"].record(transform_s)
+            self.todo.extend(self.ep.on(Completed(task.pos, task.attempt, sample)))
+
+    def _batch(self, items: tuple) -> Any:
+        L = self.L
+        t = time.perf_counter()
+        samples = [sample for _, _, sample in items]
+        batch = L._cfg.collate_fn(samples) if L._cfg.collate_fn is not None else collate(samples)
+        if L._cfg.pin_memory or L._cfg.cuda:
+            batch = pin(batch)
+        if L._cfg.cuda:
+            batch = to_device(batch, L.device)
+        L.stage_stats["batch"].record(time.perf_counter() - t, 0.0, batch_nbytes(batch))
+        return batch
+
+    def stop(self) -> None:
+        self._done = True
 
 
 def _close_all() -> None:

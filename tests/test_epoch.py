@@ -134,6 +134,41 @@ def test_a_timeout_is_not_retried():
     assert batches(ep.on(Completed(1, 0, "x"))) == [[1]]
 
 
+def test_batch_sampler_groups_are_the_batches_first_complete_first():
+    ep = Epoch(list(range(7)), batch_size=1, groups=[3, 0, 2, 2])
+    tasks = ep.take(7)
+    out = ep.start()
+    for t in reversed(tasks):  # the last group completes first
+        out += ep.on(Completed(t.pos, t.attempt, t.index))
+    assert batches(out) == [[5, 6], [3, 4], [0, 1, 2]] and isinstance(out[-1], End)
+
+
+def test_batch_sampler_groups_in_order_and_a_skip_shortens_its_group():
+    ep = Epoch(list(range(6)), batch_size=1, groups=[2, 2, 2], in_order=True, skip_errors=True)
+    out = []
+    for t in reversed(ep.take(6)):
+        ev = Failed(t.pos, t.attempt, Boom()) if t.pos == 2 else Completed(t.pos, t.attempt, t.index)
+        out += ep.on(ev)
+    assert batches(out) == [[0, 1], [3], [4, 5]]
+
+
+def test_batch_sampler_in_order_raise_comes_after_the_earlier_groups():
+    ep = Epoch(list(range(6)), batch_size=1, groups=[2, 2, 2], in_order=True)
+    tasks = ep.take(6)
+    out = ep.on(Failed(tasks[3].pos, tasks[3].attempt, Boom()))
+    assert not any(isinstance(d, Raise) for d in out)
+    for t in (tasks[5], tasks[4], tasks[2], tasks[1], tasks[0]):
+        out += ep.on(Completed(t.pos, t.attempt, t.index))
+    kinds = [type(d).__name__ for d in out if isinstance(d, (Emit, Raise))]
+    assert batches(out) == [[0, 1]] and kinds == ["Emit", "Raise"]
+    assert ep.failed and ep.held == 0
+
+
+def test_groups_must_cover_the_order():
+    with pytest.raises(ValueError, match="groups"):
+        Epoch(list(range(5)), batch_size=1, groups=[2, 2])
+
+
 def test_a_sampler_may_repeat_an_index():
     out = run_all(Epoch([3, 3, 3], batch_size=2))
     assert batches(out) == [[3, 3], [3]]
@@ -147,10 +182,16 @@ def test_random_interleavings_deliver_every_position_exactly_once(seed):
     for _trial in range(60):
         n = rng.randint(0, 40)
         B = rng.randint(1, 6)
+        groups = None
+        if rng.random() < 0.3:  # a batch sampler's batches (empty ones too)
+            groups, left = [], n
+            while left:
+                groups.append(rng.randint(0, min(left, 2 * B)))
+                left -= groups[-1]
         ep = Epoch(
             [rng.randrange(max(n, 1)) for _ in range(n)], batch_size=B,
-            drop_last=rng.random() < 0.4, in_order=rng.random() < 0.4,
-            skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3),
+            drop_last=groups is None and rng.random() < 0.4, in_order=rng.random() < 0.4,
+            skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3), groups=groups,
         )
         _check_one_run(ep, rng)
 
@@ -233,6 +274,23 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
         return
     assert ep.ended
     dropped = set(range(n)) - set(delivered) - set(skipped)
+    if ep.groups is not None:
+        # Each batch is one whole group less its skipped positions, in sampler order within.
+        assert not dropped
+        starts = [sum(ep.groups[:g]) for g in range(len(ep.groups))]
+        group_of = {p: g for g in range(len(ep.groups)) for p in range(starts[g], starts[g] + ep.groups[g])}
+        emitted, i = [], 0
+        for size in sizes:
+            batch = delivered[i:i + size]
+            i += size
+            g = group_of[batch[0]]
+            want = [p for p in range(starts[g], starts[g] + ep.groups[g]) if p not in skipped]
+            assert batch == want
+            emitted.append(g)
+        assert len(set(emitted)) == len(emitted)
+        if ep.in_order:
+            assert emitted == sorted(emitted)
+        return
     # Every position is final exactly once: delivered, skipped, or (drop_last) dropped.
     if ep.drop_last:
         assert len(dropped) < B

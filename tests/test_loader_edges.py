@@ -65,7 +65,7 @@ def test_seed_none_follows_torch_manual_seed_as_dataloader_does():
 
 
 def test_timeout_zero_means_no_timeout():
-    with Loader(Indexed(8, slow={3: 0.3}), 2, workers=1, worker_kind="thread", timeout=0,
+    with Loader(Indexed(8, slow={3: 0.3}), 2, workers=1, worker_kind="thread", sample_timeout=0,
                 autotune=False) as L:
         assert sorted(indices(L)) == list(range(8))
         assert L.snapshot().skipped_total == 0
@@ -91,7 +91,7 @@ class HangOnce:
 def test_skip_after_a_timeout_frees_the_samples_shared_memory():
     # Samples big enough (256 KiB) to travel through shared-memory slots.
     ds = Indexed(12, shape=(64, 1024))
-    with Loader(ds, 4, transform=HangOnce(5), workers=2, timeout=2.0, on_error="skip",
+    with Loader(ds, 4, transform=HangOnce(5), workers=2, sample_timeout=2.0, on_error="skip",
                 autotune=False) as L:
         counts = []
         for _ in range(3):
@@ -169,12 +169,18 @@ def test_a_configuration_beyond_this_machines_cores_is_clamped_with_a_warning(ca
 
 
 def test_bad_argument_types_name_the_argument():
+    with pytest.raises(TypeError, match="batch_size"):
+        Loader(Indexed(4), batch_size="2", autotune=False)
     with pytest.raises(ValueError, match="batch_size"):
-        Loader(Indexed(4), batch_size=None, autotune=False)
-    with pytest.raises(ValueError, match="workers"):
+        Loader(Indexed(4), batch_size=0, autotune=False)
+    with pytest.raises(TypeError, match="workers"):
         Loader(Indexed(4), 2, workers="4", autotune=False)
+    with pytest.raises(TypeError, match="num_workers"):
+        Loader(Indexed(4), 2, num_workers=2.0, autotune=False)
     with pytest.raises(ValueError, match="timeout"):
         Loader(Indexed(4), 2, timeout=-1, autotune=False)
+    with pytest.raises(ValueError, match="sample_timeout"):
+        Loader(Indexed(4), 2, sample_timeout=-1, autotune=False)
 
 
 def test_a_loader_dropped_without_close_frees_its_workers_and_shared_memory():
@@ -235,14 +241,16 @@ def _cpu_transfer_stage(monkeypatch, fail_at: int | None = None):
 
 def test_the_end_of_an_epoch_never_overtakes_batches_in_the_transfer_stage(monkeypatch):
     _cpu_transfer_stage(monkeypatch)
-    with Loader(Tensors(40), 4, workers=0, autotune=False, collate_fn=torch.stack) as L:
+    with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
+                collate_fn=torch.stack) as L:
         for _ in range(3):
             assert sorted(int(x) for b in L for x in b[:, 0]) == list(range(40))
 
 
 def test_a_failing_transfer_raises_in_the_training_loop_instead_of_hanging(monkeypatch):
     _cpu_transfer_stage(monkeypatch, fail_at=2)
-    with Loader(Tensors(40), 4, workers=0, autotune=False, collate_fn=torch.stack) as L:
+    with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
+                collate_fn=torch.stack) as L:
         with pytest.raises(RuntimeError, match="out of memory"):
             for _ in L:
                 pass
@@ -286,7 +294,7 @@ def test_an_iterator_left_waiting_does_not_starve_a_newer_one():
 def test_after_the_scheduler_fails_a_new_epoch_raises_instead_of_hanging(monkeypatch):
     from autominato.pipeline import scheduler as S
 
-    with Loader(Indexed(20), 4, workers=0, autotune=False) as L:
+    with Loader(Indexed(20), 4, workers=1, worker_kind="thread", autotune=False) as L:
         assert len(indices(L)) == 20
 
         def boom(self):
@@ -323,10 +331,10 @@ def test_a_read_that_cannot_be_packed_frees_its_slot():
 # -- from a new user's trial -----------------------------------------------------------------------
 
 
-def test_dataloader_arguments_say_what_to_use_instead():
-    with pytest.raises(TypeError, match=r"num_workers: use workers=N") as info:
-        Loader(Indexed(4), 2, num_workers=2, pin_memory=True, autotune=False)
-    assert "pin_memory: use device='cuda'" in str(info.value)
+def test_unknown_arguments_name_themselves_and_what_to_use():
+    with pytest.raises(TypeError, match=r"buffer_size: use pool_size=N") as info:
+        Loader(Indexed(4), 2, buffer_size=2, colate_fn=None, autotune=False)
+    assert "colate_fn: not an argument of Loader" in str(info.value)
 
 
 def test_set_epoch_holds_for_every_pass_until_set_again():

@@ -408,7 +408,7 @@ def test_a_hanging_transform_times_out_naming_the_index_and_its_worker_is_replac
     marker = tmp_path / "claimed"
     before = descendants()
     with Loader(IndexDataset(24), 4, transform=ClaimOnce(7, str(marker)), workers=2, seed=0,
-                timeout=2.0, on_error=on_error, autotune=False) as loader:
+                sample_timeout=2.0, on_error=on_error, autotune=False) as loader:
         t0 = time.monotonic()
         if on_error == "skip":
             got, _ = run_epoch(loader)
@@ -418,7 +418,7 @@ def test_a_hanging_transform_times_out_naming_the_index_and_its_worker_is_replac
             with pytest.raises(SampleTimeout) as info:
                 run_epoch(loader)
             e = info.value
-            assert e.sample_index == 7 and "sample index 7" in str(e) and "timeout=2.0" in str(e)
+            assert e.sample_index == 7 and "sample index 7" in str(e) and "sample_timeout=2.0" in str(e)
             assert e.sample_path == "case_00007.npy"
         t1 = time.monotonic()
         hung = int(marker.read_text())
@@ -430,7 +430,7 @@ def test_a_hanging_transform_times_out_naming_the_index_and_its_worker_is_replac
         assert len(settled_pids(loader, 2)) == 2
     left = leftovers(before)
     assert left == "none"
-    row(f"transform hangs, timeout=2 ({on_error})", "worker SIGKILLed and replaced; " + (
+    row(f"transform hangs, sample_timeout=2 ({on_error})", "worker SIGKILLed and replaced; " + (
         "sample skipped" if on_error == "skip" else "SampleTimeout raised"),
         len(got), 23 if on_error == "skip" else 0, t1 - t0, left)
 
@@ -457,7 +457,7 @@ def test_a_read_hanging_in_a_thread_times_out_and_a_new_thread_takes_over(worker
     RELEASE.clear()
     try:
         with Loader(HangsInThreads(24, 7), 4, transform=identity, workers=workers, worker_kind=kind,
-                    fuse_read=False, timeout=1.0, on_error="skip", seed=0, autotune=False) as loader:
+                    fuse_read=False, sample_timeout=1.0, on_error="skip", seed=0, autotune=False) as loader:
             t0 = time.monotonic()
             got, _ = run_epoch(loader)
             t1 = time.monotonic()
@@ -470,7 +470,7 @@ def test_a_read_hanging_in_a_thread_times_out_and_a_new_thread_takes_over(worker
             assert loader.snapshot().stages["read"].workers == before
     finally:
         RELEASE.set()
-    row(f"read hangs in a thread ({kind}, workers={workers}), timeout=1 (skip)",
+    row(f"read hangs in a thread ({kind}, workers={workers}), sample_timeout=1 (skip)",
         "sample skipped; thread abandoned, replaced", 23, 23, t1 - t0, "1 stuck thread until it returns")
 
 

@@ -242,6 +242,16 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_leaves(batch, lambda t: t.to(device, non_blocking=True), _is_tensor)
 
 
+def pin(batch: Any) -> Any:
+    """``batch`` with every CPU tensor in page-locked (pinned) memory (a copy unless it is
+    pinned already), as the DataLoader's pin-memory thread does to a ``collate_fn``'s output;
+    ``batch`` itself where no accelerator is available (pinning needs one)."""
+    if not torch.cuda.is_available():
+        return batch
+    return map_leaves(batch, lambda t: t if t.is_pinned() or not t.device.type == "cpu"
+                      else t.pin_memory(), _is_tensor)
+
+
 def record_stream(batch: Any, stream: Any) -> None:
     """Tell the CUDA caching allocator that ``stream`` uses the tensors of ``batch``."""
     map_leaves(batch, lambda t: t.record_stream(stream) if t.is_cuda else None, _is_tensor)

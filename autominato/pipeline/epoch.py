@@ -28,6 +28,10 @@ Rules:
 * Batches hold ``batch_size`` samples, in completion order (default) or in sampler order
   (``in_order``); only the epoch's last batch may be short, and with ``drop_last`` none is
   (skipped samples shorten the epoch, never a batch in the middle of it).
+* With ``groups`` (a ``batch_sampler``'s batches), a batch is one group, emitted when all its
+  positions are final: the first complete group first (default) or in group order
+  (``in_order``); a skipped sample shortens its own group; ``drop_last`` does not apply (the
+  batch sampler decides).
 """
 
 from __future__ import annotations
@@ -139,6 +143,11 @@ class Epoch:
         in_order: emit batches in sampler order (DataLoader's); else completion order.
         skip_errors: ``on_error="skip"`` (else ``"raise"``).
         max_tries: a position whose worker died this many times goes through the error policy.
+        groups: sizes of consecutive groups of positions that form the batches (a
+            ``batch_sampler``'s lists, flattened into ``order``), or ``None``.
+
+    Raises:
+        ValueError: ``batch_size < 1``, or ``groups`` that do not sum to ``len(order)``.
     """
 
     order: Sequence[int]
@@ -147,6 +156,7 @@ class Epoch:
     in_order: bool = False
     skip_errors: bool = False
     max_tries: int = 3
+    groups: Sequence[int] | None = None
     _cursor: int = 0
     _redo: deque = field(default_factory=deque)
     _attempt: dict = field(default_factory=dict)  # pos -> current attempt, while in flight
@@ -165,6 +175,17 @@ class Epoch:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.groups is not None:
+            sizes = [int(n) for n in self.groups]
+            if sum(sizes) != len(self.order) or any(n < 0 for n in sizes):
+                raise ValueError(f"groups sum to {sum(sizes)}, not to the {len(self.order)} "
+                                 "positions of the order")
+            self._group = [g for g, n in enumerate(sizes) for _ in range(n)]  # pos -> group
+            self._left = sizes  # positions of a group not yet final
+            self._members: dict = {}  # group -> items completed
+            self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
+            self._next_group = 0
+            self._empty_groups()
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -179,8 +200,12 @@ class Epoch:
     @property
     def held(self) -> int:
         """Positions dispatched and not yet emitted or final: what the epoch holds resources for."""
-        return len(self._attempt) + len(self._ready) + sum(
+        held = len(self._attempt) + len(self._ready) + sum(
             1 for r in self._done.values() if isinstance(r, tuple))
+        if self.groups is not None:
+            held += sum(map(len, self._members.values()))
+            held += sum(len(g) for g in self._complete.values() if isinstance(g, list))
+        return held
 
     @property
     def finished(self) -> bool:
@@ -244,6 +269,12 @@ class Epoch:
         discarded by :meth:`on` (the epoch is then finished)."""
         out = [Discard(r) for _, _, r in self._ready]
         out += [Discard(item[2]) for item in self._done.values() if isinstance(item, tuple)]
+        if self.groups is not None:
+            for items in (*self._members.values(), *self._complete.values()):
+                if isinstance(items, list):
+                    out += [Discard(r) for _, _, r in items]
+            self._members.clear()
+            self._complete.clear()
         self._ready.clear()
         self._done.clear()
         self.failed = True
@@ -257,6 +288,12 @@ class Epoch:
         self._deaths.pop(ev.pos, None)
         self._tries.pop(ev.pos, None)
         item = (ev.pos, int(self.order[ev.pos]), ev.result)
+        if self.groups is not None:
+            g = self._group[ev.pos]
+            if g in self._complete:  # in order, its group already failed: it waits to raise
+                return [Discard(ev.result)]
+            self._members.setdefault(g, []).append(item)
+            return self._group_final(g, [])
         if self.in_order:
             self._done[ev.pos] = item
             return self._advance([])
@@ -268,6 +305,8 @@ class Epoch:
         self._deaths.pop(pos, None)
         self._tries.pop(pos, None)
         if not self.skip_errors:
+            if self.groups is not None and self.in_order:
+                return self._group_ready(self._group[pos], _Failure(error), [])
             if self.in_order:
                 # As the DataLoader: every batch before the failing sample's is delivered,
                 # then the error is raised in place of that batch.
@@ -277,6 +316,8 @@ class Epoch:
         self.skipped += 1
         self._final += 1
         out: list[Decision] = [Skip(pos, int(self.order[pos]), error)]
+        if self.groups is not None:
+            return self._group_final(self._group[pos], out)
         if self.in_order:
             self._done[pos] = _SKIPPED
             return self._advance(out)
@@ -312,11 +353,46 @@ class Epoch:
 
     def _batch(self, group: list) -> Emit:
         k = self.batches
-        s = 0 if self.in_order else sum(1 for pos, _, _ in group if pos // self.batch_size < k)
+        s = 0 if self.in_order or self.groups is not None else sum(1 for pos, _, _ in group if pos // self.batch_size < k)
         self.stragglers += s
         self.batches += 1
         self._final += len(group)
         return Emit(tuple(group), s)
+
+    def _group_final(self, g: int, out: list[Decision]) -> list[Decision]:
+        """One more position of group ``g`` is final (completed or skipped)."""
+        self._left[g] -= 1
+        if self._left[g] or g in self._complete:
+            return out
+        items = sorted(self._members.pop(g, []), key=lambda it: it[0])
+        return self._group_ready(g, items, out)
+
+    def _group_ready(self, g: int, items: Any, out: list[Decision]) -> list[Decision]:
+        """Group ``g`` is complete (``items``, in sampler order) or failed (a ``_Failure``)."""
+        if not self.in_order:
+            if items:
+                out.append(self._batch(items))
+            return self._maybe_end(out)
+        if g in self._complete:  # failed already
+            if isinstance(items, list):
+                out += [Discard(r) for _, _, r in items]
+            return out
+        self._complete[g] = items
+        while self._next_group in self._complete:
+            items = self._complete.pop(self._next_group)
+            self._next_group += 1
+            if isinstance(items, _Failure):
+                return out + self._raise(items.error)
+            if items:
+                out.append(self._batch(items))
+            self._empty_groups()
+        return self._maybe_end(out)
+
+    def _empty_groups(self) -> None:
+        """In order, step over empty groups (a batch sampler may yield ``[]``)."""
+        if self.in_order:
+            while self._next_group < len(self._left) and self.groups[self._next_group] == 0:
+                self._next_group += 1
 
     def _maybe_end(self, out: list[Decision]) -> list[Decision]:
         if self.ended or self.failed:

@@ -63,7 +63,7 @@ class ThreadExecutor:
             if self._pool.abandon(task):
                 key = task[0]
                 self._post(Result(self.name, key, ok=False, lost=True, timed_out=True, error=SampleTimeout(
-                    f"took longer than timeout={seconds} s in a {self.name} thread; the thread "
+                    f"took longer than sample_timeout={seconds} s in a {self.name} thread; the thread "
                     "was abandoned (a thread cannot be killed) and a new one took its place",
                     worker=f"{self.name} thread")))
 
@@ -260,7 +260,7 @@ class ProcessExecutor:
             return []
         if timed_out:
             err: BaseException = SampleTimeout(
-                f"took longer than timeout={timed_out} s in {who}; the worker was replaced",
+                f"took longer than sample_timeout={timed_out} s in {who}; the worker was replaced",
                 worker=who)
         else:
             err = WorkerDied(f"{who} died ({how})", worker=who)

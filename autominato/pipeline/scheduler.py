@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autominato.pipeline import cleanup
-from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, to_device
+from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, pin, to_device
 from autominato.pipeline.compose import Packed, compose
 from autominato.pipeline.epoch import (
     Completed,
@@ -74,6 +74,10 @@ class PipelineConfig:
         fuse_read: process workers read as well as transform (else a read stage of threads).
         start_method: see :class:`~autominato.pipeline.executor.ProcessWorkers`.
         shm_budget_bytes: most bytes of shared-memory slots.
+        pin_memory: collate into page-locked (pinned) host memory even without ``device``
+            (the DataLoader's ``pin_memory=True``).
+        persistent_workers: workers keep the dataset they started with (else it is sent to
+            them again at the start of each epoch, as the DataLoader's fresh workers see it).
     """
 
     batch_size: int
@@ -89,6 +93,8 @@ class PipelineConfig:
     fuse_read: bool = True
     start_method: str = "auto"
     shm_budget_bytes: int = 1 << 30
+    persistent_workers: bool = True
+    pin_memory: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -167,7 +173,7 @@ class Pipeline:
         self.on_skip = on_skip
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.slots = SlotPool(max_slots=2 * knobs.pool_size, budget_bytes=cfg.shm_budget_bytes)
-        self.batch_pool = BatchPool(max_per_key=knobs.depth + 3, pin=cfg.cuda)
+        self.batch_pool = BatchPool(max_per_key=knobs.depth + 3, pin=cfg.cuda or cfg.pin_memory)
         self.runs: dict[int, Run] = {}
         self.held: dict[tuple, tuple] = {}  # key -> slots an attempt holds in a worker
         self.out_estimate = 0  # bytes of one transformed sample's arrays, learned
@@ -202,8 +208,9 @@ class Pipeline:
         cleanup.install()
 
     # -- any thread -------------------------------------------------------------------------
-    def start(self, order: Sequence[int], epoch: int) -> Run:
-        """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``."""
+    def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None) -> Run:
+        """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
+        ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``)."""
         if self._stop.is_set():
             raise RuntimeError("this Loader is closed")
         if self._fatal is not None or not self.thread.is_alive():
@@ -211,7 +218,7 @@ class Pipeline:
         self._gen += 1
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries)
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups)
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run))
         return run
@@ -563,6 +570,8 @@ class Pipeline:
             if self.cfg.collate_fn is not None:
                 batch = self.cfg.collate_fn(samples)  # samples own their arrays (see _output)
                 self._release_items(items)
+                if self.cfg.pin_memory or self.cfg.cuda:
+                    batch = pin(batch)
             else:
                 batch = collate(samples, self.batch_pool)
                 del samples

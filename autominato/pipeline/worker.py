@@ -73,6 +73,7 @@ class WorkSpec:
     transform_takes_rng: bool
     seed: int
     threads_per_worker: int = 1
+    worker_init_fn: Callable[[int], None] | None = None
 
 
 def _seed_sequence(seed: int, epoch: int, index: int) -> np.random.SeedSequence:

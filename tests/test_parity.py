@@ -1,0 +1,185 @@
+"""DataLoader's arguments, taken with DataLoader's meaning (issue: DataLoader parity).
+
+Each test builds the same thing with ``torch.utils.data.DataLoader`` where it can, and compares.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
+
+from autominato import Loader
+
+
+class Indexed:
+    """Sample i is a (2,) int64 array filled with i; listed indices sleep."""
+
+    def __init__(self, n: int, slow: dict[int, float] | None = None) -> None:
+        self.n, self.slow = n, slow or {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i in self.slow:
+            time.sleep(self.slow[i])
+        return np.full(2, i, np.int64)
+
+
+class Where(Indexed):
+    """Sample i records the process and thread that loaded it."""
+
+    def __getitem__(self, i: int):
+        return {"i": i, "pid": os.getpid(), "thread": threading.get_ident()}
+
+
+def firsts(loader) -> list[list[int]]:
+    return [b[:, 0].tolist() for b in loader]
+
+
+def test_dataloader_positional_arguments_mean_the_same():
+    ds = Indexed(10)
+    # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+    #            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator)
+    args = (ds, 3, False, None, None, 2, None, False, True, 0, None, None, None)
+    with Loader(*args, in_order=True, autotune=False) as L:
+        assert firsts(L) == firsts(DataLoader(*args)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+        assert len(L) == len(DataLoader(*args)) == 3
+        assert (L.dataset, L.batch_size, L.num_workers, L.drop_last, L.timeout) == (ds, 3, 2, True, 0)
+
+
+def test_num_workers_zero_loads_in_the_training_loops_thread():
+    with Loader(Where(6), 2, num_workers=0, autotune=False) as L:
+        batches = list(L)
+        assert L.worker_pids() == [] and L._pipeline is None
+    assert [i for b in batches for i in b["i"].tolist()] == list(range(6))
+    assert {p for b in batches for p in b["pid"].tolist()} == {os.getpid()}
+    assert {t for b in batches for t in b["thread"].tolist()} == {threading.get_ident()}
+
+
+def test_num_workers_is_the_workers_knob_and_conflicts_are_refused():
+    with Loader(Indexed(4), 2, num_workers=3, autotune=False) as L:
+        assert L.knobs.workers == L.num_workers == 3
+        L.num_workers = 2
+        assert L.knobs.workers == 2
+    with pytest.raises(ValueError, match="num_workers=2 and workers=3"):
+        Loader(Indexed(4), 2, num_workers=2, workers=3, autotune=False)
+
+
+def test_prefetch_factor_is_the_depth_knob_and_needs_workers():
+    with Loader(Indexed(4), 2, num_workers=1, prefetch_factor=5, autotune=False) as L:
+        assert L.knobs.depth == L.prefetch_factor == 5
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        Loader(Indexed(4), 2, num_workers=0, prefetch_factor=2, autotune=False)
+
+
+def test_timeout_fires_on_a_stuck_batch_and_zero_waits():
+    with Loader(Indexed(4, slow={1: 3.0}), 2, num_workers=1, worker_kind="thread", timeout=0.5,
+                autotune=False, in_order=True) as L:
+        it = iter(L)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
+            next(it)
+        assert time.monotonic() - t0 < 2.5
+        it.stop()
+    with Loader(Indexed(4, slow={1: 1.0}), 2, num_workers=1, worker_kind="thread", timeout=0,
+                autotune=False) as L:
+        assert sorted(i for b in firsts(L) for i in b) == [0, 1, 2, 3]
+
+
+def test_generator_seeds_shuffling_when_seed_is_not_given():
+    def order(seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        with Loader(Indexed(12), 4, shuffle=True, generator=g, num_workers=0, autotune=False) as L:
+            return firsts(L)
+
+    assert order(7) == order(7) != order(8)
+
+
+def test_multiprocessing_context_names_the_start_method():
+    with Loader(Indexed(6), 2, num_workers=1, multiprocessing_context="spawn",
+                autotune=False) as L:
+        assert L._cfg.start_method == "spawn"
+        assert sorted(i for b in firsts(L) for i in b) == list(range(6))
+    ctx = multiprocessing.get_context("forkserver")
+    with Loader(Indexed(2), 2, num_workers=0, multiprocessing_context=ctx, autotune=False) as L:
+        assert L._cfg.start_method == "forkserver" and L.multiprocessing_context is ctx
+    with pytest.raises(ValueError, match="multiprocessing_context"):
+        Loader(Indexed(2), 2, multiprocessing_context="threads", autotune=False)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_sampler_batches_are_the_samplers_lists(in_order, workers):
+    ds = Indexed(12, slow={1: 1.0})
+    bs = [[0, 1, 2], [5], [3, 4], [11, 10, 9, 8, 7, 6]]
+    with Loader(ds, batch_sampler=bs, num_workers=workers, in_order=in_order,
+                autotune=False) as L:
+        got = firsts(L)
+        assert len(L) == 4 and L.batch_size is None
+    want = firsts(DataLoader(ds, batch_sampler=bs))
+    assert (got if in_order else sorted(got)) == (want if in_order else sorted(want))
+    if not in_order and workers:
+        assert got.index([0, 1, 2]) > 0  # the batch with the straggler is not first
+
+
+def test_batch_sampler_set_epoch_reaches_its_sampler_and_excludes_batch_args():
+    ds = Indexed(8)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)
+    bs = BatchSampler(sampler, 2, drop_last=False)
+    with Loader(ds, batch_sampler=bs, num_workers=0, autotune=False) as L:
+        L.set_epoch(3)
+        got = firsts(L)
+    sampler.set_epoch(3)
+    assert got == firsts(DataLoader(ds, batch_sampler=bs))
+    for bad in (dict(batch_size=2), dict(shuffle=True), dict(drop_last=True),
+                dict(sampler=SequentialSampler(ds))):
+        with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
+            Loader(ds, batch_sampler=bs, autotune=False, **bad)
+
+
+def test_batch_size_none_delivers_samples_unbatched_as_dataloader():
+    ds = Indexed(5)
+    want = list(DataLoader(ds, batch_size=None))
+    for workers in (0, 2):
+        with Loader(ds, batch_size=None, num_workers=workers, in_order=True, autotune=False) as L:
+            got = list(L)
+            assert len(L) == 5 and L.batch_size is None
+        assert all(isinstance(g, torch.Tensor) and g.shape == (2,) for g in got)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    with Loader(ds, batch_size=None, num_workers=1, collate_fn=lambda s: int(s[0]) * 10,
+                in_order=True, autotune=False) as L:
+        assert list(L) == [0, 10, 20, 30, 40]
+    with pytest.raises(ValueError, match="drop_last"):
+        Loader(ds, batch_size=None, drop_last=True, autotune=False)
+
+
+def test_pin_memory_without_an_accelerator_warns_and_delivers(recwarn):
+    if torch.cuda.is_available():
+        pytest.skip("this host has an accelerator")
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        L = Loader(Indexed(4), 2, num_workers=1, pin_memory=True, autotune=False)
+    with L:
+        assert L.pin_memory and not L._cfg.pin_memory
+        assert sorted(i for b in firsts(L) for i in b) == [0, 1, 2, 3]
+
+
+def test_bad_types_name_the_argument():
+    for kw, err, word in [
+        (dict(num_workers="4"), TypeError, "num_workers"),
+        (dict(num_workers=-1), ValueError, "num_workers"),
+        (dict(prefetch_factor=0, num_workers=1), ValueError, "prefetch_factor"),
+        (dict(worker_init_fn=3), TypeError, "worker_init_fn"),
+        (dict(generator=7), TypeError, "generator"),
+        (dict(seed="a"), TypeError, "seed"),
+        (dict(timeout="1"), ValueError, "timeout"),
+    ]:
+        with pytest.raises(err, match=word):
+            Loader(Indexed(4), 2, autotune=False, **kw)
