@@ -183,3 +183,12 @@ def test_bad_types_name_the_argument():
     ]:
         with pytest.raises(err, match=word):
             Loader(Indexed(4), 2, autotune=False, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_live_iterators_each_deliver_a_whole_epoch(workers):
+    with Loader(Indexed(10), 3, shuffle=True, seed=1, num_workers=workers, autotune=False) as L:
+        pairs = list(zip(L, L, strict=True))
+        assert len(pairs) == len(L) == 4
+        for side in (0, 1):
+            assert sorted(i for p in pairs for i in p[side][:, 0].tolist()) == list(range(10))
