@@ -264,6 +264,10 @@ class Loader:
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
         self._consumer_wait = 0.0
+        # The step of the batch returned last: (return time, its wait, its samples, the id of
+        # the iterator that returned it), closed by the training loop's next request (see
+        # _EpochIterator).
+        self._step_open: tuple[float, float, int, int] | None = None
         self._batches = 0
         self._samples = 0
         self._h2d_bytes = 0
@@ -349,6 +353,7 @@ class Loader:
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
                 self._epoch += 1
             self._started = True
+            self._end_step()
             pipeline = self._ensure_pipeline()
             run = pipeline.start(self._order(self._epoch), self._epoch)
             return _EpochIterator(self, pipeline, run)
@@ -373,10 +378,24 @@ class Loader:
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
 
+    def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
+        """Close the open consumer step at ``now`` (default: the present) and record it: the
+        training loop asked for the next batch, started a new pass or closed the loader.
+        With ``owner``, only a step opened by that iterator (``id``) is closed."""
+        opened = self._step_open
+        if opened is None or (owner is not None and opened[3] != owner):
+            return
+        self._step_open = None
+        returned, wait, samples, _ = opened
+        step = max(0.0, (time.monotonic() if now is None else now) - returned)
+        self._consumer_busy += step
+        self.stage_stats["consumer"].record(step, wait, 0, items=samples)
+
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
         if self._closed:
             return
+        self._end_step()
         self._closed = True
         if self._controller is not None:
             self._controller.stop()
@@ -477,7 +496,19 @@ class _Observed:
 
 
 class _EpochIterator:
-    """One epoch of batches; the training loop's waits in ``__next__`` are its idle time."""
+    """One epoch of batches; the training loop's waits in ``__next__`` are its idle time.
+
+    What is measured per batch (the consumer's figures, seconds of ``time.monotonic()``):
+
+    * **wait**: from the call of ``__next__`` to its return with the batch (the accelerator's
+      idle time while the loader is behind).
+    * **step**: from the return of the batch to the training loop's next request of this
+      loader: ``__next__`` on any of its iterators (the one that ends an epoch with
+      ``StopIteration`` too), ``iter(loader)``, the iterator being dropped (a ``break``), or
+      ``close()``. So the last step of every epoch counts whole, and time spent outside any
+      epoch (a validation loop after ``StopIteration``) is no step. A step and the wait of
+      the batch it consumed are recorded together when the step ends.
+    """
 
     def __init__(self, loader: Loader, pipeline: Pipeline, run: Run) -> None:
         self.L = loader
@@ -485,7 +516,6 @@ class _EpochIterator:
         self.run = run
         self.epoch = run.epoch_no
         self._done = False
-        self._last_return: float | None = None
         self._pending_h2d: list = []
 
     def __iter__(self) -> _EpochIterator:
@@ -495,10 +525,10 @@ class _EpochIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        t0 = time.monotonic()
+        self.L._end_step(t0)
         if self._done:
             raise StopIteration
-        t0 = time.monotonic()
-        busy = t0 - self._last_return if self._last_return is not None else 0.0
         self._poll_h2d()
         run = self.run
         with run.cv:
@@ -533,11 +563,9 @@ class _EpochIterator:
         wait = now - t0
         L = self.L
         L._consumer_wait += wait
-        L._consumer_busy += busy
         L._batches += 1
         L._samples += len(indices)
-        L.stage_stats["consumer"].record(busy, wait, 0, items=len(indices))
-        self._last_return = now
+        L._step_open = (now, wait, len(indices), id(self))
         return batch
 
     def _poll_h2d(self) -> None:
@@ -563,6 +591,7 @@ class _EpochIterator:
 
     def __del__(self) -> None:
         try:
+            self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
             self._finish()
         except Exception:
             pass
