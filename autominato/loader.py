@@ -545,8 +545,6 @@ class _EpochIterator:
         if kind != "batch":
             self._finish()
             if kind == "end":
-                if self.L._telemetry is not None:
-                    self.L._telemetry.on_epoch_end(self.epoch)
                 raise StopIteration
             raise item[1]
         self.pipeline.consumed(run)

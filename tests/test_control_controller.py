@@ -198,7 +198,8 @@ def test_history_carries_the_workers_cpu_and_private_memory():
         assert second[WORKER_COUNT_KEY] == 1.0
         assert second[WORKER_RSS_KEY] >= 32 << 20  # the 64 MiB it wrote is private memory
         burned = second[CPU_SECONDS_KEY]
-        assert burned >= 0.3 and burned >= first[CPU_SECONDS_KEY]  # the worker's whole 0.3 s
+        # The worker's whole 0.3 s (to the 10 ms clock tick), without this process's CPU.
+        assert 0.28 <= burned <= 0.3 + 0.5 and burned >= first[CPU_SECONDS_KEY]
     finally:
         child.kill()
         child.wait()

@@ -58,11 +58,14 @@ class Reading:
             of two readings is the CPU used between them (a process that started in between
             counts from its start, one that exited up to its last reading).
         processes: the live processes read, the root first when it is alive.
+        worker_cpu_seconds_total: the part of ``cpu_seconds_total`` of processes other than
+            the root (cumulative in the same way).
     """
 
     time: float
     cpu_seconds_total: float
     processes: tuple[ProcessUsage, ...]
+    worker_cpu_seconds_total: float = 0.0
 
     @property
     def workers(self) -> tuple[ProcessUsage, ...]:
@@ -162,4 +165,6 @@ class ProcessMeter:
                     pss_bytes=int(pss) if pss is not None else None,
                 )
             )
-        return Reading(t, sum(self._cpu.values()), tuple(usages))
+        root = self.root.pid
+        workers = sum(cpu for (pid, _), cpu in self._cpu.items() if pid != root)
+        return Reading(t, sum(self._cpu.values()), tuple(usages), workers)
