@@ -399,10 +399,10 @@ class Loader:
         self._closed = True
         if self._controller is not None:
             self._controller.stop()
+        if self._telemetry is not None:
+            self._telemetry.close()  # its last report sees the workers still running
         if self._pipeline is not None:
             self._pipeline.close()
-        if self._telemetry is not None:
-            self._telemetry.close()
 
     def __enter__(self) -> Loader:
         return self

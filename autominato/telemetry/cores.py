@@ -64,7 +64,7 @@ def reads_fused(snap: LoaderSnapshot) -> bool:
     read, transform = snap.stages.get("read"), snap.stages.get("transform")
     if read is None or transform is None or transforms_inline(snap):
         return False
-    return read.workers == 0 or (read.queue_capacity == 0 and read.workers == transform.workers)
+    return read.queue_capacity == 0 and read.workers in (0, transform.workers)
 
 
 @dataclass(frozen=True)

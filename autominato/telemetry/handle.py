@@ -165,7 +165,8 @@ class TelemetryHandle:
             if monitor_interval is not None:
                 _ensure_report_visible()
                 self.monitor = DataMonitor(
-                    loader.snapshot, monitor_interval, rank=self.rank
+                    loader.snapshot, monitor_interval, rank=self.rank,
+                    worker_pids=getattr(loader, "worker_pids", None),
                 ).start()
         except BaseException:
             self.close()
