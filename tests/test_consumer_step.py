@@ -61,7 +61,7 @@ def test_step_histogram_mean_matches_a_known_step_with_two_batch_epochs(loader):
 
 
 def test_a_break_closes_the_step_of_the_last_batch_taken(loader):
-    for i, _ in enumerate(loader):
+    for _ in loader:
         time.sleep(STEP_S)
         break
     time.sleep(0.3)  # after the loop: not a step
