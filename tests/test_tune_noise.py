@@ -88,3 +88,22 @@ def test_tune_writes_the_best_when_it_beats_the_default_beyond_noise(monkeypatch
     assert result.confirmation is not None and result.confirmation.keep_best
     assert not result.kept_default
     assert load_config(result.config_path)["knobs"]["workers"] >= 5
+
+
+def test_grid_points_cover_each_axis_and_the_comparison_reports_the_gap(setup):
+    from autominato.tuning.grid import GOAL_GAP, compare_with_grid, grid_points
+
+    _, space, _ = setup
+    points = grid_points(space, levels=3)
+    assert [p["workers"] for p in points] == [1, 5, 8]  # both ends and the middle (4.5, rounded up)
+    assert all(p["depth"] == 2 and p["worker_kind"] == "thread" for p in points)
+
+    def idle(params):  # a known landscape: more workers, less idle
+        return max(0.0, 0.5 - 0.1 * params["workers"])
+
+    close = compare_with_grid(idle, space, {"workers": 5}, levels=3, repeats=2, log=lambda m: None)
+    assert idle(close.grid_best) == 0.0
+    assert close.gap == pytest.approx(0.0) and close.within_goal
+    far = compare_with_grid(idle, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
+    assert far.gap == pytest.approx(0.3) and far.gap > GOAL_GAP and not far.within_goal
+    assert "NOT within the 0.03 goal" in far.line()
