@@ -50,3 +50,32 @@ def test_a_fused_read_exports_its_workers_and_no_false_bandwidth():
     assert got[("autominato_stage_bytes_total", "transform")] == 16 * 4 * 4 * 4 * 4
     # Read seconds were recorded per sample (>= the 10 ms sleep each).
     assert got[("autominato_stage_service_seconds_sum", "read")] >= 16 * 0.01
+
+
+def test_cpu_demand_counts_a_spinning_worker_and_not_a_sleeping_one():
+    import subprocess
+    import sys
+
+    from autominato.telemetry.cores import loader_cpu_seconds
+    from autominato.telemetry.process import ProcessMeter
+
+    def demand(code: str) -> tuple[float, float]:
+        child = subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\n" + code],
+                                 stdout=subprocess.PIPE, text=True)
+        meter = ProcessMeter()
+        try:
+            assert child.stdout.readline().strip() == "up"  # past the interpreter's start-up
+            before = meter.read([child.pid])
+            time.sleep(0.8)
+            after = meter.read([child.pid])
+        finally:
+            child.kill()
+            child.wait()
+        cpu = after.worker_cpu_seconds_total - before.worker_cpu_seconds_total
+        return loader_cpu_seconds(after) - loader_cpu_seconds(before), cpu
+
+    slept, _ = demand("import time; time.sleep(30)")
+    spun, cpu = demand("while True: pass")
+    assert slept < 0.05  # blocked, not runnable: no demand for a core
+    # Runnable the whole 0.8 s: on a core or waiting for one (this machine is shared).
+    assert spun >= cpu and spun >= 0.6

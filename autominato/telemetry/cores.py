@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from autominato.pipeline.stats import LoaderSnapshot
 from autominato.telemetry.process import Reading
 
-#: ``LoaderSnapshot.extra`` key: cumulative CPU seconds of the loader's processes.
+#: ``LoaderSnapshot.extra`` key: cumulative CPU demand (seconds on a core or waiting for
+#: one) of the loader's processes, :func:`loader_cpu_seconds`.
 CPU_SECONDS_KEY = "control.cpu_seconds_total"
 
 #: Below this share of the cores used, the loader's workers mostly wait (on I/O): more
@@ -29,16 +30,19 @@ CPU_SATURATED = 0.9
 
 
 def loader_cpu_seconds(reading: Reading) -> float:
-    """Cumulative CPU seconds that the loader's work used, from a meter reading.
+    """Cumulative CPU demand of the loader's work, seconds, from a meter reading: seconds on a
+    core plus seconds runnable but waiting for one (the run-queue wait, Linux; see
+    :mod:`autominato.telemetry.process`). On a machine that other jobs keep busy, CPU-bound
+    workers get little CPU time but wait on the run queue; I/O-bound ones do neither.
 
-    With worker processes, their CPU only: the main process also runs the training loop,
-    whose CPU is not the loader's (the batch assembly in the main process is left out with
-    it). With thread workers (no worker process) the main process's CPU, training loop
-    included, is all there is to read.
+    With worker processes, theirs only: the main process also runs the training loop, whose
+    CPU is not the loader's (the batch assembly in the main process is left out with it).
+    With thread workers (no worker process) the main process's, training loop included, is
+    all there is to read.
     """
     if reading.workers or reading.worker_cpu_seconds_total > 0:
-        return reading.worker_cpu_seconds_total
-    return reading.cpu_seconds_total
+        return reading.worker_cpu_seconds_total + reading.worker_runqueue_seconds_total
+    return reading.cpu_seconds_total + reading.runqueue_seconds_total
 
 
 def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:

@@ -309,7 +309,7 @@ def diagnose(
     blocked_mean = _blocked_share(last, None, run.step_s)
     rows.append(_row("queue wait share", "of batches", blocked, blocked_mean, queue_wait_threshold))
     if cpu is not None:
-        rows.append(Row("loader CPU", "cores", cpu, None, float(budget.cores), "ref"))
+        rows.append(Row("loader CPU demand", "cores", cpu, None, float(budget.cores), "ref"))
     idle = basis.idle_ratio
     rows.append(_row("accelerator idle", "of time", idle, run.idle_ratio, idle_threshold))
 
@@ -387,7 +387,7 @@ def _bottleneck(
 ) -> tuple[str, str, str]:
     workers = _effective_workers(last, stage)
     fused = fused and not transforms_inline(last)  # the transform workers read
-    used = "" if cpu is None else f"; the loader used {cpu:.2f} of {budget.cores} cores"
+    used = "" if cpu is None else f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
     if stage == "read":
         lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
