@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_tune import SPACE  # the same space: workers 1..8, thread workers
 
 from autominato.config import load_config
 from autominato.models.step import SleepStep
 from autominato.tuning import Measurement, Pipeline, load_space, run_study
 from autominato.tuning import study as study_module
 from autominato.tuning.select import IDLE_TOLERANCE, confirm_best
-
-SPACE = """
-params:
-  depth: 2
-  read_threads: 2
-  workers: {type: int, low: 1, high: 8}
-  pool_size: 24
-  worker_kind: thread
-trial: {warmup_batches: 1, window_batches: 4, report_every: 2}
-pruner: {n_startup_trials: 100, n_warmup_steps: 1, margin: 0.02}
-"""
 
 
 def test_the_issues_figures_keep_the_default():
