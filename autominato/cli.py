@@ -2,6 +2,12 @@
 
 Each subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> int``, so
 ``autominato --help`` stays fast and a missing optional dependency only affects its command.
+
+Exit status, the same for every command: 0 done; :data:`EXIT_FAILED` (1) the work ran and
+failed (a case that did not prepare, a trial that crashed, a goal not met); :data:`EXIT_USAGE`
+(2) the command cannot start as written: a bad option or value (argparse's own status), or
+an input that is missing or unreadable (a data folder, a configuration, an exporter's URL).
+Options are never abbreviated (``--cost`` is not ``--cost-ms``), in any sub-command.
 """
 
 from __future__ import annotations
@@ -10,6 +16,19 @@ import argparse
 import importlib
 import logging
 import sys
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without abbreviated options, for every sub-command
+    (``add_subparsers`` makes sub-parsers of its parser's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,7 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autominato", description=__doc__.splitlines()[0])
+    parser = Parser(prog="autominato", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)

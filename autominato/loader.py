@@ -410,6 +410,10 @@ class Loader:
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
         self._consumer_wait = 0.0
+        # The step of the batch returned last: (return time, its wait, its samples, the id of
+        # the iterator that returned it), closed by the training loop's next request (see
+        # _EpochIterator).
+        self._step_open: tuple[float, float, int, int] | None = None
         self._batches = 0
         self._samples = 0
         self._h2d_bytes = 0
@@ -525,6 +529,7 @@ class Loader:
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
                 self._epoch += 1
             self._started = True
+            self._end_step()
             order, groups = self._order(self._epoch)
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch)
@@ -567,17 +572,31 @@ class Loader:
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
 
+    def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
+        """Close the open consumer step at ``now`` (default: the present) and record it: the
+        training loop asked for the next batch, started a new pass or closed the loader.
+        With ``owner``, only a step opened by that iterator (``id``) is closed."""
+        opened = self._step_open
+        if opened is None or (owner is not None and opened[3] != owner):
+            return
+        self._step_open = None
+        returned, wait, samples, _ = opened
+        step = max(0.0, (time.monotonic() if now is None else now) - returned)
+        self._consumer_busy += step
+        self.stage_stats["consumer"].record(step, wait, 0, items=samples)
+
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
         if self._closed:
             return
+        self._end_step()
         self._closed = True
         if self._controller is not None:
             self._controller.stop()
+        if self._telemetry is not None:
+            self._telemetry.close()  # its last report sees the workers still running
         if self._pipeline is not None:
             self._pipeline.close()
-        if self._telemetry is not None:
-            self._telemetry.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -671,7 +690,19 @@ class _Observed:
 
 
 class _EpochIterator:
-    """One epoch of batches; the training loop's waits in ``__next__`` are its idle time."""
+    """One epoch of batches; the training loop's waits in ``__next__`` are its idle time.
+
+    What is measured per batch (the consumer's figures, seconds of ``time.monotonic()``):
+
+    * **wait**: from the call of ``__next__`` to its return with the batch (the accelerator's
+      idle time while the loader is behind).
+    * **step**: from the return of the batch to the training loop's next request of this
+      loader: ``__next__`` on any of its iterators (the one that ends an epoch with
+      ``StopIteration`` too), ``iter(loader)``, the iterator being dropped (a ``break``), or
+      ``close()``. So the last step of every epoch counts whole, and time spent outside any
+      epoch (a validation loop after ``StopIteration``) is no step. A step and the wait of
+      the batch it consumed are recorded together when the step ends.
+    """
 
     def __init__(self, loader: Loader, pipeline: Pipeline, run: Run) -> None:
         self.L = loader
@@ -679,7 +710,6 @@ class _EpochIterator:
         self.run = run
         self.epoch = run.epoch_no
         self._done = False
-        self._last_return: float | None = None
         self._pending_h2d: list = []
 
     def __iter__(self) -> _EpochIterator:
@@ -689,10 +719,10 @@ class _EpochIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        t0 = time.monotonic()
+        self.L._end_step(t0)
         if self._done:
             raise StopIteration
-        t0 = time.monotonic()
-        busy = t0 - self._last_return if self._last_return is not None else 0.0
         self._poll_h2d()
         run = self.run
         limit = self.L.timeout
@@ -717,8 +747,6 @@ class _EpochIterator:
         if kind != "batch":
             self._finish()
             if kind == "end":
-                if self.L._telemetry is not None:
-                    self.L._telemetry.on_epoch_end(self.epoch)
                 raise StopIteration
             raise item[1]
         self.pipeline.consumed(run)
@@ -735,11 +763,9 @@ class _EpochIterator:
         wait = now - t0
         L = self.L
         L._consumer_wait += wait
-        L._consumer_busy += busy
         L._batches += 1
         L._samples += len(indices)
-        L.stage_stats["consumer"].record(busy, wait, 0, items=len(indices))
-        self._last_return = now
+        L._step_open = (now, wait, len(indices), id(self))
         return batch
 
     def _poll_h2d(self) -> None:
@@ -765,6 +791,7 @@ class _EpochIterator:
 
     def __del__(self) -> None:
         try:
+            self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
             self._finish()
         except Exception:
             pass
@@ -786,7 +813,6 @@ class _SyncIterator:
                         skip_errors=loader.on_error == "skip", max_tries=1, groups=groups)
         self.todo: deque = deque(self.ep.start())
         self._done = False
-        self._last_return: float | None = None
 
     def __iter__(self) -> _SyncIterator:
         return self
@@ -795,11 +821,11 @@ class _SyncIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
-        if self._done or self.L._closed:
-            raise StopIteration
         t0 = time.monotonic()
-        busy = t0 - self._last_return if self._last_return is not None else 0.0
         L = self.L
+        L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
+        if self._done or L._closed:
+            raise StopIteration
         while True:
             while self.todo:
                 d = self.todo.popleft()
@@ -807,11 +833,9 @@ class _SyncIterator:
                     batch, n = self._batch(d.items), len(d.items)
                     now = time.monotonic()
                     L._consumer_wait += now - t0
-                    L._consumer_busy += busy
                     L._batches += 1
                     L._samples += n
-                    L.stage_stats["consumer"].record(busy, now - t0, 0, items=n)
-                    self._last_return = now
+                    L._step_open = (now, now - t0, n, id(self))
                     return batch
                 if isinstance(d, Skip):
                     L._skip(d.index, d.error)
@@ -820,8 +844,6 @@ class _SyncIterator:
                     raise d.error
                 elif isinstance(d, End):
                     self._done = True
-                    if L._telemetry is not None:
-                        L._telemetry.on_epoch_end(self.epoch)
                     raise StopIteration
             (task,) = self.ep.take(1)
             try:
@@ -850,6 +872,12 @@ class _SyncIterator:
 
     def stop(self) -> None:
         self._done = True
+
+    def __del__(self) -> None:
+        try:
+            self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+        except Exception:
+            pass
 
 
 def _close_all() -> None:

@@ -361,6 +361,11 @@ def run(args: argparse.Namespace) -> int:
         synthetic = getattr(dataset, "synthetic", False)
         print(f"[run] data {data}: {len(dataset)} samples ({kind}"
               + (", SYNTHETIC CT images" if synthetic else "") + ")", file=out, flush=True)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
+        # The command cannot start as written (autominato.cli's convention: 2).
+        print(f"autominato run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    try:
         res = train(
             dataset, steps=args.steps, epochs=args.epochs, batch_size=batch_size,
             patch=args.patch, device=args.device, full_size=args.full_size, lr=args.lr,

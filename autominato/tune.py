@@ -108,6 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--no-baseline", action="store_true", help="do not measure the default configuration"
     )
+    g = parser.add_argument_group("tune vs grid (autominato/tuning/grid.py)")
+    g.add_argument(
+        "--compare-grid", action="store_true",
+        help="after the study, measure a full grid of the space and tell how close the "
+        "configuration written is to the grid's optimum (slow: one trial per point)",
+    )
+    g.add_argument(
+        "--grid-levels", type=int, default=3,
+        help="values per searched integer parameter in the grid (default 3)",
+    )
+    g.add_argument(
+        "--grid-repeats", type=_positive, default=3,
+        help="measurements of tune's choice and of the grid optimum at the end (default 3)",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="output folder (default runs/tune/STUDY-NAME)")
     o.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUT/study.db)")
@@ -171,6 +185,25 @@ def run(args: argparse.Namespace) -> int:
         console.print("interrupted: the study is kept; run the same command to resume")
         return 130
     print_summary(console, result)
+    if args.compare_grid and result.best is not None:
+        from autominato.tuning.grid import compare_with_grid
+        from autominato.tuning.study import measure_config
+
+        def idle(params: dict) -> float:
+            return measure_config(pipeline, space, params,
+                                  memory_budget_bytes=args.memory_budget)[0].idle_ratio
+
+        chosen = {} if result.kept_default else dict(result.best.params)
+        try:
+            cmp = compare_with_grid(idle, space, chosen, levels=args.grid_levels,
+                                    repeats=args.grid_repeats,
+                                    log=lambda m: console.print(m, highlight=False))
+        except ValueError as e:
+            console.print(f"[red]error:[/red] {e}", highlight=False)
+            return 2
+        done = sum(t.state.name == "COMPLETE" for t in result.study.get_trials(deepcopy=False))
+        console.print(f"{cmp.line()}; tune used {len(result.study.trials)} trials "
+                      f"({done} complete)", highlight=False)
     if result.stopped:
         console.print(f"[red]stopped:[/red] {result.stopped}", highlight=False)
         return 1

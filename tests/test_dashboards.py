@@ -42,6 +42,7 @@ LOADER_METRICS = {
     "autominato_stage_queue_capacity_items",
     "autominato_stage_workers",
     "autominato_consumer_wait_seconds",
+    "autominato_consumer_step_seconds",
     "autominato_accelerator_idle_ratio",
     "autominato_samples_total",
     "autominato_batches_total",
@@ -87,6 +88,14 @@ def test_committed_dashboard_equals_the_generated_one():
     assert COMMITTED.read_text() == dash.dashboard_json(), (
         "dashboards/autominato.json is stale: run `autominato dashboards generate`"
     )
+
+
+def test_generate_check_says_a_missing_file_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # outside the repository: no dashboards/ folder here
+    monkeypatch.setattr("sys.argv", ["autominato"])
+    assert cli.main(["dashboards", "generate", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "not the generated" not in err
 
 
 def test_generate_check_flags_a_stale_file_and_generate_rewrites_it(tmp_path, monkeypatch, capsys):
@@ -160,6 +169,13 @@ def test_each_required_view_is_on_the_dashboard():
     assert {"autominato_gpu_pcie_tx_bytes_per_second", "DCGM_FI_PROF_PCIE_TX_BYTES"} <= _metric_names(
         exprs["PCIe bandwidth"]
     )
+    assert "histogram_quantile(0.5, sum by (le, rank) (rate(autominato_consumer_step_seconds_bucket" in (
+        exprs["Consumer step time"]
+    )
+    # Utilisation divides by the workers only where a stage has some (no division by zero).
+    assert "rate(autominato_stage_service_seconds_sum" in exprs["Stage utilisation"]
+    assert "(sum by (stage) (autominato_stage_workers" in exprs["Stage utilisation"]
+    assert exprs["Stage utilisation"].endswith("> 0)")
     assert by_title["Knob values"]["type"] == "state-timeline"
     assert "autominato_controller_decisions_total" in exprs["Controller decisions"]
     assert "changes(autominato_knob_value" in model["annotations"]["list"][0]["expr"]
@@ -324,5 +340,5 @@ def test_dashboards_check_reports_an_unreachable_prometheus(monkeypatch, capsys)
         port = s.getsockname()[1]
     monkeypatch.setattr("sys.argv", ["autominato"])
     rc = cli.main(["dashboards", "check", "--prometheus-url", f"http://127.0.0.1:{port}"])
-    assert rc == 1
+    assert rc == 2  # the check cannot start: autominato.cli's exit status for that
     assert f"cannot reach Prometheus at http://127.0.0.1:{port}" in capsys.readouterr().err

@@ -161,9 +161,8 @@ def test_dashboards_check_command_passes_against_the_scraped_loader(scraped, mon
          "--scrape-interval", "1s"]
     )
     out = capsys.readouterr().out
+    assert rc == 0, out  # on a CPU host too
+    assert "0 without series" in out
     if _no_h2d_copies(prom):
         # Without CUDA the H2D gauge is the one non-GPU query with no series (module docstring).
-        assert rc == 1 and "Host-to-device bandwidth [A]" in out and "1 without series" in out
-    else:
-        assert rc == 0, out
-    assert "expected without NVML / DCGM" in out or "0 without series" in out
+        assert "Host-to-device bandwidth [A]" in out and "expected without a CUDA device" in out

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
 from autominato.telemetry import diagnose, format_report
+from autominato.telemetry.cores import CPU_SECONDS_KEY
 from autominato.telemetry.monitor import IDLE_THRESHOLD, SATURATED
 
 B = 4  # samples per batch in the synthetic histories
@@ -23,7 +25,7 @@ def _stage(name: str, t: float, items: int, service_s: float, workers: int) -> S
         service_seconds_total=items * service_s,
         wait_seconds_total=0.0,
         queue_len=0,
-        queue_capacity=8,
+        queue_capacity=0 if workers == 0 else 8,  # a read fused into the workers has no queue
         workers=workers,
         busy_workers=0,
     )
@@ -156,22 +158,64 @@ def test_thresholds_scale_with_the_measured_step_time():
     assert limit(slow) == pytest.approx(4 * limit(fast))
 
 
-def test_fused_read_and_transform_add_up_on_the_shared_workers():
+def with_cpu(hist: list[LoaderSnapshot], cores_used: float) -> list[LoaderSnapshot]:
+    """``hist`` with the loader's CPU seconds in ``extra``: ``cores_used`` cores throughout."""
+    return [replace(s, extra={CPU_SECONDS_KEY: cores_used * s.time}) for s in hist]
+
+
+def fused_history(**kw) -> list[LoaderSnapshot]:
     # read.workers == 0: the transform workers read. Each share alone is under the
     # saturation limit, together they are over it.
-    d = diagnose(
-        history(
-            step_s=0.010,
-            wait_s=0.020,
-            read_s=0.003,
-            transform_s=0.0025,
-            read_workers=0,
-            transform_workers=2,
-        )
-    )
+    return history(step_s=0.010, wait_s=0.020, read_s=0.003, transform_s=0.0025,
+                   read_workers=0, transform_workers=2, **kw)
+
+
+def test_fused_read_and_transform_add_up_and_idle_cpu_means_io(monkeypatch):
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    d = diagnose(with_cpu(fused_history(), cores_used=0.5))  # 0.5 of 8 cores: workers wait
     assert d.shares["read"] < SATURATED and d.shares["transform"] < SATURATED
     assert d.kind == "io" and d.stage == "read"
     assert "workers 2 -> 3" in d.suggestion and "fuse_read=False" in d.suggestion
+    share = next(r for r in d.rows if r.metric == "read+transform share")
+    assert share.current == pytest.approx(1.1) and share.status == "bad"  # the table agrees
+
+
+@pytest.mark.parametrize("cpu", [1.9, None])
+def test_a_cpu_heavy_fused_read_is_cpu_bound_not_io(monkeypatch, cpu):
+    # Decompressing .nii.gz in the read (MONAI LoadImage) on a 2-core machine: the two
+    # workers use ~2 cores. Without a CPU figure the fused pair is CPU work as well.
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    hist = fused_history()
+    d = diagnose(with_cpu(hist, cpu) if cpu is not None else hist)
+    assert d.kind == "cpu" and d.stage == "transform"
+    assert "faster storage" not in d.suggestion
+    assert "no spare cores (2 usable)" in d.suggestion  # 2 workers on 2 cores already
+    assert d.summary.startswith("reads and transforms (in the same workers) take 1.10x")
+
+
+def test_monitor_and_controller_agree_on_the_core_budget():
+    """The worker count the report suggests is the one the controller's rule would grow to."""
+    from autominato.control import Budget, StageBasedRule
+    from autominato.control.rule import measure
+
+    rule, budget = StageBasedRule(), Budget(cores=2)
+    cores = rule.core_budget(budget)
+    bounds = {"depth": (1, 16), "read_threads": (1, 16), "workers": (1, 32), "pool_size": (4, 128)}
+    for cpu, expect in ((1.95, "no spare cores"), (0.3, "workers 2 -> ")):
+        # A slow transform, 2 workers on 2 cores, consumer starved: 20 batches of 50 ms a second.
+        hist = with_cpu([snapshot(float(t), 20 * t, step_s=0.010, wait_s=0.040,
+                                  transform_s=0.025) for t in range(1, 12)], cpu)
+        d = diagnose(hist, budget=cores)
+        assert d.kind == "cpu" and expect in d.suggestion
+        decisions, _ = rule.decide(hist, bounds, budget, rule.initial_state())
+        grown = [x.new for x in decisions if x.knob == "workers"]
+        w = measure(hist[0], hist[-1], hist)
+        cap = cores.worker_cap(2, w.cpu_cores)
+        if cpu > 1:
+            assert grown == [] and cap == 2  # neither grows past the spent cores
+        else:
+            suggested = int(d.suggestion.split("workers 2 -> ")[1].split(",")[0])
+            assert cap > 2 and grown and grown[0] <= cap and suggested <= cap
 
 
 def test_current_window_is_the_last_two_snapshots_and_mean_is_since_start():

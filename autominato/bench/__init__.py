@@ -195,14 +195,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         type=Path,
         default=None,
-        help="folder prepared by `autominato prepare` (default: prepare from "
-        "../shared/kits19/labels with synthesised CT, cached)",
+        help="folder prepared by `autominato prepare` (default: prepare from --labels with "
+        "synthesised CT, cached; without --labels, 8 generated demo cases)",
     )
     g.add_argument(
         "--labels",
         type=Path,
         default=None,
-        help="KiTS19 label folder (default ../shared/kits19/labels)",
+        help="KiTS19 label folder to prepare from (default: generated demo masks)",
     )
     g.add_argument("--cases", type=int, default=None, help="cases to use (default: all)")
     g.add_argument(

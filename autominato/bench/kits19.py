@@ -1,8 +1,9 @@
 """The ``kits19`` workload: MLPerf-preprocessed KiTS19 cases and the MLPerf training transforms.
 
 The cases come from ``--data DIR`` (a folder ``autominato prepare kits19`` wrote) or are
-prepared once into a cache from the KiTS19 label masks (``../shared/kits19/labels`` beside the
-repository, with synthesised CT), or, when there are no labels, from generated demo masks.
+prepared once into a cache from KiTS19 label masks (``--labels DIR``, with synthesised CT),
+or, with neither, from a few generated demo masks (said so in the log, never a silent
+preparation of a whole data set).
 One sample is one random crop of one case; ``samples`` larger than the number of cases cycles
 through the cases (each sample has its own augmentation generator, so its crop differs).
 """
@@ -18,11 +19,6 @@ from autominato.bench.workload import Workload
 #: The MLPerf 3D-UNet patch edge (voxels) and batch size.
 MLPERF_PATCH = 128
 MLPERF_BATCH = 2
-
-
-def default_labels() -> Path:
-    """``../shared/kits19/labels`` beside the repository root of this checkout."""
-    return Path(__file__).resolve().parents[3] / "shared" / "kits19" / "labels"
 
 
 def default_cache() -> Path:
@@ -124,7 +120,15 @@ def prepared_folder(
     else:
         source = "labels"
     out = cache / f"kits19-{source}-{cases or 'all'}-scale{scale:g}"
-    log(f"kits19: {cases or 'all'} {source} cases at scale {scale:g} in {out}")
+    if source == "labels":
+        n = len([p for p in Path(labels).iterdir() if p.name.startswith("case_")])
+        todo = min(n, cases) if cases else n
+        log(f"kits19: preparing {todo} of the {n} cases in {labels} at scale {scale:g} into "
+            f"{out} (once; cached). At scale 1 a case takes tens of MB and seconds to "
+            "minutes: --cases N or --scale 0.5 make it smaller, --data DIR uses a prepared set")
+    else:
+        log(f"kits19: no --data and no --labels: {cases} generated DEMO cases (not patient "
+            f"data) at scale {scale:g} in {out}")
     result = prepare_kits19(
         labels,
         out,
@@ -159,8 +163,7 @@ def kits19_workload(
 
     Args:
         data: a prepared folder; when ``None`` one is prepared (see :func:`prepared_folder`).
-        labels: KiTS19 label folder (default :func:`default_labels`); ``"none"`` uses
-            generated demo masks.
+        labels: KiTS19 label folder; ``None`` (or ``"none"``) uses generated demo masks.
         cases: use the first ``cases`` cases.
         samples: samples per epoch (default: one per case).
         scale: shrinks the prepared volumes and the patch (``patch_for(scale)``).
@@ -174,9 +177,7 @@ def kits19_workload(
     from autominato.data.transforms import mlperf_train_transform
 
     if data is None:
-        if labels in (None, ""):
-            labels = default_labels()
-        src = None if str(labels).lower() == "none" else Path(labels)
+        src = None if labels in (None, "") or str(labels).lower() == "none" else Path(labels)
         data = prepared_folder(src, cases, scale, cache, log)
     ds = KiTS19Dataset(data)
     if cases is not None and cases < len(ds):

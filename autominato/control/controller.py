@@ -29,6 +29,7 @@ from autominato.control.rule import (
 )
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.cores import loader_cpu_seconds
 from autominato.telemetry.process import ProcessMeter, Reading
 from autominato.telemetry.window import slim
 
@@ -45,13 +46,15 @@ HISTORY = 600
 
 def process_figures(reading: Reading) -> dict[str, float]:
     """The ``LoaderSnapshot.extra`` figures the rule reads, from a process-meter reading of
-    this process (the root) and the loader's worker processes.
+    this process (the root) and the loader's worker processes. CPU is the loader's
+    (:func:`~autominato.telemetry.cores.loader_cpu_seconds`: the workers', without the
+    training loop's when there are worker processes).
 
     Worker memory is private memory (RSS less shared pages): the pool's shared-memory slots
     and the libraries are counted once, in the pool's bytes, not once per worker.
     """
     return {
-        CPU_SECONDS_KEY: reading.cpu_seconds_total,
+        CPU_SECONDS_KEY: loader_cpu_seconds(reading),
         WORKER_RSS_KEY: float(reading.worker_private_bytes),
         WORKER_COUNT_KEY: float(len(reading.workers)),
     }

@@ -24,6 +24,15 @@ from typing import Any
 import numpy as np
 
 from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.cores import (
+    CPU_BUSY,
+    CPU_SATURATED,
+    CPU_SECONDS_KEY,  # noqa: F401 - re-exported: the extra key the controller fills
+    CoreBudget,
+    cpu_cores_used,
+    reads_fused,
+    transforms_inline,
+)
 from autominato.telemetry.window import between
 
 #: Why a knob changed. A bounded set, so that it can label a Prometheus counter.
@@ -38,8 +47,8 @@ REASONS = (
     "core_budget",  # more CPU-bound transform workers than usable cores: shrink
 )
 
-#: Keys that :class:`~autominato.control.Controller` adds to ``LoaderSnapshot.extra``.
-CPU_SECONDS_KEY = "control.cpu_seconds_total"
+#: Keys that :class:`~autominato.control.Controller` adds to ``LoaderSnapshot.extra``
+#: (``CPU_SECONDS_KEY`` is shared with the Data Monitor, :mod:`autominato.telemetry.cores`).
 WORKER_RSS_KEY = "control.worker_rss_bytes"
 WORKER_COUNT_KEY = "control.worker_processes"
 
@@ -202,11 +211,9 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
     """
     r = between(a, b)
     stages = {name: st for name, st in r.stages.items() if name in a.stages}
-    inline = b.knobs.get("workers", 1) == 0
+    inline = transforms_inline(b)
     read, transform = stages.get("read"), stages.get("transform")
-    fused = (
-        read is not None and read.workers == 0 and transform is not None and transform.workers > 0
-    )
+    fused = reads_fused(b)
     if (inline or fused) and read is not None and transform is not None:
         into, other = (read, transform) if inline else (transform, read)
         stages[into.name] = replace(into, service_s=into.service_s + other.service_s)
@@ -227,9 +234,7 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
     ]
     per_interval = [w.wait_per_batch_s for w in intervals]
     idle_per_interval = [w.idle_ratio for w in intervals]
-    cpu = None
-    if CPU_SECONDS_KEY in a.extra and CPU_SECONDS_KEY in b.extra:
-        cpu = max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / max(r.seconds, 1e-9)
+    cpu = cpu_cores_used(a, b)
     return Window(
         start=r.start,
         end=r.end,
@@ -375,8 +380,8 @@ class StageBasedRule(Rule):
     util_saturated: float = 0.8
     util_shrink: float = 0.7
     headroom: float = 1.2
-    cpu_busy: float = 0.6
-    cpu_saturated: float = 0.9
+    cpu_busy: float = CPU_BUSY
+    cpu_saturated: float = CPU_SATURATED
     pool_fill: float = 0.8
     backoff_batches: int = 64
     max_backoff_batches: int = 4096
@@ -567,9 +572,6 @@ class StageBasedRule(Rule):
         until = state.backoff_until.get((knob, 1 if new > old else -1), -1)
         return b.batches_total >= until
 
-    def _io_like(self, w: Window, budget: Budget) -> bool:
-        return w.cpu_cores is not None and w.cpu_cores < self.cpu_busy * budget.cores
-
     @staticmethod
     def _pool_floor(knobs: Mapping[str, int], bounds: Bounds) -> int:
         # Every read thread and worker needs a slot to work on.
@@ -612,11 +614,14 @@ class StageBasedRule(Rule):
             return Decision(knob, old, new, "memory_pressure", detail)
         return None
 
+    def core_budget(self, budget: Budget) -> CoreBudget:
+        """The :class:`~autominato.telemetry.cores.CoreBudget` this rule applies (the Data
+        Monitor's suggestions use the same)."""
+        return CoreBudget(budget.cores, self.cpu_busy, self.cpu_saturated)
+
     def _cores(self, w, bounds, budget, state, b):
         old = w.knobs.get("workers", 0)
-        if old <= budget.cores or w.cpu_cores is None:
-            return None
-        if w.cpu_cores < self.cpu_saturated * budget.cores:
+        if not self.core_budget(budget).over(old, w.cpu_cores):
             return None
         new = max(bounds["workers"][0], budget.cores)
         return (Decision("workers", old, new, "core_budget"), False) if new < old else None
@@ -649,11 +654,7 @@ class StageBasedRule(Rule):
             need = w.service_s[stage] * w.demand * self.headroom
             new = min(max(old + 1, math.ceil(need) if math.isfinite(need) else old + 1), 2 * old)
             if knob == "workers":
-                cap = budget.cores
-                if self._io_like(w, budget):
-                    cpu = max(w.cpu_cores or 0.0, 1e-3)
-                    cap = max(cap, math.floor(old * self.cpu_saturated * budget.cores / cpu))
-                new = min(new, cap)
+                new = min(new, self.core_budget(budget).worker_cap(old, w.cpu_cores))
             new = min(new, bounds[knob][1])
             while new > old + 1 and not self._fits(knob, new, w, budget, b):
                 new -= 1  # the largest step the memory budget allows

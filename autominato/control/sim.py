@@ -149,7 +149,7 @@ class SimulatedLoader:
                 tot["r_serv"],
                 0.0,
                 0,
-                0,
+                k["pool_size"],  # a separate read stage's queue, as the pipeline wires it
                 max(1, k["read_threads"]),
                 min(max(1, k["read_threads"]), round(rate * r_s)),
             ),

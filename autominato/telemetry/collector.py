@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.cores import reads_fused
 from autominato.telemetry.metrics import COLLECTED, REGISTRY, STAGES
 from autominato.telemetry.window import Ring
 
@@ -115,12 +116,16 @@ def _add_samples(
     def put(name: str, value: float, *labels: str) -> None:
         fams[name].add_metric([*labels, rank], value)
 
+    fused = reads_fused(s)
     for stage in STAGES:
         st = s.stages.get(stage)
         if st is None:
             continue
         put("autominato_stage_items_total", st.items_total, stage)
-        put("autominato_stage_bytes_total", st.bytes_total, stage)
+        if not (fused and stage == "read"):
+            # A read inside the transform workers does not measure the bytes it read: no
+            # series rather than a bandwidth of 0.
+            put("autominato_stage_bytes_total", st.bytes_total, stage)
         put("autominato_stage_queue_items", st.queue_len, stage)
         put("autominato_stage_queue_capacity_items", st.queue_capacity, stage)
         put("autominato_stage_workers", st.workers, stage)

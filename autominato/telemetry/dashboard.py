@@ -128,6 +128,18 @@ def _in_range(metric: str) -> Query:
 
 
 _IDLE_THRESHOLDS = ((None, "green"), (0.1, "yellow"), (0.3, "red"))
+
+#: Busy share of each stage's workers: service seconds per second over the workers. Stages
+#: without workers of their own (the transfer stage without a device) are left out by
+#: ``> 0`` rather than divided by zero.
+STAGE_UTILISATION = (
+    f"{_rate('autominato_stage_service_seconds_sum', 'stage')} / "
+    f"(sum by (stage) (autominato_stage_workers{{{LOADER}}}) > 0)"
+)
+
+#: (panel, refId) of queries that have no series until a batch is copied to a CUDA device:
+#: the exporter's bandwidth gauge (a bandwidth of no copies is undefined).
+DEVICE_TARGETS = frozenset({("Host-to-device bandwidth", "A")})
 _COUNT_THRESHOLDS = ((None, "green"), (1.0, "orange"))
 
 #: The dashboard, row by row. Titles are unique (tests and ``dashboards check`` name panels).
@@ -197,7 +209,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     ),
                 ),
                 "Items queued / queue capacity per stage: a full queue sits before the "
-                "bottleneck, an empty one after it.",
+                "bottleneck, an empty one after it. The transfer stage's queue holds the "
+                "batches ready ahead of the training loop (capacity: depth), with or without "
+                "a device: full means the loader is ahead of the loop.",
                 w=8, min=0.0, max=1.0,
             ),
             PanelSpec(
@@ -209,8 +223,19 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Stage bandwidth", "timeseries", "Bps",
                 (Query(_rate("autominato_stage_bytes_total", "stage"), "{{stage}}"),),
-                "Bytes produced per second by each stage.",
+                "Bytes produced per second by each stage. No read series while reads are "
+                "fused into the transform workers (the default): the bytes read are not "
+                "measured there, and the transform's are the samples as they leave.",
                 w=8,
+            ),
+            PanelSpec(
+                "Stage utilisation", "timeseries", "percentunit",
+                (Query(STAGE_UTILISATION, "{{stage}}"),),
+                "Share of each stage's workers' time spent in its function (service seconds "
+                "per second / workers). The stage near 100 % while the loop waits is the "
+                "bottleneck. With reads fused into the transform workers both stages count "
+                "the same workers, and their two lines add up to those workers' use.",
+                w=24, min=0.0, max=1.0, thresholds=((None, "green"), (0.8, "orange"), (0.95, "red")),
             ),
             PanelSpec(
                 "Active workers", "timeseries", "short",
@@ -235,10 +260,25 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "p50 / p99 seconds the training loop is blocked in next() per batch.",
             ),
             PanelSpec(
+                "Consumer step time", "timeseries", "s",
+                (
+                    *_quantiles("autominato_consumer_step_seconds", "rank", "rank {{rank}}"),
+                    Query(
+                        _rate("autominato_consumer_step_seconds_sum", "rank") + " / "
+                        + _rate("autominato_consumer_step_seconds_count", "rank"),
+                        "rank {{rank}} mean",
+                    ),
+                ),
+                "p50 / p99 / mean seconds of the training loop's step: from the return of "
+                "a batch to the loop's next request of the loader (the last batch of an "
+                "epoch included, time between epochs excluded). Compare with the stages' "
+                "time per batch.",
+            ),
+            PanelSpec(
                 "Samples per second", "timeseries", "suffix: samples/s",
                 (Query(_rate("autominato_samples_total", "rank"), "rank {{rank}}"),),
                 "Samples delivered to the training loop per second, per rank.",
-                w=8,
+                w=12,
             ),
             PanelSpec(
                 "Host-to-device bandwidth", "timeseries", "Bps",
@@ -258,13 +298,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 ),
                 "Achieved bandwidth of host-to-device copies (bytes / copy time), bytes/s. "
                 "Empty until a batch is copied to a CUDA device.",
-                w=8,
+                w=12,
             ),
             PanelSpec(
                 "Host-to-device copy time", "timeseries", "s",
                 _quantiles("autominato_h2d_copy_seconds", "rank", "rank {{rank}}"),
                 "p50 / p99 seconds of one batch's host-to-device copy.",
-                w=8,
+                w=12,
             ),
         ),
     ),

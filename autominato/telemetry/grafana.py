@@ -206,7 +206,8 @@ def _load_dashboard(path: str | None) -> dict[str, Any]:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"autominato dashboards: cannot read dashboard {path}: {e}") from e
+        print(f"autominato dashboards: cannot read dashboard {path}: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
 
 
 def _duration_s(text: str) -> float:
@@ -270,7 +271,11 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.output)
     if args.check:
-        current = out.read_text() if out.exists() else None
+        if not out.exists():
+            print(f"{out} does not exist (run `autominato dashboards generate -o {out}` to "
+                  "write it, or give -o the path of the dashboard to compare)", file=sys.stderr)
+            return 2
+        current = out.read_text()
         if current != text:
             print(
                 f"{out} is not the generated dashboard; run `autominato dashboards generate`",
@@ -296,16 +301,28 @@ def _check(args: argparse.Namespace) -> int:
         )
     except (ConnectionError, RuntimeError, ValueError) as e:
         print(f"autominato dashboards check: {e}", file=sys.stderr)
-        return 1
+        return 2  # Prometheus unreachable or refusing: the check cannot start (cli's 2)
     gpu = set(dash.gpu_panel_titles())
+    try:
+        copied = any(
+            float(s["value"][1]) > 0 for s in prom.query("autominato_h2d_bytes_total", end)
+        )
+    except (ConnectionError, RuntimeError, ValueError):
+        copied = True  # unknown: the device queries are then checked as the others
     missing = 0
     for r in results:
         note = ""
         if r.series == 0:
-            note = "  (no GPU metrics: expected without NVML / DCGM)" if r.target.panel in gpu else ""
-            missing += r.target.panel not in gpu
+            where = (r.target.panel, r.target.ref_id)
+            if r.target.panel in gpu:
+                note = "  (no GPU metrics: expected without NVML / DCGM)"
+            elif where in dash.DEVICE_TARGETS and not copied:
+                note = "  (no host-to-device copy: expected without a CUDA device)"
+            else:
+                missing += 1
         print(f"{r.series:4d} series  {r.target.panel} [{r.target.ref_id}]{note}")
-    print(f"{len(results)} queries, {missing} without series (GPU panels not counted)")
+    print(f"{len(results)} queries, {missing} without series (GPU panels, and device "
+          "queries while nothing was copied to a device, not counted)")
     return 1 if missing else 0
 
 

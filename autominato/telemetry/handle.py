@@ -36,10 +36,11 @@ log = logging.getLogger(__name__)
 
 #: ``AUTOMINATO_DATA_MONITOR=1`` turns the Data Monitor on without code changes (as
 #: MegEngine's ``MGE_DATA_MONITOR`` does); the interval comes from
-#: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` (seconds, default :data:`DEFAULT_MONITOR_INTERVAL`).
+#: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` (seconds, default :data:`DEFAULT_MONITOR_INTERVAL`,
+#: MegEngine's 5 s).
 ENV_MONITOR = "AUTOMINATO_DATA_MONITOR"
 ENV_MONITOR_INTERVAL = "AUTOMINATO_DATA_MONITOR_INTERVAL"
-DEFAULT_MONITOR_INTERVAL = 30.0
+DEFAULT_MONITOR_INTERVAL = 5.0
 
 
 class Observable(Protocol):
@@ -164,7 +165,8 @@ class TelemetryHandle:
             if monitor_interval is not None:
                 _ensure_report_visible()
                 self.monitor = DataMonitor(
-                    loader.snapshot, monitor_interval, rank=self.rank
+                    loader.snapshot, monitor_interval, rank=self.rank,
+                    worker_pids=getattr(loader, "worker_pids", None),
                 ).start()
         except BaseException:
             self.close()
@@ -209,11 +211,6 @@ class TelemetryHandle:
         return format_report(
             diagnose([self.loader.snapshot()]), title=title or f"Data Monitor (rank {self.rank})"
         )
-
-    def on_epoch_end(self, epoch: int) -> None:
-        """Log a report at the end of ``epoch`` (only when the Data Monitor is on)."""
-        if self.monitor is not None and not self._closed:
-            self.monitor.report(f"Data Monitor (rank {self.rank}), end of epoch {epoch}")
 
     def close(self) -> None:
         """Log a last report (monitor on), stop the monitor, drop the hooks, the loader's
@@ -279,8 +276,10 @@ def attach(
         free_if_busy: bind a free port when ``port`` is taken instead of raising.
 
     Returns:
-        The :class:`TelemetryHandle`; call ``on_epoch_end(epoch)`` after each epoch and
-        ``close()`` at the end (the Loader does both).
+        The :class:`TelemetryHandle`; call ``close()`` at the end (the Loader does): the
+        Data Monitor logs a report every ``monitor_interval`` seconds and one at the close
+        when batches came after the last one, never one per epoch (short epochs would
+        flood the log).
 
     Raises:
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.

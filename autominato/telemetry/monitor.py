@@ -17,8 +17,15 @@ When the accelerator idle share (consumer wait / (wait + step)) is at or below
 ``idle_threshold`` the loader keeps up and the run is **consumer bound**. Otherwise the stage
 with the largest share is the bottleneck if that share is at least :data:`SATURATED`: the read
 stage means **I/O bound**, the transform or batch stage **CPU bound**, the transfer stage
-**transfer bound**. When no stage is saturated yet the consumer still waits, the stages keep up
-on average but their jitter is not absorbed: **synchronisation bound**, deepen the prefetch.
+**transfer bound**. When one set of workers reads and transforms (a fused read, the default,
+or ``workers=0``) their shares add up, and the pair is **CPU bound** unless the loader's
+processes used less than :data:`~autominato.telemetry.cores.CPU_BUSY` of the cores (then the
+workers mostly wait: **I/O bound**); decompressing a ``.nii.gz`` in the read is CPU work. When
+no stage is saturated yet the consumer still waits, the stages keep up on average but their
+jitter is not absorbed: **synchronisation bound**, deepen the prefetch.
+
+Worker counts that a suggestion names stop where the controller stops them
+(:class:`~autominato.telemetry.cores.CoreBudget`, the one core budget of both).
 """
 
 from __future__ import annotations
@@ -29,10 +36,19 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.telemetry.cores import (
+    CPU_SECONDS_KEY,
+    CoreBudget,
+    cpu_cores_used,
+    loader_cpu_seconds,
+    reads_fused,
+    transforms_inline,
+)
+from autominato.telemetry.process import ProcessMeter
 from autominato.telemetry.window import Rates, between
 
 LOGGER_NAME = "autominato.monitor"
@@ -137,8 +153,7 @@ def _effective_workers(snap: LoaderSnapshot, name: str) -> int:
 
 def _fused(snap: LoaderSnapshot) -> bool:
     """Read and transform share one set of workers (fused read, or workers=0 inline)."""
-    read = snap.stages.get("read")
-    return (read is not None and read.workers == 0) or snap.knobs.get("workers", 1) == 0
+    return reads_fused(snap) or transforms_inline(snap)
 
 
 def _shares(w: Rates, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
@@ -159,9 +174,10 @@ def _shares(w: Rates, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
     return out
 
 
-def _blocked_share(snap: LoaderSnapshot, batches: int, step_s: float) -> float | None:
+def _blocked_share(snap: LoaderSnapshot, batches: int | None, step_s: float) -> float | None:
+    # batches=None: every recent wait kept (the running mean, over up to RECENT batches).
     waits = snap.consumer_wait_recent_s
-    if batches > 0:
+    if batches:
         waits = waits[-batches:]
     if not waits:
         return None
@@ -193,11 +209,32 @@ def _row(
     return Row(metric, unit, current, mean, threshold, status, higher_is_worse)
 
 
+def _ms_rows(cur: Rates, run: Rates, last: LoaderSnapshot) -> list[Row]:
+    """Per-stage times as MegEngine's monitor shows them: load, transform (per sample),
+    collate, host-to-device copy and queue wait (per batch), seconds."""
+    rows = []
+    for name, label, unit in (
+        ("read", "load time", "s/sample"),
+        ("transform", "transform time", "s/sample"),
+        ("batch", "collate time", "s/batch"),
+    ):
+        if name in last.stages:
+            c = cur.stages[name].mean_service_s if cur.batches else None
+            rows.append(Row(label, unit, c, run.stages[name].mean_service_s, None, "ref"))
+    if run.h2d_s > 0:
+        c = cur.h2d_s / cur.batches if cur.batches and cur.h2d_s > 0 else None
+        rows.append(Row("H2D copy time", "s/batch", c, run.h2d_s / max(run.batches, 1), None, "ref"))
+    rows.append(Row("queue wait", "s/batch", cur.wait_per_batch_s if cur.batches else None,
+                    run.wait_per_batch_s, None, "ref"))
+    return rows
+
+
 def diagnose(
     history: Sequence[LoaderSnapshot],
     *,
     idle_threshold: float = IDLE_THRESHOLD,
     queue_wait_threshold: float = QUEUE_WAIT_THRESHOLD,
+    budget: CoreBudget | None = None,
 ) -> Diagnosis:
     """Find the pipeline's bottleneck from snapshots taken over time (oldest first).
 
@@ -211,6 +248,9 @@ def diagnose(
         idle_threshold: accelerator idle share (0..1) at or below which the loader keeps up.
         queue_wait_threshold: share (0..1) of batches that found no batch ready, above which
             the report flags the queue wait.
+        budget: the core budget of the suggestions; default ``CoreBudget(usable_cores())``,
+            the controller's default. CPU use is read from the snapshots' ``extra``
+            (:data:`~autominato.telemetry.cores.CPU_SECONDS_KEY`) when they carry it.
 
     Returns:
         A :class:`Diagnosis`; ``kind == "none"`` when no batch was delivered in the window.
@@ -232,6 +272,14 @@ def diagnose(
     rows: list[Row] = [
         Row("step time", "s/batch", cur.step_s if cur.batches else None, run.step_s, None, "ref")
     ]
+    rows += _ms_rows(cur, run, last)
+    budget = budget or CoreBudget(usable_cores())
+    first = history[0] if len(history) > 1 else None
+    # CPU over the latest window, else over the history kept.
+    cpu = cpu_cores_used(history[-2], last) if len(history) > 1 else None
+    if cpu is None and first is not None:
+        cpu = cpu_cores_used(first, last)
+    fused = _fused(last)
 
     read = last.stages.get("read")
     read_threshold = None
@@ -239,16 +287,29 @@ def diagnose(
         read_threshold = step * _effective_workers(last, "read") / _items_per_batch(last, read)
         lat, lat_mean = cur.stages["read"].mean_service_s, run.stages["read"].mean_service_s
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
-    for name, label in (("transform", "transform share"), ("batch", "collate share")):
-        if name in last.stages:
-            rows.append(_row(label, "of step", shares.get(name), run_shares.get(name), 1.0))
+    if fused and ("read" in shares or "read" in run_shares):
+        # One set of workers reads and transforms: the share that counts is their sum.
+        def both(d: dict[str, float]) -> float | None:
+            got = [d[n] for n in ("read", "transform") if n in d]
+            return sum(got) if got else None
+
+        rows.append(_row("read+transform share", "of step", both(shares), both(run_shares), 1.0))
+        rows.append(_row("collate share", "of step", shares.get("batch"),
+                         run_shares.get("batch"), 1.0))
+    else:
+        for name, label in (("transform", "transform share"), ("batch", "collate share")):
+            if name in last.stages:
+                rows.append(_row(label, "of step", shares.get(name), run_shares.get(name), 1.0))
 
     bw, bw_mean = basis.h2d_bytes_per_s, run.h2d_bytes_per_s
     need_bw = (basis.h2d_bytes / basis.batches) / max(step, 1e-6) if basis.batches and bw else None
     rows.append(_row("H2D bandwidth", "bytes/s", bw, bw_mean, need_bw, higher_is_worse=False))
 
     blocked = _blocked_share(last, basis.batches, step)
-    rows.append(_row("queue wait share", "of batches", blocked, None, queue_wait_threshold))
+    blocked_mean = _blocked_share(last, None, run.step_s)
+    rows.append(_row("queue wait share", "of batches", blocked, blocked_mean, queue_wait_threshold))
+    if cpu is not None:
+        rows.append(Row("loader CPU demand", "cores", cpu, None, float(budget.cores), "ref"))
     idle = basis.idle_ratio
     rows.append(_row("accelerator idle", "of time", idle, run.idle_ratio, idle_threshold))
 
@@ -277,12 +338,16 @@ def diagnose(
         )
     stage = max(shares, key=shares.__getitem__) if shares else None
     top = shares.get(stage, 0.0) if stage else 0.0
-    if stage in ("read", "transform") and _fused(last):
+    if stage in ("read", "transform") and fused:
         # One set of workers does both, so their shares add up on those workers.
         top = shares.get("read", 0.0) + shares.get("transform", 0.0)
+        if top >= SATURATED:
+            # Which work fills them is told by the CPU they use: a read that decompresses
+            # is CPU work; only workers that mostly wait make the pair I/O bound.
+            stage = "read" if budget.io_like(cpu) else "transform"
     if stage is not None and top >= SATURATED:
         kind, summary, suggestion = _bottleneck(
-            stage, top, last, basis, step, read_threshold, knobs
+            stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused
         )
         return Diagnosis(kind, stage, summary, suggestion, **base)
     depth = knobs.get("depth", 0)
@@ -316,15 +381,21 @@ def _bottleneck(
     step: float,
     read_threshold: float | None,
     knobs: dict[str, int],
+    budget: CoreBudget,
+    cpu: float | None,
+    fused: bool,
 ) -> tuple[str, str, str]:
     workers = _effective_workers(last, stage)
+    fused = fused and not transforms_inline(last)  # the transform workers read
+    used = "" if cpu is None else f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
     if stage == "read":
         lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
-        fused = last.stages["read"].workers == 0  # the transform workers read
         knob = "workers" if fused else "read_threads"
         n = knobs.get(knob, workers)
         need = _needed(n, share)
+        if knob == "workers":
+            need = min(need, max(n, budget.worker_cap(n, cpu)))
         if need > MAX_SCALE * n:
             # More readers than a few times the current count rarely scale on one disk or
             # network share: the storage is the fix, more readers only a stopgap.
@@ -336,25 +407,28 @@ def _bottleneck(
             advice = f"more readers ({knob} {n} -> {need}), or {storage}"
         if fused:
             advice += "; or a separate read stage in threads (fuse_read=False)"
+        what = "reading and transforming" if fused else "reading"
         return (
             "io",
-            f"reading takes {lat * 1e3:.1f} ms per sample, {share:.2f} of the "
-            f"{step * 1e3:.1f} ms step per reader (limit {(read_threshold or 0) * 1e3:.1f} ms)",
+            f"{what} takes {share:.2f} of the {step * 1e3:.1f} ms step per worker, the read "
+            f"{lat * 1e3:.1f} ms per sample (limit {(read_threshold or 0) * 1e3:.1f} ms){used}",
             advice,
         )
     if stage in ("transform", "batch"):
         n = knobs.get("workers", workers)
-        cores = usable_cores()
+        cap = budget.worker_cap(n, cpu)
         where = "transforms" if stage == "transform" else "batch assembly (collate)"
+        if stage == "transform" and fused:
+            where = "reads and transforms (in the same workers)"
         more = (
-            f"more workers (workers {n} -> {min(_needed(max(n, 1), share), cores)}, "
-            f"{cores} usable cores)"
-            if stage == "transform" and n < cores
-            else f"no spare cores ({cores} usable)"
+            f"more workers (workers {n} -> {min(_needed(max(n, 1), share), cap)}, "
+            f"{budget.cores} usable cores)"
+            if stage == "transform" and n < cap
+            else f"no spare cores ({budget.cores} usable)"
         )
         return (
             "cpu",
-            f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker",
+            f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
             f"{more}, or cheaper transforms (crop before resampling, fewer random "
             "augmentations per sample, float16 arrays)",
         )
@@ -434,6 +508,10 @@ class DataMonitor:
         interval: seconds between reports (> 0).
         rank: put in the report title so that the logs of several ranks stay apart.
         keep: snapshots kept (the first is taken at construction, the window's baseline).
+        worker_pids: returns the loader's worker processes; with it, each snapshot carries
+            the loader's CPU seconds (:func:`~autominato.telemetry.cores.loader_cpu_seconds`,
+            read as the controller reads them), which the diagnosis weighs.
+        budget: the core budget (default: the controller's, ``CoreBudget(usable_cores())``).
 
     Raises:
         ValueError: ``interval`` is not positive.
@@ -446,19 +524,31 @@ class DataMonitor:
         *,
         rank: int | str = 0,
         keep: int = 8,
+        worker_pids: Callable[[], list[int]] | None = None,
+        budget: CoreBudget | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"monitor interval must be > 0 seconds, got {interval!r}")
-        self._snapshot = snapshot
+        self._loader_snapshot = snapshot
+        self._pids = worker_pids
+        self._meter = ProcessMeter() if worker_pids is not None else None
+        self.budget = budget
         self.interval = float(interval)
         self.rank = rank
-        self._recent: deque[LoaderSnapshot] = deque([snapshot()], maxlen=max(2, keep))
+        self._recent: deque[LoaderSnapshot] = deque([self._snapshot()], maxlen=max(2, keep))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"autominato-monitor-{rank}", daemon=True
         )
         self.reports = 0
+
+    def _snapshot(self) -> LoaderSnapshot:
+        snap = self._loader_snapshot()
+        if self._meter is None or self._pids is None or CPU_SECONDS_KEY in snap.extra:
+            return snap
+        cpu = loader_cpu_seconds(self._meter.read(self._pids()))
+        return replace(snap, extra={**snap.extra, CPU_SECONDS_KEY: cpu})
 
     def start(self) -> DataMonitor:
         self._thread.start()
@@ -481,7 +571,8 @@ class DataMonitor:
                 return None
             self._recent.append(snap)
             history = list(self._recent)
-        text = format_report(diagnose(history), title=title or f"Data Monitor (rank {self.rank})")
+        text = format_report(diagnose(history, budget=self.budget),
+                             title=title or f"Data Monitor (rank {self.rank})")
         logger.info("%s", text)
         self.reports += 1
         return text

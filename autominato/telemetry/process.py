@@ -13,10 +13,17 @@ Memory, per process, in bytes:
   the processes that map it, so that a sum over processes counts every page once (the
   loader's shared-memory slots included). Costs a walk of the process's mappings; read only
   when the meter is built with ``pss=True``.
+
+CPU, per process, in seconds: user + system time (psutil), and on Linux the time its threads
+were runnable but waited for a core (the run-queue wait, second field of
+``/proc/PID/task/TID/schedstat``). On a machine whose cores other jobs keep busy, a CPU-bound
+worker gets little CPU time yet waits on the run queue: the sum of both is its CPU demand,
+which tells CPU work from waiting on I/O (a read blocked on storage is not runnable).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -58,11 +65,19 @@ class Reading:
             of two readings is the CPU used between them (a process that started in between
             counts from its start, one that exited up to its last reading).
         processes: the live processes read, the root first when it is alive.
+        worker_cpu_seconds_total: the part of ``cpu_seconds_total`` of processes other than
+            the root (cumulative in the same way).
+        runqueue_seconds_total / worker_runqueue_seconds_total: seconds the same processes'
+            threads waited on a run queue for a core, cumulative in the same way (0.0 where
+            ``/proc/PID/task/TID/schedstat`` is not readable: not Linux, or no schedstats).
     """
 
     time: float
     cpu_seconds_total: float
     processes: tuple[ProcessUsage, ...]
+    worker_cpu_seconds_total: float = 0.0
+    runqueue_seconds_total: float = 0.0
+    worker_runqueue_seconds_total: float = 0.0
 
     @property
     def workers(self) -> tuple[ProcessUsage, ...]:
@@ -103,6 +118,7 @@ class ProcessMeter:
         self.pss = pss
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
+        self._waited: dict[tuple[int, float], float] = {}
 
     def _process(self, pid: int, found: psutil.Process | None = None) -> psutil.Process | None:
         p = self._procs.get(pid)
@@ -150,6 +166,8 @@ class ProcessMeter:
                 continue  # exited, a zombie, or not ours to read
             cpu = times.user + times.system
             self._cpu[key] = cpu
+            # A thread that exited takes its figure along: never let the total go down.
+            self._waited[key] = max(self._waited.get(key, 0.0), _runqueue_s(p.pid))
             shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
             pss = getattr(mem, "pss", None) if self.pss else None
             usages.append(
@@ -162,4 +180,24 @@ class ProcessMeter:
                     pss_bytes=int(pss) if pss is not None else None,
                 )
             )
-        return Reading(t, sum(self._cpu.values()), tuple(usages))
+        root = self.root.pid
+        workers = sum(cpu for (pid, _), cpu in self._cpu.items() if pid != root)
+        waited = sum(self._waited.values())
+        workers_waited = sum(w for (pid, _), w in self._waited.items() if pid != root)
+        return Reading(t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited)
+
+
+def _runqueue_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` now alive waited on a run queue (Linux), else 0.0."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9

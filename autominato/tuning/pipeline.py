@@ -135,6 +135,8 @@ class Pipeline:
         identity: what defines the objective (import paths, data, batch size, step): two runs
             with equal identities may share a study.
         loader_kwargs: further ``Loader`` arguments (``device``, ``seed``, ...).
+        step_note: how the step was chosen, printed by ``autominato tune`` (a recipe's
+            placeholder step time says so).
     """
 
     dataset: Any
@@ -143,6 +145,7 @@ class Pipeline:
     step: Step
     identity: dict[str, Any]
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    step_note: str = ""
 
     def step_for(self, batch_size: int) -> Step:
         """The step for batches of ``batch_size`` samples (a simulated step scales linearly)."""
@@ -212,8 +215,12 @@ def make_pipeline(
         raise PipelineSpecError(f"recipe {rec['name']!r} needs --data DIR (its prepared dataset)")
     transform = transform or rec.get("transform")
     batch_size = batch_size or rec.get("batch_size") or 1
+    note = f"--model {model}" if model else f"--step-time {step_time}"
     if step_time is None and model is None:
         step_time = rec.get("step_time")
+        note = (f"recipe {rec.get('name')!r}'s PLACEHOLDER step_time {step_time} s, not a "
+                "measurement of your model: time one step on your accelerator and pass "
+                "--step-time, or --model for a real step")
     if step_time is None and model is None:
         raise PipelineSpecError(
             "no training step: give --step-time SECONDS or --model module:factory"
@@ -260,4 +267,5 @@ def make_pipeline(
         step=step,
         identity=identity,
         loader_kwargs={"device": device} if device else {},
+        step_note=note,
     )

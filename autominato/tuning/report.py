@@ -123,7 +123,10 @@ def print_summary(console: Console, result: Any) -> None:
             f"best: trial {result.best.number}, idle {result.best.value:.3f}, "
             f"{fmt_params(result.best.params)}"
         )
+    if result.confirmation is not None:
+        console.print(result.confirmation.line(), highlight=False)
     if result.config_path is not None:
-        console.print(f"configuration written to {result.config_path}")
+        what = "the DEFAULT configuration" if result.kept_default else "configuration"
+        console.print(f"{what} written to {result.config_path}")
     for kind, path in result.plots.items():
         console.print(f"{kind} plot: {path}")

@@ -35,7 +35,7 @@ from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, measure
 from autominato.tuning.pipeline import Pipeline
 from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.report import fmt_params, save_plots, trial_line
-from autominato.tuning.select import completed, select_best
+from autominato.tuning.select import Confirmation, completed, confirm_best, select_best
 from autominato.tuning.space import STATIC_NAMES, SearchSpace
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class TuneResult:
         elapsed_s: wall seconds of this run, baseline included.
         stopped: why the study stopped before ``n_trials`` (``None`` if it did not stop early
             for a failure; see :data:`REPEATED_FAILURES`).
+        confirmation: the default and the best measured again (``None`` without a baseline,
+            a best, or with ``confirm_repeats=0``); when the best did not beat the default
+            beyond the noise, ``config`` is the default's.
     """
 
     study: optuna.Study
@@ -80,6 +83,12 @@ class TuneResult:
     plots: dict[str, Path] = field(default_factory=dict)
     elapsed_s: float = 0.0
     stopped: str | None = None
+    confirmation: Confirmation | None = None
+
+    @property
+    def kept_default(self) -> bool:
+        """The configuration written is the default one (nothing beat it beyond the noise)."""
+        return self.confirmation is not None and not self.confirmation.keep_best
 
 
 def is_sample_error(exc: BaseException) -> bool:
@@ -181,8 +190,17 @@ def best_config(
     ranges (the online controller stays inside them); ``loader``: the static settings
     (``worker_kind``, ``in_order`` where set, and the batch size).
     """
-    params = {**space.fixed, **best.params}
-    applied = best.user_attrs.get("knobs") or {}
+    return _config({**space.fixed, **best.params}, best.user_attrs.get("knobs") or {}, space,
+                   pipeline, provenance)
+
+
+def _config(
+    params: dict[str, Any],
+    applied: dict[str, int],
+    space: SearchSpace,
+    pipeline: Pipeline,
+    provenance: dict[str, Any],
+) -> dict[str, Any]:
     knobs = {
         k: int(applied.get(k, params.get(k))) for k in KNOB_NAMES if k in applied or k in params
     }
@@ -212,6 +230,7 @@ def run_study(
     config_path: str | Path | None = None,
     console: Console | None = None,
     progress: bool = True,
+    confirm_repeats: int = 2,
 ) -> TuneResult:
     """Run (or resume) a study of ``n_trials`` more trials and write its outputs.
 
@@ -230,6 +249,10 @@ def run_study(
         config_path: where to write the configuration; default ``out_dir/loader.yaml``.
         console: where lines, the progress bar and the table go.
         progress: show a progress bar.
+        confirm_repeats: after the study, measure the default and the best configuration
+            this many more times each (alternating) and write the best only if it beats the
+            default beyond the noise (:func:`autominato.tuning.select.confirm_best`); else
+            the default configuration is written, and the console says so. 0: no check.
 
     Raises:
         PipelineFailed: the dataset or transform raised for a sample (the study stays usable).
@@ -260,6 +283,8 @@ def run_study(
         f"(window {space.trial['window_batches']} batches after {space.trial['warmup_batches']} "
         f"warm-up, space {space.source})"
     )
+    console.print(f"training step: {pipeline.identity.get('step')} per batch of "
+                  f"{pipeline.batch_size} ({pipeline.step_note or 'as given'})", highlight=False)
     base: Measurement | None = None
     base_knobs: dict[str, int] = {}
     if baseline:
@@ -329,6 +354,10 @@ def run_study(
     trials = study.get_trials(deepcopy=False)
     best = select_best(trials)
     config = written = None
+    confirmation = None
+    if best is not None and base is not None and confirm_repeats > 0:
+        confirmation = _confirm(pipeline, space, best, base, confirm_repeats,
+                                memory_budget_bytes, console)
     if best is not None:
         provenance = {
             "name": name,
@@ -340,7 +369,13 @@ def run_study(
             "pipeline": {k: v for k, v in pipeline.identity.items() if k != "data" and v},
             "window_batches": space.trial["window_batches"],
         }
-        config = best_config(best, space, pipeline, provenance)
+        if confirmation is not None:
+            provenance["confirmation"] = confirmation.line()
+            provenance["kept_default"] = not confirmation.keep_best
+        if confirmation is not None and not confirmation.keep_best:
+            config = _config(dict(space.fixed), base_knobs, space, pipeline, provenance)
+        else:
+            config = best_config(best, space, pipeline, provenance)
         written = save_config(config, config_path or out / "loader.yaml")
     plots = save_plots(study, out, base.idle_ratio if base else None)
     return TuneResult(
@@ -353,4 +388,37 @@ def run_study(
         plots=plots,
         elapsed_s=time.perf_counter() - t0,
         stopped=stopped[0] if stopped else None,
+        confirmation=confirmation,
     )
+
+
+def _confirm(
+    pipeline: Pipeline,
+    space: SearchSpace,
+    best: FrozenTrial,
+    base: Measurement,
+    repeats: int,
+    memory_budget_bytes: int | None,
+    console: Console,
+) -> Confirmation | None:
+    """Measure the default and ``best`` ``repeats`` more times each, alternating (so that a
+    drift of the machine's load hits both alike), and compare them (None if the best could
+    not be measured again)."""
+    default_idle, best_idle = [base.idle_ratio], []
+    configs = ((dict(space.fixed), default_idle), ({**space.fixed, **best.params}, best_idle))
+    console.print(f"measuring the default and the best (trial {best.number}) {repeats} more "
+                  "times each, to tell a gain from noise")
+    for _ in range(repeats):
+        for params, into in configs:
+            try:
+                m, _ = measure_config(pipeline, space, params,
+                                      memory_budget_bytes=memory_budget_bytes)
+            except (TrialFailed, MemoryBudgetExceeded) as e:
+                console.print(f"could not measure again: {e}", highlight=False)
+                continue
+            into.append(m.idle_ratio)
+    if not best_idle:
+        return None
+    c = confirm_best(default_idle, best_idle)
+    console.print(c.line(), highlight=False)
+    return c

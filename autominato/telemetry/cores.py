@@ -1,0 +1,110 @@
+"""The core budget and which stages share workers: one answer for the monitor and controller.
+
+The Data Monitor (:mod:`autominato.telemetry.monitor`) and the online controller's rule
+(:mod:`autominato.control.rule`) both ask "may the transform stage have more workers than
+cores?" and "do read and transform run on the same workers?"; both ask it here, on the same
+snapshots, so the report never advises what the controller just refused (or the reverse).
+
+CPU use comes from ``LoaderSnapshot.extra[CPU_SECONDS_KEY]``, cumulative CPU seconds of the
+loader's processes (see :func:`loader_cpu_seconds`), added by whoever takes the snapshots with
+a :class:`~autominato.telemetry.process.ProcessMeter` (the controller and the Data Monitor).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autominato.pipeline.stats import LoaderSnapshot
+from autominato.telemetry.process import Reading
+
+#: ``LoaderSnapshot.extra`` key: cumulative CPU demand (seconds on a core or waiting for
+#: one) of the loader's processes, :func:`loader_cpu_seconds`.
+CPU_SECONDS_KEY = "control.cpu_seconds_total"
+
+#: Below this share of the cores used, the loader's workers mostly wait (on I/O): more
+#: workers than cores may help. A project choice, checked on ``tests/test_control_rule.py``.
+CPU_BUSY = 0.6
+#: At or above this share of the cores used, the cores are spent: no more CPU-bound workers.
+CPU_SATURATED = 0.9
+
+
+def loader_cpu_seconds(reading: Reading) -> float:
+    """Cumulative CPU demand of the loader's work, seconds, from a meter reading: seconds on a
+    core plus seconds runnable but waiting for one (the run-queue wait, Linux; see
+    :mod:`autominato.telemetry.process`). On a machine that other jobs keep busy, CPU-bound
+    workers get little CPU time but wait on the run queue; I/O-bound ones do neither.
+
+    With worker processes, theirs only: the main process also runs the training loop, whose
+    CPU is not the loader's (the batch assembly in the main process is left out with it).
+    With thread workers (no worker process) the main process's, training loop included, is
+    all there is to read.
+    """
+    if reading.workers or reading.worker_cpu_seconds_total > 0:
+        return reading.worker_cpu_seconds_total + reading.worker_runqueue_seconds_total
+    return reading.cpu_seconds_total + reading.runqueue_seconds_total
+
+
+def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
+    """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later), or None
+    when either lacks :data:`CPU_SECONDS_KEY`."""
+    if CPU_SECONDS_KEY not in a.extra or CPU_SECONDS_KEY not in b.extra:
+        return None
+    seconds = max(b.time - a.time, 1e-9)
+    return max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / seconds
+
+
+def transforms_inline(snap: LoaderSnapshot) -> bool:
+    """``workers=0``: transforms run inline in the read threads."""
+    return snap.knobs.get("workers", 1) == 0
+
+
+def reads_fused(snap: LoaderSnapshot) -> bool:
+    """Reads run inside the transform workers (``fuse_read``, the default).
+
+    A fused read stage has no queue of its own (capacity 0; a separate read stage's queue
+    holds up to ``pool_size`` samples) and reports either no workers or the transform's.
+    """
+    read, transform = snap.stages.get("read"), snap.stages.get("transform")
+    if read is None or transform is None or transforms_inline(snap):
+        return False
+    return read.queue_capacity == 0 and read.workers in (0, transform.workers)
+
+
+@dataclass(frozen=True)
+class CoreBudget:
+    """How many transform workers the cores allow.
+
+    Attributes:
+        cores: usable CPU cores (:func:`~autominato.pipeline.knobs.usable_cores`).
+        cpu_busy: share of ``cores`` below which the workers count as I/O-like.
+        cpu_saturated: share of ``cores`` at which the cores count as spent.
+    """
+
+    cores: int
+    cpu_busy: float = CPU_BUSY
+    cpu_saturated: float = CPU_SATURATED
+
+    def io_like(self, cpu_cores: float | None) -> bool:
+        """The loader used less than ``cpu_busy`` of the cores (False when unknown)."""
+        return cpu_cores is not None and cpu_cores < self.cpu_busy * self.cores
+
+    def worker_cap(self, workers: int, cpu_cores: float | None) -> int:
+        """The most transform workers worth running, from ``workers`` using ``cpu_cores``.
+
+        ``cores``, unless the workers are I/O-like: then the count at which their CPU use,
+        scaled with the count, would reach ``cpu_saturated`` of the cores (never below
+        ``cores``).
+        """
+        if not self.io_like(cpu_cores):
+            return self.cores
+        cpu = max(cpu_cores or 0.0, 1e-3)
+        return max(self.cores, math.floor(max(workers, 1) * self.cpu_saturated * self.cores / cpu))
+
+    def over(self, workers: int, cpu_cores: float | None) -> bool:
+        """More workers than cores while the cores are spent: shrink to ``cores``."""
+        return (
+            workers > self.cores
+            and cpu_cores is not None
+            and cpu_cores >= self.cpu_saturated * self.cores
+        )

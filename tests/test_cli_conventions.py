@@ -1,0 +1,53 @@
+"""The `autominato` command line: no abbreviated options, one exit-status convention."""
+
+from __future__ import annotations
+
+import pytest
+
+from autominato import cli
+from autominato.bench.kits19 import kits19_workload, write_demo_masks
+
+
+def parse(*argv: str):
+    return cli.build_parser(list(argv)).parse_args(list(argv))
+
+
+def test_bench_controller_cost_cpu_parses():
+    args = parse("bench", "controller", "--cost", "cpu")
+    assert args.bench_suite == "controller" and args.cost == "cpu"
+
+
+def test_an_abbreviated_option_is_refused_not_guessed(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("bench", "--cost-m", "5")  # --cost-ms abbreviated: an unknown option now
+    assert e.value.code == cli.EXIT_USAGE
+    assert "error:" in capsys.readouterr().err  # not taken as --cost-ms
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--data", "{missing}", "--steps", "1", "--no-progress"],
+        ["prepare", "kits19", "{missing}", "{tmp}/out", "--no-progress"],
+    ],
+    ids=["run", "prepare"],
+)
+def test_a_missing_input_folder_exits_2_in_every_command(argv, tmp_path, capsys):
+    argv = [a.format(missing=tmp_path / "nowhere", tmp=tmp_path) for a in argv]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_kits19_without_data_or_labels_uses_a_few_demo_cases_and_says_so(tmp_path):
+    logged: list[str] = []
+    wl = kits19_workload(cases=2, scale=0.25, step_s=0.0, cache=tmp_path, log=logged.append)
+    assert len(wl) == 2
+    assert "no --data and no --labels: 2 generated DEMO cases" in logged[0]
+
+
+def test_kits19_from_labels_says_how_many_cases_it_prepares_before_it_starts(tmp_path):
+    labels = write_demo_masks(tmp_path / "labels", 3)
+    logged: list[str] = []
+    kits19_workload(labels=labels, cases=1, scale=0.25, step_s=0.0, cache=tmp_path / "c",
+                    log=logged.append)
+    assert logged[0].startswith("kits19: preparing 1 of the 3 cases in")

@@ -1,0 +1,80 @@
+"""The training loop's step time as the loader measures it (consumer figures)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from autominato import Loader
+from autominato.telemetry import attach
+from autominato.telemetry.metrics import CONSUMER_STEP_SECONDS
+
+STEP_S = 0.15
+
+
+class Small:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return np.full((2, 2), i, np.float32)
+
+
+def _hist(rank: str) -> tuple[float, float]:
+    """(count, sum) of the consumer step histogram of ``rank``."""
+    child = CONSUMER_STEP_SECONDS.labels(rank)
+    count = total = 0.0
+    for metric in child.collect():
+        for s in metric.samples:
+            if s.name.endswith("_count"):
+                count = s.value
+            elif s.name.endswith("_sum"):
+                total = s.value
+    return count, total
+
+
+@pytest.fixture
+def loader():
+    with Loader(Small(), batch_size=2, worker_kind="thread", autotune=False, seed=0) as L:
+        yield L
+
+
+def test_step_histogram_mean_matches_a_known_step_with_two_batch_epochs(loader):
+    handle = attach(loader)
+    try:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            for _ in loader:  # 2 batches an epoch
+                time.sleep(STEP_S)
+            time.sleep(0.3)  # between epochs (a validation pass): no step
+        count, total = _hist(handle.rank)
+    finally:
+        handle.close()
+    assert count == 6
+    # Every step counts whole, the last of each epoch too; sleeps overshoot, never undershoot.
+    assert STEP_S * 0.95 <= total / count <= STEP_S * 1.10
+    snap = loader.snapshot()
+    assert snap.consumer_busy_seconds_total == pytest.approx(total)
+    assert STEP_S * 0.95 <= snap.consumer_busy_seconds_total / snap.batches_total <= STEP_S * 1.10
+
+
+def test_a_break_closes_the_step_of_the_last_batch_taken(loader):
+    for _ in loader:
+        time.sleep(STEP_S)
+        break
+    time.sleep(0.3)  # after the loop: not a step
+    snap = loader.snapshot()
+    assert snap.batches_total == 1
+    assert STEP_S * 0.95 <= snap.consumer_busy_seconds_total <= STEP_S * 1.5
+
+
+def test_close_ends_the_open_step():
+    L = Loader(Small(), batch_size=2, worker_kind="thread", autotune=False, seed=0)
+    it = iter(L)
+    next(it)
+    time.sleep(STEP_S)
+    L.close()
+    assert L.snapshot().consumer_busy_seconds_total >= STEP_S * 0.95
+    assert L.stage_stats["consumer"].snapshot().items_total == 2  # one step of 2 samples
