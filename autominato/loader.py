@@ -83,6 +83,8 @@ class Loader:
         sampler: an iterable of indices used instead of ``shuffle``. It is iterated as it is
             (as the DataLoader does): its ``set_epoch`` is called only by
             :meth:`set_epoch`, so a sampler that the training loop set itself is respected.
+            Without one, ``loader.sampler`` is an :class:`EpochSampler` whose ``set_epoch``
+            sets the Loader's epoch (what Lightning calls at every epoch start).
         collate_fn: builds a batch from a list of samples; default stacks arrays into pooled
             buffers like ``default_collate``.
         drop_last: drop the last short batch (the same indices the DataLoader drops); with
@@ -98,7 +100,9 @@ class Loader:
         device: ``"cuda"`` etc.: batches arrive on this device, copied from pinned memory on a
             side stream. ``None`` leaves them on the host.
         rank, world_size: this process's share of each epoch (``DistributedSampler``
-            semantics); read from ``torch.distributed`` when initialised and not given.
+            semantics); when not given, read from ``torch.distributed`` once it is initialised
+            (at every pass until then: a Loader built before Lightning's DDP strategy starts
+            the process group shards when the group exists).
         worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
         fuse_read: read inside the transform worker processes (default), so that only the
             transformed sample crosses to the main process. ``False`` adds a separate read
@@ -199,7 +203,11 @@ class Loader:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = shuffle
-        self.sampler = sampler
+        self._sampler = sampler  # the user's (None: the Loader's own order)
+        #: DataLoader's attribute: the user's sampler, or (as DataLoader's Sequential- /
+        #: RandomSampler) one of this Loader's own whose ``set_epoch`` sets the Loader's epoch,
+        #: so that a trainer calling ``dataloader.sampler.set_epoch`` (Lightning) sets it.
+        self.sampler = sampler if sampler is not None else EpochSampler(self)
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.transform = transform
@@ -207,16 +215,10 @@ class Loader:
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world_size = torch.distributed.get_world_size()
-            rank = torch.distributed.get_rank() if rank is None else rank
-        self.world_size = int(world_size or 1)
-        self.rank = int(rank or 0)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.seed = draw_seed() if seed is None else int(seed)
-        # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
-        self.shuffle_seed = 0 if seed is None and self.world_size > 1 else self.seed
+        self._seed_given = seed is not None
+        self._ranks_given = (rank, world_size)
+        self._set_ranks()
         self.worker_kind = worker_kind
         self.on_error = on_error
         self.on_worker_death = on_worker_death
@@ -271,6 +273,7 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self._started = False
+        self._batches_at_iter = 0
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -309,12 +312,13 @@ class Loader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _samples_per_epoch(self) -> int:
-        if self.sampler is not None:
+        self._set_ranks()
+        if self._sampler is not None:
             try:
-                return len(self.sampler)  # type: ignore[arg-type]
+                return len(self._sampler)  # type: ignore[arg-type]
             except TypeError:
                 raise TypeError(
-                    f"the sampler ({type(self.sampler).__name__}) has no len(), so neither has "
+                    f"the sampler ({type(self._sampler).__name__}) has no len(), so neither has "
                     "the Loader (as with DataLoader); give a sampler with __len__") from None
         if self.world_size > 1:
             return -(-self._n // self.world_size)
@@ -323,19 +327,39 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the shuffle and augmentation seeds of every iteration until the
         next call (as ``DistributedSampler.set_epoch``); a sampler with ``set_epoch`` gets it
-        too. Without any call, each pass over the Loader is a new epoch."""
+        too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
-        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self._epoch)
+        if self._sampler is not None and hasattr(self._sampler, "set_epoch"):
+            self._sampler.set_epoch(self._epoch)
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
+    def _set_ranks(self) -> None:
+        """``rank`` and ``world_size``: as given, else from ``torch.distributed`` once it is
+        initialised. Read again at every pass and ``len()`` while not given: Lightning's DDP
+        strategies initialise the process group after a training script may have built the
+        Loader (``Trainer.fit`` does it), and the Loader must not read one process's view.
+
+        Raises:
+            ValueError: ``rank`` is not in ``[0, world_size)``.
+        """
+        rank, world_size = self._ranks_given
+        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+            rank = torch.distributed.get_rank() if rank is None else rank
+        self.world_size = int(world_size or 1)
+        self.rank = int(rank or 0)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
+        self.shuffle_seed = 0 if not self._seed_given and self.world_size > 1 else self.seed
+
     def _order(self, epoch: int) -> list[int]:
         return epoch_order(
-            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self.sampler,
+            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self._sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
         )
 
@@ -343,12 +367,17 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         with self._lock:
-            if self._started and not self._epoch_set:
+            if self._started and not self._epoch_set and self._batches > self._batches_at_iter:
                 # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
                 # loop sets the epoch itself; from then on, as with DistributedSampler, the
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
+                # A pass that delivered no batch is not an epoch (RandomSampler draws its
+                # permutation at the first batch): Lightning calls iter() once to check the
+                # loader, then again for epoch 0, and only then set_epoch(0).
                 self._epoch += 1
+            self._batches_at_iter = self._batches
             self._started = True
+            self._set_ranks()
             pipeline = self._ensure_pipeline()
             run = pipeline.start(self._order(self._epoch), self._epoch)
             return _EpochIterator(self, pipeline, run)
@@ -441,6 +470,44 @@ class Loader:
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
         )
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """``loader.sampler`` of a Loader given no sampler (the DataLoader's would be a
+    ``SequentialSampler`` or ``RandomSampler``): iterates this rank's dataset indices of the
+    Loader's current epoch (``loader.epoch``) in the order the Loader uses them, and
+    ``set_epoch(e)`` is ``loader.set_epoch(e)``. Lightning calls ``set_epoch`` on
+    ``dataloader.sampler`` at the start of every epoch (``_set_sampler_epoch`` in its fit
+    loop), so a Loader follows Lightning's epoch, resumed runs and reloaded loaders included.
+
+    Holds the Loader weakly (a dropped Loader is collected); raises ``ReferenceError`` once it
+    is gone.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._ref = weakref.ref(loader)
+
+    def _loader(self) -> Loader:
+        loader = self._ref()
+        if loader is None:
+            raise ReferenceError("the Loader was garbage-collected")
+        return loader
+
+    def __iter__(self) -> Iterator[int]:
+        L = self._loader()
+        L._set_ranks()
+        return iter(epoch_order(L._n, epoch=L.epoch, seed=L.shuffle_seed, shuffle=L.shuffle,
+                                rank=L.rank, world_size=L.world_size))
+
+    def __len__(self) -> int:
+        L = self._loader()
+        L._set_ranks()
+        return -(-L._n // L.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        L = self._loader()
+        if not (L._epoch_set and L.epoch == int(epoch)):  # (Loader.set_epoch calls back)
+            L.set_epoch(epoch)
 
 
 class _Observed:
