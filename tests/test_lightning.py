@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
+import lightning as L
 import torch
 
 from autominato import Loader
 from autominato.pipeline.sampler import epoch_order
-
-L = pytest.importorskip("lightning")
 
 
 class Points:

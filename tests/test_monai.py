@@ -7,13 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from monai.data import Dataset as MonaiDataset
+from monai.data import MetaTensor, decollate_batch, list_data_collate
+from monai.transforms import Compose, OneOf, RandFlipd, RandSpatialCropd
 
 from autominato import Loader
-
-monai = pytest.importorskip("monai")
-from monai.data import Dataset as MonaiDataset  # noqa: E402
-from monai.data import MetaTensor, decollate_batch, list_data_collate  # noqa: E402
-from monai.transforms import Compose, OneOf, RandFlipd, RandSpatialCropd  # noqa: E402
 
 SIDE, ROI, N = 12, 6, 24
 
