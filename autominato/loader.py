@@ -90,7 +90,9 @@ class Loader:
         drop_last: drop the last short batch (the same indices the DataLoader drops); with
             ``on_error="skip"`` no batch is ever short.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
-            ``(seed, epoch, index)``, or a plain ``transform(sample)``.
+            ``(seed, epoch, index)``, or a plain ``transform(sample)``. MONAI
+            ``Randomizable`` transforms in it or in the dataset are reseeded per sample from
+            ``(seed, epoch, index)`` (see ``docs/monai.md``).
         seed: base seed of shuffling and augmentation. ``None``: drawn from torch's default
             generator (as the DataLoader does), except that with several ranks the shuffle
             uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
