@@ -71,9 +71,12 @@ def test_monai_dict_pipeline_is_distinct_per_sample_and_reproducible_across_work
 
     one = crops(make(7, workers=1))
     three = crops(make(7, workers=3))
-    threads = crops(make(7, workers=3, worker_kind="thread"))
+    others = [crops(make(7, workers=3, worker_kind="thread")),  # thread workers, own copies
+              crops(make(7, workers=2, fuse_read=False)),  # read threads, then processes
+              crops(make(7, workers=0))]  # no worker process
     for i in range(N):
-        assert np.array_equal(one[i], three[i]) and np.array_equal(one[i], threads[i]), i
+        assert np.array_equal(one[i], three[i]), i
+        assert all(np.array_equal(one[i], other[i]) for other in others), i
     # Distinct per sample: before per-sample seeding, the k-th sample of each of 3 workers got
     # the same crop (forked workers started from one RandomState), at most N/3 distinct ones.
     draws = {signature(i, one[i]) for i in range(N)}

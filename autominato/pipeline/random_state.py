@@ -26,6 +26,7 @@ objects themselves, as the DataLoader does.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import threading
 import types
@@ -133,6 +134,7 @@ class Plan:
 
 
 _local = threading.local()
+log = logging.getLogger("autominato.pipeline")
 
 
 def plan(spec: Any) -> Plan:
@@ -153,7 +155,13 @@ def plan(spec: Any) -> Plan:
     if cls is None:
         return Plan(dataset, transform)  # nothing to cache: MONAI may be imported later
     if threading.current_thread() is not threading.main_thread():
-        dataset, transform = isolate(dataset, cls), isolate(transform, cls)
+        try:
+            dataset, transform = isolate(dataset, cls), isolate(transform, cls)
+        except RecursionError:  # a structure nested deeper than Python's recursion limit
+            log.warning("autominato: the dataset or transform is nested too deeply to copy its "
+                        "MONAI random transforms for thread %s; the thread shares them (MONAI's "
+                        "Randomizable is not thread-safe: use process workers)",
+                        threading.current_thread().name)
     p = Plan(dataset, transform, find_parts(dataset, cls), find_parts(transform, cls))
     for part in (*p.dataset_parts, *p.transform_parts):
         if "R" not in vars(part):
