@@ -45,7 +45,7 @@ class Linear(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
     def train_dataloader(self):
-        loader = Loader(Points(), batch_size=4, shuffle=True, seed=11, workers=1, in_order=True,
+        loader = Loader(Points(), batch_size=4, shuffle=True, seed=11, workers=0, in_order=True,
                         autotune=False)
         self.loaders.append(loader)
         return loader
