@@ -480,7 +480,9 @@ class EpochSampler(torch.utils.data.Sampler):
     Loader's current epoch (``loader.epoch``) in the order the Loader uses them, and
     ``set_epoch(e)`` is ``loader.set_epoch(e)``. Lightning calls ``set_epoch`` on
     ``dataloader.sampler`` at the start of every epoch (``_set_sampler_epoch`` in its fit
-    loop), so a Loader follows Lightning's epoch, resumed runs and reloaded loaders included.
+    loop), so a Loader follows Lightning's epoch, reloaded loaders included (Lightning
+    creates the first epoch's iterator of a fit before it calls ``set_epoch``: see
+    ``docs/lightning.md``).
 
     Holds the Loader weakly (a dropped Loader is collected); raises ``ReferenceError`` once it
     is gone.
