@@ -128,6 +128,8 @@ class Loader:
         sampler: an iterable of indices used instead of ``shuffle``. It is iterated as it is
             (as the DataLoader does): its ``set_epoch`` is called only by
             :meth:`set_epoch`, so a sampler that the training loop set itself is respected.
+            Without one, ``loader.sampler`` is an :class:`EpochSampler` whose ``set_epoch``
+            sets the Loader's epoch (what Lightning calls at every epoch start).
         batch_sampler: an iterable of lists of indices, each list one batch (mutually
             exclusive with ``batch_size`` other than 1, ``shuffle``, ``sampler`` and
             ``drop_last``, as in DataLoader). A batch is delivered once all its samples are
@@ -143,6 +145,14 @@ class Loader:
             is ignored with a warning, as by the DataLoader). ``device="cuda"`` pins anyway.
         drop_last: drop the last short batch (the same indices the DataLoader drops); with
             ``on_error="skip"`` no batch is ever short.
+        transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
+            ``(seed, epoch, index)``, or a plain ``transform(sample)``. MONAI
+            ``Randomizable`` transforms in it or in the dataset are reseeded per sample from
+            ``(seed, epoch, index)`` (see ``docs/monai.md``).
+        seed: base seed of shuffling and augmentation. ``None``: drawn from torch's default
+            generator (as the DataLoader does), except that with several ranks the shuffle
+            uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
+            permutation and the ranks' shards never overlap.
         timeout: seconds the training loop may wait for one batch before ``RuntimeError``
             (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample.
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
@@ -169,7 +179,9 @@ class Loader:
         device: ``"cuda"`` etc.: batches arrive on this device, copied from pinned memory on a
             side stream. ``None`` leaves them on the host.
         rank, world_size: this process's share of each epoch (``DistributedSampler``
-            semantics); read from ``torch.distributed`` when initialised and not given.
+            semantics); when not given, read from ``torch.distributed`` once it is initialised
+            (at every pass until then: a Loader built before Lightning's DDP strategy starts
+            the process group shards when the group exists).
         worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
         fuse_read: read inside the transform worker processes (default), so that only the
             transformed sample crosses to the main process. ``False`` adds a separate read
@@ -332,7 +344,11 @@ class Loader:
         #: ``batch_sampler``, as DataLoader's).
         self.batch_size = None if unbatched or batch_sampler is not None else self._batch
         self.shuffle = bool(shuffle)
-        self.sampler = sampler
+        self._sampler = sampler  # the user's (None: the Loader's own order)
+        #: DataLoader's attribute: the user's sampler, or (as DataLoader's Sequential- /
+        #: RandomSampler) one of this Loader's own whose ``set_epoch`` sets the Loader's epoch,
+        #: so that a trainer calling ``dataloader.sampler.set_epoch`` (Lightning) sets it.
+        self.sampler = sampler if sampler is not None else EpochSampler(self)
         self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
         self.drop_last = drop_last
@@ -351,16 +367,10 @@ class Loader:
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world_size = torch.distributed.get_world_size()
-            rank = torch.distributed.get_rank() if rank is None else rank
-        self.world_size = int(world_size or 1)
-        self.rank = int(rank or 0)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.seed = draw_seed(generator) if seed is None else _check_int("seed", seed, None)
-        # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
-        self.shuffle_seed = 0 if seed is None and self.world_size > 1 else self.seed
+        self._seed_given = seed is not None
+        self._ranks_given = (rank, world_size)
+        self._set_ranks()
         self.worker_kind = worker_kind
         self.on_error = on_error
         self.on_worker_death = on_worker_death
@@ -421,6 +431,7 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self._started = False
+        self._batches_at_iter = 0
         self._sync_skipped = 0
         self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
@@ -482,12 +493,13 @@ class Loader:
         return self.knobs.depth
 
     def _samples_per_epoch(self) -> int:
-        if self.sampler is not None:
+        self._set_ranks()
+        if self._sampler is not None:
             try:
-                return len(self.sampler)  # type: ignore[arg-type]
+                return len(self._sampler)  # type: ignore[arg-type]
             except TypeError:
                 raise TypeError(
-                    f"the sampler ({type(self.sampler).__name__}) has no len(), so neither has "
+                    f"the sampler ({type(self._sampler).__name__}) has no len(), so neither has "
                     "the Loader (as with DataLoader); give a sampler with __len__") from None
         if self.world_size > 1:
             return -(-self._n // self.world_size)
@@ -496,10 +508,10 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the shuffle and augmentation seeds of every iteration until the
         next call (as ``DistributedSampler.set_epoch``); a sampler with ``set_epoch`` gets it
-        too. Without any call, each pass over the Loader is a new epoch."""
+        too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
-        for sampler in (self.sampler, self.batch_sampler,
+        for sampler in (self._sampler, self.batch_sampler,
                         getattr(self.batch_sampler, "sampler", None)):
             if sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self._epoch)
@@ -508,6 +520,26 @@ class Loader:
     def epoch(self) -> int:
         return self._epoch
 
+    def _set_ranks(self) -> None:
+        """``rank`` and ``world_size``: as given, else from ``torch.distributed`` once it is
+        initialised. Read again at every pass and ``len()`` while not given: Lightning's DDP
+        strategies initialise the process group after a training script may have built the
+        Loader (``Trainer.fit`` does it), and the Loader must not read one process's view.
+
+        Raises:
+            ValueError: ``rank`` is not in ``[0, world_size)``.
+        """
+        rank, world_size = self._ranks_given
+        if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+            rank = torch.distributed.get_rank() if rank is None else rank
+        self.world_size = int(world_size or 1)
+        self.rank = int(rank or 0)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
+        self.shuffle_seed = 0 if not self._seed_given and self.world_size > 1 else self.seed
+
     def _order(self, epoch: int) -> tuple[list[int], list[int] | None]:
         """The epoch's dataset indices in sampler order, and the sizes of the batch
         sampler's batches (``None`` without one)."""
@@ -515,7 +547,7 @@ class Loader:
             batches = [[int(i) for i in b] for b in self.batch_sampler]
             return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
-            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self.sampler,
+            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self._sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self._batch, drop_last=self.drop_last,
         ), None
 
@@ -523,13 +555,18 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         with self._lock:
-            if self._started and not self._epoch_set:
+            if self._started and not self._epoch_set and self._batches > self._batches_at_iter:
                 # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
                 # loop sets the epoch itself; from then on, as with DistributedSampler, the
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
+                # A pass that delivered no batch is not an epoch (RandomSampler draws its
+                # permutation at the first batch): Lightning calls iter() once to check the
+                # loader, then again for epoch 0, and only then set_epoch(0).
                 self._epoch += 1
+            self._batches_at_iter = self._batches
             self._started = True
             self._end_step()
+            self._set_ranks()
             order, groups = self._order(self._epoch)
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch)
@@ -656,6 +693,46 @@ class Loader:
         )
 
 
+class EpochSampler(torch.utils.data.Sampler):
+    """``loader.sampler`` of a Loader given no sampler (the DataLoader's would be a
+    ``SequentialSampler`` or ``RandomSampler``): iterates this rank's dataset indices of the
+    Loader's current epoch (``loader.epoch``) in the order the Loader uses them, and
+    ``set_epoch(e)`` is ``loader.set_epoch(e)``. Lightning calls ``set_epoch`` on
+    ``dataloader.sampler`` at the start of every epoch (``_set_sampler_epoch`` in its fit
+    loop), so a Loader follows Lightning's epoch, reloaded loaders included (Lightning
+    creates the first epoch's iterator of a fit before it calls ``set_epoch``: see
+    ``docs/lightning.md``).
+
+    Holds the Loader weakly (a dropped Loader is collected); raises ``ReferenceError`` once it
+    is gone.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._ref = weakref.ref(loader)
+
+    def _loader(self) -> Loader:
+        loader = self._ref()
+        if loader is None:
+            raise ReferenceError("the Loader was garbage-collected")
+        return loader
+
+    def __iter__(self) -> Iterator[int]:
+        L = self._loader()
+        L._set_ranks()
+        return iter(epoch_order(L._n, epoch=L.epoch, seed=L.shuffle_seed, shuffle=L.shuffle,
+                                rank=L.rank, world_size=L.world_size))
+
+    def __len__(self) -> int:
+        L = self._loader()
+        L._set_ranks()
+        return -(-L._n // L.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        L = self._loader()
+        if not (L._epoch_set and L.epoch == int(epoch)):  # (Loader.set_epoch calls back)
+            L.set_epoch(epoch)
+
+
 class _Observed:
     """What telemetry and the controller see of a Loader: its figures and knobs, through a
     weak reference, so that their threads never keep a dropped Loader (and its workers and
@@ -670,8 +747,12 @@ class _Observed:
         self.stage_stats = loader.stage_stats
         self.knobs = loader.knobs
         self.decision_hooks = loader.decision_hooks
-        self.rank = loader.rank
         self.config = loader.config
+
+    @property
+    def rank(self) -> int:
+        """The Loader's rank now (read from ``torch.distributed`` once it is initialised)."""
+        return self._loader().rank
 
     def _loader(self) -> Loader:
         loader = self._ref()

@@ -35,18 +35,21 @@ def test_collate_keeps_a_tensor_subclass_as_default_collate_does_and_writes_into
     assert collate(samples, pool).data_ptr() == pooled and pool.reuses == 1
 
 
-def test_collate_of_monai_meta_tensors_matches_default_collate():
-    monai_data = pytest.importorskip("monai.data")
+def test_collate_of_monai_meta_tensors_matches_monai_list_data_collate_into_the_pool():
+    import monai.data as monai_data  # the test extra installs MONAI
     samples = [
         monai_data.MetaTensor(torch.rand(1, 4, 4), affine=torch.eye(4) * (i + 1), meta={"filename_or_obj": f"case_{i}.nii.gz"})
         for i in range(3)
     ]
-    batch = collate(samples, BatchPool())
-    expected = default_collate(samples)
+    pool = BatchPool()
+    batch = collate(samples, pool)
+    expected = monai_data.list_data_collate(samples)
     assert type(batch) is type(expected) is monai_data.MetaTensor
     assert torch.equal(batch.as_tensor(), expected.as_tensor())
-    assert batch.meta["filename_or_obj"] == expected.meta["filename_or_obj"]
-    assert torch.equal(batch.affine, expected.affine) and batch.is_batch == expected.is_batch
+    assert batch.meta["filename_or_obj"] == expected.meta["filename_or_obj"] == [f"case_{i}.nii.gz" for i in range(3)]
+    assert torch.equal(batch.affine, expected.affine) and batch.affine.shape == (3, 4, 4)
+    assert batch.is_batch and expected.is_batch and batch.spatial_ndim == expected.spatial_ndim
+    assert batch.data_ptr() == pool._bufs[((3, 1, 4, 4), "<f4")][0].ctypes.data  # pooled
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2])

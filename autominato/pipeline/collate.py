@@ -147,8 +147,9 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     Tensors of any dtype (``bfloat16`` and ``float8`` included) are stacked into a pooled
     buffer, and a ``torch.Tensor`` subclass stays one, as with ``default_collate``: the copy
     is ``torch.stack(samples, 0, out=buffer)``, which runs the subclass's
-    ``__torch_function__`` (MONAI's ``MetaTensor`` keeps the first sample's metadata, like
-    ``default_collate``; torchvision's ``tv_tensors`` unwrap to ``torch.Tensor``).
+    ``__torch_function__`` (torchvision's ``tv_tensors`` unwrap to ``torch.Tensor``). MONAI's
+    ``MetaTensor`` s are stacked into the pool and given MONAI's batch metadata, as
+    ``monai.data.DataLoader`` collates them (see :func:`_meta_batch`).
 
     Raises:
         ValueError: arrays of one field differ in shape or dtype across samples; the message
@@ -208,6 +209,9 @@ def _as_tensor(x: Any) -> Any:
 def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
     first = samples[0]
     cls = type(first)
+    meta_tensor = getattr(sys.modules.get("monai.data.meta_tensor"), "MetaTensor", None)
+    if meta_tensor is not None and isinstance(first, meta_tensor) and has_flat_bytes(first):
+        return _meta_batch(_stack_tensors([s.as_tensor() for s in samples], pool), samples)
     if (cls is not torch.Tensor and cls in default_collate_fn_map) or not has_flat_bytes(first):
         # A subclass that registered its own collate function with torch knows its metadata
         # best; sparse, nested, quantized and meta tensors have no flat bytes to pool. Both
@@ -225,6 +229,28 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
     if out.dtype != first.dtype:
         out = out.view(first.dtype)
     return torch.stack(parts, 0, out=out)
+
+
+def _meta_batch(stacked: torch.Tensor, samples: Sequence[Any]) -> Any:
+    """A batch of MONAI ``MetaTensor`` s as MONAI collates one
+    (``monai.data.utils.collate_meta_tensor_fn``, MONAI 1.6, which ``monai.data.DataLoader``'s
+    ``list_data_collate`` installs into ``default_collate``): the pooled ``stacked`` data
+    ``(B, C, *spatial)``, the metadata keys common to all samples collated (``affine``
+    ``(B, 4, 4)``, ``filename_or_obj`` a list of B), each sample's ``applied_operations`` in a
+    list of B, ``is_batch=True``, so that ``decollate_batch`` and inverse transforms work."""
+    from monai.data import MetaTensor
+    from monai.utils import TraceKeys
+
+    out = MetaTensor(stacked)  # shares the pooled buffer
+    metas = [s.meta or TraceKeys.NONE for s in samples]
+    common = set.intersection(*[set(d) for d in metas if isinstance(d, dict)])
+    if common:
+        metas = [{k: d[k] for k in common} if isinstance(d, dict) else TraceKeys.NONE for d in metas]
+    out.meta = default_collate(metas)
+    out.applied_operations = [s.applied_operations or TraceKeys.NONE for s in samples]
+    out.is_batch = True
+    out.spatial_ndim = min(min(getattr(s, "spatial_ndim", 3) for s in samples), max(out.ndim - 1, 1))
+    return out
 
 
 def batch_nbytes(batch: Any) -> int:

@@ -58,17 +58,17 @@ def compose(p: Pipeline) -> list[Stage]:
                       nbytes=packed_nbytes(sample))
 
     def read(key: tuple, item: tuple) -> Result:
-        index, _ = item
+        index, epoch = item  # the epoch seeds a dataset's own random transforms
         try:
-            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+            sample, read_s, _ = run_sample(plain, index, epoch, read=True)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
         return Result("read", key, sample, service_s=read_s, nbytes=packed_nbytes(sample))
 
     def read_packed(key: tuple, item: tuple) -> Result:
-        index, _ = item
+        index, epoch = item
         try:
-            sample, read_s, _ = run_sample(plain, index, 0, read=True)
+            sample, read_s, _ = run_sample(plain, index, epoch, read=True)
             t = time.perf_counter()
             nbytes = packed_nbytes(sample)
             slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None

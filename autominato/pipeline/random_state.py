@@ -1,0 +1,172 @@
+"""Which objects of a dataset and a transform hold random state of their own, per worker.
+
+MONAI's random transforms (``monai.transforms.Randomizable``: ``RandSpatialCropd``,
+``RandFlipd``, ``Compose``, ``OneOf``, ...) draw from a ``numpy.random.RandomState`` of their
+own, ``self.R``, not from a global generator. Left alone, that state advances per worker:
+forked workers start from the same state, so the k-th sample of every worker gets the same
+crop, and a sample's augmentation depends on the worker that ran it and on the worker count.
+:func:`plan` finds these objects once per worker (thread or process) so that
+:func:`autominato.pipeline.worker.run_sample` can reseed them before each sample from
+``(seed, epoch, index)``.
+
+The walk follows attributes (``__dict__``), lists, tuples and dicts, as MONAI's own
+``monai.data.utils.set_rnd`` walks a dataset for its ``worker_init_fn``, and goes on inside a
+``Randomizable`` too (a dictionary transform keeps its array transform in an attribute:
+``RandSpatialCropd.cropper``, ``RandAffined.rand_affine.rand_affine_grid``). Nothing is walked
+unless MONAI is imported in the process (no MONAI object can exist otherwise).
+
+Threads: MONAI marks ``Randomizable`` as ``ThreadUnsafe`` (``randomize()`` stores its draws on
+the object for ``__call__`` to read), so a worker thread other than the process's main thread
+works on its own copy: each ``Randomizable`` deep-copied, the objects and containers that lead
+to one shallow-copied, everything else (a dataset's file list, its cache, open files) shared.
+The main thread (a worker process, or ``num_workers=0`` loading in the training loop) uses the
+objects themselves, as the DataLoader does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import threading
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Objects never walked into: they cannot hold a transform.
+_LEAVES = (str, bytes, bytearray, int, float, complex, type(None), np.ndarray, np.generic, type,
+           types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def randomizable_class() -> type | None:
+    """``monai.transforms.Randomizable`` when MONAI is imported in this process, else None."""
+    mod = sys.modules.get("monai.transforms.transform")
+    return getattr(mod, "Randomizable", None)
+
+
+def _is_leaf(obj: Any) -> bool:
+    if isinstance(obj, _LEAVES):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _children(obj: Any) -> Any:
+    if isinstance(obj, (list, tuple)):
+        return obj
+    if isinstance(obj, dict):
+        return obj.values()
+    d = getattr(obj, "__dict__", None)
+    return d.values() if isinstance(d, dict) else ()
+
+
+def find_parts(root: Any, cls: type) -> list:
+    """Every instance of ``cls`` reachable from ``root``, each once, in a fixed order (depth
+    first, attributes in definition order), so that every copy of ``root`` lists its parts in
+    the same order. Cycles are followed once."""
+    found: list = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if _is_leaf(obj) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, cls):
+            found.append(obj)
+        stack.extend(reversed([c for c in _children(obj) if not _is_leaf(c)]))
+    return found
+
+
+def isolate(root: Any, cls: type) -> Any:
+    """``root`` itself when no instance of ``cls`` is reachable from it; else a copy in which
+    every such instance is deep-copied and the objects and containers on the way to one are
+    shallow-copied (everything else is shared with ``root``)."""
+    deep_memo: dict = {}
+    done: dict[int, Any] = {}
+
+    def walk(obj: Any) -> Any:
+        key = id(obj)
+        if key in done:
+            return done[key]
+        done[key] = obj  # a cycle back to obj keeps the original
+        if isinstance(obj, cls):
+            new = copy.deepcopy(obj, deep_memo)
+        elif isinstance(obj, (list, tuple, dict)):
+            items = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
+            changed = {k: n for k, v in items if not _is_leaf(v) and (n := walk(v)) is not v}
+            if not changed:
+                new = obj
+            elif isinstance(obj, dict):
+                new = copy.copy(obj)
+                new.update(changed)
+            else:
+                values = [changed.get(k, v) for k, v in items]
+                new = (obj._make(values) if hasattr(obj, "_fields")
+                       else values if isinstance(obj, list) else type(obj)(values))
+        else:
+            d = getattr(obj, "__dict__", None)
+            changed = ({k: n for k, v in list(d.items()) if not _is_leaf(v) and (n := walk(v)) is not v}
+                       if isinstance(d, dict) else {})
+            if changed:
+                new = copy.copy(obj)
+                new.__dict__.update(changed)
+            else:
+                new = obj
+        done[key] = new
+        return new
+
+    return root if _is_leaf(root) else walk(root)
+
+
+@dataclass
+class Plan:
+    """A worker's dataset and transform (its own copies in a non-main thread) and the
+    ``Randomizable`` parts of each, in walk order."""
+
+    dataset: Any
+    transform: Any
+    dataset_parts: list = field(default_factory=list)
+    transform_parts: list = field(default_factory=list)
+
+
+_local = threading.local()
+log = logging.getLogger("autominato.pipeline")
+
+
+def plan(spec: Any) -> Plan:
+    """The :class:`Plan` of ``spec`` (a :class:`~autominato.pipeline.worker.WorkSpec`) for the
+    calling thread, built at its first call in the thread and cached while ``spec`` lives.
+
+    Every part is given a ``RandomState`` of its own when it still uses the class attribute
+    ``Randomizable.R`` (shared by every instance that never called ``set_random_state``), so
+    that reseeding it touches nothing else."""
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    hit = plans.get(id(spec))
+    if hit is not None and hit[0]() is spec:
+        return hit[1]
+    cls = randomizable_class()
+    dataset, transform = spec.dataset, spec.transform
+    if cls is None:
+        return Plan(dataset, transform)  # nothing to cache: MONAI may be imported later
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            dataset, transform = isolate(dataset, cls), isolate(transform, cls)
+        except RecursionError:  # a structure nested deeper than Python's recursion limit
+            log.warning("autominato: the dataset or transform is nested too deeply to copy its "
+                        "MONAI random transforms for thread %s; the thread shares them (MONAI's "
+                        "Randomizable is not thread-safe: use process workers)",
+                        threading.current_thread().name)
+    p = Plan(dataset, transform, find_parts(dataset, cls), find_parts(transform, cls))
+    for part in (*p.dataset_parts, *p.transform_parts):
+        if "R" not in vars(part):
+            part.R = np.random.RandomState()
+    for k in [k for k, (ref, _) in plans.items() if ref() is None]:
+        del plans[k]  # plans of loaders gone
+    plans[id(spec)] = (weakref.ref(spec), p)
+    return p

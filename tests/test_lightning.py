@@ -1,0 +1,129 @@
+"""Lightning as a first-class user: a Trainer fits from a Loader, the Loader follows
+Lightning's epochs (its set_epoch on dataloader.sampler), and a Loader built before the
+process group exists shards by rank once it does (Lightning's DDP starts the group late)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+import torch
+
+from autominato import Loader
+from autominato.pipeline.sampler import epoch_order
+
+
+class Points:
+    """Sample i is (x_i, y_i, i) of a linear target y = 3 x."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.tensor([float(i) / self.n])
+        return x, 3 * x, i
+
+
+class Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+        self.seen: list[tuple[int, int, list[int]]] = []  # (Lightning epoch, Loader epoch, indices)
+        self.loaders: list[Loader] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, i = batch
+        loader = self.loaders[-1]
+        self.seen.append((self.current_epoch, loader.epoch, i.tolist()))
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        loader = Loader(Points(), batch_size=4, shuffle=True, seed=11, workers=0, in_order=True,
+                        autotune=False)
+        self.loaders.append(loader)
+        return loader
+
+
+def test_lightning_fit_of_a_few_steps_follows_lightning_epochs_even_when_reloading_loaders():
+    model = Linear()
+    weight = model.lin.weight.detach().clone()
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    try:
+        trainer.fit(model)
+    finally:
+        for loader in model.loaders:
+            loader.close()
+    assert trainer.global_step == 6 and not torch.equal(model.lin.weight, weight)
+    # A new Loader each epoch (reload_dataloaders_every_n_epochs=1) still runs Lightning's
+    # epoch: Lightning's set_epoch on loader.sampler reached it, so the shuffles differ.
+    assert len(model.loaders) == 3
+    by_epoch: dict[int, list[int]] = {}
+    for lightning_epoch, loader_epoch, indices in model.seen:
+        assert loader_epoch == lightning_epoch
+        by_epoch.setdefault(lightning_epoch, []).extend(indices)
+    assert sorted(by_epoch) == [0, 1, 2]
+    for e, indices in by_epoch.items():
+        assert sorted(indices) == list(range(8))  # each epoch exactly once
+        assert set(indices[:4]) == set(epoch_order(8, epoch=e, seed=11, shuffle=True)[:4])
+    # (the three epochs' first batches differ, so a Loader stuck at epoch 0 would fail above)
+    assert len({frozenset(epoch_order(8, epoch=e, seed=11, shuffle=True)[:4]) for e in range(3)}) == 3
+
+
+def test_loader_sampler_set_epoch_is_the_loaders():
+    with Loader(Points(), batch_size=4, shuffle=True, seed=5, workers=0, autotune=False) as loader:
+        loader.sampler.set_epoch(4)
+        assert loader.epoch == 4
+        assert list(loader.sampler) == epoch_order(8, epoch=4, seed=5, shuffle=True)
+        assert len(loader.sampler) == 8
+        got = sorted(i for batch in loader for i in batch[2].tolist())
+        assert got == list(range(8)) and loader.epoch == 4  # the pass used the epoch set
+
+
+def _rank_main(rank: int, store: str, out: str) -> None:
+    loader = Loader(Points(10), batch_size=2, shuffle=True, workers=0, autotune=False)
+    before = loader.world_size
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        n = len(loader)
+        indices = [i for batch in loader for i in batch[2].tolist()]
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"before": before, "rank": loader.rank, "world": loader.world_size,
+                       "len": n, "indices": indices}, f)
+    finally:
+        loader.close()
+        torch.distributed.destroy_process_group()
+
+
+def test_a_loader_built_before_the_process_group_shards_by_rank_once_it_exists(tmp_path):
+    """What Lightning's DDP does: the script builds the Loader, Trainer.fit then initialises
+    the process group. Each rank must take its own disjoint share (seed not given: one
+    permutation on every rank, DistributedSampler's seed 0)."""
+    torch.multiprocessing.start_processes(
+        _rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["before"] for r in runs] == [1, 1]
+    assert [(r["rank"], r["world"], r["len"]) for r in runs] == [(0, 2, 3), (1, 2, 3)]
+    a, b = (set(r["indices"]) for r in runs)
+    assert len(a) == len(b) == 5 and not a & b and a | b == set(range(10))
+
+
+def test_a_pass_that_delivers_no_batch_is_not_an_epoch():
+    """Lightning calls iter() once to check a loader before epoch 0's pass (as RandomSampler
+    draws its permutation only at the first batch, such a pass draws nothing)."""
+    with Loader(Points(), batch_size=4, shuffle=True, seed=2, workers=0, in_order=True,
+                autotune=False) as loader:
+        iter(loader)  # dropped at once
+        first = [i for batch in loader for i in batch[2].tolist()]
+        second = [i for batch in loader for i in batch[2].tolist()]
+        assert loader.epoch == 1
+    assert first == epoch_order(8, epoch=0, seed=2, shuffle=True)
+    assert second == epoch_order(8, epoch=1, seed=2, shuffle=True)

@@ -1,0 +1,167 @@
+"""MONAI as a first-class user: Randomizable transforms reseeded per sample (distinct crops,
+reproducible with any worker count, thread or process), MetaTensor batches with MONAI's batch
+metadata."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from monai.data import Dataset as MonaiDataset
+from monai.data import MetaTensor, decollate_batch, list_data_collate
+from monai.transforms import Compose, OneOf, RandFlipd, RandSpatialCropd
+
+from autominato import Loader
+
+SIDE, ROI, N = 12, 6, 24
+
+
+def volume(index: int) -> np.ndarray:
+    """(1, SIDE, SIDE, SIDE) float32 whose voxel values say where a crop came from."""
+    return (np.arange(SIDE**3, dtype=np.float32).reshape(1, SIDE, SIDE, SIDE) + 10_000 * index)
+
+
+class Volumes:
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict:
+        v = volume(i)
+        return {"image": v, "label": v.copy(), "index": i}
+
+
+def pipeline() -> Compose:
+    keys = ["image", "label"]
+    return Compose([
+        RandSpatialCropd(keys=keys, roi_size=(ROI,) * 3, random_size=False),
+        OneOf([RandFlipd(keys=keys, prob=1.0, spatial_axis=0),
+               RandFlipd(keys=keys, prob=1.0, spatial_axis=1)]),
+        RandFlipd(keys=keys, prob=0.5, spatial_axis=2),
+    ])
+
+
+def crops(loader: Loader) -> dict[int, np.ndarray]:
+    """index -> the image crop, over one epoch."""
+    out = {}
+    with loader:
+        for batch in loader:
+            images = torch.as_tensor(batch["image"]).numpy()
+            assert np.array_equal(images, torch.as_tensor(batch["label"]).numpy())  # keys crop alike
+            for i, img in zip(batch["index"].tolist(), images, strict=True):
+                assert i not in out
+                out[i] = img.copy()
+    assert sorted(out) == list(range(N))
+    return out
+
+
+def signature(index: int, img: np.ndarray) -> tuple:
+    """What was drawn for a sample: the crop's voxel set (its origin) and its flips."""
+    local = img - 10_000 * index
+    return (int(local.min()), tuple(local.ravel()[:2].astype(int)), int(local[0, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["loader_transform", "monai_dataset"])
+def test_monai_dict_pipeline_is_distinct_per_sample_and_reproducible_across_worker_counts(embedded):
+    def make(seed: int, **kw) -> Loader:
+        if embedded:  # MONAI's own idiom: the transform inside monai.data.Dataset
+            data = MonaiDataset([{"image": volume(i), "label": volume(i), "index": i} for i in range(N)],
+                                transform=pipeline())
+            return Loader(data, batch_size=4, seed=seed, autotune=False, **kw)
+        return Loader(Volumes(), batch_size=4, transform=pipeline(), seed=seed, autotune=False, **kw)
+
+    one = crops(make(7, workers=1))
+    three = crops(make(7, workers=3))
+    others = [crops(make(7, workers=3, worker_kind="thread")),  # thread workers, own copies
+              crops(make(7, workers=2, fuse_read=False)),  # read threads, then processes
+              crops(make(7, workers=0))]  # no worker process
+    for i in range(N):
+        assert np.array_equal(one[i], three[i]), i
+        assert all(np.array_equal(one[i], other[i]) for other in others), i
+    # Distinct per sample: before per-sample seeding, the k-th sample of each of 3 workers got
+    # the same crop (forked workers started from one RandomState), at most N/3 distinct ones.
+    draws = {signature(i, one[i]) for i in range(N)}
+    assert len(draws) > N * 3 // 4
+    other = crops(make(8, workers=3))
+    assert sum(np.array_equal(one[i], other[i]) for i in range(N)) < N // 4
+
+
+def test_monai_crops_change_with_the_epoch_and_repeat_with_it():
+    loader = Loader(Volumes(), batch_size=4, transform=pipeline(), seed=3, workers=2, autotune=False)
+    with loader:
+        def epoch(e: int) -> dict:
+            loader.set_epoch(e)
+            out = {}
+            for batch in loader:
+                for i, img in zip(batch["index"].tolist(), torch.as_tensor(batch["image"]).numpy(), strict=True):
+                    out[i] = img.copy()
+            return out
+
+        e0, e1, again = epoch(0), epoch(1), epoch(0)
+    assert all(np.array_equal(e0[i], again[i]) for i in range(N))
+    assert sum(np.array_equal(e0[i], e1[i]) for i in range(N)) < N // 4
+
+
+class MetaVolumes:
+    """Samples as MONAI's LoadImaged gives them: MetaTensors with an affine and a file name."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> dict:
+        affine = torch.diag(torch.tensor([1.0 + i, 2.0, 3.0, 1.0]))
+        img = MetaTensor(torch.full((1, 4, 4, 4), float(i)), affine=affine,
+                         meta={"filename_or_obj": f"case_{i:05d}.nii.gz", "spacing": i})
+        return {"image": img, "case": i}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_meta_tensor_batches_carry_monai_batch_metadata_like_list_data_collate(workers):
+    ds = MetaVolumes()
+    with Loader(ds, batch_size=3, workers=workers, in_order=True, autotune=False) as loader:
+        batches = list(loader)
+    assert len(batches) == 2
+    for b, batch in enumerate(batches):
+        expected = list_data_collate([ds[i] for i in range(3 * b, 3 * b + 3)])
+        got, want = batch["image"], expected["image"]
+        assert type(got) is type(want) is MetaTensor
+        assert torch.equal(got.as_tensor(), want.as_tensor())
+        assert got.is_batch and want.is_batch
+        assert got.meta["filename_or_obj"] == want.meta["filename_or_obj"]
+        assert torch.equal(got.meta["spacing"], want.meta["spacing"])
+        assert torch.equal(got.affine, want.affine) and got.affine.shape == (3, 4, 4)
+        assert got.applied_operations == want.applied_operations
+        # MONAI's inverse path starts from decollate_batch: one MetaTensor per sample back.
+        items = decollate_batch(batch)
+        assert [it["image"].meta["filename_or_obj"] for it in items] == want.meta["filename_or_obj"]
+        assert all(torch.equal(it["image"].affine, ds[3 * b + k]["image"].affine) for k, it in enumerate(items))
+
+
+def test_each_worker_thread_gets_its_own_randomizables_and_shares_the_data():
+    """MONAI's Randomizable is thread-unsafe: a thread other than the main one works on its
+    own copies of them (and of the objects leading to them); the data list stays shared. The
+    walk reaches the array transform inside a dictionary transform (RandSpatialCropd.cropper)."""
+    import threading
+
+    from autominato.pipeline import random_state
+    from autominato.pipeline.worker import WorkSpec, reseed_parts
+
+    ds = MonaiDataset([{"image": volume(i)} for i in range(3)], transform=pipeline())
+    spec = WorkSpec(ds, None, False, 0)
+    mine = random_state.plan(spec)
+    names = ["Compose", "RandSpatialCropd", "RandSpatialCrop", "OneOf", "RandFlipd", "RandFlipd", "RandFlipd"]
+    assert mine.dataset is ds and [type(p).__name__ for p in mine.dataset_parts] == names
+    assert random_state.plan(spec) is mine  # found once per thread
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(random_state.plan(spec)))
+    t.start()
+    t.join()
+    other = theirs[0]
+    assert other.dataset is not ds and other.dataset.data is ds.data
+    assert [type(p).__name__ for p in other.dataset_parts] == names
+    assert not {id(p) for p in other.dataset_parts} & {id(p) for p in mine.dataset_parts}
+    # Reseeding is in place (no new RandomState per sample) and gives equal draws to equal keys.
+    states = [p.R for p in mine.dataset_parts]
+    reseed_parts(mine.dataset_parts, 5, 1, 2, 0)
+    reseed_parts(other.dataset_parts, 5, 1, 2, 0)
+    assert all(p.R is s for p, s in zip(mine.dataset_parts, states, strict=True))
+    assert [p.R.randint(1 << 30) for p in mine.dataset_parts] == [p.R.randint(1 << 30) for p in other.dataset_parts]
