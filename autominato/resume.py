@@ -27,7 +27,7 @@ import torch
 VERSION = 1
 
 #: The epoch's shape: a state saved with other values cannot name the same positions.
-_SHAPE = ("batch_size", "world_size", "rank", "dataset_len", "shuffle", "drop_last")
+_SHAPE = ("batch_size", "world_size", "dataset_len", "shuffle", "drop_last")
 
 
 class Progress:
@@ -160,17 +160,25 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
         raise ValueError(f"load_state_dict: state version {state.get('version')!r}, this "
                          f"autominato reads version {VERSION}")
     missing = [k for k in ("epoch", "epoch_set", "finished", "epoch_size", "delivered",
-                           "batches", "seed", "shuffle_seed", *_SHAPE, "samplers", "knobs")
+                           "batches", "seed", "shuffle_seed", *_SHAPE, "rank", "in_order",
+                           "samplers", "knobs")
                if k not in state]
     if missing:
         raise ValueError(f"load_state_dict: the state lacks {', '.join(missing)}")
-    mine = {"batch_size": loader._batch, "world_size": loader.world_size, "rank": loader.rank,
+    mine = {"batch_size": loader._batch, "world_size": loader.world_size,
             "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
     for key in _SHAPE:
         if state[key] != mine[key]:
-            hint = (" (each rank saves and loads its own Loader state)" if key == "rank" else "")
             raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, "
-                             f"this Loader has {key}={mine[key]!r}{hint}")
+                             f"this Loader has {key}={mine[key]!r}")
+    if state["rank"] != loader.rank and not _same_on_every_rank(state):
+        # A checkpoint written by rank 0 alone (Lightning's) reaches every rank. In order, ranks
+        # that stepped together delivered the same prefix of their own orders; in completion
+        # order each rank's delivered positions are its own.
+        raise ValueError(f"load_state_dict: the state was saved with rank={state['rank']!r}, this "
+                         f"Loader has rank={loader.rank!r}: a completion-order state names that "
+                         "rank's own positions, so each rank must load its own (or use "
+                         "in_order=True, whose state is the same on every rank)")
     if loader._seed_given and (state["seed"], state["shuffle_seed"]) != (loader.seed, loader.shuffle_seed):
         raise ValueError(f"load_state_dict: the state was saved with seed={state['seed']!r}, this "
                          f"Loader has seed={loader.seed!r} (give the same seed, or none to take "
@@ -178,6 +186,13 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
     return state
+
+
+def _same_on_every_rank(state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds for every rank that took as many steps: nothing delivered, an
+    ended epoch, or an in-order epoch (a prefix of the order)."""
+    return (state["epoch_size"] is None or state["finished"] or not state["delivered"]
+            or bool(state["in_order"]))
 
 
 def resumed_positions(state: dict[str, Any], size: int, epoch: int) -> list[int]:

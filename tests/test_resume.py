@@ -102,6 +102,25 @@ def test_resume_delivers_the_rest_of_the_epoch_once_with_the_same_augmentation(k
         assert nxt == rows(loader)
 
 
+def test_a_completion_order_state_resumes_in_order():
+    GATE.clear()
+    try:
+        with make(shuffle=False) as loader:
+            it = iter(loader)
+            first = [next(it) for _ in range(2)]
+            state = loader.state_dict()
+    finally:
+        GATE.set()
+    done = {p for a, b in state["delivered"] for p in range(a, b)}
+    assert len(done) == 2 * B and BLOCKED not in done  # a hole at BLOCKED's position
+    with make(shuffle=False, in_order=True) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert {**rows(first), **rows(rest)} == rows(reference(shuffle=False))
+    order = [int(i) for i in torch.cat(reference(shuffle=False, in_order=True))[:, 0]]
+    assert [int(i) for i in torch.cat(rest)[:, 0]] == [i for p, i in enumerate(order) if p not in done]
+
+
 def test_a_checkpoint_of_a_resumed_epoch_resumes_again():
     want = rows(reference())
     seen: dict[int, float] = {}
@@ -278,11 +297,24 @@ def test_a_state_of_another_epoch_shape_is_refused_by_name(change, message):
         loader.load_state_dict(state)
 
 
-def test_a_state_of_another_rank_names_the_rank():
-    with make(rank=0, world_size=2) as loader:
-        state = loader.state_dict()
-    with make(rank=1, world_size=2) as loader, pytest.raises(ValueError, match="rank=0.*own"):
-        loader.load_state_dict(state)
+def test_another_ranks_state_is_refused_in_completion_order_and_taken_in_order():
+    """Lightning writes its checkpoint from rank 0 alone: every rank loads rank 0's state."""
+    for in_order in (False, True):
+        kw = dict(world_size=2, in_order=in_order, n=N + 1)
+        with make(rank=0, **kw) as loader:
+            it = iter(loader)
+            next(it)
+            next(it)
+            state = loader.state_dict()
+        with make(rank=1, **kw) as loader:
+            if not in_order:
+                with pytest.raises(ValueError, match="rank=0, this Loader has rank=1.*its own"):
+                    loader.load_state_dict(state)
+                continue
+            want = reference(rank=1, **kw)
+            loader.load_state_dict(state)  # rank 1 stepped as often: the same prefix
+            rest = list(loader)
+            assert all(torch.equal(a, b) for a, b in zip(rest, want[2:], strict=True))
 
 
 def test_malformed_states_are_refused():
