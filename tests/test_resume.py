@@ -391,3 +391,43 @@ def test_resume_in_a_fresh_process(tmp_path: Path, in_order: bool):
     assert {**rows(first), **rows([rest])} == want
     if in_order:
         assert torch.equal(torch.cat(first + [rest]), torch.cat(reference(seed=seed, in_order=True)))
+
+
+def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
+    """Lightning saves ``state_dict()`` of a stateful train loader in its checkpoint and
+    loads it when ``fit(ckpt_path=...)`` restarts mid-epoch."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: list[torch.Tensor] = []
+
+        def train_dataloader(self) -> Loader:
+            return make()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.seen.append(batch.clone())
+            return self.layer(batch[:, 1:].float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def trainer(**kw):
+        return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, **kw)
+
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    first = Recorder()
+    trainer(max_steps=3, callbacks=[ckpt]).fit(first)
+    saved = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["batches"] == 3 and not state["finished"]
+    second = Recorder()
+    trainer(enable_checkpointing=False).fit(second, ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    assert len(first.seen) == 3 and len(second.seen) == BATCHES - 3
+    with make() as loader:  # the epoch the checkpoint interrupted, uninterrupted
+        loader.set_epoch(state["epoch"])
+        want = rows(loader)
+    assert {**rows(first.seen), **rows(second.seen)} == want
