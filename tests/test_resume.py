@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import subprocess
@@ -136,6 +137,7 @@ def test_a_checkpoint_of_a_resumed_epoch_resumes_again():
         assert not part.keys() & seen.keys()
         seen.update(part)
     assert seen == want and state["finished"] and state["batches"] == BATCHES
+    assert json.loads(json.dumps(state)) == state  # plain Python types
 
 
 @pytest.mark.parametrize("in_order", [False, True])
