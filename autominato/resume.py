@@ -185,6 +185,11 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
                          "the state's)")
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
+    for name in state["samplers"]:
+        obj = getattr(loader, name, None) if name in ("sampler", "batch_sampler") else None
+        if not hasattr(obj, "load_state_dict"):
+            raise ValueError(f"load_state_dict: the state holds the {name}'s state, this Loader "
+                             f"has no {name} with load_state_dict")
     return state
 
 

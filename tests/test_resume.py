@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from autominato import Loader
+from autominato import Loader, resume
 
 N = 30
 B = 4
@@ -332,6 +332,23 @@ def test_malformed_states_are_refused():
             loader.load_state_dict({k: v for k, v in state.items() if k != "knobs"})
         with pytest.raises(ValueError, match="outside the epoch's 30 positions"):
             loader.load_state_dict({**state, "delivered": [[0, 31]]})
+
+
+def test_a_stateful_samplers_state_needs_a_stateful_sampler():
+    with make(shuffle=None, sampler=CountingSampler(N)) as loader:
+        state = loader.state_dict()
+    with make(shuffle=None, sampler=list(range(N))) as loader:
+        with pytest.raises(ValueError, match="no sampler with load_state_dict"):
+            loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_delivered_positions_round_trip_through_ranges(seed):
+    mask = np.random.default_rng(seed).random(50) < 0.6
+    ranges = resume.to_ranges(mask)
+    assert all(a < b for a, b in ranges)
+    assert all(b0 < a1 for (_, b0), (a1, _) in zip(ranges, ranges[1:], strict=False))  # sorted, disjoint
+    assert resume.from_ranges(ranges, 50) == np.flatnonzero(mask).tolist()
 
 
 def test_a_sampler_that_changes_its_length_is_caught_at_the_resume():
