@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 import torch
 
+from autominato import resume
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
 from autominato.pipeline.errors import ErrorReport, describe
@@ -433,6 +434,8 @@ class Loader:
         self._started = False
         self._batches_at_iter = 0
         self._sync_skipped = 0
+        self._progress: resume.Progress | None = None  # the most recent iterator's
+        self._resume: dict | None = None  # a loaded state, until the next iteration
         self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
@@ -511,6 +514,10 @@ class Loader:
         too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
+        if self._resume is not None and self._resume["epoch"] != self._epoch:
+            log.warning("set_epoch(%d) after load_state_dict() of epoch %d: epoch %d starts "
+                        "from its beginning", self._epoch, self._resume["epoch"], self._epoch)
+            self._resume = None
         for sampler in (self._sampler, self.batch_sampler,
                         getattr(self.batch_sampler, "sampler", None)):
             if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -567,12 +574,84 @@ class Loader:
             self._started = True
             self._end_step()
             self._set_ranks()
+            pending, self._resume = self._resume, None
+            if pending is not None:
+                for name, sd in pending["samplers"].items():
+                    getattr(self, name).load_state_dict(sd)
+            samplers = resume.sampler_states(self)
             order, groups = self._order(self._epoch)
+            done = (resume.resumed_positions(pending, len(order), self._epoch)
+                    if pending is not None else [])
+            progress = resume.Progress(self._epoch, len(order), done,
+                                       pending["batches"] if done else 0, samplers)
+            self._progress = progress
             if self.knobs.workers == 0:
-                return _SyncIterator(self, order, groups, self._epoch)
+                return _SyncIterator(self, order, groups, self._epoch, progress)
             pipeline = self._ensure_pipeline()
-            run = pipeline.start(order, self._epoch, groups)
-            return _EpochIterator(self, pipeline, run)
+            run = pipeline.start(order, self._epoch, groups, done)
+            return _EpochIterator(self, pipeline, run, progress)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of the most recent iterator, to resume its epoch in a new process
+        (torchdata ``StatefulDataLoader``'s name and meaning).
+
+        Returns:
+            A picklable dict of plain Python types (see :mod:`autominato.resume`): version,
+            epoch, whether the epoch ended, the positions of the epoch's order delivered to
+            the training loop (sorted ``[start, stop)`` ranges) and the batches yielded, the
+            seeds, the epoch's shape (batch size, rank, world size, dataset length, shuffle,
+            drop_last), ``in_order``, the ``state_dict()`` of a sampler or batch sampler that
+            has one (as the epoch began), and the knob values. Before any iteration: the
+            start of the next epoch. After an epoch ended: the next epoch, from its start.
+
+        Raises:
+            TypeError: the dataset is an ``IterableDataset`` (its stream position is its own).
+        """
+        return resume.build(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration delivers exactly the samples of
+        the interrupted epoch not delivered before the checkpoint, each once, with the same
+        augmentation (seeded by ``(seed, epoch, index)``); the iteration after it is the next
+        epoch. Call it before iterating (a fresh Loader in a new process, typically). The
+        knobs take the saved values (clamped to this Loader's bounds), so a resumed job starts
+        tuned; a Loader built without ``seed`` takes the state's. ``set_epoch`` with another
+        epoch before iterating starts that epoch from its beginning instead.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict, or the dataset is an ``IterableDataset``.
+            ValueError: another state version, or a state saved with another batch size,
+                world size, rank, dataset length, ``shuffle``, ``drop_last`` or (when this
+                Loader's seed was given) seed; the message names the mismatch. The next
+                iteration raises ``ValueError`` if the epoch's order has another length than
+                at the checkpoint (a sampler that is not deterministic for its epoch).
+        """
+        self._set_ranks()  # the rank the state is checked against (torch.distributed's now)
+        state = resume.check(self, state_dict)
+        with self._lock:
+            if (state["seed"], state["shuffle_seed"]) != (self.seed, self.shuffle_seed):
+                # This Loader drew its seeds (resume.check refuses a given one): take the state's.
+                self.seed, self.shuffle_seed = int(state["seed"]), int(state["shuffle_seed"])
+                if self._pipeline is not None:  # its workers hold the drawn seed
+                    self.knobs.unsubscribe(self._pipeline.knobs_changed)
+                    self._pipeline.close()
+                    self._pipeline = None
+            self._epoch = int(state["epoch"])
+            self._epoch_set = bool(state["epoch_set"])
+            self._progress = None
+            # A finished epoch: the next iteration is the next epoch (as after any pass that
+            # delivered a batch; with set_epoch, the epoch set).
+            if state["finished"] and not self._epoch_set:
+                self._epoch += 1
+            self._started = False
+            self._batches_at_iter = self._batches
+            self._resume = None if state["finished"] else state
+            if state["finished"]:
+                for name, sd in state["samplers"].items():
+                    getattr(self, name).load_state_dict(sd)
+        for name, value in state["knobs"].items():
+            if name in KNOB_NAMES:
+                self.knobs.set(name, int(value))
 
     def _work_spec(self) -> WorkSpec:
         return WorkSpec(
@@ -785,10 +864,12 @@ class _EpochIterator:
       the batch it consumed are recorded together when the step ends.
     """
 
-    def __init__(self, loader: Loader, pipeline: Pipeline, run: Run) -> None:
+    def __init__(self, loader: Loader, pipeline: Pipeline, run: Run,
+                 progress: resume.Progress) -> None:
         self.L = loader
         self.pipeline = pipeline
         self.run = run
+        self.progress = progress
         self.epoch = run.epoch_no
         self._done = False
         self._pending_h2d: list = []
@@ -828,10 +909,12 @@ class _EpochIterator:
         if kind != "batch":
             self._finish()
             if kind == "end":
+                self.progress.finished = True
                 raise StopIteration
             raise item[1]
         self.pipeline.consumed(run)
-        _, batch, indices, h2d = item
+        _, batch, indices, h2d, positions = item
+        self.progress.deliver(positions)
         if h2d is not None:
             from autominato.pipeline.collate import record_stream
 
@@ -886,12 +969,14 @@ class _SyncIterator:
     complete in sampler order, so completion order is sampler order)."""
 
     def __init__(self, loader: Loader, order: list[int], groups: list[int] | None,
-                 epoch: int) -> None:
+                 epoch: int, progress: resume.Progress) -> None:
         self.L = loader
         self.epoch = epoch
         self.spec = loader._work_spec()
+        self.progress = progress
         self.ep = Epoch(order, loader._batch, drop_last=loader.drop_last, in_order=True,
-                        skip_errors=loader.on_error == "skip", max_tries=1, groups=groups)
+                        skip_errors=loader.on_error == "skip", max_tries=1, groups=groups,
+                        done=np.flatnonzero(progress.delivered).tolist())
         self.todo: deque = deque(self.ep.start())
         self._done = False
 
@@ -917,6 +1002,7 @@ class _SyncIterator:
                     L._batches += 1
                     L._samples += n
                     L._step_open = (now, now - t0, n, id(self))
+                    self.progress.deliver(pos for pos, _, _ in d.items)
                     return batch
                 if isinstance(d, Skip):
                     L._skip(d.index, d.error)
@@ -925,6 +1011,7 @@ class _SyncIterator:
                     raise d.error
                 elif isinstance(d, End):
                     self._done = True
+                    self.progress.finished = True
                     raise StopIteration
             (task,) = self.ep.take(1)
             try:

@@ -174,6 +174,38 @@ def test_a_sampler_may_repeat_an_index():
     assert batches(out) == [[3, 3], [3]]
 
 
+def positions(decisions: list) -> list[list[int]]:
+    return [[pos for pos, _, _ in d.items] for d in decisions if isinstance(d, Emit)]
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+@pytest.mark.parametrize("kw", [dict(), dict(drop_last=True), dict(groups=[3, 0, 2, 3, 2])])
+def test_a_resumed_epoch_delivers_the_batches_after_the_checkpoint(in_order, kw):
+    order = [7, 3, 3, 9, 0, 1, 5, 2, 8, 4]
+    whole = positions(run_all(Epoch(order, batch_size=3, in_order=in_order, **kw)))
+    for k in range(len(whole) + 1):
+        done = [p for b in whole[:k] for p in b]
+        ep = Epoch(order, batch_size=3, in_order=in_order, done=done, **kw)
+        rest = run_all(ep)
+        assert positions(rest) == whole[k:]
+        assert isinstance(rest[-1], End)
+        assert all(t.pos not in done for t in ep.take(99))  # nothing left to dispatch
+
+
+def test_a_resumed_epoch_never_dispatches_a_done_position():
+    ep = Epoch(list(range(6)), batch_size=2, done=[0, 2, 3, 3])
+    assert [t.pos for t in ep.take(10)] == [1, 4, 5]
+
+
+def test_done_positions_must_lie_in_the_epoch():
+    with pytest.raises(ValueError, match="done position 4"):
+        Epoch([0, 1, 2, 3], batch_size=2, done=[4])
+
+
+def test_an_epoch_resumed_after_its_last_batch_ends_at_once():
+    assert Epoch([0, 1, 2], batch_size=2, done=[0, 1, 2]).start() == [End()]
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_interleavings_deliver_every_position_exactly_once(seed):
     """Thousands of random event orders: completions (also duplicates and late ones),
@@ -188,10 +220,13 @@ def test_random_interleavings_deliver_every_position_exactly_once(seed):
             while left:
                 groups.append(rng.randint(0, min(left, 2 * B)))
                 left -= groups[-1]
+        # A resumed epoch: some positions were delivered before a checkpoint.
+        done = rng.sample(range(n), rng.randint(0, n)) if rng.random() < 0.3 else ()
         ep = Epoch(
             [rng.randrange(max(n, 1)) for _ in range(n)], batch_size=B,
             drop_last=groups is None and rng.random() < 0.4, in_order=rng.random() < 0.4,
             skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3), groups=groups,
+            done=done,
         )
         _check_one_run(ep, rng)
 
@@ -269,11 +304,13 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
     assert sorted(freed) == sorted(made)
     assert len(set(delivered)) == len(delivered), "a position delivered twice"
     assert not set(delivered) & set(skipped)
+    prior = set(ep.done)
+    assert not (set(delivered) | set(skipped)) & prior, "a position done before the run came again"
     if raised:
         assert ep.failed
         return
     assert ep.ended
-    dropped = set(range(n)) - set(delivered) - set(skipped)
+    dropped = set(range(n)) - set(delivered) - set(skipped) - prior
     if ep.groups is not None:
         # Each batch is one whole group less its skipped positions, in sampler order within.
         assert not dropped
@@ -284,7 +321,8 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
             batch = delivered[i:i + size]
             i += size
             g = group_of[batch[0]]
-            want = [p for p in range(starts[g], starts[g] + ep.groups[g]) if p not in skipped]
+            want = [p for p in range(starts[g], starts[g] + ep.groups[g])
+                    if p not in skipped and p not in prior]
             assert batch == want
             emitted.append(g)
         assert len(set(emitted)) == len(emitted)

@@ -32,12 +32,16 @@ Rules:
   positions are final: the first complete group first (default) or in group order
   (``in_order``); a skipped sample shortens its own group; ``drop_last`` does not apply (the
   batch sampler decides).
+* A resumed epoch starts with ``done`` positions already final (delivered before a
+  checkpoint): they are never dispatched, count towards the epoch's end and ``drop_last``, and
+  ``in_order`` steps over them, so the remaining batches are the ones the uninterrupted epoch
+  would have delivered after the checkpoint.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,9 +149,12 @@ class Epoch:
         max_tries: a position whose worker died this many times goes through the error policy.
         groups: sizes of consecutive groups of positions that form the batches (a
             ``batch_sampler``'s lists, flattened into ``order``), or ``None``.
+        done: positions already final before this epoch runs (delivered before a
+            checkpoint; see ``Loader.state_dict``). Repeats are ignored.
 
     Raises:
-        ValueError: ``batch_size < 1``, or ``groups`` that do not sum to ``len(order)``.
+        ValueError: ``batch_size < 1``, ``groups`` that do not sum to ``len(order)``, or a
+            ``done`` position outside ``[0, len(order))``.
     """
 
     order: Sequence[int]
@@ -157,6 +164,7 @@ class Epoch:
     skip_errors: bool = False
     max_tries: int = 3
     groups: Sequence[int] | None = None
+    done: Iterable[int] = ()
     _cursor: int = 0
     _redo: deque = field(default_factory=deque)
     _attempt: dict = field(default_factory=dict)  # pos -> current attempt, while in flight
@@ -185,7 +193,19 @@ class Epoch:
             self._members: dict = {}  # group -> items completed
             self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
             self._next_group = 0
+        self._prior = bytearray(len(self.order))  # pos -> 1: final before the epoch ran
+        for pos in self.done:
+            if not 0 <= pos < len(self.order):
+                raise ValueError(f"done position {pos} is not in [0, {len(self.order)})")
+            if not self._prior[pos]:
+                self._prior[pos] = 1
+                self._final += 1
+                if self.groups is not None:
+                    self._left[self._group[pos]] -= 1
+        if self.groups is not None:
             self._empty_groups()
+        else:
+            self.batches = self._final // self.batch_size  # the batches delivered before
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -235,6 +255,8 @@ class Epoch:
             elif self._cursor < len(self.order):
                 pos = self._cursor
                 self._cursor += 1
+                if self._prior[pos]:
+                    continue
                 attempt = self._attempt[pos] = 0
             else:
                 break
@@ -330,7 +352,13 @@ class Epoch:
     def _advance(self, out: list[Decision]) -> list[Decision]:
         """In order: move the final positions at the cursor to the batch being filled."""
         B = self.batch_size
-        while self._next_pos in self._done:
+        prior = self._prior
+        while True:
+            if self._next_pos < len(prior) and prior[self._next_pos]:
+                self._next_pos += 1
+                continue
+            if self._next_pos not in self._done:
+                break
             item = self._done.pop(self._next_pos)
             if isinstance(item, _Failure):
                 # Emit the batches before this one; the partial batch it belongs to is not.
@@ -389,9 +417,11 @@ class Epoch:
         return self._maybe_end(out)
 
     def _empty_groups(self) -> None:
-        """In order, step over empty groups (a batch sampler may yield ``[]``)."""
+        """In order, step over groups with nothing left to emit: empty ones (a batch sampler
+        may yield ``[]``) and those delivered before a checkpoint (every position ``done``)."""
         if self.in_order:
-            while self._next_group < len(self._left) and self.groups[self._next_group] == 0:
+            while (self._next_group < len(self._left) and self._left[self._next_group] == 0
+                   and self._next_group not in self._complete):
                 self._next_group += 1
 
     def _maybe_end(self, out: list[Decision]) -> list[Decision]:

@@ -125,6 +125,10 @@ class Knobs:
         """Call ``fn(name, old, new)`` after every change of a knob's value."""
         self._listeners.append(fn)
 
+    def unsubscribe(self, fn: Callable[[str, int, int], None]) -> None:
+        """Stop calling ``fn`` (subscribed with :meth:`subscribe`)."""
+        self._listeners.remove(fn)
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={k.value} [{k.low}, {k.high}]" for n, k in self._knobs.items())
         return f"Knobs({inner})"

@@ -111,7 +111,11 @@ class Carried:
 
 @dataclass(slots=True)
 class Run:
-    """One live iterator: an epoch's bookkeeping and the batches waiting for the consumer."""
+    """One live iterator: an epoch's bookkeeping and the batches waiting for the consumer.
+
+    ``out`` holds ``("batch", batch, indices, h2d, positions)`` items (``indices``: dataset
+    indices, ``positions``: their positions in the epoch's order; ``h2d``: the copy's CUDA
+    events or ``None``), then ``("end",)`` or ``("error", exception)``."""
 
     gen: int
     epoch_no: int
@@ -208,9 +212,11 @@ class Pipeline:
         cleanup.install()
 
     # -- any thread -------------------------------------------------------------------------
-    def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None) -> Run:
+    def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None,
+              done: Sequence[int] = ()) -> Run:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
-        ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``)."""
+        ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``);
+        ``done``: positions delivered before a checkpoint (see ``Epoch.done``)."""
         if self._stop.is_set():
             raise RuntimeError("this Loader is closed")
         if self._fatal is not None or not self.thread.is_alive():
@@ -218,7 +224,8 @@ class Pipeline:
         self._gen += 1
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups)
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
+                   done=done)
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run))
         return run
@@ -556,8 +563,9 @@ class Pipeline:
             return
         run.batching -= 1
         if not run.stopped:
-            batch, indices = payload[0], payload[1]
-            run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None))
+            batch, indices, positions = payload[0], payload[1], payload[2]
+            run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None,
+                         positions))
 
     def _collate(self, key: Any, job: tuple) -> Result:
         """Batch stage function (its own thread): collate a group into pooled buffers."""
@@ -580,7 +588,8 @@ class Pipeline:
             self._release_items(items)
             return Result("batch", key, None, ok=False, error=e)
         indices = [index for _, index, _ in items]
-        return Result("batch", key, (batch, indices, len(items)),
+        positions = [pos for pos, _, _ in items]
+        return Result("batch", key, (batch, indices, positions),
                       service_s=time.perf_counter() - t0, nbytes=batch_nbytes(batch))
 
     def _release_items(self, items: tuple) -> None:
@@ -596,7 +605,7 @@ class Pipeline:
         run, payload = job
         if isinstance(payload, _Final):
             return Result("transfer", key, payload)
-        batch, indices, n = payload
+        batch, indices, positions = payload
         device = self.cfg.device
         t0 = time.perf_counter()
         try:
@@ -612,7 +621,8 @@ class Pipeline:
         except BaseException as e:  # noqa: BLE001 - CUDA out of memory, say: the loop gets it
             return Result("transfer", key, None, ok=False, error=e)
         # The copy's time is read from its events by the consumer, once it has run.
-        return Result("transfer", key, (on_device, indices, n, (e0, e1, batch_nbytes(batch), batch)),
+        return Result("transfer", key, (on_device, indices, positions,
+                                        (e0, e1, batch_nbytes(batch), batch)),
                       service_s=time.perf_counter() - t0)
 
     # -- statistics -------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""The Loader's resumable state: what a mid-epoch checkpoint holds and how it is checked.
+
+``Loader.state_dict()`` / ``Loader.load_state_dict(sd)`` (the names of torchdata's
+``StatefulDataLoader``) save and restore the *most recent* iterator's progress: its epoch, the
+positions of the epoch's order it delivered to the training loop, the seeds, the shape of the
+epoch (rank, world size, batch size, ``drop_last``) and the live knobs. Positions, not dataset
+indices, are the unit (a sampler may repeat an index); they are stored as sorted half-open
+ranges ``[[start, stop], ...]``, a few numbers for an in-order checkpoint and few more in
+completion order, where the delivered positions are a prefix with holes (the samples in flight).
+
+Samples in flight at the checkpoint (dispatched, not yet delivered) are simply done again after
+the resume; their augmentation is the same, being seeded by ``(seed, epoch, index)``.
+
+The state holds plain Python types (and whatever a stateful sampler's ``state_dict`` returns),
+so ``torch.save`` / ``pickle`` / ``json`` store it beside the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Version of the state's layout; a state of another version is refused.
+VERSION = 1
+
+#: The epoch's shape: a state saved with other values cannot name the same positions.
+_SHAPE = ("batch_size", "world_size", "dataset_len", "shuffle", "drop_last")
+
+
+class Progress:
+    """What one iterator delivered to the training loop in its epoch.
+
+    Args:
+        epoch: the epoch the iterator runs.
+        size: positions in the epoch's order (after ``drop_last``'s truncation).
+        done: positions delivered before (a resumed epoch).
+        batches: batches yielded before (a resumed epoch).
+        samplers: ``state_dict()`` of the stateful samplers as the epoch started.
+    """
+
+    def __init__(self, epoch: int, size: int, done: Iterable[int] = (), batches: int = 0,
+                 samplers: dict | None = None) -> None:
+        self.epoch = epoch
+        self.size = size
+        self.delivered = np.zeros(size, dtype=bool)
+        self.delivered[np.fromiter(done, dtype=np.int64)] = True
+        self.batches = batches
+        self.samplers = samplers or {}
+        self.finished = False
+
+    def deliver(self, positions: Iterable[int]) -> None:
+        """One batch (its positions in the epoch's order) reached the training loop."""
+        self.delivered[np.fromiter(positions, dtype=np.int64)] = True
+        self.batches += 1
+
+
+def to_ranges(mask: np.ndarray) -> list[list[int]]:
+    """Sorted half-open ranges ``[[start, stop], ...]`` of the true entries of a bool array."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.view(np.int8), [0]))))
+    return edges.reshape(-1, 2).tolist()
+
+
+def from_ranges(ranges: Any, size: int) -> list[int]:
+    """The positions of ``ranges`` (see :func:`to_ranges`), checked against ``size``.
+
+    Raises:
+        ValueError: a range that is malformed or outside ``[0, size)``.
+    """
+    out: list[int] = []
+    for r in ranges:
+        try:
+            start, stop = (int(v) for v in r)
+        except (TypeError, ValueError):
+            raise ValueError(f"state_dict: 'delivered' holds {r!r}, not a [start, stop] range") from None
+        if not 0 <= start <= stop <= size:
+            raise ValueError(f"state_dict: delivered range [{start}, {stop}) lies outside the "
+                             f"epoch's {size} positions")
+        out.extend(range(start, stop))
+    return out
+
+
+def sampler_states(loader: Any) -> dict[str, Any]:
+    """``state_dict()`` of the loader's samplers that have one (and ``load_state_dict``)."""
+    out = {}
+    for name in ("sampler", "batch_sampler"):
+        obj = getattr(loader, name)
+        if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            out[name] = obj.state_dict()
+    return out
+
+
+def check_dataset(dataset: Any) -> None:
+    """Refuse an ``IterableDataset``: its position in the stream is its own, not a set of
+    positions of an order.
+
+    Raises:
+        TypeError: ``dataset`` is an ``IterableDataset``.
+    """
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        have = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+        raise TypeError(
+            "Loader.state_dict()/load_state_dict(): a mid-epoch checkpoint of an IterableDataset "
+            + ("is not supported yet (its workers' shards would each need their own state)"
+               if have else "needs the dataset's own state_dict()/load_state_dict(); it defines "
+               "neither") + "; checkpoint between epochs, or use a map-style dataset")
+
+
+def build(loader: Any) -> dict[str, Any]:
+    """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
+    check_dataset(loader.dataset)
+    p: Progress | None = loader._progress
+    state = {
+        "version": VERSION,
+        "epoch": loader._epoch,
+        "epoch_set": loader._epoch_set,
+        "finished": False,
+        "epoch_size": None,  # None: the epoch has not started
+        "delivered": [],
+        "batches": 0,
+        "seed": loader.seed,
+        "shuffle_seed": loader.shuffle_seed,
+        "batch_size": loader._batch,
+        "world_size": loader.world_size,
+        "rank": loader.rank,
+        "dataset_len": loader._n,
+        "shuffle": loader.shuffle,
+        "drop_last": bool(loader.drop_last),
+        "in_order": bool(loader.in_order),
+        "samplers": sampler_states(loader),
+        "knobs": loader.knobs.as_dict(),
+    }
+    if loader._resume is not None:  # loaded and not iterated yet: pass it on
+        pending = loader._resume
+        state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
+                                              "samplers")})
+    elif p is not None and p.epoch == loader._epoch:
+        state.update(epoch=p.epoch, finished=p.finished, epoch_size=p.size,
+                     delivered=to_ranges(p.delivered), batches=p.batches)
+        if not p.finished:  # the epoch is redone from its order: the samplers as it began
+            state["samplers"] = p.samplers
+    return state
+
+
+def check(loader: Any, state: Any) -> dict[str, Any]:
+    """``state`` checked against ``loader``: the same epoch shape and, when the loader's seed
+    was given, the same seed.
+
+    Raises:
+        TypeError: ``state`` is not a dict.
+        ValueError: another version, a missing key, or a mismatch (the message names it).
+    """
+    check_dataset(loader.dataset)
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict takes the dict of Loader.state_dict(), got "
+                        f"{type(state).__name__}")
+    if state.get("version") != VERSION:
+        raise ValueError(f"load_state_dict: state version {state.get('version')!r}, this "
+                         f"autominato reads version {VERSION}")
+    missing = [k for k in ("epoch", "epoch_set", "finished", "epoch_size", "delivered",
+                           "batches", "seed", "shuffle_seed", *_SHAPE, "rank", "in_order",
+                           "samplers", "knobs")
+               if k not in state]
+    if missing:
+        raise ValueError(f"load_state_dict: the state lacks {', '.join(missing)}")
+    mine = {"batch_size": loader._batch, "world_size": loader.world_size,
+            "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
+    for key in _SHAPE:
+        if state[key] != mine[key]:
+            raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, "
+                             f"this Loader has {key}={mine[key]!r}")
+    if state["rank"] != loader.rank and not _same_on_every_rank(state):
+        # A checkpoint written by rank 0 alone (Lightning's) reaches every rank. In order, ranks
+        # that stepped together delivered the same prefix of their own orders; in completion
+        # order each rank's delivered positions are its own.
+        raise ValueError(f"load_state_dict: the state was saved with rank={state['rank']!r}, this "
+                         f"Loader has rank={loader.rank!r}: a completion-order state names that "
+                         "rank's own positions, so each rank must load its own (or use "
+                         "in_order=True, whose state is the same on every rank)")
+    if loader._seed_given and (state["seed"], state["shuffle_seed"]) != (loader.seed, loader.shuffle_seed):
+        raise ValueError(f"load_state_dict: the state was saved with seed={state['seed']!r}, this "
+                         f"Loader has seed={loader.seed!r} (give the same seed, or none to take "
+                         "the state's)")
+    if state["epoch_size"] is not None:
+        from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
+    for name in state["samplers"]:
+        obj = getattr(loader, name, None) if name in ("sampler", "batch_sampler") else None
+        if not hasattr(obj, "load_state_dict"):
+            raise ValueError(f"load_state_dict: the state holds the {name}'s state, this Loader "
+                             f"has no {name} with load_state_dict")
+    return state
+
+
+def _same_on_every_rank(state: dict[str, Any]) -> bool:
+    """Whether ``state`` holds for every rank that took as many steps: nothing delivered, an
+    ended epoch, or an in-order epoch (a prefix of the order)."""
+    return (state["epoch_size"] is None or state["finished"] or not state["delivered"]
+            or bool(state["in_order"]))
+
+
+def resumed_positions(state: dict[str, Any], size: int, epoch: int) -> list[int]:
+    """The positions a resumed epoch of ``size`` positions starts with.
+
+    Raises:
+        ValueError: the epoch's order has another length than at the checkpoint (a sampler
+            that is not deterministic for its epoch, or another dataset).
+    """
+    if state["epoch_size"] is None:
+        return []
+    if state["epoch_size"] != size:
+        raise ValueError(f"resuming epoch {epoch}: its order has {size} positions, it had "
+                         f"{state['epoch_size']} at the checkpoint (the sampler must give the "
+                         "same order for an epoch)")
+    return from_ranges(state["delivered"], size)

@@ -1,0 +1,452 @@
+"""Mid-epoch checkpoint and resume: Loader.state_dict() / load_state_dict() (autominato.resume)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from autominato import Loader, resume
+
+N = 30
+B = 4
+BATCHES = -(-N // B)
+BLOCKED = 5  # its transform waits for GATE (thread workers only): in flight at the checkpoint
+GATE = threading.Event()
+GATE.set()
+
+
+class RowDataset:
+    """Sample i is the row ``[i, -1]`` (float64)."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([i, -1.0])
+
+
+def aug(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The augmentation: column 1 becomes a draw of the sample's generator."""
+    if int(x[0]) == BLOCKED:
+        GATE.wait(30)
+    return np.array([x[0], rng.random()])
+
+
+def make(**kw) -> Loader:
+    args = dict(batch_size=B, shuffle=True, seed=11, transform=aug, autotune=False,
+                num_workers=2, worker_kind="thread")
+    args.update(kw)
+    return Loader(RowDataset(args.pop("n", N)), **args)
+
+
+def rows(batches) -> dict[int, float]:
+    """Dataset index -> its augmented value; fails on an index delivered twice."""
+    out: dict[int, float] = {}
+    for b in batches:
+        for i, v in b.tolist():
+            assert int(i) not in out, f"index {int(i)} delivered twice"
+            out[int(i)] = v
+    return out
+
+
+def reference(**kw) -> list[torch.Tensor]:
+    """The uninterrupted epoch (epoch 0) of the same configuration."""
+    with make(**kw) as loader:
+        return list(loader)
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [0, 3, BATCHES - 1])  # the start, the middle, before the end
+def test_resume_delivers_the_rest_of_the_epoch_once_with_the_same_augmentation(k, workers, in_order):
+    want = reference(in_order=in_order, num_workers=workers)
+    block = workers > 0 and not in_order and k > 0
+    if block:
+        GATE.clear()  # sample BLOCKED is in flight when the checkpoint is taken
+    try:
+        with make(in_order=in_order, num_workers=workers) as loader:
+            it = iter(loader)
+            first = [next(it) for _ in range(k)]
+            state = pickle.loads(pickle.dumps(loader.state_dict()))
+    finally:
+        GATE.set()
+    before = rows(first)
+    if block:
+        assert BLOCKED not in before
+    assert state["batches"] == k and not state["finished"]
+    with make(in_order=in_order, num_workers=workers) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+        after_rows = rows(rest)
+        assert not before.keys() & after_rows.keys()
+        assert {**before, **after_rows} == rows(want)  # every index once, same augmentation
+        assert len(rest) == BATCHES - k
+        if in_order:  # the batches the uninterrupted epoch delivered after the checkpoint
+            assert all(torch.equal(a, b) for a, b in zip(rest, want[k:], strict=True))
+        # The next pass is the next epoch, from its start.
+        nxt = rows(loader)
+        assert loader.epoch == 1
+    with make(in_order=in_order, num_workers=workers) as loader:
+        list(loader)
+        assert nxt == rows(loader)
+
+
+def test_a_completion_order_state_resumes_in_order():
+    GATE.clear()
+    try:
+        with make(shuffle=False) as loader:
+            it = iter(loader)
+            first = [next(it) for _ in range(2)]
+            state = loader.state_dict()
+    finally:
+        GATE.set()
+    done = {p for a, b in state["delivered"] for p in range(a, b)}
+    assert len(done) == 2 * B and BLOCKED not in done  # a hole at BLOCKED's position
+    with make(shuffle=False, in_order=True) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert {**rows(first), **rows(rest)} == rows(reference(shuffle=False))
+    order = [int(i) for i in torch.cat(reference(shuffle=False, in_order=True))[:, 0]]
+    assert [int(i) for i in torch.cat(rest)[:, 0]] == [i for p, i in enumerate(order) if p not in done]
+
+
+def test_a_checkpoint_of_a_resumed_epoch_resumes_again():
+    want = rows(reference())
+    seen: dict[int, float] = {}
+    state = None
+    for take in (2, 3, None):
+        with make() as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            it = iter(loader)
+            got = [next(it) for _ in range(take)] if take else list(it)
+            state = loader.state_dict()
+        part = rows(got)
+        assert not part.keys() & seen.keys()
+        seen.update(part)
+    assert seen == want and state["finished"] and state["batches"] == BATCHES
+    assert json.loads(json.dumps(state)) == state  # plain Python types
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_resume_with_ranks_keeps_each_shard_exactly_once(in_order):
+    union: dict[int, float] = {}
+    for rank in (0, 1):
+        kw = dict(rank=rank, world_size=2, in_order=in_order, n=N + 1)  # padded, as DistributedSampler
+        want = reference(**kw)
+        with make(**kw) as loader:
+            it = iter(loader)
+            first = [next(it) for _ in range(2)]
+            state = loader.state_dict()
+        with make(**kw) as loader:
+            loader.load_state_dict(state)
+            rest = list(loader)
+        got = [*first, *rest]
+        assert sorted(torch.cat(got)[:, 0].tolist()) == sorted(torch.cat(want)[:, 0].tolist())
+        assert rows(got) == rows(want)
+        union.update(rows(got))
+    assert sorted(union) == list(range(N + 1))
+
+
+def test_drop_last_drops_the_same_indices_after_a_resume():
+    want = rows(reference(drop_last=True))
+    assert len(want) == N // B * B
+    with make(drop_last=True) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+    with make(drop_last=True) as loader:
+        loader.load_state_dict(state)
+        assert {**rows(first), **rows(loader)} == want
+
+
+def test_batch_sampler_resumes_with_the_remaining_batches():
+    groups = [[3, 1], [0, 7, 8], [2], [4, 5, 6], [9]]
+    with make(batch_size=1, shuffle=None, batch_sampler=groups, in_order=True) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(2)]
+        state = loader.state_dict()
+    with make(batch_size=1, shuffle=None, batch_sampler=groups, in_order=True) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert [b[:, 0].long().tolist() for b in first + rest] == groups
+
+
+class CountingSampler:
+    """A stateful sampler: each iteration draws a new permutation from its own counter."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.count = n, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.count)
+        self.count += 1
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.count = sd["count"]
+
+
+def test_a_stateful_sampler_is_restored_as_its_epoch_began():
+    with make(shuffle=None, sampler=CountingSampler(N), in_order=True) as loader:
+        list(loader)  # epoch 0 takes count 0
+        want = list(loader)  # epoch 1 takes count 1
+    with make(shuffle=None, sampler=CountingSampler(N), in_order=True) as loader:
+        list(loader)
+        it = iter(loader)
+        first = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+    assert state["samplers"] == {"sampler": {"count": 1}}
+    sampler = CountingSampler(N)
+    with make(shuffle=None, sampler=sampler, in_order=True) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert all(torch.equal(a, b) for a, b in zip(first + rest, want, strict=True))
+    assert sampler.count == 2
+
+
+def test_state_before_iterating_and_after_an_epoch():
+    with make() as loader:
+        fresh = loader.state_dict()
+        assert fresh["epoch"] == 0 and fresh["epoch_size"] is None and not fresh["finished"]
+        list(loader)
+        ended = loader.state_dict()
+        assert ended["finished"] and ended["delivered"] == [[0, N]]
+        want_next = rows(loader)  # epoch 1
+    with make() as loader:
+        loader.load_state_dict(fresh)
+        assert rows(loader) == rows(reference())
+    with make() as loader:
+        loader.load_state_dict(ended)
+        assert rows(loader) == want_next and loader.epoch == 1
+
+
+def test_set_epoch_keeps_the_resume_of_its_own_epoch_and_drops_another(caplog):
+    with make() as loader:
+        loader.set_epoch(4)
+        it = iter(loader)
+        first = rows([next(it) for _ in range(3)])
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        loader.set_epoch(4)
+        rest = rows(loader)
+        assert len(first) + len(rest) == N and not first.keys() & rest.keys()
+    with make() as loader, caplog.at_level(logging.WARNING, "autominato.pipeline"):
+        loader.load_state_dict(state)
+        loader.set_epoch(5)
+        assert len(rows(loader)) == N
+    assert "set_epoch(5) after load_state_dict() of epoch 4" in caplog.text
+
+
+def test_the_knobs_come_back_tuned():
+    with make(depth=2, pool_size=10) as loader:
+        loader.knobs.depth = 6
+        loader.knobs.pool_size = 20
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        assert (loader.knobs.depth, loader.knobs.pool_size) == (6, 20)
+
+
+def test_a_loader_without_seed_takes_the_states_seed():
+    with make(seed=None) as loader:
+        it = iter(loader)
+        first = rows([next(it) for _ in range(2)])
+        state = loader.state_dict()
+        drawn = loader.seed
+    with make(seed=drawn) as loader:
+        want = rows(loader)
+    torch.manual_seed(drawn + 1)  # this Loader would draw another seed
+    with make(seed=None) as loader:
+        loader.load_state_dict(state)
+        assert loader.seed == drawn
+        assert {**first, **rows(loader)} == want
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(batch_size=5), "batch_size=4, this Loader has batch_size=5"),
+    (dict(rank=1, world_size=2), "world_size=1, this Loader has world_size=2"),
+    (dict(n=N + 1), "dataset_len=30, this Loader has dataset_len=31"),
+    (dict(seed=12), "seed=11, this Loader has seed=12"),
+    (dict(drop_last=True), "drop_last=False, this Loader has drop_last=True"),
+    (dict(shuffle=False), "shuffle=True, this Loader has shuffle=False"),
+])
+def test_a_state_of_another_epoch_shape_is_refused_by_name(change, message):
+    with make() as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    with make(**change) as loader, pytest.raises(ValueError, match=message):
+        loader.load_state_dict(state)
+
+
+def test_another_ranks_state_is_refused_in_completion_order_and_taken_in_order():
+    """Lightning writes its checkpoint from rank 0 alone: every rank loads rank 0's state."""
+    for in_order in (False, True):
+        kw = dict(world_size=2, in_order=in_order, n=N + 1)
+        with make(rank=0, **kw) as loader:
+            it = iter(loader)
+            next(it)
+            next(it)
+            state = loader.state_dict()
+        with make(rank=1, **kw) as loader:
+            if not in_order:
+                with pytest.raises(ValueError, match="rank=0, this Loader has rank=1.*its own"):
+                    loader.load_state_dict(state)
+                continue
+            want = reference(rank=1, **kw)
+            loader.load_state_dict(state)  # rank 1 stepped as often: the same prefix
+            rest = list(loader)
+            assert all(torch.equal(a, b) for a, b in zip(rest, want[2:], strict=True))
+
+
+def test_malformed_states_are_refused():
+    with make() as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        with pytest.raises(TypeError, match="dict"):
+            loader.load_state_dict([state])
+        with pytest.raises(ValueError, match="version"):
+            loader.load_state_dict({**state, "version": 99})
+        with pytest.raises(ValueError, match="lacks knobs"):
+            loader.load_state_dict({k: v for k, v in state.items() if k != "knobs"})
+        with pytest.raises(ValueError, match="outside the epoch's 30 positions"):
+            loader.load_state_dict({**state, "delivered": [[0, 31]]})
+
+
+def test_a_stateful_samplers_state_needs_a_stateful_sampler():
+    with make(shuffle=None, sampler=CountingSampler(N)) as loader:
+        state = loader.state_dict()
+    with make(shuffle=None, sampler=list(range(N))) as loader:
+        with pytest.raises(ValueError, match="no sampler with load_state_dict"):
+            loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_delivered_positions_round_trip_through_ranges(seed):
+    mask = np.random.default_rng(seed).random(50) < 0.6
+    ranges = resume.to_ranges(mask)
+    assert all(a < b for a, b in ranges)
+    assert all(b0 < a1 for (_, b0), (a1, _) in zip(ranges, ranges[1:], strict=False))  # sorted, disjoint
+    assert resume.from_ranges(ranges, 50) == np.flatnonzero(mask).tolist()
+
+
+def test_a_sampler_that_changes_its_length_is_caught_at_the_resume():
+    with make(shuffle=None, sampler=list(range(N))) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    with make(shuffle=None, sampler=list(range(N - 2))) as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match="28 positions, it had 30"):
+            iter(loader)
+
+
+class IterableWithLength(torch.utils.data.IterableDataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([i, -1.0])
+
+    def __iter__(self):
+        return iter(range(N))
+
+
+def test_an_iterable_dataset_without_state_is_refused():
+    with Loader(IterableWithLength(), batch_size=B, num_workers=0, autotune=False) as loader:
+        with pytest.raises(TypeError, match="IterableDataset.*defines neither"):
+            loader.state_dict()
+        with pytest.raises(TypeError, match="IterableDataset"):
+            loader.load_state_dict({})
+
+
+CHILD = """
+import pickle, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_resume import make
+state = pickle.load(open({state!r}, "rb"))
+with make(seed=None, num_workers=2, worker_kind="process", in_order={in_order}) as loader:
+    loader.load_state_dict(state)
+    np.save({out!r}, np.concatenate([b.numpy() for b in loader]))
+"""
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_resume_in_a_fresh_process(tmp_path: Path, in_order: bool):
+    with make(seed=None, num_workers=2, worker_kind="process", in_order=in_order) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+        seed = loader.seed
+    (tmp_path / "state.pkl").write_bytes(pickle.dumps(state))
+    out = tmp_path / "rest.npy"
+    code = CHILD.format(tests=str(Path(__file__).parent), state=str(tmp_path / "state.pkl"),
+                        out=str(out), in_order=in_order)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    rest = torch.from_numpy(np.load(out))
+    want = rows(reference(seed=seed, in_order=in_order))
+    assert {**rows(first), **rows([rest])} == want
+    if in_order:
+        assert torch.equal(torch.cat(first + [rest]), torch.cat(reference(seed=seed, in_order=True)))
+
+
+def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
+    """Lightning saves ``state_dict()`` of a stateful train loader in its checkpoint and
+    loads it when ``fit(ckpt_path=...)`` restarts mid-epoch."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: list[torch.Tensor] = []
+
+        def train_dataloader(self) -> Loader:
+            return make()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.seen.append(batch.clone())
+            return self.layer(batch[:, 1:].float()).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def trainer(**kw):
+        return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, **kw)
+
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    first = Recorder()
+    trainer(max_steps=3, callbacks=[ckpt]).fit(first)
+    saved = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state["batches"] == 3 and not state["finished"]
+    second = Recorder()
+    trainer(enable_checkpointing=False).fit(second, ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    assert len(first.seen) == 3 and len(second.seen) == BATCHES - 3
+    with make() as loader:  # the epoch the checkpoint interrupted, uninterrupted
+        loader.set_epoch(state["epoch"])
+        want = rows(loader)
+    assert {**rows(first.seen), **rows(second.seen)} == want
