@@ -132,7 +132,7 @@ class Loader:
             ``sample_path(index) -> str | None`` so that errors name the file), or an iterable
             one (``torch.utils.data.IterableDataset``, or any iterable without ``__getitem__``):
             each worker iterates ``iter(dataset)`` with ``get_worker_info()`` naming it, so the
-            dataset shards itself as under the DataLoader (see ``docs/iterable.md``); no
+            dataset shards itself as under the DataLoader (see ``docs/workers.md``); no
             sampler, shuffle or batch_sampler then, and ``len()`` only when it has one.
         batch_size: samples per batch; ``None`` delivers samples one by one, unbatched (numpy
             arrays become tensors, as DataLoader's ``default_convert``; a ``collate_fn`` is
@@ -160,7 +160,10 @@ class Loader:
             (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample.
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
             starts, replacements and workers added by the controller included; ids are in
-            ``[0, workers)``.
+            ``[0, workers)``, and ``torch.utils.data.get_worker_info()`` works in workers
+            (``autominato.get_worker_info()`` too, thread workers included: see
+            ``docs/workers.md``). An exception in it is raised in the training loop as
+            ``WorkerInitError`` naming it.
         multiprocessing_context: ``"fork"``, ``"forkserver"``, ``"spawn"`` or a
             ``multiprocessing`` context; the same as ``start_method``.
         generator: a ``torch.Generator`` that draws ``seed`` when ``seed`` is not given.
@@ -169,7 +172,8 @@ class Loader:
         persistent_workers: keep the workers, and the dataset they hold, across epochs
             (default ``True``, unlike the DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
-            are seen, as by the DataLoader's fresh workers (one pickle per epoch).
+            are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
+            to each worker when it changed; ``worker_init_fn`` then runs again).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); default is completion
             order, where a slow sample joins a later batch of the same epoch.

@@ -69,14 +69,18 @@ def test_each_sample_is_delivered_once_per_epoch_and_workers_shard_the_dataset(k
         assert len(L) == 13
 
 
-def test_a_plain_iterable_without_getitem_is_iterated_too():
-    class Plain:
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            start, step = (0, 1) if info is None else (info.id, info.num_workers)
-            return iter([np.int64(i) for i in range(start, 10, step)])
+class Plain:
+    """An iterable that is no IterableDataset and has no __getitem__ or __len__."""
 
-    with Loader(Plain(), 3, num_workers=2, autotune=False) as L:
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter([np.int64(i) for i in range(start, 10, step)])
+
+
+@pytest.mark.parametrize("start_method", ["auto", "spawn"])
+def test_a_plain_iterable_without_getitem_is_iterated_too(start_method):
+    with Loader(Plain(), 3, num_workers=2, start_method=start_method, autotune=False) as L:
         assert sorted(x for b in L for x in b.tolist()) == list(range(10))
         with pytest.raises(TypeError, match="no len"):
             len(L)
@@ -215,3 +219,12 @@ def test_workers_never_run_far_ahead_of_the_training_loop():
         assert made <= 6 + 6 + 2 * 2 + 2 + 2 * 2, made
         time.sleep(0.3)
         assert ds.made == made  # and they stay there
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_live_iterators_each_deliver_a_whole_epoch(workers):
+    with Loader(Numbers(21), 4, num_workers=workers, autotune=False) as L:
+        pairs = list(zip(L, L, strict=True))
+        assert len(pairs) == len(L) == 6
+        for side in (0, 1):
+            assert sorted(r[0] for p in pairs for r in p[side].tolist()) == list(range(21))

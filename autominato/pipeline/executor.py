@@ -161,6 +161,10 @@ class ThreadWorkers:
             except queue.Empty:
                 continue
             with self._lock:
+                if slot in self._retiring or self._closed:  # retired while it waited
+                    self._q.put(task)
+                    self._end(slot)
+                    return
                 self._running[tid] = (task, time.monotonic())
             event = self.fn(task)
             with self._lock:

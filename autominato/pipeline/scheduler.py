@@ -361,7 +361,7 @@ class Pipeline:
             run, payload = ev[1], ev[2]
             self.runs[run.gen] = run
             if payload is not None:
-                self.procs.send_dataset(payload)
+                self.procs.pool.send_dataset(payload)
             if self.cfg.iterable:
                 self._size_stream_workers()
             else:
