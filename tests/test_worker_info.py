@@ -110,6 +110,7 @@ def test_worker_init_fn_runs_in_every_process_worker_replacements_and_added_ones
     init = functools.partial(record_init, str(tmp_path))
     with Loader(Info(40), 4, num_workers=2, worker_init_fn=init, autotune=False) as L:
         rows(L)
+        wait_until(lambda: len(inits(tmp_path)) == 2)  # a worker may start after the epoch
         calls = inits(tmp_path)
         assert sorted(i for i, _, _ in calls) == [0, 1]
         assert {p for _, p, _ in calls} == set(L.worker_pids())
@@ -185,7 +186,9 @@ def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persisten
     with Loader(ds, 4, num_workers=2, persistent_workers=persistent, worker_init_fn=init,
                 autotune=False) as L:
         assert sorted(x for b in L for x in b.tolist()) == list(range(12))
+        wait_until(lambda: len(inits(tmp_path)) == 2)
         assert sorted(x for b in L for x in b.tolist()) == list(range(12))
+        time.sleep(0.2)
         assert len(inits(tmp_path)) == 2  # an unchanged dataset is not sent again
         ds.offset = 100
         after = sorted(x for b in L for x in b.tolist())
@@ -196,6 +199,7 @@ def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persisten
             return
         assert after == list(range(100, 112))
         # a changed dataset restarts each worker as DataLoader's fresh ones: worker_init_fn again
+        wait_until(lambda: len(inits(tmp_path)) == 4)
         assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 0, 1, 1]
         # a replacement worker gets the dataset as last sent, not the one it was forked with
         os.kill(L.worker_pids()[0], signal.SIGKILL)

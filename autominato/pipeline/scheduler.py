@@ -242,9 +242,12 @@ class Pipeline:
         :class:`~autominato.pipeline.stream.Stream`; the dataset as in :meth:`start`)."""
         self._check_open()
         cfg = self.cfg
+        # A process answers a pull sample by sample (every worker.FLUSH_S); a thread answers
+        # at its end: one sample per pull keeps its samples flowing, and sample_timeout per
+        # sample.
         ep = Stream(max(1, self.knobs.workers), cfg.batch_size, drop_last=cfg.drop_last,
                     in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
-                    max_pull=cfg.batch_size)
+                    max_pull=cfg.batch_size if self.procs is not None else 1)
         return self._start(epoch, ep)
 
     def _check_open(self) -> None:

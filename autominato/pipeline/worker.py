@@ -88,7 +88,8 @@ class WorkSpec:
     worker_init_fn: Callable[[int], None] | None = None
 
 
-#: The index of a sample of an iterable dataset: ``(worker id, k)``, its worker's k-th sample.
+#: A sample's index: its dataset index, or for an iterable dataset ``(worker id, k)``, the k-th
+#: sample that worker's shard yielded.
 Index = int | tuple[int, int]
 
 
