@@ -95,11 +95,13 @@ def test_drop_last_drops_the_final_short_batch(workers):
         assert len(set(seen)) == 48
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_in_order_gives_dataloaders_batches_round_robin_over_the_workers(drop_last):
+@pytest.mark.parametrize(("drop_last", "kind"), [(False, "process"), (True, "process"),
+                                                 (True, "thread")])
+def test_in_order_gives_dataloaders_batches_round_robin_over_the_workers(drop_last, kind):
     ds = Uneven()
     expected = [b.tolist() for b in DataLoader(ds, 2, num_workers=3, drop_last=drop_last)]
-    with Loader(ds, 2, num_workers=3, drop_last=drop_last, in_order=True, autotune=False) as L:
+    with Loader(ds, 2, num_workers=3, drop_last=drop_last, in_order=True, worker_kind=kind,
+                autotune=False) as L:
         assert [b.tolist() for b in L] == expected
     # worker 0's shard ends first and leaves the round; short last batches per worker
     assert [b[0][0] for b in expected[:3]] == [0, 1, 2]
