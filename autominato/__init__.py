@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Loader", "__version__"]
+__all__ = ["Loader", "__version__", "get_worker_info"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from autominato.loader import Loader
 
         return Loader
+    if name == "get_worker_info":
+        from autominato.pipeline.worker import get_worker_info
+
+        return get_worker_info
     raise AttributeError(name)

@@ -31,7 +31,8 @@ from autominato.pipeline.sampler import epoch_order
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
-from autominato.pipeline.worker import WorkSpec, run_sample, sample_path, takes_rng
+from autominato.pipeline.stream import PullDone, Stream, Yielded, YieldFailed
+from autominato.pipeline.worker import Streams, WorkSpec, run_sample, sample_path, takes_rng
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -81,6 +82,14 @@ def _check_int(name: str, value: Any, low: int | None) -> int:
     return int(value)
 
 
+def is_iterable_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is iterated rather than indexed: a ``torch.utils.data.IterableDataset``,
+    or any iterable without ``__getitem__`` (a webdataset pipeline, a generator)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+
+
 def _start_method_of(context: Any) -> str:
     """The start method named by DataLoader's ``multiprocessing_context`` (a string or a
     ``multiprocessing`` context)."""
@@ -120,8 +129,12 @@ class Loader:
     with DataLoader's meaning (see the table in ``docs/parity.md``), plus its own.
 
     Args:
-        dataset: a map-style dataset (``__len__``, ``__getitem__``). May define
-            ``sample_path(index) -> str | None`` so that errors name the file.
+        dataset: a map-style dataset (``__len__``, ``__getitem__``; it may define
+            ``sample_path(index) -> str | None`` so that errors name the file), or an iterable
+            one (``torch.utils.data.IterableDataset``, or any iterable without ``__getitem__``):
+            each worker iterates ``iter(dataset)`` with ``get_worker_info()`` naming it, so the
+            dataset shards itself as under the DataLoader (see ``docs/workers.md``); no
+            sampler, shuffle or batch_sampler then, and ``len()`` only when it has one.
         batch_size: samples per batch; ``None`` delivers samples one by one, unbatched (numpy
             arrays become tensors, as DataLoader's ``default_convert``; a ``collate_fn`` is
             applied to each sample).
@@ -158,7 +171,10 @@ class Loader:
             (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample.
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
             starts, replacements and workers added by the controller included; ids are in
-            ``[0, workers)``.
+            ``[0, workers)``, and ``torch.utils.data.get_worker_info()`` works in workers
+            (``autominato.get_worker_info()`` too, thread workers included: see
+            ``docs/workers.md``). An exception in it is raised in the training loop as
+            ``WorkerInitError`` naming it.
         multiprocessing_context: ``"fork"``, ``"forkserver"``, ``"spawn"`` or a
             ``multiprocessing`` context; the same as ``start_method``.
         generator: a ``torch.Generator`` that draws ``seed`` when ``seed`` is not given.
@@ -167,7 +183,8 @@ class Loader:
         persistent_workers: keep the workers, and the dataset they hold, across epochs
             (default ``True``, unlike the DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
-            are seen, as by the DataLoader's fresh workers (one pickle per epoch).
+            are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
+            to each worker when it changed; ``worker_init_fn`` then runs again).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); default is completion
             order, where a slow sample joins a later batch of the same epoch.
@@ -325,10 +342,26 @@ class Loader:
             pin_memory_effective = False
         else:
             pin_memory_effective = bool(pin_memory)
-        try:
-            self._n = len(dataset)
-        except TypeError as e:
-            raise ValueError("dataset must be map-style (define __len__ and __getitem__)") from e
+        self._iterable = is_iterable_dataset(dataset)
+        if self._iterable:
+            # DataLoader's checks and words for an IterableDataset
+            for name, value in (("shuffle", shuffle), ("sampler", sampler),
+                                ("batch_sampler", batch_sampler)):
+                if value not in (None, False):
+                    raise ValueError(f"Loader with an iterable dataset: expected unspecified {name} "
+                                     f"option, but got {name}={value!r} (the dataset orders and "
+                                     "shards itself, as with DataLoader)")
+            try:
+                self._n = len(dataset)
+            except TypeError:  # no __len__, or one that refuses (as IterableDataset's)
+                self._n = None
+        else:
+            try:
+                self._n = len(dataset)
+            except TypeError as e:
+                raise ValueError("dataset must be map-style (define __len__ and __getitem__) or "
+                                 "iterable (a torch.utils.data.IterableDataset, or define __iter__)"
+                                 ) from e
 
         cfg = None
         if config is not None:
@@ -416,7 +449,7 @@ class Loader:
             sample_timeout=self.sample_timeout, collate_fn=collate_fn, device=self.device,
             worker_kind=worker_kind, fuse_read=fused, start_method=start_method,
             shm_budget_bytes=shm_budget, persistent_workers=self.persistent_workers,
-            pin_memory=pin_memory_effective,
+            pin_memory=pin_memory_effective, iterable=self._iterable,
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
@@ -469,8 +502,15 @@ class Loader:
         """Batches per epoch on this rank (an upper bound when ``on_error="skip"`` drops some).
 
         Raises:
-            TypeError: the sampler has no length (a generator), as with the DataLoader.
+            TypeError: the sampler has no length (a generator), or the dataset is iterable and
+                has no ``__len__``, as with the DataLoader.
         """
+        if self._iterable:
+            if self._n is None:
+                raise TypeError(f"the iterable dataset ({type(self.dataset).__name__}) has no "
+                                "len(), so neither has the Loader (as with DataLoader)")
+            # DataLoader's: from the dataset's own length, whatever the workers' sharding
+            return self._n // self._batch if self.drop_last else -(-self._n // self._batch)
         if self.batch_sampler is not None:
             try:
                 return len(self.batch_sampler)  # type: ignore[arg-type]
@@ -574,6 +614,12 @@ class Loader:
             self._started = True
             self._end_step()
             self._set_ranks()
+            if self._iterable:
+                progress = self._progress = resume.Progress(self._epoch, None)
+                if self.knobs.workers == 0:
+                    return _SyncStreamIterator(self, self._epoch, progress)
+                pipeline = self._ensure_pipeline()
+                return _EpochIterator(self, pipeline, pipeline.start_stream(self._epoch), progress)
             pending, self._resume = self._resume, None
             if pending is not None:
                 for name, sd in pending["samplers"].items():
@@ -1013,18 +1059,23 @@ class _SyncIterator:
                     self._done = True
                     self.progress.finished = True
                     raise StopIteration
-            (task,) = self.ep.take(1)
-            try:
-                sample, read_s, transform_s = run_sample(self.spec, task.index, self.epoch, read=True)
-            except Exception as e:  # noqa: BLE001 - through on_error, as with workers
-                report = ErrorReport.capture(e, task.index, sample_path(L.dataset, task.index),
-                                             "the training loop's thread (num_workers=0)")
-                report.original = e
-                self.todo.extend(self.ep.on(Failed(task.pos, task.attempt, report.to_exception())))
-                continue
-            L.stage_stats["read"].record(read_s)
-            L.stage_stats["transform"].record(transform_s)
-            self.todo.extend(self.ep.on(Completed(task.pos, task.attempt, sample)))
+            self._step()
+
+    def _step(self) -> None:
+        """Load the next sample; its decisions go to ``todo``."""
+        L = self.L
+        (task,) = self.ep.take(1)
+        try:
+            sample, read_s, transform_s = run_sample(self.spec, task.index, self.epoch, read=True)
+        except Exception as e:  # noqa: BLE001 - through on_error, as with workers
+            report = ErrorReport.capture(e, task.index, sample_path(L.dataset, task.index),
+                                         "the training loop's thread (num_workers=0)")
+            report.original = e
+            self.todo.extend(self.ep.on(Failed(task.pos, task.attempt, report.to_exception())))
+            return
+        L.stage_stats["read"].record(read_s)
+        L.stage_stats["transform"].record(transform_s)
+        self.todo.extend(self.ep.on(Completed(task.pos, task.attempt, sample)))
 
     def _batch(self, items: tuple) -> Any:
         L = self.L
@@ -1044,6 +1095,50 @@ class _SyncIterator:
     def __del__(self) -> None:
         try:
             self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+        except Exception:
+            pass
+
+
+class _SyncStreamIterator(_SyncIterator):
+    """One epoch of an iterable dataset with no worker (``num_workers=0``): ``iter(dataset)``
+    in the training loop's thread, one sample per step, as the DataLoader's single-process
+    iterator (``get_worker_info()`` is ``None`` there, so the dataset does not shard). The
+    k-th sample is transformed with ``sample_rng(seed, epoch, (0, k))``; a one-shard
+    :class:`~autominato.pipeline.stream.Stream` decides batches, skips and the end."""
+
+    def __init__(self, loader: Loader, epoch: int, progress: resume.Progress) -> None:
+        self.L = loader
+        self.epoch = epoch
+        self.spec = loader._work_spec()
+        self.progress = progress
+        self.ep = Stream(1, loader._batch, drop_last=loader.drop_last, in_order=True,
+                         skip_errors=loader.on_error == "skip", max_pull=1)
+        self.streams = Streams(self.spec, process=False, info=False)
+        self.todo: deque = deque(self.ep.start())
+        self._done = False
+
+    def _step(self) -> None:
+        L = self.L
+        (pull,) = self.ep.take(1)
+        for out in self.streams.pull(0, 0, 1, self.epoch, pull.seq, pull.n,
+                                     "the training loop's thread (num_workers=0)"):
+            if out[0] == "ok":
+                _, _, sample, read_s, transform_s = out
+                L.stage_stats["read"].record(read_s)
+                L.stage_stats["transform"].record(transform_s)
+                self.todo.extend(self.ep.on(Yielded(0, sample)))
+            elif out[0] == "err":
+                self.todo.extend(self.ep.on(YieldFailed(0, out[2].to_exception())))
+            else:  # "done"
+                self.todo.extend(self.ep.on(PullDone(0, out[1], out[2])))
+
+    def stop(self) -> None:
+        self._done = True
+        self.streams.drop(0)
+
+    def __del__(self) -> None:
+        try:
+            self.streams.drop(0)
         except Exception:
             pass
 

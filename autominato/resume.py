@@ -35,25 +35,28 @@ class Progress:
 
     Args:
         epoch: the epoch the iterator runs.
-        size: positions in the epoch's order (after ``drop_last``'s truncation).
+        size: positions in the epoch's order (after ``drop_last``'s truncation); ``None`` for
+            an iterable dataset's epoch, where only batches are counted.
         done: positions delivered before (a resumed epoch).
         batches: batches yielded before (a resumed epoch).
         samplers: ``state_dict()`` of the stateful samplers as the epoch started.
     """
 
-    def __init__(self, epoch: int, size: int, done: Iterable[int] = (), batches: int = 0,
+    def __init__(self, epoch: int, size: int | None, done: Iterable[int] = (), batches: int = 0,
                  samplers: dict | None = None) -> None:
         self.epoch = epoch
         self.size = size
-        self.delivered = np.zeros(size, dtype=bool)
-        self.delivered[np.fromiter(done, dtype=np.int64)] = True
+        self.delivered = None if size is None else np.zeros(size, dtype=bool)
+        if self.delivered is not None:
+            self.delivered[np.fromiter(done, dtype=np.int64)] = True
         self.batches = batches
         self.samplers = samplers or {}
         self.finished = False
 
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
-        self.delivered[np.fromiter(positions, dtype=np.int64)] = True
+        if self.delivered is not None:
+            self.delivered[np.fromiter(positions, dtype=np.int64)] = True
         self.batches += 1
 
 

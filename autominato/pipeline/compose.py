@@ -13,12 +13,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autominato.pipeline.errors import ErrorReport
+from autominato.pipeline.errors import ErrorReport, WorkerInitError
 from autominato.pipeline.executor import ProcessWorkers
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.shm import pack, packed_nbytes, use_slot
 from autominato.pipeline.stage import Result, Stage
-from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
+from autominato.pipeline.worker import (
+    Streams,
+    WorkSpec,
+    install_thread_getter,
+    run_sample,
+    sample_path,
+    start_worker,
+)
 
 if TYPE_CHECKING:
     from autominato.pipeline.scheduler import Pipeline
@@ -41,9 +48,31 @@ def compose(p: Pipeline) -> list[Stage]:
     * process workers, ``fuse_read`` (default): one stage of processes that read and transform.
     * process workers, ``fuse_read=False``: read threads, then transform processes; samples
       cross through shared memory.
+    * an iterable dataset (``cfg.iterable``): one stage of processes or threads, each pull
+      iterating a shard and transforming (:class:`~autominato.pipeline.worker.Streams`);
+      ``fuse_read`` does not apply (a shard is read where it is iterated).
+
+    Transform threads are workers as processes are: each has an id in ``[0, workers)``, its
+    ``get_worker_info()`` (torch's getter is wrapped for threads, see
+    :func:`~autominato.pipeline.worker.install_thread_getter`) and runs ``worker_init_fn``; an
+    error there is posted as ``("fatal", exception)``.
     """
     cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
     plain = WorkSpec(spec.dataset, None, False, spec.seed)
+
+    def thread_init(wid: int) -> bool:
+        try:
+            start_worker(spec, wid, k.workers, f"thread {threading.current_thread().name}",
+                         process=False)
+        except WorkerInitError as e:
+            post(("fatal", e))
+            return False
+        return True
+
+    def pull(key: tuple, item: tuple) -> Result:
+        gen, shard, shards, epoch, seq, n = item
+        where = f"worker {shard} (thread {threading.current_thread().name})"
+        return Result("transform", key, list(p.streams.pull(gen, shard, shards, epoch, seq, n, where)))
 
     def stage(name: str, executor: Any, capacity: Callable[[], int]) -> Stage:
         return Stage(name, executor, p._hook(name), capacity)
@@ -95,13 +124,19 @@ def compose(p: Pipeline) -> list[Stage]:
     if k.workers == 0:
         return [stage("transform", ThreadExecutor("transform", read_and_transform, post, k.read_threads), reads)]
     if cfg.worker_kind == "thread":
+        install_thread_getter()
+        if cfg.iterable:
+            p.streams = Streams(spec, process=False)
+            return [stage("transform", ThreadExecutor("transform", pull, post, k.workers, thread_init),
+                          lambda: 0)]
         return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
-                stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
+                stage("transform", ThreadExecutor("transform", transform, post, k.workers, thread_init),
+                      ahead)]
     workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
     p.procs = ProcessExecutor("transform", workers, cfg.batch_size, cfg.max_tries, p._fail_runs,
                               cfg.start_method)
     p.procs.resize(k.workers)  # those not forked already start from the fork server
-    if cfg.fuse_read:
+    if cfg.fuse_read or cfg.iterable:
         return [stage("transform", p.procs, lambda: 0)]
     return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
             stage("transform", p.procs, ahead)]

@@ -81,6 +81,10 @@ class SampleTimeout(SampleError, TimeoutError):
     """A sample took longer than the loader's ``timeout``; its worker was replaced."""
 
 
+class WorkerInitError(RuntimeError):
+    """``worker_init_fn`` raised in a worker; the original exception is the cause."""
+
+
 class _RemoteTraceback(Exception):
     """Holds a worker's traceback text so that it prints under the re-raised exception."""
 
@@ -144,6 +148,8 @@ class ErrorReport:
         return cls(index, path, worker, f"{t.__module__}.{t.__qualname__}", message, tb, pickled)
 
     def where(self) -> str:
+        if self.index < 0:  # not a dataset index (worker_init_fn, an iterable's stream)
+            return f"in {self.worker}"
         where = f"sample index {self.index}"
         if self.path:
             where += f" (file {self.path})"

@@ -50,44 +50,58 @@ class ThreadWorkers:
     from a hung network file system) cannot be killed: :meth:`abandon` stops counting it and
     starts a replacement; when ``fn`` returns at last, its event is still posted (the scheduler
     discards it, freeing what it holds) and the thread ends.
+
+    Each thread has an id in ``[0, size)``, as the DataLoader's workers: a new thread takes
+    the lowest free id, and shrinking retires the highest ids first. ``init(id)`` runs first
+    in every new thread (replacements included); when it returns False the thread ends.
     """
 
-    def __init__(self, name: str, fn: Callable[[Any], tuple], post: Post) -> None:
+    def __init__(self, name: str, fn: Callable[[Any], tuple], post: Post,
+                 init: Callable[[int], bool] | None = None) -> None:
         self.name = name
         self.fn = fn
         self.post = post
+        self.init = init
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._alive = 0
-        self._retire = 0
-        self._stuck = 0  # abandoned threads still inside fn
+        self._live: set[int] = set()  # ids of threads that serve (not retiring, not abandoned)
+        self._retiring: set[int] = set()  # ids of threads asked to end
         self._ids = itertools.count()
         self._threads: set[threading.Thread] = set()  # started and not yet returned
         self._running: dict[int, tuple[Any, float]] = {}  # thread id -> (task, start time)
         self._abandoned: set[int] = set()
+        self._slot: dict[int, int] = {}  # thread ident -> its id, while it serves
         self.in_flight = 0
         self._closed = False
 
     @property
     def size(self) -> int:
-        return self._alive - self._retire - self._stuck
+        return len(self._live)
 
     def resize(self, n: int) -> None:
         with self._lock:
             want = max(0, n)
-            cur = self._alive - self._retire
-            if want > cur:
-                cancel = min(self._retire, want - cur)
-                self._retire -= cancel
-                for _ in range(want - cur - cancel):
-                    t = threading.Thread(
-                        target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True
-                    )
-                    self._alive += 1
-                    self._threads.add(t)
-                    t.start()
-            elif want < cur:
-                self._retire += cur - want
+            while len(self._live) < want and self._retiring:
+                slot = min(self._retiring)  # not gone yet: it serves on
+                self._retiring.discard(slot)
+                self._live.add(slot)
+            while len(self._live) < want:
+                slot = 0
+                while slot in self._live or slot in self._retiring:
+                    slot += 1
+                self._spawn(slot)
+            while len(self._live) > want:
+                slot = max(self._live)
+                self._live.discard(slot)
+                self._retiring.add(slot)
+
+    def _spawn(self, slot: int) -> None:
+        """Start the thread of id ``slot`` (the lock is held)."""
+        t = threading.Thread(target=self._loop, args=(slot,),
+                             name=f"autominato-{self.name}-{next(self._ids)}", daemon=True)
+        self._live.add(slot)
+        self._threads.add(t)
+        t.start()
 
     def capacity(self) -> int:
         return max(0, self.size - self.in_flight)
@@ -105,34 +119,52 @@ class ThreadWorkers:
                     if now - t0 > limit and tid not in self._abandoned]
 
     def abandon(self, task: Any) -> bool:
-        """Give up on the thread running ``task`` and start a replacement (see the class doc)."""
+        """Give up on the thread running ``task`` and start a replacement with its id (see the
+        class doc)."""
         with self._lock:
             tid = next((t for t, (held, _) in self._running.items() if held is task), None)
             if tid is None or tid in self._abandoned:
                 return False
             self._abandoned.add(tid)
-            self._stuck += 1
             self.in_flight -= 1
-            t = threading.Thread(target=self._loop, name=f"autominato-{self.name}-{next(self._ids)}", daemon=True)
-            self._alive += 1
-            self._threads.add(t)
-        t.start()
+            slot = self._slot.pop(tid)
+            if slot in self._live:
+                self._live.discard(slot)
+                self._spawn(slot)
+            else:
+                self._retiring.discard(slot)  # it was to end anyway
         return True
 
-    def _loop(self) -> None:
+    def _end(self, slot: int | None) -> None:
+        """This thread ends (the lock is held)."""
+        if slot is not None:
+            self._retiring.discard(slot)
+            self._live.discard(slot)
+            self._slot.pop(threading.get_ident(), None)
+        self._threads.discard(threading.current_thread())
+
+    def _loop(self, slot: int) -> None:
         tid = threading.get_ident()
+        with self._lock:
+            self._slot[tid] = slot
+        if self.init is not None and not self.init(slot):
+            with self._lock:
+                self._end(slot)
+            return
         while True:
             with self._lock:
-                if self._retire > 0 or self._closed:
-                    self._retire = max(0, self._retire - 1)
-                    self._alive -= 1
-                    self._threads.discard(threading.current_thread())
+                if slot in self._retiring or self._closed:
+                    self._end(slot)
                     return
             try:
                 task = self._q.get(timeout=0.05)
             except queue.Empty:
                 continue
             with self._lock:
+                if slot in self._retiring or self._closed:  # retired while it waited
+                    self._q.put(task)
+                    self._end(slot)
+                    return
                 self._running[tid] = (task, time.monotonic())
             event = self.fn(task)
             with self._lock:
@@ -140,9 +172,7 @@ class ThreadWorkers:
                 stuck = tid in self._abandoned
                 if stuck:
                     self._abandoned.discard(tid)
-                    self._stuck -= 1
-                    self._alive -= 1
-                    self._threads.discard(threading.current_thread())
+                    self._end(None)  # its id serves in its replacement now
                 else:
                     self.in_flight -= 1
             self.post(event)
@@ -174,6 +204,7 @@ class ProcWorker:
     task_started: float = 0.0
     retiring: bool = False
     info: dict = field(default_factory=dict)
+    slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
 
 
 class _Child:
@@ -216,6 +247,12 @@ class ProcessWorkers:
     :meth:`start_one` only sends a request: a worker is usable once its ``("ready", pid)``
     reply arrives, and a start that fails is reported as a death.
 
+    Each worker has an internal ``wid`` that never repeats and an id (``slot``) in
+    ``[0, workers)`` as the DataLoader's worker ids: a new worker (a replacement, or one added)
+    takes the lowest id no active worker has, and shrinking retires the highest ids. Its
+    first message carries that id, the worker count and :attr:`dataset` (see
+    :func:`~autominato.pipeline.worker.process_main`).
+
     Events posted: ``("proc", wid, reply)`` for each reply of a worker and
     ``("died", wid, exitcode)`` when a worker process ends without being asked to
     (``exitcode`` as multiprocessing's: ``-9`` for SIGKILL; ``None`` when unknown, e.g. the
@@ -242,6 +279,11 @@ class ProcessWorkers:
         self.spec = spec
         self.post = post
         self.kind = zygote_kind(start_method)
+        #: The worker count that new workers are told (``WorkerInfo.num_workers``).
+        self.target = initial
+        #: The dataset cloudpickled, sent to every new worker in place of the spec's (set by
+        #: :meth:`send_dataset`), or ``None``.
+        self.dataset: bytes | None = None
         self.workers: dict[int, ProcWorker] = {}
         self.dead: dict[int, ProcWorker] = {}
         # Intra-op thread cap of each worker that does not descend from this process by fork.
@@ -308,11 +350,12 @@ class ProcessWorkers:
                 if not w.proc.forked:
                     self._send_control(w, ("threads", threads))
         self.threads = threads
+        self.target = n
         for _ in range(n - len(active)):
             self.start_one()
         if n < len(active):
-            # Retire idle workers first, newest first; busy ones finish their sample first.
-            victims = sorted(active, key=lambda w: (w.task is not None, -w.wid))[: len(active) - n]
+            # Retire the highest ids, so that ids stay in [0, n); busy ones finish first.
+            victims = sorted(active, key=lambda w: -w.slot)[: len(active) - n]
             for w in victims:
                 w.retiring = True
                 if w.task is None:
@@ -324,22 +367,30 @@ class ProcessWorkers:
         parent, child = mp.Pipe(duplex=True)  # a socket pair: the worker's line to us
         w = ProcWorker(wid, _Child(None), parent)
         with self._lock:
+            taken = {v.slot for v in self.workers.values() if not v.retiring}
+            while w.slot in taken:
+                w.slot += 1
             self.workers[wid] = w
             self._children[wid] = w
         try:
-            for attempt in range(2):
-                z = w.proc.zygote = self._zygote_for_start()
-                try:
-                    z.request(wid, child.fileno(), 1 if z.forked else self.threads)
-                    break
-                except OSError:
-                    z.broken = True  # it died; its end of file is handled by the collector
-                    if attempt:
-                        raise
+            try:
+                for attempt in range(2):
+                    z = w.proc.zygote = self._zygote_for_start()
+                    try:
+                        z.request(wid, child.fileno(), 1 if z.forked else self.threads)
+                        break
+                    except OSError:
+                        z.broken = True  # it died; its end of file is handled by the collector
+                        if attempt:
+                            raise
+            finally:
+                child.close()  # before the first message: a worker that never starts ends it
+            try:
+                parent.send(("init", w.slot, max(self.target, w.slot + 1), self.dataset))
+            except OSError:
+                pass  # it did not start: the zygote reports that
         except (OSError, ValueError) as e:
             self._start_failed(w, e)
-        finally:
-            child.close()
         self._wake()
         return w
 
@@ -353,6 +404,18 @@ class ProcessWorkers:
         if isinstance(e, ValueError):  # the spec cannot be pickled: say so in the training loop
             self.post(("proc", w.wid, ("fatal", ErrorReport.capture(e, -1, None, f"worker {w.wid}"))))
         self.post(("died", w.wid, None))
+
+    def send_dataset(self, payload: bytes) -> None:
+        """Replace the dataset of every worker, and of those started later, by ``payload``
+        (the dataset cloudpickled): ``persistent_workers=False``. A worker takes it after the
+        message it is serving."""
+        self.dataset = payload
+        self.broadcast(("dataset", payload))
+
+    def broadcast(self, msg: tuple) -> None:
+        """Send ``msg`` to every worker (served after the message each is on)."""
+        for w in list(self.workers.values()):
+            self._send_control(w, msg)
 
     def idle(self) -> list[ProcWorker]:
         return [w for w in list(self.workers.values()) if w.ready and w.task is None and not w.retiring]

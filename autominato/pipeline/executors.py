@@ -32,10 +32,10 @@ class ThreadExecutor:
     """
 
     def __init__(self, name: str, fn: Callable[[Any, Any], Result], post: Callable[[Result], None],
-                 size: int) -> None:
+                 size: int, init: Callable[[int], bool] | None = None) -> None:
         self.name = name
         self._post = post
-        self._pool = ThreadWorkers(name, lambda task: _guarded(name, fn, *task), post)
+        self._pool = ThreadWorkers(name, lambda task: _guarded(name, fn, *task), post, init)
         self._pool.resize(size)
 
     def submit(self, key: Any, item: Any) -> None:
@@ -120,6 +120,7 @@ class ProcessExecutor:
         self.chunk = 1
         self._startup_deaths = 0
         self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
+        self._pulls: list[tuple[int, Any, tuple]] = []  # (worker id, key, message), not yet sent
         self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
         self._alone: set = set()  # (gen, pos) of items to send one per message (suspects)
         self.want = workers.size
@@ -127,8 +128,25 @@ class ProcessExecutor:
     def submit(self, key: Any, item: Any) -> None:
         self._pending.append((key, item))
 
+    def pull(self, slot: int, key: Any, msg: tuple) -> None:
+        """Send ``msg`` (a pull of an iterable dataset's shard, see ``worker.process_main``) to
+        the worker of id ``slot`` when it is idle; its outcomes come back as :class:`Result` s
+        of ``key`` whose ``value`` is a list of outcomes."""
+        self._pulls.append((slot, key, msg))
+
     def flush(self) -> None:
         """Send the submitted items, spread evenly over the idle workers."""
+        if self._pulls:
+            idle = {w.slot: w for w in self.pool.idle()}
+            waiting = []
+            for slot, key, msg in self._pulls:
+                w = idle.pop(slot, None)
+                if w is None:
+                    waiting.append((slot, key, msg))
+                    continue
+                self._held[w.wid] = [key]
+                self.pool.send(w, [key], msg)
+            self._pulls = waiting
         if not self._pending:
             return
         idle = self.pool.idle()
@@ -169,9 +187,13 @@ class ProcessExecutor:
     def pids(self) -> list[int]:
         return self.pool.pids()
 
-    def forget(self, gen: int) -> None:
-        """A run ended: its suspects need not go alone any more."""
+    def forget(self, gen: int) -> list[Any]:
+        """A run ended: its suspects need not go alone any more, and its pulls not yet sent are
+        dropped (returned)."""
         self._alone = {k for k in self._alone if k[0] != gen}
+        gone = [(key, msg) for _, key, msg in self._pulls if key[0] == gen]
+        self._pulls = [p for p in self._pulls if p[1][0] != gen]
+        return gone
 
     def expire(self, seconds: float) -> None:
         now = time.monotonic()
@@ -207,6 +229,14 @@ class ProcessExecutor:
         if kind == "fatal":
             self.on_fatal(reply[1].to_exception())
             return []
+        if kind == "stream":  # ("stream", key, [outcome, ...], final)
+            _, key, outcomes, final = reply
+            if w is not None:
+                w.task_started = time.monotonic()
+                if final and w.task is not None:
+                    self._held.pop(wid, None)
+                    pool.task_done(w)
+            return [Result(self.name, key, outcomes)]
         held = self._held.get(wid, [])
         out = []
         for sub in reply[1]:
@@ -238,14 +268,14 @@ class ProcessExecutor:
         held = self._held.pop(wid, [])
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
-        who = f"worker {wid} (pid {w.pid})"
+        who = f"worker {w.slot} (pid {w.pid})"
         if not w.ready:
             self._startup_deaths += 1
             if self._startup_deaths >= self.max_startup_deaths:
                 if self._startup_deaths == self.max_startup_deaths:
                     self.on_fatal(WorkerDied(
                         f"{self._startup_deaths} transform worker processes in a row died before "
-                        f"they were ready (the last: worker {wid}, pid {w.pid}, {how}). The "
+                        f"they were ready (the last: worker {w.slot}, pid {w.pid}, {how}). The "
                         "dataset or transform cannot be set up in a worker process (it is "
                         "unpickled or inherited there; check its imports and __setstate__), "
                         f"or memory is short (workers start with {self.start_method!r})",

@@ -139,7 +139,8 @@ log = logging.getLogger("autominato.pipeline")
 
 def plan(spec: Any) -> Plan:
     """The :class:`Plan` of ``spec`` (a :class:`~autominato.pipeline.worker.WorkSpec`) for the
-    calling thread, built at its first call in the thread and cached while ``spec`` lives.
+    calling thread, built at its first call in the thread and cached while ``spec`` lives and
+    holds the same dataset and transform.
 
     Every part is given a ``RandomState`` of its own when it still uses the class attribute
     ``Randomizable.R`` (shared by every instance that never called ``set_random_state``), so
@@ -148,7 +149,8 @@ def plan(spec: Any) -> Plan:
     if plans is None:
         plans = _local.plans = {}
     hit = plans.get(id(spec))
-    if hit is not None and hit[0]() is spec:
+    # The spec's dataset may be replaced (persistent_workers=False sends it anew each epoch).
+    if hit is not None and hit[0]() is spec and hit[2] is spec.dataset and hit[3] is spec.transform:
         return hit[1]
     cls = randomizable_class()
     dataset, transform = spec.dataset, spec.transform
@@ -166,7 +168,7 @@ def plan(spec: Any) -> Plan:
     for part in (*p.dataset_parts, *p.transform_parts):
         if "R" not in vars(part):
             part.R = np.random.RandomState()
-    for k in [k for k, (ref, _) in plans.items() if ref() is None]:
+    for k in [k for k, (ref, *_) in plans.items() if ref() is None]:
         del plans[k]  # plans of loaders gone
-    plans[id(spec)] = (weakref.ref(spec), p)
+    plans[id(spec)] = (weakref.ref(spec), p, spec.dataset, spec.transform)
     return p

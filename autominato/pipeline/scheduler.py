@@ -42,17 +42,19 @@ from autominato.pipeline.epoch import (
     Raise,
     Skip,
 )
-from autominato.pipeline.errors import SampleError, describe
+from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.shm import (
     SlotPool,
+    packed_nbytes,
     unpack,
     use_slot,
 )
 from autominato.pipeline.stage import Result, Stage
 from autominato.pipeline.stats import StageStats
-from autominato.pipeline.worker import WorkSpec, sample_path
+from autominato.pipeline.stream import Pull, PullDone, ShardLost, Stream, Yielded, YieldFailed
+from autominato.pipeline.worker import Streams, WorkSpec, sample_path
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -77,7 +79,10 @@ class PipelineConfig:
         pin_memory: collate into page-locked (pinned) host memory even without ``device``
             (the DataLoader's ``pin_memory=True``).
         persistent_workers: workers keep the dataset they started with (else it is sent to
-            them again at the start of each epoch, as the DataLoader's fresh workers see it).
+            them again at the start of each epoch, as the DataLoader's fresh workers see it:
+            see :meth:`Pipeline.start`).
+        iterable: the dataset is iterated, not indexed (``IterableDataset``): runs are
+            :meth:`Pipeline.start_stream`, each worker iterating its shard.
     """
 
     batch_size: int
@@ -95,6 +100,7 @@ class PipelineConfig:
     shm_budget_bytes: int = 1 << 30
     persistent_workers: bool = True
     pin_memory: bool = False
+    iterable: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -119,7 +125,7 @@ class Run:
 
     gen: int
     epoch_no: int
-    epoch: Epoch
+    epoch: Epoch | Stream
     out: deque = field(default_factory=deque)
     cv: threading.Condition = field(default_factory=threading.Condition)
     uncollated: int = 0  # samples emitted to the batch stage, not yet collated
@@ -192,9 +198,16 @@ class Pipeline:
         self._batch_ids = itertools.count()
         self._collating: dict[tuple, int] = {}  # batch key -> samples, until collated
         self.procs: ProcessExecutor | None = None
+        self.streams: Streams | None = None  # thread workers' iterators of an iterable dataset
+        self._knob_note: int | None = None  # the workers value last said to wait for an epoch
         try:
             self.sample_stages: list[Stage] = compose(self)
+            # persistent_workers=False: the dataset as the workers hold it, to send it again
+            # when it changed (see start)
+            self._dataset_sent = self._pickled_dataset() if self._resends else None
         except BaseException:
+            if self.procs is not None:
+                self.procs.stop()
             self.slots.close()  # an unpicklable dataset, say: leave no /dev/shm lock behind
             raise
         post = self.events.put
@@ -216,19 +229,67 @@ class Pipeline:
               done: Sequence[int] = ()) -> Run:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
         ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``);
-        ``done``: positions delivered before a checkpoint (see ``Epoch.done``)."""
-        if self._stop.is_set():
-            raise RuntimeError("this Loader is closed")
-        if self._fatal is not None or not self.thread.is_alive():
-            raise RuntimeError("autominato's scheduler failed; build a new Loader") from self._fatal
-        self._gen += 1
+        ``done``: positions delivered before a checkpoint (see ``Epoch.done``).
+
+        With ``persistent_workers=False`` and worker processes, the dataset is pickled here (in
+        the caller's thread) and, when the pickle differs from the one the workers hold, sent
+        to each of them before the run's first sample: changes made to it since the last
+        epoch are seen, as by the DataLoader's fresh workers, at the cost of one pickle per
+        epoch and one copy per worker when it changed."""
+        self._check_open()
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
                    skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
                    done=done)
+        return self._start(epoch, ep)
+
+    def start_stream(self, epoch: int) -> Run:
+        """Start a run over an iterable dataset (``cfg.iterable``) for epoch ``epoch``: as many
+        shards as the ``workers`` knob says now, each iterated by the worker of that id (see
+        :class:`~autominato.pipeline.stream.Stream`; the dataset as in :meth:`start`)."""
+        self._check_open()
+        cfg = self.cfg
+        # A process answers a pull sample by sample (every worker.FLUSH_S); a thread answers
+        # at its end: one sample per pull keeps its samples flowing, and sample_timeout per
+        # sample.
+        ep = Stream(max(1, self.knobs.workers), cfg.batch_size, drop_last=cfg.drop_last,
+                    in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
+                    max_pull=cfg.batch_size if self.procs is not None else 1)
+        return self._start(epoch, ep)
+
+    def _check_open(self) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("this Loader is closed")
+        if self._fatal is not None or not self.thread.is_alive():
+            raise RuntimeError("autominato's scheduler failed; build a new Loader") from self._fatal
+
+    def _start(self, epoch: int, ep: Epoch | Stream) -> Run:
+        payload = None
+        if self._resends:
+            payload = self._pickled_dataset()
+            if payload == self._dataset_sent:
+                payload = None
+            else:
+                self._dataset_sent = payload
+        self._gen += 1
         run = Run(self._gen, epoch, ep)
-        self.events.put(("start", run))
+        self.events.put(("start", run, payload))
         return run
+
+    @property
+    def _resends(self) -> bool:
+        return not self.cfg.persistent_workers and self.procs is not None
+
+    def _pickled_dataset(self) -> bytes:
+        import cloudpickle
+
+        try:
+            return cloudpickle.dumps(self.spec.dataset)
+        except Exception as e:
+            raise ValueError(
+                f"persistent_workers=False sends the dataset to the workers at every epoch, so it "
+                f"must be picklable ({type(e).__name__}: {e}); use persistent_workers=True or "
+                "worker_kind='thread'") from e
 
     def stop(self, run: Run) -> None:
         """The consumer abandoned ``run``: free what it holds (its late results too)."""
@@ -307,11 +368,19 @@ class Pipeline:
             for r in self.procs.handle(ev):
                 self._result(r)
         elif kind == "start":
-            run = ev[1]
+            run, payload = ev[1], ev[2]
             self.runs[run.gen] = run
-            if self.procs is not None and self.procs.size < self.knobs.workers:
-                self.procs.resize(self.knobs.workers)  # workers that could not start: again
+            if payload is not None:
+                self.procs.pool.send_dataset(payload)
+            if self.cfg.iterable:
+                self._size_stream_workers()
+            else:
+                for st in self.sample_stages:
+                    if st.executor.size < self._want(st):
+                        st.executor.resize(self._want(st))  # workers that could not start: again
             self._decide(run, run.epoch.start())
+        elif kind == "fatal":  # worker_init_fn raised in a thread worker
+            self._fail_runs(ev[1])
         elif kind == "stop":
             self._end_run(ev[1], None)
         elif kind == "consumed":
@@ -330,10 +399,20 @@ class Pipeline:
         for run in list(self.runs.values()):
             run.finish(("error", exc))
 
+    def _want(self, st: Stage) -> int:
+        return self.knobs.workers if st.name == "transform" else self.knobs.read_threads
+
     def _apply_knobs(self) -> None:
         k = self.knobs
         for st in self.sample_stages:
-            st.executor.resize(k.workers if st.name == "transform" else k.read_threads)
+            if self.cfg.iterable and st.name == "transform" and self.runs:
+                if k.workers != st.executor.size and k.workers != self._knob_note:
+                    self._knob_note = k.workers
+                    log.info("workers=%d takes effect at the next epoch: an iterable dataset's "
+                             "epoch keeps the shards it started with (%d)", k.workers,
+                             st.executor.size)
+                continue
+            st.executor.resize(self._want(st))
         self.slots.set_max_slots(2 * k.pool_size)
         self.batch_pool.max_per_key = k.depth + 3
         for run in self.runs.values():
@@ -364,6 +443,10 @@ class Pipeline:
         for run in self.runs.values():
             if run.epoch.finished:
                 continue
+            if isinstance(run.epoch, Stream):
+                for pull in run.epoch.take(pool - run.epoch.held - run.uncollated):
+                    self._pull(run, pull)
+                continue
             room = min(pool - run.epoch.held - run.uncollated, *(s.room() for s in stages))
             if room <= 0:
                 continue
@@ -374,6 +457,28 @@ class Pipeline:
             st.pump()
             self.stats[st.name].busy = st.executor.busy
         self._pump_batches()
+
+    def _pull(self, run: Run, pull: Pull) -> None:
+        """Send ``pull`` to the worker of id ``pull.shard`` (processes: with one output slot
+        per sample asked, ``self.held[key]``) or to the transform threads."""
+        ep = run.epoch
+        key = (run.gen, "pull", pull.shard)
+        if self.procs is None:
+            self.sample_stages[0].put(key, (run.gen, pull.shard, ep.shards, run.epoch_no, pull.seq, pull.n))
+            return
+        slots = deque(self.slots.acquire(self.out_estimate) if use_slot(self.out_estimate) else None
+                      for _ in range(pull.n))
+        self.held[key] = slots
+        self.procs.pull(pull.shard, key, (
+            "stream", key, run.gen, pull.shard, ep.shards, run.epoch_no, pull.seq,
+            [(s.name, s.size) if s is not None else None for s in slots]))
+
+    def _size_stream_workers(self) -> None:
+        """An iterable dataset: as many workers as the live runs have shards, else as the knob."""
+        want = max((r.epoch.shards for r in self.runs.values()), default=self.knobs.workers)
+        st = self.sample_stages[0]
+        if st.executor.size != want:
+            st.executor.resize(want)
 
     def _first_item(self, run: Run, index: int, key: tuple) -> Any:
         if self.procs is not None and self.sample_stages[0].executor is self.procs:
@@ -419,6 +524,9 @@ class Pipeline:
         if stage is None:
             self._batch_result(r)
             return
+        if r.key[1] == "pull":
+            self._stream_result(stage, r)
+            return
         stage.finished(r)
         gen, pos, attempt = r.key
         run = self.runs.get(gen)
@@ -455,6 +563,62 @@ class Pipeline:
             self._decide(run, run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out)))
         else:
             self._decide(run, run.epoch.on(Failed(pos, attempt, err)))
+
+    def _stream_result(self, stage: Stage, r: Result) -> None:
+        """Outcomes of a pull (see ``worker.Streams.pull``): each sample to the run's
+        :class:`Stream`, each slot used or not freed; a lost pull ends the run."""
+        stage.finished(r, count=False)
+        gen, _, shard = r.key
+        run = self.runs.get(gen)
+        ep = run.epoch if run is not None and not run.epoch.finished else None
+        proc = stage.executor is self.procs
+        slots = self.held.get(r.key) or deque()
+        if not r.ok:  # the worker died or timed out holding the pull
+            self._free(tuple(self.held.pop(r.key, ())))
+            if ep is not None:
+                self._decide(run, ep.on(ShardLost(shard, self._stream_lost(r.error, shard, ep))))
+            return
+        for out in r.value:
+            kind = out[0]
+            if kind == "ok":
+                if proc:
+                    _, _, desc, need, read_s, transform_s, pack_s = out
+                    sub = Result(stage.name, r.key, (desc, need), nbytes=need)
+                    value, used = self._output(stage, sub, (None, slots.popleft()), True)
+                else:
+                    _, _, sample, read_s, transform_s = out
+                    pack_s, need = 0.0, packed_nbytes(sample)
+                    value, used = self._output(stage, Result(stage.name, r.key, sample, nbytes=need), (), True)
+                self.stats["read"].record(read_s, 0.0, 0)
+                stage.hook(transform_s + pack_s, 0.0, need)
+                if ep is None:
+                    self._free(used)
+                else:
+                    self._decide(run, ep.on(Yielded(shard, Carried(value, used))))
+            elif kind == "err":
+                if proc:
+                    self._free((slots.popleft(),))
+                if ep is not None:
+                    self._decide(run, ep.on(YieldFailed(shard, out[2].to_exception())))
+            else:  # "done" or "lost": the pull is answered
+                self._free(tuple(self.held.pop(r.key, ())))
+                if ep is None:
+                    continue
+                if kind == "done":
+                    self._decide(run, ep.on(PullDone(shard, out[1], out[2])))
+                else:
+                    err = WorkerDied(f"worker {shard} no longer holds shard {shard}'s iterator: the "
+                                     "worker that iterated it died between two pulls", worker=f"worker {shard}")
+                    self._decide(run, ep.on(ShardLost(shard, self._stream_lost(err, shard, ep))))
+
+    def _stream_lost(self, err: BaseException | None, shard: int, ep: Stream) -> BaseException:
+        """The error of a shard whose iterator is gone with its worker."""
+        what = "timed out" if isinstance(err, SampleTimeout) else "was lost"
+        return WorkerDied(
+            f"shard {shard} of {ep.shards} of the iterable dataset {what}: {describe(err)}. An "
+            "iterable dataset's stream lives in the worker that iterates it and cannot go on "
+            "in another, so the epoch ends here (on_worker_death does not apply)",
+            worker=getattr(err, "worker", None))
 
     def _output(self, stage: Stage, r: Result, slots: tuple, last: bool) -> tuple[Any, tuple]:
         """The sample a stage produced, and the slots its arrays now lie in."""
@@ -535,8 +699,21 @@ class Pipeline:
         if self.transfer_stage is not None:
             self.transfer_stage.drop(gone)
         if self.procs is not None:
-            self.procs.forget(run.gen)
+            for key, _ in self.procs.forget(run.gen):
+                self._free(tuple(self.held.pop(key, ())))
+        self._drop_streams(run)
         run.finish(last)
+
+    def _drop_streams(self, run: Run) -> None:
+        """An iterable dataset's run ended: its workers forget its iterators, and the worker
+        count follows the knob again once no run needs more."""
+        if not isinstance(run.epoch, Stream):
+            return
+        if self.procs is not None:
+            self.procs.pool.broadcast(("drop", run.gen))
+        elif self.streams is not None:
+            self.streams.drop(run.gen)
+        self._size_stream_workers()
 
     # -- batch and transfer stages -------------------------------------------------------------
     def _batch_result(self, r: Result) -> None:
@@ -559,6 +736,7 @@ class Pipeline:
             return
         if final:
             self.runs.pop(run.gen, None)
+            self._drop_streams(run)
             run.finish(None if run.stopped else payload.item)
             return
         run.batching -= 1

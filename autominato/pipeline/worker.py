@@ -21,6 +21,17 @@ from ``(seed, epoch, index)`` (:func:`reseed_parts`; found once per worker by
 crop depends on the sample, not on the worker, and the same seed gives it bit for bit with
 any worker count.
 
+Worker info. Every worker has an id in ``[0, workers)`` (a replacement, or a worker the
+controller adds, takes the lowest free id, as the DataLoader's ids) and
+``torch.utils.data.get_worker_info()`` returns its ``WorkerInfo(id, num_workers, seed,
+dataset)`` there, ``seed`` being DataLoader's ``base_seed + id`` (the loader's seed as base).
+A process worker sets torch's own process-wide record; thread workers cannot (the training
+loop shares the process), so a thread-kind pipeline wraps torch's getter once
+(:func:`install_thread_getter`) to read a thread-local record first: it still returns ``None``
+in the training loop's thread. :func:`get_worker_info` (``autominato.get_worker_info``) reads
+the same records without the wrapper. ``worker_init_fn(id)`` runs once in every worker before
+its first sample, and again after the dataset is sent anew (``persistent_workers=False``).
+
 Intra-op threads (BLAS, OpenMP, torch) of a worker process:
 
 * A worker that descends from the training process by fork (a zygote forked from it, see
@@ -40,15 +51,16 @@ import inspect
 import os
 import random
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from autominato.pipeline import random_state
-from autominato.pipeline.errors import ErrorReport
+from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
 from autominato.pipeline.shm import SlotCache, pack, unpack
 
 
@@ -85,12 +97,20 @@ class WorkSpec:
     worker_init_fn: Callable[[int], None] | None = None
 
 
-def _seed_sequence(seed: int, epoch: int, index: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, index])
+#: A sample's index: its dataset index, or for an iterable dataset ``(worker id, k)``, the k-th
+#: sample that worker's shard yielded.
+Index = int | tuple[int, int]
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``.
+def _seed_sequence(seed: int, epoch: int, index: Index) -> np.random.SeedSequence:
+    rest = list(index) if isinstance(index, tuple) else [index]
+    return np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, *rest])
+
+
+def sample_rng(seed: int, epoch: int, index: Index) -> np.random.Generator:
+    """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``;
+    for an iterable dataset ``index`` is ``(worker id, k)`` (the k-th sample that worker's
+    shard yielded): ``SeedSequence([seed, epoch, worker id, k])``.
 
     Touches no global generator (see :func:`seed_globals` for worker processes)."""
     return np.random.default_rng(_seed_sequence(seed, epoch, index))
@@ -142,9 +162,9 @@ def sample_path(dataset: Any, index: int) -> str | None:
 
 
 def run_sample(
-    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None
+    spec: WorkSpec, index: Index, epoch: int, read: bool, sample: Any = None
 ) -> tuple[Any, float, float]:
-    """Read (when ``read``) and transform one sample.
+    """Read (when ``read``) and transform one sample (``index``: see :func:`sample_rng`).
 
     Returns:
         ``(sample, read_seconds, transform_seconds)``.
@@ -164,7 +184,7 @@ def run_sample(
     return sample, t1 - t0, time.perf_counter() - t1
 
 
-def reseed_parts(parts: list, seed: int, epoch: int, index: int, group: int) -> None:
+def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int) -> None:
     """Seed the ``RandomState`` of each MONAI ``Randomizable`` in ``parts`` (found by
     :func:`autominato.pipeline.random_state.plan`) with ``_mix(seed, epoch, index, group) + i``
     (mod 2**32), ``i`` its place in ``parts`` and ``group`` 0 for the dataset's, 1 for the
@@ -176,9 +196,187 @@ def reseed_parts(parts: list, seed: int, epoch: int, index: int, group: int) -> 
     tens of microseconds per sample where ``Compose.set_random_state`` takes milliseconds
     (measured on a loaded 2-core machine)."""
     if parts:
-        base = _mix(seed, epoch, index, group)
+        rest = index if isinstance(index, tuple) else (index,)  # (worker id, k): a stream's
+        base = _mix(seed, epoch, *rest, group)
         for i, part in enumerate(parts):
             part.R.seed((base + i) & 0xFFFFFFFF)
+
+
+# -- worker info and worker_init_fn ---------------------------------------------------------
+
+_local = threading.local()
+
+
+def make_info(spec: WorkSpec, wid: int, workers: int, thread: bool = False) -> Any:
+    """torch's ``WorkerInfo`` of worker ``wid`` of ``workers``: ``seed`` is ``spec.seed + wid``
+    (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object this worker holds."""
+    from torch.utils.data._utils.worker import WorkerInfo
+
+    return WorkerInfo(id=wid, num_workers=workers, seed=spec.seed + wid, dataset=spec.dataset,
+                      worker_method="thread" if thread else "multiprocessing")
+
+
+def set_worker_info(info: Any, process: bool) -> None:
+    """Make ``info`` what ``get_worker_info()`` returns in this thread and, in a worker process
+    (``process``), in the whole process through torch's own record."""
+    _local.info = info
+    if process:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = info
+
+
+def get_worker_info() -> Any:
+    """The ``torch.utils.data.WorkerInfo`` (``id``, ``num_workers``, ``seed``, ``dataset``) of
+    the autominato worker, process or thread, that calls it (or of a DataLoader worker);
+    ``None`` in the training loop, as ``torch.utils.data.get_worker_info()``.
+
+    ``num_workers`` is the worker count when the worker started (the ``workers`` knob may
+    change it later); while a worker iterates an iterable dataset's shard it is the epoch's
+    shard count, fixed for the epoch."""
+    info = getattr(_local, "info", None)
+    if info is not None:
+        return info
+    from torch.utils.data._utils import worker as torch_worker
+
+    return torch_worker._worker_info
+
+
+def install_thread_getter() -> None:
+    """Make ``torch.utils.data.get_worker_info()`` see thread workers too: torch's getter reads
+    one process-wide record, which a thread worker cannot set without the training loop seeing
+    it. The wrapper returns this thread's record when it has one, else calls torch's getter
+    (so it returns ``None`` in the training loop as before). Installed once, by the first
+    pipeline with thread workers; code that bound torch's function before (``from
+    torch.utils.data import get_worker_info`` at import time) keeps torch's, which returns
+    ``None`` in a thread worker: :func:`get_worker_info` works there."""
+    import functools
+
+    import torch.utils.data as tud
+    from torch.utils.data._utils import worker as torch_worker
+
+    if getattr(tud.get_worker_info, "_autominato", False):
+        return
+    original = torch_worker.get_worker_info
+
+    @functools.wraps(original)
+    def thread_aware_get_worker_info() -> Any:
+        info = getattr(_local, "info", None)
+        return info if info is not None else original()
+
+    thread_aware_get_worker_info._autominato = True  # type: ignore[attr-defined]
+    tud.get_worker_info = thread_aware_get_worker_info
+    torch_worker.get_worker_info = thread_aware_get_worker_info
+
+
+def start_worker(spec: WorkSpec, wid: int, workers: int, where: str, process: bool) -> None:
+    """Set the worker info of worker ``wid`` of ``workers`` and run ``worker_init_fn(wid)``.
+
+    Raises:
+        WorkerInitError: ``worker_init_fn`` raised (named, with ``where``; the original is
+            the cause).
+    """
+    set_worker_info(make_info(spec, wid, workers, thread=not process), process)
+    if spec.worker_init_fn is not None:
+        try:
+            spec.worker_init_fn(wid)
+        except BaseException as e:  # noqa: BLE001 - reported to the training loop
+            raise WorkerInitError(f"worker_init_fn({wid}) raised {describe(e)} in {where}") from e
+
+
+# -- iterable datasets ---------------------------------------------------------------------------
+
+
+class Streams:
+    """The iterators of an iterable dataset that one worker holds, one per (run, shard).
+
+    A *pull* asks for up to ``n`` more samples of one shard's stream. The shard's iterator is
+    ``iter(dataset)`` called (lazily, at the first pull) with ``get_worker_info()`` returning
+    ``WorkerInfo(id=shard, num_workers=shards)``, so the dataset shards itself as under the
+    DataLoader. The k-th sample a shard yields is transformed with
+    ``sample_rng(seed, epoch, (shard, k))``; in a worker process the global generators are
+    seeded from ``(seed, epoch, shard, k)`` before it is drawn when there is a transform (see
+    :func:`seed_globals`). One pull of a shard at a time: the scheduler sends the next when
+    this one is answered.
+
+    Args:
+        spec: the worker's spec (its ``dataset`` may be replaced between pulls).
+        process: a worker process (else a thread of the training process).
+        info: set the worker info during a pull (``False``: ``num_workers=0``, where
+            ``get_worker_info()`` stays ``None`` as under the DataLoader).
+    """
+
+    def __init__(self, spec: WorkSpec, process: bool, info: bool = True) -> None:
+        self.spec = spec
+        self.process = process
+        self.info = info
+        self._its: dict[tuple[int, int], list] = {}  # (gen, shard) -> [iterator or None, k]
+
+    def pull(self, gen: int, shard: int, shards: int, epoch: int, seq: int, n: int,
+             where: str) -> Iterator[tuple]:
+        """Up to ``n`` outcomes ``("ok", k, sample, read_s, transform_s)`` or
+        ``("err", k, ErrorReport)`` (``next()`` or the transform raised), then one of
+        ``("done", unused, exhausted)`` (``unused`` of the ``n`` were not used: the shard ended)
+        or ``("lost",)``: ``seq > 0`` but this worker holds no such stream (the worker that
+        iterated it died). Never raises."""
+        spec, key = self.spec, (gen, shard)
+        st = self._its.get(key)
+        if st is None:
+            if seq > 0:
+                yield ("lost",)
+                return
+            st = self._its[key] = [None, 0]
+        prev = getattr(_local, "info", None)
+        if self.info:
+            set_worker_info(make_info(spec, shard, shards, thread=not self.process), self.process)
+        seeding = self.process and spec.transform is not None
+        about = f"{where}, sample {{}} of shard {shard} of {shards} of the iterable dataset"
+        try:
+            for i in range(n):
+                k = st[1]
+                st[1] += 1
+                t0 = time.perf_counter()
+                try:
+                    if seeding:
+                        seed_globals(spec.seed, epoch, shard, k)
+                    if st[0] is None:
+                        st[0] = iter(spec.dataset)
+                    sample = next(st[0])
+                except StopIteration:
+                    self._its.pop(key, None)
+                    yield ("done", n - i, True)
+                    return
+                except BaseException as e:  # noqa: BLE001 - the sample's error, reported
+                    if st[0] is None:  # iter() itself failed: the shard has nothing more
+                        self._its.pop(key, None)
+                        yield ("err", k, ErrorReport.capture(e, -1, None, about.format(k)))
+                        yield ("done", n - i - 1, True)
+                        return
+                    yield ("err", k, ErrorReport.capture(e, -1, None, about.format(k)))
+                    continue
+                read_s = time.perf_counter() - t0
+                try:
+                    sample, _, transform_s = run_sample(spec, (shard, k), epoch, read=False,
+                                                        sample=sample)
+                except BaseException as e:  # noqa: BLE001
+                    yield ("err", k, ErrorReport.capture(e, -1, None, about.format(k)))
+                    continue
+                yield ("ok", k, sample, read_s, transform_s)
+            yield ("done", 0, False)
+        finally:
+            if self.info:
+                set_worker_info(prev, self.process)
+
+    def drop(self, gen: int) -> None:
+        """Forget run ``gen``'s streams (it ended or its consumer left), closing generators."""
+        for key in [k for k in list(self._its) if k[0] == gen]:
+            st = self._its.pop(key, None)
+            close = getattr(st[0], "close", None) if st is not None else None
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - a generator's clean-up that fails: ignore
+                    pass
 
 
 #: Variables that BLAS / OpenMP libraries read when they load (OpenBLAS, MKL, BLIS, Apple
@@ -219,15 +417,25 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     """Body of a transform worker process.
 
     ``spec`` is the :class:`WorkSpec` itself (inherited by fork) or its cloudpickle bytes.
-    Messages from the loader: ``None`` (exit), ``("threads", n)`` (cap intra-op threads at
-    ``n``: the worker count changed) or ``("many", [task, ...])``, each task
+    The first message from the loader is ``("init", id, workers, dataset)``: this worker's id
+    in ``[0, workers)`` (:func:`start_worker` runs ``worker_init_fn(id)``) and the dataset
+    cloudpickled, or ``None`` to keep the spec's. Then: ``None`` (exit), ``("threads", n)``
+    (cap intra-op threads at ``n``: the worker count changed), ``("dataset", bytes)`` (a new
+    copy of the dataset, ``persistent_workers=False``: ``worker_init_fn`` runs again, as in a
+    DataLoader's fresh worker), ``("many", [task, ...])``, each task
     ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
-    or ``None``, served in order. Replies: ``("many", [reply, ...])`` (see :data:`FLUSH_S`),
-    each ``("ok", key, desc, need, read_s, transform_s, pack_s)`` or
-    ``("err", key, ErrorReport)``; before them ``("ready", pid)`` once, or
-    ``("fatal", ErrorReport)`` when ``spec`` cannot be unpickled. ``threads`` overrides the
-    spec's ``threads_per_worker``. The worker ends at ``None`` or at the end of ``conn`` (the
-    loader closed or died: only the loader holds the other end).
+    or ``None``, served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
+    (a pull of an iterable dataset's shard, see :class:`Streams`; one slot or ``None`` per
+    sample asked) and ``("drop", gen)`` (forget run ``gen``'s streams). Replies:
+    ``("many", [reply, ...])`` (see :data:`FLUSH_S`), each ``("ok", key, desc, need, read_s,
+    transform_s, pack_s)`` or ``("err", key, ErrorReport)``; ``("stream", key, [outcome, ...],
+    final)``, each outcome ``("ok", k, desc, need, read_s, transform_s, pack_s)``,
+    ``("err", k, ErrorReport)``, ``("done", unused, exhausted)`` or ``("lost",)``, ``final``
+    on the message that ends the pull; before them ``("ready", pid)`` once, or
+    ``("fatal", ErrorReport)`` when ``spec`` or the dataset cannot be unpickled or
+    ``worker_init_fn`` raised (the worker then exits). ``threads`` overrides the spec's
+    ``threads_per_worker``. The worker ends at ``None`` or at the end of ``conn`` (the loader
+    closed or died: only the loader holds the other end).
     """
     # Ctrl-C goes to the whole process group; the loader in the main process handles it and
     # ends the workers, so a worker must not die half-way through writing a reply.
@@ -236,17 +444,23 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     worker = f"worker {wid} (process {os.getpid()})"
     try:
-        if isinstance(spec, (bytes, bytearray)):
-            import cloudpickle
+        try:
+            if isinstance(spec, (bytes, bytearray)):
+                import cloudpickle
 
-            try:
                 spec = cloudpickle.loads(spec)
-            except BaseException as e:
-                conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
-                return
-        limit_threads(spec.threads_per_worker if threads is None else threads)
-        seed_globals(spec.seed, wid)  # per sample too when there is a transform
-        cache = SlotCache()
+            limit_threads(spec.threads_per_worker if threads is None else threads)
+            _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
+            worker = f"worker {wid} (process {os.getpid()})"
+            seed_globals(spec.seed, wid)  # per sample too when there is a transform
+            _new_dataset(spec, payload, wid, workers, worker)
+            cache = SlotCache()
+            streams = Streams(spec, process=True)
+        except (EOFError, OSError):
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported to the training loop
+            conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+            return
         conn.send(("ready", os.getpid()))
     except (EOFError, OSError):
         return  # retired (or the loader closed) before this worker was ready: nothing to say
@@ -257,11 +471,39 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             return  # the loader is gone
         if msg is None:
             return
-        if msg[0] == "threads":
+        kind = msg[0]
+        if kind == "threads":
             limit_threads(msg[1])
             continue
-        if not _serve_chunk(conn, spec, cache, worker, msg[1]):  # ("many", [task, ...])
+        if kind == "drop":
+            streams.drop(msg[1])
+            continue
+        if kind == "dataset":
+            try:
+                _new_dataset(spec, msg[1], wid, workers, worker)
+            except BaseException as e:  # noqa: BLE001
+                try:
+                    conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
+                except (EOFError, OSError):
+                    pass
+                return
+            continue
+        if kind == "stream":
+            ok = _serve_stream(conn, spec, cache, streams, worker, msg)
+        else:
+            ok = _serve_chunk(conn, spec, cache, worker, msg[1])  # ("many", [task, ...])
+        if not ok:
             return
+
+
+def _new_dataset(spec: WorkSpec, payload: bytes | None, wid: int, workers: int, worker: str) -> None:
+    """Take the dataset in ``payload`` (cloudpickled; ``None``: keep the spec's) and (re)start
+    the worker: worker info and ``worker_init_fn``."""
+    if payload is not None:
+        import cloudpickle
+
+        spec.dataset = cloudpickle.loads(payload)
+    start_worker(spec, wid, workers, worker, process=True)
 
 
 #: A worker given several samples in one message replies for all of them in one message, but
@@ -294,19 +536,52 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
 def _serve_chunk(conn, spec: WorkSpec, cache: SlotCache, worker: str, tasks: list) -> bool:
     """Serve several tasks, replying ``("many", [reply, ...])`` (see :data:`FLUSH_S`).
     Returns False when the loader is gone."""
-    replies: list = []
+    return _send_flushing(conn, (_serve(spec, cache, worker, task) for task in tasks),
+                          lambda replies, final: ("many", replies) if replies else None)
+
+
+def _serve_stream(conn, spec: WorkSpec, cache: SlotCache, streams: Streams, worker: str,
+                  msg: tuple) -> bool:
+    """Serve one pull of a shard (see :func:`process_main`): each sample is packed into the next
+    slot of the pull. Returns False when the loader is gone."""
+    _, key, gen, shard, shards, epoch, seq, slots = msg
+    free = iter(slots)
+
+    def outcomes() -> Iterator[tuple]:
+        for out in streams.pull(gen, shard, shards, epoch, seq, len(slots), worker):
+            if out[0] == "ok":
+                _, k, sample, read_s, transform_s = out
+                slot = next(free)
+                t = time.perf_counter()
+                try:
+                    desc, need = pack(sample, cache.get(*slot) if slot is not None else None)
+                except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
+                    yield ("err", k, ErrorReport.capture(e, -1, None, f"{worker}, packing sample {k} of shard {shard}"))
+                    continue
+                del sample
+                yield ("ok", k, desc, need, read_s, transform_s, time.perf_counter() - t)
+            else:
+                if out[0] == "err":
+                    next(free)
+                yield out
+
+    return _send_flushing(conn, outcomes(), lambda outs, final: ("stream", key, outs, final))
+
+
+def _send_flushing(conn, replies: Iterator[tuple], message: Callable[[list, bool], tuple | None]) -> bool:
+    """Send ``replies`` as ``message(part, final)`` (skipped when ``None``): what is there each
+    :data:`FLUSH_S` seconds, and the rest at the end. Returns False when the loader is gone."""
+    part: list = []
     last = time.perf_counter()
-    for task in tasks:
-        replies.append(_serve(spec, cache, worker, task))
-        if time.perf_counter() - last > FLUSH_S:
-            try:
-                conn.send(("many", replies))
-            except (EOFError, OSError, BrokenPipeError):
-                return False
-            replies, last = [], time.perf_counter()
-    if replies:
-        try:
-            conn.send(("many", replies))
-        except (EOFError, OSError, BrokenPipeError):
-            return False
+    try:
+        for reply in replies:
+            part.append(reply)
+            if time.perf_counter() - last > FLUSH_S:
+                conn.send(message(part, False))
+                part, last = [], time.perf_counter()
+        msg = message(part, True)
+        if msg is not None:
+            conn.send(msg)
+    except (EOFError, OSError, BrokenPipeError):
+        return False
     return True

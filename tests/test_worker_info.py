@@ -1,0 +1,216 @@
+"""Workers as the DataLoader's: ids in [0, workers), ``get_worker_info()`` inside them,
+``worker_init_fn`` in every worker (replacements and added ones too), and
+``persistent_workers=False`` seeing the dataset as it is at each epoch (issue 13)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import autominato
+from autominato import Loader
+from autominato.pipeline.errors import WorkerInitError
+
+
+class Info:
+    """Sample i: ``[i, id, num_workers, seed, pid]`` from ``get_worker_info()`` where it is read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        assert info is None or info.dataset is not None
+        if info is None:
+            return np.array([i, -1, -1, -1, os.getpid()], np.int64)
+        return np.array([i, info.id, info.num_workers, info.seed, os.getpid()], np.int64)
+
+
+def info_in_transform(sample, rng):
+    """The transform's view (thread workers: reads run in the read threads)."""
+    torch_info = torch.utils.data.get_worker_info()
+    ours = autominato.get_worker_info()
+    assert torch_info is ours
+    return np.array([sample[0], ours.id, ours.num_workers, ours.seed, threading.get_ident()], np.int64)
+
+
+def rows(loader) -> list[list[int]]:
+    return [r for b in loader for r in b.tolist()]
+
+
+def record_init(folder: str, worker_id: int) -> None:
+    """worker_init_fn: one file per call, ``<id>-<pid>-<thread>-<n>`` (n: calls so far here)."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == worker_id
+    tag = f"{worker_id}-{os.getpid()}-{threading.get_ident()}"
+    n = len([p for p in os.listdir(folder) if p.startswith(tag + "-")])
+    Path(folder, f"{tag}-{n}").touch()
+
+
+def inits(folder: Path) -> list[tuple[int, int, int]]:
+    """(id, pid, thread) of each worker_init_fn call so far."""
+    return [tuple(int(x) for x in p.name.split("-")[:3]) for p in folder.iterdir()]
+
+
+def wait_until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("start_method", ["auto", "forkserver"])
+def test_get_worker_info_in_process_workers_is_torchs_with_dataloaders_seed(start_method):
+    with Loader(Info(24), 4, num_workers=2, seed=100, start_method=start_method,
+                autotune=False) as L:
+        got = rows(L)
+        assert sorted(r[0] for r in got) == list(range(24))
+        assert {(r[1], r[2]) for r in got} <= {(0, 2), (1, 2)}
+        assert all(r[3] == 100 + r[1] for r in got)  # DataLoader's base_seed + worker id
+        assert {r[4] for r in got} <= set(L.worker_pids()) and os.getpid() not in {r[4] for r in got}
+    assert torch.utils.data.get_worker_info() is None and autominato.get_worker_info() is None
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_get_worker_info_in_thread_workers_and_none_in_the_training_loop(workers):
+    seen: list = []
+
+    def spy(sample, rng):
+        seen.append(torch.utils.data.get_worker_info())
+        return info_in_transform(sample, rng) if seen[-1] is not None else sample
+
+    with Loader(Info(30), 3, num_workers=workers, worker_kind="thread", transform=spy, seed=5,
+                autotune=False) as L:
+        got = rows(L)
+        assert torch.utils.data.get_worker_info() is None  # the training loop's thread
+        assert autominato.get_worker_info() is None
+    assert sorted(r[0] for r in got) == list(range(30))
+    if workers == 0:  # no worker: None, as under the DataLoader
+        assert seen == [None] * 30
+        return
+    assert {r[2] for r in got} == {3} and {r[1] for r in got} <= {0, 1, 2}
+    assert all(r[3] == 5 + r[1] for r in got)
+    assert threading.get_ident() not in {r[4] for r in got}
+    # one id per thread
+    assert len({(r[1], r[4]) for r in got}) == len({r[4] for r in got})
+
+
+def test_worker_init_fn_runs_in_every_process_worker_replacements_and_added_ones(tmp_path):
+    init = functools.partial(record_init, str(tmp_path))
+    with Loader(Info(40), 4, num_workers=2, worker_init_fn=init, autotune=False) as L:
+        rows(L)
+        wait_until(lambda: len(inits(tmp_path)) == 2)  # a worker may start after the epoch
+        calls = inits(tmp_path)
+        assert sorted(i for i, _, _ in calls) == [0, 1]
+        assert {p for _, p, _ in calls} == set(L.worker_pids())
+        # a worker killed: its replacement takes the free id and runs worker_init_fn
+        pid_of = {p: i for i, p, _ in calls}
+        victim = L.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        got = rows(L)
+        assert sorted(r[0] for r in got) == list(range(40))
+        wait_until(lambda: len(inits(tmp_path)) == 3)
+        (new,) = [c for c in inits(tmp_path) if c not in calls]
+        assert new[0] == pid_of[victim] and new[1] not in pid_of
+        assert {r[1] for r in got} <= {0, 1}  # ids stay in [0, workers)
+        # a worker the controller (here: the user) adds runs it too, with the next id
+        L.knobs.workers = 3
+        wait_until(lambda: len(inits(tmp_path)) == 4)
+        added = [c for c in inits(tmp_path) if c not in calls and c != new]
+        assert [c[0] for c in added] == [2]
+        got = rows(L)
+        assert sorted(r[0] for r in got) == list(range(40)) and {r[1] for r in got} <= {0, 1, 2}
+    # once per worker: no worker ran it twice
+    assert all(p.name.endswith("-0") for p in tmp_path.iterdir())
+
+
+def test_worker_init_fn_runs_once_in_every_thread_worker_added_ones_too(tmp_path):
+    init = functools.partial(record_init, str(tmp_path))
+    with Loader(Info(20), 4, num_workers=2, worker_kind="thread", transform=info_in_transform,
+                worker_init_fn=init, autotune=False) as L:
+        got = rows(L)
+        wait_until(lambda: len(inits(tmp_path)) == 2)
+        assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 1]
+        assert {p for _, p, _ in inits(tmp_path)} == {os.getpid()}
+        # the threads that ran worker_init_fn(id) are those whose get_worker_info says id
+        assert {(r[1], r[4]) for r in got} <= {(i, t) for i, _, t in inits(tmp_path)}
+        L.knobs.workers = 3
+        wait_until(lambda: len(inits(tmp_path)) == 3)
+        assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 1, 2]
+        L.knobs.workers = 1  # the highest ids retire first
+        got = rows(L)
+        assert {r[1] for r in got} == {0}
+
+
+def broken_init(worker_id: int) -> None:
+    raise OSError(f"cannot open the shard file of worker {worker_id}")
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_an_error_in_worker_init_fn_is_raised_naming_it(kind):
+    with Loader(Info(8), 2, num_workers=1, worker_kind=kind, worker_init_fn=broken_init,
+                autotune=False) as L:
+        with pytest.raises(WorkerInitError, match=r"worker_init_fn\(0\) raised OSError: cannot "
+                                                  "open the shard file of worker 0"):
+            rows(L)
+
+
+class Offset:
+    """Sample i is ``i + offset``; ``offset`` is changed by the training loop between epochs."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.offset = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.int64(i + self.offset)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persistent, tmp_path):
+    ds = Offset(12)
+    init = functools.partial(record_init, str(tmp_path))
+    with Loader(ds, 4, num_workers=2, persistent_workers=persistent, worker_init_fn=init,
+                autotune=False) as L:
+        assert sorted(x for b in L for x in b.tolist()) == list(range(12))
+        wait_until(lambda: len(inits(tmp_path)) == 2)
+        assert sorted(x for b in L for x in b.tolist()) == list(range(12))
+        time.sleep(0.2)
+        assert len(inits(tmp_path)) == 2  # an unchanged dataset is not sent again
+        ds.offset = 100
+        after = sorted(x for b in L for x in b.tolist())
+        if persistent:
+            # True (autominato's default, unlike DataLoader's): the workers keep the dataset
+            # they started with, as DataLoader's persistent workers do
+            assert after == list(range(12))
+            return
+        assert after == list(range(100, 112))
+        # a changed dataset restarts each worker as DataLoader's fresh ones: worker_init_fn again
+        wait_until(lambda: len(inits(tmp_path)) == 4)
+        assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 0, 1, 1]
+        # a replacement worker gets the dataset as last sent, not the one it was forked with
+        os.kill(L.worker_pids()[0], signal.SIGKILL)
+        assert sorted(x for b in L for x in b.tolist()) == list(range(100, 112))
+
+
+def test_persistent_workers_false_with_an_iterable_dataset():
+    from test_iterable import Numbers
+
+    ds = Numbers(10)
+    with Loader(ds, 3, num_workers=2, persistent_workers=False, autotune=False) as L:
+        assert sorted(r[0] for b in L for r in b.tolist()) == list(range(10))
+        ds.n = 14
+        assert sorted(r[0] for b in L for r in b.tolist()) == list(range(14))
