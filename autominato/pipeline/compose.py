@@ -8,6 +8,7 @@ item costs there.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from autominato.pipeline.worker import WorkSpec, run_sample, sample_path
 
 if TYPE_CHECKING:
     from autominato.pipeline.scheduler import Pipeline
+
+log = logging.getLogger("autominato.pipeline")
 
 
 class Packed:
@@ -41,6 +44,8 @@ def compose(p: Pipeline) -> list[Stage]:
     * process workers, ``fuse_read`` (default): one stage of processes that read and transform.
     * process workers, ``fuse_read=False``: read threads, then transform processes; samples
       cross through shared memory.
+    * ``worker_kind="ray"``: Ray actors that read and transform (``fuse_read``, default), or
+      read threads then Ray actors; samples come back through Ray's object store.
     """
     cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
     plain = WorkSpec(spec.dataset, None, False, spec.seed)
@@ -97,6 +102,12 @@ def compose(p: Pipeline) -> list[Stage]:
     if cfg.worker_kind == "thread":
         return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
                 stage("transform", ThreadExecutor("transform", transform, post, k.workers), ahead)]
+    if cfg.worker_kind == "ray":
+        ex = _ray_executor(p, spec)
+        if cfg.fuse_read:
+            return [stage("transform", ex, lambda: 0)]
+        return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
+                stage("transform", ex, ahead)]
     workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
     p.procs = ProcessExecutor("transform", workers, cfg.batch_size, cfg.max_tries, p._fail_runs,
                               cfg.start_method)
@@ -105,6 +116,29 @@ def compose(p: Pipeline) -> list[Stage]:
         return [stage("transform", p.procs, lambda: 0)]
     return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
             stage("transform", p.procs, ahead)]
+
+
+def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
+    """Ray actors for the transform stage; the cluster's room bounds the ``workers`` knob."""
+    from autominato.pipeline.ray_executor import RayExecutor, actor_options
+
+    k = p.knobs
+
+    def bound(actors: int) -> None:
+        lo, hi = k.bounds("workers")
+        if actors == hi:
+            return
+        if k.workers > actors:
+            log.warning("the Ray cluster's free CPUs hold %d transform actors of %s CPU; "
+                        "workers goes from %d to %d", actors,
+                        actor_options(p.cfg.ray_actor_options)["num_cpus"], k.workers, actors)
+        k.set_bounds("workers", min(lo, actors), actors)
+
+    ex = RayExecutor("transform", spec, p.events.put, 0, actor_options(p.cfg.ray_actor_options),
+                     copy=p.cfg.collate_fn is not None, max_startup_deaths=p.cfg.max_tries,
+                     on_fatal=p._fail_runs, on_capacity=bound)
+    ex.resize(k.workers)  # within the bound just read
+    return ex
 
 
 def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:

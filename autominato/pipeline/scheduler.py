@@ -70,10 +70,12 @@ class PipelineConfig:
         sample_timeout: seconds one sample may take in a worker, or ``None``.
         collate_fn: the user's collate function, or ``None`` for pooled collation.
         device: a ``torch.device`` to copy batches to (CUDA: pinned memory, side stream).
-        worker_kind: ``"process"`` or ``"thread"``.
+        worker_kind: ``"process"``, ``"thread"`` or ``"ray"``.
         fuse_read: process workers read as well as transform (else a read stage of threads).
         start_method: see :class:`~autominato.pipeline.executor.ProcessWorkers`.
         shm_budget_bytes: most bytes of shared-memory slots.
+        ray_actor_options: options of the transform actors (``worker_kind="ray"``), see
+            :func:`~autominato.pipeline.ray_executor.actor_options`.
     """
 
     batch_size: int
@@ -89,6 +91,7 @@ class PipelineConfig:
     fuse_read: bool = True
     start_method: str = "auto"
     shm_budget_bytes: int = 1 << 30
+    ray_actor_options: dict | None = None
 
     @property
     def cuda(self) -> bool:
@@ -231,11 +234,18 @@ class Pipeline:
         return self._fatal
 
     def worker_pids(self) -> list[int]:
-        return self.procs.pids() if self.procs is not None else []
+        """PIDs of the transform workers that run on this machine (processes, local actors)."""
+        pids = getattr(self._stage["transform"].executor, "pids", None)
+        return pids() if pids is not None else []
 
     @property
     def worker_restarts(self) -> int:
-        return self.procs.restarts if self.procs is not None else 0
+        return getattr(self._stage["transform"].executor, "restarts", 0)
+
+    def nodes(self) -> tuple:
+        """Remote transform workers by node (:class:`~autominato.pipeline.stats.NodeSnapshot`)."""
+        nodes = getattr(self._stage["transform"].executor, "nodes", None)
+        return nodes() if nodes is not None else ()
 
     @property
     def pool_bytes(self) -> int:
