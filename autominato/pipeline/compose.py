@@ -123,16 +123,23 @@ def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
     from autominato.pipeline.ray_executor import RayExecutor, actor_options
 
     k = p.knobs
+    asked: list[int] = []  # the value the cluster's bound last cut the knob down from
 
     def bound(actors: int) -> None:
         lo, hi = k.bounds("workers")
         if actors == hi:
             return
-        if k.workers > actors:
-            log.warning("the Ray cluster's free CPUs hold %d transform actors of %s CPU; "
-                        "workers goes from %d to %d", actors,
-                        actor_options(p.cfg.ray_actor_options)["num_cpus"], k.workers, actors)
+        now = k.workers
+        if now > actors:
+            log.warning("the Ray cluster's free CPUs hold %d transform actors of %s CPU now; "
+                        "workers goes from %d to %d until they hold more", actors,
+                        actor_options(p.cfg.ray_actor_options)["num_cpus"], now, actors)
+            asked[:] = [now]
         k.set_bounds("workers", min(lo, actors), actors)
+        if asked and actors > hi and now == hi:  # room again, and nobody moved the knob since
+            k.workers = min(asked[0], actors)
+            if asked[0] <= actors:
+                asked.clear()
 
     ex = RayExecutor("transform", spec, p.events.put, 0, actor_options(p.cfg.ray_actor_options),
                      copy=p.cfg.collate_fn is not None, max_startup_deaths=p.cfg.max_tries,

@@ -243,65 +243,80 @@ class RayExecutor:
         self.on_fatal = on_fatal
         self.on_capacity = on_capacity
         self.restarts = 0
-        self._lock = threading.RLock()  # a future already done calls back at once
+        self._lock = threading.Lock()
         self._actors: dict[int, _Actor] = {}
         self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
         self._next_wid = 0
         self._startup_deaths = 0
         self._fatal: BaseException | None = None
+        self._gave_up = False  # actors failed to start max_startup_deaths times in a row
+        self._doomed: list[_Actor] = []  # to kill (retired, or dead) from the scheduler thread
         self._nodes: dict[str, _Node] = {}
         self._stopped = False
         self._capacity: int | None = None
         self._next_capacity = 0.0
         self.want = 0
         _quiet_read_only_warning()
-        self.resize(size)
         self._refresh_capacity()
+        self.resize(size)
 
     # -- the Executor protocol (scheduler thread) ----------------------------------------------
+    # Ray is called only from here, never from its own callback threads (an actor started or
+    # killed from one of them can wait for that very thread), and never under the lock.
     def submit(self, key: Any, item: Any) -> None:
         self._pending.append((key, item))
 
     def flush(self) -> None:
-        """Send submitted samples to idle actors, one each; act on what Ray's threads noted."""
+        """Send submitted samples to idle actors, one each; replace dead actors and kill
+        retired ones (noted by Ray's threads); refresh :meth:`capacity` when due."""
         fatal, self._fatal = self._fatal, None
         if fatal is not None:
             self.on_fatal(fatal)
-        if time.monotonic() >= self._next_capacity:
-            self._refresh_capacity()
+        if self._stopped:
+            return
         with self._lock:
-            if self._stopped:
-                return
+            doomed, self._doomed = self._doomed, []
+            replace = 0 if self._gave_up else max(0, self.want - self._live())
+            sends = []
             for a in self._idle():
                 if not self._pending:
                     break
                 key, item = self._pending.pop(0)
                 a.key, a.sent = key, time.monotonic()
-                ref = a.handle.run.remote(*item)
-                ref.future().add_done_callback(
-                    lambda f, a=a, key=key: self._done(a, key, f))
+                sends.append((a, key, item))
+        self._kill(doomed)
+        for _ in range(replace):
+            self._start()
+        for a, key, item in sends:
+            ref = a.handle.run.remote(*item)
+            ref.future().add_done_callback(lambda f, a=a, key=key: self._done(a, key, f))
+        if time.monotonic() >= self._next_capacity:
+            self._refresh_capacity()
 
     def resize(self, n: int) -> None:
         with self._lock:
             self.want = n
             live = [a for a in self._actors.values() if not a.retiring]
-            if n > len(live):
-                self._startup_deaths = 0  # actors that could not start get a new chance
-                for _ in range(n - len(live)):
-                    self._start()
-                return
+            start = max(0, n - len(live))
+            if start:
+                self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
             # Retire the surplus: those not placed yet first, then idle ones, then busy ones
             # (these finish their sample first).
             live.sort(key=lambda a: (a.ready, a.key is not None))
-            for a in live[:len(live) - n]:
+            doomed = []
+            for a in live[:max(0, len(live) - n)]:
                 a.retiring = True
                 if a.key is None:
-                    self._retire(a)
+                    del self._actors[a.wid]
+                    doomed.append(a)
+        self._kill(doomed)
+        for _ in range(start):
+            self._start()
 
     @property
     def size(self) -> int:
         with self._lock:
-            return sum(1 for a in self._actors.values() if not a.retiring)
+            return self._live()
 
     @property
     def busy(self) -> int:
@@ -315,21 +330,19 @@ class RayExecutor:
     def expire(self, seconds: float) -> None:
         now = time.monotonic()
         with self._lock:
-            for a in self._actors.values():
-                if a.key is not None and a.timed_out is None and now - a.sent > seconds:
-                    a.timed_out = seconds
-                    self._ray.kill(a.handle, no_restart=True)  # its result then says it died
+            late = [a for a in self._actors.values()
+                    if a.key is not None and a.timed_out is None and now - a.sent > seconds]
+            for a in late:
+                a.timed_out = seconds
+        self._kill(late)  # their results then say that they died
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
             actors, self._actors = list(self._actors.values()), {}
+            actors += self._doomed
             self._pending.clear()
-        for a in actors:
-            try:
-                self._ray.kill(a.handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - Ray is shutting down too
-                pass
+        self._kill(actors)
 
     # -- figures ----------------------------------------------------------------------------
     def pids(self) -> list[int]:
@@ -371,31 +384,39 @@ class RayExecutor:
             if self.on_capacity is not None:
                 self.on_capacity(cap)
 
-    # -- actors (under the lock) ----------------------------------------------------------------
-    def _idle(self) -> list[_Actor]:
+    # -- actors ---------------------------------------------------------------------------------
+    def _idle(self) -> list[_Actor]:  # under the lock
         return [a for a in self._actors.values()
                 if a.ready and a.key is None and not a.retiring and a.timed_out is None]
 
+    def _live(self) -> int:  # under the lock
+        return sum(1 for a in self._actors.values() if not a.retiring)
+
     def _start(self) -> None:
-        wid = self._next_wid
-        self._next_wid += 1
+        with self._lock:
+            wid = self._next_wid
+            self._next_wid += 1
         handle = self._cls.remote(wid, [self._spec_ref], list(sys.path), self._threads)
         a = _Actor(wid, handle, time.monotonic())
-        self._actors[wid] = a
+        with self._lock:
+            self._actors[wid] = a
         handle.ready.remote().future().add_done_callback(lambda f, a=a: self._ready(a, f))
 
-    def _retire(self, a: _Actor) -> None:
-        self._actors.pop(a.wid, None)
-        self._ray.kill(a.handle, no_restart=True)
+    def _kill(self, actors: list[_Actor]) -> None:
+        for a in actors:
+            try:
+                self._ray.kill(a.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already (its node was lost), or Ray is down
+                pass
 
-    def _label(self, node_id: str, ip: str) -> str:
+    def _label(self, node_id: str, ip: str) -> str:  # under the lock
         label = f"{ip}/{node_id[:8]}"
         if label not in self._nodes and len(self._nodes) >= MAX_NODES:
             label = "other"
         self._nodes.setdefault(label, _Node())
         return label
 
-    # -- Ray's threads ------------------------------------------------------------------------
+    # -- Ray's threads: note what happened and post results; no Ray call here ------------------
     def _ready(self, a: _Actor, f: Any) -> None:
         try:
             pid, node_id, ip = f.result()
@@ -413,19 +434,19 @@ class RayExecutor:
         with self._lock:
             if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
                 return
+            self._doomed.append(a)
             self._startup_deaths += 1
-            if self._startup_deaths >= self.max_startup_deaths:
-                if self._startup_deaths == self.max_startup_deaths:
-                    self._fatal = WorkerDied(
-                        f"{self._startup_deaths} Ray actors in a row failed to start (the last: "
-                        f"actor {a.wid}: {_first_line(e)}). The dataset or transform cannot be "
-                        "set up on the cluster (it is unpickled there: its module must be "
-                        "importable on every node), or no node can place an actor with "
-                        f"options {self._opts}", worker=f"Ray actor {a.wid}")
+            if self._startup_deaths < self.max_startup_deaths:
+                log.warning("Ray actor %d failed to start (%s); replacing it", a.wid, _first_line(e))
                 return
-            log.warning("Ray actor %d failed to start (%s); replacing it", a.wid, _first_line(e))
-            if self._live() < self.want:
-                self._start()
+            if not self._gave_up:
+                self._gave_up = True
+                self._fatal = WorkerDied(
+                    f"{self._startup_deaths} Ray actors in a row failed to start (the last: "
+                    f"actor {a.wid}: {_first_line(e)}). The dataset or transform cannot be set "
+                    "up on the cluster (it is unpickled there: its code must be importable on "
+                    f"every node), or no node can hold an actor with options {self._opts}",
+                    worker=f"Ray actor {a.wid}")
 
     def _done(self, a: _Actor, key: Any, f: Any) -> None:
         now = time.monotonic()
@@ -438,49 +459,38 @@ class RayExecutor:
             if self._stopped:
                 return
             a.key = None
-            if a.retiring:
-                self._retire(a)
-            node = self._nodes.get(a.node)
+            if a.retiring and self._actors.pop(a.wid, None) is not None:
+                self._doomed.append(a)
+            if reply[0] == "ok":
+                node = self._nodes[a.node]
+                node.items += 1
+                node.nbytes += reply[2].nbytes + len(reply[1])
+                node.service_s += sum(reply[3:])
+                node.round_trip_s += now - a.sent
         if reply[0] == "err":
             self._post(Result(self.name, key, ok=False, error=reply[1].to_exception()))
             return
         _, desc, buf, read_s, transform_s, pack_s = reply
         sample = unpack(desc, buf, copy=self._copy)
-        nbytes = buf.nbytes
-        if node is not None:
-            with self._lock:
-                node.items += 1
-                node.nbytes += nbytes + len(desc)
-                node.service_s += read_s + transform_s + pack_s
-                node.round_trip_s += now - a.sent
         self._post(Result(self.name, key, sample, service_s=transform_s + pack_s, read_s=read_s,
-                          nbytes=nbytes))
+                          nbytes=buf.nbytes))
 
     def _died(self, a: _Actor, key: Any, e: BaseException) -> None:
         with self._lock:
             if self._stopped or self._actors.pop(a.wid, None) is None:
                 return
+            self._doomed.append(a)  # dead, or only its result lost: either way it goes
             self.restarts += 1
             timed_out = a.timed_out
-            who = f"Ray actor {a.wid}" + (f" (pid {a.pid}, node {a.node})" if a.ready else "")
-            if not timed_out:
-                log.warning("%s died (%s); replacing it", who, _first_line(e))
-            if self._live() < self.want:
-                self._start()
-        try:
-            self._ray.kill(a.handle, no_restart=True)  # its node may be gone, or only the object
-        except Exception:  # noqa: BLE001
-            pass
+        who = f"Ray actor {a.wid}" + (f" (pid {a.pid}, node {a.node})" if a.ready else "")
         if timed_out:
             err: BaseException = SampleTimeout(
                 f"took longer than timeout={timed_out} s in {who}; the actor was replaced",
                 worker=who)
         else:
+            log.warning("%s died (%s); replacing it", who, _first_line(e))
             err = WorkerDied(f"{who} died ({_first_line(e)})", worker=who)
         self._post(Result(self.name, key, ok=False, lost=True, timed_out=bool(timed_out), error=err))
-
-    def _live(self) -> int:
-        return sum(1 for a in self._actors.values() if not a.retiring)
 
 
 def _first_line(e: BaseException) -> str:

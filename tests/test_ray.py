@@ -1,0 +1,206 @@
+"""The transform stage on Ray actors (worker_kind="ray"), on one local Ray instance of 2 CPUs:
+exactly-once under knob changes, an actor killed mid-epoch, bit-identity with process
+workers, the actor count following the workers knob, the error policies and timeouts."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from autominato import Loader  # noqa: E402
+from autominato.pipeline.errors import SampleTimeout  # noqa: E402
+from autominato.pipeline.sampler import epoch_order  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def cpus_free():
+    """Ray frees a killed actor's CPU a moment later: start each test with both CPUs free, as
+    the tests size their actors on them."""
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+class Indexed:
+    """Sample i: ((4, 5) float32 filled with i, i)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.full((4, 5), i, np.float32), i
+
+
+class Slow:
+    """A transform of ``seconds`` per sample that reports the process it ran in."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, sample):
+        time.sleep(self.seconds)
+        x, i = sample
+        return x, i, os.getpid()
+
+
+def augment(sample, rng):
+    """Draws from the sample's generator and from every global generator a worker seeds."""
+    x, i = sample
+    noise = rng.standard_normal(x.shape).astype(np.float32)
+    return {"x": torch.from_numpy(x + noise) + torch.rand(x.shape),
+            "legacy": np.random.random_sample(3), "i": i}
+
+
+def indices(loader) -> list[int]:
+    out: list[int] = []
+    for batch in loader:
+        out += batch[1].tolist()
+    return out
+
+
+def test_exactly_once_over_three_shuffled_epochs_with_knob_changes_up_and_down():
+    n = 60
+    with Loader(Indexed(n), 4, shuffle=True, seed=5, worker_kind="ray", workers=1,
+                transform=Slow(0.002), autotune=False) as loader:
+        assert loader.knobs.bounds("workers")[1] == 2  # the cluster's 2 free CPUs, not 4 x cores
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            got, pids = [], set()
+            for k, (_, idx, pid) in enumerate(loader):
+                got += idx.tolist()
+                pids.update(pid.tolist())
+                if k == 2:
+                    loader.knobs.workers = 2
+                    loader.knobs.pool_size = 20
+                    loader.knobs.depth = 4
+                if k == 7:
+                    loader.knobs.workers = 1
+                    loader.knobs.pool_size = 4
+                    loader.knobs.depth = 1
+                if k == 11:
+                    loader.knobs.workers = 2
+            assert collections.Counter(got) == collections.Counter(range(n)), epoch
+            assert os.getpid() not in pids  # every sample ran in an actor
+        assert loader.knobs.workers == 2
+
+
+def test_an_actor_sigkilled_mid_epoch_loses_and_repeats_nothing():
+    n = 40
+    with Loader(Indexed(n), 2, worker_kind="ray", workers=2, transform=Slow(0.05), seed=1,
+                autotune=False) as loader:
+        it = iter(loader)
+        got = next(it)[1].tolist()
+        victim = loader.worker_pids()[0]  # both actors run on this machine
+        os.kill(victim, signal.SIGKILL)
+        for _, idx, _ in it:
+            got += idx.tolist()
+        assert collections.Counter(got) == collections.Counter(range(n))
+        assert loader.snapshot().worker_restarts_total >= 1
+        assert victim not in loader.worker_pids()
+        deadline = time.monotonic() + 60
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(loader.worker_pids()) == 2  # replaced
+        assert indices(loader) and sorted(indices(loader)) == list(range(n))  # next epochs whole
+
+
+def test_every_sample_equals_process_workers_bit_for_bit():
+    got = {}
+    for kind in ("process", "ray"):
+        with Loader(Indexed(24), 5, shuffle=True, seed=11, transform=augment, worker_kind=kind,
+                    workers=2, autotune=False) as loader:
+            loader.set_epoch(3)
+            got[kind] = {}
+            for b in loader:
+                for row, leg, i in zip(b["x"], b["legacy"], b["i"].tolist(), strict=True):
+                    got[kind][i] = (row.numpy().copy(), leg.numpy().copy())
+    assert got["ray"].keys() == got["process"].keys() == set(range(24))
+    for i, (x, leg) in got["process"].items():
+        np.testing.assert_array_equal(got["ray"][i][0], x, err_msg=f"index {i}")
+        np.testing.assert_array_equal(got["ray"][i][1], leg, err_msg=f"index {i}")
+    assert not np.array_equal(got["ray"][0][0], np.zeros((4, 5), np.float32))  # really noisy
+
+
+def test_raising_workers_mid_epoch_grows_the_actor_count():
+    with Loader(Indexed(80), 2, worker_kind="ray", workers=1, transform=Slow(0.02),
+                autotune=False) as loader:
+        it = iter(loader)
+        pids = set(next(it)[2].tolist())
+        assert len(loader.worker_pids()) == 1
+        loader.knobs.workers = 2
+        deadline = time.monotonic() + 60  # an actor takes seconds to start (imports torch)
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _, _, pid in it:
+            pids.update(pid.tolist())
+        assert len(pids) == 2  # a second actor served samples of the same epoch
+        nodes = loader.snapshot().nodes
+        assert sum(nd.workers for nd in nodes) == 2
+        assert sum(nd.items_total for nd in nodes) == 80
+        # Each sample's arrays crossed the object store: x (80 B, aligned to 128) and 2 scalars.
+        assert sum(nd.bytes_total for nd in nodes) >= 80 * 128
+        assert all(nd.round_trip_seconds_total >= nd.service_seconds_total > 0 for nd in nodes)
+
+
+class Broken(Indexed):
+    def sample_path(self, i: int) -> str:
+        return f"/data/case_{i:05d}.nii.gz"
+
+    def __getitem__(self, i: int):
+        if i == 7:
+            raise ValueError("bad header")
+        if i == 9:
+            time.sleep(60)  # hangs
+        return super().__getitem__(i)
+
+
+def test_errors_and_timeouts_follow_the_policies():
+    with Loader(Broken(12), 3, worker_kind="ray", workers=2, on_error="skip", timeout=1.0,
+                autotune=False) as loader:
+        skipped = []
+        loader._on_skip = lambda index, path, exc: skipped.append((index, path, type(exc)))
+        got = indices(loader)
+    assert sorted(got) == [i for i in range(12) if i not in (7, 9)]
+    assert sorted(skipped) == [(7, "/data/case_00007.nii.gz", ValueError),
+                               (9, "/data/case_00009.nii.gz", SampleTimeout)]
+    with Loader(Broken(12), 3, worker_kind="ray", workers=1, autotune=False) as loader:
+        with pytest.raises(ValueError, match="bad header") as info:
+            indices(loader)
+    assert info.value.sample_index == 7
+
+
+def test_in_order_keeps_sampler_order():
+    order = epoch_order(30, epoch=0, seed=4, shuffle=True)
+    with Loader(Indexed(30), 4, shuffle=True, seed=4, in_order=True, worker_kind="ray",
+                workers=2, autotune=False) as loader:
+        loader.set_epoch(0)
+        assert indices(loader) == order
+
+
+def test_ray_arguments_are_checked():
+    with pytest.raises(ValueError, match="ray_actor_options"):
+        Loader(Indexed(4), worker_kind="ray", ray_actor_options={"max_restarts": 3})
+    with pytest.raises(ValueError, match="num_cpus"):
+        Loader(Indexed(4), worker_kind="ray", ray_actor_options={"num_cpus": 0})
+    with pytest.raises(ValueError, match="ray_address"):
+        Loader(Indexed(4), worker_kind="thread", ray_address="auto")
