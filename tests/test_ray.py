@@ -5,9 +5,11 @@ workers, the actor count following the workers knob, the error policies and time
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from autominato import Loader  # noqa: E402
+from autominato.cli import main as cli_main  # noqa: E402
+from autominato.data.prepare import prepare_kits19  # noqa: E402
 from autominato.pipeline.errors import SampleTimeout  # noqa: E402
 from autominato.pipeline.sampler import epoch_order  # noqa: E402
 
@@ -204,3 +208,27 @@ def test_ray_arguments_are_checked():
         Loader(Indexed(4), worker_kind="ray", ray_actor_options={"num_cpus": 0})
     with pytest.raises(ValueError, match="ray_address"):
         Loader(Indexed(4), worker_kind="thread", ray_address="auto")
+
+
+SHARED_LABELS = Path(__file__).resolve().parents[2] / "shared" / "kits19" / "labels"
+
+
+@pytest.mark.skipif(not SHARED_LABELS.is_dir(), reason="../shared/kits19 (real masks) not present")
+def test_prepare_on_ray_writes_what_the_local_run_writes(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name in ("case_00038", "case_00110"):  # the two smallest real masks, linked
+        os.symlink(SHARED_LABELS / f"{name}.nii.gz", raw / f"{name}.nii.gz")
+    local = prepare_kits19(raw, tmp_path / "local", synthesize_ct=True, scale=0.5,
+                           progress=False, log=lambda m: None)
+    argv = ["prepare", "kits19", str(raw), str(tmp_path / "ray"), "--synthesize-ct",
+            "--scale", "0.5", "--no-progress", "--ray"]
+    assert cli_main(argv) == 0
+    files = sorted(p.name for p in (tmp_path / "local").glob("*.npy"))
+    assert files == sorted(p.name for p in (tmp_path / "ray").glob("*.npy"))
+    assert len(files) == 4
+    for name in files:
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes()
+    on_ray = json.loads((tmp_path / "ray" / "prepare.json").read_text())
+    for case, entry in local["cases"].items():
+        assert {**on_ray["cases"][case], "seconds": 0} == {**entry, "seconds": 0}
