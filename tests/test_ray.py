@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,44 @@ def test_prepare_on_ray_writes_what_the_local_run_writes(tmp_path):
     on_ray = json.loads((tmp_path / "ray" / "prepare.json").read_text())
     for case, entry in local["cases"].items():
         assert {**on_ray["cases"][case], "seconds": 0} == {**entry, "seconds": 0}
+
+
+def test_metrics_and_data_monitor_show_the_actors_by_node():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from autominato.telemetry.monitor import diagnose, format_report
+
+    n = 16
+    with Loader(Indexed(n), 4, worker_kind="ray", workers=2, metrics_port=0,
+                autotune=False) as loader:
+        deadline = time.monotonic() + 60
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = loader.snapshot()
+        assert sorted(indices(loader)) == list(range(n))
+        with urllib.request.urlopen(loader.telemetry.url, timeout=5) as r:
+            text = r.read().decode()
+        last = loader.snapshot()
+    (node,) = last.nodes  # one Ray node here
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def scraped(family: str, sample: str) -> float:
+        (s,) = [s for s in fams[family].samples if s.name == sample]
+        assert s.labels["node"] == node.node
+        return s.value
+
+    assert scraped("autominato_remote_samples", "autominato_remote_samples_total") == n
+    assert scraped("autominato_remote_workers", "autominato_remote_workers") == 2
+    # (4, 5) float32 = 80 bytes, aligned to 64 -> 128 bytes of buffer per sample, plus its
+    # descriptor: what crossed the object store.
+    moved = scraped("autominato_remote_bytes", "autominato_remote_bytes_total")
+    assert moved == node.bytes_total and n * 128 < moved < n * (128 + 1024)
+    service = scraped("autominato_remote_service_seconds", "autominato_remote_service_seconds_total")
+    trip = scraped("autominato_remote_round_trip_seconds",
+                   "autominato_remote_round_trip_seconds_total")
+    assert 0 < service <= trip
+    report = format_report(diagnose([first, last]))
+    assert "remote transform workers (Ray)" in report and node.node in report
+    (row,) = diagnose([first, last]).nodes
+    assert (row.workers, row.samples) == (2, n)
+    assert row.round_trip_ms == pytest.approx(trip / n * 1e3)
