@@ -49,7 +49,13 @@ from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.shm import pack, packed_nbytes, unpack
 from autominato.pipeline.stage import Result
 from autominato.pipeline.stats import NodeSnapshot
-from autominato.pipeline.worker import WorkSpec, limit_threads, sample_path, seed_globals, serve_sample
+from autominato.pipeline.worker import (
+    WorkSpec,
+    limit_threads,
+    sample_path,
+    seed_globals,
+    serve_sample,
+)
 
 log = logging.getLogger("autominato.pipeline")
 

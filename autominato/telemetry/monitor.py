@@ -105,11 +105,11 @@ def _node_rows(prev: LoaderSnapshot | None, last: LoaderSnapshot) -> tuple[NodeR
     for nd in last.nodes:
         b = before.get(nd.node)
         n = nd.items_total - (b.items_total if b else 0)
-        per = (lambda total, old: (total - old) / n * 1e3) if n else (lambda *_: math.nan)
+        service = nd.service_seconds_total - (b.service_seconds_total if b else 0.0)
+        trip = nd.round_trip_seconds_total - (b.round_trip_seconds_total if b else 0.0)
         rows.append(NodeRow(
             nd.node, nd.workers, n, (nd.bytes_total - (b.bytes_total if b else 0)) / 2**20,
-            per(nd.service_seconds_total, b.service_seconds_total if b else 0.0),
-            per(nd.round_trip_seconds_total, b.round_trip_seconds_total if b else 0.0)))
+            service / n * 1e3 if n else math.nan, trip / n * 1e3 if n else math.nan))
     return tuple(rows)
 
 
