@@ -441,6 +441,7 @@ class RayExecutor:
             if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
                 return
             self._doomed.append(a)
+            self.restarts += 1  # replaced, as a worker process that dies before it is ready
             self._startup_deaths += 1
             if self._startup_deaths < self.max_startup_deaths:
                 log.warning("Ray actor %d failed to start (%s); replacing it", a.wid, _first_line(e))
