@@ -201,7 +201,6 @@ class _Actor:
 
 @dataclass
 class _Node:
-    workers: int = 0
     items: int = 0
     nbytes: int = 0
     service_s: float = 0.0
@@ -405,7 +404,12 @@ class RayExecutor:
         handle = self._cls.remote(wid, [self._spec_ref], list(sys.path), self._threads)
         a = _Actor(wid, handle, time.monotonic())
         with self._lock:
-            self._actors[wid] = a
+            stopped = self._stopped
+            if not stopped:
+                self._actors[wid] = a
+        if stopped:  # stop() ran meanwhile (from another thread): leave no actor behind
+            self._kill([a])
+            return
         handle.ready.remote().future().add_done_callback(lambda f, a=a: self._ready(a, f))
 
     def _kill(self, actors: list[_Actor]) -> None:
@@ -466,7 +470,9 @@ class RayExecutor:
             if self._stopped:
                 return
             a.key = None
-            if a.retiring and self._actors.pop(a.wid, None) is not None:
+            # Retired, or killed for a timeout just after it finished: either way it goes
+            # (a killed actor that reports no death would otherwise count as live for ever).
+            if (a.retiring or a.timed_out is not None) and self._actors.pop(a.wid, None) is not None:
                 self._doomed.append(a)
             if reply[0] == "ok":
                 node = self._nodes[a.node]
