@@ -67,6 +67,10 @@ CAPACITY_S = 2.0
 #: (Ray keeps an actor that no node can hold pending for ever, without an error).
 PLACEMENT_GRACE_S = 30.0
 
+#: Seconds after this loader killed an actor during which the cluster's free CPUs are not read:
+#: Ray returns a killed actor's CPUs a moment later, and the reading would be short by them.
+RELEASE_S = 3.0
+
 #: Distinct node labels of one loader's metrics at most; later nodes are labelled ``other``
 #: (a label of bounded cardinality, as Prometheus asks).
 MAX_NODES = 64
@@ -260,6 +264,7 @@ class RayExecutor:
         self._stopped = False
         self._capacity: int | None = None
         self._next_capacity = 0.0
+        self._last_kill = -math.inf
         self.want = 0
         _quiet_read_only_warning()
         self._refresh_capacity()
@@ -374,6 +379,8 @@ class RayExecutor:
     def _refresh_capacity(self) -> None:
         self._next_capacity = time.monotonic() + CAPACITY_S
         now = time.monotonic()
+        if now - self._last_kill < RELEASE_S:
+            return  # a killed actor's CPUs are on their way back
         with self._lock:
             starting = [a for a in self._actors.values() if not a.ready]
             if any(now - a.born < PLACEMENT_GRACE_S for a in starting):
@@ -413,6 +420,8 @@ class RayExecutor:
         handle.ready.remote().future().add_done_callback(lambda f, a=a: self._ready(a, f))
 
     def _kill(self, actors: list[_Actor]) -> None:
+        if actors:
+            self._last_kill = time.monotonic()
         for a in actors:
             try:
                 self._ray.kill(a.handle, no_restart=True)
