@@ -67,6 +67,16 @@ OTHER_ARGS = {
 }
 
 
+def _ray_capacity(address: str | None, options: dict | None) -> int:
+    """Connect to Ray (:func:`~autominato.pipeline.ray_executor.connect`) and return the
+    transform actors the cluster's free CPUs hold (at least 1)."""
+    from autominato.pipeline.ray_executor import actor_options, connect, free_actors
+
+    opts = actor_options(options)
+    connect(address)
+    return max(1, free_actors(opts["num_cpus"]))
+
+
 def draw_seed(generator: torch.Generator | None = None) -> int:
     """A base seed drawn from ``generator``, else torch's default generator, as the DataLoader
     draws its own (so ``torch.manual_seed`` makes a run reproducible)."""
@@ -200,7 +210,18 @@ class Loader:
             semantics); when not given, read from ``torch.distributed`` once it is initialised
             (at every pass until then: a Loader built before Lightning's DDP strategy starts
             the process group shards when the group exists).
-        worker_kind: ``"process"`` (default) or ``"thread"`` for GIL-free transforms.
+        worker_kind: ``"process"`` (default), ``"thread"`` for GIL-free transforms, or
+            ``"ray"``: the transform stage runs on Ray actors, on this machine or a cluster
+            (``pip install "autominato[ray]"``; see the README's "Scale out"). ``workers`` is
+            then the actor count, bounded by the cluster's free CPUs. The dataset's files
+            must be reachable from every node (a shared file system, object storage), and
+            its code importable there.
+        ray_address: with ``worker_kind="ray"``: ``None`` connects to ``RAY_ADDRESS`` when
+            set, else starts a local Ray instance sized to the usable cores; ``"auto"``,
+            ``"host:port"`` or ``"ray://host:port"`` as ``ray.init`` takes them. Ignored when
+            this process is connected to Ray already.
+        ray_actor_options: options of each transform actor (``ActorClass.options``: default
+            ``{"num_cpus": 1}``; ``memory``, ``resources``, ``scheduling_strategy``...).
         fuse_read: read inside the transform worker processes (default), so that only the
             transformed sample crosses to the main process. ``False`` adds a separate read
             stage of threads (``read_threads``) for I/O-bound reads (network storage).
@@ -261,6 +282,8 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         worker_kind: str = "process",
+        ray_address: str | None = None,
+        ray_actor_options: dict | None = None,
         fuse_read: bool | None = None,
         on_error: str = "raise",
         on_worker_death: str = "retry",
@@ -312,8 +335,14 @@ class Loader:
                 raise ValueError(f"prefetch_factor={prefetch_factor} and depth={knobs['depth']} "
                                  "name the same knob: give one")
             knobs["depth"] = prefetch_factor
-        if worker_kind not in ("process", "thread"):
-            raise ValueError(f"worker_kind must be 'process' or 'thread', got {worker_kind!r}")
+        if worker_kind not in ("process", "thread", "ray"):
+            raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")
+        if worker_kind == "ray" and is_iterable_dataset(dataset):
+            raise ValueError("worker_kind='ray' takes a map-style dataset (an iterable dataset's "
+                             "shards are iterated by process or thread workers)")
+        if worker_kind != "ray" and (ray_address is not None or ray_actor_options is not None):
+            raise ValueError("ray_address and ray_actor_options are for worker_kind='ray', "
+                             f"got worker_kind={worker_kind!r}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if on_worker_death not in ("retry", "raise"):
@@ -416,6 +445,8 @@ class Loader:
         self.decisions: deque = deque(maxlen=1000)
 
         cores = usable_cores()
+        if worker_kind == "ray":  # the cluster's free CPUs bound the actors, not this machine's
+            cores = _ray_capacity(ray_address, ray_actor_options)
         start = dict(knobs)
         if cfg is not None:
             start = {**cfg["knobs"], **start}
@@ -450,6 +481,7 @@ class Loader:
             worker_kind=worker_kind, fuse_read=fused, start_method=start_method,
             shm_budget_bytes=shm_budget, persistent_workers=self.persistent_workers,
             pin_memory=pin_memory_effective, iterable=self._iterable,
+            ray_actor_options=ray_actor_options,
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
@@ -481,6 +513,8 @@ class Loader:
             # Start the workers now, before telemetry and the controller start threads, so
             # that they can fork (see start_method).
             self._ensure_pipeline()
+        if values["workers"] > 0 and worker_kind == "ray":
+            self._ensure_pipeline()  # actors start placing while the training job sets up
 
         from autominato.telemetry.handle import monitor_interval_from_env
 
@@ -494,7 +528,8 @@ class Loader:
         if autotune:
             from autominato.control import Controller
 
-            self._controller = Controller(me, config=cfg)
+            self._controller = Controller(me, config=cfg,
+                                          cores=cores if worker_kind == "ray" else None)
             self._controller.start()
 
     # ------------------------------------------------------------------ DataLoader API
@@ -784,7 +819,8 @@ class Loader:
 
     # ------------------------------------------------------------------ control surface
     def worker_pids(self) -> list[int]:
-        """PIDs of the transform worker processes (empty with thread workers)."""
+        """PIDs of the transform worker processes (empty with thread workers; with Ray, the
+        actors on this machine)."""
         return self._pipeline.worker_pids() if self._pipeline is not None else []
 
     def report_decision(self, decision: Any) -> None:
@@ -815,6 +851,7 @@ class Loader:
             knobs=self.knobs.as_dict(),
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
+            nodes=p.nodes() if p else (),
         )
 
 

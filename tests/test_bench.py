@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from autominato.bench import run_bench
-from autominato.bench.arms import ARM_NAMES, Arm, Context
+from autominato.bench.arms import DEFAULT_ARMS, Arm, Context
 from autominato.bench.measure import batch_indices, utilisation_series
 from autominato.bench.runner import (
     Options,
@@ -69,7 +69,7 @@ def all_arms(tmp_path_factory):
 def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
     wl, res, _ = all_arms
     recs = {r.arm: r for r in res["results"][0].records}
-    assert set(recs) == set(ARM_NAMES)
+    assert set(recs) == set(DEFAULT_ARMS)
     limit = res["results"][0].limit_s
     for name, r in recs.items():
         assert r.status == "ok", (name, r.status)
@@ -155,7 +155,7 @@ def test_csv_columns_are_stable(all_arms):
         *stats,
         "speedup_vs_dataloader",
     ]
-    assert [r["arm"] for r in rows] == list(ARM_NAMES)
+    assert [r["arm"] for r in rows] == list(DEFAULT_ARMS)
     dl = next(r for r in rows if r["arm"] == "dataloader")
     assert float(dl["speedup_vs_dataloader"]) == 1.0
     for r in rows:  # one repeat: median = min = max

@@ -332,6 +332,20 @@ def test_compose_publishes_ports_on_loopback_only(resolved_compose):
             assert text.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
 
 
+def test_compose_ray_profile_is_a_head_and_a_worker_that_joins_it():
+    r = _compose("--profile", "ray", "config", password="test-only")
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    head, worker = services["ray-head"], services["ray-worker"]
+    assert head["profiles"] == worker["profiles"] == ["ray"]
+    assert "--head --port=6379" in head["environment"]["RAY_START_ARGS"]
+    assert worker["environment"]["RAY_START_ARGS"] == "--address=ray-head:6379"
+    for node in (head, worker):
+        script = node["command"][-1]
+        assert '"/opt/autominato[ray]"' in script and script.endswith("ray start $$RAY_START_ARGS --block")
+        assert any(str(v).split(":")[1] == "/data" for v in node["volumes"] if str(v).startswith("ray-data"))
+
+
 def test_dashboards_check_reports_an_unreachable_prometheus(monkeypatch, capsys):
     import socket
 

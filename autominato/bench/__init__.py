@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``autominato bench [options]`` runs the loaders benchmark; ``autominato bench controller
     [its options]`` runs :mod:`autominato.bench.controller` (its options follow the word).
     """
-    from autominato.bench.arms import ARM_NAMES
+    from autominato.bench.arms import ARM_NAMES, DEFAULT_ARMS
     from autominato.bench.workload import COST_DISTRIBUTIONS, SCENARIOS
 
     parser.set_defaults(bench_suite="loaders")
@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arms",
         nargs="+",
         choices=ARM_NAMES,
-        default=list(ARM_NAMES),
-        help="arms to run (default: all)",
+        default=list(DEFAULT_ARMS),
+        help="arms to run (default: all but autominato-ray)",
     )
     g.add_argument("--repeats", type=int, default=3, help="timed runs per arm (default 3)")
     g.add_argument(

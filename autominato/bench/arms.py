@@ -20,6 +20,10 @@ spdl                   ``spdl.pipeline``: read stage (threads, concurrency 2 x c
                        process pool) -> ``aggregate`` -> collate -> sink(2); completion order
 autominato             ``autominato.Loader`` with defaults (controller on)
 autominato-tuned       ``autominato.Loader(config=...)`` with a file ``autominato tune`` wrote
+autominato-ray         ``autominato.Loader(worker_kind="ray", workers=1)``, controller on: the
+                       transform stage on Ray actors, grown by the controller from one; Ray
+                       is ``RAY_ADDRESS``'s cluster or a local instance of the usable cores,
+                       started before the timed span (opt-in: not in :data:`DEFAULT_ARMS`)
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -44,7 +48,12 @@ ARM_NAMES = (
     "spdl",
     "autominato",
     "autominato-tuned",
+    "autominato-ray",
 )
+
+#: The arms run when none are named: ``autominato-ray`` needs Ray (``autominato[ray]``) and
+#: starts a Ray instance, so it runs when asked for.
+DEFAULT_ARMS = tuple(a for a in ARM_NAMES if a != "autominato-ray")
 
 Built = tuple[Iterable[Any], Callable[[], None]]
 
@@ -104,6 +113,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
             "autominato",
             {"config": ctx.tuned_config} if ctx.tuned_config else {},
         ),
+        "autominato-ray": Arm(
+            "autominato-ray", "autominato", {"autotune": True, "worker_kind": "ray", "workers": 1}
+        ),
     }
 
 
@@ -141,6 +153,11 @@ def preload(arm: Arm) -> None:
         import spdl.pipeline  # noqa: F401
     elif arm.kind == "autominato":
         from autominato import Loader  # noqa: F401
+
+        if arm.params.get("worker_kind") == "ray":
+            from autominato.pipeline.ray_executor import connect
+
+            connect()  # Ray's start-up is the cluster's, not the loader's: before the span
 
 
 def unavailable(arm: Arm) -> str | None:
@@ -291,6 +308,9 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     }
     if p.get("config"):
         kwargs["config"] = p["config"]
+    for name in ("worker_kind", "workers"):
+        if name in p:
+            kwargs[name] = p[name]
     if ctx.device == "cuda":
         kwargs["device"] = "cuda"
     loader = Loader(wl.indexed_dataset(), **kwargs)

@@ -33,6 +33,7 @@ import cloudpickle
 
 from autominato.bench.arms import (
     ARM_NAMES,
+    DEFAULT_ARMS,
     Arm,
     Context,
     build,
@@ -278,7 +279,7 @@ class Options:
         log: progress messages.
     """
 
-    arms: Sequence[str] = ARM_NAMES
+    arms: Sequence[str] = DEFAULT_ARMS
     repeats: int = 3
     isolate: bool = True
     ctx: Context = field(default_factory=lambda: Context(cores=1))

@@ -14,6 +14,10 @@ folder of ``case_XXXXX.nii.gz`` masks. A case with a mask and no image needs
 ``--synthesize-ct``, which paints a CT-like volume on the mask's grid
 (:func:`autominato.data.synthetic.synthesize_ct`); ``prepare.json`` and the output then say so.
 
+With ``--ray [ADDRESS]`` each case is one Ray task, spread over the cluster's CPUs (the raw
+and output folders must then be on a file system that every node mounts at the same path);
+the output is the same file for file.
+
 Cases already written are skipped, so an interrupted run resumes; files are written under a
 temporary name and renamed, so a case on disk is complete.
 """
@@ -211,6 +215,7 @@ def prepare_kits19(
     force: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """Preprocess a KiTS19 folder into ``out`` (see the module docstring).
 
@@ -226,6 +231,9 @@ def prepare_kits19(
         seed: seed of the synthetic images (each case draws from ``(seed, case id)``).
         force: redo cases already on disk, and accept a folder prepared with other settings.
         progress: show a progress bar.
+        ray_address: run one Ray task per case (``jobs`` is then ignored): ``""`` connects
+            to ``RAY_ADDRESS`` or starts a local Ray instance, else an address as
+            ``ray.init`` takes it (``"auto"``, ``"ray://host:port"``). ``None``: no Ray.
 
     Returns:
         the manifest written to ``out/prepare.json`` plus ``"done"``, ``"skipped"`` and
@@ -298,7 +306,10 @@ def prepare_kits19(
     bar = _progress(progress, len(todo))
     with bar as p:
         task = p.add_task("prepare kits19", total=len(todo))
-        if jobs <= 1 or len(todo) <= 1:
+        if ray_address is not None and todo:
+            _prepare_on_ray(todo, out, settings, ray_address, record, failed,
+                            lambda: p.advance(task))
+        elif jobs <= 1 or len(todo) <= 1:
             for c in todo:
                 try:
                     record(c.name, prepare_one(c, out, settings))
@@ -327,6 +338,31 @@ def prepare_kits19(
             f"max {shapes.max(0).tolist()}"
             + ("; images are SYNTHETIC CT" if manifest["synthetic_ct"] else ""))
     return {**manifest, "done": done_now, "skipped": [c.name for c in skipped], "failed": failed}
+
+
+def _prepare_on_ray(todo: list[Case], out: Path, settings: dict[str, Any], address: str,
+                    record: Callable[[str, dict[str, Any]], None], failed: dict[str, str],
+                    advance: Callable[[], None]) -> None:
+    """One Ray task per case (1 CPU each), recorded as each finishes."""
+    import ray
+
+    from autominato.pipeline.ray_executor import connect
+
+    connect(address or None)
+    task = ray.remote(num_cpus=1, max_retries=1)(prepare_one)
+    out = out.resolve()  # the same path on every node, not relative to this process's folder
+    pending = {}
+    for c in todo:
+        c = Case(c.name, c.image.resolve() if c.image is not None else None, c.label.resolve())
+        pending[task.remote(c, out, settings)] = c
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        c = pending.pop(ready[0])
+        try:
+            record(c.name, ray.get(ready[0]))
+        except ValueError as e:  # Ray re-raises the task's ValueError as one
+            failed[c.name] = str(e).strip().splitlines()[-1]
+        advance()
 
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
@@ -379,6 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic images")
     parser.add_argument("--force", action="store_true", help="redo cases already prepared")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="one Ray task per case across a cluster (ADDRESS as ray.init takes "
+                        "it; none: RAY_ADDRESS or a local Ray); the folders must be shared")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -389,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         result = prepare_kits19(
             args.raw, args.out, synthesize_ct=args.synthesize_ct, cases=cases, limit=args.limit,
             scale=args.scale, jobs=args.jobs, seed=args.seed, force=args.force,
-            progress=not args.no_progress,
+            progress=not args.no_progress, ray_address=args.ray,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"autominato prepare: {e}", file=sys.stderr)

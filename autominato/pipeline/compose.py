@@ -8,6 +8,7 @@ item costs there.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from autominato.pipeline.worker import (
 
 if TYPE_CHECKING:
     from autominato.pipeline.scheduler import Pipeline
+
+log = logging.getLogger("autominato.pipeline")
 
 
 class Packed:
@@ -56,6 +59,8 @@ def compose(p: Pipeline) -> list[Stage]:
     ``get_worker_info()`` (torch's getter is wrapped for threads, see
     :func:`~autominato.pipeline.worker.install_thread_getter`) and runs ``worker_init_fn``; an
     error there is posted as ``("fatal", exception)``.
+    * ``worker_kind="ray"``: Ray actors that read and transform (``fuse_read``, default), or
+      read threads then Ray actors; samples come back through Ray's object store.
     """
     cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
     plain = WorkSpec(spec.dataset, None, False, spec.seed)
@@ -132,6 +137,12 @@ def compose(p: Pipeline) -> list[Stage]:
         return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
                 stage("transform", ThreadExecutor("transform", transform, post, k.workers, thread_init),
                       ahead)]
+    if cfg.worker_kind == "ray":
+        ex = _ray_executor(p, spec)
+        if cfg.fuse_read:
+            return [stage("transform", ex, lambda: 0)]
+        return [stage("read", ThreadExecutor("read", read, post, k.read_threads), lambda: 0),
+                stage("transform", ex, ahead)]
     workers = ProcessWorkers(spec, post, cfg.start_method, initial=k.workers)
     p.procs = ProcessExecutor("transform", workers, cfg.batch_size, cfg.max_tries, p._fail_runs,
                               cfg.start_method)
@@ -140,6 +151,36 @@ def compose(p: Pipeline) -> list[Stage]:
         return [stage("transform", p.procs, lambda: 0)]
     return [stage("read", ThreadExecutor("read", read_packed, post, k.read_threads), lambda: 0),
             stage("transform", p.procs, ahead)]
+
+
+def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
+    """Ray actors for the transform stage; the cluster's room bounds the ``workers`` knob."""
+    from autominato.pipeline.ray_executor import RayExecutor, actor_options
+
+    k = p.knobs
+    asked: list[int] = []  # the value the cluster's bound last cut the knob down from
+
+    def bound(actors: int) -> None:
+        lo, hi = k.bounds("workers")
+        if actors == hi:
+            return
+        now = k.workers
+        if now > actors:
+            log.warning("the Ray cluster's free CPUs hold %d transform actors of %s CPU now; "
+                        "workers goes from %d to %d until they hold more", actors,
+                        actor_options(p.cfg.ray_actor_options)["num_cpus"], now, actors)
+            asked[:] = [now]
+        k.set_bounds("workers", min(lo, actors), actors)
+        if asked and actors > hi and now == hi:  # room again, and nobody moved the knob since
+            k.workers = min(asked[0], actors)
+            if asked[0] <= actors:
+                asked.clear()
+
+    ex = RayExecutor("transform", spec, p.events.put, 0, actor_options(p.cfg.ray_actor_options),
+                     copy=p.cfg.collate_fn is not None, max_startup_deaths=p.cfg.max_tries,
+                     on_fatal=p._fail_runs, on_capacity=bound)
+    ex.resize(k.workers)  # within the bound just read
+    return ex
 
 
 def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:

@@ -72,7 +72,7 @@ class PipelineConfig:
         sample_timeout: seconds one sample may take in a worker, or ``None``.
         collate_fn: the user's collate function, or ``None`` for pooled collation.
         device: a ``torch.device`` to copy batches to (CUDA: pinned memory, side stream).
-        worker_kind: ``"process"`` or ``"thread"``.
+        worker_kind: ``"process"``, ``"thread"`` or ``"ray"``.
         fuse_read: process workers read as well as transform (else a read stage of threads).
         start_method: see :class:`~autominato.pipeline.executor.ProcessWorkers`.
         shm_budget_bytes: most bytes of shared-memory slots.
@@ -83,6 +83,8 @@ class PipelineConfig:
             see :meth:`Pipeline.start`).
         iterable: the dataset is iterated, not indexed (``IterableDataset``): runs are
             :meth:`Pipeline.start_stream`, each worker iterating its shard.
+        ray_actor_options: options of the transform actors (``worker_kind="ray"``), see
+            :func:`~autominato.pipeline.ray_executor.actor_options`.
     """
 
     batch_size: int
@@ -101,6 +103,7 @@ class PipelineConfig:
     persistent_workers: bool = True
     pin_memory: bool = False
     iterable: bool = False
+    ray_actor_options: dict | None = None
 
     @property
     def cuda(self) -> bool:
@@ -306,11 +309,18 @@ class Pipeline:
         return self._fatal
 
     def worker_pids(self) -> list[int]:
-        return self.procs.pids() if self.procs is not None else []
+        """PIDs of the transform workers that run on this machine (processes, local actors)."""
+        pids = getattr(self._stage["transform"].executor, "pids", None)
+        return pids() if pids is not None else []
 
     @property
     def worker_restarts(self) -> int:
-        return self.procs.restarts if self.procs is not None else 0
+        return getattr(self._stage["transform"].executor, "restarts", 0)
+
+    def nodes(self) -> tuple:
+        """Remote transform workers by node (:class:`~autominato.pipeline.stats.NodeSnapshot`)."""
+        nodes = getattr(self._stage["transform"].executor, "nodes", None)
+        return nodes() if nodes is not None else ()
 
     @property
     def pool_bytes(self) -> int:

@@ -115,6 +115,28 @@ class StageStats:
 
 
 @dataclass(frozen=True)
+class NodeSnapshot:
+    """The transform workers of one node of a Ray cluster (``worker_kind="ray"``), cumulative.
+
+    Attributes:
+        node: a bounded label, ``"<ip>/<node id prefix>"`` (``"other"`` past the limit).
+        workers: actors of this loader ready on the node now.
+        items_total: samples the node's actors finished.
+        bytes_total: bytes of those samples moved through Ray's object store to this process.
+        service_seconds_total: seconds the actors spent on them (read, transform, pack).
+        round_trip_seconds_total: seconds from sending each sample to its result arriving
+            here (service plus scheduling and object-store transfer).
+    """
+
+    node: str
+    workers: int
+    items_total: int
+    bytes_total: int
+    service_seconds_total: float
+    round_trip_seconds_total: float
+
+
+@dataclass(frozen=True)
 class LoaderSnapshot:
     """Everything the telemetry and the controller may read about a loader at one instant.
 
@@ -136,6 +158,7 @@ class LoaderSnapshot:
         knobs: current knob values by name.
         sample_bytes: mean bytes of one transformed sample (0 before the first).
         pool_bytes: bytes held by the buffer pool (shared-memory slots and batch buffers).
+        nodes: with Ray workers, the transform actors by node (:class:`NodeSnapshot`), else ().
     """
 
     time: float
@@ -155,6 +178,7 @@ class LoaderSnapshot:
     sample_bytes: float
     pool_bytes: int
     extra: dict[str, float] = field(default_factory=dict)
+    nodes: tuple[NodeSnapshot, ...] = ()
 
     @property
     def idle_ratio(self) -> float:

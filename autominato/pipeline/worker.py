@@ -379,6 +379,21 @@ class Streams:
                     pass
 
 
+def serve_sample(
+    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None
+) -> tuple[Any, float, float]:
+    """:func:`run_sample` as a worker process (or a Ray actor) runs it: with a transform, the
+    global generators are first seeded from ``(seed, epoch, index)`` (:func:`seed_globals`),
+    so that a sample's result does not depend on which process ran it.
+
+    Returns:
+        ``(sample, read_seconds, transform_seconds)``.
+    """
+    if spec.transform is not None:
+        seed_globals(spec.seed, epoch, index)
+    return run_sample(spec, index, epoch, read, sample)
+
+
 #: Variables that BLAS / OpenMP libraries read when they load (OpenBLAS, MKL, BLIS, Apple
 #: Accelerate, numexpr): a library that a transform imports later starts with the cap too.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
@@ -518,12 +533,10 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
     pos, index, epoch, read, in_slot, in_desc, out_slot = msg
     try:
         sample = None
-        if spec.transform is not None:
-            seed_globals(spec.seed, epoch, index)
         if in_slot is not None or in_desc is not None:
             buf = cache.get(*in_slot) if in_slot is not None else None
             sample = unpack(in_desc, buf)
-        sample, read_s, transform_s = run_sample(spec, index, epoch, read, sample)
+        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample)
         t = time.perf_counter()
         out = cache.get(*out_slot) if out_slot is not None else None
         desc, need = pack(sample, out)

@@ -143,6 +143,12 @@ def _add_samples(
             put("autominato_knob_value", s.knobs[knob], knob)
     put("autominato_pool_bytes", s.pool_bytes)
     put("autominato_epoch", s.epoch)
+    for nd in s.nodes:
+        put("autominato_remote_workers", nd.workers, nd.node)
+        put("autominato_remote_samples_total", nd.items_total, nd.node)
+        put("autominato_remote_bytes_total", nd.bytes_total, nd.node)
+        put("autominato_remote_service_seconds_total", nd.service_seconds_total, nd.node)
+        put("autominato_remote_round_trip_seconds_total", nd.round_trip_seconds_total, nd.node)
 
 
 #: The process's one collector; :func:`autominato.telemetry.attach` adds loaders to it.

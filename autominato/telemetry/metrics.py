@@ -167,6 +167,32 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),
     "autominato_pool_bytes": ("gauge", "Bytes held by the buffer pool, bytes.", ()),
     "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),
+    # Remote transform workers (worker_kind="ray"), by node: a bounded label (MAX_NODES).
+    "autominato_remote_workers": (
+        "gauge",
+        "Transform actors of the loader ready on a Ray node.",
+        ("node",),
+    ),
+    "autominato_remote_samples_total": (
+        "counter",
+        "Samples the loader's transform actors on a Ray node finished.",
+        ("node",),
+    ),
+    "autominato_remote_bytes_total": (
+        "counter",
+        "Bytes of samples moved from a Ray node through Ray's object store, bytes.",
+        ("node",),
+    ),
+    "autominato_remote_service_seconds_total": (
+        "counter",
+        "Seconds the transform actors on a Ray node spent on samples (read, transform, pack).",
+        ("node",),
+    ),
+    "autominato_remote_round_trip_seconds_total": (
+        "counter",
+        "Seconds from sending samples to a Ray node to their results arriving, seconds.",
+        ("node",),
+    ),
 }
 
 #: NVML figures, labelled ``gpu`` (NVML index) and ``UUID`` like DCGM exporter; the DCGM name

@@ -98,6 +98,38 @@ class Row:
 
 
 @dataclass(frozen=True)
+class NodeRow:
+    """Remote transform workers on one Ray node over the report's window.
+
+    ``samples`` finished there in the window; ``mib``: MiB of them moved through Ray's object
+    store; ``service_ms`` / ``round_trip_ms``: mean per sample, on the actor and from sending
+    to the result arriving (the difference is Ray's scheduling and the transfer), NaN without
+    samples.
+    """
+
+    node: str
+    workers: int
+    samples: int
+    mib: float
+    service_ms: float
+    round_trip_ms: float
+
+
+def _node_rows(prev: LoaderSnapshot | None, last: LoaderSnapshot) -> tuple[NodeRow, ...]:
+    before = {nd.node: nd for nd in prev.nodes} if prev is not None else {}
+    rows = []
+    for nd in last.nodes:
+        b = before.get(nd.node)
+        n = nd.items_total - (b.items_total if b else 0)
+        service = nd.service_seconds_total - (b.service_seconds_total if b else 0.0)
+        trip = nd.round_trip_seconds_total - (b.round_trip_seconds_total if b else 0.0)
+        rows.append(NodeRow(
+            nd.node, nd.workers, n, (nd.bytes_total - (b.bytes_total if b else 0)) / 2**20,
+            service / n * 1e3 if n else math.nan, trip / n * 1e3 if n else math.nan))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     """What :func:`diagnose` found.
 
@@ -116,6 +148,7 @@ class Diagnosis:
             window).
         batches: batches delivered in that window.
         epoch: epoch of the latest snapshot.
+        nodes: with Ray workers, the transform actors by node over the window.
     """
 
     kind: str
@@ -129,6 +162,7 @@ class Diagnosis:
     window_s: float = 0.0
     batches: int = 0
     epoch: int = 0
+    nodes: tuple[NodeRow, ...] = ()
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
@@ -321,6 +355,7 @@ def diagnose(
         window_s=basis.seconds,
         batches=basis.batches,
         epoch=last.epoch,
+        nodes=_node_rows(history[-2] if len(history) > 1 and cur.batches else None, last),
     )
     if basis.batches == 0:
         return Diagnosis(
@@ -493,6 +528,14 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         else "since the loader started"
     )
     console.print(f"{span}, {diagnosis.batches} batches, epoch {diagnosis.epoch}")
+    if diagnosis.nodes:
+        remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
+        for col in ("node", "actors", "samples", "MiB moved", "service ms", "round trip ms"):
+            remote.add_column(col, justify="left" if col == "node" else "right")
+        for nd in diagnosis.nodes:
+            remote.add_row(nd.node, str(nd.workers), str(nd.samples), f"{nd.mib:.1f}",
+                           f"{nd.service_ms:.1f}", f"{nd.round_trip_ms:.1f}")
+        console.print(remote)
     head = KINDS[diagnosis.kind]
     where = f" ({diagnosis.stage})" if diagnosis.stage else ""
     console.print(f"diagnosis: {head}{where}: {diagnosis.summary}")

@@ -1,0 +1,545 @@
+"""The transform stage on Ray actors (``Loader(worker_kind="ray")``): :class:`RayExecutor`.
+
+Scale-out rests on an existing engine, not on a home-made RPC layer: the samples run on Ray
+actors, travel back through Ray's object store, and a dead actor or a lost node is what Ray's
+fault handling says it is (an ``ActorDiedError`` on the sample's result). The executor sits
+behind the same :class:`~autominato.pipeline.stage.Executor` protocol as threads and
+processes, so exactly-once, completion order, the error policies and timeouts are the
+scheduler's, unchanged.
+
+* The :class:`~autominato.pipeline.worker.WorkSpec` (dataset, transform, seed) is put in the
+  object store once (``ray.put``); every actor fetches it when it starts, never per sample.
+* An actor holds one sample at a time (a straggler never has work queued behind it). It runs
+  :func:`~autominato.pipeline.worker.serve_sample`, as a worker process does, so a sample's
+  result is bit-identical between ``worker_kind="process"`` and ``"ray"``.
+* It packs the sample's arrays into one contiguous ``uint8`` buffer (:func:`shm.pack`), which
+  Ray stores out of band: the training process maps the buffer from its local object store
+  (zero-copy; Ray pulls it from the actor's node first) and the arrays are views into it,
+  copied once, by the batch stage, into the pooled batch buffers. The object is freed when the
+  batch is assembled.
+* ``workers`` is the actor count. The cluster bounds it: :meth:`RayExecutor.capacity` is the
+  actors that this loader's actors plus the cluster's free CPUs (``ray.available_resources()``)
+  can hold, refreshed every :data:`CAPACITY_S` while the epoch runs.
+
+Results come back on Ray's own threads (``ObjectRef.future()`` callbacks), which post a
+:class:`~autominato.pipeline.stage.Result` to the scheduler's queue, as thread workers do; a
+lock guards the executor's state between them and the scheduler thread.
+
+``ray`` is an optional dependency (``pip install "autominato[ray]"``): this module imports it
+only when a :class:`RayExecutor` is built or :func:`connect` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autominato.pipeline.errors import ErrorReport, SampleTimeout, WorkerDied
+from autominato.pipeline.knobs import usable_cores
+from autominato.pipeline.shm import pack, packed_nbytes, unpack
+from autominato.pipeline.stage import Result
+from autominato.pipeline.stats import NodeSnapshot
+from autominato.pipeline.worker import (
+    WorkSpec,
+    limit_threads,
+    sample_path,
+    seed_globals,
+    serve_sample,
+    start_worker,
+)
+
+log = logging.getLogger("autominato.pipeline")
+
+#: Seconds between two reads of the cluster's free CPUs (``ray.available_resources()`` asks
+#: the cluster's control store: about a millisecond, not for every dispatch round).
+CAPACITY_S = 2.0
+
+#: Seconds an actor may wait to be placed before the cluster is taken to have no room for it
+#: (Ray keeps an actor that no node can hold pending for ever, without an error).
+PLACEMENT_GRACE_S = 30.0
+
+#: Seconds after this loader killed an actor during which the cluster's free CPUs are not read:
+#: Ray returns a killed actor's CPUs a moment later, and the reading would be short by them.
+RELEASE_S = 3.0
+
+#: Distinct node labels of one loader's metrics at most; later nodes are labelled ``other``
+#: (a label of bounded cardinality, as Prometheus asks).
+MAX_NODES = 64
+
+#: Actor options the executor sets itself: it replaces dead actors and re-dispatches their
+#: samples (counting them against ``max_tries``), so Ray must not restart or retry them.
+OWN_OPTIONS = {"max_restarts": 0, "max_task_retries": 0}
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            'worker_kind="ray" needs Ray: pip install "autominato[ray]"') from e
+    return ray
+
+
+def connect(address: str | None = None) -> None:
+    """Connect this process to Ray, once.
+
+    Args:
+        address: ``None``: the cluster in ``RAY_ADDRESS`` when that is set, else a new local
+            Ray instance sized to the usable cores (:func:`usable_cores`); ``"auto"`` or
+            ``"ray://host:port"`` (Ray Client) or ``"host:port"``, as ``ray.init`` takes them.
+            Ignored when this process is connected already (``ray.is_initialized()``).
+
+    Raises:
+        ImportError: Ray is not installed.
+        ConnectionError: from ``ray.init``, when nothing answers at ``address``.
+    """
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        ray.init(num_cpus=usable_cores(), include_dashboard=False)
+    else:
+        ray.init(address=address)
+
+
+def actor_options(options: dict | None) -> dict:
+    """The options of a transform actor: ``{"num_cpus": 1}`` updated with ``options``
+    (anything ``ActorClass.options`` takes: ``num_cpus``, ``memory``, ``resources``,
+    ``scheduling_strategy``, ``runtime_env``...).
+
+    Raises:
+        ValueError: ``options`` is not a dict, sets ``max_restarts`` / ``max_task_retries``
+            (the loader replaces actors itself), or ``num_cpus`` is not a number > 0.
+    """
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"ray_actor_options must be a dict, got {type(options).__name__}")
+    opts = {"num_cpus": 1, **(options or {})}
+    clash = sorted(set(opts) & set(OWN_OPTIONS))
+    if clash:
+        raise ValueError(f"ray_actor_options may not set {', '.join(clash)}: the loader replaces "
+                         "dead actors and re-dispatches their samples itself (see max_tries)")
+    cpus = opts["num_cpus"]
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
+        raise ValueError(f"ray_actor_options['num_cpus'] must be a number > 0, got {cpus!r}")
+    return opts
+
+
+def free_actors(cpus_per_actor: float) -> int:
+    """Actors of ``cpus_per_actor`` CPUs that the cluster's free CPUs hold now."""
+    free = _ray().available_resources().get("CPU", 0.0)
+    return int(math.floor(free / cpus_per_actor + 1e-9))
+
+
+class SampleActor:
+    """What one Ray actor runs: the body of a transform worker, one sample per call.
+
+    Args:
+        wid: the actor's number in its loader (for its first global seeding and its name).
+        spec_box: ``[ObjectRef]`` of the :class:`WorkSpec` (boxed so that Ray hands the
+            reference over unresolved: the driver's ``sys.path`` is extended first).
+        sys_path: the driver's ``sys.path``; entries that exist on this node are appended,
+            so that a dataset class defined next to the training script unpickles here.
+        threads: intra-op (BLAS / OpenMP / torch) threads, the actor's CPUs.
+        slot, workers: its worker id in ``[0, workers)``: ``get_worker_info()`` returns it and
+            ``worker_init_fn(slot)`` runs here (a ``WorkerInitError`` fails the actor's start).
+    """
+
+    def __init__(self, wid: int, spec_box: list, sys_path: list[str], threads: int,
+                 slot: int = 0, workers: int = 1) -> None:
+        for p in sys_path:
+            if p and p not in sys.path and os.path.isdir(p):
+                sys.path.append(p)
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.ip = ray.util.get_node_ip_address()
+        self.spec: WorkSpec = ray.get(spec_box[0])
+        limit_threads(threads)
+        seed_globals(self.spec.seed, wid)  # per sample too when there is a transform
+        self.name = f"Ray actor {wid} (pid {os.getpid()}, node {self.ip})"
+        start_worker(self.spec, slot, workers, self.name, process=True)
+
+    def ready(self) -> tuple[int, str, str]:
+        """``(pid, node id, node IP address)``."""
+        return os.getpid(), self.node_id, self.ip
+
+    def run(self, index: int, epoch: int, sample: Any = None) -> tuple:
+        """Read (unless ``sample`` is given) and transform sample ``index``.
+
+        Returns:
+            ``("ok", descriptor, buffer, read_s, transform_s, pack_s)``, ``buffer`` a ``uint8``
+            array holding the sample's arrays (:func:`shm.pack`), or ``("err", ErrorReport)``.
+        """
+        spec = self.spec
+        try:
+            sample, read_s, transform_s = serve_sample(spec, index, epoch, sample is None, sample)
+            t = time.perf_counter()
+            buf = np.empty(packed_nbytes(sample), np.uint8)
+            desc, _ = pack(sample, buf)
+            return ("ok", desc, buf, read_s, transform_s, time.perf_counter() - t)
+        except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
+            return ("err", ErrorReport.capture(e, index, sample_path(spec.dataset, index), self.name))
+
+
+@dataclass
+class _Actor:
+    wid: int
+    handle: Any
+    born: float
+    ready: bool = False
+    pid: int | None = None
+    node: str = "?"  # the bounded label of its node
+    local: bool = False  # on this process's node
+    key: Any = None  # the sample it holds
+    sent: float = 0.0  # when it got it (time.monotonic())
+    retiring: bool = False
+    timed_out: float | None = None
+    slot: int = 0  # its worker id for get_worker_info / worker_init_fn, in [0, workers)
+
+
+@dataclass
+class _Node:
+    items: int = 0
+    nbytes: int = 0
+    service_s: float = 0.0
+    round_trip_s: float = 0.0
+
+
+class RayExecutor:
+    """Ray actors running the transform stage (see the module docstring).
+
+    Args:
+        name: the stage's name.
+        spec: what an actor needs to read and transform a sample; put in the object store.
+        post: ``post(Result)``, called from Ray's threads.
+        size: actors to start with.
+        options: actor options (:func:`actor_options`).
+        copy: copy each sample out of the object store (a user ``collate_fn`` may keep
+            references to its arrays, and object-store arrays are read-only); otherwise
+            samples are views, copied once by the batch stage.
+        max_startup_deaths: actors in a row that may fail to start; then ``on_fatal`` is
+            called once (a dataset that does not unpickle on the cluster fails every actor).
+        on_fatal: ``on_fatal(exception)``, called on the scheduler thread.
+        on_capacity: ``on_capacity(actors)`` when :meth:`capacity` changes, called on the
+            scheduler thread (the loader bounds its ``workers`` knob with it).
+
+    Raises:
+        ImportError: Ray is not installed.
+    """
+
+    def __init__(self, name: str, spec: WorkSpec, post: Callable[[Result], None], size: int,
+                 options: dict, copy: bool, max_startup_deaths: int,
+                 on_fatal: Callable[[BaseException], None],
+                 on_capacity: Callable[[int], None] | None = None) -> None:
+        ray = _ray()
+        self._ray = ray
+        self.name = name
+        self._post = post
+        self._copy = copy
+        self._opts = dict(options)
+        self._cpus = float(self._opts["num_cpus"])
+        self._threads = max(1, int(self._cpus))
+        self._cls = ray.remote(SampleActor).options(**self._opts, **OWN_OPTIONS)
+        self._spec_ref = ray.put(spec)
+        self._here = ray.get_runtime_context().get_node_id()
+        self.max_startup_deaths = max_startup_deaths
+        self.on_fatal = on_fatal
+        self.on_capacity = on_capacity
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._actors: dict[int, _Actor] = {}
+        self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
+        self._next_wid = 0
+        self._startup_deaths = 0
+        self._fatal: BaseException | None = None
+        self._gave_up = False  # actors failed to start max_startup_deaths times in a row
+        self._doomed: list[_Actor] = []  # to kill (retired, or dead) from the scheduler thread
+        self._nodes: dict[str, _Node] = {}
+        self._stopped = False
+        self._capacity: int | None = None
+        self._next_capacity = 0.0
+        self._last_kill = -math.inf
+        self.want = 0
+        _quiet_read_only_warning()
+        self._refresh_capacity()
+        self.resize(size)
+
+    # -- the Executor protocol (scheduler thread) ----------------------------------------------
+    # Ray is called only from here, never from its own callback threads (an actor started or
+    # killed from one of them can wait for that very thread), and never under the lock.
+    def submit(self, key: Any, item: Any) -> None:
+        self._pending.append((key, item))
+
+    def flush(self) -> None:
+        """Send submitted samples to idle actors, one each; replace dead actors and kill
+        retired ones (noted by Ray's threads); refresh :meth:`capacity` when due."""
+        fatal, self._fatal = self._fatal, None
+        if fatal is not None:
+            self.on_fatal(fatal)
+        if self._stopped:
+            return
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+            replace = 0 if self._gave_up else max(0, self.want - self._live())
+            sends = []
+            for a in self._idle():
+                if not self._pending:
+                    break
+                key, item = self._pending.pop(0)
+                a.key, a.sent = key, time.monotonic()
+                sends.append((a, key, item))
+        self._kill(doomed)
+        for _ in range(replace):
+            self._start()
+        for a, key, item in sends:
+            ref = a.handle.run.remote(*item)
+            ref.future().add_done_callback(lambda f, a=a, key=key: self._done(a, key, f))
+        if time.monotonic() >= self._next_capacity:
+            self._refresh_capacity()
+
+    def resize(self, n: int) -> None:
+        with self._lock:
+            self.want = n
+            live = [a for a in self._actors.values() if not a.retiring]
+            start = max(0, n - len(live))
+            if start:
+                self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
+            # Retire the surplus: those not placed yet first, then idle ones, then busy ones
+            # (these finish their sample first).
+            live.sort(key=lambda a: (a.ready, a.key is not None))
+            doomed = []
+            for a in live[:max(0, len(live) - n)]:
+                a.retiring = True
+                if a.key is None:
+                    del self._actors[a.wid]
+                    doomed.append(a)
+        self._kill(doomed)
+        for _ in range(start):
+            self._start()
+
+    @property
+    def size(self) -> int:
+        with self._lock:
+            return self._live()
+
+    @property
+    def busy(self) -> int:
+        with self._lock:
+            return sum(1 for a in self._actors.values() if a.key is not None)
+
+    def free(self) -> int:
+        with self._lock:
+            return len(self._idle()) - len(self._pending)
+
+    def expire(self, seconds: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [a for a in self._actors.values()
+                    if a.key is not None and a.timed_out is None and now - a.sent > seconds]
+            for a in late:
+                a.timed_out = seconds
+        self._kill(late)  # their results then say that they died
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            actors, self._actors = list(self._actors.values()), {}
+            actors += self._doomed
+            self._pending.clear()
+        self._kill(actors)
+
+    # -- figures ----------------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        """PIDs of the actors on this process's node (the process meter can read those)."""
+        with self._lock:
+            return [a.pid for a in self._actors.values() if a.local and a.pid is not None]
+
+    def nodes(self) -> tuple[NodeSnapshot, ...]:
+        """The actors and their traffic by node (labels of bounded number, :data:`MAX_NODES`)."""
+        with self._lock:
+            count: dict[str, int] = {}
+            for a in self._actors.values():
+                if a.ready and not a.retiring:
+                    count[a.node] = count.get(a.node, 0) + 1
+            return tuple(
+                NodeSnapshot(node, count.get(node, 0), n.items, n.nbytes, n.service_s, n.round_trip_s)
+                for node, n in sorted(self._nodes.items()))
+
+    def capacity(self) -> int | None:
+        """Actors this loader may hold on the cluster now: its placed actors plus those the
+        free CPUs hold (at least 1); ``None`` before the first reading."""
+        return self._capacity
+
+    def _refresh_capacity(self) -> None:
+        self._next_capacity = time.monotonic() + CAPACITY_S
+        now = time.monotonic()
+        if now - self._last_kill < RELEASE_S:
+            return  # a killed actor's CPUs are on their way back
+        with self._lock:
+            starting = [a for a in self._actors.values() if not a.ready]
+            if any(now - a.born < PLACEMENT_GRACE_S for a in starting):
+                return  # an actor being placed holds CPUs that its readiness does not show yet
+            placed = sum(1 for a in self._actors.values() if a.ready)
+        try:
+            cap = max(1, placed + free_actors(self._cpus))
+        except Exception:  # noqa: BLE001 - the cluster did not answer: keep the last bound
+            log.debug("could not read the Ray cluster's free CPUs", exc_info=True)
+            return
+        if cap != self._capacity:
+            self._capacity = cap
+            if self.on_capacity is not None:
+                self.on_capacity(cap)
+
+    # -- actors ---------------------------------------------------------------------------------
+    def _idle(self) -> list[_Actor]:  # under the lock
+        return [a for a in self._actors.values()
+                if a.ready and a.key is None and not a.retiring and a.timed_out is None]
+
+    def _live(self) -> int:  # under the lock
+        return sum(1 for a in self._actors.values() if not a.retiring)
+
+    def _start(self) -> None:
+        with self._lock:
+            wid = self._next_wid
+            self._next_wid += 1
+            # DataLoader's worker ids: the lowest id no live actor has (a replacement's is the
+            # dead one's), so that get_worker_info() sharding idioms hold.
+            taken = {a.slot for a in self._actors.values() if not a.retiring}
+            slot = next(i for i in range(len(taken) + 1) if i not in taken)
+            workers = max(self.want, slot + 1)
+        handle = self._cls.remote(wid, [self._spec_ref], list(sys.path), self._threads,
+                                  slot, workers)
+        a = _Actor(wid, handle, time.monotonic(), slot=slot)
+        with self._lock:
+            stopped = self._stopped
+            if not stopped:
+                self._actors[wid] = a
+        if stopped:  # stop() ran meanwhile (from another thread): leave no actor behind
+            self._kill([a])
+            return
+        handle.ready.remote().future().add_done_callback(lambda f, a=a: self._ready(a, f))
+
+    def _kill(self, actors: list[_Actor]) -> None:
+        if actors:
+            self._last_kill = time.monotonic()
+        for a in actors:
+            try:
+                self._ray.kill(a.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already (its node was lost), or Ray is down
+                pass
+
+    def _label(self, node_id: str, ip: str) -> str:  # under the lock
+        label = f"{ip}/{node_id[:8]}"
+        if label not in self._nodes and len(self._nodes) >= MAX_NODES:
+            label = "other"
+        self._nodes.setdefault(label, _Node())
+        return label
+
+    # -- Ray's threads: note what happened and post results; no Ray call here ------------------
+    def _ready(self, a: _Actor, f: Any) -> None:
+        try:
+            pid, node_id, ip = f.result()
+        except BaseException as e:  # noqa: BLE001 - the actor could not start
+            self._startup_failed(a, e)
+            return
+        with self._lock:
+            if self._stopped or a.wid not in self._actors:
+                return
+            a.ready, a.pid = True, pid
+            a.node, a.local = self._label(node_id, ip), node_id == self._here
+            self._startup_deaths = 0
+
+    def _startup_failed(self, a: _Actor, e: BaseException) -> None:
+        with self._lock:
+            if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
+                return
+            self._doomed.append(a)
+            self.restarts += 1  # replaced, as a worker process that dies before it is ready
+            self._startup_deaths += 1
+            if self._startup_deaths < self.max_startup_deaths:
+                log.warning("Ray actor %d failed to start (%s); replacing it", a.wid, _first_line(e))
+                return
+            if not self._gave_up:
+                self._gave_up = True
+                self._fatal = WorkerDied(
+                    f"{self._startup_deaths} Ray actors in a row failed to start (the last: "
+                    f"actor {a.wid}: {_first_line(e)}). The dataset or transform cannot be set "
+                    "up on the cluster (it is unpickled there: its code must be importable on "
+                    f"every node), or no node can hold an actor with options {self._opts}",
+                    worker=f"Ray actor {a.wid}")
+
+    def _done(self, a: _Actor, key: Any, f: Any) -> None:
+        now = time.monotonic()
+        try:
+            reply = f.result()
+        except BaseException as e:  # noqa: BLE001 - the actor died, or its node was lost
+            self._died(a, key, e)
+            return
+        with self._lock:
+            if self._stopped:
+                return
+            a.key = None
+            # Retired, or killed for a timeout just after it finished: either way it goes
+            # (a killed actor that reports no death would otherwise count as live for ever).
+            if (a.retiring or a.timed_out is not None) and self._actors.pop(a.wid, None) is not None:
+                self._doomed.append(a)
+            if reply[0] == "ok":
+                node = self._nodes[a.node]
+                node.items += 1
+                node.nbytes += reply[2].nbytes + len(reply[1])
+                node.service_s += sum(reply[3:])
+                node.round_trip_s += now - a.sent
+        if reply[0] == "err":
+            self._post(Result(self.name, key, ok=False, error=reply[1].to_exception()))
+            return
+        _, desc, buf, read_s, transform_s, pack_s = reply
+        sample = unpack(desc, buf, copy=self._copy)
+        self._post(Result(self.name, key, sample, service_s=transform_s + pack_s, read_s=read_s,
+                          nbytes=buf.nbytes))
+
+    def _died(self, a: _Actor, key: Any, e: BaseException) -> None:
+        with self._lock:
+            if self._stopped or self._actors.pop(a.wid, None) is None:
+                return
+            self._doomed.append(a)  # dead, or only its result lost: either way it goes
+            self.restarts += 1
+            timed_out = a.timed_out
+        who = f"Ray actor {a.wid}" + (f" (pid {a.pid}, node {a.node})" if a.ready else "")
+        if timed_out:
+            err: BaseException = SampleTimeout(
+                f"took longer than timeout={timed_out} s in {who}; the actor was replaced",
+                worker=who)
+        else:
+            log.warning("%s died (%s); replacing it", who, _first_line(e))
+            err = WorkerDied(f"{who} died ({_first_line(e)})", worker=who)
+        self._post(Result(self.name, key, ok=False, lost=True, timed_out=bool(timed_out), error=err))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _quiet_read_only_warning() -> None:
+    # Samples are views into Ray's object store, which is read-only; torch warns once per
+    # process when a tensor is made over a read-only array. The views are only read (the batch
+    # stage copies them into its buffers), so the warning is spent here, once, silently.
+    import torch
+
+    a = np.zeros(1)
+    a.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.from_numpy(a)

@@ -1,0 +1,295 @@
+"""The transform stage on Ray actors (worker_kind="ray"), on one local Ray instance of 2 CPUs:
+exactly-once under knob changes, an actor killed mid-epoch, bit-identity with process
+workers, the actor count following the workers knob, the error policies and timeouts."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from autominato import Loader  # noqa: E402
+from autominato.cli import main as cli_main  # noqa: E402
+from autominato.data.prepare import prepare_kits19  # noqa: E402
+from autominato.pipeline.errors import SampleTimeout  # noqa: E402
+from autominato.pipeline.sampler import epoch_order  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def cpus_free():
+    """Ray frees a killed actor's CPU a moment later: start each test with both CPUs free, as
+    the tests size their actors on them."""
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+class Indexed:
+    """Sample i: ((4, 5) float32 filled with i, i)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.full((4, 5), i, np.float32), i
+
+
+class Slow:
+    """A transform of ``seconds`` per sample that reports the process it ran in."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, sample):
+        time.sleep(self.seconds)
+        x, i = sample
+        return x, i, os.getpid()
+
+
+def augment(sample, rng):
+    """Draws from the sample's generator and from every global generator a worker seeds."""
+    x, i = sample
+    noise = rng.standard_normal(x.shape).astype(np.float32)
+    return {"x": torch.from_numpy(x + noise) + torch.rand(x.shape),
+            "legacy": np.random.random_sample(3), "i": i}
+
+
+def indices(loader) -> list[int]:
+    out: list[int] = []
+    for batch in loader:
+        out += batch[1].tolist()
+    return out
+
+
+def test_exactly_once_over_three_shuffled_epochs_with_knob_changes_up_and_down():
+    n = 60
+    with Loader(Indexed(n), 4, shuffle=True, seed=5, worker_kind="ray", workers=1,
+                transform=Slow(0.002), autotune=False) as loader:
+        assert loader.knobs.bounds("workers")[1] == 2  # the cluster's 2 free CPUs, not 4 x cores
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            got, pids = [], set()
+            for k, (_, idx, pid) in enumerate(loader):
+                got += idx.tolist()
+                pids.update(pid.tolist())
+                if k == 2:
+                    loader.knobs.workers = 2
+                    loader.knobs.pool_size = 20
+                    loader.knobs.depth = 4
+                if k == 7:
+                    loader.knobs.workers = 1
+                    loader.knobs.pool_size = 4
+                    loader.knobs.depth = 1
+                if k == 11:
+                    loader.knobs.workers = 2
+            assert collections.Counter(got) == collections.Counter(range(n)), epoch
+            assert os.getpid() not in pids  # every sample ran in an actor
+        assert loader.knobs.workers == 2
+
+
+def test_an_actor_sigkilled_mid_epoch_loses_and_repeats_nothing():
+    n = 40
+    with Loader(Indexed(n), 2, worker_kind="ray", workers=2, transform=Slow(0.05), seed=1,
+                autotune=False) as loader:
+        it = iter(loader)
+        got = next(it)[1].tolist()
+        victim = loader.worker_pids()[0]  # both actors run on this machine
+        os.kill(victim, signal.SIGKILL)
+        for _, idx, _ in it:
+            got += idx.tolist()
+        assert collections.Counter(got) == collections.Counter(range(n))
+        assert loader.snapshot().worker_restarts_total >= 1
+        assert victim not in loader.worker_pids()
+        deadline = time.monotonic() + 60
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(loader.worker_pids()) == 2  # replaced
+        assert sorted(indices(loader)) == list(range(n))  # the next epoch is whole
+
+
+def test_every_sample_equals_process_workers_bit_for_bit():
+    got = {}
+    for kind in ("process", "ray"):
+        with Loader(Indexed(24), 5, shuffle=True, seed=11, transform=augment, worker_kind=kind,
+                    workers=2, autotune=False) as loader:
+            loader.set_epoch(3)
+            got[kind] = {}
+            for b in loader:
+                for row, leg, i in zip(b["x"], b["legacy"], b["i"].tolist(), strict=True):
+                    got[kind][i] = (row.numpy().copy(), leg.numpy().copy())
+    assert got["ray"].keys() == got["process"].keys() == set(range(24))
+    for i, (x, leg) in got["process"].items():
+        np.testing.assert_array_equal(got["ray"][i][0], x, err_msg=f"index {i}")
+        np.testing.assert_array_equal(got["ray"][i][1], leg, err_msg=f"index {i}")
+    assert not np.array_equal(got["ray"][0][0], np.zeros((4, 5), np.float32))  # really noisy
+
+
+def test_raising_workers_mid_epoch_grows_the_actor_count():
+    with Loader(Indexed(80), 2, worker_kind="ray", workers=1, transform=Slow(0.02),
+                autotune=False) as loader:
+        it = iter(loader)
+        pids = set(next(it)[2].tolist())
+        assert len(loader.worker_pids()) == 1
+        loader.knobs.workers = 2
+        deadline = time.monotonic() + 60  # an actor takes seconds to start (imports torch)
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _, _, pid in it:
+            pids.update(pid.tolist())
+        assert len(pids) == 2  # a second actor served samples of the same epoch
+        nodes = loader.snapshot().nodes
+        assert sum(nd.workers for nd in nodes) == 2
+        assert sum(nd.items_total for nd in nodes) == 80
+        # Each sample's arrays crossed the object store: x (80 B, aligned to 128) and 2 scalars.
+        assert sum(nd.bytes_total for nd in nodes) >= 80 * 128
+        assert all(nd.round_trip_seconds_total >= nd.service_seconds_total > 0 for nd in nodes)
+
+
+class Broken(Indexed):
+    def sample_path(self, i: int) -> str:
+        return f"/data/case_{i:05d}.nii.gz"
+
+    def __getitem__(self, i: int):
+        if i == 7:
+            raise ValueError("bad header")
+        if i == 9:
+            time.sleep(60)  # hangs
+        return super().__getitem__(i)
+
+
+def test_errors_and_timeouts_follow_the_policies():
+    with Loader(Broken(12), 3, worker_kind="ray", workers=2, on_error="skip", sample_timeout=1.0,
+                autotune=False) as loader:
+        skipped = []
+        loader._on_skip = lambda index, path, exc: skipped.append((index, path, type(exc)))
+        got = indices(loader)
+    assert sorted(got) == [i for i in range(12) if i not in (7, 9)]
+    assert sorted(skipped) == [(7, "/data/case_00007.nii.gz", ValueError),
+                               (9, "/data/case_00009.nii.gz", SampleTimeout)]
+    with Loader(Broken(12), 3, worker_kind="ray", workers=1, autotune=False) as loader:
+        with pytest.raises(ValueError, match="bad header") as info:
+            indices(loader)
+    assert info.value.sample_index == 7
+
+
+def test_in_order_keeps_sampler_order():
+    order = epoch_order(30, epoch=0, seed=4, shuffle=True)
+    with Loader(Indexed(30), 4, shuffle=True, seed=4, in_order=True, worker_kind="ray",
+                workers=2, autotune=False) as loader:
+        loader.set_epoch(0)
+        assert indices(loader) == order
+
+
+def test_ray_arguments_are_checked():
+    with pytest.raises(ValueError, match="ray_actor_options"):
+        Loader(Indexed(4), worker_kind="ray", ray_actor_options={"max_restarts": 3})
+    with pytest.raises(ValueError, match="num_cpus"):
+        Loader(Indexed(4), worker_kind="ray", ray_actor_options={"num_cpus": 0})
+    with pytest.raises(ValueError, match="ray_address"):
+        Loader(Indexed(4), worker_kind="thread", ray_address="auto")
+
+
+SHARED_LABELS = Path(__file__).resolve().parents[2] / "shared" / "kits19" / "labels"
+
+
+@pytest.mark.skipif(not SHARED_LABELS.is_dir(), reason="../shared/kits19 (real masks) not present")
+def test_prepare_on_ray_writes_what_the_local_run_writes(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name in ("case_00038", "case_00110"):  # the two smallest real masks, linked
+        os.symlink(SHARED_LABELS / f"{name}.nii.gz", raw / f"{name}.nii.gz")
+    local = prepare_kits19(raw, tmp_path / "local", synthesize_ct=True, scale=0.5,
+                           progress=False, log=lambda m: None)
+    argv = ["prepare", "kits19", str(raw), str(tmp_path / "ray"), "--synthesize-ct",
+            "--scale", "0.5", "--no-progress", "--ray"]
+    assert cli_main(argv) == 0
+    files = sorted(p.name for p in (tmp_path / "local").glob("*.npy"))
+    assert files == sorted(p.name for p in (tmp_path / "ray").glob("*.npy"))
+    assert len(files) == 4
+    for name in files:
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes()
+    on_ray = json.loads((tmp_path / "ray" / "prepare.json").read_text())
+    for case, entry in local["cases"].items():
+        assert {**on_ray["cases"][case], "seconds": 0} == {**entry, "seconds": 0}
+
+
+def test_metrics_and_data_monitor_show_the_actors_by_node():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from autominato.telemetry.monitor import diagnose, format_report
+
+    n = 16
+    with Loader(Indexed(n), 4, worker_kind="ray", workers=2, metrics_port=0,
+                autotune=False) as loader:
+        deadline = time.monotonic() + 60
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = loader.snapshot()
+        assert sorted(indices(loader)) == list(range(n))
+        with urllib.request.urlopen(loader.telemetry.url, timeout=5) as r:
+            text = r.read().decode()
+        last = loader.snapshot()
+    (node,) = last.nodes  # one Ray node here
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def scraped(family: str, sample: str) -> float:
+        (s,) = [s for s in fams[family].samples if s.name == sample]
+        assert s.labels["node"] == node.node
+        return s.value
+
+    assert scraped("autominato_remote_samples", "autominato_remote_samples_total") == n
+    assert scraped("autominato_remote_workers", "autominato_remote_workers") == 2
+    # (4, 5) float32 = 80 bytes, aligned to 64 -> 128 bytes of buffer per sample, plus its
+    # descriptor: what crossed the object store.
+    moved = scraped("autominato_remote_bytes", "autominato_remote_bytes_total")
+    assert moved == node.bytes_total and n * 128 < moved < n * (128 + 1024)
+    service = scraped("autominato_remote_service_seconds", "autominato_remote_service_seconds_total")
+    trip = scraped("autominato_remote_round_trip_seconds",
+                   "autominato_remote_round_trip_seconds_total")
+    assert 0 < service <= trip
+    report = format_report(diagnose([first, last]))
+    assert "remote transform workers (Ray)" in report and node.node in report
+    (row,) = diagnose([first, last]).nodes
+    assert (row.workers, row.samples) == (2, n)
+    assert row.round_trip_ms == pytest.approx(trip / n * 1e3)
+
+
+def test_worker_info_and_worker_init_fn_in_actors():
+    def info_sample(i):
+        info = torch.utils.data.get_worker_info()
+        return np.array([i, info.id, info.num_workers], np.int64)
+
+    class InfoDataset:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return info_sample(i)
+
+    with Loader(InfoDataset(), 2, worker_kind="ray", workers=2, autotune=False,
+                worker_init_fn=lambda wid: None) as L:
+        rows = [r for b in L for r in b.tolist()]
+    assert sorted(r[0] for r in rows) == list(range(8))
+    assert {r[1] for r in rows} <= {0, 1} and {r[2] for r in rows} == {2}
