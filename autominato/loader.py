@@ -8,6 +8,7 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils.data import DistributedSampler
 
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.sampler import epoch_order
@@ -122,6 +124,17 @@ class Loader:
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
+        prefetch_next_epoch: start the next epoch's samples in the workers that the tail of
+            this epoch frees (its first batches are ready when the training loop asks), as
+            long as the next order is computable without side effects: the Loader's own
+            shuffle / sequential order, or a ``DistributedSampler`` (other samplers: off).
+            The next epoch is the current one + 1 (+ 0 after a pass that repeated the epoch
+            set by :meth:`set_epoch`); a pass that asks for another epoch or order discards
+            the speculative work (counted in ``speculative_discarded_total``). Memory: no
+            more samples in flight than without it (the two epochs share the ``pool_size``
+            window), plus up to ``depth`` assembled batches of the next epoch. The last
+            epoch's speculation is wasted work (up to ``pool_size`` samples). Off with
+            ``persistent_workers=False`` (the dataset may change between epochs).
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`).
 
     Raises:
@@ -159,6 +172,7 @@ class Loader:
         metrics_host: str = "127.0.0.1",
         monitor_interval: float | None = None,
         autotune: bool = True,
+        prefetch_next_epoch: bool = True,
         **knobs: int,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -270,6 +284,9 @@ class Loader:
         self._h2d_seconds = 0.0
         self._epoch = 0
         self._epoch_set = False
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
+        self._last_pass_epoch: int | None = None
         self._started = False
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
@@ -350,8 +367,34 @@ class Loader:
                 self._epoch += 1
             self._started = True
             pipeline = self._ensure_pipeline()
-            run = pipeline.start(self._order(self._epoch), self._epoch)
+            if self._last_pass_epoch is not None:
+                step = self._epoch - self._last_pass_epoch
+                self._epoch_step = step if step in (0, 1) else 1
+            self._last_pass_epoch = self._epoch
+            run = pipeline.start(self._order(self._epoch), self._epoch, self._next_epoch_order())
             return _EpochIterator(self, pipeline, run)
+
+    def _next_epoch_order(self) -> tuple[list[int], int] | None:
+        """``(order, epoch)`` of the pass expected after this one, or ``None`` when it cannot
+        be computed without side effects (a user sampler other than ``DistributedSampler``,
+        whose iteration may draw from a shared generator) or speculation is off."""
+        if not self.prefetch_next_epoch or not getattr(self, "persistent_workers", True):
+            return None
+        epoch = self._epoch + self._epoch_step
+        sampler = self.sampler
+        if sampler is not None:
+            if type(sampler) is not DistributedSampler:  # a subclass may have side effects
+                return None
+            sampler = copy.copy(sampler)
+            # The training loop sets the sampler's epoch itself (DDP's habit) or through
+            # set_epoch: either way the next one is expected to follow.
+            sampler.set_epoch(sampler.epoch + 1)
+        order = epoch_order(
+            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=sampler,
+            rank=self.rank, world_size=self.world_size, batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+        return order, epoch
 
     def _ensure_pipeline(self) -> Pipeline:
         if self._pipeline is None:
@@ -440,6 +483,7 @@ class Loader:
             knobs=self.knobs.as_dict(),
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
+            speculative_discarded_total=p.speculative_discarded if p else 0,
         )
 
 

@@ -136,6 +136,8 @@ class LoaderSnapshot:
         knobs: current knob values by name.
         sample_bytes: mean bytes of one transformed sample (0 before the first).
         pool_bytes: bytes held by the buffer pool (shared-memory slots and batch buffers).
+        speculative_discarded_total: samples started for a next epoch that the training loop
+            did not ask for (another epoch, order or sampler), so discarded.
     """
 
     time: float
@@ -155,6 +157,7 @@ class LoaderSnapshot:
     sample_bytes: float
     pool_bytes: int
     extra: dict[str, float] = field(default_factory=dict)
+    speculative_discarded_total: int = 0
 
     @property
     def idle_ratio(self) -> float:
