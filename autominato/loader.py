@@ -22,12 +22,16 @@ import psutil
 import torch
 from torch.utils.data import DistributedSampler
 
+# Imported with the Loader, not in its constructor: the controller runs by default, and
+# importing it (and the telemetry switch) there delayed the first batch by tens of ms.
+from autominato.control import Controller
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.sampler import epoch_order
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
 from autominato.pipeline.worker import WorkSpec, takes_rng
+from autominato.telemetry.handle import monitor_interval_from_env
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -300,8 +304,6 @@ class Loader:
             # that they can fork (see start_method).
             self._ensure_pipeline()
 
-        from autominato.telemetry.handle import monitor_interval_from_env
-
         me = _Observed(self)
         if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
@@ -310,8 +312,6 @@ class Loader:
                 me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
             )
         if autotune:
-            from autominato.control import Controller
-
             self._controller = Controller(me, config=cfg)
             self._controller.start()
 

@@ -79,7 +79,7 @@ def test_five_epochs_with_stragglers_deliver_each_sample_once_and_never_mix_epoc
         for e in epochs:
             seen = []
             for indices, draws in batches_of(L):
-                made_for = {epoch_of(i, d, epochs) for i, d in zip(indices, draws)}
+                made_for = {epoch_of(i, d, epochs) for i, d in zip(indices, draws, strict=True)}
                 assert made_for == {e}, f"a batch of epoch {e} holds samples of {made_for}"
                 seen += indices
             assert sorted(seen) == list(range(n)), f"epoch {e}: {sorted(seen)}"
@@ -103,7 +103,7 @@ def test_set_epoch_out_of_sequence_discards_speculation_and_delivers_that_epochs
         taken = spec.taken  # no more after the discard: the run left the scheduler
         indices = [i for idx, _ in got for i in idx]
         assert indices == epoch_order(n, epoch=7, seed=SEED, shuffle=True)
-        assert all(epoch_of(i, d, range(8)) == 7 for idx, dr in got for i, d in zip(idx, dr))
+        assert all(epoch_of(i, d, range(8)) == 7 for idx, dr in got for i, d in zip(idx, dr, strict=True))
         assert p.speculative_adopted == 0
         snap = L.snapshot()
         assert snap.speculative_discarded_total == taken > 0
@@ -148,7 +148,7 @@ def test_next_epochs_first_batch_is_assembled_before_this_epochs_last_straggler_
         second = batches_of(L)
         assert second[0][0] == ready  # the batch assembled ahead is the one delivered first
         assert sorted(i for idx, _ in second for i in idx) == list(range(n))
-        assert all(epoch_of(i, d, range(2)) == 1 for idx, dr in second for i, d in zip(idx, dr))
+        assert all(epoch_of(i, d, range(2)) == 1 for idx, dr in second for i, d in zip(idx, dr, strict=True))
         assert L._pipeline.speculative_adopted == 1
 
 

@@ -354,7 +354,7 @@ def _record(
     ends = r.get("epoch_ends") or [len(idx)]
     samples, unique = len(idx), len(set(idx))
     status = "ok"
-    for e, (a, b) in enumerate(zip([0, *ends], ends)):
+    for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
         got = idx[a:b]
         if len(got) != n or len(set(got)) != n:
             status = (f"wrong: epoch {e} delivered {len(got)} samples ({len(set(got))} "
