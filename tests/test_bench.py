@@ -29,6 +29,7 @@ from autominato.bench.workload import (
     SerialCost,
     burn_cpu,
     draw_costs,
+    makespan,
     measure_floor,
     measure_serial,
     physical_limit,
@@ -446,6 +447,15 @@ def test_the_unet_step_trains_on_a_collated_kits19_batch():
     kernels = [(a, b) for a, b in zip(before, after, strict=True) if a.ndim == 5]
     assert len(kernels) > 10 and all(not torch.equal(a, b) for a, b in kernels)
     assert unet.calibrate((2, 1, 64, 64, 64), warmup=0, steps=1) > 0
+
+
+def test_makespan_is_greedy_list_scheduling_in_dispatch_order():
+    assert makespan([1.0, 1.0, 1.0, 1.0], 2) == 2.0
+    assert makespan([3.0, 1.0, 1.0, 1.0], 2) == 3.0  # the straggler's worker takes no more
+    assert makespan([1.0, 1.0, 1.0, 3.0], 2) == 4.0  # a straggler dispatched last is the tail
+    assert makespan([], 4) == 0.0
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        makespan([1.0], 0)
 
 
 def test_the_floor_is_the_transforms_alone_in_cores_processes():

@@ -9,8 +9,8 @@ For each workload the runner
    ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
    Python process (``python -m autominato.bench.child``) so that no arm inherits another's
    warm pools, threads or heap; ``isolate=False`` runs them in this process (tests);
-4. measures the *floor* once per repeat, before that repeat's arms: the read + transform of
-   every sample of every epoch in ``cores`` warm processes with nothing else running
+4. measures the *floor* once per repeat, before that repeat's arms: the transforms of every
+   sample of every epoch in ``cores`` warm processes with nothing else running
    (:func:`~autominato.bench.workload.measure_floor`), what no loader can beat. Each run's
    ``ratio_to_floor`` is its wall time over ``max(median floor, its consumer's step time)``.
 
@@ -480,7 +480,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         if opts.floor and runnable:
             floors.append(measure_floor(wl, cores, E))
             opts.log(f"[{wl.name}] floor #{rep}: {floors[-1]:.2f} s ({cores} processes, "
-                     "read + transform alone)")
+                     "transforms alone)")
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)

@@ -18,11 +18,12 @@ or a thread, and the serial sum of the costs is the work the cores must do.
 
 from __future__ import annotations
 
+import heapq
 import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -397,21 +398,43 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
     barrier.wait()
 
 
-def _floor_task(task: tuple[int, int]) -> None:
+def _floor_task(task: tuple[int, int]) -> float:
+    """Read sample ``index`` (not timed), transform it for ``epoch``; its transform seconds.
+    The result stays here: the floor is the work, not its transport."""
     epoch, index = task
-    _floor_fn.epoch = epoch
-    _floor_fn(index)  # the result stays here: the floor is the work, not its transport
+    fn = _floor_fn
+    item = fn.dataset[index]
+    t0 = time.perf_counter()
+    fn.transform(item, sample_rng(fn.seed, epoch, index))
+    return time.perf_counter() - t0
+
+
+def makespan(durations: Sequence[float], workers: int) -> float:
+    """Seconds ``workers`` take when each takes the next of ``durations`` (in order) as soon
+    as it is free (greedy list scheduling, as a loader dispatches), seconds.
+
+    Raises:
+        ValueError: ``workers < 1``.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    free = [0.0] * workers
+    for d in durations:
+        heapq.heappush(free, heapq.heappop(free) + d)
+    return max(free)
 
 
 def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> float:
-    """Seconds that the read + transform of every sample of ``epochs`` epochs take in
-    ``cores`` warm processes with nothing else running: what no loader can beat.
+    """Seconds that the transforms of every sample of ``epochs`` epochs take in ``cores``
+    processes with nothing else running: what no loader can beat.
 
-    Each process takes the next ``(epoch, index)`` as soon as it is free (chunks of one, no
-    barrier between epochs), runs :class:`SampleFn` and drops the result, so the figure holds
-    no batching, collation, transport to the training loop or consumer. Processes start
-    (``spawn``), cap their threads to ``cores // cores = 1`` per process as the loaders' workers
-    do, and run one sample each before the timer starts.
+    ``cores`` warm processes (``spawn``ed, threads capped at one each as the loaders' workers
+    are, one sample run before the timing starts) each take the next ``(epoch, index)`` as
+    soon as they are free, read it, and time its transform alone, so the durations carry the
+    contention of ``cores`` transforms at once (memory bandwidth, caches). The floor is the
+    :func:`makespan` of those durations in dispatch order on ``cores`` workers: no batching,
+    collation, transport to the training loop, consumer, or read (a loader can hide reads
+    behind transforms; it cannot hide transforms).
     """
     import multiprocessing as mp
 
@@ -426,10 +449,8 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> float:
     threads = threads_per_worker(cores, cores)
     with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
         barrier.wait()
-        t0 = time.perf_counter()
-        for _ in pool.imap_unordered(_floor_task, tasks, chunksize=1):
-            pass
-        return time.perf_counter() - t0
+        durations = list(pool.imap(_floor_task, tasks, chunksize=1))
+    return makespan(durations, cores)
 
 
 def calibrate_step(workload: Workload, serial: SerialCost, cores: int) -> float:
