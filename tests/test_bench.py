@@ -481,7 +481,8 @@ def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_p
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
     wl = tiny(6)
     res = run_workload(wl, options(tmp_path, arms=["dataloader", "spdl", "torchdata",
-                                                   "autominato"], epochs=3, floor=False))
+                                                   "autominato", "autominato-drain"], epochs=3,
+                                    floor=False))
     for r in res.records:
         assert r.ok, (r.arm, r.status)
         assert r.epochs == 3 and r.samples == 18 and r.batches == 3 * wl.n_batches, r.arm

@@ -26,6 +26,8 @@ spdl                   ``spdl.pipeline``: read stage (threads, concurrency 2 x c
                        process pool) -> ``aggregate`` -> collate -> sink(2); completion order
 autominato             ``autominato.Loader`` with defaults (controller on)
 autominato-tuned       ``autominato.Loader(config=...)`` with a file ``autominato tune`` wrote
+autominato-drain       ``autominato.Loader(prefetch_next_epoch=False)``: defaults, but every epoch
+                       boundary drains and refills (as before issue 14), for the before/after
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -50,6 +52,7 @@ ARM_NAMES = (
     "spdl",
     "autominato",
     "autominato-tuned",
+    "autominato-drain",
 )
 
 Built = tuple[Iterable[Any], Callable[[], None]]
@@ -109,6 +112,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
             "autominato-tuned",
             "autominato",
             {"config": ctx.tuned_config} if ctx.tuned_config else {},
+        ),
+        "autominato-drain": Arm(
+            "autominato-drain", "autominato", {"autotune": True, "prefetch_next_epoch": False}
         ),
     }
 
@@ -327,6 +333,8 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     }
     if p.get("config"):
         kwargs["config"] = p["config"]
+    if "prefetch_next_epoch" in p:
+        kwargs["prefetch_next_epoch"] = bool(p["prefetch_next_epoch"])
     if ctx.device == "cuda":
         kwargs["device"] = "cuda"
     loader = Loader(wl.indexed_dataset(), **kwargs)
