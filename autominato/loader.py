@@ -8,6 +8,7 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -21,8 +22,13 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from torch.utils.data import DistributedSampler
 
 from autominato import resume
+
+# Imported with the Loader, not in its constructor: the controller runs by default, and
+# importing it (and the telemetry switch) there delayed the first batch by tens of ms.
+from autominato.control import Controller
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
 from autominato.pipeline.errors import ErrorReport, describe
@@ -33,6 +39,7 @@ from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
 from autominato.pipeline.stream import PullDone, Stream, Yielded, YieldFailed
 from autominato.pipeline.worker import Streams, WorkSpec, run_sample, sample_path, takes_rng
+from autominato.telemetry.handle import monitor_interval_from_env
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -244,6 +251,17 @@ class Loader:
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
+        prefetch_next_epoch: start the next epoch's samples in the workers that the tail of
+            this epoch frees (its first batches are ready when the training loop asks), as
+            long as the next order is computable without side effects: the Loader's own
+            shuffle / sequential order, or a ``DistributedSampler`` (other samplers: off).
+            The next epoch is the current one + 1 (+ 0 after a pass that repeated the epoch
+            set by :meth:`set_epoch`); a pass that asks for another epoch or order discards
+            the speculative work (counted in ``speculative_discarded_total``). Memory: no
+            more samples in flight than without it (the two epochs share the ``pool_size``
+            window), plus up to ``depth`` assembled batches of the next epoch. The last
+            epoch's speculation is wasted work (up to ``pool_size`` samples). Off with
+            ``persistent_workers=False`` (the dataset may change between epochs).
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
@@ -296,6 +314,7 @@ class Loader:
         metrics_host: str = "127.0.0.1",
         monitor_interval: float | None = None,
         autotune: bool = True,
+        prefetch_next_epoch: bool = True,
         **knobs: int,
     ) -> None:
         unknown = set(knobs) - set(KNOB_NAMES)
@@ -496,6 +515,9 @@ class Loader:
         self._h2d_seconds = 0.0
         self._epoch = 0
         self._epoch_set = False
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
+        self._last_pass_epoch: int | None = None
         self._started = False
         self._batches_at_iter = 0
         self._sync_skipped = 0
@@ -516,8 +538,6 @@ class Loader:
         if values["workers"] > 0 and worker_kind == "ray":
             self._ensure_pipeline()  # actors start placing while the training job sets up
 
-        from autominato.telemetry.handle import monitor_interval_from_env
-
         me = _Observed(self)
         if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
@@ -526,8 +546,6 @@ class Loader:
                 me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
             )
         if autotune:
-            from autominato.control import Controller
-
             self._controller = Controller(me, config=cfg,
                                           cores=cores if worker_kind == "ray" else None)
             self._controller.start()
@@ -669,7 +687,11 @@ class Loader:
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch, progress)
             pipeline = self._ensure_pipeline()
-            run = pipeline.start(order, self._epoch, groups, done)
+            if self._last_pass_epoch is not None:
+                step = self._epoch - self._last_pass_epoch
+                self._epoch_step = step if step in (0, 1) else 1
+            self._last_pass_epoch = self._epoch
+            run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order())
             return _EpochIterator(self, pipeline, run, progress)
 
     def state_dict(self) -> dict[str, Any]:
@@ -754,6 +776,29 @@ class Loader:
                 f" (file {path})" if path else "", describe(error))
         if self._on_skip is not None:
             self._on_skip(index, path, error)
+
+    def _next_epoch_order(self) -> tuple[list[int], int] | None:
+        """``(order, epoch)`` of the pass expected after this one, or ``None`` when it cannot
+        be computed without side effects (a user sampler other than ``DistributedSampler``,
+        whose iteration may draw from a shared generator) or speculation is off."""
+        if (not self.prefetch_next_epoch or not self.persistent_workers or self._iterable
+                or self.batch_sampler is not None):
+            return None
+        epoch = self._epoch + self._epoch_step
+        sampler = self._sampler
+        if sampler is not None:
+            if type(sampler) is not DistributedSampler:  # a subclass may have side effects
+                return None
+            sampler = copy.copy(sampler)
+            # The training loop sets the sampler's epoch itself (DDP's habit) or through
+            # set_epoch: either way the next one is expected to follow.
+            sampler.set_epoch(sampler.epoch + 1)
+        order = epoch_order(
+            self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=sampler,
+            rank=self.rank, world_size=self.world_size, batch_size=self._batch,
+            drop_last=self.drop_last,
+        )
+        return order, epoch
 
     def _ensure_pipeline(self) -> Pipeline:
         if self._pipeline is None:
@@ -852,6 +897,7 @@ class Loader:
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
+            speculative_discarded_total=p.speculative_discarded if p else 0,
         )
 
 

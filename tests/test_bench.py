@@ -19,6 +19,7 @@ from autominato.bench.runner import (
     Options,
     RunFailed,
     RunSpec,
+    _record,
     run_once,
     run_order,
     run_workload,
@@ -28,6 +29,8 @@ from autominato.bench.workload import (
     SerialCost,
     burn_cpu,
     draw_costs,
+    makespan,
+    measure_floor,
     measure_serial,
     physical_limit,
     synthetic_workload,
@@ -123,6 +126,11 @@ def test_csv_columns_are_stable(all_arms):
         "samples_per_s",
         "limit_s",
         "ratio_to_limit",
+        "epochs",
+        "step_s",
+        "floor_s",
+        "ratio_to_floor",
+        "next_epoch_wait_s",
         "idle_ratio",
         "p99_wait_s",
         "cpu_s",
@@ -139,6 +147,8 @@ def test_csv_columns_are_stable(all_arms):
         "first_batch_s",
         "samples_per_s",
         "ratio_to_limit",
+        "ratio_to_floor",
+        "next_epoch_wait_s",
         "idle_ratio",
         "p99_wait_s",
         "cpu_s",
@@ -152,6 +162,7 @@ def test_csv_columns_are_stable(all_arms):
         "detail",
         "runs",
         "limit_s",
+        "floor_s",
         *stats,
         "speedup_vs_dataloader",
     ]
@@ -436,3 +447,61 @@ def test_the_unet_step_trains_on_a_collated_kits19_batch():
     kernels = [(a, b) for a, b in zip(before, after, strict=True) if a.ndim == 5]
     assert len(kernels) > 10 and all(not torch.equal(a, b) for a, b in kernels)
     assert unet.calibrate((2, 1, 64, 64, 64), warmup=0, steps=1) > 0
+
+
+def test_makespan_is_greedy_list_scheduling_in_dispatch_order():
+    assert makespan([1.0, 1.0, 1.0, 1.0], 2) == 2.0
+    assert makespan([3.0, 1.0, 1.0, 1.0], 2) == 3.0  # the straggler's worker takes no more
+    assert makespan([1.0, 1.0, 1.0, 3.0], 2) == 4.0  # a straggler dispatched last is the tail
+    assert makespan([], 4) == 0.0
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        makespan([1.0], 0)
+
+
+def test_the_floor_is_the_transforms_alone_in_cores_processes():
+    # 8 samples x 50 ms of CPU on 2 processes: no schedule finishes in less than 0.2 s.
+    wl = tiny(8, cost_s=0.05)
+    floor = measure_floor(wl, CORES, epochs=2)
+    assert floor >= 2 * 8 * 0.05 / CORES * 0.95
+    assert floor < 60  # it ends (a generous bound for a loaded machine)
+
+
+def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_path):
+    wl = tiny(8, cost_s=0.02, step_s=0.001)
+    res = run_workload(wl, options(tmp_path, arms=["dataloader", "autominato"], repeats=2))
+    assert len(res.floor_s) == 2 and min(res.floor_s) >= 8 * 0.02 / CORES * 0.95
+    floor = float(np.median(res.floor_s))
+    for r in res.records:
+        assert r.ok, r.status
+        assert r.floor_s == floor
+        assert r.step_s == pytest.approx(sum(b - a for a, b in r.busy))
+        assert r.ratio_to_floor == pytest.approx(r.wall_s / max(floor, r.step_s))
+
+
+def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
+    wl = tiny(6)
+    res = run_workload(wl, options(tmp_path, arms=["dataloader", "spdl", "torchdata",
+                                                   "autominato", "autominato-drain"], epochs=3,
+                                    floor=False))
+    for r in res.records:
+        assert r.ok, (r.arm, r.status)
+        assert r.epochs == 3 and r.samples == 18 and r.batches == 3 * wl.n_batches, r.arm
+        assert math.isfinite(r.next_epoch_wait_s) and r.next_epoch_wait_s >= 0, r.arm
+        assert math.isnan(r.ratio_to_floor)
+    raw = {"indices": [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 5, 5], "epoch_ends": [6, 12],
+           "wall_s": 1.0, "build_s": 0.1, "first_batch_s": 0.2, "idle_ratio": 0.0,
+           "p99_wait_s": 0.0, "cpu_s": 1.0, "peak_pss_bytes": 1.0, "start_pss_bytes": 1.0,
+           "gpu_util_mean": 0.0, "pcie_rx_bytes_per_s": 0.0, "pcie_tx_bytes_per_s": 0.0,
+           "busy": [], "batches": 6}
+    rec = _record(wl, Arm("x", "dataloader"), 0, 0, 1.0, raw)
+    assert rec.status == "wrong: epoch 1 delivered 6 samples (5 distinct) of 6"
+
+
+def test_ranks_keep_rank_zeros_share_of_each_epoch():
+    wl = tiny(20)
+    mine = wl.shard(8)
+    assert len(mine) == 3 and mine.name == f"{wl.name}-rank0of8"
+    assert [mine.dataset[i]["image"][0, 0] for i in range(3)] == [0, 8, 16]
+    assert wl.shard(1) is wl
+    with pytest.raises(ValueError, match="ranks must be in"):
+        wl.shard(21)

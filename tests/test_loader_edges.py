@@ -91,8 +91,9 @@ class HangOnce:
 def test_skip_after_a_timeout_frees_the_samples_shared_memory():
     # Samples big enough (256 KiB) to travel through shared-memory slots.
     ds = Indexed(12, shape=(64, 1024))
+    # Without the next epoch started ahead, so that every slot is free between epochs.
     with Loader(ds, 4, transform=HangOnce(5), workers=2, sample_timeout=2.0, on_error="skip",
-                autotune=False) as L:
+                autotune=False, prefetch_next_epoch=False) as L:
         counts = []
         for _ in range(3):
             got = indices(L)
@@ -322,7 +323,7 @@ class HalfUnpicklable:
 
 def test_a_read_that_cannot_be_packed_frees_its_slot():
     with Loader(HalfUnpicklable(), 2, workers=1, fuse_read=False, on_error="skip",
-                autotune=False) as L:
+                autotune=False, prefetch_next_epoch=False) as L:  # every slot free between epochs
         for _ in range(3):
             assert sum(len(b[0]) for b in L) == 8
             assert _slots_all_free(L)

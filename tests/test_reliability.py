@@ -374,8 +374,9 @@ def test_worker_death_raises_when_asked_naming_pid_signal_and_sample(tmp_path):
 def test_a_sample_that_kills_every_worker_goes_through_the_error_policy(on_error):
     before = descendants()
     t0 = time.monotonic()
+    # This epoch's deaths only: the next epoch, started ahead, would meet the sample again.
     with Loader(IndexDataset(24), 4, transform=KillFor(7), workers=2, seed=0, max_tries=2,
-                on_error=on_error, autotune=False) as loader:
+                on_error=on_error, autotune=False, prefetch_next_epoch=False) as loader:
         if on_error == "skip":
             got, _ = run_epoch(loader)
             assert sorted(got) == [i for i in range(24) if i != 7]
@@ -458,8 +459,10 @@ class HangsInThreads(IndexDataset):
 def test_a_read_hanging_in_a_thread_times_out_and_a_new_thread_takes_over(workers, kind):
     RELEASE.clear()
     try:
+        # The second epoch must start after RELEASE, not ahead of it while the read still hangs.
         with Loader(HangsInThreads(24, 7), 4, transform=identity, workers=workers, worker_kind=kind,
-                    fuse_read=False, sample_timeout=1.0, on_error="skip", seed=0, autotune=False) as loader:
+                    fuse_read=False, sample_timeout=1.0, on_error="skip", seed=0, autotune=False,
+                    prefetch_next_epoch=False) as loader:
             t0 = time.monotonic()
             got, _ = run_epoch(loader)
             t1 = time.monotonic()
@@ -779,8 +782,9 @@ def test_slots_dropped_while_the_pool_changes_are_unmapped_and_never_reused():
     to stay on the free list, unmapped) and workers must not keep dropped segments mapped
     (each keeps its memory allocated)."""
     stale = []
+    # The pool size set before an epoch applies to all of it (no samples started ahead).
     with Loader(VariableSizes(40), 4, transform=crop, shuffle=True, workers=2, seed=0,
-                autotune=False) as loader:
+                autotune=False, prefetch_next_epoch=False) as loader:
         for epoch in range(10):
             loader.knobs.pool_size = 40 if epoch % 2 == 0 else 4
             got = []
@@ -818,8 +822,9 @@ def test_workers_times_threads_stays_within_the_cores_as_the_worker_count_change
 
     cores = usable_cores()
     seen = {}
+    # Each epoch's samples must run after its worker count is set, not ahead of it.
     with Loader(IndexDataset(8), 2, transform=thread_counts, workers=1, seed=0,
-                start_method=start_method, autotune=False) as loader:
+                start_method=start_method, autotune=False, prefetch_next_epoch=False) as loader:
         for workers in (1, 2, 1):
             loader.knobs.workers = workers
             for _, _, torch_threads, blas_threads in loader:

@@ -86,6 +86,7 @@ def ran():
         metrics_port=0,
         autotune=False,
         seed=0,
+        prefetch_next_epoch=False,  # one epoch's figures exactly, none of the next started ahead
     )
     batches = list(loader)
     # What the online controller reports for each knob change it makes.

@@ -137,8 +137,9 @@ def test_worker_init_fn_runs_in_every_process_worker_replacements_and_added_ones
 
 def test_worker_init_fn_runs_once_in_every_thread_worker_added_ones_too(tmp_path):
     init = functools.partial(record_init, str(tmp_path))
+    # (prefetch_next_epoch=False: the last epoch must start after the knob change)
     with Loader(Info(20), 4, num_workers=2, worker_kind="thread", transform=info_in_transform,
-                worker_init_fn=init, autotune=False) as L:
+                worker_init_fn=init, autotune=False, prefetch_next_epoch=False) as L:
         got = rows(L)
         wait_until(lambda: len(inits(tmp_path)) == 2)
         assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 1]

@@ -2,13 +2,19 @@
 
 Every arm runs the same :class:`~autominato.bench.workload.SampleFn` work (read, then
 transform with the generator of ``(seed, epoch, index)``), the same collate (torch's
-``default_collate``) and a sequential sampler; only the scheduling differs.
+``default_collate``) and a sequential sampler; only the scheduling differs. Each arm's loader is
+iterated once per epoch (``--epochs``), as a training loop does: the DataLoader with
+``persistent_workers=True`` (else it would start its workers again every epoch), torchdata's
+``Loader`` and autominato's as they are, SPDL with one pipeline per epoch (its pipelines are
+iterated once). The peers draw every epoch's augmentation with epoch 0's generators (the same
+work in every epoch); autominato uses its own epoch counter (the same work too).
 
 =====================  =====================================================================
 arm                    set-up
 =====================  =====================================================================
 dataloader             ``torch.utils.data.DataLoader``: ``num_workers`` = usable cores,
-                       ``pin_memory=True``, ``prefetch_factor=2`` (as users commonly set it)
+                       ``pin_memory=True``, ``prefetch_factor=2`` (as users commonly set it),
+                       ``persistent_workers=True``
 dataloader-unordered   the same with ``in_order=False`` (torch >= 2.6)
 dataloader-best        the fastest of a small grid of ``num_workers`` x ``prefetch_factor``
                        x ``in_order``, probed on part of the epoch before the timed runs
@@ -24,6 +30,8 @@ autominato-ray         ``autominato.Loader(worker_kind="ray", workers=1)``, cont
                        transform stage on Ray actors, grown by the controller from one; Ray
                        is ``RAY_ADDRESS``'s cluster or a local instance of the usable cores,
                        started before the timed span (opt-in: not in :data:`DEFAULT_ARMS`)
+autominato-drain       ``autominato.Loader(prefetch_next_epoch=False)``: defaults, but every epoch
+                       boundary drains and refills (as before issue 14), for the before/after
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -49,6 +57,7 @@ ARM_NAMES = (
     "autominato",
     "autominato-tuned",
     "autominato-ray",
+    "autominato-drain",
 )
 
 #: The arms run when none are named: ``autominato-ray`` needs Ray (``autominato[ray]``) and
@@ -116,6 +125,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
         "autominato-ray": Arm(
             "autominato-ray", "autominato", {"autotune": True, "worker_kind": "ray", "workers": 1}
         ),
+        "autominato-drain": Arm(
+            "autominato-drain", "autominato", {"autotune": True, "prefetch_next_epoch": False}
+        ),
     }
 
 
@@ -175,7 +187,8 @@ def build(arm: Arm, workload: Workload, ctx: Context) -> Built:
     """Build ``arm``'s loader over ``workload``.
 
     Returns:
-        ``(iterable of batches, close)``; each batch is ``[indices (B,) int64, samples]``.
+        ``(iterable of batches, close)``: iterable once per epoch; each batch is
+        ``[indices (B,) int64, samples]``.
 
     Raises:
         ValueError: unknown arm kind.
@@ -191,14 +204,26 @@ def build(arm: Arm, workload: Workload, ctx: Context) -> Built:
     return builders[arm.kind](arm.params, workload, ctx)
 
 
+class _Quiet:
+    """Iterates ``inner`` with the warnings that the benchmark's settings cause on purpose
+    silenced: ``pin_memory=True`` without an accelerator (it does nothing), and the grid's
+    more workers than cores."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*pin_memory.*")
+            warnings.filterwarnings("ignore", message=".*worker processes in total.*")
+            return iter(self.inner)
+
+
 def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     from torch.utils.data import DataLoader
 
     workers = int(p["num_workers"])
     with warnings.catch_warnings():
-        # pin_memory=True without an accelerator warns once and does nothing, and the grid
-        # tries more workers than cores on purpose: both warnings are expected here.
-        warnings.filterwarnings("ignore", message=".*pin_memory.*")
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")
         dl = DataLoader(
             SampleFn(wl),
@@ -207,16 +232,16 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
             num_workers=workers,
             pin_memory=bool(p.get("pin_memory", True)),
             prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
+            persistent_workers=workers > 0,
             in_order=bool(p.get("in_order", True)),
         )
-        it = iter(dl)
 
     def close() -> None:
-        shutdown = getattr(it, "_shutdown_workers", None)
+        shutdown = getattr(getattr(dl, "_iterator", None), "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
 
-    return it, close
+    return _Quiet(dl), close
 
 
 def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
@@ -237,7 +262,6 @@ def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         node = tn.PinMemory(node)
     node = tn.Prefetcher(node, prefetch_factor=int(p["prefetch_factor"]))
     loader = tn.Loader(node)
-    it = iter(loader)
 
     def close() -> None:
         # torchdata has no public close: its map node stops its workers in _shutdown().
@@ -247,7 +271,7 @@ def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
             if fn is not None:
                 fn()
 
-    return it, close
+    return loader, close
 
 
 class _SpdlRead:
@@ -268,32 +292,50 @@ class _SpdlTransform:
         return self.transform(item, sample_rng(self.seed, self.epoch, item[0]))
 
 
+class _SpdlEpochs:
+    """One SPDL pipeline per epoch (a pipeline is iterated once); the process pool, if any,
+    lives across epochs as a loader's workers do."""
+
+    def __init__(self, p: dict[str, Any], wl: Workload) -> None:
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.p, self.wl = p, wl
+        self.tc = int(p["transform_concurrency"])
+        self.executor = (
+            ProcessPoolExecutor(max_workers=self.tc) if p["executor"] == "process" else None
+        )
+        self.pipeline: Any = None
+
+    def __iter__(self) -> Any:
+        from spdl.pipeline import PipelineBuilder
+        from torch.utils.data import default_collate
+
+        if self.pipeline is not None:
+            self.pipeline.stop()
+        rc = int(self.p["read_concurrency"])
+        self.pipeline = (
+            PipelineBuilder()
+            .add_source(range(len(self.wl)))
+            .pipe(_SpdlRead(self.wl), concurrency=rc)
+            .pipe(_SpdlTransform(self.wl), concurrency=self.tc, executor=self.executor)
+            .aggregate(self.wl.batch_size, drop_last=False)
+            .pipe(default_collate)
+            .add_sink(2)
+            .build(num_threads=rc + self.tc)
+        )
+        self.pipeline.start()
+        return iter(self.pipeline.get_iterator())
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop()
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+
 def _spdl(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
-    from concurrent.futures import ProcessPoolExecutor
-
-    from spdl.pipeline import PipelineBuilder
-    from torch.utils.data import default_collate
-
-    tc = int(p["transform_concurrency"])
-    executor = ProcessPoolExecutor(max_workers=tc) if p["executor"] == "process" else None
-    pipeline = (
-        PipelineBuilder()
-        .add_source(range(len(wl)))
-        .pipe(_SpdlRead(wl), concurrency=int(p["read_concurrency"]))
-        .pipe(_SpdlTransform(wl), concurrency=tc, executor=executor)
-        .aggregate(wl.batch_size, drop_last=False)
-        .pipe(default_collate)
-        .add_sink(2)
-        .build(num_threads=int(p["read_concurrency"]) + tc)
-    )
-    pipeline.start()
-
-    def close() -> None:
-        pipeline.stop()
-        if executor is not None:
-            executor.shutdown(cancel_futures=True)
-
-    return pipeline.get_iterator(), close
+    epochs = _SpdlEpochs(p, wl)
+    return epochs, epochs.close
 
 
 def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
@@ -311,7 +353,9 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     for name in ("worker_kind", "workers"):
         if name in p:
             kwargs[name] = p[name]
+    if "prefetch_next_epoch" in p:
+        kwargs["prefetch_next_epoch"] = bool(p["prefetch_next_epoch"])
     if ctx.device == "cuda":
         kwargs["device"] = "cuda"
     loader = Loader(wl.indexed_dataset(), **kwargs)
-    return iter(loader), loader.close
+    return loader, loader.close

@@ -172,15 +172,18 @@ class NvmlSampler:
 
 @dataclass
 class Consumption:
-    """What the training loop saw over one epoch.
+    """What the training loop saw over one or more epochs.
 
     Attributes:
         wall_s: seconds from the start of building the loader to the end of the last step.
         build_s: seconds spent building the loader (inside ``wall_s``).
-        waits_s: per-batch seconds blocked in ``next()`` (the first includes start-up).
+        waits_s: per-batch seconds blocked in ``next()`` (the first includes start-up; the
+            first of each later epoch includes its ``iter()`` call: the epoch-boundary wait).
         steps_s: per-batch step seconds.
         busy: ``(start, end)`` of each step, seconds since the build started.
         indices: sample indices delivered, in arrival order.
+        epoch_ends: ``len(indices)`` at the end of each epoch, shape ``(epochs,)``.
+        epoch_first: index into ``waits_s`` of each epoch's first batch.
         span_start: ``time.monotonic()`` when the build started (the span's start, comparable
             across processes); the span ends at ``span_start + wall_s``.
     """
@@ -191,6 +194,8 @@ class Consumption:
     steps_s: list[float] = field(default_factory=list)
     busy: list[tuple[float, float]] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
+    epoch_ends: list[int] = field(default_factory=list)
+    epoch_first: list[int] = field(default_factory=list)
     span_start: float = 0.0
 
     @property
@@ -209,6 +214,13 @@ class Consumption:
     @property
     def p99_wait_s(self) -> float:
         return float(np.quantile(self.waits_s, 0.99)) if self.waits_s else 0.0
+
+    @property
+    def next_epoch_wait_s(self) -> float:
+        """Mean wait for the first batch of every epoch after the first (the epoch-boundary
+        bubble), seconds; NaN with one epoch."""
+        later = [self.waits_s[i] for i in self.epoch_first[1:] if i < len(self.waits_s)]
+        return float(np.mean(later)) if later else float("nan")
 
 
 def batch_indices(batch: Any) -> list[int]:
@@ -231,12 +243,15 @@ def batch_indices(batch: Any) -> list[int]:
 def consume(
     build: Callable[[], tuple[Iterable[Any], Callable[[], None]]],
     step: Callable[[Any], None],
+    epochs: int = 1,
 ) -> tuple[Consumption, Callable[[], None]]:
-    """Build a loader, iterate one epoch and run ``step`` on every batch; time it all.
+    """Build a loader, iterate ``epochs`` epochs and run ``step`` on every batch; time it all.
 
     Args:
-        build: returns ``(iterable of batches, close)``; its time counts in ``wall_s``.
+        build: returns ``(iterable of batches, close)``; the iterable is iterated once per
+            epoch; the build and the first ``iter()`` count in ``build_s`` (and ``wall_s``).
         step: the accelerator step, called with each batch.
+        epochs: passes over the iterable, back to back as a training loop makes them.
 
     Returns:
         The consumption record and the loader's ``close`` (not yet called: shutting a loader
@@ -248,19 +263,25 @@ def consume(
     it = iter(iterable)
     c.build_s = time.perf_counter() - t0
     try:
-        while True:
+        for epoch in range(epochs):
+            c.epoch_first.append(len(c.waits_s))
             t = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            t1 = time.perf_counter()
-            c.indices.extend(batch_indices(batch))
-            step(batch)
-            t2 = time.perf_counter()
-            c.waits_s.append(t1 - t)
-            c.steps_s.append(t2 - t1)
-            c.busy.append((t1 - t0, t2 - t0))
+            if epoch:
+                it = iter(iterable)  # in the wait of the epoch's first batch
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                t1 = time.perf_counter()
+                c.indices.extend(batch_indices(batch))
+                step(batch)
+                t2 = time.perf_counter()
+                c.waits_s.append(t1 - t)
+                c.steps_s.append(t2 - t1)
+                c.busy.append((t1 - t0, t2 - t0))
+                t = time.perf_counter()
+            c.epoch_ends.append(len(c.indices))
         c.wall_s = c.busy[-1][1] if c.busy else time.perf_counter() - t0
     except BaseException:
         close()

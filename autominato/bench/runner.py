@@ -8,7 +8,11 @@ For each workload the runner
 3. runs every available arm ``repeats`` times, interleaved (repeat ``r`` starts at arm
    ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
    Python process (``python -m autominato.bench.child``) so that no arm inherits another's
-   warm pools, threads or heap; ``isolate=False`` runs them in this process (tests).
+   warm pools, threads or heap; ``isolate=False`` runs them in this process (tests);
+4. measures the *floor* once per repeat, before that repeat's arms: the transforms of every
+   sample of every epoch in ``cores`` warm processes with nothing else running
+   (:func:`~autominato.bench.workload.measure_floor`), what no loader can beat. Each run's
+   ``ratio_to_floor`` is its wall time over ``max(median floor, its consumer's step time)``.
 
 Every run yields a :class:`RunRecord`; an arm that cannot run yields one record whose status
 says why (``missing: ...``, ``not given: ...``, ``error: ...``, ``timeout``).
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from autominato.bench.arms import (
     ARM_NAMES,
@@ -49,6 +54,7 @@ from autominato.bench.workload import (
     SerialCost,
     Workload,
     calibrate_step,
+    measure_floor,
     measure_serial,
     physical_limit,
 )
@@ -61,7 +67,11 @@ class RunRecord:
     Units: seconds, bytes, samples/s; ratios in [0, 1] except ``ratio_to_limit`` (>= 1 for a
     loader that does not beat physics). ``build_s`` is the time to construct the loader and
     call ``iter``; ``first_batch_s`` the time from the span's start until the first batch
-    arrived (worker start-up). ``gpu_*`` / ``pcie_*`` are NaN without NVML.
+    arrived (worker start-up). ``gpu_*`` / ``pcie_*`` are NaN without NVML. ``epochs``:
+    passes over the workload in the run; ``next_epoch_wait_s``: mean wait for the first batch
+    of every epoch after the first (NaN with one); ``floor_s``: the median measured floor;
+    ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
+    step time.
     """
 
     workload: str
@@ -79,6 +89,11 @@ class RunRecord:
     samples_per_s: float = float("nan")
     limit_s: float = float("nan")
     ratio_to_limit: float = float("nan")
+    epochs: int = 1
+    step_s: float = float("nan")
+    floor_s: float = float("nan")
+    ratio_to_floor: float = float("nan")
+    next_epoch_wait_s: float = float("nan")
     idle_ratio: float = float("nan")
     p99_wait_s: float = float("nan")
     cpu_s: float = float("nan")
@@ -116,6 +131,7 @@ class RunSpec:
     sampler_interval: float = 0.05
     nvml: bool = False
     sample_in_process: bool = True
+    epochs: int = 1
 
 
 def execute(spec: RunSpec) -> dict[str, Any]:
@@ -132,7 +148,7 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     sampler = TreeSampler(spec.sampler_interval).start() if inproc else None
     gpu = NvmlSampler().start() if spec.nvml and inproc else None
     try:
-        c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step)
+        c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step, spec.epochs)
     finally:
         usage = sampler.stop() if sampler is not None else None
         g = gpu.stop() if gpu is not None else None
@@ -143,6 +159,9 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     nan = float("nan")
     return {
         "indices": c.indices,
+        "epoch_ends": c.epoch_ends,
+        "next_epoch_wait_s": c.next_epoch_wait_s,
+        "step_s": c.busy_s,
         "batches": len(c.waits_s),
         "wall_s": c.wall_s,
         "build_s": c.build_s,
@@ -275,6 +294,8 @@ class Options:
         unet_model: ``"mlperf"`` or ``"compact"`` for the real step.
         sampler_interval: seconds between process-tree samples.
         nvml: sample GPU utilisation and PCIe throughput.
+        epochs: passes over the workload per run (a training loop's epochs, back to back).
+        floor: measure the floor once per repeat (see the module's step 4).
         timeout_s: per-run timeout; ``None``: 10 x the limit + 120 s.
         log: progress messages.
     """
@@ -290,6 +311,8 @@ class Options:
     unet_model: str = "mlperf"
     sampler_interval: float = 0.05
     nvml: bool = False
+    epochs: int = 1
+    floor: bool = True
     timeout_s: float | None = None
     log: Callable[[str], None] = print
 
@@ -304,6 +327,7 @@ class WorkloadResult:
     limit_s: float
     records: list[RunRecord]
     best_grid: dict[str, Any] | None = None
+    floor_s: list[float] = field(default_factory=list)
 
 
 def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[str, Any], float]:
@@ -328,10 +352,17 @@ def _record(
 ) -> RunRecord:
     n = len(wl)
     idx = r["indices"]
+    ends = r.get("epoch_ends") or [len(idx)]
     samples, unique = len(idx), len(set(idx))
     status = "ok"
-    if samples != n or unique != n:
-        status = f"wrong: delivered {samples} samples ({unique} distinct) of {n}"
+    for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        got = idx[a:b]
+        if len(got) != n or len(set(got)) != n:
+            status = (f"wrong: epoch {e} delivered {len(got)} samples ({len(set(got))} "
+                      f"distinct) of {n}")
+            break
+    if len(ends) * n != samples:
+        status = f"wrong: delivered {samples} samples in {len(ends)} epochs of {n}"
     wall = float(r["wall_s"])
     return RunRecord(
         workload=wl.name,
@@ -349,6 +380,9 @@ def _record(
         samples_per_s=samples / wall if wall > 0 else float("nan"),
         limit_s=limit_s,
         ratio_to_limit=wall / limit_s if limit_s > 0 else float("nan"),
+        epochs=len(ends),
+        step_s=float(r.get("step_s", float("nan"))),
+        next_epoch_wait_s=float(r.get("next_epoch_wait_s", float("nan"))),
         idle_ratio=float(r["idle_ratio"]),
         p99_wait_s=float(r["p99_wait_s"]),
         cpu_s=float(r["cpu_s"]),
@@ -416,11 +450,13 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     opts.log(f"[{wl.name}] {wl.description}; measuring the work serially ...")
     serial = measure_serial(wl, samples=opts.serial_samples)
     step, step_s = _step_spec(wl, opts, serial)
-    limit = physical_limit(serial, wl.n_batches, step_s, cores)
+    E = opts.epochs
+    limit = E * physical_limit(serial, wl.n_batches, step_s, cores)
     est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
     opts.log(
         f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est} / {cores} cores, "
-        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms -> limit {limit:.2f} s"
+        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms"
+        + (f" x {E} epochs" if E > 1 else "") + f" -> limit {limit:.2f} s"
     )
     timeout_s = opts.timeout_s if opts.timeout_s is not None else 10 * limit + 120
     arms = default_arms(opts.ctx)
@@ -440,9 +476,15 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             records.append(RunRecord(wl.name, name, 0, 0, why, arm.describe(), limit_s=limit))
         else:
             runnable.append(arm)
+    floors: list[float] = []
     for rep in range(opts.repeats):
+        if opts.floor and runnable:
+            floors.append(measure_floor(wl, cores, E))
+            opts.log(f"[{wl.name}] floor #{rep}: {floors[-1]:.2f} s ({cores} processes, "
+                     "transforms alone)")
         for pos, arm in enumerate(run_order(runnable, rep)):
-            spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml)
+            spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
+                           epochs=E)
             try:
                 r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)
             except RunFailed as e:
@@ -460,4 +502,10 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 f"(x{rec.ratio_to_limit:.2f} limit), idle {rec.idle_ratio:.1%}"
                 + ("" if rec.ok else f" -- {rec.status}")
             )
-    return WorkloadResult(wl, serial, step_s, limit, records)
+    if floors:
+        floor = float(np.median(floors))
+        for rec in records:
+            rec.floor_s = floor
+            if rec.ok:
+                rec.ratio_to_floor = rec.wall_s / max(floor, rec.step_s)
+    return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors)

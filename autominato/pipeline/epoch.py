@@ -231,6 +231,12 @@ class Epoch:
     def finished(self) -> bool:
         return self.ended or self.failed
 
+    @property
+    def exhausted(self) -> bool:
+        """Nothing left to :meth:`take` now: every position handed out, no re-dispatch due
+        (a worker death later may still make one due)."""
+        return self._cursor >= len(self.order) and not self._redo
+
     def deaths(self, pos: int) -> int:
         """Workers that died holding ``pos`` so far."""
         return self._deaths.get(pos, 0)

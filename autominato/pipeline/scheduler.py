@@ -11,6 +11,15 @@ shared-memory slots, skip, raise, end. Each stage is a
 Every live iterator of the loader is a *run* (one epoch's order, its own output queue), so two
 iterators of one loader are independent, as the DataLoader's are.
 
+Epochs without a boundary: :meth:`Pipeline.start` may be told the order of the epoch expected
+next. That run is *speculative*: it waits until its predecessor has handed out every sample,
+then takes the workers its predecessor frees, inside the predecessor's ``pool_size`` window
+(the two share one window, so no more samples are in flight than without speculation), and
+holds up to ``depth`` batches for an iterator that does not exist yet. The next
+:meth:`Pipeline.start` adopts it when it asks for the same epoch and order, else discards it
+(its samples are counted in :attr:`Pipeline.speculative_discarded`). A batch never mixes
+epochs: every run has its own :class:`~autominato.pipeline.epoch.Epoch`.
+
 This module knows nothing of telemetry, the controller or configuration files: it receives a
 frozen :class:`PipelineConfig`, the live :class:`~autominato.pipeline.knobs.Knobs`, and
 statistics records it fills (:class:`~autominato.pipeline.stats.StageStats`).
@@ -135,6 +144,16 @@ class Run:
     batching: int = 0  # batches in the batch / transfer stages
     stopped: bool = False
     closed: bool = False  # nothing more will be put in ``out``
+    speculative: bool = False  # started for an iterator that does not exist yet
+    pred: Run | None = None  # while speculative: the run whose window it shares
+    taken: int = 0  # positions dispatched (re-dispatches included)
+    # While speculative, skips and stragglers wait to be logged and counted until adoption.
+    deferred: list = field(default_factory=list)
+
+    def failed(self) -> bool:
+        """Closed with an error as its final item."""
+        with self.cv:
+            return self.closed and bool(self.out) and self.out[-1][0] == "error"
 
     def deliver(self, item: tuple) -> None:
         with self.cv:
@@ -188,6 +207,10 @@ class Pipeline:
         self.slots = SlotPool(max_slots=2 * knobs.pool_size, budget_bytes=cfg.shm_budget_bytes)
         self.batch_pool = BatchPool(max_per_key=knobs.depth + 3, pin=cfg.cuda or cfg.pin_memory)
         self.runs: dict[int, Run] = {}
+        self.pending: Run | None = None  # the speculative run the next start() may adopt
+        self._waiting: list[Run] = []  # speculative runs whose predecessor still dispatches
+        self.speculative_adopted = 0  # runs
+        self.speculative_discarded = 0  # samples dispatched for a run that was discarded
         self.held: dict[tuple, tuple] = {}  # key -> slots an attempt holds in a worker
         self.out_estimate = 0  # bytes of one transformed sample's arrays, learned
         self.sample_bytes = 0.0
@@ -229,10 +252,15 @@ class Pipeline:
 
     # -- any thread -------------------------------------------------------------------------
     def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None,
-              done: Sequence[int] = ()) -> Run:
+              done: Sequence[int] = (), nxt: tuple[Sequence[int], int] | None = None) -> Run:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
         ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``);
         ``done``: positions delivered before a checkpoint (see ``Epoch.done``).
+
+        The speculative run of the previous call is adopted when it has this ``epoch`` and
+        this ``order`` (and did not fail), else discarded. ``nxt``: ``(order, epoch)`` of the
+        epoch expected after this one, started speculatively once this run has handed out
+        every sample. Call from one thread (the training loop's).
 
         With ``persistent_workers=False`` and worker processes, the dataset is pickled here (in
         the caller's thread) and, when the pickle differs from the one the workers hold, sent
@@ -240,11 +268,20 @@ class Pipeline:
         epoch are seen, as by the DataLoader's fresh workers, at the cost of one pickle per
         epoch and one copy per worker when it changed."""
         self._check_open()
-        cfg = self.cfg
-        ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
-                   done=done)
-        return self._start(epoch, ep)
+        run = self._adopt(order, epoch, groups is None and not len(done))
+        if run is None:
+            cfg = self.cfg
+            ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
+                       skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
+                       done=done)
+            run = self._start(epoch, ep)
+        if nxt is not None:
+            spec = self._new_run(*nxt)
+            spec.speculative = True
+            spec.pred = run
+            self.pending = spec
+            self.events.put(("speculate", spec))
+        return run
 
     def start_stream(self, epoch: int) -> Run:
         """Start a run over an iterable dataset (``cfg.iterable``) for epoch ``epoch``: as many
@@ -278,6 +315,28 @@ class Pipeline:
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
         return run
+
+    def _new_run(self, order: Sequence[int], epoch: int) -> Run:
+        self._gen += 1
+        cfg = self.cfg
+        ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries)
+        return Run(self._gen, epoch, ep)
+
+    def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
+        """The pending speculative run if it is this epoch's (else it is discarded; so is it
+        when the new run is not ``adoptable``: a batch sampler's or a resumed epoch)."""
+        spec, self.pending = self.pending, None
+        if spec is None:
+            return None
+        if (adoptable and spec.epoch_no == epoch and not spec.stopped and not spec.failed()
+                and list(spec.epoch.order) == list(order)):
+            self.speculative_adopted += 1
+            self.events.put(("adopt", spec))
+            return spec
+        spec.stopped = True
+        self.events.put(("discard", spec))
+        return None
 
     @property
     def _resends(self) -> bool:
@@ -379,20 +438,31 @@ class Pipeline:
                 self._result(r)
         elif kind == "start":
             run, payload = ev[1], ev[2]
-            self.runs[run.gen] = run
             if payload is not None:
                 self.procs.pool.send_dataset(payload)
-            if self.cfg.iterable:
-                self._size_stream_workers()
-            else:
-                for st in self.sample_stages:
-                    if st.executor.size < self._want(st):
-                        st.executor.resize(self._want(st))  # workers that could not start: again
-            self._decide(run, run.epoch.start())
+            self._begin(run)
         elif kind == "fatal":  # worker_init_fn raised in a thread worker
             self._fail_runs(ev[1])
         elif kind == "stop":
             self._end_run(ev[1], None)
+        elif kind == "speculate":
+            self._waiting.append(ev[1])
+        elif kind == "adopt":
+            spec = ev[1]
+            spec.speculative = False
+            spec.pred = None  # a window of its own from now on
+            for d in spec.deferred:
+                self._count(d)
+            spec.deferred.clear()
+            if spec in self._waiting:
+                self._activate(spec)
+        elif kind == "discard":
+            spec = ev[1]
+            if spec in self._waiting:
+                self._waiting.remove(spec)
+            self.speculative_discarded += spec.taken
+            self._end_run(spec, None)
+            spec.finish(None)  # a run that had already ended holds its batches until now
         elif kind == "consumed":
             pass  # room in a run's output: the batch stage is pumped below
         elif kind == "knobs":
@@ -447,20 +517,31 @@ class Pipeline:
         stages = self.sample_stages
         first = stages[0]
         pool = max(1, self.knobs.pool_size)
+        for spec in list(self._waiting):
+            # Not after a predecessor that failed or was abandoned (its workers may be broken,
+            # its consumer gone): then the speculative run waits to be adopted.
+            if spec.pred.epoch.exhausted and not spec.pred.epoch.failed:
+                self._activate(spec)
         # Oldest run first; each live run has a window of its own (``pool_size`` samples), as
         # each DataLoader iterator has its own prefetch, so a run whose consumer pauses never
-        # starves another.
-        for run in self.runs.values():
+        # starves another. A speculative run shares its predecessor's window.
+        for run in list(self.runs.values()):
             if run.epoch.finished:
                 continue
             if isinstance(run.epoch, Stream):
                 for pull in run.epoch.take(pool - run.epoch.held - run.uncollated):
                     self._pull(run, pull)
                 continue
-            room = min(pool - run.epoch.held - run.uncollated, *(s.room() for s in stages))
+            used = run.epoch.held + run.uncollated
+            pred = run.pred
+            if pred is not None and self.runs.get(pred.gen) is pred:
+                used += pred.epoch.held + pred.uncollated
+            room = min(pool - used, *(s.room() for s in stages))
             if room <= 0:
                 continue
-            for t in run.epoch.take(room):
+            tasks = run.epoch.take(room)
+            run.taken += len(tasks)
+            for t in tasks:
                 key = (run.gen, t.pos, t.attempt)
                 first.put(key, self._first_item(run, t.index, key))
         for st in stages:
@@ -489,6 +570,22 @@ class Pipeline:
         st = self.sample_stages[0]
         if st.executor.size != want:
             st.executor.resize(want)
+
+    def _activate(self, spec: Run) -> None:
+        """A speculative run starts taking samples (its predecessor has handed out all its own)."""
+        self._waiting.remove(spec)
+        if not spec.stopped:
+            self._begin(spec)
+
+    def _begin(self, run: Run) -> None:
+        self.runs[run.gen] = run
+        if self.cfg.iterable:
+            self._size_stream_workers()
+        else:
+            for st in self.sample_stages:
+                if st.executor.size < self._want(st):
+                    st.executor.resize(self._want(st))  # workers that could not start: again
+        self._decide(run, run.epoch.start())
 
     def _first_item(self, run: Run, index: int, key: tuple) -> Any:
         if self.procs is not None and self.sample_stages[0].executor is self.procs:
@@ -669,7 +766,10 @@ class Pipeline:
     def _decide(self, run: Run, decisions: list) -> None:
         for d in decisions:
             if isinstance(d, Emit):
-                self.stragglers += d.stragglers
+                if run.speculative:
+                    run.deferred.append(d.stragglers)
+                else:
+                    self.stragglers += d.stragglers
                 run.uncollated += len(d.items)
                 key = (run.gen, next(self._batch_ids))
                 self._collating[key] = len(d.items)
@@ -677,10 +777,20 @@ class Pipeline:
             elif isinstance(d, Discard):
                 self._free(d.result.slots)
             elif isinstance(d, Skip):
-                self._skip(d)
+                if run.speculative:
+                    run.deferred.append(d)
+                else:
+                    self._skip(d)
             elif isinstance(d, (Raise, End)):
                 last = ("error", d.error) if isinstance(d, Raise) else ("end",)
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
+
+    def _count(self, d: Skip | int) -> None:
+        """Count a deferred skip, or stragglers (an int), of a speculative run now adopted."""
+        if isinstance(d, Skip):
+            self._skip(d)
+        else:
+            self.stragglers += d
 
     def _skip(self, d: Skip) -> None:
         self.skipped += 1

@@ -159,6 +159,8 @@ class LoaderSnapshot:
         sample_bytes: mean bytes of one transformed sample (0 before the first).
         pool_bytes: bytes held by the buffer pool (shared-memory slots and batch buffers).
         nodes: with Ray workers, the transform actors by node (:class:`NodeSnapshot`), else ().
+        speculative_discarded_total: samples started for a next epoch that the training loop
+            did not ask for (another epoch, order or sampler), so discarded.
     """
 
     time: float
@@ -179,6 +181,7 @@ class LoaderSnapshot:
     pool_bytes: int
     extra: dict[str, float] = field(default_factory=dict)
     nodes: tuple[NodeSnapshot, ...] = ()
+    speculative_discarded_total: int = 0
 
     @property
     def idle_ratio(self) -> float:

@@ -138,6 +138,7 @@ def _add_samples(
     put("autominato_stragglers_total", s.stragglers_total)
     put("autominato_samples_skipped_total", s.skipped_total)
     put("autominato_worker_restarts_total", s.worker_restarts_total)
+    put("autominato_speculative_samples_discarded_total", s.speculative_discarded_total)
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

@@ -159,6 +159,11 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Samples dropped by the on_error='skip' policy.",
         (),
     ),
+    "autominato_speculative_samples_discarded_total": (
+        "counter",
+        "Samples started for a next epoch that the training loop did not ask for, discarded.",
+        (),
+    ),
     "autominato_worker_restarts_total": (
         "counter",
         "Worker processes replaced after dying or hanging.",

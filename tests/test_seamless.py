@@ -1,0 +1,213 @@
+"""Epochs without a boundary: the next epoch's samples start while this epoch's tail finishes.
+
+Every assertion is on order and counts, never on wall-clock time: which epoch a sample was
+augmented for is read back from the draw of its generator (seeded by ``(seed, epoch, index)``),
+and "before the last straggler finishes" is made certain by a straggler that waits for a gate
+the test opens only once the next epoch's first batch has been assembled.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.data import DistributedSampler
+
+from autominato import Loader
+from autominato.pipeline.sampler import epoch_order
+from autominato.pipeline.worker import sample_rng
+from autominato.telemetry.collector import SnapshotCollector
+
+SEED = 11
+
+
+class StragglerTail:
+    """Sample ``i`` is ``{"index": i}``; the last ``tail`` indices sleep ``tail_s`` first (so
+    with sequential order every epoch ends with stragglers); index ``gated`` waits until the
+    file ``gate`` exists."""
+
+    def __init__(self, n: int, tail: int = 0, tail_s: float = 0.0,
+                 gated: int | None = None, gate: str | None = None) -> None:
+        self.n, self.tail, self.tail_s, self.gated, self.gate = n, tail, tail_s, gated, gate
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i >= self.n - self.tail:
+            time.sleep(self.tail_s)
+        if i == self.gated:
+            while not Path(self.gate).exists():
+                time.sleep(0.005)
+        return {"index": np.int64(i)}
+
+
+def tag_epoch(sample: dict, rng: np.random.Generator) -> dict:
+    """Adds the first draw of the sample's generator: it names the epoch it was made for."""
+    return {"index": sample["index"], "draw": np.float64(rng.random())}
+
+
+def epoch_of(index: int, draw: float, epochs: range) -> int:
+    """The epoch whose generator for ``index`` draws ``draw`` first (-1 if none)."""
+    for e in epochs:
+        if sample_rng(SEED, e, index).random() == draw:
+            return e
+    return -1
+
+
+def batches_of(loader) -> list[tuple[list[int], list[float]]]:
+    return [(b["index"].tolist(), b["draw"].tolist()) for b in loader]
+
+
+def wait_for(cond, what: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_five_epochs_with_stragglers_deliver_each_sample_once_and_never_mix_epochs():
+    n, epochs = 10, range(5)
+    ds = StragglerTail(n, tail=2, tail_s=0.15)
+    with Loader(ds, batch_size=3, transform=tag_epoch, seed=SEED, workers=2,
+                autotune=False) as L:
+        for e in epochs:
+            seen = []
+            for indices, draws in batches_of(L):
+                made_for = {epoch_of(i, d, epochs) for i, d in zip(indices, draws, strict=True)}
+                assert made_for == {e}, f"a batch of epoch {e} holds samples of {made_for}"
+                seen += indices
+            assert sorted(seen) == list(range(n)), f"epoch {e}: {sorted(seen)}"
+        p = L._pipeline
+        # Epochs 1..4 were each started ahead and adopted; nothing was thrown away.
+        assert p.speculative_adopted == 4
+        assert L.snapshot().speculative_discarded_total == 0
+
+
+def test_set_epoch_out_of_sequence_discards_speculation_and_delivers_that_epochs_order():
+    n, bs = 12, 3
+    with Loader(StragglerTail(n), batch_size=bs, shuffle=True, in_order=True,
+                transform=tag_epoch, seed=SEED, workers=2, autotune=False) as L:
+        batches_of(L)  # epoch 0; epoch 1 is expected next and started
+        p = L._pipeline
+        spec = p.pending
+        assert spec is not None and spec.epoch_no == 1
+        wait_for(lambda: spec.taken > 0, "samples of epoch 1 to be dispatched")
+        L.set_epoch(7)
+        got = batches_of(L)
+        taken = spec.taken  # no more after the discard: the run left the scheduler
+        indices = [i for idx, _ in got for i in idx]
+        assert indices == epoch_order(n, epoch=7, seed=SEED, shuffle=True)
+        assert all(epoch_of(i, d, range(8)) == 7 for idx, dr in got for i, d in zip(idx, dr, strict=True))
+        assert p.speculative_adopted == 0
+        snap = L.snapshot()
+        assert snap.speculative_discarded_total == taken > 0
+        col = SnapshotCollector()
+        col.add(1, "0", L.snapshot)
+        exported = {s.name: s.value for m in col.collect() for s in m.samples}
+        assert exported["autominato_speculative_samples_discarded_total"] == taken
+
+
+def test_next_epochs_first_batch_is_assembled_before_this_epochs_last_straggler_finishes(tmp_path):
+    n, bs = 8, 2
+    gate = tmp_path / "gate"
+    ds = StragglerTail(n, gated=n - 1, gate=str(gate))
+    with Loader(ds, batch_size=bs, transform=tag_epoch, seed=SEED, workers=2,
+                autotune=False) as L:
+        first_epoch: list[int] = []
+        errors: list[BaseException] = []
+
+        def consume() -> None:
+            try:
+                for indices, _ in batches_of(L):
+                    first_epoch.extend(indices)
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                errors.append(e)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        try:
+            # Epoch 0's straggler (index n-1) cannot finish before the gate opens: epoch 1's
+            # first batch must be assembled while it is still running.
+            wait_for(lambda: L._pipeline.pending is not None and len(L._pipeline.pending.out) > 0,
+                     "a batch of epoch 1 while epoch 0's straggler still runs")
+            assert n - 1 not in first_epoch and t.is_alive()
+            head = L._pipeline.pending.out[0]
+            assert head[0] == "batch"
+            ready = head[2]
+        finally:
+            gate.touch()
+            t.join(timeout=60)
+        assert not errors, errors
+        assert sorted(first_epoch) == list(range(n))
+        second = batches_of(L)
+        assert second[0][0] == ready  # the batch assembled ahead is the one delivered first
+        assert sorted(i for idx, _ in second for i in idx) == list(range(n))
+        assert all(epoch_of(i, d, range(2)) == 1 for idx, dr in second for i, d in zip(idx, dr, strict=True))
+        assert L._pipeline.speculative_adopted == 1
+
+
+def test_a_distributed_sampler_is_followed_and_other_samplers_or_the_switch_turn_it_off():
+    n = 8
+    ds = StragglerTail(n)
+    sampler = DistributedSampler(range(n), num_replicas=2, rank=1, shuffle=True, seed=3)
+    with Loader(ds, batch_size=2, sampler=sampler, transform=tag_epoch, seed=SEED, workers=1,
+                autotune=False) as L:
+        for e in range(3):
+            sampler.set_epoch(e)  # DDP's habit: the loop sets the sampler's epoch itself
+            expect = copy.copy(sampler)
+            got = sorted(i for idx, _ in batches_of(L) for i in idx)
+            assert got == sorted(expect)
+        assert L._pipeline.speculative_adopted == 2
+        assert L.snapshot().speculative_discarded_total == 0
+    with Loader(ds, batch_size=2, sampler=list(range(n)), seed=SEED, workers=1,
+                autotune=False) as L:
+        batches_of_plain = [b["index"].tolist() for b in L]
+        assert sorted(sum(batches_of_plain, [])) == list(range(n))
+        assert L._pipeline.pending is None  # a user's sampler may have side effects
+    with Loader(ds, batch_size=2, seed=SEED, workers=1, autotune=False,
+                prefetch_next_epoch=False) as L:
+        list(L)
+        assert L._pipeline.pending is None
+
+
+@pytest.mark.parametrize("repeat_epoch", [True, False])
+def test_a_pass_that_repeats_the_set_epoch_is_expected_after_one_repeat(repeat_epoch):
+    """``set_epoch`` holds until set again: after one repeated pass the same epoch is expected
+    next; a training loop that calls ``set_epoch(e)`` each time gets ``e + 1`` expected."""
+    n = 6
+    with Loader(StragglerTail(n), batch_size=2, shuffle=True, transform=tag_epoch, seed=SEED,
+                workers=1, autotune=False) as L:
+        for e in range(4):
+            L.set_epoch(3 if repeat_epoch else e)
+            got = batches_of(L)
+            assert sorted(i for idx, _ in got for i in idx) == list(range(n))
+        p = L._pipeline
+        # Repeating: pass 0 expects epoch 4 (discarded), passes 1-2 expect 3 (adopted).
+        # Counting up: every pass after the first was expected.
+        assert p.speculative_adopted == (2 if repeat_epoch else 3)
+
+
+def test_discarded_speculation_frees_its_shared_memory_slots():
+    # Samples big enough (256 KiB) to travel through shared-memory slots.
+    class Big(StragglerTail):
+        def __getitem__(self, i: int) -> dict:
+            return {"index": np.int64(i), "image": np.full((64, 1024), i, np.float32)}
+
+    with Loader(Big(12), batch_size=2, seed=SEED, workers=2, autotune=False) as L:
+        list(L)
+        p = L._pipeline
+        spec = p.pending
+        wait_for(lambda: spec.taken > 0, "samples of epoch 1 to be dispatched")
+        L.prefetch_next_epoch = False
+        L.set_epoch(5)
+        assert sorted(i for b in L for i in b["index"].tolist()) == list(range(12))
+        assert p.pending is None
+        pool = p.slots
+        wait_for(lambda: len(pool._free) == len(pool._all), "every slot to be free")
+        assert len(pool._all) > 0
