@@ -241,8 +241,9 @@ def test_metrics_and_data_monitor_show_the_actors_by_node():
     from autominato.telemetry.monitor import diagnose, format_report
 
     n = 16
+    # (prefetch_next_epoch=False: the figures of exactly one epoch's work)
     with Loader(Indexed(n), 4, worker_kind="ray", workers=2, metrics_port=0,
-                autotune=False) as loader:
+                autotune=False, prefetch_next_epoch=False) as loader:
         deadline = time.monotonic() + 60
         while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)

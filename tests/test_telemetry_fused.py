@@ -32,7 +32,9 @@ def _samples(rank: str) -> dict[tuple[str, str], float]:
 
 
 def test_a_fused_read_exports_its_workers_and_no_false_bandwidth():
-    with Loader(Volumes(), batch_size=4, workers=2, autotune=False, seed=0) as loader:
+    # (prefetch_next_epoch=False: the figures of exactly one epoch's work)
+    with Loader(Volumes(), batch_size=4, workers=2, autotune=False, seed=0,
+                prefetch_next_epoch=False) as loader:
         handle = attach(loader)
         try:
             for _ in loader:
