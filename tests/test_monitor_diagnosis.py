@@ -334,3 +334,27 @@ def test_real_pipeline_with_slow_consumer_is_consumer_bound():
     d = diagnose(run_pipeline(Volumes(), cheap, step_s=0.030))
     assert d.kind == "consumer", format_report(d)
     assert d.idle_ratio <= IDLE_THRESHOLD
+
+
+def test_cpu_read_before_the_worker_processes_started_is_not_compared_with_theirs(monkeypatch):
+    """The first snapshot of a loader comes before its worker processes exist: its CPU
+    figure is this process's (imports, training loop), the next ones the workers' only.
+    Their difference is no CPU figure (it read 0.00 cores, so a CPU-heavy fused read
+    looked I/O-like and the controller's cap on workers went past the cores)."""
+    from autominato.control.controller import process_figures
+    from autominato.telemetry.cores import cpu_cores_used
+    from autominato.telemetry.process import ProcessUsage, Reading
+
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    main = ProcessUsage(pid=1, root=True, cpu_s=30.0, rss_bytes=0, private_bytes=0,
+                        pss_bytes=None)
+    worker = ProcessUsage(pid=2, root=False, cpu_s=9.5, rss_bytes=0, private_bytes=0,
+                          pss_bytes=None)
+    before = process_figures(Reading(0.0, 30.0, (main,)))  # no worker process yet
+    after = process_figures(Reading(10.0, 49.0, (main, worker), worker_cpu_seconds_total=19.0))
+    a, b = fused_history()
+    a, b = replace(a, extra=before), replace(b, extra=after)
+    assert cpu_cores_used(a, b) is None
+    d = diagnose([a, b])
+    assert d.kind == "cpu" and "faster storage" not in d.suggestion
+    assert not any(r.metric == "loader CPU demand" and r.current == 0.0 for r in d.rows)

@@ -44,7 +44,7 @@ from autominato.telemetry.cores import (
     CPU_SECONDS_KEY,
     CoreBudget,
     cpu_cores_used,
-    loader_cpu_seconds,
+    loader_cpu_extra,
     reads_fused,
     transforms_inline,
 )
@@ -590,8 +590,8 @@ class DataMonitor:
         snap = self._loader_snapshot()
         if self._meter is None or self._pids is None or CPU_SECONDS_KEY in snap.extra:
             return snap
-        cpu = loader_cpu_seconds(self._meter.read(self._pids()))
-        return replace(snap, extra={**snap.extra, CPU_SECONDS_KEY: cpu})
+        cpu = loader_cpu_extra(self._meter.read(self._pids()))
+        return replace(snap, extra={**snap.extra, **cpu})
 
     def start(self) -> DataMonitor:
         self._thread.start()
