@@ -358,3 +358,36 @@ def test_cpu_read_before_the_worker_processes_started_is_not_compared_with_their
     d = diagnose([a, b])
     assert d.kind == "cpu" and "faster storage" not in d.suggestion
     assert not any(r.metric == "loader CPU demand" and r.current == 0.0 for r in d.rows)
+
+
+def test_reports_from_two_threads_take_their_snapshots_one_at_a_time():
+    """The monitor's thread and ``TelemetryHandle.report()`` (or the final report after a
+    join that timed out) may report at once: the process meter they share is not
+    thread-safe, and two snapshots kept out of order make a window that runs backwards."""
+    import itertools
+    import threading
+
+    from autominato.telemetry import DataMonitor
+
+    guard, inside, most = threading.Lock(), [0], [0]
+    clock = itertools.count(1)
+
+    def snap() -> LoaderSnapshot:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            t = next(clock)
+        time.sleep(0.2)  # long enough for the other report to come in
+        with guard:
+            inside[0] -= 1
+        return snapshot(10.0 * t, 100 * t, step_s=0.010, wait_s=0.0)
+
+    monitor = DataMonitor(snap, 60.0)  # not started: only the two reports below run
+    threads = [threading.Thread(target=monitor.report) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert most[0] == 1
+    times = [s.time for s in monitor.history()]
+    assert times == sorted(times) and len(times) == 3

@@ -608,8 +608,10 @@ class DataMonitor:
         With ``only_if_new``, return None without logging when no batch was delivered since
         the previous report (an end-of-run report right after an end-of-epoch one).
         """
-        snap = self._snapshot()
+        # One report at a time takes and keeps its snapshot: the process meter is not
+        # thread-safe, and the window needs the snapshots in the order they were taken.
         with self._lock:
+            snap = self._snapshot()
             if only_if_new and snap.batches_total == self._recent[-1].batches_total:
                 return None
             self._recent.append(snap)
