@@ -391,3 +391,21 @@ def test_reports_from_two_threads_take_their_snapshots_one_at_a_time():
     assert most[0] == 1
     times = [s.time for s in monitor.history()]
     assert times == sorted(times) and len(times) == 3
+
+
+def test_work_done_ahead_of_delivery_does_not_inflate_the_shares_of_a_short_run():
+    """After 5 batches of 2 samples, the workers have read and transformed 24 samples (the
+    pool, the prefetched batches and the next epoch's speculative start): the work per
+    delivered batch is still 2 samples' worth, as the controller counts it."""
+    s = snapshot(10.0, 5, step_s=1.5, wait_s=0.05, read_s=0.03, transform_s=0.09)
+    s = replace(s, samples_total=10, stages={
+        "read": _stage("read", 10.0, 24, 0.03, 2),
+        "transform": _stage("transform", 10.0, 24, 0.09, 2),
+        "batch": _stage("batch", 10.0, 12, 0.02, 1),
+    })
+    d = diagnose([s])
+    assert d.shares["transform"] == pytest.approx(0.09 * 2 / 2 / 1.5)
+    assert d.shares["read"] == pytest.approx(0.03 * 2 / 2 / 1.5)
+    assert d.shares["batch"] == pytest.approx(0.02 / 1.5)
+    latency = next(r for r in d.rows if r.metric == "load latency")
+    assert latency.threshold == pytest.approx(1.5 * 2 / 2)  # step x threads / samples per batch

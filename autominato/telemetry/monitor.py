@@ -166,11 +166,15 @@ class Diagnosis:
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
-    # Cumulative ratio: over a short window prefetching makes a stage run ahead of delivery,
-    # while since the start that lead is bounded by depth and pool size.
-    if snap.batches_total <= 0 or stage.items_total <= 0:
+    # Per delivered batch, as the controller counts it (Rates.samples_per_batch): a sample
+    # stage does a batch's samples, a batch stage one batch. The stages' own counts run
+    # ahead of delivery (the pool, the prefetched batches, the next epoch's speculative
+    # start), which in a short run would count that lead's work against each batch.
+    if stage.name not in ("read", "transform"):
         return 1.0
-    return stage.items_total / snap.batches_total
+    if snap.batches_total <= 0 or snap.samples_total <= 0:
+        return 1.0
+    return snap.samples_total / snap.batches_total
 
 
 def _effective_workers(snap: LoaderSnapshot, name: str) -> int:
