@@ -4,7 +4,9 @@ Each subcommand's module provides ``add_arguments(parser)`` and ``run(args) -> i
 ``autominato --help`` stays fast and a missing optional dependency only affects its command.
 
 Exit status, the same for every command: 0 done; :data:`EXIT_FAILED` (1) the work ran and
-failed (a case that did not prepare, a trial that crashed, a goal not met); :data:`EXIT_USAGE`
+failed (a case that did not prepare, a trial that crashed, a benchmark run that failed or
+delivered wrong samples, a non-finite training loss; ``bench``'s goals are printed, not an
+exit status); :data:`EXIT_USAGE`
 (2) the command cannot start as written: a bad option or value (argparse's own status), or
 an input that is missing or unreadable (a data folder, a configuration, an exporter's URL).
 Options are never abbreviated (``--cost`` is not ``--cost-ms``), in any sub-command.

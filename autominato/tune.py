@@ -72,6 +72,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _levels(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (both ends), got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autominato tune``."""
     p = parser.add_argument_group("pipeline")
@@ -115,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "configuration written is to the grid's optimum (slow: one trial per point)",
     )
     g.add_argument(
-        "--grid-levels", type=int, default=3,
+        "--grid-levels", type=_levels, default=3,
         help="values per searched integer parameter in the grid (default 3)",
     )
     g.add_argument(

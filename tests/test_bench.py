@@ -505,3 +505,20 @@ def test_ranks_keep_rank_zeros_share_of_each_epoch():
     assert wl.shard(1) is wl
     with pytest.raises(ValueError, match="ranks must be in"):
         wl.shard(21)
+
+
+def test_checking_that_the_ray_arm_can_run_starts_no_ray_in_the_bench_process(monkeypatch):
+    """The parent checks every arm before the runs: for ``autominato-ray`` that must not start
+    a local Ray instance (its raylet and prestarted workers would run beside every other arm's
+    timed span and the floor); the isolated child of the arm's own run connects."""
+    pytest.importorskip("ray")
+    from autominato.bench import arms as arms_mod
+    from autominato.pipeline import ray_executor
+
+    calls = []
+    monkeypatch.setattr(ray_executor, "connect", lambda *a, **k: calls.append(a))
+    arm = arms_mod.default_arms(arms_mod.Context(cores=2))["autominato-ray"]
+    assert arms_mod.unavailable(arm) is None
+    assert calls == []
+    arms_mod.preload(arm)  # the run's own process does connect, before the span
+    assert len(calls) == 1

@@ -356,3 +356,38 @@ def test_dashboards_check_reports_an_unreachable_prometheus(monkeypatch, capsys)
     rc = cli.main(["dashboards", "check", "--prometheus-url", f"http://127.0.0.1:{port}"])
     assert rc == 2  # the check cannot start: autominato.cli's exit status for that
     assert f"cannot reach Prometheus at http://127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_queue_fill_leaves_out_a_stage_without_a_queue_rather_than_dividing_by_zero(tmp_path):
+    """A read fused into the transform workers (the default) has no queue (capacity 0): its
+    fill is undefined, so it has no series, as the utilisation panel does for a stage
+    without workers, instead of a NaN line (0 / 0 in PromQL)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    query = next(q.expr for _, specs in dash.ROWS for s in specs if s.title == "Queue fill"
+                 for q in s.queries)
+    expr = dash.interpolate(query, {"job": dash.ALL_VALUE, "rank": dash.ALL_VALUE},
+                            interval_s=15, range_s=900, scrape_interval_s=15)
+    series = [
+        (f'autominato_stage_queue_{m}{{job="j", rank="0", stage="{stage}"}}', v)
+        for stage, items, cap in (("read", 0, 0), ("transform", 3, 8))
+        for m, v in (("items", items), ("capacity_items", cap))
+    ]
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    (tmp_path / "test.yml").write_text(yaml.safe_dump({
+        "rule_files": ["none.yml"],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [{"series": s, "values": f"{v}x5"} for s, v in series],
+            "promql_expr_test": [{
+                "expr": expr,
+                "eval_time": "2m",
+                "exp_samples": [{"labels": '{stage="transform"}', "value": 0.375}],
+            }],
+        }],
+    }))
+    r = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -166,7 +166,7 @@ def test_push_reports_refused_connection(env, capsys):
     env.setenv("GRAFANA_TOKEN", "t")
     rc = _push("--url", f"http://127.0.0.1:{port}", "--timeout", "3")
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == cli.EXIT_USAGE  # an unreachable URL, as `dashboards check` and `monitor`
     assert f"cannot reach Grafana at http://127.0.0.1:{port}" in err
 
 
@@ -204,10 +204,10 @@ def test_dashboard_conflict_names_the_uid_and_the_overwrite_flag(grafana, env, c
 
 
 def test_push_without_credentials_sends_nothing(grafana, env, capsys):
-    assert _push("--url", grafana.url) == 1
+    assert _push("--url", grafana.url) == cli.EXIT_USAGE
     assert "GRAFANA_TOKEN" in capsys.readouterr().err
     env.setenv("GRAFANA_USER", "alice")  # a user without a password is a mistake, not anonymous
-    assert _push("--url", grafana.url) == 1
+    assert _push("--url", grafana.url) == cli.EXIT_USAGE
     assert "GRAFANA_PASSWORD is not set" in capsys.readouterr().err
     assert grafana.requests == []
 
@@ -215,6 +215,12 @@ def test_push_without_credentials_sends_nothing(grafana, env, capsys):
 def test_push_refuses_credentials_inside_the_url(grafana, env, capsys):
     env.setenv("GRAFANA_TOKEN", "t")
     url = grafana.url.replace("http://", "http://admin:admin@")
-    assert _push("--url", url) == 1
+    assert _push("--url", url) == cli.EXIT_USAGE
     assert "not in the URL" in capsys.readouterr().err
     assert grafana.requests == []
+
+
+def test_push_without_a_grafana_url_exits_2_as_every_command_with_a_missing_input(env, capsys):
+    env.setenv("GRAFANA_TOKEN", "t")
+    assert _push() == cli.EXIT_USAGE
+    assert "no Grafana URL" in capsys.readouterr().err

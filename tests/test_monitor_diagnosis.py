@@ -334,3 +334,78 @@ def test_real_pipeline_with_slow_consumer_is_consumer_bound():
     d = diagnose(run_pipeline(Volumes(), cheap, step_s=0.030))
     assert d.kind == "consumer", format_report(d)
     assert d.idle_ratio <= IDLE_THRESHOLD
+
+
+def test_cpu_read_before_the_worker_processes_started_is_not_compared_with_theirs(monkeypatch):
+    """The first snapshot of a loader comes before its worker processes exist: its CPU
+    figure is this process's (imports, training loop), the next ones the workers' only.
+    Their difference is no CPU figure (it read 0.00 cores, so a CPU-heavy fused read
+    looked I/O-like and the controller's cap on workers went past the cores)."""
+    from autominato.control.controller import process_figures
+    from autominato.telemetry.cores import cpu_cores_used
+    from autominato.telemetry.process import ProcessUsage, Reading
+
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    main = ProcessUsage(pid=1, root=True, cpu_s=30.0, rss_bytes=0, private_bytes=0,
+                        pss_bytes=None)
+    worker = ProcessUsage(pid=2, root=False, cpu_s=9.5, rss_bytes=0, private_bytes=0,
+                          pss_bytes=None)
+    before = process_figures(Reading(0.0, 30.0, (main,)))  # no worker process yet
+    after = process_figures(Reading(10.0, 49.0, (main, worker), worker_cpu_seconds_total=19.0))
+    a, b = fused_history()
+    a, b = replace(a, extra=before), replace(b, extra=after)
+    assert cpu_cores_used(a, b) is None
+    d = diagnose([a, b])
+    assert d.kind == "cpu" and "faster storage" not in d.suggestion
+    assert not any(r.metric == "loader CPU demand" and r.current == 0.0 for r in d.rows)
+
+
+def test_reports_from_two_threads_take_their_snapshots_one_at_a_time():
+    """The monitor's thread and ``TelemetryHandle.report()`` (or the final report after a
+    join that timed out) may report at once: the process meter they share is not
+    thread-safe, and two snapshots kept out of order make a window that runs backwards."""
+    import itertools
+    import threading
+
+    from autominato.telemetry import DataMonitor
+
+    guard, inside, most = threading.Lock(), [0], [0]
+    clock = itertools.count(1)
+
+    def snap() -> LoaderSnapshot:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            t = next(clock)
+        time.sleep(0.2)  # long enough for the other report to come in
+        with guard:
+            inside[0] -= 1
+        return snapshot(10.0 * t, 100 * t, step_s=0.010, wait_s=0.0)
+
+    monitor = DataMonitor(snap, 60.0)  # not started: only the two reports below run
+    threads = [threading.Thread(target=monitor.report) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert most[0] == 1
+    times = [s.time for s in monitor.history()]
+    assert times == sorted(times) and len(times) == 3
+
+
+def test_work_done_ahead_of_delivery_does_not_inflate_the_shares_of_a_short_run():
+    """After 5 batches of 2 samples, the workers have read and transformed 24 samples (the
+    pool, the prefetched batches and the next epoch's speculative start): the work per
+    delivered batch is still 2 samples' worth, as the controller counts it."""
+    s = snapshot(10.0, 5, step_s=1.5, wait_s=0.05, read_s=0.03, transform_s=0.09)
+    s = replace(s, samples_total=10, stages={
+        "read": _stage("read", 10.0, 24, 0.03, 2),
+        "transform": _stage("transform", 10.0, 24, 0.09, 2),
+        "batch": _stage("batch", 10.0, 12, 0.02, 1),
+    })
+    d = diagnose([s])
+    assert d.shares["transform"] == pytest.approx(0.09 * 2 / 2 / 1.5)
+    assert d.shares["read"] == pytest.approx(0.03 * 2 / 2 / 1.5)
+    assert d.shares["batch"] == pytest.approx(0.02 / 1.5)
+    latency = next(r for r in d.rows if r.metric == "load latency")
+    assert latency.threshold == pytest.approx(1.5 * 2 / 2)  # step x threads / samples per batch

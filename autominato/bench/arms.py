@@ -151,8 +151,11 @@ def dataloader_grid(
     ]
 
 
-def preload(arm: Arm) -> None:
-    """Import what ``arm`` needs (torch first), so that no import lands in the timed span.
+def preload(arm: Arm, *, connect: bool = True) -> None:
+    """Import what ``arm`` needs (torch first), so that no import lands in the timed span;
+    with ``connect``, also connect the process to Ray for ``worker_kind="ray"`` (the run's
+    own process does; the bench's checking that an arm can run does not, or a local Ray
+    instance would run beside every other arm's timed span).
 
     Raises:
         ImportError: (or whatever the import raises) the arm's library is not usable.
@@ -167,15 +170,18 @@ def preload(arm: Arm) -> None:
         from autominato import Loader  # noqa: F401
 
         if arm.params.get("worker_kind") == "ray":
-            from autominato.pipeline.ray_executor import connect
+            from autominato.pipeline import ray_executor
 
-            connect()  # Ray's start-up is the cluster's, not the loader's: before the span
+            if connect:
+                ray_executor.connect()  # Ray's start-up is the cluster's: before the span
+            else:
+                ray_executor._ray()  # importable: ImportError names the extra
 
 
 def unavailable(arm: Arm) -> str | None:
     """Why ``arm`` cannot run here (``"missing: ..."`` / ``"not given: ..."``), else ``None``."""
     try:
-        preload(arm)
+        preload(arm, connect=False)
     except Exception as e:  # an import may fail with more than ImportError (ABI, CUDA)
         return f"missing: {type(e).__name__}: {e}"
     if arm.name == "autominato-tuned" and not arm.params.get("config"):

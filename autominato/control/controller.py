@@ -19,7 +19,6 @@ import psutil
 
 from autominato.config import load_config
 from autominato.control.rule import (
-    CPU_SECONDS_KEY,
     WORKER_COUNT_KEY,
     WORKER_RSS_KEY,
     Budget,
@@ -29,7 +28,7 @@ from autominato.control.rule import (
 )
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot
-from autominato.telemetry.cores import loader_cpu_seconds
+from autominato.telemetry.cores import loader_cpu_extra
 from autominato.telemetry.process import ProcessMeter, Reading
 from autominato.telemetry.window import slim
 
@@ -54,7 +53,7 @@ def process_figures(reading: Reading) -> dict[str, float]:
     and the libraries are counted once, in the pool's bytes, not once per worker.
     """
     return {
-        CPU_SECONDS_KEY: loader_cpu_seconds(reading),
+        **loader_cpu_extra(reading),
         WORKER_RSS_KEY: float(reading.worker_private_bytes),
         WORKER_COUNT_KEY: float(len(reading.workers)),
     }

@@ -21,6 +21,11 @@ from autominato.telemetry.process import Reading
 #: ``LoaderSnapshot.extra`` key: cumulative CPU demand (seconds on a core or waiting for
 #: one) of the loader's processes, :func:`loader_cpu_seconds`.
 CPU_SECONDS_KEY = "control.cpu_seconds_total"
+#: ``LoaderSnapshot.extra`` key: 1.0 when :data:`CPU_SECONDS_KEY` counts worker processes
+#: only, 0.0 when it counts this process (no worker process seen yet). Two figures of
+#: different bases are never subtracted: the first snapshot of a loader comes before its
+#: workers start, and its count (imports, the training loop) would cancel theirs.
+CPU_OF_WORKERS_KEY = "control.cpu_of_workers"
 
 #: Below this share of the cores used, the loader's workers mostly wait (on I/O): more
 #: workers than cores may help. A project choice, checked on ``tests/test_control_rule.py``.
@@ -40,15 +45,31 @@ def loader_cpu_seconds(reading: Reading) -> float:
     With thread workers (no worker process) the main process's, training loop included, is
     all there is to read.
     """
-    if reading.workers or reading.worker_cpu_seconds_total > 0:
+    if _of_workers(reading):
         return reading.worker_cpu_seconds_total + reading.worker_runqueue_seconds_total
     return reading.cpu_seconds_total + reading.runqueue_seconds_total
 
 
+def _of_workers(reading: Reading) -> bool:
+    return bool(reading.workers) or reading.worker_cpu_seconds_total > 0
+
+
+def loader_cpu_extra(reading: Reading) -> dict[str, float]:
+    """The ``LoaderSnapshot.extra`` CPU figures of a meter reading: :data:`CPU_SECONDS_KEY`
+    (:func:`loader_cpu_seconds`) and its basis, :data:`CPU_OF_WORKERS_KEY`."""
+    return {
+        CPU_SECONDS_KEY: loader_cpu_seconds(reading),
+        CPU_OF_WORKERS_KEY: 1.0 if _of_workers(reading) else 0.0,
+    }
+
+
 def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
     """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later), or None
-    when either lacks :data:`CPU_SECONDS_KEY`."""
+    when either lacks :data:`CPU_SECONDS_KEY` or they count different processes
+    (:data:`CPU_OF_WORKERS_KEY`)."""
     if CPU_SECONDS_KEY not in a.extra or CPU_SECONDS_KEY not in b.extra:
+        return None
+    if a.extra.get(CPU_OF_WORKERS_KEY) != b.extra.get(CPU_OF_WORKERS_KEY):
         return None
     seconds = max(b.time - a.time, 1e-9)
     return max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / seconds

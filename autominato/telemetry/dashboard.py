@@ -204,14 +204,16 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 (
                     Query(
                         f"sum by (stage) (autominato_stage_queue_items{{{LOADER}}}) / "
-                        f"sum by (stage) (autominato_stage_queue_capacity_items{{{LOADER}}})",
+                        f"(sum by (stage) (autominato_stage_queue_capacity_items{{{LOADER}}})"
+                        " > 0)",
                         "{{stage}}",
                     ),
                 ),
                 "Items queued / queue capacity per stage: a full queue sits before the "
                 "bottleneck, an empty one after it. The transfer stage's queue holds the "
                 "batches ready ahead of the training loop (capacity: depth), with or without "
-                "a device: full means the loader is ahead of the loop.",
+                "a device: full means the loader is ahead of the loop. A stage without a "
+                "queue (a read fused into the transform workers) has no line.",
                 w=8, min=0.0, max=1.0,
             ),
             PanelSpec(

@@ -36,7 +36,15 @@ DEFAULT_PROMETHEUS_URL = "http://localhost:9090"
 
 
 class PushError(RuntimeError):
-    """``dashboards push`` failed; the message says what to fix (URL, credentials, conflict)."""
+    """``dashboards push`` failed; the message says what to fix (URL, credentials, conflict).
+
+    ``usage`` is true when the push could not start as written (no, a malformed or an
+    unreachable Grafana URL, missing credentials): ``autominato``'s exit status 2, not 1.
+    """
+
+    def __init__(self, message: str, *, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,11 @@ def credential_from_env(env: Mapping[str, str]) -> str | tuple[str, str]:
         return (user, password)
     if user or password:
         missing = "GRAFANA_PASSWORD" if user else "GRAFANA_USER"
-        raise PushError(f"GRAFANA_USER and GRAFANA_PASSWORD go together; {missing} is not set")
+        raise PushError(f"GRAFANA_USER and GRAFANA_PASSWORD go together; {missing} is not set",
+                        usage=True)
     raise PushError(
         "no Grafana credentials: set GRAFANA_TOKEN (a service-account token) or "
-        "GRAFANA_USER and GRAFANA_PASSWORD in the environment"
+        "GRAFANA_USER and GRAFANA_PASSWORD in the environment", usage=True
     )
 
 
@@ -127,11 +136,11 @@ def push(
 
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise PushError(f"Grafana URL must look like http://host:3000, got {url!r}")
+        raise PushError(f"Grafana URL must look like http://host:3000, got {url!r}", usage=True)
     if parsed.username or parsed.password:
         raise PushError(
             "put Grafana credentials in GRAFANA_TOKEN or GRAFANA_USER / GRAFANA_PASSWORD, "
-            "not in the URL (it shows in shell history and process lists)"
+            "not in the URL (it shows in shell history and process lists)", usage=True
         )
     model = dict(dashboard if dashboard is not None else dash.build_dashboard())
     # Grafana matches by uid; a stale numeric id from an export would make it look for a
@@ -143,7 +152,7 @@ def push(
         if isinstance(e, niquests.exceptions.ConnectionError) or (
             isinstance(e, GrafanaException) and e.status_code == 0
         ):
-            return PushError(f"cannot reach Grafana at {url} ({action}): {e}")
+            return PushError(f"cannot reach Grafana at {url} ({action}): {e}", usage=True)
         status = getattr(e, "status_code", None)
         if status == 401:
             which = "GRAFANA_TOKEN" if isinstance(credential, str) else "GRAFANA_USER/PASSWORD"
@@ -330,7 +339,7 @@ def _push(args: argparse.Namespace) -> int:
     url = args.url or os.environ.get("GRAFANA_URL", "")
     try:
         if not url:
-            raise PushError("no Grafana URL: pass --url or set GRAFANA_URL")
+            raise PushError("no Grafana URL: pass --url or set GRAFANA_URL", usage=True)
         result = push(
             url,
             credential_from_env(os.environ),
@@ -343,7 +352,7 @@ def _push(args: argparse.Namespace) -> int:
         )
     except PushError as e:
         print(f"autominato dashboards push: {e}", file=sys.stderr)
-        return 1
+        return 2 if e.usage else 1
     print(
         f"data source {dash.DATASOURCE_NAME!r} {result.datasource}; dashboard "
         f"{result.dashboard_uid!r} version {result.dashboard_version} at "

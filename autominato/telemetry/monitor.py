@@ -44,7 +44,7 @@ from autominato.telemetry.cores import (
     CPU_SECONDS_KEY,
     CoreBudget,
     cpu_cores_used,
-    loader_cpu_seconds,
+    loader_cpu_extra,
     reads_fused,
     transforms_inline,
 )
@@ -166,11 +166,15 @@ class Diagnosis:
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
-    # Cumulative ratio: over a short window prefetching makes a stage run ahead of delivery,
-    # while since the start that lead is bounded by depth and pool size.
-    if snap.batches_total <= 0 or stage.items_total <= 0:
+    # Per delivered batch, as the controller counts it (Rates.samples_per_batch): a sample
+    # stage does a batch's samples, a batch stage one batch. The stages' own counts run
+    # ahead of delivery (the pool, the prefetched batches, the next epoch's speculative
+    # start), which in a short run would count that lead's work against each batch.
+    if stage.name not in ("read", "transform"):
         return 1.0
-    return stage.items_total / snap.batches_total
+    if snap.batches_total <= 0 or snap.samples_total <= 0:
+        return 1.0
+    return snap.samples_total / snap.batches_total
 
 
 def _effective_workers(snap: LoaderSnapshot, name: str) -> int:
@@ -590,8 +594,8 @@ class DataMonitor:
         snap = self._loader_snapshot()
         if self._meter is None or self._pids is None or CPU_SECONDS_KEY in snap.extra:
             return snap
-        cpu = loader_cpu_seconds(self._meter.read(self._pids()))
-        return replace(snap, extra={**snap.extra, CPU_SECONDS_KEY: cpu})
+        cpu = loader_cpu_extra(self._meter.read(self._pids()))
+        return replace(snap, extra={**snap.extra, **cpu})
 
     def start(self) -> DataMonitor:
         self._thread.start()
@@ -608,8 +612,10 @@ class DataMonitor:
         With ``only_if_new``, return None without logging when no batch was delivered since
         the previous report (an end-of-run report right after an end-of-epoch one).
         """
-        snap = self._snapshot()
+        # One report at a time takes and keeps its snapshot: the process meter is not
+        # thread-safe, and the window needs the snapshots in the order they were taken.
         with self._lock:
+            snap = self._snapshot()
             if only_if_new and snap.batches_total == self._recent[-1].batches_total:
                 return None
             self._recent.append(snap)
