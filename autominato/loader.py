@@ -447,8 +447,15 @@ class Loader:
         if unbatched:
             collate_fn = _one(collate_fn)
         self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device is not None and self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r}: torch has no CUDA device here "
+                                 f"(torch {torch.__version__}); give device=None for host batches")
+            if self.device.index is None:
+                # The training loop's device now, without initialising CUDA (workers can then
+                # still fork): uninitialised, it is device 0.
+                index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+                self.device = torch.device("cuda", index)
         self.seed = draw_seed(generator) if seed is None else _check_int("seed", seed, None)
         self._seed_given = seed is not None
         self._ranks_given = (rank, world_size)
@@ -749,6 +756,12 @@ class Loader:
             self._started = False
             self._batches_at_iter = self._batches
             self._resume = None if state["finished"] else state
+            # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
+            # set_epoch would: else the rest of the epoch is cut from another epoch's order.
+            for sampler in (self._sampler, self.batch_sampler,
+                            getattr(self.batch_sampler, "sampler", None)):
+                if sampler is not None and hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self._epoch)
             if state["finished"]:
                 for name, sd in state["samplers"].items():
                     getattr(self, name).load_state_dict(sd)

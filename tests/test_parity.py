@@ -192,3 +192,10 @@ def test_two_live_iterators_each_deliver_a_whole_epoch(workers):
         assert len(pairs) == len(L) == 4
         for side in (0, 1):
             assert sorted(i for p in pairs for i in p[side][:, 0].tolist()) == list(range(10))
+
+
+def test_a_cuda_device_without_cuda_names_the_argument():
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ValueError, match="device='cuda'"):
+        Loader(Indexed(4), 2, device="cuda", autotune=False)

@@ -450,3 +450,28 @@ def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
         loader.set_epoch(state["epoch"])
         want = rows(loader)
     assert {**rows(first.seen), **rows(second.seen)} == want
+
+
+def test_resume_with_a_distributed_sampler_cuts_the_rest_from_the_same_epoch():
+    # From a new user's trial: the sampler's epoch was not restored, so the rest of epoch 1
+    # came from epoch 0's permutation (samples repeated and lost).
+    from torch.utils.data import DistributedSampler
+
+    ds = list(range(30))
+
+    def make():
+        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
+        return Loader(ds, 3, sampler=s, num_workers=0, in_order=True, autotune=False)
+
+    with make() as L:
+        L.set_epoch(1)
+        full = [b.tolist() for b in L]
+    with make() as L:
+        L.set_epoch(1)
+        it = iter(L)
+        part = [next(it).tolist() for _ in range(2)]
+        state = L.state_dict()
+    with make() as L:
+        L.load_state_dict(state)
+        rest = [b.tolist() for b in L]
+    assert part + rest == full
