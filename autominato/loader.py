@@ -662,7 +662,12 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         with self._lock:
-            if self._started and not self._epoch_set and self._batches > self._batches_at_iter:
+            prev = self._progress
+            # A resumed pass that ended delivered its epoch's batches before the checkpoint,
+            # maybe all of them (a checkpoint after the last batch): it was an epoch too.
+            ended_resumed = prev is not None and prev.finished and prev.batches > 0
+            if self._started and not self._epoch_set and (
+                    self._batches > self._batches_at_iter or ended_resumed):
                 # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
                 # loop sets the epoch itself; from then on, as with DistributedSampler, the
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).

@@ -475,3 +475,20 @@ def test_resume_with_a_distributed_sampler_cuts_the_rest_from_the_same_epoch():
         L.load_state_dict(state)
         rest = [b.tolist() for b in L]
     assert part + rest == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers):
+    # The training loop saves after its step on the epoch's last batch, before the next()
+    # that would end the epoch: every position is delivered, the epoch not yet "finished".
+    with make(num_workers=workers) as loader:
+        it = iter(loader)
+        first = [next(it) for _ in range(BATCHES)]
+        state = loader.state_dict()
+        want = [rows(loader), rows(loader)]  # epochs 1 and 2, uninterrupted
+    assert len(rows(first)) == N and not state["finished"]
+    with make(num_workers=workers) as loader:
+        loader.load_state_dict(state)
+        assert list(loader) == []  # nothing of epoch 0 is left
+        assert [rows(loader), rows(loader)] == want  # epochs 1 and 2, not epoch 0 again
+        assert loader.epoch == 2
