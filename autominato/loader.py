@@ -720,7 +720,8 @@ class Loader:
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
         Raises:
-            TypeError: the dataset is an ``IterableDataset`` (its stream position is its own).
+            TypeError: the dataset is iterable and its epoch is under way (its stream position
+                is its own); between epochs its state is the epoch's.
         """
         return resume.build(self)
 
@@ -734,7 +735,8 @@ class Loader:
         epoch before iterating starts that epoch from its beginning instead.
 
         Raises:
-            TypeError: ``state_dict`` is not a dict, or the dataset is an ``IterableDataset``.
+            TypeError: ``state_dict`` is not a dict, or a mid-epoch state with an iterable
+                dataset.
             ValueError: another state version, or a state saved with another batch size,
                 world size, rank, dataset length, ``shuffle``, ``drop_last`` or (when this
                 Loader's seed was given) seed; the message names the mismatch. The next
@@ -760,7 +762,7 @@ class Loader:
                 self._epoch += 1
             self._started = False
             self._batches_at_iter = self._batches
-            self._resume = None if state["finished"] else state
+            self._resume = None if state["finished"] or self._iterable else state
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
             for sampler in (self._sampler, self.batch_sampler,

@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
 
 #: Version of the state's layout; a state of another version is refused.
 VERSION = 1
@@ -95,17 +94,21 @@ def sampler_states(loader: Any) -> dict[str, Any]:
     return out
 
 
-def check_dataset(dataset: Any) -> None:
-    """Refuse an ``IterableDataset``: its position in the stream is its own, not a set of
-    positions of an order.
+def check_dataset(dataset: Any, iterable: bool, mid_epoch: bool) -> None:
+    """Refuse a mid-epoch checkpoint of an iterable dataset (``iterable``: an
+    ``IterableDataset``, or any iterable without ``__getitem__``): its position in the stream is
+    its own, not a set of positions of an order. Between epochs (before the first batch of an
+    epoch, or once it ended) its state is the epoch's, as a map-style dataset's: Lightning
+    saves it in every checkpoint.
 
     Raises:
-        TypeError: ``dataset`` is an ``IterableDataset``.
+        TypeError: ``dataset`` is iterable and ``mid_epoch``.
     """
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    if iterable and mid_epoch:
         have = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
         raise TypeError(
-            "Loader.state_dict()/load_state_dict(): a mid-epoch checkpoint of an IterableDataset "
+            "Loader.state_dict()/load_state_dict(): a mid-epoch checkpoint of an iterable dataset "
+            "(an IterableDataset, or an iterable without __getitem__) "
             + ("is not supported yet (its workers' shards would each need their own state)"
                if have else "needs the dataset's own state_dict()/load_state_dict(); it defines "
                "neither") + "; checkpoint between epochs, or use a map-style dataset")
@@ -113,8 +116,9 @@ def check_dataset(dataset: Any) -> None:
 
 def build(loader: Any) -> dict[str, Any]:
     """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
-    check_dataset(loader.dataset)
     p: Progress | None = loader._progress
+    started = p is not None and p.epoch == loader._epoch and p.batches > 0
+    check_dataset(loader.dataset, loader._iterable, started and not p.finished)
     state = {
         "version": VERSION,
         "epoch": loader._epoch,
@@ -139,6 +143,9 @@ def build(loader: Any) -> dict[str, Any]:
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
+    elif loader._iterable:  # between epochs (check_dataset): the positions are not counted
+        if started:
+            state.update(finished=True, batches=p.batches)
     elif p is not None and p.epoch == loader._epoch:
         state.update(epoch=p.epoch, finished=p.finished, epoch_size=p.size,
                      delivered=to_ranges(p.delivered), batches=p.batches)
@@ -155,7 +162,6 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
         TypeError: ``state`` is not a dict.
         ValueError: another version, a missing key, or a mismatch (the message names it).
     """
-    check_dataset(loader.dataset)
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict takes the dict of Loader.state_dict(), got "
                         f"{type(state).__name__}")
@@ -186,6 +192,7 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
         raise ValueError(f"load_state_dict: the state was saved with seed={state['seed']!r}, this "
                          f"Loader has seed={loader.seed!r} (give the same seed, or none to take "
                          "the state's)")
+    check_dataset(loader.dataset, loader._iterable, state["epoch_size"] is not None)
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
     for name in state["samplers"]:

@@ -127,3 +127,32 @@ def test_a_pass_that_delivers_no_batch_is_not_an_epoch():
         assert loader.epoch == 1
     assert first == epoch_order(8, epoch=0, seed=2, shuffle=True)
     assert second == epoch_order(8, epoch=1, seed=2, shuffle=True)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The samples of :class:`Points` as a stream (no length)."""
+
+    def __iter__(self):
+        return iter(Points()[i][:2] for i in range(8))
+
+
+class StreamLinear(Linear):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    def train_dataloader(self):
+        return Loader(Stream(), batch_size=4, workers=0, autotune=False)
+
+
+def test_a_fit_over_an_iterable_dataset_saves_its_end_of_epoch_checkpoints(tmp_path):
+    """Lightning saves every stateful loader's state_dict() in its checkpoints (ModelCheckpoint
+    at each epoch's end by default): an iterable dataset's state between epochs is taken."""
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
+                        default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(StreamLinear())
+    (ckpt,) = (tmp_path / "checkpoints").iterdir()
+    (state,) = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"]
+    assert state["finished"] and state["epoch"] == 1

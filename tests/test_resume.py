@@ -373,12 +373,32 @@ class IterableWithLength(torch.utils.data.IterableDataset):
         return iter(range(N))
 
 
-def test_an_iterable_dataset_without_state_is_refused():
-    with Loader(IterableWithLength(), batch_size=B, num_workers=0, autotune=False) as loader:
-        with pytest.raises(TypeError, match="IterableDataset.*defines neither"):
+class IterableRows:
+    """An iterable without ``__getitem__`` that is no ``IterableDataset`` (a generator's)."""
+
+    def __iter__(self):
+        return (np.array([i, -1.0]) for i in range(N))
+
+
+@pytest.mark.parametrize("dataset", [IterableWithLength, IterableRows])
+def test_an_iterable_datasets_mid_epoch_state_is_refused_and_its_state_between_epochs_taken(dataset):
+    with Loader(dataset(), batch_size=B, num_workers=0, autotune=False) as loader:
+        fresh = loader.state_dict()  # before any epoch: the start of epoch 0
+        it = iter(loader)
+        next(it)
+        with pytest.raises(TypeError, match="iterable dataset.*defines neither"):
             loader.state_dict()
-        with pytest.raises(TypeError, match="IterableDataset"):
-            loader.load_state_dict({})
+        list(it)
+        ended = loader.state_dict()  # epoch 0 ended
+    assert ended["finished"] and ended["epoch"] == 0 and ended["epoch_size"] is None
+    with Loader(dataset(), batch_size=B, num_workers=0, autotune=False) as loader:
+        loader.load_state_dict(fresh)
+        assert len(list(loader)) == BATCHES and loader.epoch == 0
+    with Loader(dataset(), batch_size=B, num_workers=0, autotune=False) as loader:
+        loader.load_state_dict(ended)
+        assert len(list(loader)) == BATCHES and loader.epoch == 1
+        with pytest.raises(TypeError, match="iterable dataset"):
+            loader.load_state_dict({**ended, "finished": False, "epoch_size": N})
 
 
 CHILD = """
