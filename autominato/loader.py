@@ -327,7 +327,7 @@ class Loader:
             _check_int(name, v, 0)
         unbatched = batch_size is None
         if batch_sampler is not None:
-            if (batch_size != 1 and not unbatched) or shuffle or sampler is not None or drop_last:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
                 raise ValueError("batch_sampler option is mutually exclusive with batch_size, "
                                  "shuffle, sampler, and drop_last (as in DataLoader)")
             batch_size = 1

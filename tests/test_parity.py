@@ -139,8 +139,8 @@ def test_batch_sampler_set_epoch_reaches_its_sampler_and_excludes_batch_args():
         got = firsts(L)
     sampler.set_epoch(3)
     assert got == firsts(DataLoader(ds, batch_sampler=bs))
-    for bad in (dict(batch_size=2), dict(shuffle=True), dict(drop_last=True),
-                dict(sampler=SequentialSampler(ds))):
+    for bad in (dict(batch_size=2), dict(batch_size=None), dict(shuffle=True),
+                dict(drop_last=True), dict(sampler=SequentialSampler(ds))):
         with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
             Loader(ds, batch_sampler=bs, autotune=False, **bad)
 
