@@ -730,8 +730,8 @@ class Loader:
         the interrupted epoch not delivered before the checkpoint, each once, with the same
         augmentation (seeded by ``(seed, epoch, index)``); the iteration after it is the next
         epoch. Call it before iterating (a fresh Loader in a new process, typically). The
-        knobs take the saved values (clamped to this Loader's bounds), so a resumed job starts
-        tuned; a Loader built without ``seed`` takes the state's. ``set_epoch`` with another
+        knobs take the saved values (clamped to this Loader's bounds; ``workers`` is kept when
+        either Loader has ``num_workers=0``), so a resumed job starts tuned; a Loader built without ``seed`` takes the state's. ``set_epoch`` with another
         epoch before iterating starts that epoch from its beginning instead.
 
         Raises:
@@ -773,6 +773,8 @@ class Loader:
                 for name, sd in state["samplers"].items():
                     getattr(self, name).load_state_dict(sd)
         for name, value in state["knobs"].items():
+            if name == "workers" and (int(value) == 0) != (self.knobs.workers == 0):
+                continue  # num_workers=0 is a mode (no worker), not a tuned count
             if name in KNOB_NAMES:
                 self.knobs.set(name, int(value))
 

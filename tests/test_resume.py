@@ -267,6 +267,17 @@ def test_the_knobs_come_back_tuned():
         assert (loader.knobs.depth, loader.knobs.pool_size) == (6, 20)
 
 
+def test_a_state_saved_without_workers_keeps_the_workers_of_the_loader_that_loads_it():
+    # num_workers=0 is a mode (everything in the training loop's thread), not a tuned count:
+    # it used to become 1 worker (the knob's lowest bound) in a Loader built with 3.
+    with make(num_workers=0) as loader:
+        state = loader.state_dict()
+    with make(num_workers=3) as loader:
+        loader.load_state_dict(state)
+        assert loader.num_workers == 3
+        assert len(rows(loader)) == N
+
+
 def test_a_loader_without_seed_takes_the_states_seed():
     with make(seed=None) as loader:
         it = iter(loader)
