@@ -185,7 +185,8 @@ class Loader:
             uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
             permutation and the ranks' shards never overlap.
         timeout: seconds the training loop may wait for one batch before ``RuntimeError``
-            (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample.
+            (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample. Not
+            applied with ``num_workers=0`` (the batch is loaded in the caller's thread).
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
             starts, replacements and workers added by the controller included; ids are in
             ``[0, workers)``, and ``torch.utils.data.get_worker_info()`` works in workers
