@@ -667,8 +667,8 @@ class Loader:
             # A resumed pass that ended delivered its epoch's batches before the checkpoint,
             # maybe all of them (a checkpoint after the last batch): it was an epoch too.
             ended_resumed = prev is not None and prev.finished and prev.batches > 0
-            if self._started and not self._epoch_set and (
-                    self._batches > self._batches_at_iter or ended_resumed):
+            was_epoch = self._batches > self._batches_at_iter or ended_resumed
+            if self._started and not self._epoch_set and was_epoch:
                 # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
                 # loop sets the epoch itself; from then on, as with DistributedSampler, the
                 # epoch is the one set (a peek with next(iter(loader)) does not advance it).
@@ -700,7 +700,8 @@ class Loader:
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch, progress)
             pipeline = self._ensure_pipeline()
-            if self._last_pass_epoch is not None:
+            if self._last_pass_epoch is not None and was_epoch:
+                # (after a pass that was no epoch, Lightning's check, the step is kept)
                 step = self._epoch - self._last_pass_epoch
                 self._epoch_step = step if step in (0, 1) else 1
             self._last_pass_epoch = self._epoch

@@ -211,3 +211,25 @@ def test_discarded_speculation_frees_its_shared_memory_slots():
         pool = p.slots
         wait_for(lambda: len(pool._free) == len(pool._all), "every slot to be free")
         assert len(pool._all) > 0
+
+
+def test_a_check_pass_that_delivers_no_batch_does_not_make_the_epoch_look_repeated():
+    """Lightning's order: iter() once to check the loader (dropped at once), the first epoch's
+    iterator, then set_epoch(0), set_epoch(1)... The check pass is no epoch (it delivers no
+    batch), so it must not make the next pass expected to repeat epoch 0."""
+    n = 6
+    with Loader(StragglerTail(n), batch_size=2, shuffle=True, transform=tag_epoch, seed=SEED,
+                workers=1, worker_kind="thread", autotune=False) as L:
+        iter(L)  # the check
+        for e in range(3):
+            if e == 0:
+                it = iter(L)
+                L.set_epoch(e)
+            else:
+                L.set_epoch(e)
+                it = iter(L)
+            got = batches_of(it)
+            assert sorted(i for idx, _ in got for i in idx) == list(range(n))
+            assert {epoch_of(i, d, range(4)) for idx, ds in got for i, d in zip(idx, ds)} == {e}
+        p = L._pipeline
+        assert p.speculative_adopted == 2
