@@ -230,6 +230,6 @@ def test_a_check_pass_that_delivers_no_batch_does_not_make_the_epoch_look_repeat
                 it = iter(L)
             got = batches_of(it)
             assert sorted(i for idx, _ in got for i in idx) == list(range(n))
-            assert {epoch_of(i, d, range(4)) for idx, ds in got for i, d in zip(idx, ds)} == {e}
+            assert {epoch_of(i, d, range(4)) for idx, ds in got for i, d in zip(idx, ds, strict=True)} == {e}
         p = L._pipeline
         assert p.speculative_adopted == 2
