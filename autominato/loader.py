@@ -1244,6 +1244,7 @@ class _SyncStreamIterator(_SyncIterator):
         self.streams.drop(0)
 
     def __del__(self) -> None:
+        super().__del__()  # its last step ended
         try:
             self.streams.drop(0)
         except Exception:

@@ -78,3 +78,19 @@ def test_close_ends_the_open_step():
     L.close()
     assert L.snapshot().consumer_busy_seconds_total >= STEP_S * 0.95
     assert L.stage_stats["consumer"].snapshot().items_total == 2  # one step of 2 samples
+
+
+class SmallStream:
+    """The samples of :class:`Small` as an iterable dataset (no ``__getitem__``)."""
+
+    def __iter__(self):
+        return (np.full((2, 2), i, np.float32) for i in range(4))
+
+
+@pytest.mark.parametrize("dataset", [Small, SmallStream])
+def test_a_break_without_workers_closes_the_step_when_the_iterator_is_dropped(dataset):
+    with Loader(dataset(), batch_size=2, num_workers=0, autotune=False, seed=0) as L:
+        for _ in L:
+            break
+        # The iterator is gone: its last step is recorded now, not at the next request.
+        assert L.stage_stats["consumer"].snapshot().items_total == 2
