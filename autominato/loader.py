@@ -758,9 +758,10 @@ class Loader:
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
-            # A finished epoch: the next iteration is the next epoch (as after any pass that
-            # delivered a batch; with set_epoch, the epoch set).
-            if state["finished"] and not self._epoch_set:
+            # A finished epoch: the next iteration is the next epoch, also after set_epoch
+            # (Lightning creates a resumed fit's first iterator before its set_epoch: the epoch
+            # saved would run again, labelled as the next); a set_epoch before iterating wins.
+            if state["finished"]:
                 self._epoch += 1
             self._started = False
             self._batches_at_iter = self._batches

@@ -147,9 +147,12 @@ def build(loader: Any) -> dict[str, Any]:
         if started:
             state.update(finished=True, batches=p.batches)
     elif p is not None and p.epoch == loader._epoch:
-        state.update(epoch=p.epoch, finished=p.finished, epoch_size=p.size,
+        # Every position delivered (a checkpoint after the epoch's last batch, before the
+        # next() that ends it: Lightning's at a step that ends an epoch) is an ended epoch.
+        ended = p.finished or bool(p.delivered.size and p.delivered.all())
+        state.update(epoch=p.epoch, finished=ended, epoch_size=p.size,
                      delivered=to_ranges(p.delivered), batches=p.batches)
-        if not p.finished:  # the epoch is redone from its order: the samplers as it began
+        if not ended:  # the epoch is redone from its order: the samplers as it began
             state["samplers"] = p.samplers
     return state
 

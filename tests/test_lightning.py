@@ -156,3 +156,31 @@ def test_a_fit_over_an_iterable_dataset_saves_its_end_of_epoch_checkpoints(tmp_p
     (state,) = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"][
         "combined_loader"]
     assert state["finished"] and state["epoch"] == 1
+
+
+def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_epochs(tmp_path):
+    """A checkpoint every 2 steps with 2 batches an epoch falls on each epoch's last step
+    (before the loader's StopIteration). Resumed from the step-2 one, the fit runs epochs 1
+    and 2, each whole and in its own shuffle (it ran epoch 1 with no batch: the Loader resumed
+    epoch 0, every sample of which had been delivered)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(epochs: int) -> L.Trainer:
+        return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                         default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
+                                                    save_top_k=-1)])
+
+    first = Linear()
+    trainer(1).fit(first)
+    resumed = Linear()
+    trainer(3).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    for model in (first, resumed):
+        for loader in model.loaders:
+            loader.close()
+    by_epoch: dict[int, list[int]] = {}
+    for lightning_epoch, loader_epoch, indices in resumed.seen:
+        assert loader_epoch == lightning_epoch
+        by_epoch.setdefault(lightning_epoch, []).extend(indices)
+    assert by_epoch == {e: epoch_order(8, epoch=e, seed=11, shuffle=True) for e in (1, 2)}

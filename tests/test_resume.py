@@ -508,18 +508,30 @@ def test_resume_with_a_distributed_sampler_cuts_the_rest_from_the_same_epoch():
     assert part + rest == full
 
 
+@pytest.mark.parametrize("set_epoch", [False, True])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers):
+def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers, set_epoch):
     # The training loop saves after its step on the epoch's last batch, before the next()
-    # that would end the epoch: every position is delivered, the epoch not yet "finished".
+    # that would end the epoch (Lightning's checkpoint at a step that ends an epoch): every
+    # position is delivered, so the epoch ended. With set_epoch too: Lightning creates a
+    # resumed fit's first iterator before it calls set_epoch.
     with make(num_workers=workers) as loader:
+        if set_epoch:
+            loader.set_epoch(0)
         it = iter(loader)
         first = [next(it) for _ in range(BATCHES)]
         state = loader.state_dict()
-        want = [rows(loader), rows(loader)]  # epochs 1 and 2, uninterrupted
-    assert len(rows(first)) == N and not state["finished"]
+        want = []
+        for e in (1, 2):  # the uninterrupted run's next epochs
+            if set_epoch:
+                loader.set_epoch(e)
+            want.append(rows(loader))
+    assert len(rows(first)) == N and state["finished"]
     with make(num_workers=workers) as loader:
         loader.load_state_dict(state)
-        assert list(loader) == []  # nothing of epoch 0 is left
-        assert [rows(loader), rows(loader)] == want  # epochs 1 and 2, not epoch 0 again
-        assert loader.epoch == 2
+        got = [rows(loader)]  # epoch 1, not epoch 0 again (nor an empty pass)
+        assert loader.epoch == 1
+        if set_epoch:
+            loader.set_epoch(2)
+        got.append(rows(loader))
+        assert got == want and loader.epoch == 2
