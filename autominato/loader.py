@@ -531,6 +531,7 @@ class Loader:
         self._sync_skipped = 0
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
+        self._resumed: dict | None = None  # the state the most recent pass resumed
         self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
@@ -687,6 +688,10 @@ class Loader:
                 pipeline = self._ensure_pipeline()
                 return _EpochIterator(self, pipeline, pipeline.start_stream(self._epoch), progress)
             pending, self._resume = self._resume, None
+            if (pending is None and not was_epoch and self._resumed is not None
+                    and prev is not None and prev.epoch == self._epoch and not prev.finished):
+                pending = self._resumed  # the resumed pass delivered no batch: resume again
+            self._resumed = pending
             if pending is not None:
                 for name, sd in pending["samplers"].items():
                     getattr(self, name).load_state_dict(sd)

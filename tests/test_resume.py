@@ -535,3 +535,20 @@ def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers, se
             loader.set_epoch(2)
         got.append(rows(loader))
         assert got == want and loader.epoch == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_that_delivers_no_batch_keeps_the_resume_for_the_next(workers):
+    # iter() once to check the loader (Lightning's habit), dropped at once: no batch was
+    # delivered, so the next pass still resumes the epoch (it restarted it from its start,
+    # delivering again the samples delivered before the checkpoint).
+    with make(num_workers=workers) as loader:
+        it = iter(loader)
+        first = rows([next(it) for _ in range(3)])
+        state = loader.state_dict()
+    with make(num_workers=workers) as loader:
+        loader.load_state_dict(state)
+        iter(loader)  # dropped
+        rest = rows(loader)
+        assert loader.epoch == 0
+    assert not first.keys() & rest.keys() and {**first, **rest} == rows(reference())
