@@ -813,8 +813,9 @@ class Pipeline:
         for st in self.sample_stages:
             for key, _ in st.drop(gone):
                 self._free(self.held.pop(key, ()))
-        for _, (_, items) in self.batch_stage.drop(gone):
+        for key, (_, items) in self.batch_stage.drop(gone):
             if not isinstance(items, _Final):
+                self._collating.pop(key, None)
                 self._release_items(items)
         if self.transfer_stage is not None:
             self.transfer_stage.drop(gone)

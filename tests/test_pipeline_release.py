@@ -1,0 +1,45 @@
+"""What an abandoned run leaves behind in the scheduler: nothing (batches that waited for room
+in its output, slots, bookkeeping)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autominato import Loader
+
+
+class Arrays:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.full(4, i, np.float32)
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_an_abandoned_run_leaves_no_batch_bookkeeping_behind():
+    # depth=1: once a batch waits in the run's output, the next ones wait in the batch stage's
+    # queue; abandoning the run drops them, and their count of samples being collated with them
+    with Loader(Arrays(64), 2, num_workers=1, worker_kind="thread", depth=1, pool_size=16, autotune=False,
+                prefetch_next_epoch=False) as L:
+        for _ in range(3):
+            it = iter(L)
+            next(it)
+            p = L._pipeline
+            wait_until(lambda p=p: len(p.batch_stage.queue) >= 2)
+            run = it.run
+            it.stop()
+            wait_until(lambda run=run: run.closed)
+            wait_until(lambda p=p: not p.batch_stage.queue)
+        assert p._collating == {}
