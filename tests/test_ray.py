@@ -183,9 +183,12 @@ def test_errors_and_timeouts_follow_the_policies():
     with Loader(Broken(12), 3, worker_kind="ray", workers=2, on_error="skip", sample_timeout=1.0,
                 autotune=False) as loader:
         skipped = []
-        loader._on_skip = lambda index, path, exc: skipped.append((index, path, type(exc)))
+        errors = {}
+        loader._on_skip = lambda index, path, exc: (skipped.append((index, path, type(exc))),
+                                                    errors.update({index: exc}))
         got = indices(loader)
     assert sorted(got) == [i for i in range(12) if i not in (7, 9)]
+    assert "sample_timeout=1.0 s" in str(errors[9])  # the argument's name, as the other workers'
     assert sorted(skipped) == [(7, "/data/case_00007.nii.gz", ValueError),
                                (9, "/data/case_00009.nii.gz", SampleTimeout)]
     with Loader(Broken(12), 3, worker_kind="ray", workers=1, autotune=False) as loader:

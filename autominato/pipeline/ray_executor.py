@@ -519,7 +519,7 @@ class RayExecutor:
         who = f"Ray actor {a.wid}" + (f" (pid {a.pid}, node {a.node})" if a.ready else "")
         if timed_out:
             err: BaseException = SampleTimeout(
-                f"took longer than timeout={timed_out} s in {who}; the actor was replaced",
+                f"took longer than sample_timeout={timed_out} s in {who}; the actor was replaced",
                 worker=who)
         else:
             log.warning("%s died (%s); replacing it", who, _first_line(e))
