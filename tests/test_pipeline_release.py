@@ -43,3 +43,24 @@ def test_an_abandoned_run_leaves_no_batch_bookkeeping_behind():
             wait_until(lambda run=run: run.closed)
             wait_until(lambda p=p: not p.batch_stage.queue)
         assert p._collating == {}
+
+
+class Unpicklable(Arrays):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.lock = __import__("threading").Lock()  # cloudpickle refuses a lock
+
+
+def test_a_pipeline_that_fails_to_build_leaves_no_thread_behind():
+    import threading
+
+    import pytest
+
+    before = {t.ident for t in threading.enumerate()}
+    # persistent_workers=False pickles the dataset when the pipeline is built; the read
+    # threads of fuse_read=False exist by then
+    with pytest.raises(ValueError, match="persistent_workers=False"):
+        Loader(Unpicklable(8), 2, num_workers=1, persistent_workers=False, fuse_read=False,
+               autotune=False)
+    wait_until(lambda: not [t.name for t in threading.enumerate()
+                            if t.ident not in before and t.name.startswith("autominato")], 5)

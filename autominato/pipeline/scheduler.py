@@ -232,6 +232,9 @@ class Pipeline:
             # when it changed (see start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
         except BaseException:
+            for st in getattr(self, "sample_stages", ()):
+                if st.executor is not self.procs:
+                    st.executor.stop()  # read threads: else they poll for ever (and no fork)
             if self.procs is not None:
                 self.procs.stop()
             self.slots.close()  # an unpicklable dataset, say: leave no /dev/shm lock behind
