@@ -64,3 +64,38 @@ def test_a_pipeline_that_fails_to_build_leaves_no_thread_behind():
                autotune=False)
     wait_until(lambda: not [t.name for t in threading.enumerate()
                             if t.ident not in before and t.name.startswith("autominato")], 5)
+
+
+class Gated(Arrays):
+    """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
+
+    def __init__(self, n: int, where: str) -> None:
+        super().__init__(n)
+        self.where = where
+
+    def __getitem__(self, i: int):
+        import os
+        from pathlib import Path
+
+        Path(self.where, f"busy-{os.getpid()}").touch()
+        while not Path(self.where, "open").exists():
+            time.sleep(0.01)
+        return super().__getitem__(i)
+
+
+def test_workers_shrunk_then_grown_while_busy_keep_distinct_ids(tmp_path):
+    # 4 -> 2 -> 4 while every worker is busy: ids 2 and 3 are still running (retiring) when
+    # the workers come back, so they serve again rather than two new workers taking their ids
+    with Loader(Gated(64, str(tmp_path)), 1, num_workers=4, autotune=False,
+                prefetch_next_epoch=False) as L:
+        it = iter(L)
+        wait_until(lambda: len(list(tmp_path.glob("busy-*"))) == 4)
+        pool = L._pipeline.procs.pool
+        L.knobs.workers = 2
+        wait_until(lambda: pool.size == 2)
+        L.knobs.workers = 4
+        wait_until(lambda: pool.size == 4)
+        slots = [w.slot for w in list(pool.workers.values())]
+        (tmp_path / "open").touch()
+        assert sorted(slots) == [0, 1, 2, 3]
+        assert sorted(int(b) for batch in it for b in batch[:, 0].tolist()) == list(range(64))

@@ -343,6 +343,13 @@ class ProcessWorkers:
         from autominato.pipeline.worker import threads_per_worker
 
         active = [w for w in list(self.workers.values()) if not w.retiring]
+        # Workers retired while busy still run (and hold their ids): they serve on, lowest id
+        # first, rather than new workers taking the same ids beside them.
+        for w in sorted((w for w in list(self.workers.values()) if w.retiring), key=lambda w: w.slot):
+            if len(active) >= n:
+                break
+            w.retiring = False
+            active.append(w)
         threads = threads_per_worker(usable_cores(), n)
         if threads != self.threads:
             # Workers x threads must stay within the cores whatever the worker count becomes.
