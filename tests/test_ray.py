@@ -147,8 +147,9 @@ def test_every_sample_equals_process_workers_bit_for_bit():
 
 
 def test_raising_workers_mid_epoch_grows_the_actor_count():
+    # prefetch_next_epoch=False: next-epoch samples would count in items_total (81 of 80)
     with Loader(Indexed(80), 2, worker_kind="ray", workers=1, transform=Slow(0.02),
-                autotune=False) as loader:
+                autotune=False, prefetch_next_epoch=False) as loader:
         it = iter(loader)
         pids = set(next(it)[2].tolist())
         assert len(loader.worker_pids()) == 1
