@@ -147,8 +147,9 @@ def test_every_sample_equals_process_workers_bit_for_bit():
 
 
 def test_raising_workers_mid_epoch_grows_the_actor_count():
+    # prefetch_next_epoch=False: next-epoch samples would count in items_total (81 of 80)
     with Loader(Indexed(80), 2, worker_kind="ray", workers=1, transform=Slow(0.02),
-                autotune=False) as loader:
+                autotune=False, prefetch_next_epoch=False) as loader:
         it = iter(loader)
         pids = set(next(it)[2].tolist())
         assert len(loader.worker_pids()) == 1
@@ -183,9 +184,12 @@ def test_errors_and_timeouts_follow_the_policies():
     with Loader(Broken(12), 3, worker_kind="ray", workers=2, on_error="skip", sample_timeout=1.0,
                 autotune=False) as loader:
         skipped = []
-        loader._on_skip = lambda index, path, exc: skipped.append((index, path, type(exc)))
+        errors = {}
+        loader._on_skip = lambda index, path, exc: (skipped.append((index, path, type(exc))),
+                                                    errors.update({index: exc}))
         got = indices(loader)
     assert sorted(got) == [i for i in range(12) if i not in (7, 9)]
+    assert "sample_timeout=1.0 s" in str(errors[9])  # the argument's name, as the other workers'
     assert sorted(skipped) == [(7, "/data/case_00007.nii.gz", ValueError),
                                (9, "/data/case_00009.nii.gz", SampleTimeout)]
     with Loader(Broken(12), 3, worker_kind="ray", workers=1, autotune=False) as loader:
@@ -241,7 +245,8 @@ def test_metrics_and_data_monitor_show_the_actors_by_node():
     from autominato.telemetry.monitor import diagnose, format_report
 
     n = 16
-    # (prefetch_next_epoch=False: the figures of exactly one epoch's work)
+    # prefetch_next_epoch=False: the next epoch's samples, started once this one's are all
+    # handed out, would be counted too (17 or more, now and then)
     with Loader(Indexed(n), 4, worker_kind="ray", workers=2, metrics_port=0,
                 autotune=False, prefetch_next_epoch=False) as loader:
         deadline = time.monotonic() + 60
@@ -294,3 +299,43 @@ def test_worker_info_and_worker_init_fn_in_actors():
         rows = [r for b in L for r in b.tolist()]
     assert sorted(r[0] for r in rows) == list(range(8))
     assert {r[1] for r in rows} <= {0, 1} and {r[2] for r in rows} == {2}
+
+
+class GatedRay(Indexed):
+    """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
+
+    def __init__(self, n: int, where: str) -> None:
+        super().__init__(n)
+        self.where = where
+
+    def __getitem__(self, i: int):
+        Path(self.where, f"busy-{os.getpid()}").touch()
+        while not Path(self.where, "open").exists():
+            time.sleep(0.01)
+        return super().__getitem__(i)
+
+
+def test_actors_shrunk_then_grown_while_busy_keep_distinct_ids(tmp_path):
+    # 2 -> 1 -> 2 while both actors are busy: actor id 1 still runs (retiring) when the count
+    # comes back, so it serves again rather than a new actor taking id 1 beside it
+    with Loader(GatedRay(12, str(tmp_path)), 1, worker_kind="ray", workers=2,
+                ray_actor_options={"num_cpus": 0.5}, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        it = iter(loader)
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("busy-*"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ex = loader._pipeline._stage["transform"].executor
+        loader.knobs.workers = 1
+        while ex.size != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        loader.knobs.workers = 2
+        while ex.size != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        slots = sorted(a.slot for a in list(ex._actors.values()))
+        (tmp_path / "open").touch()
+        assert slots == [0, 1]
+        assert sorted(int(i) for _, idx in it for i in idx) == list(range(12))

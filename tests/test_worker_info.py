@@ -215,3 +215,39 @@ def test_persistent_workers_false_with_an_iterable_dataset():
         assert sorted(r[0] for b in L for r in b.tolist()) == list(range(10))
         ds.n = 14
         assert sorted(r[0] for b in L for r in b.tolist()) == list(range(14))
+
+
+class Straggler:
+    """Sample 1 of the first version sleeps ``hang`` s (touching ``mark`` first); ``blob`` makes
+    the dataset's pickle larger than a socket's buffer, so sending it blocks until read."""
+
+    def __init__(self, n: int, mark: str, hang: float) -> None:
+        self.n, self.mark, self.hang, self.version = n, mark, hang, 0
+        self.blob = np.zeros(16 << 20, np.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i == 1 and self.version == 0:
+            Path(self.mark).touch()
+            time.sleep(self.hang)
+        return np.int64(i + 100 * self.version)
+
+
+def test_persistent_workers_false_a_busy_worker_does_not_hold_up_the_next_epoch(tmp_path):
+    # The changed dataset goes to each worker when it is idle: a worker still on an abandoned
+    # epoch's straggler must not block the scheduler thread (which sent the big pickle to it
+    # and waited for it to be read: the whole pipeline stalled for the straggler's duration).
+    mark = tmp_path / "straggling"
+    ds = Straggler(8, str(mark), hang=60.0)
+    with Loader(ds, 1, num_workers=2, persistent_workers=False, autotune=False) as L:
+        it = iter(L)
+        next(it)
+        wait_until(mark.exists)
+        it.stop()
+        ds.version = 1
+        t0 = time.monotonic()
+        first = next(iter(L))
+        assert time.monotonic() - t0 < 20
+        assert first.item() >= 100

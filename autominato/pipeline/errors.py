@@ -78,7 +78,7 @@ class WorkerDied(SampleError):
 
 
 class SampleTimeout(SampleError, TimeoutError):
-    """A sample took longer than the loader's ``timeout``; its worker was replaced."""
+    """A sample took longer than the loader's ``sample_timeout``; its worker was replaced."""
 
 
 class WorkerInitError(RuntimeError):

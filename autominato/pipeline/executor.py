@@ -205,6 +205,7 @@ class ProcWorker:
     retiring: bool = False
     info: dict = field(default_factory=dict)
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
+    dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
 
 
 class _Child:
@@ -342,6 +343,13 @@ class ProcessWorkers:
         from autominato.pipeline.worker import threads_per_worker
 
         active = [w for w in list(self.workers.values()) if not w.retiring]
+        # Workers retired while busy still run (and hold their ids): they serve on, lowest id
+        # first, rather than new workers taking the same ids beside them.
+        for w in sorted((w for w in list(self.workers.values()) if w.retiring), key=lambda w: w.slot):
+            if len(active) >= n:
+                break
+            w.retiring = False
+            active.append(w)
         threads = threads_per_worker(usable_cores(), n)
         if threads != self.threads:
             # Workers x threads must stay within the cores whatever the worker count becomes.
@@ -407,10 +415,21 @@ class ProcessWorkers:
 
     def send_dataset(self, payload: bytes) -> None:
         """Replace the dataset of every worker, and of those started later, by ``payload``
-        (the dataset cloudpickled): ``persistent_workers=False``. A worker takes it after the
-        message it is serving."""
+        (the dataset cloudpickled): ``persistent_workers=False``. An idle worker gets it now;
+        one that is busy or not ready yet, before its next task: a worker reads its socket
+        only between messages, and sending it a pickle larger than the socket's buffer would
+        block the scheduler thread until then (a straggler of an abandoned epoch, a hung
+        sample: the whole pipeline stalled with it, sample_timeout unchecked)."""
         self.dataset = payload
-        self.broadcast(("dataset", payload))
+        for w in list(self.workers.values()):
+            w.dataset_due = True
+            if w.ready and w.task is None:
+                self._send_due(w)
+
+    def _send_due(self, w: ProcWorker) -> None:
+        if w.dataset_due:
+            w.dataset_due = False
+            self._send_control(w, ("dataset", self.dataset))
 
     def broadcast(self, msg: tuple) -> None:
         """Send ``msg`` to every worker (served after the message each is on)."""
@@ -421,6 +440,7 @@ class ProcessWorkers:
         return [w for w in list(self.workers.values()) if w.ready and w.task is None and not w.retiring]
 
     def send(self, w: ProcWorker, task: Any, msg: tuple) -> None:
+        self._send_due(w)  # idle now: it reads the dataset at once
         w.task = task
         w.task_started = time.monotonic()
         try:

@@ -313,12 +313,20 @@ class RayExecutor:
         with self._lock:
             self.want = n
             live = [a for a in self._actors.values() if not a.retiring]
+            # Actors retired while busy still run (and hold their ids): they serve on, lowest
+            # id first, rather than new actors taking the same ids beside them.
+            for a in sorted((a for a in self._actors.values()
+                             if a.retiring and a.timed_out is None), key=lambda a: a.slot):
+                if len(live) >= n:
+                    break
+                a.retiring = False
+                live.append(a)
             start = max(0, n - len(live))
             if start:
                 self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
-            # Retire the surplus: those not placed yet first, then idle ones, then busy ones
-            # (these finish their sample first).
-            live.sort(key=lambda a: (a.ready, a.key is not None))
+            # Retire the surplus, the highest ids first as with worker processes, so that ids
+            # stay in [0, n) (busy ones finish their sample first).
+            live.sort(key=lambda a: -a.slot)
             doomed = []
             for a in live[:max(0, len(live) - n)]:
                 a.retiring = True
@@ -519,7 +527,7 @@ class RayExecutor:
         who = f"Ray actor {a.wid}" + (f" (pid {a.pid}, node {a.node})" if a.ready else "")
         if timed_out:
             err: BaseException = SampleTimeout(
-                f"took longer than timeout={timed_out} s in {who}; the actor was replaced",
+                f"took longer than sample_timeout={timed_out} s in {who}; the actor was replaced",
                 worker=who)
         else:
             log.warning("%s died (%s); replacing it", who, _first_line(e))

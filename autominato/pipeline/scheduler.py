@@ -232,6 +232,9 @@ class Pipeline:
             # when it changed (see start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
         except BaseException:
+            for st in getattr(self, "sample_stages", ()):
+                if st.executor is not self.procs:
+                    st.executor.stop()  # read threads: else they poll for ever (and no fork)
             if self.procs is not None:
                 self.procs.stop()
             self.slots.close()  # an unpicklable dataset, say: leave no /dev/shm lock behind
@@ -813,8 +816,9 @@ class Pipeline:
         for st in self.sample_stages:
             for key, _ in st.drop(gone):
                 self._free(self.held.pop(key, ()))
-        for _, (_, items) in self.batch_stage.drop(gone):
+        for key, (_, items) in self.batch_stage.drop(gone):
             if not isinstance(items, _Final):
+                self._collating.pop(key, None)
                 self._release_items(items)
         if self.transfer_stage is not None:
             self.transfer_stage.drop(gone)
