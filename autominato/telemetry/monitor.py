@@ -609,8 +609,9 @@ class DataMonitor:
     def report(self, title: str | None = None, *, only_if_new: bool = False) -> str | None:
         """Take a snapshot, diagnose the window since the previous one, log and return it.
 
-        With ``only_if_new``, return None without logging when no batch was delivered since
-        the previous report (an end-of-run report right after an end-of-epoch one).
+        With ``only_if_new`` (the end-of-run report), return None without logging when no
+        batch was delivered since the previous report, and cover the previous report's window
+        too when less than half an ``interval`` has passed since it.
         """
         # One report at a time takes and keeps its snapshot: the process meter is not
         # thread-safe, and the window needs the snapshots in the order they were taken.
@@ -618,6 +619,11 @@ class DataMonitor:
             snap = self._snapshot()
             if only_if_new and snap.batches_total == self._recent[-1].batches_total:
                 return None
+            if (only_if_new and len(self._recent) > 1
+                    and snap.time - self._recent[-1].time < self.interval / 2):
+                # An end-of-run report right after a periodic one: a window of a few ms says
+                # nothing (it read "window 0.0 s"); it covers the previous window too.
+                self._recent.pop()
             self._recent.append(snap)
             history = list(self._recent)
         text = format_report(diagnose(history, budget=self.budget),
