@@ -31,7 +31,7 @@ from autominato import resume
 from autominato.control import Controller
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
-from autominato.pipeline.errors import ErrorReport, describe
+from autominato.pipeline.errors import ErrorReport, log_skip
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.sampler import epoch_order
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
@@ -620,6 +620,11 @@ class Loader:
             log.warning("set_epoch(%d) after load_state_dict() of epoch %d: epoch %d starts "
                         "from its beginning", self._epoch, self._resume["epoch"], self._epoch)
             self._resume = None
+        self._set_sampler_epochs()
+
+    def _set_sampler_epochs(self) -> None:
+        """``set_epoch(self.epoch)`` on the user's sampler, batch sampler and the batch
+        sampler's sampler, those that have it (as ``DistributedSampler.set_epoch``)."""
         for sampler in (self._sampler, self.batch_sampler,
                         getattr(self.batch_sampler, "sampler", None)):
             if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -773,10 +778,7 @@ class Loader:
             self._resume = None if state["finished"] or self._iterable else state
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
-            for sampler in (self._sampler, self.batch_sampler,
-                            getattr(self.batch_sampler, "sampler", None)):
-                if sampler is not None and hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self._epoch)
+            self._set_sampler_epochs()
             if state["finished"]:
                 for name, sd in state["samplers"].items():
                     getattr(self, name).load_state_dict(sd)
@@ -800,10 +802,7 @@ class Loader:
         """A sample skipped without workers (``num_workers=0``): as the pipeline's skips."""
         self._sync_skipped += 1
         path = sample_path(self.dataset, index)
-        level = logging.DEBUG if index in self._sync_skip_logged else logging.WARNING
-        self._sync_skip_logged.add(index)
-        log.log(level, "skipping sample index %d%s: %s", index,
-                f" (file {path})" if path else "", describe(error))
+        log_skip(index, path, error, self._sync_skip_logged)
         if self._on_skip is not None:
             self._on_skip(index, path, error)
 
@@ -843,6 +842,15 @@ class Loader:
             self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
+
+    def _delivered(self, now: float, wait: float, samples: int, owner: int) -> None:
+        """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
+        seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
+        ``owner``: ``id()`` of the iterator that returned it."""
+        self._consumer_wait += wait
+        self._batches += 1
+        self._samples += samples
+        self._step_open = (now, wait, samples, owner)
 
     def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
@@ -1085,10 +1093,7 @@ class _EpochIterator:
         now = time.monotonic()
         wait = now - t0
         L = self.L
-        L._consumer_wait += wait
-        L._batches += 1
-        L._samples += len(indices)
-        L._step_open = (now, wait, len(indices), id(self))
+        L._delivered(now, wait, len(indices), id(self))
         return batch
 
     def _poll_h2d(self) -> None:
@@ -1157,10 +1162,7 @@ class _SyncIterator:
                 if isinstance(d, Emit):
                     batch, n = self._batch(d.items), len(d.items)
                     now = time.monotonic()
-                    L._consumer_wait += now - t0
-                    L._batches += 1
-                    L._samples += n
-                    L._step_open = (now, now - t0, n, id(self))
+                    L._delivered(now, now - t0, n, id(self))
                     self.progress.deliver(pos for pos, _, _ in d.items)
                     return batch
                 if isinstance(d, Skip):

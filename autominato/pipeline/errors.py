@@ -15,6 +15,7 @@ Either way the raised exception has the attributes ``sample_index``, ``sample_pa
 
 from __future__ import annotations
 
+import logging
 import pickle
 import traceback
 from dataclasses import dataclass
@@ -201,3 +202,14 @@ def _from_parts(parts: tuple) -> BaseException:
     exc.args = args
     exc.__dict__.update(attrs)
     return exc
+
+
+def log_skip(index: int, path: str | None, error: BaseException, logged: set[int]) -> None:
+    """Log sample ``index`` (file ``path``) skipped by ``on_error="skip"``: a warning the first
+    time (a corrupt file is skipped every epoch), then at debug level; ``logged`` holds the
+    indices warned about already and is updated."""
+    level = logging.DEBUG if index in logged else logging.WARNING
+    logged.add(index)
+    logging.getLogger("autominato.pipeline").log(
+        level, "skipping sample index %d%s: %s", index, f" (file {path})" if path else "",
+        describe(error))

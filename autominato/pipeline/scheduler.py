@@ -51,7 +51,7 @@ from autominato.pipeline.epoch import (
     Raise,
     Skip,
 )
-from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe
+from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.shm import (
@@ -798,11 +798,7 @@ class Pipeline:
     def _skip(self, d: Skip) -> None:
         self.skipped += 1
         path = sample_path(self.spec.dataset, d.index)
-        # A corrupt file is skipped every epoch: warn once per sample, count every time.
-        level = logging.DEBUG if d.index in self._skip_logged else logging.WARNING
-        self._skip_logged.add(d.index)
-        log.log(level, "skipping sample index %d%s: %s", d.index,
-                f" (file {path})" if path else "", describe(d.error))
+        log_skip(d.index, path, d.error, self._skip_logged)
         if self.on_skip is not None:
             self.on_skip(d.index, path, d.error)
 
