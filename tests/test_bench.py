@@ -522,3 +522,31 @@ def test_checking_that_the_ray_arm_can_run_starts_no_ray_in_the_bench_process(mo
     assert calls == []
     arms_mod.preload(arm)  # the run's own process does connect, before the span
     assert len(calls) == 1
+
+
+def _draw(sample, rng):
+    """A transform whose output is its generator's first draw (what epoch's augmentation)."""
+    return np.array([rng.integers(1 << 40)], dtype=np.int64)
+
+
+def test_every_arm_draws_each_epochs_augmentation_in_that_epoch():
+    # a sample's cost depends on its random draws (a crop, a resize): an arm that repeated
+    # epoch 0's draws would do other work than autominato's epochs 1, 2, ...
+    from autominato.bench.arms import build, default_arms
+    from autominato.bench.workload import Workload, sample_rng
+
+    wl = Workload("draws", list(range(5)), _draw, batch_size=2, step_s=0.0, seed=3)
+    want = [{i: int(sample_rng(3, e, i).integers(1 << 40)) for i in range(5)} for e in range(3)]
+    arms = default_arms(Context(cores=CORES))
+    for name in ("dataloader", "torchdata", "spdl", "autominato"):
+        if name != "autominato":
+            pytest.importorskip({"dataloader": "torch", "torchdata": "torchdata.nodes",
+                                 "spdl": "spdl.pipeline"}[name])
+        loader, close = build(arms[name], wl, Context(cores=CORES))
+        try:
+            got = []
+            for _ in range(3):
+                got.append({int(i): int(v) for b in loader for i, v in zip(b[0], b[1][:, 0])})
+        finally:
+            close()
+        assert got == want, name

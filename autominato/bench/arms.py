@@ -6,8 +6,10 @@ transform with the generator of ``(seed, epoch, index)``), the same collate (tor
 iterated once per epoch (``--epochs``), as a training loop does: the DataLoader with
 ``persistent_workers=True`` (else it would start its workers again every epoch), torchdata's
 ``Loader`` and autominato's as they are, SPDL with one pipeline per epoch (its pipelines are
-iterated once). The peers draw every epoch's augmentation with epoch 0's generators (the same
-work in every epoch); autominato uses its own epoch counter (the same work too).
+iterated once). Every arm draws epoch ``e``'s augmentation in its ``e``-th pass: the peers get
+``(epoch, index)`` pairs from an :class:`~autominato.bench.workload.EpochIndices` sampler (SPDL
+counts its pipelines), autominato uses its own epoch counter; a sample's cost depends on its
+random draws, so the arms do the same work in every epoch.
 
 =====================  =====================================================================
 arm                    set-up
@@ -45,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.bench.workload import SampleFn, Workload, sample_rng
+from autominato.bench.workload import EpochIndices, SampleFn, Workload, sample_rng
 
 #: Arm names in the order the report lists them.
 ARM_NAMES = (
@@ -234,7 +236,7 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         dl = DataLoader(
             SampleFn(wl),
             batch_size=wl.batch_size,
-            shuffle=False,
+            sampler=EpochIndices(len(wl)),
             num_workers=workers,
             pin_memory=bool(p.get("pin_memory", True)),
             prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
@@ -252,9 +254,9 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
 
 def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     import torchdata.nodes as tn
-    from torch.utils.data import SequentialSampler, default_collate
+    from torch.utils.data import default_collate
 
-    node: Any = tn.SamplerWrapper(SequentialSampler(range(len(wl))))
+    node: Any = tn.SamplerWrapper(EpochIndices(len(wl)))
     mapper = tn.ParallelMapper(
         node,
         map_fn=SampleFn(wl),
@@ -311,6 +313,7 @@ class _SpdlEpochs:
             ProcessPoolExecutor(max_workers=self.tc) if p["executor"] == "process" else None
         )
         self.pipeline: Any = None
+        self.epoch = -1
 
     def __iter__(self) -> Any:
         from spdl.pipeline import PipelineBuilder
@@ -319,11 +322,12 @@ class _SpdlEpochs:
         if self.pipeline is not None:
             self.pipeline.stop()
         rc = int(self.p["read_concurrency"])
+        self.epoch += 1
         self.pipeline = (
             PipelineBuilder()
             .add_source(range(len(self.wl)))
             .pipe(_SpdlRead(self.wl), concurrency=rc)
-            .pipe(_SpdlTransform(self.wl), concurrency=self.tc, executor=self.executor)
+            .pipe(_SpdlTransform(self.wl, self.epoch), concurrency=self.tc, executor=self.executor)
             .aggregate(self.wl.batch_size, drop_last=False)
             .pipe(default_collate)
             .add_sink(2)

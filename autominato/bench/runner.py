@@ -448,10 +448,10 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; arms are {', '.join(ARM_NAMES)}")
     cores = opts.ctx.cores
     opts.log(f"[{wl.name}] {wl.description}; measuring the work serially ...")
-    serial = measure_serial(wl, samples=opts.serial_samples)
-    step, step_s = _step_spec(wl, opts, serial)
     E = opts.epochs
-    limit = E * physical_limit(serial, wl.n_batches, step_s, cores)
+    serial = measure_serial(wl, samples=opts.serial_samples, epochs=E)
+    step, step_s = _step_spec(wl, opts, serial)
+    limit = physical_limit(serial, E * wl.n_batches, step_s, cores)
     est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
     opts.log(
         f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est} / {cores} cores, "

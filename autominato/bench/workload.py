@@ -23,7 +23,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -217,7 +217,10 @@ class SampleFn:
     """Read and transform sample ``i`` in one call, as the peers' workers run it.
 
     ``SampleFn(workload)(i)`` is ``transform(dataset[i], sample_rng(seed, epoch, i))`` on the
-    indexed dataset and transform; also usable as a map-style dataset (``len``, ``[i]``).
+    indexed dataset and transform; ``SampleFn(workload)((e, i))`` does epoch ``e``'s work on
+    sample ``i`` (what :class:`EpochIndices` yields), so that a peer's every epoch draws that
+    epoch's augmentation, as autominato's own epoch counter does. Also usable as a map-style
+    dataset (``len``, ``[i]``, ``[(e, i)]``).
     """
 
     def __init__(self, workload: Workload, epoch: int = 0) -> None:
@@ -229,10 +232,39 @@ class SampleFn:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __call__(self, index: int) -> tuple[int, Any]:
-        return self.transform(self.dataset[index], sample_rng(self.seed, self.epoch, index))
+    def __call__(self, index: int | tuple[int, int]) -> tuple[int, Any]:
+        epoch = self.epoch
+        if isinstance(index, tuple):
+            epoch, index = index
+        return self.transform(self.dataset[index], sample_rng(self.seed, epoch, index))
 
     __getitem__ = __call__
+
+
+class EpochIndices:
+    """A sequential sampler of ``(epoch, index)`` pairs whose epoch counts its passes.
+
+    Pass ``k`` (the ``k``-th ``iter``, from 0, unless ``set_epoch`` named the next one, as
+    ``torchdata.nodes.SamplerWrapper`` does) yields ``(k, 0), (k, 1), ..., (k, n - 1)``. It
+    runs in the training process (a DataLoader's sampler does, with persistent workers too),
+    so the peers' workers receive the epoch with each index and every epoch's augmentation is
+    the one autominato draws for it: the arms do the same work, epoch by epoch.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.next_epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.next_epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        e = self.next_epoch
+        self.next_epoch = e + 1
+        return ((e, i) for i in range(self.n))
 
 
 @dataclass
@@ -330,12 +362,12 @@ class _Subset:
 
 @dataclass(frozen=True)
 class SerialCost:
-    """The work of one epoch measured serially in one thread (the limit's numerator).
+    """The work of the run's epochs measured serially in one thread (the limit's numerator).
 
     Attributes:
         cpu_s: per-sample CPU-seconds of read + transform (``time.process_time``), shape (k,).
         wall_s: per-sample wall seconds of read + transform, shape (k,).
-        n_samples: samples in the epoch; when more than the ``k`` measured (a subset was
+        n_samples: samples in the run's epochs; when more than the ``k`` measured (a subset was
             measured to save time), totals are the measured mean times ``n_samples``.
     """
 
@@ -361,24 +393,31 @@ class SerialCost:
         return self._n > len(self.cpu_s)
 
 
-def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = None) -> SerialCost:
-    """Run read + transform of every sample once, serially, in this process; time each.
+def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = None,
+                   epochs: int = 1) -> SerialCost:
+    """Run read + transform of every sample of ``epochs`` epochs once, serially, in this
+    process (epoch ``e``'s augmentation for its samples: the cost of a sample depends on its
+    random draws, a crop or a resize, so every epoch is measured); time each.
 
     ``warmup`` samples are run first and not counted, so first-call costs (imports, page
-    faults of fresh buffers) do not inflate the limit. ``samples`` measures only the first
-    that many (the totals are then extrapolated, see :class:`SerialCost`).
+    faults of fresh buffers) do not inflate the limit. ``samples`` measures only that many
+    ``(epoch, index)`` pairs, spread evenly over the epochs (the totals are then
+    extrapolated, see :class:`SerialCost`).
     """
     fn = SampleFn(workload)
     for i in range(min(warmup, len(fn))):
         fn(i)
-    n = len(fn) if samples is None else max(1, min(samples, len(fn)))
-    cpu, wall = np.zeros(n), np.zeros(n)
-    for i in range(n):
+    tasks = [(e, i) for e in range(max(1, epochs)) for i in range(len(fn))]
+    if samples is not None and samples < len(tasks):
+        k = max(1, samples)
+        tasks = [tasks[j * len(tasks) // k] for j in range(k)]
+    cpu, wall = np.zeros(len(tasks)), np.zeros(len(tasks))
+    for j, task in enumerate(tasks):
         c0, w0 = time.process_time(), time.perf_counter()
-        fn(i)
-        cpu[i] = time.process_time() - c0
-        wall[i] = time.perf_counter() - w0
-    return SerialCost(cpu, wall, len(fn))
+        fn(task)
+        cpu[j] = time.process_time() - c0
+        wall[j] = time.perf_counter() - w0
+    return SerialCost(cpu, wall, len(fn) * max(1, epochs))
 
 
 _floor_fn: Any = None
