@@ -546,7 +546,8 @@ def test_every_arm_draws_each_epochs_augmentation_in_that_epoch():
         try:
             got = []
             for _ in range(3):
-                got.append({int(i): int(v) for b in loader for i, v in zip(b[0], b[1][:, 0])})
+                got.append({int(i): int(v) for b in loader
+                            for i, v in zip(b[0], b[1][:, 0], strict=True)})
         finally:
             close()
         assert got == want, name
