@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from autominato.pipeline.errors import ErrorReport, describe
+from autominato.pipeline.shm import FdDesc, map_memfd
 from autominato.pipeline.spawn import Zygote, can_fork_now, zygote_kind
 
 __all__ = ["ProcWorker", "ProcessWorkers", "ThreadWorker", "ThreadWorkers", "can_fork_now"]
@@ -569,6 +571,8 @@ class ProcessWorkers:
         try:
             while w.conn.poll():
                 reply = w.conn.recv()
+                if reply[0] == "many":
+                    _receive_fds(w.conn, reply[1])
                 if reply[0] == "ready" and w.pid is None:
                     w.pid = w.proc.pid = reply[1]
                 self.post(("proc", w.wid, reply))
@@ -625,6 +629,27 @@ class ProcessWorkers:
         w.proc.exited.set()
         if unexpected and not self._closing:
             self.post(("died", w.wid, exitcode))
+
+
+def _receive_fds(conn: Any, replies: list) -> None:
+    """Map the memory files of ``replies`` (:class:`~autominato.pipeline.shm.FdDesc`), which
+    their worker sent right after the message that carried them.
+
+    Raises:
+        EOFError: the worker died before sending them all (its tasks are then re-sent as a
+            death's are; the files it did send are closed).
+    """
+    subs = [r for r in replies if r[0] == "ok" and type(r[2]) is FdDesc]
+    if not subs:
+        return
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, len(subs))
+    if len(fds) < len(subs):
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("a worker ended before sending its results' memory files")
+    for r, fd in zip(subs, fds, strict=True):
+        map_memfd(r[2], fd, r[3])
 
 
 def _how(exitcode: int | None) -> str:

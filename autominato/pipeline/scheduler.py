@@ -55,6 +55,7 @@ from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, d
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.shm import (
+    FdDesc,
     SlotPool,
     packed_nbytes,
     unpack,
@@ -741,6 +742,10 @@ class Pipeline:
         desc, need = r.value
         in_slot, out = slots if slots else (None, None)
         self.slots.release(in_slot)
+        if type(desc) is FdDesc:  # no slot (fitting) was given: it came in a memory file
+            self.slots.release(out)
+            # views keep the mapping alive until collated (or the user's collate copied them)
+            return unpack(desc.desc, desc.buf, copy=self.cfg.collate_fn is not None), ()
         if out is not None and need > out.size:  # it did not fit: it came pickled
             self.slots.release(out)
             out = None

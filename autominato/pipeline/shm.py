@@ -9,6 +9,13 @@ registers every attach and unlinks or warns from the wrong process) is not invol
 Segments are reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an ``ENOSPC`` error
 at allocation time (reported with the sizes involved) instead of a ``SIGBUS`` in a worker
 that writes into a sparse segment.
+
+A result that has no slot (the first samples, before the pool knows their size, or one that
+outgrew its slot) travels in an anonymous memory file instead (:func:`pack_memfd`, Linux's
+``memfd_create``): the worker writes its arrays there once and passes the file descriptor
+beside its reply (``SCM_RIGHTS``); the main process maps it and closes the descriptor. The
+file has no name, so nothing can leak: its memory is freed with the last mapping. Without
+``memfd_create`` such a result is pickled through the pipe (three more copies of its bytes).
 """
 
 from __future__ import annotations
@@ -75,6 +82,67 @@ class Slot:
         except BufferError:
             # A view still exports the buffer; the mapping is freed when that view dies.
             pass
+
+
+#: Results at least this large travel in a memory file when they have no slot; smaller ones
+#: are cheaper pickled (a memory file costs a few system calls and a page-sized mapping).
+MEMFD_MIN_BYTES = 1 << 16
+HAVE_MEMFD = hasattr(os, "memfd_create") and hasattr(os, "posix_fallocate")
+
+
+class FdDesc:
+    """A descriptor (:func:`pack`'s) whose arrays lie in an anonymous memory file.
+
+    In the worker ``fd`` is the file's descriptor, sent beside the reply; it pickles as the
+    descriptor alone. In the main process ``buf`` is the file's mapping (see
+    :func:`map_memfd`), which lives as long as the arrays unpacked from it.
+    """
+
+    __slots__ = ("desc", "fd", "buf")
+
+    def __init__(self, desc: bytes, fd: int = -1) -> None:
+        self.desc = desc
+        self.fd = fd
+        self.buf: mmap.mmap | None = None
+
+    def __reduce__(self) -> tuple:
+        return (FdDesc, (self.desc,))
+
+
+def pack_memfd(sample: Any, need: int) -> FdDesc | None:
+    """Write ``sample``'s arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
+    memory file; ``None`` when the result is small, ``memfd_create`` is missing or memory is
+    short (the caller pickles it then). The caller sends and then closes ``fd``."""
+    if not HAVE_MEMFD or need < MEMFD_MIN_BYTES:
+        return None
+    fd = os.memfd_create("autominato-sample", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, need)  # memory short: an error here, not a SIGBUS below
+        buf = mmap.mmap(fd, need)
+        try:
+            desc, _ = pack(sample, buf)
+        finally:
+            try:
+                buf.close()
+            except BufferError:  # pragma: no cover - pack keeps no view
+                pass
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            return None
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return FdDesc(desc, fd)
+
+
+def map_memfd(desc: FdDesc, fd: int, nbytes: int) -> None:
+    """Map the memory file ``fd`` (``nbytes``) that came with ``desc`` and close ``fd``."""
+    try:
+        desc.buf = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 class SlotPool:

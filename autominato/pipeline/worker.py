@@ -51,6 +51,7 @@ import inspect
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +62,7 @@ import numpy as np
 
 from autominato.pipeline import random_state
 from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
-from autominato.pipeline.shm import SlotCache, pack, unpack
+from autominato.pipeline.shm import FdDesc, SlotCache, pack, pack_memfd, packed_nbytes, unpack
 
 
 def takes_rng(fn: Callable | None) -> bool:
@@ -539,7 +540,12 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
         sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample)
         t = time.perf_counter()
         out = cache.get(*out_slot) if out_slot is not None else None
-        desc, need = pack(sample, out)
+        need = packed_nbytes(sample)
+        desc: bytes | FdDesc | None = None
+        if out is None or need > len(out):
+            desc = pack_memfd(sample, need)  # no slot fits: a memory file, else pickled
+        if desc is None:
+            desc, need = pack(sample, out)
         del sample
         return ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
@@ -590,11 +596,37 @@ def _send_flushing(conn, replies: Iterator[tuple], message: Callable[[list, bool
         for reply in replies:
             part.append(reply)
             if time.perf_counter() - last > FLUSH_S:
-                conn.send(message(part, False))
+                _send_with_fds(conn, message(part, False), part)
                 part, last = [], time.perf_counter()
         msg = message(part, True)
         if msg is not None:
-            conn.send(msg)
+            _send_with_fds(conn, msg, part)
     except (EOFError, OSError, BrokenPipeError):
+        _close_fds(part)
         return False
     return True
+
+
+_fd_sock: Any = None
+
+
+def _send_with_fds(conn, msg: tuple, part: list) -> None:
+    """Send ``msg``, then the memory files of its replies (:class:`FdDesc`, in order) in one
+    ``SCM_RIGHTS`` message that the loader reads right after it; close them here."""
+    global _fd_sock
+    fds = [r[2].fd for r in part if r[0] == "ok" and type(r[2]) is FdDesc]
+    try:
+        conn.send(msg)
+        if fds:
+            if _fd_sock is None:
+                _fd_sock = socket.socket(fileno=os.dup(conn.fileno()))
+            socket.send_fds(_fd_sock, [b"F"], fds)
+    finally:
+        _close_fds(part)
+
+
+def _close_fds(part: list) -> None:
+    for r in part:
+        if r[0] == "ok" and type(r[2]) is FdDesc and r[2].fd >= 0:
+            os.close(r[2].fd)
+            r[2].fd = -1

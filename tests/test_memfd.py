@@ -1,0 +1,83 @@
+"""Results without a fitting slot travel in an anonymous memory file (memfd) passed beside the
+worker's reply: the bytes arrive intact, the file is mapped once and closed, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from autominato import Loader
+from autominato.pipeline import executor as executor_mod
+from autominato.pipeline.shm import (
+    HAVE_MEMFD,
+    MEMFD_MIN_BYTES,
+    FdDesc,
+    map_memfd,
+    pack_memfd,
+    packed_nbytes,
+    unpack,
+)
+
+pytestmark = pytest.mark.skipif(not HAVE_MEMFD, reason="no memfd_create on this system")
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_sample_packed_into_a_memory_file_unpacks_equal_after_the_fd_is_closed():
+    sample = {"image": np.arange(40_000, dtype=np.float32).reshape(200, 200),
+              "label": torch.arange(30_000, dtype=torch.int16), "case": "c7"}
+    need = packed_nbytes(sample)
+    d = pack_memfd(sample, need)
+    assert isinstance(d, FdDesc) and d.fd >= 0
+    sent = pickle.loads(pickle.dumps(d))  # what the loader receives: the descriptor alone
+    assert type(sent) is FdDesc and sent.fd == -1 and sent.buf is None
+    map_memfd(sent, d.fd, need)  # closes the descriptor
+    with pytest.raises(OSError):
+        os.fstat(d.fd)
+    out = unpack(sent.desc, sent.buf)
+    assert np.array_equal(out["image"], sample["image"]) and out["case"] == "c7"
+    assert torch.equal(out["label"], sample["label"]) and out["label"].dtype == torch.int16
+
+
+def test_small_results_are_not_worth_a_memory_file():
+    small = np.zeros(MEMFD_MIN_BYTES // 8 - 64, dtype=np.float64)
+    assert pack_memfd(small, packed_nbytes(small)) is None
+
+
+class Growing:
+    """Sample ``i`` is ``i + 1`` rows of 128 KiB, value ``i``: every sample outgrows the
+    slot sized after the ones before it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full((i + 1, 32_768), i, dtype=np.float32)
+
+
+def _one(batch):
+    return batch  # batch_size=None keeps each sample as the worker made it
+
+
+def test_first_and_outgrown_results_come_in_memory_files_intact_and_none_leak(monkeypatch):
+    mapped = []
+    real = executor_mod.map_memfd
+    monkeypatch.setattr(executor_mod, "map_memfd",
+                        lambda d, fd, n: (mapped.append(n), real(d, fd, n))[1])
+    before = _open_fds()
+    with Loader(Growing(), batch_size=None, num_workers=2, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        for _ in range(2):
+            got = {int(x[0, 0]): x for x in loader}
+            assert sorted(got) == list(range(12))
+            for i, x in got.items():
+                assert x.shape == (i + 1, 32_768) and bool((x == i).all())
+    # the first sample of each worker has no slot yet; a larger sample outgrows its slot
+    assert len(mapped) >= 2 and max(mapped) >= 12 * 32_768 * 4
+    assert _open_fds() - before == set()  # each file's descriptor was closed once mapped
