@@ -97,3 +97,32 @@ def test_grid_points_cover_each_axis_and_the_comparison_reports_the_gap(setup):
     far = compare_with_grid(idle, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
     assert far.gap == pytest.approx(0.3) and far.gap > GOAL_GAP and not far.within_goal
     assert "NOT within the 0.03 goal" in far.line()
+
+
+def test_a_finalist_that_fails_when_measured_again_is_reported_not_a_traceback(setup):
+    from autominato.tuning.grid import compare_with_grid
+
+    _, space, _ = setup
+    lines: list[str] = []
+    calls = {"n": 0}
+
+    def idle(params):  # the grid passes; tune's choice then fails its first re-measurement
+        if params["workers"] == 2:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("worker killed")
+        return max(0.0, 0.5 - 0.1 * params["workers"])
+
+    c = compare_with_grid(idle, space, {"workers": 2}, levels=3, repeats=2, log=lines.append)
+    assert c.tune_idle == pytest.approx((0.3,)) and c.grid_idle == (0.0, 0.0)
+    assert c.gap == pytest.approx(0.3) and not c.within_goal
+    assert any("failed (RuntimeError: worker killed)" in m for m in lines)
+
+    def broken(params):  # tune's choice never measures again: no gap, not within the goal
+        if params["workers"] == 2:
+            raise RuntimeError("worker killed")
+        return 0.1
+
+    c = compare_with_grid(broken, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
+    assert c.tune_idle == () and not c.within_goal
+    assert "could not be measured again" in c.line()
