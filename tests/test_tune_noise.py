@@ -126,3 +126,25 @@ def test_a_finalist_that_fails_when_measured_again_is_reported_not_a_traceback(s
     c = compare_with_grid(broken, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
     assert c.tune_idle == () and not c.within_goal
     assert "could not be measured again" in c.line()
+
+
+def test_a_best_that_cannot_be_measured_again_is_not_written(monkeypatch, setup, capsys):
+    pipeline, space, tmp = setup
+    calls = _fake_measurements(monkeypatch, lambda w: max(0.0, 0.5 - 0.1 * w), sd=0.01)
+    fake = study_module.measure_config
+
+    def flaky(pipeline, space, params, **kw):  # every run after the study's trials fails
+        if len(calls) >= 1 + 8 and int(params.get("workers", 2)) != 2:
+            calls.append(-1)
+            raise study_module.TrialFailed("MemoryError: shared memory exhausted")
+        return fake(pipeline, space, params, **kw)
+
+    monkeypatch.setattr(study_module, "measure_config", flaky)
+    result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False, seed=1)
+    assert result.best is not None and result.best.value < result.baseline.idle_ratio
+    assert result.kept_default and result.confirmation.best_idle == ()
+    cfg = load_config(result.config_path)
+    assert cfg["knobs"]["workers"] == result.baseline_knobs["workers"] == 2
+    assert cfg["study"]["kept_default"] is True
+    out = " ".join(capsys.readouterr().out.split())
+    assert "kept the DEFAULT configuration, the best trial could not be measured again" in out

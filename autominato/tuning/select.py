@@ -92,7 +92,8 @@ class Confirmation:
     """The default against the best trial, each measured again (:func:`confirm_best`).
 
     Attributes:
-        default_idle / best_idle: the idle ratios measured for each, in order.
+        default_idle / best_idle: the idle ratios measured for each, in order; ``best_idle``
+            is empty when the best could not be measured again (:func:`unconfirmed`).
         default_mean / best_mean: their means.
         noise_sd: pooled standard deviation of one measurement (0.0 with too few).
         margin: by how much the best's mean must undercut the default's to count.
@@ -109,6 +110,10 @@ class Confirmation:
 
     def line(self) -> str:
         """One sentence for the console and the configuration's provenance."""
+        if not self.best_idle:
+            return ("kept the DEFAULT configuration, the best trial could not be measured "
+                    f"again: default idle {self.default_mean:.3f} over "
+                    f"{len(self.default_idle)} runs")
         figures = (
             f"default idle {self.default_mean:.3f} over {len(self.default_idle)} runs, best "
             f"{self.best_mean:.3f} over {len(self.best_idle)} runs (noise sd "
@@ -147,3 +152,17 @@ def confirm_best(
     sd = math.sqrt(ss / dof) if dof > 0 else 0.0
     margin = max(tolerance, z * sd * math.sqrt(1 / len(d) + 1 / len(b)))
     return Confirmation(tuple(d), tuple(b), dm, bm, sd, margin, dm - bm > margin)
+
+
+def unconfirmed(default_idle: Sequence[float]) -> Confirmation:
+    """The check when every new measurement of the best failed: the default is kept (a
+    configuration that no longer runs, or runs over the memory budget, is not written on
+    the strength of the one trial value that was picked for being the lowest).
+
+    Raises:
+        ValueError: ``default_idle`` is empty.
+    """
+    d = [float(x) for x in default_idle]
+    if not d:
+        raise ValueError("unconfirmed needs at least one measurement of the default")
+    return Confirmation(tuple(d), (), sum(d) / len(d), math.nan, 0.0, math.nan, False)
