@@ -160,3 +160,16 @@ def test_the_noise_check_writes_an_equal_configuration_at_most_at_its_stated_rat
     kept = sum(confirm_best(rng.normal(0.40, 0.05, 3), rng.normal(0.40, 0.05, 2)).keep_best
                for _ in range(runs))
     assert kept / runs < 0.035
+
+
+def test_a_kept_default_is_written_with_the_default_s_idle_ratio(monkeypatch, setup):
+    pipeline, space, tmp = setup
+    _fake_measurements(monkeypatch, lambda w: 0.40, sd=0.04)  # no knob matters
+    result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False,
+                       seed=1, confirm_repeats=3)
+    assert result.kept_default and result.best.value < 0.40
+    study = load_config(result.config_path)["study"]
+    # The file's idle ratio is that of the configuration it holds (the default's, measured
+    # 4 times), not the lucky best trial's that was not written.
+    assert study["idle_ratio"] == round(result.confirmation.default_mean, 4)
+    assert study["idle_ratio"] != round(result.best.value, 4)

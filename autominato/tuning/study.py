@@ -379,6 +379,9 @@ def run_study(
         if confirmation is not None:
             provenance["confirmation"] = confirmation.line()
             provenance["kept_default"] = not confirmation.keep_best
+            if not confirmation.keep_best:
+                # The idle ratio of the configuration written: the default's, over its runs.
+                provenance["idle_ratio"] = round(confirmation.default_mean, 4)
         if confirmation is not None and not confirmation.keep_best:
             config = _config(dict(space.fixed), base_knobs, space, pipeline, provenance)
         else:
