@@ -550,9 +550,13 @@ class Loader:
         me = _Observed(self)
         if metrics_port is not None or monitor_interval is not None or monitor_interval_from_env():
             from autominato import telemetry
+            from autominato.telemetry.cores import CoreBudget
 
+            # The controller's core budget (below), so that the report never suggests what
+            # the controller refuses: with Ray, the cluster's free CPUs.
             self._telemetry = telemetry.attach(
-                me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval
+                me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval,
+                budget=CoreBudget(cores),
             )
         if autotune:
             self._controller = Controller(me, config=cfg,

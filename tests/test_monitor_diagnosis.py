@@ -409,3 +409,17 @@ def test_work_done_ahead_of_delivery_does_not_inflate_the_shares_of_a_short_run(
     assert d.shares["batch"] == pytest.approx(0.02 / 1.5)
     latency = next(r for r in d.rows if r.metric == "load latency")
     assert latency.threshold == pytest.approx(1.5 * 2 / 2)  # step x threads / samples per batch
+
+
+def test_a_saturated_fused_pair_is_the_bottleneck_even_when_collate_has_the_largest_single_share():
+    # Read 0.6 and transform 0.6 of the step on the same two workers (1.2 together, the
+    # table's "bad" row), collate 0.7: the workers, not the prefetch depth, hold the loop up.
+    kw = dict(step_s=0.010, wait_s=0.090, read_s=0.003, transform_s=0.003, collate_s=0.007,
+              read_workers=0, transform_workers=2)
+    from autominato.telemetry.cores import CoreBudget
+
+    d = diagnose(with_cpu(history(**kw), 1.9), budget=CoreBudget(2))
+    share = next(r for r in d.rows if r.metric == "read+transform share")
+    assert share.status == "bad" and d.shares["batch"] > d.shares["read"]
+    assert d.kind == "cpu" and d.stage == "transform"
+    assert d.summary.startswith("reads and transforms (in the same workers) take 1.20x")

@@ -149,3 +149,14 @@ def test_autominato_monitor_says_when_the_exporter_is_unreachable(capsys):
     rc = cli_main(["monitor", f"127.0.0.1:{port}", "--interval", "0.1", "--timeout", "2"])
     assert rc == 2
     assert f"cannot read http://127.0.0.1:{port}/metrics" in capsys.readouterr().err
+
+
+def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monkeypatch):
+    # Ray actors are bounded by the cluster's free CPUs (here 16), not this machine's: the
+    # report's "workers N -> M" / "no spare cores" must use that budget too.
+    monkeypatch.setattr("autominato.loader._ray_capacity", lambda address, options: 16)
+    with Loader(Volumes(8), batch_size=2, worker_kind="ray", workers=0,
+                monitor_interval=60) as loader:  # workers=0: no actor, no Ray started
+        assert loader.controller.budget.cores == 16
+        assert loader.telemetry.monitor.budget is not None
+        assert loader.telemetry.monitor.budget.cores == loader.controller.budget.cores

@@ -97,3 +97,79 @@ def test_grid_points_cover_each_axis_and_the_comparison_reports_the_gap(setup):
     far = compare_with_grid(idle, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
     assert far.gap == pytest.approx(0.3) and far.gap > GOAL_GAP and not far.within_goal
     assert "NOT within the 0.03 goal" in far.line()
+
+
+def test_a_finalist_that_fails_when_measured_again_is_reported_not_a_traceback(setup):
+    from autominato.tuning.grid import compare_with_grid
+
+    _, space, _ = setup
+    lines: list[str] = []
+    calls = {"n": 0}
+
+    def idle(params):  # the grid passes; tune's choice then fails its first re-measurement
+        if params["workers"] == 2:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("worker killed")
+        return max(0.0, 0.5 - 0.1 * params["workers"])
+
+    c = compare_with_grid(idle, space, {"workers": 2}, levels=3, repeats=2, log=lines.append)
+    assert c.tune_idle == pytest.approx((0.3,)) and c.grid_idle == (0.0, 0.0)
+    assert c.gap == pytest.approx(0.3) and not c.within_goal
+    assert any("failed (RuntimeError: worker killed)" in m for m in lines)
+
+    def broken(params):  # tune's choice never measures again: no gap, not within the goal
+        if params["workers"] == 2:
+            raise RuntimeError("worker killed")
+        return 0.1
+
+    c = compare_with_grid(broken, space, {"workers": 2}, levels=3, repeats=2, log=lambda m: None)
+    assert c.tune_idle == () and not c.within_goal
+    assert "could not be measured again" in c.line()
+
+
+def test_a_best_that_cannot_be_measured_again_is_not_written(monkeypatch, setup, capsys):
+    pipeline, space, tmp = setup
+    calls = _fake_measurements(monkeypatch, lambda w: max(0.0, 0.5 - 0.1 * w), sd=0.01)
+    fake = study_module.measure_config
+
+    def flaky(pipeline, space, params, **kw):  # every run after the study's trials fails
+        if len(calls) >= 1 + 8 and int(params.get("workers", 2)) != 2:
+            calls.append(-1)
+            raise study_module.TrialFailed("MemoryError: shared memory exhausted")
+        return fake(pipeline, space, params, **kw)
+
+    monkeypatch.setattr(study_module, "measure_config", flaky)
+    result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False, seed=1)
+    assert result.best is not None and result.best.value < result.baseline.idle_ratio
+    assert result.kept_default and result.confirmation.best_idle == ()
+    cfg = load_config(result.config_path)
+    assert cfg["knobs"]["workers"] == result.baseline_knobs["workers"] == 2
+    assert cfg["study"]["kept_default"] is True
+    out = " ".join(capsys.readouterr().out.split())
+    assert "kept the DEFAULT configuration, the best trial could not be measured again" in out
+
+
+def test_the_noise_check_writes_an_equal_configuration_at_most_at_its_stated_rate():
+    # Default and best the same (idle 0.40, noise sd 0.05), measured as run_study does with
+    # confirm_repeats=2: 3 runs of the default, 2 of the best. The best may be written by
+    # chance only at the one-sided 2.5 % rate the check states (a z of 2 with the sd
+    # estimated from 3 degrees of freedom let 7 % through).
+    rng = np.random.default_rng(0)
+    runs = 4000
+    kept = sum(confirm_best(rng.normal(0.40, 0.05, 3), rng.normal(0.40, 0.05, 2)).keep_best
+               for _ in range(runs))
+    assert kept / runs < 0.035
+
+
+def test_a_kept_default_is_written_with_the_default_s_idle_ratio(monkeypatch, setup):
+    pipeline, space, tmp = setup
+    _fake_measurements(monkeypatch, lambda w: 0.40, sd=0.04)  # no knob matters
+    result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False,
+                       seed=1, confirm_repeats=3)
+    assert result.kept_default and result.best.value < 0.40
+    study = load_config(result.config_path)["study"]
+    # The file's idle ratio is that of the configuration it holds (the default's, measured
+    # 4 times), not the lucky best trial's that was not written.
+    assert study["idle_ratio"] == round(result.confirmation.default_mean, 4)
+    assert study["idle_ratio"] != round(result.best.value, 4)

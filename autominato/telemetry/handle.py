@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot, StageStats
 from autominato.telemetry.collector import COLLECTOR
+from autominato.telemetry.cores import CoreBudget
 from autominato.telemetry.exporter import Exporter, serve
 from autominato.telemetry.metrics import (
     CONSUMER_STEP_SECONDS,
@@ -126,6 +127,7 @@ class TelemetryHandle:
         host: str = "127.0.0.1",
         monitor_interval: float | None = None,
         free_if_busy: bool = False,
+        budget: CoreBudget | None = None,
     ) -> None:
         self.loader = loader
         self._key = id(self)
@@ -166,7 +168,7 @@ class TelemetryHandle:
                 _ensure_report_visible()
                 self.monitor = DataMonitor(
                     loader.snapshot, monitor_interval, rank=self.rank,
-                    worker_pids=getattr(loader, "worker_pids", None),
+                    worker_pids=getattr(loader, "worker_pids", None), budget=budget,
                 ).start()
         except BaseException:
             self.close()
@@ -261,6 +263,7 @@ def attach(
     host: str = "127.0.0.1",
     monitor_interval: float | None = None,
     free_if_busy: bool = False,
+    budget: CoreBudget | None = None,
 ) -> TelemetryHandle:
     """Record ``loader``'s telemetry; optionally serve it and run the Data Monitor.
 
@@ -274,6 +277,9 @@ def attach(
         monitor_interval: seconds between Data Monitor reports; None defers to
             ``AUTOMINATO_DATA_MONITOR`` / ``AUTOMINATO_DATA_MONITOR_INTERVAL``.
         free_if_busy: bind a free port when ``port`` is taken instead of raising.
+        budget: the core budget of the Data Monitor's suggestions: the controller's (the
+            Loader passes it; with Ray workers the cluster's free CPUs, not this machine's).
+            Default ``CoreBudget(usable_cores())``.
 
     Returns:
         The :class:`TelemetryHandle`; call ``close()`` at the end (the Loader does): the
@@ -291,4 +297,5 @@ def attach(
         host=host,
         monitor_interval=monitor_interval,
         free_if_busy=free_if_busy,
+        budget=budget,
     )

@@ -375,11 +375,20 @@ def diagnose(
             "nothing to change on the loader; if CPU is short, fewer workers would do",
             **base,
         )
-    stage = max(shares, key=shares.__getitem__) if shares else None
-    top = shares.get(stage, 0.0) if stage else 0.0
+    # One set of workers does both read and transform when fused, so their shares add up on
+    # those workers, and the sum competes with the other stages (the table's
+    # "read+transform share" row): read 0.6 + transform 0.6 is a saturated pair even beside
+    # a collate share of 0.7.
+    candidates = dict(shares)
+    pair = [n for n in ("read", "transform") if n in shares]
+    if fused and pair:
+        lead = max(pair, key=shares.__getitem__)
+        for n in pair:
+            del candidates[n]
+        candidates[lead] = sum(shares[n] for n in pair)
+    stage = max(candidates, key=candidates.__getitem__) if candidates else None
+    top = candidates.get(stage, 0.0) if stage else 0.0
     if stage in ("read", "transform") and fused:
-        # One set of workers does both, so their shares add up on those workers.
-        top = shares.get("read", 0.0) + shares.get("transform", 0.0)
         if top >= SATURATED:
             # Which work fills them is told by the CPU they use: a read that decompresses
             # is CPU work; only workers that mostly wait make the pair I/O bound.

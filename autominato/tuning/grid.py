@@ -69,9 +69,11 @@ class GridComparison:
         points: grid points measured (failed ones included).
         grid_best: the optimum's parameters.
         grid_idle / tune_idle: idle ratios of the optimum and of tune's choice, measured again
-            (alternating) after the grid.
-        gap: ``mean(tune_idle) - mean(grid_idle)`` (negative: tune's choice did better).
-        within_goal: ``gap <= GOAL_GAP``.
+            (alternating) after the grid; a measurement that failed is left out (either may
+            then hold fewer than ``repeats`` figures, or none).
+        gap: ``mean(tune_idle) - mean(grid_idle)`` (negative: tune's choice did better); NaN
+            when either finalist could not be measured again.
+        within_goal: ``gap <= GOAL_GAP`` (False for a NaN gap).
     """
 
     points: int
@@ -82,12 +84,19 @@ class GridComparison:
     within_goal: bool
 
     def line(self) -> str:
+        if not self.grid_idle or not self.tune_idle:
+            which = [name for name, got in (("tune's choice", self.tune_idle),
+                                            ("the grid optimum", self.grid_idle)) if not got]
+            return (f"tune vs grid: {' and '.join(which)} could not be measured again after "
+                    f"the {self.points} grid points: no gap, NOT within the {GOAL_GAP:.2f} goal")
         g = sum(self.grid_idle) / len(self.grid_idle)
         t = sum(self.tune_idle) / len(self.tune_idle)
         rel = f" ({self.gap / g:+.0%} of it)" if g > 0 else ""
         verdict = "within" if self.within_goal else "NOT within"
+        n, m = len(self.tune_idle), len(self.grid_idle)
+        runs = f"{n} runs each" if n == m else f"{n} and {m} runs"
         return (f"tune vs grid: tune's choice idle {t:.3f}, grid optimum idle {g:.3f} over "
-                f"{self.points} points ({len(self.tune_idle)} runs each): gap {self.gap:+.3f}"
+                f"{self.points} points ({runs}): gap {self.gap:+.3f}"
                 f"{rel}, {verdict} the {GOAL_GAP:.2f} goal")
 
 
@@ -107,7 +116,8 @@ def compare_with_grid(
 
     Args:
         measure: ``params -> idle ratio`` (one measurement; may raise for an infeasible point,
-            which then counts as idle 1.0).
+            which then counts as idle 1.0 in the grid; a finalist's failed re-measurement is
+            logged and left out of its mean).
         space: the space the study searched.
         chosen: the parameters of the configuration tune wrote.
         levels: values per integer parameter (:func:`grid_points`).
@@ -130,13 +140,22 @@ def compare_with_grid(
         scored.append((idle, i))
         log(f"grid point {i}: idle {idle:.3f} {_fmt(params, space)}")
     best = points[min(scored)[1]]
-    grid_idle, tune_idle = [], []
-    for _ in range(repeats):
-        grid_idle.append(measure(best))
-        tune_idle.append(measure({**space.fixed, **chosen}))
-    gap = sum(tune_idle) / repeats - sum(grid_idle) / repeats
+    grid_idle: list[float] = []
+    tune_idle: list[float] = []
+    finalists = (("grid optimum", best, grid_idle),
+                 ("tune's choice", {**space.fixed, **chosen}, tune_idle))
+    for r in range(repeats):
+        for name, params, into in finalists:
+            try:
+                into.append(float(measure(params)))
+            except Exception as e:  # noqa: BLE001 - a failed run is reported, not a traceback
+                log(f"{name}, run {r + 1}: failed ({type(e).__name__}: {e})")
+    if grid_idle and tune_idle:
+        gap = sum(tune_idle) / len(tune_idle) - sum(grid_idle) / len(grid_idle)
+    else:
+        gap = math.nan
     return GridComparison(len(points), best, tuple(grid_idle), tuple(tune_idle), gap,
-                          gap <= GOAL_GAP + 1e-12 and math.isfinite(gap))
+                          math.isfinite(gap) and gap <= GOAL_GAP + 1e-12)
 
 
 def _fmt(params: dict[str, Any], space: SearchSpace) -> str:

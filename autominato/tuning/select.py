@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+from scipy.stats import t as student_t
 
 #: Idle ratios closer than this are a tie (absolute; about the run-to-run spread seen on a
 #: loaded 2-core machine for a pipeline that keeps up).
@@ -82,9 +83,11 @@ def has_variation(study: optuna.Study) -> bool:
     return any(len({repr(t.params.get(n)) for t in done}) >= 2 for n in names)
 
 
-#: Standard errors by which the best trial must beat the default to be written (about a
-#: one-sided 2.5 % false-alarm rate under normal noise).
-NOISE_Z = 2.0
+#: One-sided false-alarm rate of the noise check under normal noise: the chance that a best
+#: no better than the default is written. The margin is Student's t quantile for it (with
+#: the few repeats measured the standard deviation is itself an estimate: a fixed 2 standard
+#: errors let 7 % through at the default 3 + 2 runs).
+NOISE_ALPHA = 0.025
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ class Confirmation:
     """The default against the best trial, each measured again (:func:`confirm_best`).
 
     Attributes:
-        default_idle / best_idle: the idle ratios measured for each, in order.
+        default_idle / best_idle: the idle ratios measured for each, in order; ``best_idle``
+            is empty when the best could not be measured again (:func:`unconfirmed`).
         default_mean / best_mean: their means.
         noise_sd: pooled standard deviation of one measurement (0.0 with too few).
         margin: by how much the best's mean must undercut the default's to count.
@@ -109,6 +113,10 @@ class Confirmation:
 
     def line(self) -> str:
         """One sentence for the console and the configuration's provenance."""
+        if not self.best_idle:
+            return ("kept the DEFAULT configuration, the best trial could not be measured "
+                    f"again: default idle {self.default_mean:.3f} over "
+                    f"{len(self.default_idle)} runs")
         figures = (
             f"default idle {self.default_mean:.3f} over {len(self.default_idle)} runs, best "
             f"{self.best_mean:.3f} over {len(self.best_idle)} runs (noise sd "
@@ -123,7 +131,7 @@ def confirm_best(
     default_idle: Sequence[float],
     best_idle: Sequence[float],
     *,
-    z: float = NOISE_Z,
+    alpha: float = NOISE_ALPHA,
     tolerance: float = IDLE_TOLERANCE,
 ) -> Confirmation:
     """Whether the best trial's configuration really idles less than the default.
@@ -131,9 +139,10 @@ def confirm_best(
     ``best_idle`` must be measurements made again after the study (the trial's own value was
     picked for being the lowest of many, so it is biased low). The noise is the pooled sample
     standard deviation ``s`` of both groups around their means; the best is kept when
-    ``mean(default) - mean(best) > max(tolerance, z * s * sqrt(1/n_default + 1/n_best))``
-    (two means compared with a pooled variance, as Student's t does). With one of each
-    there is no variance estimate: the margin is ``tolerance``.
+    ``mean(default) - mean(best) > max(tolerance, t * s * sqrt(1/n_default + 1/n_best))``,
+    ``t`` being Student's t quantile ``1 - alpha`` with ``n_default + n_best - 2`` degrees of
+    freedom (two means compared with a pooled variance: a one-sided t test at level
+    ``alpha``). With one of each there is no variance estimate: the margin is ``tolerance``.
 
     Raises:
         ValueError: either sequence is empty.
@@ -145,5 +154,20 @@ def confirm_best(
     dof = len(d) + len(b) - 2
     ss = sum((x - dm) ** 2 for x in d) + sum((x - bm) ** 2 for x in b)
     sd = math.sqrt(ss / dof) if dof > 0 else 0.0
-    margin = max(tolerance, z * sd * math.sqrt(1 / len(d) + 1 / len(b)))
+    crit = float(student_t.ppf(1.0 - alpha, dof)) if dof > 0 else 0.0
+    margin = max(tolerance, crit * sd * math.sqrt(1 / len(d) + 1 / len(b)))
     return Confirmation(tuple(d), tuple(b), dm, bm, sd, margin, dm - bm > margin)
+
+
+def unconfirmed(default_idle: Sequence[float]) -> Confirmation:
+    """The check when every new measurement of the best failed: the default is kept (a
+    configuration that no longer runs, or runs over the memory budget, is not written on
+    the strength of the one trial value that was picked for being the lowest).
+
+    Raises:
+        ValueError: ``default_idle`` is empty.
+    """
+    d = [float(x) for x in default_idle]
+    if not d:
+        raise ValueError("unconfirmed needs at least one measurement of the default")
+    return Confirmation(tuple(d), (), sum(d) / len(d), math.nan, 0.0, math.nan, False)

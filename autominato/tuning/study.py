@@ -35,7 +35,13 @@ from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, measure
 from autominato.tuning.pipeline import Pipeline
 from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.report import fmt_params, save_plots, trial_line
-from autominato.tuning.select import Confirmation, completed, confirm_best, select_best
+from autominato.tuning.select import (
+    Confirmation,
+    completed,
+    confirm_best,
+    select_best,
+    unconfirmed,
+)
 from autominato.tuning.space import STATIC_NAMES, SearchSpace
 
 log = logging.getLogger(__name__)
@@ -71,7 +77,7 @@ class TuneResult:
             for a failure; see :data:`REPEATED_FAILURES`).
         confirmation: the default and the best measured again (``None`` without a baseline,
             a best, or with ``confirm_repeats=0``); when the best did not beat the default
-            beyond the noise, ``config`` is the default's.
+            beyond the noise, or could not be measured again, ``config`` is the default's.
     """
 
     study: optuna.Study
@@ -252,7 +258,8 @@ def run_study(
         confirm_repeats: after the study, measure the default and the best configuration
             this many more times each (alternating) and write the best only if it beats the
             default beyond the noise (:func:`autominato.tuning.select.confirm_best`); else
-            the default configuration is written, and the console says so. 0: no check.
+            the default configuration is written, and the console says so (also when every
+            new measurement of the best failed). 0: no check.
 
     Raises:
         PipelineFailed: the dataset or transform raised for a sample (the study stays usable).
@@ -372,6 +379,9 @@ def run_study(
         if confirmation is not None:
             provenance["confirmation"] = confirmation.line()
             provenance["kept_default"] = not confirmation.keep_best
+            if not confirmation.keep_best:
+                # The idle ratio of the configuration written: the default's, over its runs.
+                provenance["idle_ratio"] = round(confirmation.default_mean, 4)
         if confirmation is not None and not confirmation.keep_best:
             config = _config(dict(space.fixed), base_knobs, space, pipeline, provenance)
         else:
@@ -400,10 +410,10 @@ def _confirm(
     repeats: int,
     memory_budget_bytes: int | None,
     console: Console,
-) -> Confirmation | None:
+) -> Confirmation:
     """Measure the default and ``best`` ``repeats`` more times each, alternating (so that a
-    drift of the machine's load hits both alike), and compare them (None if the best could
-    not be measured again)."""
+    drift of the machine's load hits both alike), and compare them; when the best could not
+    be measured again, the default is kept (:func:`~autominato.tuning.select.unconfirmed`)."""
     default_idle, best_idle = [base.idle_ratio], []
     configs = ((dict(space.fixed), default_idle), ({**space.fixed, **best.params}, best_idle))
     console.print(f"measuring the default and the best (trial {best.number}) {repeats} more "
@@ -417,8 +427,6 @@ def _confirm(
                 console.print(f"could not measure again: {e}", highlight=False)
                 continue
             into.append(m.idle_ratio)
-    if not best_idle:
-        return None
-    c = confirm_best(default_idle, best_idle)
+    c = confirm_best(default_idle, best_idle) if best_idle else unconfirmed(default_idle)
     console.print(c.line(), highlight=False)
     return c
