@@ -517,6 +517,7 @@ class Loader:
         # the iterator that returned it), closed by the training loop's next request (see
         # _EpochIterator).
         self._step_open: tuple[float, float, int, int] | None = None
+        self._step_lock = threading.Lock()
         self._batches = 0
         self._samples = 0
         self._h2d_bytes = 0
@@ -851,22 +852,26 @@ class Loader:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it."""
-        self._consumer_wait += wait
-        self._batches += 1
-        self._samples += samples
-        self._step_open = (now, wait, samples, owner)
+        with self._step_lock:
+            self._consumer_wait += wait
+            self._batches += 1
+            self._samples += samples
+            self._step_open = (now, wait, samples, owner)
 
     def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
         training loop asked for the next batch, started a new pass or closed the loader.
         With ``owner``, only a step opened by that iterator (``id``) is closed."""
-        opened = self._step_open
-        if opened is None or (owner is not None and opened[3] != owner):
-            return
-        self._step_open = None
-        returned, wait, samples, _ = opened
-        step = max(0.0, (time.monotonic() if now is None else now) - returned)
-        self._consumer_busy += step
+        # An iterator's __del__ may run this from whichever thread collects it: one lock makes
+        # the step close once and the totals move with it
+        with self._step_lock:
+            opened = self._step_open
+            if opened is None or (owner is not None and opened[3] != owner):
+                return
+            self._step_open = None
+            returned, wait, samples, _ = opened
+            step = max(0.0, (time.monotonic() if now is None else now) - returned)
+            self._consumer_busy += step
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
 
     def close(self) -> None:
@@ -921,14 +926,22 @@ class Loader:
         p = self._pipeline
         stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
         cons = stages["consumer"]
+        with self._step_lock:
+            now = time.monotonic()
+            wait, batches, samples = self._consumer_wait, self._batches, self._samples
+            # the step under way counts as far as it went: its batch's wait is in ``wait``
+            # already, so a window that ends mid-step would else read idle high
+            busy = self._consumer_busy
+            if self._step_open is not None:
+                busy += max(0.0, now - self._step_open[0])
         return LoaderSnapshot(
-            time=time.monotonic(),
+            time=now,
             stages=stages,
-            consumer_wait_seconds_total=self._consumer_wait,
+            consumer_wait_seconds_total=wait,
             consumer_wait_recent_s=cons.recent_wait_s[-RECENT:],
-            consumer_busy_seconds_total=self._consumer_busy,
-            batches_total=self._batches,
-            samples_total=self._samples,
+            consumer_busy_seconds_total=busy,
+            batches_total=batches,
+            samples_total=samples,
             epoch=self._epoch,
             stragglers_total=p.stragglers if p else 0,
             skipped_total=(p.skipped if p else 0) + self._sync_skipped,

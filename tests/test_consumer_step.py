@@ -94,3 +94,20 @@ def test_a_break_without_workers_closes_the_step_when_the_iterator_is_dropped(da
             break
         # The iterator is gone: its last step is recorded now, not at the next request.
         assert L.stage_stats["consumer"].snapshot().items_total == 2
+
+
+def test_a_snapshot_taken_mid_step_counts_the_step_so_far_beside_its_batchs_wait(loader):
+    # the controller's and the monitor's windows read these totals: a window ending mid-step
+    # held the batch's wait without any of its step, so idle read high
+    it = iter(loader)
+    next(it)
+    time.sleep(STEP_S)
+    s = loader.snapshot()
+    assert s.batches_total == 1
+    assert STEP_S <= s.consumer_busy_seconds_total < STEP_S + 0.1
+    time.sleep(STEP_S)
+    later = loader.snapshot()
+    assert later.consumer_busy_seconds_total >= 2 * STEP_S  # the same step, further on
+    next(it)  # the step ends: its whole length, once (the next one has just begun)
+    done = loader.snapshot()
+    assert 2 * STEP_S <= done.consumer_busy_seconds_total < 2 * STEP_S + 0.1
