@@ -208,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             console.print(f"[red]error:[/red] {e}", highlight=False)
             return 2
+        except KeyboardInterrupt:
+            console.print("interrupted during the grid comparison: the study and the "
+                          "configuration written are kept")
+            return 130
         done = sum(t.state.name == "COMPLETE" for t in result.study.get_trials(deepcopy=False))
         console.print(f"{cmp.line()}; tune used {len(result.study.trials)} trials "
                       f"({done} complete)", highlight=False)
