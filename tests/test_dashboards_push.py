@@ -224,3 +224,19 @@ def test_push_without_a_grafana_url_exits_2_as_every_command_with_a_missing_inpu
     env.setenv("GRAFANA_TOKEN", "t")
     assert _push() == cli.EXIT_USAGE
     assert "no Grafana URL" in capsys.readouterr().err
+
+
+def test_a_push_leaves_no_thread_running(grafana, env):
+    """The HTTP session's keep-alive watch threads end with the push: a thread left running
+    would keep every later Loader of the process from forking its workers."""
+    import time
+
+    env.setenv("GRAFANA_TOKEN", "glsa_test_token")
+    before = set(threading.enumerate())
+    assert _push("--url", grafana.url) == 0
+    grafana.routes[("POST", DS_PATH)] = (401, {"message": "Invalid API key"})
+    assert _push("--url", grafana.url) != 0
+    deadline = time.monotonic() + 5.0
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not left, sorted(t.name for t in left)

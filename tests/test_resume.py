@@ -447,6 +447,9 @@ def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
     """Lightning saves ``state_dict()`` of a stateful train loader in its checkpoint and
     loads it when ``fit(ckpt_path=...)`` restarts mid-epoch."""
     pl = pytest.importorskip("lightning.pytorch")
+    # Closed at the end: a fit stopped by max_steps leaves its loader running, and its threads
+    # would keep every later Loader of the process from forking its workers until collected.
+    made: list[Loader] = []
 
     class Recorder(pl.LightningModule):
         def __init__(self) -> None:
@@ -455,7 +458,8 @@ def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
             self.seen: list[torch.Tensor] = []
 
         def train_dataloader(self) -> Loader:
-            return make()
+            made.append(make())
+            return made[-1]
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             self.seen.append(batch.clone())
@@ -469,13 +473,17 @@ def test_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path):
                           enable_progress_bar=False, enable_model_summary=False, **kw)
 
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    first = Recorder()
-    trainer(max_steps=3, callbacks=[ckpt]).fit(first)
-    saved = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)
-    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    assert state["batches"] == 3 and not state["finished"]
-    second = Recorder()
-    trainer(enable_checkpointing=False).fit(second, ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    first, second = Recorder(), Recorder()
+    try:
+        trainer(max_steps=3, callbacks=[ckpt]).fit(first)
+        saved = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)
+        (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        assert state["batches"] == 3 and not state["finished"]
+        trainer(enable_checkpointing=False).fit(second,
+                                                ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    finally:
+        for loader in made:
+            loader.close()
     assert len(first.seen) == 3 and len(second.seen) == BATCHES - 3
     with make() as loader:  # the epoch the checkpoint interrupted, uninterrupted
         loader.set_epoch(state["epoch"])

@@ -371,3 +371,37 @@ def test_a_closed_loader_leaves_no_thread_so_the_next_one_can_fork():
         left = [t.name for t in set(threading.enumerate()) - before
                 if t.name.startswith("autominato-")]
         assert left == [], kw
+
+
+def test_a_foreign_thread_that_ended_does_not_keep_the_next_loader_from_forking():
+    """A thread started outside :mod:`threading` (Ray's C++ core, say) that called into
+    Python stays listed as a ``_DummyThread`` after it ended; while it runs it counts."""
+    import _thread
+
+    from autominato.pipeline import spawn
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc/self/task")
+    before = spawn._python_threads()  # threads of earlier tests are not this test's
+    release, listed = threading.Event(), queue.SimpleQueue()
+
+    def foreign() -> None:
+        listed.put(threading.current_thread())  # lists it as a _DummyThread
+        release.wait(30)
+
+    _thread.start_new_thread(foreign, ())
+    dummy = listed.get(timeout=10)
+    try:
+        assert isinstance(dummy, threading._DummyThread)
+        assert spawn._python_threads() == before + 1  # it runs
+        assert not spawn.can_fork_now()
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while os.path.isdir(f"/proc/self/task/{dummy.native_id}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if dummy not in threading.enumerate():
+        pytest.skip("a new thread took the ended one's id and removed its entry")
+    assert spawn._python_threads() == before
+    if before == 1:
+        assert spawn.can_fork_now() and spawn.zygote_kind("auto") == "fork"

@@ -67,7 +67,7 @@ def can_fork_now() -> bool:
     """Whether this process may fork workers safely: Linux-style ``fork`` exists, only one
     thread runs (a lock held by another thread at fork time stays held in the child forever)
     and CUDA is not initialised (a forked child cannot use it)."""
-    if "fork" not in mp.get_all_start_methods() or threading.active_count() != 1:
+    if "fork" not in mp.get_all_start_methods() or _python_threads() != 1:
         return False
     try:
         import torch
@@ -75,6 +75,25 @@ def can_fork_now() -> bool:
         return not torch.cuda.is_initialized()
     except ImportError:  # pragma: no cover
         return True
+
+
+def _python_threads() -> int:
+    """Threads that run Python code in this process, without the stale entries of
+    :func:`threading.active_count`: a thread started outside :mod:`threading` (by Ray's or
+    gRPC's C++ core, say) that once called into Python stays listed, as a ``_DummyThread``,
+    after it has ended (until a new thread happens to get its id); it holds no lock and
+    cannot stop a fork being safe. Linux: a thread whose id is no longer in
+    ``/proc/self/task`` has ended."""
+    count = threading.active_count()
+    dummies = [t for t in threading.enumerate()
+               if isinstance(t, threading._DummyThread) and t.native_id is not None]
+    if not dummies:
+        return count
+    try:
+        running = set(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: count them all
+        return count
+    return count - sum(str(t.native_id) not in running for t in dummies)
 
 
 def zygote_kind(start_method: str) -> str:

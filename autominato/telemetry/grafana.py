@@ -130,9 +130,7 @@ def push(
         PushError: bad URL, server unreachable, 401 / 403, a conflict (409 / 412) without
             ``overwrite``, or any other error answer; the message names the server and the fix.
     """
-    import niquests.exceptions
     from grafana_client import GrafanaApi
-    from grafana_client.client import GrafanaClientError, GrafanaException
 
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -147,6 +145,22 @@ def push(
     # dashboard that does not exist on this server.
     model["id"] = None
     api = GrafanaApi.from_url(url, credential=credential, timeout=timeout)
+    try:
+        return _push_with(api, url, credential, model, prometheus_url, scrape_interval,
+                          overwrite, folder_uid)
+    finally:
+        # The HTTP session's connection pools each run a keep-alive watch thread until
+        # closed (or collected): one left running keeps every later Loader of this
+        # process from forking its workers (a new interpreter starts them instead).
+        api.client.s.close()
+
+
+def _push_with(api: Any, url: str, credential: str | tuple[str, str], model: dict[str, Any],
+               prometheus_url: str, scrape_interval: str, overwrite: bool,
+               folder_uid: str | None) -> PushResult:
+    """:func:`push`'s requests through ``api``."""
+    import niquests.exceptions
+    from grafana_client.client import GrafanaClientError, GrafanaException
 
     def explain(e: Exception, action: str) -> PushError:
         if isinstance(e, niquests.exceptions.ConnectionError) or (
