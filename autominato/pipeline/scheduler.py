@@ -147,7 +147,7 @@ class Run:
     closed: bool = False  # nothing more will be put in ``out``
     speculative: bool = False  # started for an iterator that does not exist yet
     pred: Run | None = None  # while speculative: the run whose window it shares
-    taken: int = 0  # positions dispatched (re-dispatches included)
+    taken: int = 0  # positions dispatched (once each: re-dispatches not counted)
     # While speculative, skips and stragglers wait to be logged and counted until adoption.
     deferred: list = field(default_factory=list)
 
@@ -544,7 +544,7 @@ class Pipeline:
             if room <= 0:
                 continue
             tasks = run.epoch.take(room)
-            run.taken += len(tasks)
+            run.taken += sum(1 for t in tasks if t.attempt == 0)  # a re-dispatch is no new sample
             for t in tasks:
                 key = (run.gen, t.pos, t.attempt)
                 first.put(key, self._first_item(run, t.index, key))
