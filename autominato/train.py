@@ -301,11 +301,32 @@ def _patch(text: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2])
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _port(text: str) -> int:
+    """A TCP port for the metrics endpoint: 0 (any free port) to 65535."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free port), got {n}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None,
                         help="prepared KiTS19 folder or NIfTI folder (default: a generated, "
                         "synthetic demo set)")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps to run")
+    parser.add_argument("--steps", type=_positive_int, default=None, help="optimiser steps to run")
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs to run (default 1 when --steps is not given)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -314,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="crop size N or D,H,W (default 128, MLPerf's)")
     parser.add_argument("--config", type=Path, default=None,
                         help="loader configuration written by `autominato tune`")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=_port, default=None,
                         help="serve Prometheus metrics on this port (127.0.0.1)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics endpoint binds (0.0.0.0 inside a container)")

@@ -36,6 +36,7 @@ from autominato.tuning import (
     run_study,
 )
 from autominato.tuning.report import print_summary
+from autominato.tuning.study import default_study_name
 
 __all__ = [
     "TuneResult",
@@ -63,6 +64,16 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 16GiB, 512MiB, 2G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return x
 
 
 def _positive(text: str) -> int:
@@ -95,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size", type=_positive, help="samples per batch (default: recipe's, else 1)"
     )
-    p.add_argument("--step-time", type=float, help="simulated training step, seconds per batch")
+    p.add_argument("--step-time", type=_seconds, help="simulated training step, seconds per batch")
     p.add_argument("--model", help="module:factory returning step(batch), a real training step")
     p.add_argument("--device", help="Loader device (e.g. cuda) for a real step")
     s = parser.add_argument_group("search")
@@ -167,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     except (SpaceError, PipelineSpecError, ConfigError) as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
-    name = args.study_name or pipeline.study_name()
+    name = args.study_name or default_study_name(pipeline, space)
     try:
         result = run_study(
             pipeline,

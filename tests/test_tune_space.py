@@ -306,3 +306,19 @@ def test_pruner_stops_only_trials_worse_than_the_median_by_more_than_the_margin(
     assert not MarginMedianPruner(n_startup_trials=4).prune(study, with_reports({4: 0.9, 8: 0.9}))
     with pytest.raises(ValueError, match="margin"):
         MarginMedianPruner(margin=-1)
+
+
+def test_an_edited_space_names_another_study_and_the_same_space_the_same(tmp_path):
+    # a rerun with an edited --space resumed the old study: its best (depth 5) was written
+    # beside the new space's bounds (depth 1-4)
+    from autominato.tuning.study import default_study_name
+
+    p = Pipeline([1], None, 2, SleepStep(0.1), {"dataset": "m:make"})
+    a, b = load_space(None), load_space(None)
+    assert default_study_name(p, a) == default_study_name(p, b)
+    assert default_study_name(p, a).startswith(p.study_name() + "-s")
+    longer = a.with_trial(window_batches=a.trial["window_batches"] + 1)
+    assert default_study_name(p, longer) != default_study_name(p, a)
+    edited = tmp_path / "space.yaml"
+    edited.write_text("params:\n  depth: {type: int, low: 1, high: 4}\n")
+    assert default_study_name(p, load_space(edited)) != default_study_name(p, a)

@@ -227,7 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale",
         type=float,
         default=1.0,
-        help="shrink volumes and patch by this factor for quick runs (default 1)",
+        help="resolution factor of volumes and patch: 1 = MLPerf's (default), 0.5 = half "
+        "per axis for quick runs; above 1 they grow",
     )
     g.add_argument(
         "--cache",

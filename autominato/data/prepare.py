@@ -225,8 +225,9 @@ def prepare_kits19(
         synthesize_ct: paint a CT-like image for cases that have only a mask.
         cases: case names (``"case_00001"``) or ids (``1``) to prepare; default all.
         limit: prepare at most this many cases (after ``cases``), in name order.
-        scale: shrink the output by this factor for quick runs: target spacing / scale and
-            minimum shape 128 * scale (1.0 is MLPerf's; other values are not MLPerf data).
+        scale: resolution factor: target spacing / scale and minimum shape 128 * scale, so
+            0.5 halves every axis (about 1/8 of the voxels) for quick runs and 2 doubles it
+            (1.0 is MLPerf's; other values are not MLPerf data).
         jobs: worker processes (each needs up to about 3 GB for the largest KiTS19 case).
         seed: seed of the synthetic images (each case draws from ``(seed, case id)``).
         force: redo cases already on disk, and accept a folder prepared with other settings.
@@ -410,7 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated case ids or names to prepare (default all)")
     parser.add_argument("--limit", type=int, default=None, help="prepare at most N cases")
     parser.add_argument("--scale", type=float, default=1.0,
-                        help="shrink outputs by this factor for quick runs (1 = MLPerf)")
+                        help="resolution factor: 1 = MLPerf's spacing, 0.5 = half the voxels "
+                        "per axis for quick runs; above 1 the volumes grow (2 = 8x the voxels)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic images")
     parser.add_argument("--force", action="store_true", help="redo cases already prepared")

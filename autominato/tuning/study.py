@@ -16,6 +16,8 @@ minimises. Intermediate idle ratios go to a median pruner with a noise margin
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from contextlib import nullcontext
@@ -106,6 +108,16 @@ def is_sample_error(exc: BaseException) -> bool:
     return getattr(exc, "sample_index", None) is not None and not isinstance(
         exc, (WorkerDied, SampleTimeout)
     )
+
+
+def default_study_name(pipeline: Pipeline, space: SearchSpace) -> str:
+    """The pipeline's study name (:meth:`Pipeline.study_name`) plus a short hash of what the
+    space searches and fixes and of its trial settings: rerunning the same command resumes the
+    study, while an edited space starts a study of its own (its trials are not comparable,
+    and a best from the old space could break the new one's bounds)."""
+    blob = json.dumps({"searched": {k: repr(v) for k, v in space.searched.items()},
+                       "fixed": space.fixed, "trial": space.trial}, sort_keys=True, default=str)
+    return f"{pipeline.study_name()}-s{hashlib.sha1(blob.encode()).hexdigest()[:6]}"
 
 
 def measure_config(
@@ -269,7 +281,7 @@ def run_study(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     console = console or Console()
-    name = study_name or pipeline.study_name()
+    name = study_name or default_study_name(pipeline, space)
     url = storage or default_storage(out)
     existing = 0
     try:
