@@ -111,3 +111,18 @@ def test_a_snapshot_taken_mid_step_counts_the_step_so_far_beside_its_batchs_wait
     next(it)  # the step ends: its whole length, once (the next one has just begun)
     done = loader.snapshot()
     assert 2 * STEP_S <= done.consumer_busy_seconds_total < 2 * STEP_S + 0.1
+
+
+def test_the_busy_total_never_goes_back_when_a_snapshot_falls_between_next_and_its_lock(loader):
+    # __next__ reads the time, then takes the lock to close the step: a snapshot in between
+    # already counted the step further than that time. The total must not shrink (a window
+    # would read a negative busy time, idle above 1).
+    it = iter(loader)
+    next(it)
+    t0 = time.monotonic()  # __next__'s clock reading
+    time.sleep(0.05)
+    s1 = loader.snapshot()  # the monitor's, from its own thread, meanwhile
+    loader._end_step(t0)  # __next__ goes on: the step closes
+    s2 = loader.snapshot()
+    assert s2.consumer_busy_seconds_total >= s1.consumer_busy_seconds_total
+    assert loader.stage_stats["consumer"].snapshot().items_total == 2  # closed once
