@@ -517,7 +517,9 @@ class Loader:
         # the iterator that returned it), closed by the training loop's next request (see
         # _EpochIterator).
         self._step_open: tuple[float, float, int, int] | None = None
-        self._step_lock = threading.Lock()
+        # Re-entrant: a collection that an allocation under the lock triggers may finalize a
+        # dropped iterator of this loader, whose __del__ closes its step (see _end_step)
+        self._step_lock = threading.RLock()
         # A snapshot counted the open step up to this time: the step ends no earlier, so the
         # busy total never goes back between two snapshots (see snapshot)
         self._step_seen: float | None = None
@@ -855,11 +857,12 @@ class Loader:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it."""
+        opened = (now, wait, samples, owner)
         with self._step_lock:
             self._consumer_wait += wait
             self._batches += 1
             self._samples += samples
-            self._step_open = (now, wait, samples, owner)
+            self._step_open = opened
             self._step_seen = None
 
     def _end_step(self, now: float | None = None, owner: int | None = None) -> None:

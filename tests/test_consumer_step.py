@@ -126,3 +126,38 @@ def test_the_busy_total_never_goes_back_when_a_snapshot_falls_between_next_and_i
     s2 = loader.snapshot()
     assert s2.consumer_busy_seconds_total >= s1.consumer_busy_seconds_total
     assert loader.stage_stats["consumer"].snapshot().items_total == 2  # closed once
+
+
+def test_an_iterator_finalized_while_the_step_lock_is_held_does_not_deadlock():
+    # An iterator in a reference cycle is freed by the cyclic collector, which runs its
+    # __del__ (it closes its step) in whichever thread an allocation triggered it: in the
+    # training loop's own _delivered, say, with the step lock held.
+    import gc
+    import threading
+
+    class Collecting(float):
+        """A wait whose addition runs a collection, as an allocation there may."""
+
+        def __radd__(self, other: float) -> float:
+            gc.collect()
+            return other + float(self)
+
+    L = Loader(Small(), batch_size=2, num_workers=0, autotune=False, seed=0)
+    gc.disable()  # the cycle below must outlive the lines up to _delivered
+    try:
+        old = iter(L)
+        next(old)
+        old.cycle = old
+        del old
+        t = threading.Thread(target=L._delivered, args=(time.monotonic(), Collecting(0.01), 2, 1),
+                             daemon=True)
+        t.start()
+        t.join(10)
+    finally:
+        gc.enable()
+    if t.is_alive():
+        L._closed = True  # close() would wait for the lock for ever too
+        pytest.fail("the step lock deadlocked against a finalizer in the same thread")
+    assert L.snapshot().batches_total == 2
+    L.close()
+    assert L.stage_stats["consumer"].snapshot().items_total == 4  # both steps of 2, once each
