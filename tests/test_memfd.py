@@ -81,3 +81,32 @@ def test_first_and_outgrown_results_come_in_memory_files_intact_and_none_leak(mo
     # the first sample of each worker has no slot yet; a larger sample outgrows its slot
     assert len(mapped) >= 2 and max(mapped) >= 12 * 32_768 * 4
     assert _open_fds() - before == set()  # each file's descriptor was closed once mapped
+
+
+def _default_timeout_in_worker(worker_id: int) -> None:
+    import socket
+
+    socket.setdefaulttimeout(30)  # as a download helper in a dataset's set-up might
+
+
+def test_a_default_socket_timeout_keeps_the_workers_connections_blocking():
+    """``socket.socket`` makes a socket non-blocking under ``socket.setdefaulttimeout``, and a
+    socket on a duplicate descriptor shares that flag with the worker's connection: a worker
+    ended at its next ``recv`` (BlockingIOError), the loader's reads could fail the same way."""
+    import socket
+
+    socket.setdefaulttimeout(30)
+    try:
+        with Loader(Growing(), batch_size=None, num_workers=2, autotune=False, timeout=60,
+                    prefetch_next_epoch=False, worker_init_fn=_default_timeout_in_worker) as loader:
+            for _ in range(2):
+                got = {int(x[0, 0]): x for x in loader}
+                assert sorted(got) == list(range(12))
+                for i, x in got.items():
+                    assert x.shape == (i + 1, 32_768) and bool((x == i).all())
+            procs = loader._pipeline.procs
+            assert procs.restarts == 0  # no worker ended
+            conns = [w.conn for w in procs.pool.workers.values()]
+            assert conns and all(os.get_blocking(c.fileno()) for c in conns)
+    finally:
+        socket.setdefaulttimeout(None)

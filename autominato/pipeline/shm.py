@@ -27,6 +27,7 @@ import mmap
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import threading
 import uuid
@@ -135,6 +136,21 @@ def pack_memfd(sample: Any, need: int) -> FdDesc | None:
         os.close(fd)
         raise
     return FdDesc(desc, fd)
+
+
+def fd_socket(fd: int) -> socket.socket:
+    """A blocking socket on a duplicate of the connected socket ``fd``, for
+    :func:`socket.send_fds` / :func:`socket.recv_fds` beside the
+    :class:`~multiprocessing.connection.Connection` that owns ``fd``.
+
+    ``socket.socket`` makes a new socket non-blocking when ``socket.setdefaulttimeout`` was
+    called (a download helper, say; a forked worker inherits it), and a duplicate shares that
+    flag with ``fd``: the connection's reads and writes would then fail with
+    ``BlockingIOError`` whenever no data is waiting (a worker would end at its next ``recv``).
+    It is made blocking again at once: make it before another thread uses ``fd``."""
+    sock = socket.socket(fileno=os.dup(fd))
+    sock.setblocking(True)
+    return sock
 
 
 def map_memfd(desc: FdDesc, fd: int, nbytes: int) -> None:
