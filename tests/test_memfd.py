@@ -110,3 +110,47 @@ def test_a_default_socket_timeout_keeps_the_workers_connections_blocking():
             assert conns and all(os.get_blocking(c.fileno()) for c in conns)
     finally:
         socket.setdefaulttimeout(None)
+
+
+def test_a_reply_with_more_memory_files_than_one_message_carries_arrives_whole(monkeypatch):
+    """Linux passes at most 253 descriptors in one SCM_RIGHTS message (more: EINVAL, and the
+    worker ended): a chunk of many fast large results flushed at once has more."""
+    import multiprocessing as mp
+    import threading
+
+    from autominato.pipeline import worker as worker_mod
+    from autominato.pipeline.shm import fd_socket
+
+    monkeypatch.setattr(worker_mod, "_fd_sock", None)
+    n = 300
+    before = _open_fds()
+    a, b = mp.Pipe()
+    sample = np.zeros(MEMFD_MIN_BYTES // 4, np.float32)
+    need = packed_nbytes(sample)
+    part = [("ok", k, pack_memfd(sample + k, need), need, 0.0, 0.0, 0.0) for k in range(n)]
+    failed: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            worker_mod._send_with_fds(a, ("many", part), part)
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+
+    t = threading.Thread(target=send)
+    t.start()
+    reply = b.recv()
+    t.join(10)
+    if failed:
+        a.close()  # the worker ends on a failed send: its end of the connection closes
+    assert failed == []
+    assert all(r[2].fd == -1 for r in part)  # the sender closed its descriptors
+    sock = fd_socket(b.fileno())
+    executor_mod._receive_fds(sock, reply[1])
+    for r in reply[1]:
+        assert bool((unpack(r[2].desc, r[2].buf) == r[1]).all())
+    del reply, r  # the mappings
+    sock.close()
+    worker_mod._fd_sock[1].close()
+    a.close()
+    b.close()
+    assert _open_fds() - before == set()

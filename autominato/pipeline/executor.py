@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from autominato.pipeline.errors import ErrorReport, describe
-from autominato.pipeline.shm import FdDesc, fd_socket, map_memfd
+from autominato.pipeline.shm import SCM_MAX_FD, FdDesc, fd_socket, map_memfd
 from autominato.pipeline.spawn import Zygote, can_fork_now, zygote_kind
 
 __all__ = ["ProcWorker", "ProcessWorkers", "ThreadWorker", "ThreadWorkers", "can_fork_now"]
@@ -635,22 +635,31 @@ class ProcessWorkers:
 def _receive_fds(sock: Any, replies: list) -> None:
     """Map the memory files of ``replies`` (:class:`~autominato.pipeline.shm.FdDesc`), which
     their worker sent right after the message that carried them, on ``sock`` (the
-    connection's :func:`~autominato.pipeline.shm.fd_socket`).
+    connection's :func:`~autominato.pipeline.shm.fd_socket`), at most
+    :data:`~autominato.pipeline.shm.SCM_MAX_FD` in each message.
 
     Raises:
         EOFError: the worker died before sending them all (its tasks are then re-sent as a
-            death's are; the files it did send are closed).
+            death's are). Every descriptor received is closed, mapped or not.
     """
     subs = [r for r in replies if r[0] == "ok" and type(r[2]) is FdDesc]
     if not subs:
         return
-    _, fds, _, _ = socket.recv_fds(sock, 1, len(subs))
-    if len(fds) < len(subs):
+    fds: list[int] = []
+    try:
+        while len(fds) < len(subs):
+            want = min(SCM_MAX_FD, len(subs) - len(fds))
+            msg, got, _, _ = socket.recv_fds(sock, 1, want)
+            fds.extend(got)
+            if not msg or len(got) < want:
+                raise EOFError("a worker ended before sending its results' memory files")
+        for i, (r, fd) in enumerate(zip(subs, fds, strict=True)):
+            fds[i] = -1  # map_memfd closes it
+            map_memfd(r[2], fd, r[3])
+    finally:
         for fd in fds:
-            os.close(fd)
-        raise EOFError("a worker ended before sending its results' memory files")
-    for r, fd in zip(subs, fds, strict=True):
-        map_memfd(r[2], fd, r[3])
+            if fd >= 0:
+                os.close(fd)
 
 
 def _how(exitcode: int | None) -> str:

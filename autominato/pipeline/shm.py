@@ -110,6 +110,10 @@ class FdDesc:
         return (FdDesc, (self.desc,))
 
 
+#: The most descriptors one ``SCM_RIGHTS`` message may carry (Linux's ``SCM_MAX_FD``): a
+#: reply with more memory files sends them in several messages.
+SCM_MAX_FD = 253
+
 def pack_memfd(sample: Any, need: int) -> FdDesc | None:
     """Write ``sample``'s arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
     memory file; ``None`` when the result is small, ``memfd_create`` is missing or memory is
@@ -136,6 +140,21 @@ def pack_memfd(sample: Any, need: int) -> FdDesc | None:
         os.close(fd)
         raise
     return FdDesc(desc, fd)
+
+
+def fd_socket(fd: int) -> socket.socket:
+    """A blocking socket on a duplicate of the connected socket ``fd``, for
+    :func:`socket.send_fds` / :func:`socket.recv_fds` beside the
+    :class:`~multiprocessing.connection.Connection` that owns ``fd``.
+
+    ``socket.socket`` makes a new socket non-blocking when ``socket.setdefaulttimeout`` was
+    called (a download helper, say; a forked worker inherits it), and a duplicate shares that
+    flag with ``fd``: the connection's reads and writes would then fail with
+    ``BlockingIOError`` whenever no data is waiting (a worker would end at its next ``recv``).
+    It is made blocking again at once: make it before another thread uses ``fd``."""
+    sock = socket.socket(fileno=os.dup(fd))
+    sock.setblocking(True)
+    return sock
 
 
 def fd_socket(fd: int) -> socket.socket:

@@ -63,6 +63,7 @@ import numpy as np
 from autominato.pipeline import random_state
 from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
 from autominato.pipeline.shm import (
+    SCM_MAX_FD,
     FdDesc,
     SlotCache,
     fd_socket,
@@ -631,13 +632,16 @@ def _fd_socket(conn) -> socket.socket:
 
 
 def _send_with_fds(conn, msg: tuple, part: list) -> None:
-    """Send ``msg``, then the memory files of its replies (:class:`FdDesc`, in order) in one
-    ``SCM_RIGHTS`` message that the loader reads right after it; close them here."""
+    """Send ``msg``, then the memory files of its replies (:class:`FdDesc`, in order) in
+    ``SCM_RIGHTS`` messages of at most :data:`SCM_MAX_FD` each that the loader reads right
+    after it; close them here."""
     fds = [r[2].fd for r in part if r[0] == "ok" and type(r[2]) is FdDesc]
     try:
         conn.send(msg)
         if fds:
-            socket.send_fds(_fd_socket(conn), [b"F"], fds)
+            sock = _fd_socket(conn)
+            for i in range(0, len(fds), SCM_MAX_FD):
+                socket.send_fds(sock, [b"F"], fds[i:i + SCM_MAX_FD])
     finally:
         _close_fds(part)
 
