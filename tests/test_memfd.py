@@ -154,3 +154,29 @@ def test_a_reply_with_more_memory_files_than_one_message_carries_arrives_whole(m
     a.close()
     b.close()
     assert _open_fds() - before == set()
+
+
+def test_a_memory_file_that_cannot_be_made_is_pickled_instead(monkeypatch):
+    """A worker out of descriptors (EMFILE), a sandbox that refuses memfd_create (EPERM) or a
+    kernel without it (ENOSYS): the result is pickled (pack_memfd gives None), the sample
+    does not fail; a refusal is not asked again for every sample."""
+    import errno
+
+    from autominato.pipeline import shm
+
+    monkeypatch.setattr(shm, "_memfd_usable", True, raising=False)
+    sample = np.zeros(MEMFD_MIN_BYTES, np.uint8)
+    calls = []
+
+    def refuse(*args, code=errno.EMFILE):
+        calls.append(code)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(shm.os, "memfd_create", refuse)
+    assert pack_memfd(sample, packed_nbytes(sample)) is None
+    assert pack_memfd(sample, packed_nbytes(sample)) is None
+    assert len(calls) == 2  # short of descriptors now: tried again
+    monkeypatch.setattr(shm.os, "memfd_create", lambda *a: refuse(code=errno.EPERM))
+    assert pack_memfd(sample, packed_nbytes(sample)) is None
+    assert pack_memfd(sample, packed_nbytes(sample)) is None
+    assert calls == [errno.EMFILE, errno.EMFILE, errno.EPERM]  # refused: not asked again
