@@ -180,3 +180,21 @@ def test_a_memory_file_that_cannot_be_made_is_pickled_instead(monkeypatch):
     assert pack_memfd(sample, packed_nbytes(sample)) is None
     assert pack_memfd(sample, packed_nbytes(sample)) is None
     assert calls == [errno.EMFILE, errno.EMFILE, errno.EPERM]  # refused: not asked again
+
+
+def test_a_mapped_result_holds_no_descriptor():
+    """An ``mmap.mmap`` keeps a duplicate of its file's descriptor while it lives: one open
+    file per sample in flight in the training process (with a full slot pool, every
+    sample), up to the limit on open files (often 1024)."""
+    sample = np.arange(1 << 16, dtype=np.float32)
+    need = packed_nbytes(sample)
+    d = pack_memfd(sample, need)
+    sent = pickle.loads(pickle.dumps(d))
+    before = _open_fds()
+    map_memfd(sent, d.fd, need)
+    # its descriptor closed, none held instead (each listing holds one of its own)
+    assert len(_open_fds()) == len(before) - 1
+    out = unpack(sent.desc, sent.buf)
+    del sent
+    assert np.array_equal(out, sample)  # the views keep the mapping
+    out[0] = 7.0  # writable, as a slot's views are

@@ -104,7 +104,7 @@ class FdDesc:
     def __init__(self, desc: bytes, fd: int = -1) -> None:
         self.desc = desc
         self.fd = fd
-        self.buf: mmap.mmap | None = None
+        self.buf: Any = None
 
     def __reduce__(self) -> tuple:
         return (FdDesc, (self.desc,))
@@ -170,9 +170,19 @@ def fd_socket(fd: int) -> socket.socket:
 
 
 def map_memfd(desc: FdDesc, fd: int, nbytes: int) -> None:
-    """Map the memory file ``fd`` (``nbytes``) that came with ``desc`` and close ``fd``."""
+    """Map the memory file ``fd`` (``nbytes``) that came with ``desc`` and close ``fd``.
+
+    The mapping (``desc.buf``, a uint8 array) holds no descriptor: an ``mmap.mmap`` keeps a
+    duplicate of its file's for as long as it lives, one for every sample in flight (with a
+    full slot pool, every sample), up to the process's limit on open files (often 1024;
+    then ``EMFILE`` everywhere in the training process). torch maps the file by its
+    ``/proc`` name and closes what it opened; ``mmap.mmap`` only where that fails."""
     try:
-        desc.buf = mmap.mmap(fd, nbytes)
+        try:
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, nbytes)
+            desc.buf = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        except RuntimeError:  # no /proc, say
+            desc.buf = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
 
