@@ -198,3 +198,21 @@ def test_a_mapped_result_holds_no_descriptor():
     del sent
     assert np.array_equal(out, sample)  # the views keep the mapping
     out[0] = 7.0  # writable, as a slot's views are
+
+
+def test_a_default_socket_timeout_does_not_stall_the_line_to_the_zygote():
+    """The zygote's control socket took the default timeout: every look for its messages
+    (meant not to block) waited it out, then took the zygote for dead and killed it."""
+    import socket
+    import time
+
+    socket.setdefaulttimeout(30)
+    try:
+        t0 = time.monotonic()
+        with Loader(Growing(), batch_size=None, num_workers=2, autotune=False, timeout=60,
+                    prefetch_next_epoch=False) as loader:
+            assert sorted(int(x[0, 0]) for x in loader) == list(range(12))
+            assert not loader._pipeline.procs.pool._zygote.gone
+        assert time.monotonic() - t0 < 20
+    finally:
+        socket.setdefaulttimeout(None)

@@ -145,6 +145,10 @@ class Zygote:
         self.ended_workers = False  # closed by the loader, it ended its workers and exited
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Blocking, whatever socket.setdefaulttimeout says: with a timeout, receive() waited
+        # that long for a message (MSG_DONTWAIT or not), then took the zygote for gone
+        ours.setblocking(True)
+        theirs.setblocking(True)
         try:
             if self.forked:
                 self._proc: Any = mp.get_context("fork").Process(
