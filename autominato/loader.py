@@ -517,7 +517,12 @@ class Loader:
         # the iterator that returned it), closed by the training loop's next request (see
         # _EpochIterator).
         self._step_open: tuple[float, float, int, int] | None = None
-        self._step_lock = threading.Lock()
+        # Re-entrant: a collection that an allocation under the lock triggers may finalize a
+        # dropped iterator of this loader, whose __del__ closes its step (see _end_step)
+        self._step_lock = threading.RLock()
+        # A snapshot counted the open step up to this time: the step ends no earlier, so the
+        # busy total never goes back between two snapshots (see snapshot)
+        self._step_seen: float | None = None
         self._batches = 0
         self._samples = 0
         self._h2d_bytes = 0
@@ -852,11 +857,13 @@ class Loader:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it."""
+        opened = (now, wait, samples, owner)
         with self._step_lock:
             self._consumer_wait += wait
             self._batches += 1
             self._samples += samples
-            self._step_open = (now, wait, samples, owner)
+            self._step_open = opened
+            self._step_seen = None
 
     def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
@@ -870,7 +877,13 @@ class Loader:
                 return
             self._step_open = None
             returned, wait, samples, _ = opened
-            step = max(0.0, (time.monotonic() if now is None else now) - returned)
+            end = time.monotonic() if now is None else now
+            if self._step_seen is not None:
+                # ``now`` was read before the lock was taken, and a snapshot in between
+                # counted the step further than that
+                end = max(end, self._step_seen)
+                self._step_seen = None
+            step = max(0.0, end - returned)
             self._consumer_busy += step
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
 
@@ -934,6 +947,7 @@ class Loader:
             busy = self._consumer_busy
             if self._step_open is not None:
                 busy += max(0.0, now - self._step_open[0])
+                self._step_seen = now
         return LoaderSnapshot(
             time=now,
             stages=stages,

@@ -111,3 +111,53 @@ def test_a_snapshot_taken_mid_step_counts_the_step_so_far_beside_its_batchs_wait
     next(it)  # the step ends: its whole length, once (the next one has just begun)
     done = loader.snapshot()
     assert 2 * STEP_S <= done.consumer_busy_seconds_total < 2 * STEP_S + 0.1
+
+
+def test_the_busy_total_never_goes_back_when_a_snapshot_falls_between_next_and_its_lock(loader):
+    # __next__ reads the time, then takes the lock to close the step: a snapshot in between
+    # already counted the step further than that time. The total must not shrink (a window
+    # would read a negative busy time, idle above 1).
+    it = iter(loader)
+    next(it)
+    t0 = time.monotonic()  # __next__'s clock reading
+    time.sleep(0.05)
+    s1 = loader.snapshot()  # the monitor's, from its own thread, meanwhile
+    loader._end_step(t0)  # __next__ goes on: the step closes
+    s2 = loader.snapshot()
+    assert s2.consumer_busy_seconds_total >= s1.consumer_busy_seconds_total
+    assert loader.stage_stats["consumer"].snapshot().items_total == 2  # closed once
+
+
+def test_an_iterator_finalized_while_the_step_lock_is_held_does_not_deadlock():
+    # An iterator in a reference cycle is freed by the cyclic collector, which runs its
+    # __del__ (it closes its step) in whichever thread an allocation triggered it: in the
+    # training loop's own _delivered, say, with the step lock held.
+    import gc
+    import threading
+
+    class Collecting(float):
+        """A wait whose addition runs a collection, as an allocation there may."""
+
+        def __radd__(self, other: float) -> float:
+            gc.collect()
+            return other + float(self)
+
+    L = Loader(Small(), batch_size=2, num_workers=0, autotune=False, seed=0)
+    gc.disable()  # the cycle below must outlive the lines up to _delivered
+    try:
+        old = iter(L)
+        next(old)
+        old.cycle = old
+        del old
+        t = threading.Thread(target=L._delivered, args=(time.monotonic(), Collecting(0.01), 2, 1),
+                             daemon=True)
+        t.start()
+        t.join(10)
+    finally:
+        gc.enable()
+    if t.is_alive():
+        L._closed = True  # close() would wait for the lock for ever too
+        pytest.fail("the step lock deadlocked against a finalizer in the same thread")
+    assert L.snapshot().batches_total == 2
+    L.close()
+    assert L.stage_stats["consumer"].snapshot().items_total == 4  # both steps of 2, once each

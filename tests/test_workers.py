@@ -405,3 +405,32 @@ def test_a_foreign_thread_that_ended_does_not_keep_the_next_loader_from_forking(
     assert spawn._python_threads() == before
     if before == 1:
         assert spawn.can_fork_now() and spawn.zygote_kind("auto") == "fork"
+
+
+def test_a_live_foreign_thread_that_took_an_ended_ones_entry_still_keeps_forking_off():
+    """The C library reuses an ended thread's ``pthread`` id (with its stack) for a new
+    thread: a foreign thread given it finds the ended one's ``_DummyThread`` entry when it
+    calls into Python, native id and all. It runs Python code: it counts."""
+    import _thread
+
+    from autominato.pipeline import spawn
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc/self/task")
+    before = spawn._python_threads()
+    release, listed = threading.Event(), queue.SimpleQueue()
+
+    def foreign() -> None:
+        listed.put(threading.current_thread())
+        release.wait(30)
+
+    _thread.start_new_thread(foreign, ())
+    dummy = listed.get(timeout=10)
+    real = dummy._native_id
+    try:
+        dummy._native_id = 999_999_999  # the id of the thread that ended, not this one's
+        assert spawn._python_threads() == before + 1
+        assert not spawn.can_fork_now()
+    finally:
+        dummy._native_id = real
+        release.set()

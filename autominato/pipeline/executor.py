@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from autominato.pipeline.errors import ErrorReport, describe
-from autominato.pipeline.shm import FdDesc, map_memfd
+from autominato.pipeline.shm import SCM_MAX_FD, FdDesc, fd_socket, map_memfd
 from autominato.pipeline.spawn import Zygote, can_fork_now, zygote_kind
 
 __all__ = ["ProcWorker", "ProcessWorkers", "ThreadWorker", "ThreadWorkers", "can_fork_now"]
@@ -208,6 +208,15 @@ class ProcWorker:
     info: dict = field(default_factory=dict)
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
     dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
+    fd_sock: Any = None  # conn's socket for the memory files beside replies (shm.fd_socket)
+
+    def close_conn(self) -> None:
+        for c in (self.conn, self.fd_sock):
+            try:
+                if c is not None:
+                    c.close()
+            except OSError:
+                pass
 
 
 class _Child:
@@ -375,7 +384,8 @@ class ProcessWorkers:
         """Ask the zygote for one more worker; returns at once (see the class docstring)."""
         wid = next(self._ids)
         parent, child = mp.Pipe(duplex=True)  # a socket pair: the worker's line to us
-        w = ProcWorker(wid, _Child(None), parent)
+        # Before any other thread uses ``parent`` (see shm.fd_socket)
+        w = ProcWorker(wid, _Child(None), parent, fd_sock=fd_socket(parent.fileno()))
         with self._lock:
             taken = {v.slot for v in self.workers.values() if not v.retiring}
             while w.slot in taken:
@@ -473,10 +483,7 @@ class ProcessWorkers:
         with self._lock:
             self.workers.pop(w.wid, None)
         self._wake()
-        try:
-            w.conn.close()
-        except OSError:
-            pass
+        w.close_conn()
 
     def kill(self, w: ProcWorker) -> None:
         """SIGKILL ``w`` (a hung worker); its death is then handled like any other."""
@@ -487,10 +494,7 @@ class ProcessWorkers:
         with self._lock:
             w = self.dead.pop(wid, None)
         if w is not None:
-            try:
-                w.conn.close()
-            except OSError:
-                pass
+            w.close_conn()
         return w
 
     def pids(self) -> list[int]:
@@ -524,10 +528,7 @@ class ProcessWorkers:
             self._children.clear()
             self.workers.clear()
         for w in ws:
-            try:
-                w.conn.close()
-            except OSError:
-                pass
+            w.close_conn()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -572,7 +573,7 @@ class ProcessWorkers:
             while w.conn.poll():
                 reply = w.conn.recv()
                 if reply[0] == "many":
-                    _receive_fds(w.conn, reply[1])
+                    _receive_fds(w.fd_sock, reply[1])
                 if reply[0] == "ready" and w.pid is None:
                     w.pid = w.proc.pid = reply[1]
                 self.post(("proc", w.wid, reply))
@@ -631,25 +632,34 @@ class ProcessWorkers:
             self.post(("died", w.wid, exitcode))
 
 
-def _receive_fds(conn: Any, replies: list) -> None:
+def _receive_fds(sock: Any, replies: list) -> None:
     """Map the memory files of ``replies`` (:class:`~autominato.pipeline.shm.FdDesc`), which
-    their worker sent right after the message that carried them.
+    their worker sent right after the message that carried them, on ``sock`` (the
+    connection's :func:`~autominato.pipeline.shm.fd_socket`), at most
+    :data:`~autominato.pipeline.shm.SCM_MAX_FD` in each message.
 
     Raises:
         EOFError: the worker died before sending them all (its tasks are then re-sent as a
-            death's are; the files it did send are closed).
+            death's are). Every descriptor received is closed, mapped or not.
     """
     subs = [r for r in replies if r[0] == "ok" and type(r[2]) is FdDesc]
     if not subs:
         return
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        _, fds, _, _ = socket.recv_fds(sock, 1, len(subs))
-    if len(fds) < len(subs):
+    fds: list[int] = []
+    try:
+        while len(fds) < len(subs):
+            want = min(SCM_MAX_FD, len(subs) - len(fds))
+            msg, got, _, _ = socket.recv_fds(sock, 1, want)
+            fds.extend(got)
+            if not msg or len(got) < want:
+                raise EOFError("a worker ended before sending its results' memory files")
+        for i, (r, fd) in enumerate(zip(subs, fds, strict=True)):
+            fds[i] = -1  # map_memfd closes it
+            map_memfd(r[2], fd, r[3])
+    finally:
         for fd in fds:
-            os.close(fd)
-        raise EOFError("a worker ended before sending its results' memory files")
-    for r, fd in zip(subs, fds, strict=True):
-        map_memfd(r[2], fd, r[3])
+            if fd >= 0:
+                os.close(fd)
 
 
 def _how(exitcode: int | None) -> str:

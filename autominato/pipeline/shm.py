@@ -27,6 +27,7 @@ import mmap
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import threading
 import uuid
@@ -103,20 +104,33 @@ class FdDesc:
     def __init__(self, desc: bytes, fd: int = -1) -> None:
         self.desc = desc
         self.fd = fd
-        self.buf: mmap.mmap | None = None
+        self.buf: Any = None
 
     def __reduce__(self) -> tuple:
         return (FdDesc, (self.desc,))
 
 
+#: The most descriptors one ``SCM_RIGHTS`` message may carry (Linux's ``SCM_MAX_FD``): a
+#: reply with more memory files sends them in several messages.
+SCM_MAX_FD = 253
+
+#: ``errno`` s of :func:`pack_memfd` that say memory files cannot work in this process at all
+#: (a kernel without ``memfd_create``, a sandbox that forbids it): they are not tried again.
+_MEMFD_UNUSABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
+_memfd_usable = True
+
+
 def pack_memfd(sample: Any, need: int) -> FdDesc | None:
     """Write ``sample``'s arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
-    memory file; ``None`` when the result is small, ``memfd_create`` is missing or memory is
-    short (the caller pickles it then). The caller sends and then closes ``fd``."""
-    if not HAVE_MEMFD or need < MEMFD_MIN_BYTES:
+    memory file; ``None`` when the result is small, ``memfd_create`` is missing or cannot be
+    used (a sandbox), or memory or descriptors are short (the caller pickles it then). The
+    caller sends and then closes ``fd``."""
+    global _memfd_usable
+    if not HAVE_MEMFD or not _memfd_usable or need < MEMFD_MIN_BYTES:
         return None
-    fd = os.memfd_create("autominato-sample", os.MFD_CLOEXEC)
+    fd = -1
     try:
+        fd = os.memfd_create("autominato-sample", os.MFD_CLOEXEC)
         os.posix_fallocate(fd, 0, need)  # memory short: an error here, not a SIGBUS below
         buf = mmap.mmap(fd, need)
         try:
@@ -127,20 +141,48 @@ def pack_memfd(sample: Any, need: int) -> FdDesc | None:
             except BufferError:  # pragma: no cover - pack keeps no view
                 pass
     except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.ENOSPC, errno.ENOMEM):
-            return None
-        raise
+        # Whatever the reason (memory, descriptors, a refused system call), pickling works.
+        if fd >= 0:
+            os.close(fd)
+        if e.errno in _MEMFD_UNUSABLE:
+            _memfd_usable = False
+        return None
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     return FdDesc(desc, fd)
 
 
+def fd_socket(fd: int) -> socket.socket:
+    """A blocking socket on a duplicate of the connected socket ``fd``, for
+    :func:`socket.send_fds` / :func:`socket.recv_fds` beside the
+    :class:`~multiprocessing.connection.Connection` that owns ``fd``.
+
+    ``socket.socket`` makes a new socket non-blocking when ``socket.setdefaulttimeout`` was
+    called (a download helper, say; a forked worker inherits it), and a duplicate shares that
+    flag with ``fd``: the connection's reads and writes would then fail with
+    ``BlockingIOError`` whenever no data is waiting (a worker would end at its next ``recv``).
+    It is made blocking again at once: make it before another thread uses ``fd``."""
+    sock = socket.socket(fileno=os.dup(fd))
+    sock.setblocking(True)
+    return sock
+
+
 def map_memfd(desc: FdDesc, fd: int, nbytes: int) -> None:
-    """Map the memory file ``fd`` (``nbytes``) that came with ``desc`` and close ``fd``."""
+    """Map the memory file ``fd`` (``nbytes``) that came with ``desc`` and close ``fd``.
+
+    The mapping (``desc.buf``, a uint8 array) holds no descriptor: an ``mmap.mmap`` keeps a
+    duplicate of its file's for as long as it lives, one for every sample in flight (with a
+    full slot pool, every sample), up to the process's limit on open files (often 1024;
+    then ``EMFILE`` everywhere in the training process). torch maps the file by its
+    ``/proc`` name and closes what it opened; ``mmap.mmap`` only where that fails."""
     try:
-        desc.buf = mmap.mmap(fd, nbytes)
+        try:
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, nbytes)
+            desc.buf = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        except RuntimeError:  # no /proc, say
+            desc.buf = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
 

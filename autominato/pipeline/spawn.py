@@ -83,7 +83,10 @@ def _python_threads() -> int:
     gRPC's C++ core, say) that once called into Python stays listed, as a ``_DummyThread``,
     after it has ended (until a new thread happens to get its id); it holds no lock and
     cannot stop a fork being safe. Linux: a thread whose id is no longer in
-    ``/proc/self/task`` has ended."""
+    ``/proc/self/task`` has ended, unless a live thread holds its entry: one that the C
+    library gave the ended thread's ``pthread`` id (it reuses them, with the stack) gets that
+    entry, with the ended thread's native id, when it calls into Python; it counts while it
+    has a Python thread state (``sys._current_frames``)."""
     count = threading.active_count()
     dummies = [t for t in threading.enumerate()
                if isinstance(t, threading._DummyThread) and t.native_id is not None]
@@ -93,7 +96,11 @@ def _python_threads() -> int:
         running = set(os.listdir("/proc/self/task"))
     except OSError:  # not Linux: count them all
         return count
-    return count - sum(str(t.native_id) not in running for t in dummies)
+    if str(threading.get_native_id()) not in running:
+        return count  # a /proc of another PID namespace: its ids are not this process's
+    in_python = sys._current_frames()
+    return count - sum(str(t.native_id) not in running and t.ident not in in_python
+                       for t in dummies)
 
 
 def zygote_kind(start_method: str) -> str:
@@ -138,6 +145,10 @@ class Zygote:
         self.ended_workers = False  # closed by the loader, it ended its workers and exited
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Blocking, whatever socket.setdefaulttimeout says: with a timeout, receive() waited
+        # that long for a message (MSG_DONTWAIT or not), then took the zygote for gone
+        ours.setblocking(True)
+        theirs.setblocking(True)
         try:
             if self.forked:
                 self._proc: Any = mp.get_context("fork").Process(

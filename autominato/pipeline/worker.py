@@ -62,7 +62,16 @@ import numpy as np
 
 from autominato.pipeline import random_state
 from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
-from autominato.pipeline.shm import FdDesc, SlotCache, pack, pack_memfd, packed_nbytes, unpack
+from autominato.pipeline.shm import (
+    SCM_MAX_FD,
+    FdDesc,
+    SlotCache,
+    fd_socket,
+    pack,
+    pack_memfd,
+    packed_nbytes,
+    unpack,
+)
 
 
 def takes_rng(fn: Callable | None) -> bool:
@@ -607,20 +616,32 @@ def _send_flushing(conn, replies: Iterator[tuple], message: Callable[[list, bool
     return True
 
 
-_fd_sock: Any = None
+#: ``(conn, socket)``: a socket on a duplicate of the connection's descriptor, for
+#: :func:`socket.send_fds` (a :class:`~multiprocessing.connection.Connection` has no
+#: ``sendmsg``), made once per connection.
+_fd_sock: tuple[Any, socket.socket] | None = None
+
+
+def _fd_socket(conn) -> socket.socket:
+    global _fd_sock
+    if _fd_sock is None or _fd_sock[0] is not conn:
+        if _fd_sock is not None:
+            _fd_sock[1].close()  # another connection's (a process forked from one that sent)
+        _fd_sock = (conn, fd_socket(conn.fileno()))
+    return _fd_sock[1]
 
 
 def _send_with_fds(conn, msg: tuple, part: list) -> None:
-    """Send ``msg``, then the memory files of its replies (:class:`FdDesc`, in order) in one
-    ``SCM_RIGHTS`` message that the loader reads right after it; close them here."""
-    global _fd_sock
+    """Send ``msg``, then the memory files of its replies (:class:`FdDesc`, in order) in
+    ``SCM_RIGHTS`` messages of at most :data:`SCM_MAX_FD` each that the loader reads right
+    after it; close them here."""
     fds = [r[2].fd for r in part if r[0] == "ok" and type(r[2]) is FdDesc]
     try:
         conn.send(msg)
         if fds:
-            if _fd_sock is None:
-                _fd_sock = socket.socket(fileno=os.dup(conn.fileno()))
-            socket.send_fds(_fd_sock, [b"F"], fds)
+            sock = _fd_socket(conn)
+            for i in range(0, len(fds), SCM_MAX_FD):
+                socket.send_fds(sock, [b"F"], fds[i:i + SCM_MAX_FD])
     finally:
         _close_fds(part)
 
