@@ -573,7 +573,14 @@ class ProcessWorkers:
             while w.conn.poll():
                 reply = w.conn.recv()
                 if reply[0] == "many":
-                    _receive_fds(w.fd_sock, reply[1])
+                    try:
+                        _receive_fds(w.fd_sock, reply[1])
+                    except (EOFError, OSError):
+                        # its files did not all arrive (it died, or this process is out of
+                        # descriptors): end it, so that its tasks come back as a death's do
+                        # instead of waiting for a worker that no one reads any more
+                        w.proc.kill()
+                        raise
                 if reply[0] == "ready" and w.pid is None:
                     w.pid = w.proc.pid = reply[1]
                 self.post(("proc", w.wid, reply))

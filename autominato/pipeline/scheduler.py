@@ -744,8 +744,9 @@ class Pipeline:
         self.slots.release(in_slot)
         if type(desc) is FdDesc:  # no slot (fitting) was given: it came in a memory file
             self.slots.release(out)
-            # views keep the mapping alive until collated (or the user's collate copied them)
-            return unpack(desc.desc, desc.buf, copy=self.cfg.collate_fn is not None), ()
+            # the mapping is this sample's alone and lives as long as views of it (a user's
+            # collate may keep them): no copy
+            return unpack(desc.desc, desc.buf), ()
         if out is not None and need > out.size:  # it did not fit: it came pickled
             self.slots.release(out)
             out = None
