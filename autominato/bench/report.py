@@ -145,7 +145,8 @@ def print_table(
     title = (
         f"{wl.name}: {wl.description}; batch {wl.batch_size}, step {result.step_s * 1e3:.1f} ms, "
         f"limit {result.limit_s:.2f} s"
-        + (f", floor {float(np.median(result.floor_s)):.2f} s (median of {len(result.floor_s)})"
+        + (f", floor {float(np.median(result.floor_s)):.2f} s (median of {len(result.floor_s)}; "
+           "x floor = wall / max(floor, the run's total step time))"
            if result.floor_s else "")
     )
     t = Table(title=title, title_justify="left")
