@@ -340,7 +340,9 @@ def test_cpu_read_before_the_worker_processes_started_is_not_compared_with_their
     """The first snapshot of a loader comes before its worker processes exist: its CPU
     figure is this process's (imports, training loop), the next ones the workers' only.
     Their difference is no CPU figure (it read 0.00 cores, so a CPU-heavy fused read
-    looked I/O-like and the controller's cap on workers went past the cores)."""
+    looked I/O-like and the controller's cap on workers went past the cores): the workers'
+    own total, all spent since they started, is (without it the end-of-run report of a run
+    shorter than the report interval had no CPU row with process workers)."""
     from autominato.control.controller import process_figures
     from autominato.telemetry.cores import cpu_cores_used
     from autominato.telemetry.process import ProcessUsage, Reading
@@ -354,10 +356,12 @@ def test_cpu_read_before_the_worker_processes_started_is_not_compared_with_their
     after = process_figures(Reading(10.0, 49.0, (main, worker), worker_cpu_seconds_total=19.0))
     a, b = fused_history()
     a, b = replace(a, extra=before), replace(b, extra=after)
-    assert cpu_cores_used(a, b) is None
+    assert cpu_cores_used(a, b) == pytest.approx(19.0 / (b.time - a.time))
+    assert cpu_cores_used(b, replace(a, time=b.time + 1.0)) is None  # workers gone: no figure
     d = diagnose([a, b])
     assert d.kind == "cpu" and "faster storage" not in d.suggestion
-    assert not any(r.metric == "loader CPU demand" and r.current == 0.0 for r in d.rows)
+    [row] = [r for r in d.rows if r.metric == "loader CPU demand"]
+    assert row.current == pytest.approx(19.0 / (b.time - a.time))
 
 
 def test_reports_from_two_threads_take_their_snapshots_one_at_a_time():

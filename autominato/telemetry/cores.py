@@ -66,12 +66,18 @@ def loader_cpu_extra(reading: Reading) -> dict[str, float]:
 def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
     """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later), or None
     when either lacks :data:`CPU_SECONDS_KEY` or they count different processes
-    (:data:`CPU_OF_WORKERS_KEY`)."""
+    (:data:`CPU_OF_WORKERS_KEY`). When ``a`` came before the worker processes existed (its
+    figure is this process's) and ``b`` counts theirs, ``b``'s figure is all their CPU since
+    they started, which lies inside the window: the end-of-run report of a run shorter than
+    the report interval compares the first snapshot with the last, and had no CPU row."""
     if CPU_SECONDS_KEY not in a.extra or CPU_SECONDS_KEY not in b.extra:
         return None
-    if a.extra.get(CPU_OF_WORKERS_KEY) != b.extra.get(CPU_OF_WORKERS_KEY):
-        return None
     seconds = max(b.time - a.time, 1e-9)
+    of_a, of_b = a.extra.get(CPU_OF_WORKERS_KEY), b.extra.get(CPU_OF_WORKERS_KEY)
+    if of_a != of_b:
+        if of_a == 0.0 and of_b == 1.0:
+            return max(0.0, b.extra[CPU_SECONDS_KEY]) / seconds
+        return None
     return max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / seconds
 
 
