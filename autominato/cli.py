@@ -18,6 +18,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -30,6 +31,53 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An ``argparse`` type: a whole number ``>= low``.
+
+    Raises (from the returned function):
+        argparse.ArgumentTypeError: not a whole number, or below ``low`` (argparse turns it
+            into ``error: argument --X: ...`` and exit status 2).
+    """
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {n}")
+        return n
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
+
+
+def port(text: str) -> int:
+    """An ``argparse`` type: a TCP port, 0 (any free port) to 65535.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number in that range.
+    """
+    n = int_at_least(0)(text)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free port), got {n}")
+    return n
+
+
+def seconds(text: str) -> float:
+    """An ``argparse`` type: a finite duration >= 0, in seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative, infinite or NaN.
+    """
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return x
 
 
 #: subcommand -> (module, one-line help)

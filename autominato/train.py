@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autominato.cli import int_at_least, port
 from autominato.models.step import LEARNING_RATE
 
 #: Demo set size: enough cases for a few batches per epoch, small enough to prepare in seconds.
@@ -301,32 +302,11 @@ def _patch(text: str) -> tuple[int, int, int]:
     return (parts[0], parts[1], parts[2])
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _port(text: str) -> int:
-    """A TCP port for the metrics endpoint: 0 (any free port) to 65535."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free port), got {n}")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None,
                         help="prepared KiTS19 folder or NIfTI folder (default: a generated, "
                         "synthetic demo set)")
-    parser.add_argument("--steps", type=_positive_int, default=None, help="optimiser steps to run")
+    parser.add_argument("--steps", type=int_at_least(1), default=None, help="optimiser steps to run")
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs to run (default 1 when --steps is not given)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -335,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="crop size N or D,H,W (default 128, MLPerf's)")
     parser.add_argument("--config", type=Path, default=None,
                         help="loader configuration written by `autominato tune`")
-    parser.add_argument("--metrics-port", type=_port, default=None,
+    parser.add_argument("--metrics-port", type=port, default=None,
                         help="serve Prometheus metrics on this port (127.0.0.1)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics endpoint binds (0.0.0.0 inside a container)")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from autominato.cli import int_at_least, seconds
 from autominato.config import ConfigError
 from autominato.tuning import (
     PipelineFailed,
@@ -66,30 +67,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not x >= 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return x
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _levels(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (both ends), got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``autominato tune``."""
     p = parser.add_argument_group("pipeline")
@@ -104,22 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transform", help="module:callable, transform(sample, rng) or transform(sample)"
     )
     p.add_argument(
-        "--batch-size", type=_positive, help="samples per batch (default: recipe's, else 1)"
+        "--batch-size", type=int_at_least(1), help="samples per batch (default: recipe's, else 1)"
     )
-    p.add_argument("--step-time", type=_seconds, help="simulated training step, seconds per batch")
+    p.add_argument("--step-time", type=seconds, help="simulated training step, seconds per batch")
     p.add_argument("--model", help="module:factory returning step(batch), a real training step")
     p.add_argument("--device", help="Loader device (e.g. cuda) for a real step")
     s = parser.add_argument_group("search")
     s.add_argument("--space", type=Path, help="search-space YAML (default tuner/default.yaml)")
     s.add_argument(
-        "--trials", type=_positive, default=20, help="trials to add in this run (default 20)"
+        "--trials", type=int_at_least(1), default=20, help="trials to add in this run (default 20)"
     )
     s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     s.add_argument(
         "--warmup", type=int, help="warm-up batches per trial (overrides the space file)"
     )
     s.add_argument(
-        "--window", type=_positive, help="measured batches per trial (overrides the space file)"
+        "--window", type=int_at_least(1), help="measured batches per trial (overrides the space file)"
     )
     s.add_argument("--memory-budget", type=parse_size, help="e.g. 16GiB; a trial above it fails")
     s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
@@ -133,11 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "configuration written is to the grid's optimum (slow: one trial per point)",
     )
     g.add_argument(
-        "--grid-levels", type=_levels, default=3,
+        "--grid-levels", type=int_at_least(2), default=3,
         help="values per searched integer parameter in the grid (default 3)",
     )
     g.add_argument(
-        "--grid-repeats", type=_positive, default=3,
+        "--grid-repeats", type=int_at_least(1), default=3,
         help="measurements of tune's choice and of the grid optimum at the end (default 3)",
     )
     o = parser.add_argument_group("output")

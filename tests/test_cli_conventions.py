@@ -59,3 +59,23 @@ def test_a_grid_of_fewer_than_two_levels_is_refused_before_the_study_runs(capsys
         parse("tune", "--compare-grid", "--grid-levels", "1")
     assert e.value.code == cli.EXIT_USAGE
     assert "--grid-levels" in capsys.readouterr().err
+
+
+def test_shared_argument_types_refuse_bad_values_with_exit_status_2(capsys):
+    import argparse
+
+    from autominato.cli import int_at_least, port, seconds
+
+    assert int_at_least(2)("3") == 3 and port("0") == 0 and seconds("0.5") == 0.5
+    for fn, text in ((int_at_least(1), "0"), (int_at_least(1), "x"), (port, "65536"),
+                     (seconds, "-1"), (seconds, "inf"), (seconds, "nan")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)
+    from autominato.cli import main
+
+    for argv in (["run", "--metrics-port", "99999"], ["run", "--steps", "0"],
+                 ["tune", "--dataset", "m:f", "--step-time", "-1"],
+                 ["tune", "--dataset", "m:f", "--grid-levels", "1"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
