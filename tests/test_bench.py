@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -458,12 +459,32 @@ def test_makespan_is_greedy_list_scheduling_in_dispatch_order():
         makespan([1.0], 0)
 
 
-def test_the_floor_is_the_transforms_alone_in_cores_processes():
-    # 8 samples x 50 ms of CPU on 2 processes: no schedule finishes in less than 0.2 s.
-    wl = tiny(8, cost_s=0.05)
+class SlowRead:
+    """A dataset whose read spends ``cpu_s`` of CPU (a decode) and waits ``wait_s`` (storage)."""
+
+    def __init__(self, n: int, cpu_s: float, wait_s: float) -> None:
+        self.n, self.cpu_s, self.wait_s = n, cpu_s, wait_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.wait_s)
+        burn_cpu(self.cpu_s)
+        return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.02}
+
+
+def test_the_floor_is_the_reads_cpu_and_the_transforms_in_cores_processes():
+    # 8 samples x 2 epochs; each read 30 ms of CPU + 200 ms of waiting, each transform 20 ms
+    # of CPU, on 2 processes. The reads' CPU counts (no loader can overlap it with transforms
+    # on full cores), their waits do not (a loader can).
+    wl = replace(tiny(8, cost_s=0.02), dataset=SlowRead(8, cpu_s=0.03, wait_s=0.2))
     floor = measure_floor(wl, CORES, epochs=2)
-    assert floor >= 2 * 8 * 0.05 / CORES * 0.95
-    assert floor < 60  # it ends (a generous bound for a loaded machine)
+    assert floor.transform_s >= 2 * 8 * 0.02 / CORES * 0.95
+    assert floor.s >= 2 * 8 * (0.02 + 0.03) / CORES * 0.95
+    assert floor.s - floor.transform_s >= 2 * 8 * 0.03 / CORES * 0.9
+    # the waits (8 x 2 x 0.2 s / 2 = 1.6 s) are not in it; generous for a loaded machine
+    assert floor.s < 2 * 8 * (0.02 + 0.03) / CORES + 0.6
 
 
 def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_path):

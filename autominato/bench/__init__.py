@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-floor",
         action="store_true",
-        help="skip measuring the floor (the transforms alone in `cores` processes)",
+        help="skip measuring the floor (the reads' CPU and the transforms in `cores` processes)",
     )
     g.add_argument(
         "--out",

@@ -145,8 +145,11 @@ def print_table(
     title = (
         f"{wl.name}: {wl.description}; batch {wl.batch_size}, step {result.step_s * 1e3:.1f} ms, "
         f"limit {result.limit_s:.2f} s"
-        + (f", floor {float(np.median(result.floor_s)):.2f} s (median of {len(result.floor_s)}; "
-           "x floor = wall / max(floor, the run's total step time))"
+        + (f", floor {float(np.median(result.floor_s)):.2f} s (median of {len(result.floor_s)}, "
+           "reads' CPU + transforms"
+           + (f"; the transforms alone {float(np.median(result.floor_transform_s)):.2f} s"
+              if result.floor_transform_s else "")
+           + "; x floor = wall / max(floor, the run's total step time))"
            if result.floor_s else "")
     )
     t = Table(title=title, title_justify="left")

@@ -9,8 +9,9 @@ For each workload the runner
    ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
    Python process (``python -m autominato.bench.child``) so that no arm inherits another's
    warm pools, threads or heap; ``isolate=False`` runs them in this process (tests);
-4. measures the *floor* once per repeat, before that repeat's arms: the transforms of every
-   sample of every epoch in ``cores`` warm processes with nothing else running
+4. measures the *floor* once per repeat, before that repeat's arms: the reads' CPU and the
+   transforms of every sample of every epoch in ``cores`` warm processes with nothing else
+   running
    (:func:`~autominato.bench.workload.measure_floor`), what no loader can beat. Each run's
    ``ratio_to_floor`` is its wall time over ``max(median floor, its consumer's step time)``.
 
@@ -328,6 +329,7 @@ class WorkloadResult:
     records: list[RunRecord]
     best_grid: dict[str, Any] | None = None
     floor_s: list[float] = field(default_factory=list)
+    floor_transform_s: list[float] = field(default_factory=list)
 
 
 def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[str, Any], float]:
@@ -477,11 +479,14 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         else:
             runnable.append(arm)
     floors: list[float] = []
+    transform_floors: list[float] = []
     for rep in range(opts.repeats):
         if opts.floor and runnable:
-            floors.append(measure_floor(wl, cores, E))
-            opts.log(f"[{wl.name}] floor #{rep}: {floors[-1]:.2f} s ({cores} processes, "
-                     "transforms alone)")
+            f = measure_floor(wl, cores, E)
+            floors.append(f.s)
+            transform_floors.append(f.transform_s)
+            opts.log(f"[{wl.name}] floor #{rep}: {f.s:.2f} s ({cores} processes, reads' CPU + "
+                     f"transforms; the transforms alone {f.transform_s:.2f} s)")
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)
@@ -508,4 +513,5 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             rec.floor_s = floor
             if rec.ok:
                 rec.ratio_to_floor = rec.wall_s / max(floor, rec.step_s)
-    return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors)
+    return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors,
+                          floor_transform_s=transform_floors)

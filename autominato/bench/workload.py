@@ -437,15 +437,22 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
     barrier.wait()
 
 
-def _floor_task(task: tuple[int, int]) -> float:
-    """Read sample ``index`` (not timed), transform it for ``epoch``; its transform seconds.
-    The result stays here: the floor is the work, not its transport."""
+def _floor_task(task: tuple[int, int]) -> tuple[float, float]:
+    """Read sample ``index`` and transform it for ``epoch``: ``(the read's CPU-seconds, the
+    transform's seconds)``. The result stays here: the floor is the work, not its transport.
+
+    The read counts by its CPU time (``time.process_time``), not its wall time: a loader can
+    overlap a read's waits (storage latency) with other samples' transforms, but not the CPU a
+    read spends (a copy out of the page cache, a decode) on cores the transforms already fill.
+    """
     epoch, index = task
     fn = _floor_fn
+    c0 = time.process_time()
     item = fn.dataset[index]
+    read_cpu = time.process_time() - c0
     t0 = time.perf_counter()
     fn.transform(item, sample_rng(fn.seed, epoch, index))
-    return time.perf_counter() - t0
+    return read_cpu, time.perf_counter() - t0
 
 
 def makespan(durations: Sequence[float], workers: int) -> float:
@@ -463,17 +470,32 @@ def makespan(durations: Sequence[float], workers: int) -> float:
     return max(free)
 
 
-def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> float:
-    """Seconds that the transforms of every sample of ``epochs`` epochs take in ``cores``
+@dataclass(frozen=True)
+class Floor:
+    """What no loader can beat (:func:`measure_floor`), seconds.
+
+    Attributes:
+        s: the floor: the makespan of every sample's read CPU-seconds + transform seconds.
+        transform_s: the same makespan of the transforms alone (the reads left out).
+    """
+
+    s: float
+    transform_s: float
+
+
+def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
+    """Seconds that the work of every sample of ``epochs`` epochs takes in ``cores``
     processes with nothing else running: what no loader can beat.
 
     ``cores`` warm processes (``spawn``ed, threads capped at one each as the loaders' workers
     are, one sample run before the timing starts) each take the next ``(epoch, index)`` as
-    soon as they are free, read it, and time its transform alone, so the durations carry the
-    contention of ``cores`` transforms at once (memory bandwidth, caches). The floor is the
-    :func:`makespan` of those durations in dispatch order on ``cores`` workers: no batching,
-    collation, transport to the training loop, consumer, or read (a loader can hide reads
-    behind transforms; it cannot hide transforms).
+    soon as they are free, read it and transform it, so the durations carry the contention
+    of ``cores`` samples at once (memory bandwidth, caches). A sample's duration is its
+    read's CPU-seconds plus its transform's seconds: a loader can hide a read's waits
+    (storage latency) behind other samples' transforms, not the CPU the read spends (a copy
+    out of the page cache, a decode: KiTS19's read of a whole case is ~50 ms of it). The
+    floor is the :func:`makespan` of those durations in dispatch order on ``cores`` workers:
+    no batching, collation, transport to the training loop or consumer.
     """
     import multiprocessing as mp
 
@@ -488,8 +510,9 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> float:
     threads = threads_per_worker(cores, cores)
     with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
         barrier.wait()
-        durations = list(pool.imap(_floor_task, tasks, chunksize=1))
-    return makespan(durations, cores)
+        parts = list(pool.imap(_floor_task, tasks, chunksize=1))
+    return Floor(s=makespan([r + t for r, t in parts], cores),
+                 transform_s=makespan([t for _, t in parts], cores))
 
 
 def calibrate_step(workload: Workload, serial: SerialCost, cores: int) -> float:
