@@ -332,6 +332,7 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str) -> None:
     signal.signal(signal.SIGCHLD, _ignore)
     inherited = None if kind == "spawn" else (ctrl, wake_r, wake_w)
     children: dict[int, Any] = {}
+    capped: int | None = None  # the thread cap applied here, which forked workers inherit
     try:
         while os.getppid() == loader:
             ready = wait([ctrl, wake_r], timeout=1.0)
@@ -356,6 +357,14 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str) -> None:
                 return  # the loader closed its end, or died
             _, wid, threads = pickle.loads(data)
             conn = Connection(fds[0])
+            want = threads if threads is not None else getattr(spec, "threads_per_worker", None)
+            if kind != "spawn" and want is not None and want != capped:
+                # Capped here, the worker inherits the cap and leaves it (see limit_threads):
+                # OpenBLAS's threads started by setting it stop at the fork below.
+                from autominato.pipeline.worker import limit_threads
+
+                limit_threads(want)
+                capped = want
             try:
                 # The spec in a list that the worker empties: a spawned worker then frees the
                 # pickled bytes once it has unpickled them (the Process keeps its arguments).

@@ -420,19 +420,28 @@ def limit_threads(n: int) -> None:
     """Cap BLAS / OpenMP / torch intra-op threads of this process to ``n``.
 
     Libraries already loaded are capped through threadpoolctl and torch; libraries loaded
-    afterwards through the environment variables in :data:`THREAD_ENV`.
+    afterwards through the environment variables in :data:`THREAD_ENV`. A library already at
+    ``n`` is left alone (torch is always set): after a ``fork``, setting OpenBLAS's thread count restarts its thread
+    pool, whose threads then spin for ~0.1 s of CPU each (measured: 135 ms in a forked child
+    on the 2-core machine), taken from the samples every new worker starts with. The fork
+    server caps its own threads before it forks a worker (:mod:`autominato.pipeline.spawn`),
+    so a worker it forks finds them capped and starts no such thread.
     """
     for var in THREAD_ENV:
         os.environ[var] = str(n)
     try:
-        from threadpoolctl import threadpool_limits
+        from threadpoolctl import threadpool_info, threadpool_limits
 
-        threadpool_limits(n)
+        limits = {lib["prefix"]: n for lib in threadpool_info() if lib.get("num_threads") != n}
+        if limits:
+            threadpool_limits(limits)
     except Exception:  # pragma: no cover - threadpoolctl is a dependency
         pass
     try:
         import torch
 
+        # Always: it also sets MKL's own (thread-local) count, which torch.get_num_threads()
+        # does not show; a forked worker that skipped it ran MKL's OpenMP team and hung.
         torch.set_num_threads(n)
     except Exception:  # pragma: no cover
         pass
