@@ -216,3 +216,35 @@ def test_a_default_socket_timeout_does_not_stall_the_line_to_the_zygote():
         assert time.monotonic() - t0 < 20
     finally:
         socket.setdefaulttimeout(None)
+
+
+class Same:
+    """24 samples of 256 KiB (value ``i``), each transformed in ~10 ms."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        import time
+
+        time.sleep(0.01)
+        return np.full((65_536,), i, dtype=np.float32)
+
+
+def test_a_task_waiting_for_a_worker_holds_no_output_slot_and_only_the_first_comes_in_a_memory_file(monkeypatch):
+    """With a read stage ahead of the workers (``fuse_read=False``), transform tasks wait in
+    a queue for a free worker. Each took its output slot when it was queued: the queued ones
+    held slots (memory) the worker was not writing, and those queued before the first result
+    (its size unknown) all came in memory files. Taken as a task leaves for its worker: one
+    memory file (the first sample), and output slots only for the samples in the worker and
+    those waiting for their batch (besides the read stage's input slots)."""
+    mapped = []
+    real = executor_mod.map_memfd
+    monkeypatch.setattr(executor_mod, "map_memfd",
+                        lambda d, fd, n: (mapped.append(n), real(d, fd, n))[1])
+    with Loader(Same(), batch_size=2, num_workers=1, pool_size=8, read_threads=2,
+                fuse_read=False, autotune=False, prefetch_next_epoch=False) as loader:
+        for _ in range(2):
+            got = sorted(int(v) for b in loader for v in b[:, 0])
+            assert got == list(range(24))
+    assert len(mapped) == 1, mapped

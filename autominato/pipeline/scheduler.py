@@ -68,6 +68,9 @@ from autominato.pipeline.worker import Streams, WorkSpec, sample_path
 
 log = logging.getLogger("autominato.pipeline")
 
+#: The output slot of a queued process-worker task, taken as it leaves for a worker.
+_SLOT_LATER = object()
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything about a pipeline that is fixed when it is built.
@@ -229,6 +232,9 @@ class Pipeline:
         self._knob_note: int | None = None  # the workers value last said to wait for an epoch
         try:
             self.sample_stages: list[Stage] = compose(self)
+            for st in self.sample_stages:
+                if st.executor is self.procs and self.procs is not None:
+                    st.prepare = self._give_slot
             # persistent_workers=False: the dataset as the workers hold it, to send it again
             # when it changed (see start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
@@ -598,13 +604,23 @@ class Pipeline:
 
     def _proc_item(self, index: int, epoch: int, key: tuple, read: bool,
                    in_slot: Any = None, in_desc: Any = None) -> tuple:
-        out = None
-        if use_slot(self.out_estimate):
-            out = self.slots.acquire(self.out_estimate)
-        self.held[key] = (in_slot, out)
+        """A process worker's task; its output slot is taken when it leaves the queue
+        (:meth:`_give_slot`), so a queued task holds no memory and learns the output size
+        of the samples finished meanwhile (the first of an epoch would else all go without)."""
+        self.held[key] = (in_slot, None)
         return (index, epoch, read,
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
-                (out.name, out.size) if out is not None else None)
+                _SLOT_LATER)
+
+    def _give_slot(self, key: tuple, item: Any) -> Any:
+        """``prepare`` of the process workers' stage: a task leaving for a worker takes its
+        output slot (one that fits the largest output seen, or none: a memory file then)."""
+        if type(item) is not tuple or len(item) != 6 or item[5] is not _SLOT_LATER:
+            return item  # a pull, or a task of another kind
+        out = self.slots.acquire(self.out_estimate) if use_slot(self.out_estimate) else None
+        in_slot, _ = self.held.get(key, (None, None))
+        self.held[key] = (in_slot, out)
+        return (*item[:5], (out.name, out.size) if out is not None else None)
 
     def _pump_batches(self) -> None:
         """Start the next batch whose run has room for it in its output (``depth``); the

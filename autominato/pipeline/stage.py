@@ -97,16 +97,20 @@ class Stage:
         executor: runs the items (see :class:`Executor`).
         hook: called with ``(service_s, wait_s, nbytes)`` for every finished item.
         capacity: the queue's capacity (a callable: it follows a live knob).
+        prepare: ``prepare(key, item) -> item``, called as an item leaves the queue for a
+            worker (process workers take their output slot then, not while queued).
 
     Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
     """
 
     def __init__(self, name: str, executor: Executor, hook: StatsHook,
-                 capacity: Callable[[], int]) -> None:
+                 capacity: Callable[[], int],
+                 prepare: Callable[[Any, Any], Any] | None = None) -> None:
         self.name = name
         self.executor = executor
         self.hook = hook
         self.capacity = capacity
+        self.prepare = prepare
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
 
@@ -126,7 +130,7 @@ class Stage:
         for _ in range(n):
             key, item, t = self.queue.popleft()
             self._waits[key] = time.monotonic() - t
-            ex.submit(key, item)
+            ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()
 
     def finished(self, r: Result, count: bool = True) -> None:
