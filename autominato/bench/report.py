@@ -45,6 +45,7 @@ SUMMARY_COLUMNS = (
     "runs",
     "limit_s",
     "floor_s",
+    "floor_transform_s",
     *(f"{m}_{s}" for m in METRICS for s in ("median", "min", "max")),
     "speedup_vs_dataloader",
 )
@@ -77,6 +78,7 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "runs": len(good),
             "limit_s": recs[0].limit_s,
             "floor_s": recs[0].floor_s,
+            "floor_transform_s": recs[0].floor_transform_s,
         }
         for m in METRICS:
             vals = np.asarray([getattr(r, m) for r in good], dtype=float)

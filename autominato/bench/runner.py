@@ -70,8 +70,9 @@ class RunRecord:
     call ``iter``; ``first_batch_s`` the time from the span's start until the first batch
     arrived (worker start-up). ``gpu_*`` / ``pcie_*`` are NaN without NVML. ``epochs``:
     passes over the workload in the run; ``next_epoch_wait_s``: mean wait for the first batch
-    of every epoch after the first (NaN with one); ``floor_s``: the median measured floor;
-    ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
+    of every epoch after the first (NaN with one); ``floor_s``: the median measured floor
+    (reads' CPU + transforms); ``floor_transform_s``: the median floor of the transforms
+    alone; ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
     step time.
     """
 
@@ -93,6 +94,7 @@ class RunRecord:
     epochs: int = 1
     step_s: float = float("nan")
     floor_s: float = float("nan")
+    floor_transform_s: float = float("nan")
     ratio_to_floor: float = float("nan")
     next_epoch_wait_s: float = float("nan")
     idle_ratio: float = float("nan")
@@ -116,6 +118,14 @@ class RunRecord:
 #: Columns of ``runs.csv``, in order (pinned by the tests: change them deliberately).
 RUN_COLUMNS = tuple(f.name for f in fields(RunRecord) if f.name != "busy")
 
+#: Seconds between two readings of a run's process tree. A reading of PSS walks each
+#: process's page tables (``/proc/PID/smaps_rollup``): about 3 ms of the sampler's CPU per
+#: process on the 2-core machine (measured: 14.5 ms per reading of a 4-process loader). At
+#: 50 ms the sampler took 27% of a core from the machine the arms share, the more the more
+#: processes an arm has (autominato's loader 4, DataLoader's 3, SPDL's 1): every 0.2 s it
+#: takes ~1.5% of a core per process, at the price of missing memory peaks shorter than that.
+SAMPLER_INTERVAL_S = 0.2
+
 
 @dataclass
 class RunSpec:
@@ -129,7 +139,7 @@ class RunSpec:
     arm: Arm
     ctx: Context
     step: dict[str, Any]
-    sampler_interval: float = 0.05
+    sampler_interval: float = SAMPLER_INTERVAL_S
     nvml: bool = False
     sample_in_process: bool = True
     epochs: int = 1
@@ -293,7 +303,8 @@ class Options:
             extrapolate (``None``: all; the report says when the limit is an estimate).
         step: ``"sleep"`` (simulated accelerator) or ``"unet"`` (real step, CUDA only).
         unet_model: ``"mlperf"`` or ``"compact"`` for the real step.
-        sampler_interval: seconds between process-tree samples.
+        sampler_interval: seconds between process-tree samples (see
+            :data:`SAMPLER_INTERVAL_S`).
         nvml: sample GPU utilisation and PCIe throughput.
         epochs: passes over the workload per run (a training loop's epochs, back to back).
         floor: measure the floor once per repeat (see the module's step 4).
@@ -310,7 +321,7 @@ class Options:
     serial_samples: int | None = None
     step: str = "sleep"
     unet_model: str = "mlperf"
-    sampler_interval: float = 0.05
+    sampler_interval: float = SAMPLER_INTERVAL_S
     nvml: bool = False
     epochs: int = 1
     floor: bool = True
@@ -511,6 +522,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         floor = float(np.median(floors))
         for rec in records:
             rec.floor_s = floor
+            rec.floor_transform_s = float(np.median(transform_floors))
             if rec.ok:
                 rec.ratio_to_floor = rec.wall_s / max(floor, rec.step_s)
     return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors,
