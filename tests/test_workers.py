@@ -453,9 +453,76 @@ def test_a_new_worker_starts_no_thread_beside_its_samples(start_method):
     spins for ~0.1 s of CPU: every new worker's first samples ran ~2.5x slower (a 50 ms read
     took 130 ms of CPU). The fork server caps the threads before it forks; a worker leaves a
     cap it inherited, and runs its samples as its only thread."""
-    with Loader(NativeThreads(), 1, workers=2, seed=0, start_method=start_method,
-                autotune=False, prefetch_next_epoch=False) as loader:
+    from autominato.pipeline.knobs import usable_cores
+
+    # as many workers as cores: one intra-op thread each (torch's pool would add threads)
+    with Loader(NativeThreads(), 1, workers=max(2, usable_cores()), seed=0,
+                start_method=start_method, autotune=False, prefetch_next_epoch=False) as loader:
         rows = [tuple(int(x) if k < 2 else float(x) for k, x in enumerate(b)) for b in loader]
     assert sorted(r[0] for r in rows) == [0, 1, 2, 3]
     assert {r[1] for r in rows} == {1}, rows
     assert max(r[2] for r in rows) < 0.08, rows  # imports and set-up only, no spinning thread
+
+
+SECOND_LOADER = """
+    import json, os, signal, time
+    import numpy as np
+    import psutil
+    from autominato import Loader
+
+    class Rows:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return np.full(2, i, np.int64)
+
+    def zygote(loader):
+        return loader._pipeline.procs.pool._zygote
+
+    def epoch(loader):
+        return sorted(int(v) for b in loader for v in b[:, 0])
+
+    train = Loader(Rows(), 2, workers=1, autotune=False)
+    next(iter(train))  # its threads run now: forking this process is no longer safe
+    t0 = time.monotonic()
+    val = Loader(Rows(), 2, workers=1, autotune=False)
+    got = [epoch(val)]
+    first_s = time.monotonic() - t0
+    vz = zygote(val)
+    same_program = psutil.Process(vz.pid).cmdline() == psutil.Process().cmdline()
+    train.close()  # the zygote the validation loader's was forked from ends
+    time.sleep(0.2)
+    got.append(epoch(val))
+    os.kill(val.worker_pids()[0], signal.SIGKILL)  # a replacement comes from the orphan
+    got.append(epoch(val))
+    restarts = val.snapshot().worker_restarts_total
+    val.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(vz.pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        raise SystemExit("the validation loader's zygote outlived it")
+    print("RESULT", json.dumps({"kinds": [zygote(train).kind, vz.kind], "got": got,
+                                "same_program": same_program, "first_s": first_s,
+                                "restarts": restarts}), flush=True)
+"""
+
+
+@pytest.mark.slow  # a fresh Python that imports torch
+def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_path):
+    """A loader built while another's threads run (train and validation loaders) cannot fork
+    this process: its zygote was a new interpreter importing torch (~2 s before its first
+    batch, on the 2-core machine). The first loader's zygote, forked while it was safe, forks
+    it; it outlives that zygote and serves on after the first loader closes."""
+    out = result_of(run_script(SECOND_LOADER, tmp_path, timeout=120))
+    assert out["kinds"] == ["fork", "nested"]
+    assert out["same_program"]  # not a `python -c` new interpreter
+    assert out["got"] == [list(range(8))] * 3
+    assert out["restarts"] == 1
+    print(f"second loader: first epoch in {out['first_s']:.2f} s")

@@ -71,6 +71,7 @@ log = logging.getLogger("autominato.pipeline")
 #: The output slot of a queued process-worker task, taken as it leaves for a worker.
 _SLOT_LATER = object()
 
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything about a pipeline that is fixed when it is built.

@@ -422,17 +422,20 @@ def limit_threads(n: int) -> None:
     Libraries already loaded are capped through threadpoolctl and torch; libraries loaded
     afterwards through the environment variables in :data:`THREAD_ENV`. A library already at
     ``n`` is left alone (torch is always set): after a ``fork``, setting OpenBLAS's thread count restarts its thread
-    pool, whose threads then spin for ~0.1 s of CPU each (measured: 135 ms in a forked child
-    on the 2-core machine), taken from the samples every new worker starts with. The fork
-    server caps its own threads before it forks a worker (:mod:`autominato.pipeline.spawn`),
-    so a worker it forks finds them capped and starts no such thread.
+    pool, whose threads then spin for ~0.1 s of CPU each (measured on the 2-core machine: a
+    forked child spent 135 ms of CPU in 0.3 s of idling; a KiTS19 worker's first read took
+    130 ms of CPU instead of 50), taken from the samples every new worker starts with. The
+    fork server caps its own threads before it forks a worker (:mod:`autominato.pipeline.
+    spawn`), so a worker it forks finds them capped and starts no such thread.
     """
     for var in THREAD_ENV:
         os.environ[var] = str(n)
     try:
         from threadpoolctl import threadpool_info, threadpool_limits
 
-        limits = {lib["prefix"]: n for lib in threadpool_info() if lib.get("num_threads") != n}
+        # keyed by file: two copies of a library may share a prefix (numpy's and scipy's
+        # OpenBLAS), and one already at n must not be set again
+        limits = {lib["filepath"]: n for lib in threadpool_info() if lib.get("num_threads") != n}
         if limits:
             threadpool_limits(limits)
     except Exception:  # pragma: no cover - threadpoolctl is a dependency
