@@ -246,9 +246,11 @@ class Loader:
         start_method: how worker processes start. ``"auto"`` (default): a fork server of this
             loader's own (:mod:`autominato.pipeline.spawn`) is forked when the Loader is built,
             if no other thread runs and CUDA is not initialised (workers then share the
-            dataset copy-on-write), else started as a new interpreter that unpickles the
-            dataset once; ``"fork"``, ``"forkserver"`` force one of these; ``"spawn"`` starts
-            each worker as a new interpreter. Workers never import ``__main__``.
+            dataset copy-on-write), else forked by an earlier loader's fork server of this
+            process that was (it then unpickles the dataset once), else started as a new
+            interpreter that unpickles the dataset once (~2 s, importing torch); ``"fork"``,
+            ``"forkserver"`` force the first or the last; ``"spawn"`` starts each worker as a
+            new interpreter. Workers never import ``__main__``.
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).

@@ -496,6 +496,10 @@ SECOND_LOADER = """
     got.append(epoch(val))
     os.kill(val.worker_pids()[0], signal.SIGKILL)  # a replacement comes from the orphan
     got.append(epoch(val))
+    deadline = time.monotonic() + 10  # the epoch may end before the death is seen
+    while val.snapshot().worker_restarts_total < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got.append(epoch(val))  # served by the replacement
     restarts = val.snapshot().worker_restarts_total
     val.close()
     deadline = time.monotonic() + 5
@@ -508,9 +512,34 @@ SECOND_LOADER = """
         time.sleep(0.05)
     else:
         raise SystemExit("the validation loader's zygote outlived it")
+
+    # A dataset that cannot be unpickled in the nested zygote: a clear error, no hang.
+    class Broken(Rows):
+        def __init__(self):
+            self.state = 1  # pickled, so that unpickling calls __setstate__
+
+        def __setstate__(self, state):
+            raise RuntimeError("cannot rebuild this dataset here")
+
+    a = Loader(Rows(), 2, workers=1, autotune=False)  # forked: this process is quiet again
+    next(iter(a))
+    try:
+        with Loader(Broken(), 2, workers=1, autotune=False, max_tries=1) as bad:
+            bad_kind = zygote(bad).kind
+            epoch(bad)
+        broken = "no error"
+    except Exception as e:
+        broken = str(e)
+    # The zygote asked for a nested one dies first: a new interpreter takes over.
+    os.kill(zygote(a).pid, signal.SIGKILL)
+    with Loader(Rows(), 2, workers=1, autotune=False) as late:
+        late_kind = zygote(late).kind
+        late_got = epoch(late)
+    a.close()
     print("RESULT", json.dumps({"kinds": [zygote(train).kind, vz.kind], "got": got,
                                 "same_program": same_program, "first_s": first_s,
-                                "restarts": restarts}), flush=True)
+                                "restarts": restarts, "bad_kind": bad_kind, "broken": broken,
+                                "late": [late_kind, late_got]}), flush=True)
 """
 
 
@@ -523,6 +552,9 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     out = result_of(run_script(SECOND_LOADER, tmp_path, timeout=120))
     assert out["kinds"] == ["fork", "nested"]
     assert out["same_program"]  # not a `python -c` new interpreter
-    assert out["got"] == [list(range(8))] * 3
+    assert out["got"] == [list(range(8))] * 4
     assert out["restarts"] == 1
-    print(f"second loader: first epoch in {out['first_s']:.2f} s")
+    assert out["bad_kind"] == "nested", out
+    assert "cannot rebuild this dataset here" in out["broken"], out["broken"]
+    assert out["late"][0] in ("nested", "fresh") and out["late"][1] == list(range(8))
+    print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")

@@ -273,15 +273,16 @@ class ProcessWorkers:
 
     Args:
         spec: the :class:`~autominato.pipeline.worker.WorkSpec` the workers run. Pickled (once)
-            only for a zygote in a new interpreter.
+            only for a zygote that is not forked from this process (nested, or a new
+            interpreter).
         post: receives the events.
         start_method: ``"auto"``, ``"fork"``, ``"forkserver"`` or ``"spawn"`` (see
             :func:`autominato.pipeline.spawn.zygote_kind`).
         initial: workers to start now.
 
     Raises:
-        ValueError: ``start_method`` is unknown, or the zygote must be a new interpreter and
-            ``spec`` cannot be pickled.
+        ValueError: ``start_method`` is unknown, or the zygote cannot be forked from this
+            process and ``spec`` cannot be pickled.
     """
 
     def __init__(self, spec: Any, post: Post, start_method: str = "auto", initial: int = 0) -> None:
@@ -630,7 +631,8 @@ class ProcessWorkers:
             if fatal is not None and w.pid is None:
                 self.post(("proc", w.wid, ("fatal", fatal)))  # why it could not start
                 fatal = None
-            self._ended(w, None if w.pid is not None else code)
+            # a nested zygote's exit status is not known here (it is not this process's child)
+            self._ended(w, None if w.pid is not None or z.kind == "nested" else code)
 
     def _ended(self, w: ProcWorker, exitcode: int | None) -> None:
         """``w``'s process is gone: post its death unless it was stopped on purpose."""

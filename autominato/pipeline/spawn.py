@@ -10,9 +10,9 @@ workers, those the controller adds, and replacements after a death.
   inherit the spec copy-on-write and never pickle it, so an in-memory dataset (a large NumPy
   array, a MONAI ``CacheDataset``) is shared by every worker instead of copied into each.
 * Threads already run (a second loader, built while the first one's threads run) but an
-  earlier loader's zygote of this process still runs: that zygote, a clean single-threaded
-  copy of this process, forks the new loader's (a *nested* zygote), which unpickles the spec
-  once and forks workers. It outlives the zygote it was forked from, and ends with its
+  earlier loader's zygote, forked while this process ran one thread, still runs: that
+  zygote, a copy of this process that has run nothing of the user's, forks the new loader's
+  (a *nested* zygote), which unpickles the spec once and forks workers. It outlives the zygote it was forked from, and ends with its
   loader. No interpreter starts, no torch is imported again (~2 s saved on the 2-core
   machine).
 * Otherwise (``start_method="forkserver"``, or threads run and no zygote of this process
@@ -41,7 +41,7 @@ the worker's end of its own socket pair attached; the worker talks to the loader
 through that socket (the zygote keeps no copy). The zygote answers ``("started", wid, pid)``,
 ``("exit", wid, exitcode)`` when it reaps the worker (``exitcode`` as multiprocessing's: a
 signal is its negative number), ``("failed", wid, reason)`` when it cannot fork, and
-``("fatal", ErrorReport)`` when a new-interpreter zygote cannot unpickle the spec (it then
+``("fatal", ErrorReport)`` when a nested or new-interpreter zygote cannot unpickle the spec (it then
 exits). A nested zygote says ``("hello", pid)`` first (its loader is not its parent). The
 loader asks a zygote for a nested one with ``("zygote",)``, the new zygote's socket and a
 bootstrap file (the pickled spec) attached; the zygote it came from reaps it and never kills
@@ -139,40 +139,55 @@ def zygote_kind(start_method: str) -> str:
     return {"fork": "fork", "forkserver": "fresh", "spawn": "spawn"}[start_method]
 
 
-#: The zygotes of this process that descend from it by fork while it ran one thread ("fork"
-#: and "nested" kinds): clean, single-threaded processes that can fork another loader's.
+#: The zygotes this process forked while it ran one thread (:func:`can_fork_now`): clean
+#: copies of it that have run nothing of the user's, which can fork another loader's. Not a
+#: zygote forced with ``start_method="fork"`` while threads ran, nor a nested one (it ran
+#: the unpickling of a spec: a ``__setstate__`` may start threads).
 _clean: weakref.WeakSet = weakref.WeakSet()
+
+#: Seconds a loader waits for a nested zygote's hello before it starts a new interpreter.
+HELLO_TIMEOUT_S = 5.0
 
 
 def clean_zygote() -> Zygote | None:
-    """A running zygote that this process forked while it was safe to (or one forked from
-    such a zygote), to fork a later loader's zygote from; ``None`` when there is none."""
+    """A running zygote that this process forked while it was safe to, to fork a later
+    loader's zygote from; ``None`` when there is none."""
     me = os.getpid()
     for z in list(_clean):
-        if z.owner == me and not (z.gone or z.broken):
+        if z.owner == me and not (z.gone or z.broken or z.fatal is not None):
             return z
     return None
 
 
 class _Foreign:
-    """A process that is not this process's child (a nested zygote, forked by another
-    zygote): it cannot be waited for; its end is seen in ``/proc``. ``pid`` is ``None`` until
-    it says hello."""
+    """A nested zygote, forked by another zygote: not this process's child, unless this
+    process adopted it (a subreaper, or PID 1 in a container) after its parent ended."""
 
-    def __init__(self) -> None:
-        self.pid: int | None = None
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
         self.killed = False
+        self._code: int | None = None
 
     @property
     def exitcode(self) -> int | None:
-        """``None`` while it runs; then ``-9`` when :meth:`kill` ended it, else ``0`` (the
-        exit status of a process that is not one's child cannot be read)."""
-        if self.pid is not None and _pid_runs(self.pid):
-            return None
-        return -signal.SIGKILL if self.killed else 0
+        """``None`` while it runs; then its exit code when this process could wait for it
+        (adopted), else ``-9`` when :meth:`kill` ended it, else ``0`` (unknown)."""
+        if self._code is not None:
+            return self._code
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not ours: see whether it still runs
+            if _pid_runs(self.pid):
+                return None
+            self._code = -signal.SIGKILL if self.killed else 0
+        else:
+            if pid == 0:
+                return None
+            self._code = os.waitstatus_to_exitcode(status)
+        return self._code
 
     def kill(self) -> None:
-        if self.pid is not None:
+        if self.exitcode is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
                 self.killed = True
@@ -184,25 +199,33 @@ class _Foreign:
 
 
 def _pid_runs(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not ended (a zombie has ended)."""
+    """Whether process ``pid`` exists and has not ended (a zombie has ended). ``/proc`` tells
+    a zombie apart when it is this process's (a ``/proc`` of another PID namespace is not
+    read: there ``pid`` may be another process)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
+        own_proc = os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        own_proc = False
+    if own_proc:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
             return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc/self")  # /proc exists but not this pid: gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Zygote:
     """The loader's handle of one zygote (see the module docstring).
 
     Args:
-        kind: ``"fork"``, ``"fresh"`` or ``"spawn"`` (see :func:`zygote_kind`).
+        kind: ``"fork"``, ``"nested"``, ``"fresh"`` or ``"spawn"`` (see :func:`zygote_kind`).
         spec: what the workers run (a :class:`~autominato.pipeline.worker.WorkSpec`); a
             ``"fork"`` zygote inherits it.
         payload: returns ``spec`` cloudpickled; called only for the other kinds.
@@ -217,7 +240,8 @@ class Zygote:
         #: Its workers descend from the training process by fork (see worker.py on threads).
         self.forked = kind in ("fork", "nested")
         self.owner = os.getpid()
-        self.pid: int | None = None
+        # a copy of this process while it ran one thread: it may fork other loaders' zygotes
+        clean = kind == "fork" and can_fork_now()
         self.gone = False  # its end of the socket closed: it exited (or is exiting)
         self.broken = False  # a request could not be sent: start later workers elsewhere
         self.exitcode: int | None = None
@@ -240,7 +264,8 @@ class Zygote:
                     raise OSError("no zygote of this process to fork a new one from")
                 with _boot_file(_meta("fork"), payload()) as boot:
                     via.fork_zygote(theirs.fileno(), boot.fileno())
-                self._proc = _Foreign()
+                theirs.close()
+                self._proc = _Foreign(_hello(ours))
             else:
                 self._proc = _start_interpreter(theirs, kind, payload())
         except BaseException:
@@ -248,9 +273,9 @@ class Zygote:
             raise
         finally:
             theirs.close()
-        self.pid = self._proc.pid
+        self.pid: int = self._proc.pid
         self.ctrl = ours
-        if self.forked:
+        if clean:
             _clean.add(self)
 
     def fork_zygote(self, ctrl_fd: int, boot_fd: int) -> None:
@@ -286,11 +311,7 @@ class Zygote:
             if not data:
                 self.gone = True
                 break
-            msg = pickle.loads(data)
-            if msg[0] == "hello":  # a nested zygote's pid, for kill() and reap()
-                self.pid = self._proc.pid = msg[1]
-                continue
-            out.append(msg)
+            out.append(pickle.loads(data))
         return out
 
     def reap(self, timeout: float) -> int | None:
@@ -322,16 +343,38 @@ class Zygote:
             self.ctrl.close()
         self.gone = True
         code = self.reap(timeout)
-        self.ended_workers = code == 0
+        # a nested zygote's exit status is unknown unless this process adopted it: the loader
+        # ends any worker whose connection is still open itself
+        self.ended_workers = code == 0 and self.kind != "nested"
         return code
+
+
+def _hello(ours: socket.socket) -> int:
+    """The pid a nested zygote says first (it is not this process's child).
+
+    Raises:
+        OSError: it did not say it within :data:`HELLO_TIMEOUT_S` (the zygote asked to fork
+            it ended first, or could not fork): the loader starts a new interpreter instead.
+    """
+    if not wait([ours], HELLO_TIMEOUT_S):
+        raise OSError(f"no nested zygote said hello within {HELLO_TIMEOUT_S:g} s")
+    data = ours.recv(1 << 16)
+    if not data:
+        raise OSError("the zygote asked for a nested one ended first")
+    kind, pid = pickle.loads(data)
+    if kind != "hello":
+        raise OSError(f"a nested zygote said {kind!r} first")
+    return pid
 
 
 def _meta(kind: str) -> dict:
     """What a zygote started from a bootstrap file needs besides the spec (see
-    :func:`_bootstrap`): the kind it serves as, this process's ``argv`` and ``sys.path``, the
+    :func:`_bootstrap`): the kind it serves as, this process's ``argv``, ``sys.path``, working
+    folder and environment (a nested zygote's are its parent's, from an earlier time), the
     modules to import before forking, and this process's pid (a nested zygote ends when it is
     gone)."""
     return {"kind": kind, "argv": list(sys.argv), "path": list(sys.path), "loader": os.getpid(),
+            "cwd": os.getcwd(), "env": dict(os.environ),
             "preload": [m for m in ("numpy", "torch") if m in sys.modules]}
 
 
@@ -404,7 +447,16 @@ def _bootstrap(ctrl: socket.socket, boot_fd: int) -> int | None:
     with os.fdopen(boot_fd, "rb") as boot:
         meta = pickle.load(boot)
         sys.argv[:] = meta["argv"]
-        sys.path[:] = meta.get("path", sys.path)  # a nested zygote's is its parent's
+        # a nested zygote's are its parent zygote's, as the training process had them earlier
+        sys.path[:] = meta.get("path", sys.path)
+        if "cwd" in meta:
+            try:
+                os.chdir(meta["cwd"])
+            except OSError:
+                pass
+        if "env" in meta:
+            os.environ.clear()
+            os.environ.update(meta["env"])
         if meta["kind"] == "spawn":
             spec: Any = boot.read()  # each spawned worker unpickles its own copy
         else:
@@ -438,6 +490,7 @@ def _nested_main(ctrl_fd: int, boot_fd: int, inherited: tuple) -> None:
         os.close(fd)
     inherited[0].close()
     ctrl = socket.socket(fileno=ctrl_fd)
+    ctrl.setblocking(True)  # whatever socket.setdefaulttimeout the training process set
     if not _send(ctrl, ("hello", os.getpid())):
         os._exit(0)
     _exit_after(_bootstrap, ctrl, boot_fd)
