@@ -222,6 +222,20 @@ def test_the_same_error_in_every_configuration_stops_the_study(tmp_path, space, 
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
 
 
+def test_failures_that_differ_only_in_which_samples_met_are_the_same_error():
+    """The shapes that met in a failed batch depend on the order samples completed in: three
+    trials failing to stack the same ragged samples ran on (a full test run saw six)."""
+    from autominato.tuning.study import same_error_key
+
+    a = "ValueError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32')]; give a collate_fn"
+    b = "ValueError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32'), ((3,), 'float32')]; give a collate_fn"
+    c = "ValueError: cannot flip a volume of 4 voxels (sample index 5, file volumes/case_5.npy)"
+    d = "ValueError: cannot flip a volume of 4 voxels (sample index 9, file volumes/case_9.npy)"
+    assert same_error_key(a) == same_error_key(b)
+    assert same_error_key(c) == same_error_key(d) != same_error_key(a)
+    assert same_error_key("MemoryError: x") != same_error_key("ValueError: x")
+
+
 @pytest.mark.slow
 def test_kits19_recipe_tunes_a_prepared_folder(tmp_path, space):
     pytest.importorskip("autominato.data.kits19")

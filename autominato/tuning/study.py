@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -47,6 +48,20 @@ from autominato.tuning.select import (
 from autominato.tuning.space import STATIC_NAMES, SearchSpace
 
 log = logging.getLogger(__name__)
+
+def same_error_key(failure: str | None) -> str | None:
+    """What two trials' failures must share to count as the same error: the message with
+    numbers and bracketed details (a sample's index, the shapes that met in a batch, which
+    depend on the order samples completed in) left out.
+
+    >>> same_error_key("ValueError: cannot stack: [(1,), (2,)]") == same_error_key(
+    ...     "ValueError: cannot stack: [(1,), (2,), (3,)]")
+    True
+    """
+    if failure is None:
+        return None
+    return re.sub(r"\d+", "#", re.sub(r"\[[^\]]*\]|\([^)]*\)", "(...)", failure))
+
 
 #: This many consecutive trials failing with the same message (not a memory-budget failure)
 #: stop the study: an error that follows every configuration is the pipeline's or the
@@ -341,10 +356,11 @@ def run_study(
             failure = None  # a budget failure depends on the configuration by definition
         run_failures.append(failure)
         last = run_failures[-REPEATED_FAILURES:]
-        if len(last) == REPEATED_FAILURES and last[0] is not None and len(set(last)) == 1:
+        if (len(last) == REPEATED_FAILURES and last[0] is not None
+                and len({same_error_key(f) for f in last}) == 1):
             stopped.append(
                 f"{REPEATED_FAILURES} trials in a row failed with the same error, which does not "
-                f"look like the configurations' fault: {last[0]}"
+                f"look like the configurations' fault: {last[-1]}"
             )
             study.stop()
         if bar is not None:
