@@ -496,6 +496,10 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     out of the page cache, a decode: KiTS19's read of a whole case is ~50 ms of it). The
     floor is the :func:`makespan` of those durations in dispatch order on ``cores`` workers:
     no batching, collation, transport to the training loop or consumer.
+
+    Raises:
+        ValueError: ``cores < 1``.
+        Exception: whatever the workload's read or transform raises for a sample.
     """
     import multiprocessing as mp
 

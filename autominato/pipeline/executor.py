@@ -332,17 +332,15 @@ class ProcessWorkers:
         return self._payload
 
     def _new_zygote(self, kind: str) -> Zygote:
+        z = None
         if kind == "nested":
             try:
                 z = Zygote(kind, self.spec, self._pickled)
             except OSError as e:  # the zygote to fork it from ended meanwhile
                 log.debug("no zygote to fork this loader's from (%s): a new interpreter", e)
                 kind = self.kind = "fresh"
-            else:
-                with self._lock:
-                    self._zygotes.append(z)
-                return z
-        z = Zygote(kind, self.spec, self._pickled)
+        if z is None:
+            z = Zygote(kind, self.spec, self._pickled)
         with self._lock:
             self._zygotes.append(z)
         return z
