@@ -37,6 +37,9 @@ log = logging.getLogger("autominato.pipeline")
 
 Post = Callable[[tuple], None]
 
+#: Put in a :class:`ThreadWorkers` queue by ``close``: wakes a waiting thread at once.
+_WAKE = object()
+
 
 @dataclass
 class ThreadWorker:
@@ -162,6 +165,8 @@ class ThreadWorkers:
                 task = self._q.get(timeout=0.05)
             except queue.Empty:
                 continue
+            if task is _WAKE:
+                continue
             with self._lock:
                 if slot in self._retiring or self._closed:  # retired while it waited
                     self._q.put(task)
@@ -182,17 +187,23 @@ class ThreadWorkers:
                 return
 
     def close(self, timeout: float = 0.5) -> None:
-        """Stop the threads; wait up to ``timeout`` seconds for those not stuck in ``fn``.
+        """Stop the threads: those waiting for a task end at once (and are waited for, up to
+        5 s on a loaded machine), one inside ``fn`` is waited for up to ``timeout`` seconds
+        (its sample may take long), an abandoned one is not.
 
         Waiting lets a loader built next find this process single-threaded again, so that
         its workers may fork (see :func:`autominato.pipeline.spawn.can_fork_now`)."""
         with self._lock:
             self._closed = True
-            waiting = [t for t in self._threads if t.ident not in self._abandoned]
-        deadline = time.monotonic() + timeout
-        for t in waiting:
+            threads = [t for t in self._threads if t.ident not in self._abandoned]
+            busy = {tid for tid in self._running if tid not in self._abandoned}
+        for _ in threads:
+            self._q.put(_WAKE)
+        now = time.monotonic()
+        short, long = now + timeout, now + max(timeout, 5.0)
+        for t in sorted(threads, key=lambda t: t.ident in busy):
             if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
+                t.join(max(0.0, (short if t.ident in busy else long) - time.monotonic()))
 
 
 @dataclass
