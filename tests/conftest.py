@@ -3,7 +3,8 @@
 A loader forks its workers from this process only while it runs one thread
 (``autominato.pipeline.spawn.can_fork_now``); otherwise it starts them from a new interpreter
 (~2.5 s importing torch). One thread left running by a test therefore slows every later test
-that builds a loader (a full run once took 878 s instead of ~450 s). After each test (and its
+that builds a loader (in one full run a read thread left running sent ~290 later tests to
+new interpreters: 599 s, where ~450 s is usual). After each test (and its
 fixtures) this waits briefly for the loader threads it started to end and lists, at the end of the run,
 the tests that left some behind, with what each thread was doing.
 """
