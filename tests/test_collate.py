@@ -138,3 +138,36 @@ def test_the_default_budget_follows_the_batches_in_flight():
         in_flight.append(collate([(np.full((4, 4), i, np.float32), np.full(2, i, np.uint8))] * 2, pool))
         in_flight.pop(0)
     assert pool.allocations == before and torch.all(in_flight[-1][0][0] == 9)
+
+
+def test_an_idle_batch_buffer_gives_its_pages_back_after_the_decay_time_and_is_reused(
+        monkeypatch):
+    import time
+
+    import psutil
+
+    from autominato.pipeline import shm
+    from autominato.pipeline.collate import BatchPool
+
+    monkeypatch.setattr(shm, "DECAY_S", 0.2)
+    me = psutil.Process()
+    pool = BatchPool()
+    shape = (2, 64, 256, 256)  # 32 MiB of float32
+    a = pool.acquire(shape, np.float32)
+    b = pool.acquire(shape, np.float32)  # a is still held: a second buffer
+    a.fill(1)
+    b.fill(2)
+    del a  # the training loop dropped its batch
+    time.sleep(0.3)
+    rss = me.memory_info().rss
+    # b is busy: a's buffer, idle for 0.3 s, is taken (the choice comes before the decay).
+    again = pool.acquire(shape, np.float32)
+    assert again[0, 0, 0, 0] == 1 and pool.released == 0
+    del b
+    time.sleep(0.3)
+    pool.acquire((2, 2), np.float32)  # any acquire decays what stayed idle
+    assert pool.released == 1
+    assert rss - me.memory_info().rss >= (32 << 20) * 0.9
+    c = pool.acquire(shape, np.float32)  # the idle one, cold: its contents are gone
+    assert c[0, 0, 0, 0] == 0 and pool.allocations == 3 and pool.reuses == 2
+    del again, c

@@ -186,3 +186,48 @@ def test_samples_of_arrays_and_scalars_come_back_in_order_with_their_container_t
                     assert got == want and type(got) is type(want)
             if isinstance(sample, dict):
                 assert list(out) == list(sample)
+
+
+def _shm_used() -> int:
+    import shutil
+
+    from autominato.pipeline.shm import SHM_DIR
+
+    u = shutil.disk_usage(SHM_DIR)
+    return u.total - u.free
+
+
+def test_a_free_slot_unused_for_the_decay_time_gives_its_memory_back_and_is_reserved_again(
+        monkeypatch):
+    import mmap
+    import time
+
+    from autominato.pipeline import shm
+
+    monkeypatch.setattr(shm, "DECAY_S", 0.2)
+    size = 32 << 20
+    pool = SlotPool(max_slots=4, budget_bytes=1 << 30)
+    try:
+        hot, cold = pool.acquire(size), pool.acquire(size)
+        # A worker's own mapping of the cold slot, as a worker's SlotCache holds it.
+        fd = os.open(os.path.join(shm.SHM_DIR, cold.name), os.O_RDWR)
+        theirs = mmap.mmap(fd, size)
+        os.close(fd)
+        theirs[:4] = b"abcd"
+        pool.release(cold)
+        time.sleep(0.3)
+        before = _shm_used()
+        pool.release(hot)  # the next pool operation decays the slot idle for 0.3 s
+        after = _shm_used()
+        assert before - after >= size * 0.9, (before, after)  # the cold slot's 32 MiB, not hot's
+        assert not cold.warm and hot.warm
+        assert theirs[:4] == b"\0\0\0\0"  # the worker's mapping stays valid, now zeros
+        # The warm slot is handed out first; the cold one is reserved again when taken.
+        assert pool.acquire(size) is hot
+        again = pool.acquire(size)
+        assert again is cold and cold.warm and _shm_used() - after >= size * 0.9
+        theirs[:4] = b"wxyz"
+        assert bytes(cold.mmap[:4]) == b"wxyz"  # one segment still, seen from both mappings
+        theirs.close()
+    finally:
+        pool.close()

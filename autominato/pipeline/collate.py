@@ -12,8 +12,10 @@ says so, because every torch tensor made with ``torch.from_numpy`` keeps its arr
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from autominato.pipeline import shm
 from autominato.pipeline.shm import has_flat_bytes, is_array, slot_dtype
 from autominato.pipeline.tree import map_leaves
 
@@ -38,6 +41,20 @@ def _refcount(bufs: list, i: int) -> int:
 # What _refcount says of a buffer that only the pool holds: measured rather than assumed,
 # since temporary references differ between Python versions.
 _IDLE = _refcount([np.empty(0)], 0)
+
+#: Unpinned buffers at least this large are anonymous memory maps of their own, whose pages an
+#: idle buffer gives back (``MADV_DONTNEED``) after ``shm.DECAY_S`` seconds; smaller ones come
+#: from the allocator (their pages are cheap to keep).
+DECAY_MIN_BYTES = 1 << 20
+
+
+class _Meta:
+    __slots__ = ("used", "map", "warm")
+
+    def __init__(self, used: float, map_: mmap.mmap | None) -> None:
+        self.used = used  # time.monotonic() of its last acquire
+        self.map = map_
+        self.warm = True
 
 
 class BatchPool:
@@ -59,9 +76,16 @@ class BatchPool:
             page-locked for later pinned allocations until
             ``torch.accelerator.empty_host_cache()`` (recent torch) releases it.
 
-    Counters: ``bytes`` (held now, bytes), ``budget`` (the budget in force, bytes),
-    ``allocations`` (buffers allocated), ``reuses`` (batches written into a kept buffer),
-    ``evictions`` (buffers dropped).
+    An unpinned buffer of at least :data:`DECAY_MIN_BYTES` that no batch has taken for
+    ``shm.DECAY_S`` seconds while idle gives its pages back to the system and keeps its place
+    (its next batch pays the page faults again): the pool keeps the memory of the batches in
+    flight lately, not of the most ever in flight at once. An idle buffer that still has its
+    pages is taken first, the most recently used one first.
+
+    Counters: ``bytes`` (held now, bytes, cold buffers included), ``budget`` (the budget in
+    force, bytes), ``allocations`` (buffers allocated), ``reuses`` (batches written into a kept
+    buffer), ``evictions`` (buffers dropped), ``released`` (times an idle buffer gave its pages
+    back).
     """
 
     def __init__(self, max_per_key: int = 4, pin: bool = False,
@@ -73,10 +97,12 @@ class BatchPool:
         # Least recently used key first.
         self._bufs: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()
         self._peak_in_use = 0
+        self._meta: dict[int, _Meta] = {}  # id(buffer) -> its use, while the pool keeps it
         self.bytes = 0
         self.allocations = 0
         self.reuses = 0
         self.evictions = 0
+        self.released = 0
 
     @property
     def budget(self) -> int:
@@ -87,20 +113,44 @@ class BatchPool:
         """A buffer of ``shape`` and NumPy ``dtype`` that nothing else uses (contents stale)."""
         dtype = np.dtype(dtype)
         key = (tuple(shape), dtype.str)
+        now = time.monotonic()
         with self._lock:
             bufs = self._bufs.get(key)
             if bufs is not None:
                 self._bufs.move_to_end(key)
+                best, rank = -1, None
                 for i in range(len(bufs)):
                     if _refcount(bufs, i) <= _IDLE:
-                        self.reuses += 1
-                        return bufs[i]
-            buf = self._allocate(shape, dtype)
+                        m = self._meta[id(bufs[i])]
+                        r = (m.warm, m.used)
+                        if rank is None or r > rank:
+                            best, rank = i, r
+                if best >= 0:
+                    self.reuses += 1
+                    buf = bufs[best]
+                    m = self._meta[id(buf)]
+                    m.used, m.warm = now, True
+                    self._decay(now)
+                    return buf
+            buf, map_ = self._allocate(shape, dtype)
             self.allocations += 1
             if (bufs is None or len(bufs) < self.max_per_key) and self._make_room(buf.nbytes):
                 self._bufs.setdefault(key, []).append(buf)
+                self._meta[id(buf)] = _Meta(now, map_)
                 self.bytes += buf.nbytes
+            self._decay(now)
             return buf
+
+    def _decay(self, now: float) -> None:
+        """Idle buffers not taken for ``DECAY_S`` seconds give their pages back (lock held)."""
+        old = now - shm.DECAY_S
+        for bufs in self._bufs.values():
+            for i in range(len(bufs)):
+                m = self._meta[id(bufs[i])]
+                if m.warm and m.map is not None and m.used < old and _refcount(bufs, i) <= _IDLE:
+                    m.map.madvise(mmap.MADV_DONTNEED)
+                    m.warm = False
+                    self.released += 1
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict idle buffers, least recently used first, until ``nbytes`` more fit the budget;
@@ -120,7 +170,9 @@ class BatchPool:
             i = 0
             while i < len(bufs) and self.bytes + nbytes > budget:
                 if _refcount(bufs, i) <= _IDLE:
-                    self.bytes -= bufs.pop(i).nbytes
+                    gone = bufs.pop(i)
+                    self._meta.pop(id(gone), None)
+                    self.bytes -= gone.nbytes
                     self.evictions += 1
                 else:
                     i += 1
@@ -128,14 +180,20 @@ class BatchPool:
                 del self._bufs[key]
         return True
 
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, mmap.mmap | None]:
         if self.pin:
             t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
-            return t.numpy()
-        return np.empty(shape, dtype)
+            return t.numpy(), None
+        n = int(np.prod(shape, dtype=np.int64))
+        if n * dtype.itemsize < DECAY_MIN_BYTES or not hasattr(mmap, "MADV_DONTNEED"):
+            return np.empty(shape, dtype), None
+        # Its own mapping: freed with the array, and its pages can be given back while kept.
+        map_ = mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+        return np.frombuffer(map_, dtype, n).reshape(shape), map_
 
     def clear(self) -> None:
         with self._lock:
+            self._meta.clear()
             self._bufs.clear()
             self.bytes = 0
             self._peak_in_use = 0

@@ -8,7 +8,10 @@ registers every attach and unlinks or warns from the wrong process) is not invol
 
 Segments are reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an ``ENOSPC`` error
 at allocation time (reported with the sizes involved) instead of a ``SIGBUS`` in a worker
-that writes into a sparse segment.
+that writes into a sparse segment. A free slot that no sample has needed for
+:data:`DECAY_S` seconds gives its memory back (a hole punched over it: every process's mapping
+stays valid and reads zeros) and is reserved again when it is handed out, so the pool holds
+the memory of the samples in flight lately, not of the most ever in flight at once.
 
 A result that has no slot (the first samples, before the pool knows their size, or one that
 outgrew its slot) travels in an anonymous memory file instead (:func:`pack_memfd`, Linux's
@@ -30,6 +33,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from collections import OrderedDict
@@ -53,12 +57,25 @@ def shm_free_bytes() -> int:
     return shutil.disk_usage(SHM_DIR).free
 
 
+#: Seconds a free slot (or an idle pooled batch buffer, see ``collate.BatchPool``) keeps its
+#: memory before giving it back; reusing it then costs its page faults again (~1 ms per
+#: 4 MiB here). Allocators decay idle memory the same way (jemalloc's ``dirty_decay_ms``, 10 s
+#: by default); a shorter time suits buffers of tens of MB that a loader needs only in bursts
+#: (the end of an epoch, a full prefetch queue).
+DECAY_S = 1.0
+
+
 class Slot:
-    """One shared-memory segment owned by the main process."""
+    """One shared-memory segment owned by the main process.
+
+    ``warm``: its pages are allocated (False after :meth:`release_memory`); ``freed_at``:
+    ``time.monotonic()`` when it last went back to the pool's free list."""
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
         self.size = size
+        self.warm = True
+        self.freed_at = 0.0
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -72,6 +89,28 @@ class Slot:
             os.unlink(path)
             raise
         os.close(fd)
+
+    def release_memory(self) -> None:
+        """Give the segment's pages back (``MADV_REMOVE`` punches a hole in the file: every
+        mapping, the workers' too, then reads zeros); :meth:`reserve` takes them again."""
+        if self.warm and hasattr(mmap, "MADV_REMOVE") and hasattr(os, "posix_fallocate"):
+            self.mmap.madvise(mmap.MADV_REMOVE)
+            self.warm = False
+
+    def reserve(self) -> None:
+        """Allocate the pages again after :meth:`release_memory` (``posix_fallocate``).
+
+        Raises:
+            OSError: ``ENOSPC`` when ``/dev/shm`` has no room for them any more.
+        """
+        if self.warm:
+            return
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        finally:
+            os.close(fd)
+        self.warm = True
 
     def unlink(self) -> None:
         try:
@@ -244,8 +283,16 @@ class SlotPool:
                 return None
             fits = [s for s in self._free if s.size >= nbytes]
             if fits:
-                slot = min(fits, key=lambda s: s.size)
+                # The smallest that fits; of those, one that still has its memory, the most
+                # recently freed first (so that the slots in use lately stay the warm ones).
+                slot = min(fits, key=lambda s: (s.size, not s.warm, -s.freed_at))
                 self._free.remove(slot)
+                try:
+                    slot.reserve()
+                except OSError:
+                    self._drop(slot)  # /dev/shm filled up meanwhile: travel another way
+                    return None
+                self._decay()
                 return slot
             # Grow: replace the largest too-small free slot, or add one within the budgets.
             if self._free and len(self._all) >= self.max_slots:
@@ -291,7 +338,19 @@ class SlotPool:
             if len(self._all) > self.max_slots:
                 self._drop(slot)
             else:
+                slot.freed_at = time.monotonic()
                 self._free.append(slot)
+                self._decay()
+
+    def _decay(self) -> None:
+        """Free slots unused for :data:`DECAY_S` seconds give their memory back (lock held)."""
+        old = time.monotonic() - DECAY_S
+        for slot in self._free:
+            if slot.warm and slot.freed_at < old:
+                try:
+                    slot.release_memory()
+                except (OSError, ValueError):  # pragma: no cover - no MADV_REMOVE here
+                    pass
 
     def get(self, name: str) -> Slot:
         return self._all[name]
