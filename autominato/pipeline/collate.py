@@ -49,10 +49,11 @@ DECAY_MIN_BYTES = 1 << 20
 
 
 class _Meta:
-    __slots__ = ("used", "map", "warm")
+    __slots__ = ("used", "idle_since", "map", "warm")
 
     def __init__(self, used: float, map_: mmap.mmap | None) -> None:
         self.used = used  # time.monotonic() of its last acquire
+        self.idle_since: float | None = None  # when a decay pass first saw it idle
         self.map = map_
         self.warm = True
 
@@ -129,8 +130,7 @@ class BatchPool:
                     self.reuses += 1
                     buf = bufs[best]
                     m = self._meta[id(buf)]
-                    m.used, m.warm = now, True
-                    self._decay(now)
+                    m.used, m.idle_since, m.warm = now, None, True
                     return buf
             buf, map_ = self._allocate(shape, dtype)
             self.allocations += 1
@@ -138,19 +138,31 @@ class BatchPool:
                 self._bufs.setdefault(key, []).append(buf)
                 self._meta[id(buf)] = _Meta(now, map_)
                 self.bytes += buf.nbytes
-            self._decay(now)
             return buf
 
-    def _decay(self, now: float) -> None:
-        """Idle buffers not taken for ``DECAY_S`` seconds give their pages back (lock held)."""
-        old = now - shm.DECAY_S
-        for bufs in self._bufs.values():
-            for i in range(len(bufs)):
-                m = self._meta[id(bufs[i])]
-                if m.warm and m.map is not None and m.used < old and _refcount(bufs, i) <= _IDLE:
-                    m.map.madvise(mmap.MADV_DONTNEED)
-                    m.warm = False
-                    self.released += 1
+    def decay(self, now: float | None = None) -> int:
+        """Buffers idle for ``shm.DECAY_S`` seconds (since a pass first saw only the pool
+        hold them, not since their last acquire: a batch may wait in the prefetch queue and
+        the training step for longer) give their pages back; returns how many did. Called
+        from the scheduler's periodic tick."""
+        now = time.monotonic() if now is None else now
+        done = 0
+        with self._lock:
+            for bufs in self._bufs.values():
+                for i in range(len(bufs)):
+                    m = self._meta[id(bufs[i])]
+                    if not m.warm or m.map is None:
+                        continue
+                    if _refcount(bufs, i) > _IDLE:
+                        m.idle_since = None
+                    elif m.idle_since is None:
+                        m.idle_since = now
+                    elif now - m.idle_since >= shm.DECAY_S:
+                        m.map.madvise(mmap.MADV_DONTNEED)
+                        m.warm = False
+                        self.released += 1
+                        done += 1
+        return done
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict idle buffers, least recently used first, until ``nbytes`` more fit the budget;
@@ -189,7 +201,8 @@ class BatchPool:
             return np.empty(shape, dtype), None
         # Its own mapping: freed with the array, and its pages can be given back while kept.
         map_ = mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE)
-        return np.frombuffer(map_, dtype, n).reshape(shape), map_
+        # Its base is the map itself, so a view of it (buf[0]) holds buf's reference count up.
+        return np.ndarray(shape, dtype, buffer=map_), map_
 
     def clear(self) -> None:
         with self._lock:
@@ -223,7 +236,8 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
         return torch.as_tensor(np.asarray(samples))
     if isinstance(first, (str, bytes)) or first is None:
-        return list(samples)
+        # Arrays among them may be views into a slot that is reused once the batch is made.
+        return [map_leaves(s, _owned, is_array) for s in samples]
     if isinstance(first, dict):
         return {k: collate([s[k] for s in samples], pool) for k in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
@@ -235,6 +249,10 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         # A list for tuple samples too, as torch's default_collate returns.
         return [collate(list(f), pool) for f in zip(*samples, strict=True)]
     return list(samples)
+
+
+def _owned(x: Any) -> Any:
+    return x.copy() if isinstance(x, np.ndarray) else x.clone()
 
 
 def _check_same(samples: Sequence[Any]) -> None:

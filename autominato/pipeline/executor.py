@@ -75,6 +75,7 @@ class ThreadWorkers:
         self._threads: set[threading.Thread] = set()  # started and not yet returned
         self._running: dict[int, tuple[Any, float]] = {}  # thread id -> (task, start time)
         self._abandoned: set[int] = set()
+        self._initing: set[int] = set()  # ids of threads running init
         self._slot: dict[int, int] = {}  # thread ident -> its id, while it serves
         self.in_flight = 0
         self._closed = False
@@ -152,10 +153,16 @@ class ThreadWorkers:
         tid = threading.get_ident()
         with self._lock:
             self._slot[tid] = slot
-        if self.init is not None and not self.init(slot):
+            if self.init is not None:
+                self._initing.add(tid)  # in user code: close waits for it like a busy one
+        if self.init is not None:
+            ok = self.init(slot)
             with self._lock:
-                self._end(slot)
-            return
+                self._initing.discard(tid)
+                if not ok:
+                    self._end(slot)
+            if not ok:
+                return
         while True:
             with self._lock:
                 if slot in self._retiring or self._closed:
@@ -196,7 +203,7 @@ class ThreadWorkers:
         with self._lock:
             self._closed = True
             threads = [t for t in self._threads if t.ident not in self._abandoned]
-            busy = {tid for tid in self._running if tid not in self._abandoned}
+            busy = {tid for tid in (*self._running, *self._initing) if tid not in self._abandoned}
         for _ in threads:
             self._q.put(_WAKE)
         now = time.monotonic()

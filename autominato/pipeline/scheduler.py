@@ -71,6 +71,10 @@ log = logging.getLogger("autominato.pipeline")
 #: The output slot of a queued process-worker task, taken as it leaves for a worker.
 _SLOT_LATER = object()
 
+#: Seconds between two passes that let idle slots and batch buffers give their memory back
+#: (each looks at a few dozen objects at most).
+DECAY_TICK_S = 0.25
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -226,6 +230,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self._next_expire = 0.0
+        self._next_decay = 0.0
         self._batch_ids = itertools.count()
         self._collating: dict[tuple, int] = {}  # batch key -> samples, until collated
         self.procs: ProcessExecutor | None = None
@@ -435,6 +440,11 @@ class Pipeline:
                         ev = None
                 self._expire()
                 self._dispatch()
+                now = time.monotonic()
+                if now >= self._next_decay:  # idle memory goes back (see shm.DECAY_S)
+                    self._next_decay = now + DECAY_TICK_S
+                    self.slots.decay(now)
+                    self.batch_pool.decay(now)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")
             self._fail_all(e)

@@ -256,6 +256,7 @@ class SlotPool:
         self._tag = f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self._n = 0
         self._warned = False
+        self._punch = True  # False once the file system refused to punch a hole
         self.closed = False
         reap_stale_segments()
         # Held for the pool's life: a lock that anyone can take marks an owner that died
@@ -292,7 +293,6 @@ class SlotPool:
                 except OSError:
                     self._drop(slot)  # /dev/shm filled up meanwhile: travel another way
                     return None
-                self._decay()
                 return slot
             # Grow: replace the largest too-small free slot, or add one within the budgets.
             if self._free and len(self._all) >= self.max_slots:
@@ -340,17 +340,26 @@ class SlotPool:
             else:
                 slot.freed_at = time.monotonic()
                 self._free.append(slot)
-                self._decay()
 
-    def _decay(self) -> None:
-        """Free slots unused for :data:`DECAY_S` seconds give their memory back (lock held)."""
-        old = time.monotonic() - DECAY_S
-        for slot in self._free:
-            if slot.warm and slot.freed_at < old:
-                try:
-                    slot.release_memory()
-                except (OSError, ValueError):  # pragma: no cover - no MADV_REMOVE here
-                    pass
+    def decay(self, now: float | None = None) -> int:
+        """Free slots unused for :data:`DECAY_S` seconds give their memory back; returns how
+        many did. Called from the scheduler's periodic tick, not on the hot path, so that the
+        memory goes back during a pause (between epochs, a validation pass) rather than when
+        the next epoch asks for slots again."""
+        if not self._punch:
+            return 0
+        old = (time.monotonic() if now is None else now) - DECAY_S
+        done = 0
+        with self._lock:
+            for slot in self._free:
+                if slot.warm and slot.freed_at < old:
+                    try:
+                        slot.release_memory()
+                    except (OSError, ValueError):  # a file system that cannot punch holes
+                        self._punch = False
+                        return done
+                    done += 1
+        return done
 
     def get(self, name: str) -> Slot:
         return self._all[name]
