@@ -59,8 +59,9 @@ def shm_free_bytes() -> int:
 
 #: Seconds a free slot (or an idle pooled batch buffer, see ``collate.BatchPool``) keeps its
 #: memory before giving it back; reusing it then costs its page faults again (on this
-#: project's machines writing 64 MiB took 52 ms into given-back pages, 10 ms into warm ones). Allocators decay idle memory the same way (jemalloc's ``dirty_decay_ms``, 10 s
-#: by default); a shorter time suits buffers of tens of MB that a loader needs only in bursts
+#: project's machines writing 64 MiB took 52 ms into given-back pages, 10 ms into warm
+#: ones). Allocators decay idle memory the same way (jemalloc's ``dirty_decay_ms``, 10 s by
+#: default); a shorter time suits buffers of tens of MB that a loader needs only in bursts
 #: (the end of an epoch, a full prefetch queue).
 DECAY_S = 1.0
 
