@@ -505,7 +505,7 @@ def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_p
 
 
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
-    wl = tiny(6)
+    wl = replace(tiny(6), shuffle=True)  # each epoch in its own random order, in every arm
     res = run_workload(wl, options(tmp_path, arms=["dataloader", "spdl", "torchdata",
                                                    "autominato", "autominato-drain"], epochs=3,
                                     floor=False))
@@ -521,6 +521,19 @@ def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
            "busy": [], "batches": 6}
     rec = _record(wl, Arm("x", "dataloader"), 0, 0, 1.0, raw)
     assert rec.status == "wrong: epoch 1 delivered 6 samples (5 distinct) of 6"
+
+
+def test_a_shuffled_bench_gives_every_arm_the_loaders_order_for_each_epoch():
+    from autominato import Loader
+    from autominato.bench.workload import EpochIndices
+
+    sampler = EpochIndices(10, seed=4, shuffle=True)
+    peers = [[i for _, i in sampler] for _ in range(3)]  # a DataLoader's three passes
+    with Loader(list(range(10)), batch_size=1, shuffle=True, seed=4, workers=0, in_order=True,
+                autotune=False) as loader:
+        ours = [[int(b) for b in loader] for _ in range(3)]
+    assert peers == ours and peers[0] != peers[1] and sorted(peers[0]) == list(range(10))
+    assert [i for _, i in EpochIndices(10)] == list(range(10))  # the default: fixed order
 
 
 def test_ranks_keep_rank_zeros_share_of_each_epoch():

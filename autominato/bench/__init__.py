@@ -91,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="every arm takes each epoch in the same random order (autominato's shuffle for "
+        "--seed; as training does), not 0..n-1 (with a fixed order an in-order DataLoader's "
+        "workers get the same samples every epoch)",
+    )
+    g.add_argument(
         "--no-isolate",
         action="store_true",
         help="run every arm in this process instead of a fresh one per run",
@@ -371,6 +378,8 @@ def run(args: argparse.Namespace) -> int:
     if "synthetic" in args.workload:
         for scenario in args.scenario:
             workloads.append(_synthetic(args, scenario))
+    if args.shuffle:
+        workloads = [replace(wl, shuffle=True) for wl in workloads]
     try:
         tuned = _tuned_configs(args.tuned_config or [], [wl.name for wl in workloads])
     except ValueError as e:

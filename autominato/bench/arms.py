@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.bench.workload import EpochIndices, SampleFn, Workload, sample_rng
+from autominato.bench.workload import EpochIndices, SampleFn, Workload, epoch_indices, sample_rng
 
 #: Arm names in the order the report lists them.
 ARM_NAMES = (
@@ -236,7 +236,7 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         dl = DataLoader(
             SampleFn(wl),
             batch_size=wl.batch_size,
-            sampler=EpochIndices(len(wl)),
+            sampler=EpochIndices(len(wl), wl.seed, wl.shuffle),
             num_workers=workers,
             pin_memory=bool(p.get("pin_memory", True)),
             prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
@@ -256,7 +256,7 @@ def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     import torchdata.nodes as tn
     from torch.utils.data import default_collate
 
-    node: Any = tn.SamplerWrapper(EpochIndices(len(wl)))
+    node: Any = tn.SamplerWrapper(EpochIndices(len(wl), wl.seed, wl.shuffle))
     mapper = tn.ParallelMapper(
         node,
         map_fn=SampleFn(wl),
@@ -325,7 +325,7 @@ class _SpdlEpochs:
         self.epoch += 1
         self.pipeline = (
             PipelineBuilder()
-            .add_source(range(len(self.wl)))
+            .add_source(epoch_indices(len(self.wl), self.epoch, self.wl.seed, self.wl.shuffle))
             .pipe(_SpdlRead(self.wl), concurrency=rc)
             .pipe(_SpdlTransform(self.wl, self.epoch), concurrency=self.tc, executor=self.executor)
             .aggregate(self.wl.batch_size, drop_last=False)
@@ -353,7 +353,7 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
 
     kwargs: dict[str, Any] = {
         "batch_size": wl.batch_size,
-        "shuffle": False,
+        "shuffle": wl.shuffle,  # Loader(shuffle=True, seed) draws epoch_indices' order
         "transform": wl.indexed_transform(),
         "seed": wl.seed,
         "autotune": bool(p.get("autotune", True)),

@@ -242,17 +242,21 @@ class SampleFn:
 
 
 class EpochIndices:
-    """A sequential sampler of ``(epoch, index)`` pairs whose epoch counts its passes.
+    """A sampler of ``(epoch, index)`` pairs whose epoch counts its passes.
 
     Pass ``k`` (the ``k``-th ``iter``, from 0, unless ``set_epoch`` named the next one, as
-    ``torchdata.nodes.SamplerWrapper`` does) yields ``(k, 0), (k, 1), ..., (k, n - 1)``. It
+    ``torchdata.nodes.SamplerWrapper`` does) yields ``(k, i)`` for ``i`` in
+    :func:`epoch_indices` ``(n, k, seed, shuffle)``: ``0 .. n - 1``, or with ``shuffle`` the
+    permutation that ``autominato.Loader(shuffle=True, seed=seed)`` draws for epoch ``k``. It
     runs in the training process (a DataLoader's sampler does, with persistent workers too),
     so the peers' workers receive the epoch with each index and every epoch's augmentation is
     the one autominato draws for it: the arms do the same work, epoch by epoch.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, seed: int = 0, shuffle: bool = False) -> None:
         self.n = n
+        self.seed = seed
+        self.shuffle = shuffle
         self.next_epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -264,7 +268,16 @@ class EpochIndices:
     def __iter__(self) -> Iterator[tuple[int, int]]:
         e = self.next_epoch
         self.next_epoch = e + 1
-        return ((e, i) for i in range(self.n))
+        return ((e, i) for i in epoch_indices(self.n, e, self.seed, self.shuffle))
+
+
+def epoch_indices(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """Epoch ``epoch``'s order of ``n`` samples in every arm: ``0 .. n - 1``, or with
+    ``shuffle`` ``autominato.Loader``'s permutation for ``seed`` and ``epoch``
+    (``DistributedSampler``'s rule: ``torch.randperm`` seeded with ``seed + epoch``)."""
+    from autominato.pipeline.sampler import epoch_order
+
+    return epoch_order(n, epoch=epoch, seed=seed, shuffle=shuffle)
 
 
 @dataclass
@@ -284,6 +297,10 @@ class Workload:
             included; for I/O-bound scenarios).
         step_factor: multiplies the calibrated step.
         cleanup: folders to delete when the benchmark ends (on-disk synthetic samples).
+        shuffle: every arm takes each epoch's samples in the same random order
+            (:func:`epoch_indices`) instead of ``0 .. n - 1``. With a fixed order, an in-order
+            DataLoader gives each worker the same samples every epoch, so its workers' memory
+            peaks (and costs) differ by which samples they always get.
     """
 
     name: str
@@ -296,6 +313,7 @@ class Workload:
     step_basis: str = "cpu"
     step_factor: float = 1.0
     cleanup: list[str] = field(default_factory=list)
+    shuffle: bool = False
 
     def __len__(self) -> int:
         return len(self.dataset)
