@@ -167,8 +167,10 @@ def test_an_idle_batch_buffer_gives_its_pages_back_after_the_decay_time_and_is_r
     assert pool.decay() == 0  # idle from now on
     time.sleep(0.3)
     rss = me.memory_info().rss
+    assert pool.resident_bytes() == 2 * (32 << 20)
     assert pool.decay() == 1  # idle for 0.3 s: its pages go back
     assert rss - me.memory_info().rss >= (32 << 20) * 0.9
+    assert pool.resident_bytes() == 32 << 20 and pool.bytes == 2 * (32 << 20)
     del b  # b goes idle now: the warm one is taken first, the cold one next
     again, c = pool.acquire(shape, np.float32), pool.acquire(shape, np.float32)
     assert again[0, 0, 0, 0] == 2 and c[0, 0, 0, 0] == 0

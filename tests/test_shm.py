@@ -218,8 +218,10 @@ def test_a_free_slot_unused_for_the_decay_time_gives_its_memory_back_and_is_rese
         time.sleep(0.3)
         pool.release(hot)
         before = _shm_used()
+        assert pool.resident_bytes() == 2 * size
         assert pool.decay() == 1  # the scheduler's tick: only the slot free for 0.3 s
         after = _shm_used()
+        assert pool.resident_bytes() == size
         assert before - after >= size * 0.9, (before, after)  # the cold slot's 32 MiB, not hot's
         assert not cold.warm and hot.warm
         assert theirs[:4] == b"\0\0\0\0"  # the worker's mapping stays valid, now zeros

@@ -140,6 +140,12 @@ class BatchPool:
                 self.bytes += buf.nbytes
             return buf
 
+    def resident_bytes(self) -> int:
+        """Bytes of the kept buffers that have their pages (:attr:`bytes` counts all)."""
+        with self._lock:
+            return sum(b.nbytes for bufs in self._bufs.values() for b in bufs
+                       if self._meta[id(b)].warm)
+
     def decay(self, now: float | None = None) -> int:
         """Buffers idle for ``shm.DECAY_S`` seconds (since a pass first saw only the pool
         hold them, not since their last acquire: a batch may wait in the prefetch queue and

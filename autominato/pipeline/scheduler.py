@@ -399,7 +399,9 @@ class Pipeline:
 
     @property
     def pool_bytes(self) -> int:
-        return self.slots.bytes + self.batch_pool.bytes
+        """Memory the pools hold now, bytes: slots and batch buffers that have their pages
+        (one that gave them back after ``shm.DECAY_S`` idle seconds is not counted)."""
+        return self.slots.resident_bytes() + self.batch_pool.resident_bytes()
 
     def close(self) -> None:
         """Stop every thread and worker and unlink the shared memory. Idempotent."""

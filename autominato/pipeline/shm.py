@@ -342,6 +342,11 @@ class SlotPool:
                 slot.freed_at = time.monotonic()
                 self._free.append(slot)
 
+    def resident_bytes(self) -> int:
+        """Bytes of the slots that have their pages (:attr:`bytes` counts every slot)."""
+        with self._lock:
+            return sum(s.size for s in self._all.values() if s.warm)
+
     def decay(self, now: float | None = None) -> int:
         """Free slots unused for :data:`DECAY_S` seconds give their memory back; returns how
         many did. Called from the scheduler's periodic tick, not on the hot path, so that the

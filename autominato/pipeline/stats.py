@@ -157,7 +157,8 @@ class LoaderSnapshot:
         h2d_bytes_total / h2d_seconds_total: host-to-device copies (0 without CUDA).
         knobs: current knob values by name.
         sample_bytes: mean bytes of one transformed sample (0 before the first).
-        pool_bytes: bytes held by the buffer pool (shared-memory slots and batch buffers).
+        pool_bytes: memory held by the buffer pool (shared-memory slots and batch buffers that
+            have their pages; idle ones give them back after ``shm.DECAY_S`` s), bytes.
         nodes: with Ray workers, the transform actors by node (:class:`NodeSnapshot`), else ().
         speculative_discarded_total: samples started for a next epoch that the training loop
             did not ask for (another epoch, order or sampler), so discarded.

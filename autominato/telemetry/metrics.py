@@ -170,7 +170,7 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         (),
     ),
     "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),
-    "autominato_pool_bytes": ("gauge", "Bytes held by the buffer pool, bytes.", ()),
+    "autominato_pool_bytes": ("gauge", "Memory held by the buffer pool (slots and batch buffers that have their pages), bytes.", ()),
     "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),
     # Remote transform workers (worker_kind="ray"), by node: a bounded label (MAX_NODES).
     "autominato_remote_workers": (
