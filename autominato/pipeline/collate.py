@@ -46,6 +46,7 @@ _IDLE = _refcount([np.empty(0)], 0)
 #: idle buffer gives back (``MADV_DONTNEED``) after ``shm.DECAY_S`` seconds; smaller ones come
 #: from the allocator (their pages are cheap to keep).
 DECAY_MIN_BYTES = 1 << 20
+_CAN_DECAY = hasattr(mmap, "MADV_DONTNEED")
 
 
 class _Meta:
@@ -203,7 +204,7 @@ class BatchPool:
             t = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
             return t.numpy(), None
         n = int(np.prod(shape, dtype=np.int64))
-        if n * dtype.itemsize < DECAY_MIN_BYTES or not hasattr(mmap, "MADV_DONTNEED"):
+        if n * dtype.itemsize < DECAY_MIN_BYTES or not _CAN_DECAY:
             return np.empty(shape, dtype), None
         # Its own mapping: freed with the array, and its pages can be given back while kept.
         map_ = mmap.mmap(-1, n * dtype.itemsize, flags=mmap.MAP_PRIVATE)

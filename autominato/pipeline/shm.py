@@ -65,6 +65,10 @@ def shm_free_bytes() -> int:
 #: (the end of an epoch, a full prefetch queue).
 DECAY_S = 1.0
 
+#: Whether a slot can give its pages back and take them again (Linux: ``MADV_REMOVE`` and
+#: ``posix_fallocate``); a file system may still refuse (see ``SlotPool.decay``).
+CAN_PUNCH = hasattr(mmap, "MADV_REMOVE") and hasattr(os, "posix_fallocate")
+
 
 class Slot:
     """One shared-memory segment owned by the main process.
@@ -93,8 +97,13 @@ class Slot:
 
     def release_memory(self) -> None:
         """Give the segment's pages back (``MADV_REMOVE`` punches a hole in the file: every
-        mapping, the workers' too, then reads zeros); :meth:`reserve` takes them again."""
-        if self.warm and hasattr(mmap, "MADV_REMOVE") and hasattr(os, "posix_fallocate"):
+        mapping, the workers' too, then reads zeros); :meth:`reserve` takes them again.
+
+        Raises:
+            OSError: the file system cannot punch holes (``EOPNOTSUPP``). Only call it where
+                :data:`CAN_PUNCH`.
+        """
+        if self.warm:
             self.mmap.madvise(mmap.MADV_REMOVE)
             self.warm = False
 
@@ -257,7 +266,7 @@ class SlotPool:
         self._tag = f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self._n = 0
         self._warned = False
-        self._punch = True  # False once the file system refused to punch a hole
+        self._punch = CAN_PUNCH  # False once the file system refused to punch a hole
         self.closed = False
         reap_stale_segments()
         # Held for the pool's life: a lock that anyone can take marks an owner that died
