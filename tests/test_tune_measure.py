@@ -68,12 +68,47 @@ def test_report_callback_can_stop_the_trial():
     class Stop(Exception):
         pass
 
+    calls: list[int] = []
+
     def stop(i, idle):
+        calls.append(i)
         raise Stop(i)
 
-    loader = FakeLoader(n=50)
+    loader = FakeLoader(n=50, delay=0.01)
     with pytest.raises(Stop):
-        measure(loader, SleepStep(0.0), warmup_batches=0, window_batches=12, report_every=2, on_report=stop)
+        measure(loader, SleepStep(0.0), warmup_batches=0, window_batches=40, report_every=2, on_report=stop)
+    assert calls == [2]  # reports run on their own thread; none after the one that raised
+    assert len(loader.epochs) == 1  # the trial stopped within its first epoch (of 50)
+
+
+class Paced:
+    """A loader whose producer makes one batch every ``period`` s whatever the consumer does
+    (a pipeline with deep queues): over a long window a step of ``s`` < ``period`` waits
+    ``period - s`` per batch."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+
+    def __iter__(self):
+        t0 = time.perf_counter()
+        for k in range(1, 10_000):
+            due = t0 + k * self.period
+            if (left := due - time.perf_counter()) > 0:
+                time.sleep(left)
+            yield torch.zeros(2, 3)
+
+
+def test_a_slow_report_does_not_hide_the_loaders_deficit():
+    """The reports (a database write for Optuna) used to run between the step's batches: the
+    producer filled the queue meanwhile, and a loader 40% too slow measured ~0 idle."""
+
+    def slow_report(i, idle):
+        time.sleep(0.1)  # longer than the producer needs for the two batches since the last
+
+    m = measure(Paced(0.05), SleepStep(0.03), warmup_batches=1, window_batches=12,
+                report_every=2, on_report=slow_report)
+    # (0.05 - 0.03) / 0.05 = 0.4 idle; a loaded machine stretches the step's sleeps a little
+    assert m.idle_ratio > 0.25
 
 
 def test_memory_over_the_budget_raises_with_both_numbers():
