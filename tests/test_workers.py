@@ -278,6 +278,38 @@ def test_when_the_fork_server_dies_workers_keep_serving_and_failed_starts_are_de
         pw.close()
 
 
+def test_a_start_that_fails_reports_its_reason_before_its_death_and_one_death(monkeypatch):
+    """start_one's failure (here: no zygote can be made, the spec is unpicklable) is reported
+    as ("fatal", reason) then ("died", wid); the collector thread, which sees the worker's
+    connection end meanwhile, must not post the death first, nor a second one (it did, under
+    load: the scheduler then counted a start-up death before it knew the reason)."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    pw = ProcessWorkers(WorkSpec(HoldsALock(4), None, False, 0), events.put, "fork", initial=1)
+    try:
+        await_ready(pw, events)
+        os.kill(pw._zygote.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not pw._zygote.gone and time.monotonic() < deadline:
+            time.sleep(0.01)
+        failed = pw._start_failed
+
+        def slow_start_failed(w, e):
+            time.sleep(1.2)  # the collector rebuilds its list every 0.5 s: it sees the end
+            failed(w, e)
+
+        monkeypatch.setattr(pw, "_start_failed", slow_start_failed)
+        new = pw.start_one()
+        time.sleep(0.5)
+        mine = []
+        while not events.empty():
+            ev = events.get()
+            if ev[1] == new.wid:
+                mine.append(ev)
+        assert [ev[0] if ev[0] == "died" else ev[2][0] for ev in mine] == ["fatal", "died"]
+    finally:
+        pw.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Forked workers after OpenMP work in the training process
 

@@ -248,6 +248,9 @@ class _Child:
         self.exitcode: int | None = None
         self.exited = threading.Event()
         self.stop_deadline: float | None = None  # asked to stop: SIGKILL it after this
+        # start_one is asking a zygote for it: its connection's end, or its zygote's, is
+        # start_one's to report (else the collector could post its death before the reason)
+        self.starting = False
 
     @property
     def forked(self) -> bool:
@@ -413,6 +416,7 @@ class ProcessWorkers:
         parent, child = mp.Pipe(duplex=True)  # a socket pair: the worker's line to us
         # Before any other thread uses ``parent`` (see shm.fd_socket)
         w = ProcWorker(wid, _Child(None), parent, fd_sock=fd_socket(parent.fileno()))
+        w.proc.starting = True
         with self._lock:
             taken = {v.slot for v in self.workers.values() if not v.retiring}
             while w.slot in taken:
@@ -438,6 +442,8 @@ class ProcessWorkers:
                 pass  # it did not start: the zygote reports that
         except (OSError, ValueError) as e:
             self._start_failed(w, e)
+        finally:
+            w.proc.starting = False
         self._wake()
         return w
 
@@ -569,7 +575,8 @@ class ProcessWorkers:
     def _collect(self) -> None:
         while not self._stop_collector:
             with self._lock:
-                conns = {w.conn: w for w in self._children.values() if not w.proc.eof and not w.conn.closed}
+                conns = {w.conn: w for w in self._children.values()
+                         if not w.proc.eof and not w.conn.closed and not w.proc.starting}
                 ctrls = {z.ctrl: z for z in self._zygotes if not z.gone}
             try:
                 ready = wait([self._wake_r, *conns, *ctrls], timeout=0.5)
@@ -641,7 +648,8 @@ class ProcessWorkers:
             log.warning("the transform workers' fork server (pid %s) ended (%s); later workers "
                         "start from a new one", z.pid, _how(code))
         fatal = z.fatal
-        for w in [w for w in list(self._children.values()) if w.proc.zygote is z]:
+        for w in [w for w in list(self._children.values())
+                  if w.proc.zygote is z and not w.proc.starting]:
             if w.pid is not None and not self._drain(w):
                 continue  # running: an orphan now, whose end shows as its connection's end
             if fatal is not None and w.pid is None:
