@@ -390,28 +390,46 @@ def test_tuned_configs_are_given_per_workload_or_for_all(tmp_path):
         _tuned_configs([str(tmp_path / "missing.yaml")], names)
 
 
-def test_a_hung_run_times_out_and_its_process_group_is_killed():
+def test_a_hung_run_times_out_and_its_process_group_is_killed(monkeypatch):
+    import subprocess
+
     import psutil
 
+    from autominato.bench import runner
+
+    children: list[int] = []
+
+    class Spy(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            children.append(self.pid)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Spy)
     wl = synthetic_workload(None, samples=2, batch_size=2, sample_mb=0.01, read_latency_s=600.0)
     arm = Arm("dataloader", "dataloader", {"num_workers": 1, "prefetch_factor": 2})
-    before = {p.pid for p in psutil.process_iter()}
     with pytest.raises(RunFailed) as failed:
         run_once(
             RunSpec(wl, arm, Context(cores=CORES), {"kind": "sleep", "step_s": 0.0}, sampler_interval=0.05), timeout_s=6.0
         )
     assert failed.value.status == "timeout"
-    # 6 s is past the child's start-up on an idle machine: its forked DataLoader worker (same
-    # command line) is asleep in the read, and must be gone too.
+    assert len(children) == 1
+    # 6 s is past the child's start-up on an idle machine: its forked DataLoader worker (in
+    # the child's process group, the group the child leads) is asleep in the read, and must
+    # be gone too. Only that group is looked at: other test processes may run bench children.
     # SIGKILL is asynchronous, and a loaded machine may take a while to reap: poll (10 s).
+    def in_group() -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == children[0] and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return out
+
     left: list = []
     for _ in range(100):
-        new = [p for p in psutil.process_iter(["cmdline", "status"]) if p.pid not in before]
-        left = [
-            p for p in new
-            if "autominato.bench.child" in " ".join(p.info["cmdline"] or [])
-            and p.info["status"] != psutil.STATUS_ZOMBIE
-        ]
+        left = in_group()
         if not left:
             break
         time.sleep(0.1)
@@ -590,3 +608,34 @@ def test_every_arm_draws_each_epochs_augmentation_in_that_epoch():
         finally:
             close()
         assert got == want, name
+
+
+def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thread():
+    import multiprocessing as mp
+
+    import psutil
+
+    from autominato.bench.measure import ForkedTreeSampler
+    from autominato.pipeline.spawn import can_fork_now
+
+    def hog(seconds: float) -> None:
+        block = np.ones(200 * 2**20 // 8)  # 200 MiB, written
+        t = time.process_time()
+        while time.process_time() - t < seconds:
+            block[::4096] += 1.0
+
+    if not can_fork_now():
+        pytest.skip("this test process runs more than one thread")
+    s = ForkedTreeSampler(interval=0.05).start()
+    try:
+        assert can_fork_now()  # no sampler thread here: a loader would fork its workers
+        child = mp.get_context("fork").Process(target=hog, args=(0.6,))
+        child.start()
+        child.join()
+    finally:
+        usage = s.stop()
+    assert child.exitcode == 0
+    assert usage.cpu_s >= 0.3  # the child's spin (and the allocation), seen from outside
+    assert usage.peak_pss_bytes - usage.start_pss_bytes >= 150 * 2**20
+    assert usage.samples >= 5
+    assert s._pid not in {c.pid for c in psutil.Process().children()}  # reaped

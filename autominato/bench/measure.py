@@ -1,6 +1,7 @@
 """What the benchmark measures, the same way for every arm.
 
-* :class:`TreeSampler`: a thread that reads a process tree with the process meter
+* :class:`TreeSampler`: a thread (:class:`ForkedTreeSampler`: a forked child process) that
+  reads a process tree with the process meter
   (:mod:`autominato.telemetry.process`) and sums CPU-seconds and PSS (proportional set size:
   shared pages, ``/dev/shm`` included, are split between the processes that map them, so the
   sum over a tree counts each page once).
@@ -14,6 +15,10 @@
 from __future__ import annotations
 
 import bisect
+import os
+import pickle
+import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -58,9 +63,10 @@ class TreeSampler:
     ``start_method="auto"``) then behaves as it would in a training script.
     """
 
-    def __init__(self, interval: float = 0.05, pid: int | None = None) -> None:
+    def __init__(self, interval: float = 0.05, pid: int | None = None,
+                 exclude: Iterable[int] = ()) -> None:
         self.interval = interval
-        self.meter = ProcessMeter(pid, children=True, pss=True)
+        self.meter = ProcessMeter(pid, children=True, pss=True, exclude=exclude)
         self._base = 0.0
         self.series: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
@@ -101,6 +107,99 @@ class TreeSampler:
             start_pss_bytes=int(rows[0][2]),
             samples=len(rows),
         )
+
+
+class ForkedTreeSampler(TreeSampler):
+    """A :class:`TreeSampler` of this process's tree that runs in a forked child process
+    (which it leaves out of the tree) instead of a thread: this process keeps one thread, so
+    a loader built in it forks its workers as in a training script (with a sampler thread
+    beside it, autominato's ``start_method="auto"`` starts them from a new interpreter,
+    ~2.5 s). Fork only while this process runs one thread (:func:`~autominato.pipeline.
+    spawn.can_fork_now`); the child runs nothing but the meter.
+
+    The child is stopped by a byte on a pipe and answers with its series on another, length
+    first: processes forked from this one later (the loader's) inherit both pipes, so neither
+    end's closing can be the signal.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.series = []
+        self._pid = 0
+
+    def start(self) -> ForkedTreeSampler:
+        stop_r, self._stop_w = os.pipe()
+        self._out_r, out_w = os.pipe()
+        root = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover -- the child; its figures come back to the parent
+            code = 1
+            try:
+                os.close(self._stop_w)
+                os.close(self._out_r)
+                sampler = TreeSampler(self.interval, pid=root, exclude=[os.getpid()])
+                r = sampler.meter.read()
+                sampler._base = r.cpu_seconds_total
+                sampler.series = [(r.time, 0.0, r.pss_bytes)]
+                os.write(out_w, b"+")  # the first sample is taken: the span may start
+                while not select.select([stop_r], [], [], self.interval)[0]:
+                    sampler._record()
+                sampler._record()
+                data = pickle.dumps(sampler.series)
+                _write_all(out_w, struct.pack("<Q", len(data)) + data)
+                code = 0
+            finally:
+                os._exit(code)
+        self._pid = pid
+        os.close(stop_r)
+        os.close(out_w)
+        if _read_exactly(self._out_r, 1) != b"+":
+            self._reap()
+            raise RuntimeError("the forked tree sampler ended before its first sample")
+        return self
+
+    def stop(self) -> TreeUsage:
+        """Stop the child, take its series and return the usage since :meth:`start`.
+
+        Raises:
+            RuntimeError: the child ended without its series.
+        """
+        try:
+            os.write(self._stop_w, b".")
+            head = _read_exactly(self._out_r, 8)
+            data = _read_exactly(self._out_r, struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+        finally:
+            self._reap()
+        if len(head) != 8 or not data:
+            raise RuntimeError("the forked tree sampler ended without its figures")
+        self.series = pickle.loads(data)
+        return self.usage_between(self.series[0][0], self.series[-1][0])
+
+    def _reap(self) -> None:
+        for fd in (self._stop_w, self._out_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        os.waitpid(self._pid, 0)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    """``n`` bytes from ``fd``, fewer only at end of file."""
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from autominato.bench.arms import (
     preload,
 )
 from autominato.bench.arms import unavailable as arm_unavailable
-from autominato.bench.measure import NvmlSampler, TreeSampler, consume
+from autominato.bench.measure import ForkedTreeSampler, NvmlSampler, TreeSampler, consume
 from autominato.bench.step import make_step, unet_step
 from autominato.bench.workload import (
     SampleFn,
@@ -59,6 +59,7 @@ from autominato.bench.workload import (
     measure_serial,
     physical_limit,
 )
+from autominato.pipeline.spawn import can_fork_now
 
 
 @dataclass
@@ -156,7 +157,12 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     preload(spec.arm)
     step = make_step(spec.step)
     inproc = spec.sample_in_process
-    sampler = TreeSampler(spec.sampler_interval).start() if inproc else None
+    sampler = None
+    if inproc:
+        # A sampler thread here would make autominato's loader start its workers from a new
+        # interpreter; a forked sampler leaves this process one thread, as a training script.
+        kind = ForkedTreeSampler if can_fork_now() else TreeSampler
+        sampler = kind(spec.sampler_interval).start()
     gpu = NvmlSampler().start() if spec.nvml and inproc else None
     try:
         c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step, spec.epochs)

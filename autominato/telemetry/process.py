@@ -107,15 +107,18 @@ class ProcessMeter:
         pid: the root process; default this one.
         children: also read every descendant of the root.
         pss: also read each process's PSS (see the module doc for its cost).
+        exclude: descendants never read (a sampler that is itself a child of the root).
 
     Raises:
         psutil.NoSuchProcess: no process ``pid``.
     """
 
-    def __init__(self, pid: int | None = None, *, children: bool = False, pss: bool = False):
+    def __init__(self, pid: int | None = None, *, children: bool = False, pss: bool = False,
+                 exclude: Iterable[int] = ()):
         self.root = psutil.Process(pid)
         self.children = children
         self.pss = pss
+        self.exclude = frozenset(exclude)
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
         self._waited: dict[tuple[int, float], float] = {}
@@ -133,7 +136,7 @@ class ProcessMeter:
 
     def _tree(self, pids: Iterable[int]) -> list[psutil.Process]:
         out = [self.root]
-        seen = {self.root.pid}
+        seen = {self.root.pid, *self.exclude}
         found: list[tuple[int, psutil.Process | None]] = []
         if self.children:
             try:
