@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # The CPU build that lies on this project's machines; on a GPU machine an installed
 # torch >= 2.6 in the venv is kept (pip only installs torch when none is importable).
 TORCH_SPEC ?= torch==2.13.0
+# Test processes (pytest-xdist): the suite mostly waits (timeouts, steps, start-ups), so two
+# processes on the 2-core machine take ~0.6x the time of one; see tests/conftest.py.
+TEST_JOBS ?= 2
 
 .PHONY: setup run test lint clean
 
@@ -21,7 +24,7 @@ run: setup
 	$(VENV)/bin/autominato run --steps 30
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check autominato tests
