@@ -59,10 +59,10 @@ def _no_loader_thread_left(request):
 #: Test files by measured duration (``pytest --durations=0``, seconds on the 2-core machine),
 #: longest first: the order in which the two xdist processes take them (longest first keeps
 #: one long file from running alone at the end). Files not listed follow in their order.
-_LONGEST_FIRST = ("ray", "test_bench", "test_reliability", "test_workers", "test_loader",
-                  "test_tune", "test_parity", "test_bench_kits19", "test_dashboards_prometheus",
-                  "test_iterable", "test_loader_edges", "test_resume", "test_tune_noise",
-                  "test_lightning")
+_LONGEST_FIRST = ("ray", "test_workers", "test_bench", "test_reliability", "test_tune",
+                  "test_loader", "test_parity", "test_iterable", "test_lightning",
+                  "test_dashboards_prometheus", "test_bench_kits19", "test_resume",
+                  "test_loader_edges", "test_tune_noise")
 
 
 def _group_of(path_stem: str) -> str:
@@ -82,6 +82,8 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # keep _LONGEST_FIRST, not the most tests first
 
     class Groups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
