@@ -3,6 +3,7 @@ the orderings hold on a busy machine: a sleep never returns early)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -74,11 +75,51 @@ def test_report_callback_can_stop_the_trial():
         calls.append(i)
         raise Stop(i)
 
-    loader = FakeLoader(n=50, delay=0.01)
+    drawn = []
+
+    class Counted(FakeLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                drawn.append(1)
+                yield batch
+
     with pytest.raises(Stop):
-        measure(loader, SleepStep(0.0), warmup_batches=0, window_batches=40, report_every=2, on_report=stop)
+        measure(Counted(n=50, delay=0.01), SleepStep(0.0), warmup_batches=0, window_batches=40,
+                report_every=2, on_report=stop)
     assert calls == [2]  # reports run on their own thread; none after the one that raised
-    assert len(loader.epochs) == 1  # the trial stopped within its first epoch (of 50)
+    assert len(drawn) < 20  # the trial stopped soon after the report, not at its window's end
+
+
+def test_reports_start_their_thread_only_after_the_first_batches():
+    """With no warm-up the loader builds its workers at the window's first batch: no report
+    thread may run then (autominato's loader would start them from a new interpreter)."""
+    names_at_first_batch = []
+
+    class Watched(FakeLoader):
+        def __iter__(self):
+            names_at_first_batch.append([t.name for t in threading.enumerate()])
+            yield from super().__iter__()
+
+    seen = []
+    measure(Watched(n=50), SleepStep(0.0), warmup_batches=0, window_batches=6, report_every=2,
+            on_report=lambda i, idle: seen.append(i))
+    assert "autominato-tune-report" not in names_at_first_batch[0]
+    assert seen == [2, 4]
+
+
+def test_reports_slower_than_the_batches_do_not_pile_up():
+    seen = []
+
+    def slow(i, idle):
+        seen.append(i)
+        time.sleep(0.1)
+
+    m = measure(FakeLoader(n=100), SleepStep(0.01), warmup_batches=0, window_batches=30,
+                report_every=1, on_report=slow)
+    assert m.batches == 30
+    # One waits at most, the newest: far fewer than the 29 posted, in order, and the last
+    # one reported is recent (not a backlog drained after the window).
+    assert seen == sorted(seen) and len(seen) < 15 and seen[-1] >= 20
 
 
 class Paced:

@@ -19,7 +19,6 @@ configurations.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -159,6 +158,7 @@ def measure(
     t1 = time.perf_counter()
     cpu0 = read().cpu_seconds_total
     reporter = _Reporter(on_window_report) if report_every else None
+    finished = False
     try:
         for i in range(1, window_batches + 1):
             if reporter is not None:
@@ -174,9 +174,12 @@ def measure(
             if reporter is not None and i % report_every == 0 and i < window_batches:
                 reporter.post(i, idle_ratio(wait, busy))
         t2 = time.perf_counter()
+        finished = True
     finally:
         if reporter is not None:
-            reporter.close()  # the meter is read by one thread at a time
+            # the meter is read by one thread at a time; a report still pending is dropped
+            # when the loop is raising
+            reporter.close(drain=finished)
     if reporter is not None:
         reporter.raise_error()
     end = read()
@@ -196,25 +199,42 @@ def measure(
 
 
 class _Reporter:
-    """Runs the window's reports on a thread of its own, in order; the first exception one
-    raises (``optuna.TrialPruned``, :class:`MemoryBudgetExceeded`) is kept for the step's
-    thread to raise at its next batch, and the reports posted after it are dropped."""
+    """Runs the window's reports on a thread of its own, started at the first report (by
+    then the loader has built its workers: a thread running while it does would make
+    autominato's loader start them from a new interpreter, see ``spawn.can_fork_now``).
 
-    _END = None
+    At most one report waits: one posted while the thread is still busy replaces the one
+    not yet taken (the newer idle ratio supersedes it), so reports slower than the batches
+    never build a backlog. The first exception a report raises (``optuna.TrialPruned``,
+    :class:`MemoryBudgetExceeded`) is kept for the step's thread, which raises it before its
+    next batch; the reports after it are dropped.
+    """
 
     def __init__(self, report: ReportFn) -> None:
         self._report = report
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: tuple[int, float] | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="autominato-tune-report",
-                                        daemon=True)
-        self._thread.start()
 
     def post(self, batches: int, idle: float) -> None:
-        self._queue.put((batches, idle))
+        with self._cond:
+            self._pending = (batches, idle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="autominato-tune-report",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not self._END:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                item, self._pending = self._pending, None
+            if item is None:
+                return  # closed, nothing left
             if self.error is None:
                 try:
                     self._report(*item)
@@ -225,10 +245,15 @@ class _Reporter:
         if self.error is not None:
             raise self.error
 
-    def close(self) -> None:
-        """Wait for the reports posted so far, then end the thread."""
-        self._queue.put(self._END)
-        self._thread.join()
+    def close(self, drain: bool = True) -> None:
+        """End the thread: after the report that waits (``drain``) or dropping it."""
+        with self._cond:
+            self._closed = True
+            if not drain:
+                self._pending = None
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _batches(loader: Iterable[Any]):
