@@ -626,6 +626,9 @@ def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thr
 
     if not can_fork_now():
         pytest.skip("this test process runs more than one thread")
+    from autominato.telemetry.process import ProcessMeter
+
+    before = ProcessMeter(children=True, pss=True).read().pss_bytes
     s = ForkedTreeSampler(interval=0.05).start()
     try:
         assert can_fork_now()  # no sampler thread here: a loader would fork its workers
@@ -633,9 +636,32 @@ def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thr
         child.start()
         child.join()
     finally:
+        sampler_pid = s._pid
         usage = s.stop()
     assert child.exitcode == 0
     assert usage.cpu_s >= 0.3  # the child's spin (and the allocation), seen from outside
     assert usage.peak_pss_bytes - usage.start_pss_bytes >= 150 * 2**20
     assert usage.samples >= 5
-    assert s._pid not in {c.pid for c in psutil.Process().children()}  # reaped
+    # The fork shares this process's pages with the sampler (its PSS halved): the sampler
+    # adds its share back, so the tree's start is what it was before the fork.
+    assert abs(usage.start_pss_bytes - before) < 0.15 * before
+    assert s._pid == 0 and sampler_pid not in {c.pid for c in psutil.Process().children()}  # reaped
+
+
+def test_a_forked_tree_sampler_that_died_says_so_and_is_reaped():
+    import signal
+
+    from autominato.bench.measure import ForkedTreeSampler
+    from autominato.pipeline.spawn import can_fork_now
+
+    if not can_fork_now():
+        pytest.skip("this test process runs more than one thread")
+    s = ForkedTreeSampler(interval=0.05).start()
+    pid = s._pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="without its figures"):
+        s.stop()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped: no zombie left
+    with pytest.raises(RuntimeError):
+        s.stop()  # a second stop closes nothing twice

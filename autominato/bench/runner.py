@@ -157,18 +157,24 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     preload(spec.arm)
     step = make_step(spec.step)
     inproc = spec.sample_in_process
-    sampler = None
-    if inproc:
-        # A sampler thread here would make autominato's loader start its workers from a new
-        # interpreter; a forked sampler leaves this process one thread, as a training script.
-        kind = ForkedTreeSampler if can_fork_now() else TreeSampler
-        sampler = kind(spec.sampler_interval).start()
-    gpu = NvmlSampler().start() if spec.nvml and inproc else None
+    samplers: list[Any] = []  # [tree, gpu]: stopped, in that order, whatever happens
     try:
+        if inproc:
+            # A sampler thread here would make autominato's loader start its workers from a
+            # new interpreter; a forked sampler leaves this process one thread, as a script.
+            kind = ForkedTreeSampler if can_fork_now() else TreeSampler
+            samplers.append(kind(spec.sampler_interval).start())
+            if spec.nvml:
+                samplers.append(NvmlSampler().start())
         c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step, spec.epochs)
-    finally:
-        usage = sampler.stop() if sampler is not None else None
-        g = gpu.stop() if gpu is not None else None
+    except BaseException:
+        _stop_all(samplers, quiet=True)  # the run's exception is the one to see
+        raise
+    try:
+        usage, g = (_stop_all(samplers) + [None, None])[:2]
+    except BaseException:
+        close()
+        raise
     if not inproc:
         # Let the parent's sampler see the tree once after the span, before workers leave.
         time.sleep(3 * spec.sampler_interval)
@@ -195,6 +201,21 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         "pcie_rx_bytes_per_s": g.pcie_rx_bytes_per_s if g else nan,
         "pcie_tx_bytes_per_s": g.pcie_tx_bytes_per_s if g else nan,
     }
+
+
+def _stop_all(samplers: list[Any], quiet: bool = False) -> list[Any]:
+    """Stop every sampler (each even when one before it raised) and return their figures;
+    then raise the first error, unless ``quiet``."""
+    out, first = [], None
+    for s in samplers:
+        try:
+            out.append(s.stop())
+        except Exception as e:  # noqa: BLE001 -- the others must still stop
+            out.append(None)
+            first = first or e
+    if first is not None and not quiet:
+        raise first
+    return out
 
 
 class RunFailed(RuntimeError):
