@@ -75,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda it: rank.get(_group_of(it.path.stem), len(rank)))  # stable
 
 
+@pytest.hookimpl(optionalhook=True)  # unknown to pytest without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile``: work units of one file each, except the Ray files, which
     share one (xdist's own ``loadgroup`` marks do not work with pytest 9: xdist 3.8 renames

@@ -593,7 +593,10 @@ class ProcessWorkers:
                     self._from_zygote(ctrls[r])
                 else:
                     w = conns[r]
-                    if self._drain(w) and (w.proc.zygote is None or w.proc.zygote.gone):
+                    z = w.proc.zygote
+                    if self._drain(w) and (z is None or z.gone):
+                        if z is not None and w.pid is None:
+                            self._post_fatal(w, z)  # a worker that was starting when it died
                         self._ended(w, None)  # no zygote will report its exit
             now = time.monotonic()
             for w in list(self._children.values()):
@@ -647,16 +650,20 @@ class ProcessWorkers:
         if not self._closing:
             log.warning("the transform workers' fork server (pid %s) ended (%s); later workers "
                         "start from a new one", z.pid, _how(code))
-        fatal = z.fatal
         for w in [w for w in list(self._children.values())
                   if w.proc.zygote is z and not w.proc.starting]:
             if w.pid is not None and not self._drain(w):
                 continue  # running: an orphan now, whose end shows as its connection's end
-            if fatal is not None and w.pid is None:
-                self.post(("proc", w.wid, ("fatal", fatal)))  # why it could not start
-                fatal = None
+            if w.pid is None:
+                self._post_fatal(w, z)
             # a nested zygote's exit status is not known here (it is not this process's child)
             self._ended(w, None if w.pid is not None or z.kind == "nested" else code)
+
+    def _post_fatal(self, w: ProcWorker, z: Zygote) -> None:
+        """Why ``w`` could not start, when its zygote said (once per zygote)."""
+        if z.fatal is not None and not z.fatal_posted:
+            z.fatal_posted = True
+            self.post(("proc", w.wid, ("fatal", z.fatal)))
 
     def _ended(self, w: ProcWorker, exitcode: int | None) -> None:
         """``w``'s process is gone: post its death unless it was stopped on purpose."""

@@ -246,6 +246,7 @@ class Zygote:
         self.broken = False  # a request could not be sent: start later workers elsewhere
         self.exitcode: int | None = None
         self.fatal: Any = None  # the ErrorReport of a spec it could not unpickle
+        self.fatal_posted = False  # the loader was told (once, with a worker it could not start)
         self.ended_workers = False  # closed by the loader, it ended its workers and exited
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
