@@ -47,7 +47,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.bench.workload import EpochIndices, SampleFn, Workload, epoch_indices, sample_rng
+from autominato.bench.workload import EpochIndices, SampleFn, Workload, sample_rng
+from autominato.pipeline.sampler import epoch_order
 
 #: Arm names in the order the report lists them.
 ARM_NAMES = (
@@ -325,7 +326,8 @@ class _SpdlEpochs:
         self.epoch += 1
         self.pipeline = (
             PipelineBuilder()
-            .add_source(epoch_indices(len(self.wl), self.epoch, self.wl.seed, self.wl.shuffle))
+            .add_source(epoch_order(len(self.wl), epoch=self.epoch, seed=self.wl.seed,
+                                    shuffle=self.wl.shuffle))
             .pipe(_SpdlRead(self.wl), concurrency=rc)
             .pipe(_SpdlTransform(self.wl, self.epoch), concurrency=self.tc, executor=self.executor)
             .aggregate(self.wl.batch_size, drop_last=False)
@@ -353,7 +355,7 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
 
     kwargs: dict[str, Any] = {
         "batch_size": wl.batch_size,
-        "shuffle": wl.shuffle,  # Loader(shuffle=True, seed) draws epoch_indices' order
+        "shuffle": wl.shuffle,  # Loader(shuffle=True, seed) draws epoch_order's order
         "transform": wl.indexed_transform(),
         "seed": wl.seed,
         "autotune": bool(p.get("autotune", True)),

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import bisect
 import os
-import pickle
-import select
 import signal
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 import numpy as np
@@ -76,16 +74,34 @@ class TreeSampler:
 
     def _record(self) -> None:
         r = self.meter.read()
-        self.series.append((r.time, max(0.0, r.cpu_seconds_total - self._base), r.pss_bytes))
+        cpu = max(0.0, r.cpu_seconds_total - self._base)
+        self.series.append((r.time, cpu, r.pss_bytes + self._own_share()))
+
+    def _own_share(self) -> int:
+        """Bytes to add to the tree's PSS: 0, or, for a sampler running in a process that it
+        leaves out of the tree (:class:`ForkedTreeSampler`), that process's share of the pages
+        it shares with the tree (its PSS minus its USS): after a fork the parent's PSS halves,
+        109 -> 56 MiB measured, and this puts the tree's figure back to what it would be
+        without the sampler."""
+        if os.getpid() not in self.meter.exclude:
+            return 0
+        try:
+            mem = psutil.Process().memory_full_info()
+        except psutil.Error:
+            return 0
+        return max(0, int(mem.pss) - int(mem.uss))
+
+    def _first_sample(self) -> None:
+        r = self.meter.read()
+        self._base = r.cpu_seconds_total
+        self.series = [(r.time, 0.0, r.pss_bytes + self._own_share())]
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._record()
 
     def start(self) -> TreeSampler:
-        r = self.meter.read()
-        self._base = r.cpu_seconds_total
-        self.series = [(r.time, 0.0, r.pss_bytes)]
+        self._first_sample()
         self._thread.start()
         return self
 
@@ -113,21 +129,17 @@ class TreeSampler:
 
 class ForkedTreeSampler(TreeSampler):
     """A :class:`TreeSampler` of this process's tree that runs in a forked child process
-    (which it leaves out of the tree) instead of a thread: this process keeps one thread, so
-    a loader built in it forks its workers as in a training script (with a sampler thread
+    (which it leaves out of the tree, adding back its share of the pages it shares: see
+    :meth:`TreeSampler._own_share`) instead of a thread: this process keeps one thread, so a
+    loader built in it forks its workers as in a training script (with a sampler thread
     beside it, autominato's ``start_method="auto"`` starts them from a new interpreter,
     ~2.5 s). Fork only while this process runs one thread (:func:`~autominato.pipeline.
     spawn.can_fork_now`); the child runs nothing but the meter.
 
-    PSS: after the fork this process shares its pages copy-on-write with the child, so its
-    PSS halves (109 -> 56 MiB measured); each sample adds back the child's share of the
-    pages it shares (its PSS minus its USS), so that the tree's figure is what it would be
-    without the child.
-
-    The child is stopped by a byte on a pipe and answers with its series on another, length
-    first: processes forked from this one later (the loader's) inherit both pipes, so neither
-    end's closing can be the signal. It ignores SIGINT (a Ctrl-C reaches the whole process
-    group; this process decides).
+    The child is stopped by a message on one pipe and answers with its series on another:
+    processes forked from this one later (the loader's) inherit both pipes, so neither end's
+    closing can be the signal. It ignores SIGINT (a Ctrl-C reaches the whole process group;
+    this process decides).
     """
 
     #: Seconds :meth:`stop` waits for the child to end before it kills it.
@@ -137,7 +149,8 @@ class ForkedTreeSampler(TreeSampler):
         self.interval = interval
         self.series = []
         self._pid = 0
-        self._stop_w = self._out_r = -1
+        self._stop_w: Connection | None = None
+        self._out_r: Connection | None = None
 
     def start(self) -> ForkedTreeSampler:
         """Fork the child and wait for its first sample.
@@ -145,26 +158,34 @@ class ForkedTreeSampler(TreeSampler):
         Raises:
             RuntimeError: the child ended before its first sample.
         """
-        stop_r, self._stop_w = os.pipe()
-        self._out_r, out_w = os.pipe()
+        stop_r, self._stop_w = Pipe(duplex=False)
+        self._out_r, out_w = Pipe(duplex=False)
         root = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover -- the child; its figures come back to the parent
             code = 1
             try:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-                os.close(self._stop_w)
-                os.close(self._out_r)
-                _sample_until_stopped(self.interval, root, stop_r, out_w)
+                self._stop_w.close()
+                self._out_r.close()
+                sampler = TreeSampler(self.interval, pid=root, exclude=[os.getpid()])
+                sampler._first_sample()
+                out_w.send_bytes(b"+")  # the span may start
+                while not stop_r.poll(self.interval):
+                    sampler._record()
+                sampler._record()
+                out_w.send(sampler.series)
                 code = 0
             finally:
                 os._exit(code)
         self._pid = pid
-        os.close(stop_r)
-        os.close(out_w)
-        if _read_exactly(self._out_r, 1) != b"+":
+        stop_r.close()
+        out_w.close()
+        try:
+            self._out_r.recv_bytes()
+        except (EOFError, OSError):
             self._reap()
-            raise RuntimeError("the forked tree sampler ended before its first sample")
+            raise RuntimeError("the forked tree sampler ended before its first sample") from None
         return self
 
     def stop(self) -> TreeUsage:
@@ -173,28 +194,25 @@ class ForkedTreeSampler(TreeSampler):
         Raises:
             RuntimeError: the child ended without its series (or :meth:`stop` ran before).
         """
-        head = data = b""
+        series = None
         try:
             if self._pid:
-                os.write(self._stop_w, b".")
-                head = _read_exactly(self._out_r, 8)
-                if len(head) == 8:
-                    data = _read_exactly(self._out_r, struct.unpack("<Q", head)[0])
-        except OSError:
-            pass  # it is gone (a broken pipe): said below
+                self._stop_w.send_bytes(b".")
+                series = self._out_r.recv()
+        except (EOFError, OSError):
+            pass  # it is gone (end of file, a broken pipe): said below
         finally:
             self._reap()
-        if len(head) != 8 or not data:
+        if not series:
             raise RuntimeError("the forked tree sampler ended without its figures")
-        self.series = pickle.loads(data)
+        self.series = series
         return self.usage_between(self.series[0][0], self.series[-1][0])
 
     def _reap(self) -> None:
         """Close this side's pipes and wait for the child (killed after REAP_TIMEOUT_S)."""
-        for fd in (self._stop_w, self._out_r):
-            if fd >= 0:
-                os.close(fd)
-        self._stop_w = self._out_r = -1
+        for conn in (self._stop_w, self._out_r):
+            if conn is not None:
+                conn.close()
         pid, self._pid = self._pid, 0
         if not pid:
             return
@@ -205,50 +223,6 @@ class ForkedTreeSampler(TreeSampler):
                 os.waitpid(pid, 0)
                 return
             time.sleep(0.01)
-
-
-def _sample_until_stopped(interval: float, root: int, stop_r: int, out_w: int) -> None:
-    """The forked sampler's body: sample ``root``'s tree (without this process) every
-    ``interval`` s until a byte arrives on ``stop_r``, then write the series to ``out_w``."""
-    me = psutil.Process()
-    sampler = TreeSampler(interval, pid=root, exclude=[me.pid])
-    base = 0.0
-
-    def record() -> None:
-        r = sampler.meter.read()
-        try:
-            mem = me.memory_full_info()
-            shared = max(0, int(mem.pss) - int(mem.uss))  # its share of the tree's pages
-        except psutil.Error:
-            shared = 0
-        sampler.series.append((r.time, max(0.0, r.cpu_seconds_total - base), r.pss_bytes + shared))
-
-    base = sampler.meter.read().cpu_seconds_total
-    record()
-    os.write(out_w, b"+")  # the first sample is taken: the span may start
-    while not select.select([stop_r], [], [], interval)[0]:
-        record()
-    record()
-    data = pickle.dumps(sampler.series)
-    _write_all(out_w, struct.pack("<Q", len(data)) + data)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    """``n`` bytes from ``fd``, fewer only at end of file."""
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

@@ -246,8 +246,10 @@ class EpochIndices:
 
     Pass ``k`` (the ``k``-th ``iter``, from 0, unless ``set_epoch`` named the next one, as
     ``torchdata.nodes.SamplerWrapper`` does) yields ``(k, i)`` for ``i`` in
-    :func:`epoch_indices` ``(n, k, seed, shuffle)``: ``0 .. n - 1``, or with ``shuffle`` the
-    permutation that ``autominato.Loader(shuffle=True, seed=seed)`` draws for epoch ``k``. It
+    :func:`~autominato.pipeline.sampler.epoch_order` ``(n, epoch=k, seed=seed, shuffle=shuffle)``:
+    ``0 .. n - 1``, or with ``shuffle`` the permutation that
+    ``autominato.Loader(shuffle=True, seed=seed)`` draws for epoch ``k`` (``DistributedSampler``'s
+    rule: ``torch.randperm`` seeded with ``seed + k``). It
     runs in the training process (a DataLoader's sampler does, with persistent workers too),
     so the peers' workers receive the epoch with each index and every epoch's augmentation is
     the one autominato draws for it: the arms do the same work, epoch by epoch.
@@ -268,16 +270,11 @@ class EpochIndices:
     def __iter__(self) -> Iterator[tuple[int, int]]:
         e = self.next_epoch
         self.next_epoch = e + 1
-        return ((e, i) for i in epoch_indices(self.n, e, self.seed, self.shuffle))
+        from autominato.pipeline.sampler import epoch_order
 
+        order = epoch_order(self.n, epoch=e, seed=self.seed, shuffle=self.shuffle)
+        return ((e, i) for i in order)
 
-def epoch_indices(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    """Epoch ``epoch``'s order of ``n`` samples in every arm: ``0 .. n - 1``, or with
-    ``shuffle`` ``autominato.Loader``'s permutation for ``seed`` and ``epoch``
-    (``DistributedSampler``'s rule: ``torch.randperm`` seeded with ``seed + epoch``)."""
-    from autominato.pipeline.sampler import epoch_order
-
-    return epoch_order(n, epoch=epoch, seed=seed, shuffle=shuffle)
 
 
 @dataclass
@@ -298,9 +295,10 @@ class Workload:
         step_factor: multiplies the calibrated step.
         cleanup: folders to delete when the benchmark ends (on-disk synthetic samples).
         shuffle: every arm takes each epoch's samples in the same random order
-            (:func:`epoch_indices`) instead of ``0 .. n - 1``. With a fixed order, an in-order
-            DataLoader gives each worker the same samples every epoch, so its workers' memory
-            peaks (and costs) differ by which samples they always get.
+            (the Loader's, :func:`~autominato.pipeline.sampler.epoch_order`) instead of
+            ``0 .. n - 1``. With a fixed order, an in-order DataLoader gives each worker the
+            same samples every epoch, so its workers' memory peaks (and costs) differ by
+            which samples they always get.
     """
 
     name: str
