@@ -92,6 +92,38 @@ def test_workers_share_an_in_memory_dataset_instead_of_copying_it(start_method):
     assert max(private) < 0.25 * size, [f"{b / 2**20:.0f} MiB" for b in private]
 
 
+#: Arrays that :class:`Fragments` keeps (in the worker that ran it).
+_PINNED: list = []
+
+
+class Fragments:
+    """Each sample allocates 128 MiB as 2048 arrays of 64 KiB (below glibc's mmap threshold:
+    in the heap), then one more array that it keeps, which holds the top of the heap, then
+    frees the 2048: ``free`` alone gives none of their pages back."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        parts = [np.ones(8192) for _ in range(2048)]
+        _PINNED.append(np.ones(8192))
+        del parts
+        return np.full(4, i, np.float32)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_an_idle_worker_gives_back_the_heap_its_samples_freed(start_method):
+    with Loader(Fragments(), 1, workers=1, start_method=start_method, seed=0, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        assert sorted(int(x[0, 0]) for x in loader) == [0, 1]
+        pid = loader.worker_pids()[0]
+        deadline = time.monotonic() + 5.0
+        while (uss := private_bytes(pid)) > 64 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    # Before: the worker kept the 128 MiB its samples freed (uss 137-138 MiB) while it waited.
+    assert uss < 64 * 2**20, f"{uss / 2**20:.0f} MiB"
+
+
 class HoldsALock:
     """A dataset that cannot be pickled (a lock)."""
 
@@ -590,3 +622,33 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     assert "cannot rebuild this dataset here" in out["broken"], out["broken"]
     assert out["late"][0] in ("nested", "fresh") and out["late"][1] == list(range(8))
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")
+
+
+def test_an_idle_worker_gives_its_heap_back_only_after_it_grew_by_the_slack(monkeypatch):
+    from autominato.pipeline import worker
+
+    rss = [100 << 20]
+    given = []
+    monkeypatch.setattr(worker, "_resident_bytes", lambda: rss[0])
+
+    def give_back() -> bool:
+        given.append(rss[0])
+        rss[0] = 110 << 20  # what is left after the trim
+        return True
+
+    monkeypatch.setattr(worker, "give_back_free_heap", give_back)
+    heap = worker.IdleHeap(slack=64 << 20)
+    rss[0] = 150 << 20  # grew by 50 MiB: below the slack, the warm pages stay
+    heap.idle()
+    assert given == [] and heap.base == 100 << 20
+    rss[0] = 170 << 20  # 70 MiB: given back, and the slack counts from what is left
+    heap.idle()
+    assert given == [170 << 20] and heap.base == 110 << 20 and heap.given == 1
+    rss[0] = 160 << 20
+    heap.idle()
+    assert heap.given == 1
+    monkeypatch.setattr(worker, "_resident_bytes", lambda: None)  # no /proc: every idle call
+    heap = worker.IdleHeap()
+    heap.idle()
+    heap.idle()
+    assert heap.given == 2
