@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from autominato import Loader
+from autominato.pipeline import worker as worker_module
 from autominato.pipeline.executor import ProcessWorkers
 from autominato.pipeline.shm import leftover_segments
 from autominato.pipeline.worker import WorkSpec
@@ -111,8 +112,9 @@ class Fragments:
         return np.full(4, i, np.float32)
 
 
+@pytest.mark.skipif(worker_module._malloc_trim is None, reason="no glibc malloc_trim")
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
-def test_an_idle_worker_gives_back_the_heap_its_samples_freed(start_method):
+def test_a_waiting_worker_holds_none_of_the_heap_its_samples_freed(start_method):
     with Loader(Fragments(), 1, workers=1, start_method=start_method, seed=0, autotune=False,
                 prefetch_next_epoch=False) as loader:
         assert sorted(int(x[0, 0]) for x in loader) == [0, 1]
@@ -624,31 +626,44 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")
 
 
-def test_an_idle_worker_gives_its_heap_back_only_after_it_grew_by_the_slack(monkeypatch):
+def test_the_heap_is_given_back_after_a_task_once_it_grew_by_the_slack(monkeypatch):
     from autominato.pipeline import worker
 
     rss = [100 << 20]
     given = []
-    monkeypatch.setattr(worker, "_resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(worker.HeapTrim, "resident_bytes", lambda self: rss[0])
 
     def give_back() -> bool:
-        given.append(rss[0])
-        rss[0] = 110 << 20  # what is left after the trim
+        given.append(rss[0] >> 20)
+        rss[0] -= 10 << 20  # what the trim gave back
         return True
 
     monkeypatch.setattr(worker, "give_back_free_heap", give_back)
-    heap = worker.IdleHeap(slack=64 << 20)
-    rss[0] = 150 << 20  # grew by 50 MiB: below the slack, the warm pages stay
-    heap.idle()
-    assert given == [] and heap.base == 100 << 20
-    rss[0] = 170 << 20  # 70 MiB: given back, and the slack counts from what is left
-    heap.idle()
-    assert given == [170 << 20] and heap.base == 110 << 20 and heap.given == 1
-    rss[0] = 160 << 20
-    heap.idle()
-    assert heap.given == 1
-    monkeypatch.setattr(worker, "_resident_bytes", lambda: None)  # no /proc: every idle call
-    heap = worker.IdleHeap()
-    heap.idle()
-    heap.idle()
+    heap = worker.HeapTrim(slack=16 << 20)
+    assert given == [100] and heap.base == 90 << 20  # once at start: what start-up freed
+    rss[0] = 105 << 20  # grew by 15 MiB: the warm pages stay
+    heap.after_task()
+    assert given == [100]
+    rss[0] = 106 << 20  # 16 MiB: given back, and the slack counts from what is left
+    heap.after_task()
+    assert given == [100, 106] and heap.base == 96 << 20 and heap.given == 2
+    rss[0] = 110 << 20
+    heap.after_task()
     assert heap.given == 2
+    monkeypatch.setattr(worker.HeapTrim, "resident_bytes", lambda self: None)  # no /proc
+    heap = worker.HeapTrim()
+    heap.after_task()
+    heap.after_task()
+    assert heap.given == 3
+
+
+def test_the_resident_anonymous_memory_leaves_out_shared_pages():
+    from autominato.pipeline import worker
+
+    heap = worker.HeapTrim()
+    mem = psutil.Process().memory_info()
+    anon = heap.resident_bytes()
+    assert anon is not None and 0 < anon <= mem.rss - mem.shared + (8 << 20)
+    block = np.ones(64 << 17)  # 64 MiB, written
+    assert heap.resident_bytes() - anon >= 60 << 20
+    del block

@@ -525,9 +525,10 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str, loader: int | None = None)
         # Objects that exist now are never collected here or in the workers, so the garbage
         # collector does not write to (and thereby copy) the pages that hold them.
         gc.freeze()
-        # The training process's free heap pages are not needed here: given back, they are
-        # neither kept in this process once the training process reuses (and so copies) them,
-        # nor mapped into the workers forked from here.
+        # Free heap pages are not needed here (a "fork" zygote's are the training process's
+        # at the fork; a new interpreter's, what its imports and unpickling freed): given
+        # back, they are neither kept here once the training process reuses (and so copies)
+        # them, nor mapped into the workers forked from here.
         from autominato.pipeline.worker import give_back_free_heap
 
         give_back_free_heap()
