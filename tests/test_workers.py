@@ -99,15 +99,16 @@ _PINNED: list = []
 
 class Fragments:
     """Each sample allocates 128 MiB as 2048 arrays of 64 KiB (below glibc's mmap threshold:
-    in the heap), then one more array that it keeps, which holds the top of the heap, then
-    frees the 2048: ``free`` alone gives none of their pages back."""
+    in the heap), keeps every 64th and frees the rest: the kept ones split the freed memory
+    into pieces that cannot merge into the top of the heap, so ``free`` alone gives none of
+    their pages back, wherever in the heap they lie."""
 
     def __len__(self) -> int:
         return 2
 
     def __getitem__(self, i: int):
         parts = [np.ones(8192) for _ in range(2048)]
-        _PINNED.append(np.ones(8192))
+        _PINNED.extend(parts[63::64])
         del parts
         return np.full(4, i, np.float32)
 
@@ -640,6 +641,7 @@ def test_the_heap_is_given_back_after_a_task_once_it_grew_by_the_slack(monkeypat
 
     monkeypatch.setattr(worker, "give_back_free_heap", give_back)
     heap = worker.HeapTrim(slack=16 << 20)
+    heap.close()
     assert given == [100] and heap.base == 90 << 20  # once at start: what start-up freed
     rss[0] = 105 << 20  # grew by 15 MiB: the warm pages stay
     heap.after_task()
@@ -650,20 +652,30 @@ def test_the_heap_is_given_back_after_a_task_once_it_grew_by_the_slack(monkeypat
     rss[0] = 110 << 20
     heap.after_task()
     assert heap.given == 2
-    monkeypatch.setattr(worker.HeapTrim, "resident_bytes", lambda self: None)  # no /proc
-    heap = worker.HeapTrim()
+    rss[0] = 80 << 20  # memory freed without a trim: growth counts from the lowest reading
     heap.after_task()
+    assert heap.given == 2 and heap.base == 80 << 20
+    rss[0] = 96 << 20
     heap.after_task()
     assert heap.given == 3
+    monkeypatch.setattr(worker.HeapTrim, "resident_bytes", lambda self: None)  # no /proc
+    heap = worker.HeapTrim()
+    heap.close()
+    heap.after_task()
+    heap.after_task()
+    assert heap.given == 3  # at start and at each task
 
 
 def test_the_resident_anonymous_memory_leaves_out_shared_pages():
     from autominato.pipeline import worker
 
     heap = worker.HeapTrim()
-    mem = psutil.Process().memory_info()
-    anon = heap.resident_bytes()
-    assert anon is not None and 0 < anon <= mem.rss - mem.shared + (8 << 20)
-    block = np.ones(64 << 17)  # 64 MiB, written
-    assert heap.resident_bytes() - anon >= 60 << 20
-    del block
+    try:
+        mem = psutil.Process().memory_info()
+        anon = heap.resident_bytes()
+        assert anon is not None and 0 < anon <= mem.rss - mem.shared + (8 << 20)
+        block = np.ones(64 << 17)  # 64 MiB, written
+        assert heap.resident_bytes() - anon >= 60 << 20
+        del block
+    finally:
+        heap.close()

@@ -47,8 +47,9 @@ Intra-op threads (BLAS, OpenMP, torch) of a worker process:
 Memory between tasks. glibc keeps freed chunks below its mmap threshold (which rises up to
 32 MiB as large arrays are freed) in the heap, so a persistent worker holds the high-water
 mark of the transforms it ran, also while it waits. After a task, before it waits for the
-next one (the loader sends a worker its next task only once it replied, so this overlaps the
-round trip), a process worker whose resident anonymous memory grew by
+next one (the loader sends a worker its next task only once it replied, so this usually
+overlaps the round trip; not after a ``dataset`` message, which comes right before a task,
+nor at start, after ``ready``), a process worker whose resident anonymous memory grew by
 :data:`HEAP_SLACK_BYTES` or more since it last did so gives the free pages of its C heap back
 (:class:`HeapTrim`, glibc's ``malloc_trim``): transforms of large volumes, which free tens to
 hundreds of MB per sample, give them back; small samples keep reusing warm pages. A zygote
@@ -91,7 +92,7 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
     C library: musl, macOS)."""
     try:
         fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
@@ -116,10 +117,11 @@ def give_back_free_heap() -> bool:
 
 
 #: Growth of a worker's resident anonymous memory (bytes) since it last gave its free heap
-#: back, from which it gives it back after a task: 16 MiB. Below it a trim is not worth its
-#: system call and the page faults of taking the pages again. Measured on the KiTS19 bench
-#: (8 cases, 6 epochs, 4 interleaved repeats): peak PSS 927 MB with 16 MiB, 938 MB with a
-#: trim after every task, 981 MB without trimming; wall and CPU time alike within the noise.
+#: back, from which it gives it back after a task: 16 MiB, so that workers of small samples
+#: (which free little) skip the system call and keep their warm pages. Measured on the KiTS19
+#: bench (8 cases, 6 epochs, 4 interleaved repeats, peak PSS): 927 MB with 16 MiB, 938 MB
+#: with a trim after every task, 981 MB without (a second run: 964 vs 988 MB); wall and CPU
+#: time alike within the noise in both.
 HEAP_SLACK_BYTES = 16 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -129,8 +131,8 @@ class HeapTrim:
     """Gives the heap's free pages back (:func:`give_back_free_heap`) when this process's
     resident anonymous memory grew by ``slack`` bytes since the last time; the first time at
     once (what start-up, unpickling the dataset and ``worker_init_fn`` freed). Make it in the
-    process that uses it (it keeps that process's ``/proc/self/statm`` open). Without
-    ``/proc`` every :meth:`after_task` gives back."""
+    process that uses it (it keeps that process's ``/proc/self/statm`` open until
+    :meth:`close`). Without ``/proc`` every :meth:`after_task` gives back."""
 
     def __init__(self, slack: int = HEAP_SLACK_BYTES) -> None:
         self.slack = slack
@@ -154,11 +156,18 @@ class HeapTrim:
             return None
 
     def after_task(self) -> None:
-        """Called between two tasks: gives back if the memory grew by ``slack``."""
+        """Called between two tasks: gives back if the memory grew by ``slack`` since the
+        last give-back, or since its lowest reading after it."""
         rss = self.resident_bytes()
         if rss is not None and self.base is not None and rss - self.base < self.slack:
+            self.base = min(self.base, rss)  # freed without a trim: count growth from here
             return
         self._give_back()
+
+    def close(self) -> None:
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
 
     def _give_back(self) -> None:
         if give_back_free_heap():
