@@ -276,7 +276,6 @@ class EpochIndices:
         return ((e, i) for i in order)
 
 
-
 @dataclass
 class Workload:
     """Everything an arm needs to run one epoch of the benchmark.

@@ -48,13 +48,13 @@ Memory between tasks. glibc keeps freed chunks below its mmap threshold (which r
 32 MiB as large arrays are freed) in the heap, so a persistent worker holds the high-water
 mark of the transforms it ran, also while it waits. After a task, before it waits for the
 next one (the loader sends a worker its next task only once it replied, so this usually
-overlaps the round trip; not after a ``dataset`` message, which comes right before a task,
-nor at start, after ``ready``), a process worker whose resident anonymous memory grew by
-:data:`HEAP_SLACK_BYTES` or more since it last did so gives the free pages of its C heap back
-(:class:`HeapTrim`, glibc's ``malloc_trim``): transforms of large volumes, which free tens to
-hundreds of MB per sample, give them back; small samples keep reusing warm pages. A zygote
-that forks its workers gives back its own free heap once when it starts
-(:mod:`autominato.pipeline.spawn`).
+overlaps the round trip; not after a ``dataset`` message, which comes right before a task),
+a process worker whose resident anonymous memory grew by :data:`HEAP_SLACK_BYTES` or more
+since it last did so gives the free pages of its C heap back (:class:`HeapTrim`, glibc's
+``malloc_trim``; once also at start, before it says it is ready): transforms of large
+volumes, which free tens to hundreds of MB per sample, give them back; small samples keep
+reusing warm pages. A zygote that forks its workers gives back its own free heap once when
+it starts (:mod:`autominato.pipeline.spawn`).
 """
 
 from __future__ import annotations
@@ -595,6 +595,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             del payload  # the pickled dataset: not kept for the worker's life
             cache = SlotCache()
             streams = Streams(spec, process=True)
+            # Its first give-back (what start-up freed) comes before "ready": no task waits on it.
+            heap = HeapTrim()
         except (EOFError, OSError):
             raise
         except BaseException as e:  # noqa: BLE001 - reported to the training loop
@@ -603,7 +605,6 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
         conn.send(("ready", os.getpid()))
     except (EOFError, OSError):
         return  # retired (or the loader closed) before this worker was ready: nothing to say
-    heap = HeapTrim()
     served = False  # a message was served since the worker last looked at its heap
     while True:
         if served:
