@@ -540,6 +540,7 @@ class Loader:
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
         self._resumed: dict | None = None  # the state the most recent pass resumed
+        self._restart_warned: int | None = None  # epoch an iterable's restart was told for
         self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
@@ -743,9 +744,9 @@ class Loader:
             has one (as the epoch began), and the knob values. Before any iteration: the
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
-        Raises:
-            TypeError: the dataset is iterable and its epoch is under way (its stream position
-                is its own); between epochs its state is the epoch's.
+        An iterable dataset's position in its stream is its own: in the middle of its epoch
+        the state is that of the epoch from its start (a resume restarts the epoch, as
+        DataLoader's under Lightning does), with a ``UserWarning`` once per epoch.
         """
         return resume.build(self)
 
@@ -759,8 +760,8 @@ class Loader:
         epoch before iterating starts that epoch from its beginning instead.
 
         Raises:
-            TypeError: ``state_dict`` is not a dict, or a mid-epoch state with an iterable
-                dataset.
+            TypeError: ``state_dict`` is not a dict, or a mid-epoch state (not one this Loader
+                writes) with an iterable dataset.
             ValueError: another state version, or a state saved with another batch size,
                 world size, rank, dataset length, ``shuffle``, ``drop_last`` or (when this
                 Loader's seed was given) seed; the message names the mismatch. The next

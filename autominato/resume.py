@@ -17,6 +17,7 @@ so ``torch.save`` / ``pickle`` / ``json`` store it beside the model's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -95,30 +96,43 @@ def sampler_states(loader: Any) -> dict[str, Any]:
 
 
 def check_dataset(dataset: Any, iterable: bool, mid_epoch: bool) -> None:
-    """Refuse a mid-epoch checkpoint of an iterable dataset (``iterable``: an
+    """Refuse to *load* a mid-epoch state for an iterable dataset (``iterable``: an
     ``IterableDataset``, or any iterable without ``__getitem__``): its position in the stream is
-    its own, not a set of positions of an order. Between epochs (before the first batch of an
-    epoch, or once it ended) its state is the epoch's, as a map-style dataset's: Lightning
-    saves it in every checkpoint.
+    its own, not a set of positions of an order, and :func:`build` never writes such a state.
 
     Raises:
         TypeError: ``dataset`` is iterable and ``mid_epoch``.
     """
     if iterable and mid_epoch:
-        have = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
         raise TypeError(
-            "Loader.state_dict()/load_state_dict(): a mid-epoch checkpoint of an iterable dataset "
-            "(an IterableDataset, or an iterable without __getitem__) "
-            + ("is not supported yet (its workers' shards would each need their own state)"
-               if have else "needs the dataset's own state_dict()/load_state_dict(); it defines "
-               "neither") + "; checkpoint between epochs, or use a map-style dataset")
+            "Loader.load_state_dict(): the state holds positions delivered in the middle of an "
+            f"epoch, and this Loader's dataset ({type(dataset).__name__}) is iterable (an "
+            "IterableDataset, or an iterable without __getitem__): its stream has no positions "
+            "to resume from. Load a state this Loader wrote, or use a map-style dataset")
+
+
+#: Message of the warning :func:`build` gives for an iterable dataset's mid-epoch state.
+ITERABLE_RESTART = (
+    "Loader.state_dict(): the dataset ({name}) is iterable, so its position within epoch "
+    "{epoch} is not saved (its stream's position is its own); resuming from this state "
+    "restarts epoch {epoch} from its first sample, as DataLoader does. Checkpoint between "
+    "epochs, or use a map-style dataset, to resume exactly")
 
 
 def build(loader: Any) -> dict[str, Any]:
     """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
     p: Progress | None = loader._progress
     started = p is not None and p.epoch == loader._epoch and p.batches > 0
-    check_dataset(loader.dataset, loader._iterable, started and not p.finished)
+    if loader._iterable and started and not p.finished:
+        # Lightning saves a stateful loader's state at every checkpoint, mid-epoch ones too: a
+        # TypeError here would end the training. DataLoader has no state, so Lightning then
+        # restarts the epoch's stream on resume: the state below (the epoch, not started) does
+        # the same, and says so.
+        if loader._restart_warned != p.epoch:
+            loader._restart_warned = p.epoch
+            warnings.warn(ITERABLE_RESTART.format(name=type(loader.dataset).__name__,
+                                                  epoch=p.epoch), UserWarning, stacklevel=3)
+        started = False
     state = {
         "version": VERSION,
         "epoch": loader._epoch,

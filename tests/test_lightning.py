@@ -8,6 +8,7 @@ import json
 import os
 
 import lightning as L
+import pytest
 import torch
 
 from autominato import Loader
@@ -184,3 +185,56 @@ def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_ep
         assert loader_epoch == lightning_epoch
         by_epoch.setdefault(lightning_epoch, []).extend(indices)
     assert by_epoch == {e: epoch_order(8, epoch=e, seed=11, shuffle=True) for e in (1, 2)}
+
+
+class Stream16(torch.utils.data.IterableDataset):
+    """16 samples (x, 3 x, i) of a stream: an iterable dataset has no positions to resume."""
+
+    def __iter__(self):
+        for i in range(16):
+            x = torch.tensor([i / 16.0])
+            yield x, 3 * x, i
+
+
+class StreamModel(Linear):
+    def training_step(self, batch, batch_idx):
+        x, y, i = batch
+        self.seen.append((self.current_epoch, -1, i.tolist()))
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
+def _fit_stream(make_loader, tmp_path, ckpt_path=None):
+    model = StreamModel()
+    callbacks = [] if ckpt_path else [L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)]
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=not ckpt_path, callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = make_loader()
+    try:
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+    finally:
+        getattr(loader, "close", lambda: None)()
+    return trainer, model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_checkpoints_mid_epoch_with_an_iterable_dataset_and_resumes_as_with_dataloader(tmp_path):
+    """Lightning saves a stateful loader's state at every checkpoint: with an iterable dataset
+    the Loader's mid-epoch state restarts the epoch, as DataLoader's (no state) does."""
+    runs = {}
+    for name, make in (("dataloader", lambda: torch.utils.data.DataLoader(Stream16(), batch_size=2)),
+                       ("autominato", lambda: Loader(Stream16(), batch_size=2, num_workers=0,
+                                                     autotune=False))):
+        folder = tmp_path / name
+        trainer, _ = _fit_stream(make, folder)
+        assert trainer.global_step == 16
+        ckpt = folder / "epoch=0-step=3.ckpt"
+        assert ckpt.exists(), sorted(p.name for p in folder.iterdir())
+        resumed, model = _fit_stream(make, folder, ckpt_path=str(ckpt))
+        runs[name] = (resumed.global_step, [i for _, _, b in model.seen for i in b])
+    assert runs["autominato"][0] == runs["dataloader"][0]
+    steps, seen = runs["autominato"]
+    # epoch 0 again from its first sample, then epoch 1: each sample once per epoch
+    assert sorted(seen[:16]) == list(range(16)) and sorted(seen[16:]) == list(range(16))
+    assert seen[:2] == runs["dataloader"][1][:2] == [0, 1]
