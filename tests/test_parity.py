@@ -199,3 +199,19 @@ def test_a_cuda_device_without_cuda_names_the_argument():
         pytest.skip("this host has CUDA")
     with pytest.raises(ValueError, match="device='cuda'"):
         Loader(Indexed(4), 2, device="cuda", autotune=False)
+
+
+class Growing(Indexed):
+    """Sample i has i + 1 elements: no two samples of a batch stack."""
+
+    def __getitem__(self, i: int):
+        return np.full(i + 1, i, np.int64)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samples_that_do_not_stack_raise_runtime_error_as_dataloader(workers):
+    with pytest.raises(RuntimeError, match="equal size"):
+        next(iter(DataLoader(Growing(4), 2, num_workers=workers)))
+    with Loader(Growing(4), 2, num_workers=workers, autotune=False) as loader:
+        with pytest.raises(RuntimeError, match="shapes/dtypes differ"):
+            next(iter(loader))

@@ -216,7 +216,7 @@ def test_the_same_error_in_every_configuration_stops_the_study(tmp_path, space, 
     )  # fmt: skip
     assert rc == 1
     text = capsys.readouterr().out
-    assert "default configuration could not be measured: ValueError: cannot stack" in text
+    assert "default configuration could not be measured: CollateError: cannot stack" in text
     assert "3 trials in a row failed with the same error" in text
     trials = optuna.load_study(study_name="ragged", storage=f"sqlite:///{out / 'study.db'}").trials
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
@@ -227,8 +227,8 @@ def test_failures_that_differ_only_in_which_samples_met_are_the_same_error():
     trials failing to stack the same ragged samples ran on (a full test run saw six)."""
     from autominato.tuning.study import same_error_key
 
-    a = "ValueError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32')]; give a collate_fn"
-    b = "ValueError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32'), ((3,), 'float32')]; give a collate_fn"
+    a = "CollateError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32')]; give a collate_fn"
+    b = "CollateError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32'), ((3,), 'float32')]; give a collate_fn"
     c = "ValueError: cannot flip a volume of 4 voxels (sample index 5, file volumes/case_5.npy)"
     d = "ValueError: cannot flip a volume of 4 voxels (sample index 9, file volumes/case_9.npy)"
     assert same_error_key(a) == same_error_key(b)

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import default_collate
 
 from autominato.pipeline import shm
+from autominato.pipeline.errors import CollateError
 from autominato.pipeline.shm import has_flat_bytes, is_array, slot_dtype
 from autominato.pipeline.tree import map_leaves
 
@@ -230,8 +231,9 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     ``monai.data.DataLoader`` collates them (see :func:`_meta_batch`).
 
     Raises:
-        ValueError: arrays of one field differ in shape or dtype across samples; the message
-            gives the field's shapes.
+        CollateError: (a ``RuntimeError``, as ``default_collate``'s, and a ``ValueError``)
+            arrays of one field differ in shape or dtype across samples (the message gives the
+            field's shapes), or sequences in length.
     """
     first = samples[0]
     if isinstance(first, torch.Tensor):
@@ -252,7 +254,7 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     if isinstance(first, (tuple, list)):
         n = len(first)
         if any(len(s) != n for s in samples):
-            raise ValueError("cannot collate samples: sequences of different lengths in one batch")
+            raise CollateError("cannot collate samples: sequences of different lengths in one batch")
         # A list for tuple samples too, as torch's default_collate returns.
         return [collate(list(f), pool) for f in zip(*samples, strict=True)]
     return list(samples)
@@ -265,7 +267,7 @@ def _owned(x: Any) -> Any:
 def _check_same(samples: Sequence[Any]) -> None:
     shape, dtype = samples[0].shape, samples[0].dtype
     if any(s.shape != shape or s.dtype != dtype for s in samples):
-        raise ValueError(
+        raise CollateError(
             "cannot stack samples into a batch: shapes/dtypes differ: "
             f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
             "give a collate_fn or make the transform produce equal shapes"

@@ -86,6 +86,16 @@ class WorkerInitError(RuntimeError):
     """``worker_init_fn`` raised in a worker; the original exception is the cause."""
 
 
+class CollateError(RuntimeError, ValueError):
+    """Samples that cannot be stacked into one batch (arrays of different shapes or dtypes,
+    sequences of different lengths).
+
+    A ``RuntimeError``, as ``torch.utils.data.default_collate``'s error for the same batch (so
+    code written for DataLoader catches it), and a ``ValueError`` (what autominato raised up
+    to 0.1.0; kept so that code written for that still catches it).
+    """
+
+
 class _RemoteTraceback(Exception):
     """Holds a worker's traceback text so that it prints under the re-raised exception."""
 
