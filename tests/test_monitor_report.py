@@ -160,6 +160,18 @@ def test_autominato_monitor_says_when_the_exporter_is_unreachable(capsys):
     assert f"cannot read http://127.0.0.1:{port}/metrics" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url, says", [
+    ("http://[bad", "'http://[bad' is not a URL"),
+    ("localhost:abc", "'localhost:abc' is not a URL"),
+    ("ftp://host:1/metrics", "scheme must be http or https, got 'ftp'"),
+    ("http://:9100/metrics", "names no host"),
+])
+def test_autominato_monitor_names_a_malformed_url_without_a_traceback(capsys, url, says):
+    rc = cli_main(["monitor", url, "--interval", "0.1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err
+
+
 def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monkeypatch):
     # Ray actors are bounded by the cluster's free CPUs (here 16), not this machine's: the
     # report's "workers N -> M" / "no spare cores" must use that budget too.

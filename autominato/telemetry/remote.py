@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 
@@ -36,6 +37,21 @@ def metrics_url(url: str) -> str:
     if "/" not in rest:
         rest += "/metrics"
     return f"{scheme}://{rest}"
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``metrics_url(url)`` cannot be fetched (``None`` when it can be tried): not ``http``
+    or ``https``, no host, a port that is no number, a malformed address (``http://[bad``)."""
+    try:
+        parts = urllib.parse.urlsplit(metrics_url(url))
+        parts.port  # raises ValueError when the port is not a number in range
+    except ValueError as e:
+        return f"{url!r} is not a URL ({e})"
+    if parts.scheme not in ("http", "https"):
+        return f"{url!r}: the scheme must be http or https, got {parts.scheme!r}"
+    if not parts.hostname:
+        return f"{url!r} names no host (give host:port or http://host:port/metrics)"
+    return None
 
 
 def fetch(url: str, timeout: float = 5.0) -> str:
@@ -210,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
     """Print the report of each rank; 2 when unreachable, 1 when there is nothing to report."""
     if not args.interval > 0:
         print(f"autominato monitor: --interval must be > 0, got {args.interval}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"autominato monitor: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+        return 2
+    problem = url_problem(args.url)
+    if problem is not None:
+        print(f"autominato monitor: url {problem}", file=sys.stderr)
         return 2
     try:
         reports = remote_reports(args.url, args.interval, timeout=args.timeout)
