@@ -44,7 +44,7 @@ def url_problem(url: str) -> str | None:
     or ``https``, no host, a port that is no number, a malformed address (``http://[bad``)."""
     try:
         parts = urllib.parse.urlsplit(metrics_url(url))
-        parts.port  # raises ValueError when the port is not a number in range
+        _ = parts.port  # raises ValueError when the port is not a number in range
     except ValueError as e:
         return f"{url!r} is not a URL ({e})"
     if parts.scheme not in ("http", "https"):
