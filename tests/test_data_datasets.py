@@ -77,8 +77,17 @@ def test_find_pairs_reads_kits19_and_decathlon_layouts(tmp_path):
         ("imagesTr/brain_001_0000.nii.gz", "brain_001.nii.gz"),
         ("imagesTr/brain_002.nii", "brain_002.nii"),
     ]
-    with pytest.raises(FileNotFoundError, match="imagesTr"):
+    with pytest.raises(FileNotFoundError, match="imagesTr") as info:
         find_pairs(tmp_path / "case_00002")
+    assert "prepare" not in str(info.value)  # an image without a mask: no masks to prepare
+
+
+@pytest.mark.parametrize("layout", ["case_00003.nii.gz", "case_00003/segmentation.nii.gz"])
+def test_a_folder_of_masks_only_points_to_prepare(tmp_path, layout):
+    save_nifti(tmp_path / layout, np.zeros((4, 5, 6), np.uint8))
+    with pytest.raises(FileNotFoundError, match=r"1 KiTS19 label masks without images.*"
+                       r"autominato prepare kits19 --synthesize-ct"):
+        find_pairs(tmp_path)
 
 
 def test_nifti_dataset_returns_channel_first_float32_and_uint8(tmp_path):

@@ -70,9 +70,17 @@ def find_pairs(root: str | Path) -> list[tuple[Path, Path]]:
             if name in by_name:
                 pairs.append((image, by_name[name]))
     if not pairs:
+        masks = [p for p in root.glob("case_*") if p.is_file() and p.name.endswith((".nii", ".nii.gz"))]
+        masks += [c / "segmentation.nii.gz" for c in root.glob("case_*")
+                  if (c / "segmentation.nii.gz").exists()]
+        hint = (
+            f"; it holds {len(masks)} KiTS19 label masks without images: make the training "
+            f"cases with `autominato prepare kits19 --synthesize-ct {root} OUT` and use OUT instead"
+            if masks else ""
+        )
         raise FileNotFoundError(
             f"{root}: no image/label pairs (looked for case_*/imaging.nii.gz + "
-            "segmentation.nii.gz and imagesTr/*.nii[.gz] + labelsTr/*.nii[.gz])"
+            "segmentation.nii.gz and imagesTr/*.nii[.gz] + labelsTr/*.nii[.gz])" + hint
         )
     return pairs
 
