@@ -664,6 +664,9 @@ class Loader:
         self.rank = int(rank or 0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        telemetry = getattr(self, "_telemetry", None)
+        if telemetry is not None:
+            telemetry.set_rank(self.rank)  # the series were labelled before the group existed
         # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
         self.shuffle_seed = 0 if not self._seed_given and self.world_size > 1 else self.seed
 

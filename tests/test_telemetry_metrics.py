@@ -279,6 +279,33 @@ def test_two_loaders_in_one_process_keep_separate_rank_series():
         a.close()
 
 
+def test_a_loader_built_before_the_process_group_relabels_its_series_with_its_rank(monkeypatch):
+    """Lightning's DDP starts the process group in Trainer.fit, after the script built the
+    Loader: its series must carry the rank the first pass reads, not the 0 of construction."""
+    import torch.distributed as dist
+
+    loader = Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip",
+                    metrics_port=0, autotune=False, seed=0)
+    try:
+        before = loader._telemetry.rank
+        assert before.split("-")[0] == "0"
+        monkeypatch.setattr(dist, "is_available", lambda: True)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+        got = list(loader)
+        assert loader.rank == 1 and loader._telemetry.rank == "1"
+        fams = scrape(loader._telemetry.url)
+        assert value(fams, "autominato_samples_total", rank="1") == sum(len(x[1]) for x in got)
+        waits = [(n, lab) for n, lab, _ in fams["autominato_consumer_wait_seconds"]["samples"]
+                 if n.endswith("_count")]
+        assert before not in {lab["rank"] for _, lab in waits}  # the old label's series went
+        assert value(fams, "autominato_consumer_wait_seconds_count", rank="1") == len(got)
+        assert "rank 1" in loader._telemetry.report()
+    finally:
+        loader.close()
+
+
 def test_exporter_stops_when_its_last_loader_closes():
     loader = Loader(
         Volumes(),

@@ -109,6 +109,15 @@ def _unique_rank(key: int, rank: int) -> str:
         return label
 
 
+def _remove(metric: Any, *labels: str) -> None:
+    """``metric.remove(*labels)``, a no-op when that child does not exist (prometheus_client
+    raises ``KeyError`` then)."""
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
+
+
 class TelemetryHandle:
     """A loader's live telemetry; made by :func:`attach`, ended by :meth:`close`.
 
@@ -174,6 +183,41 @@ class TelemetryHandle:
             self.close()
             raise
 
+    def set_rank(self, rank: int) -> None:
+        """Label this loader's series with ``rank`` from now on (``Loader`` calls it when
+        ``torch.distributed`` came up after the Loader was built, as under Lightning's DDP,
+        which starts the process group in ``Trainer.fit``). The series of the old label are
+        removed (they hold what was observed before: nothing, when no pass ran yet); the
+        scrape-time figures (counters, gauges) are the loader's own and keep their values.
+        """
+        if self._closed or self.rank.split("-")[0] == str(rank):
+            return
+        old = self.rank
+        with _live_lock:
+            _live_ranks.pop(self._key, None)
+        new = _unique_rank(self._key, rank)
+        self._pairs = {
+            **{stage: (STAGE_SERVICE_SECONDS.labels(stage, new), STAGE_WAIT_SECONDS.labels(stage, new))
+               for stage in STAGES},
+            "consumer": (CONSUMER_STEP_SECONDS.labels(new), CONSUMER_WAIT_SECONDS.labels(new)),
+        }
+        self._h2d_copy = H2D_COPY_SECONDS.labels(new)
+        self.rank = new
+        COLLECTOR.add(self._key, new, self.loader.snapshot)  # same key: replaces the old source
+        if self.monitor is not None:
+            self.monitor.rank = new
+        self._remove_series(old)
+
+    def _remove_series(self, rank: str) -> None:
+        for hist in STAGE_HISTOGRAMS:
+            for stage in STAGES:
+                _remove(hist, stage, rank)
+        for hist in RANKED_HISTOGRAMS:
+            _remove(hist, rank)
+        for knob, reason in list(self._decision_labels):
+            _remove(CONTROLLER_DECISIONS, knob, reason, rank)
+        self._decision_labels.clear()
+
     @property
     def port(self) -> int | None:
         """The exporter's port (the one bound, when 0 or a busy port was asked), or None."""
@@ -236,13 +280,7 @@ class TelemetryHandle:
         if decision_hooks is not None and self._on_decision in decision_hooks:
             decision_hooks.remove(self._on_decision)
         COLLECTOR.remove(self._key)
-        for hist in STAGE_HISTOGRAMS:
-            for stage in STAGES:
-                hist.remove(stage, self.rank)
-        for hist in RANKED_HISTOGRAMS:
-            hist.remove(self.rank)
-        for knob, reason in self._decision_labels:
-            CONTROLLER_DECISIONS.remove(knob, reason, self.rank)
+        self._remove_series(self.rank)
         with _live_lock:
             _live_ranks.pop(self._key, None)
         if self.exporter is not None:
