@@ -106,6 +106,38 @@ def test_get_worker_info_in_thread_workers_and_none_in_the_training_loop(workers
     assert len({(r[1], r[4]) for r in got}) == len({r[4] for r in got})
 
 
+EARLY_BOUND = """
+import sys
+import torch
+from torch.utils.data import get_worker_info  # bound before any Loader exists
+from autominato import Loader
+
+class Shards(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(w, 12, n))
+
+assert get_worker_info() is None
+with Loader(Shards(), batch_size=2, num_workers=3, worker_kind="thread", autotune=False) as L:
+    got = sorted(int(x) for b in L for x in b)
+assert get_worker_info() is None  # the training loop's thread
+print(got)
+"""
+
+
+def test_thread_workers_shard_an_iterable_that_bound_torchs_getter_before_the_loader():
+    """A dataset module's ``from torch.utils.data import get_worker_info`` runs before any
+    Loader (a fresh interpreter, so that no earlier test installed the getter first)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EARLY_BOUND], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(list(range(12)))  # each sample once, not once per worker
+
+
 def test_worker_init_fn_runs_in_every_process_worker_replacements_and_added_ones(tmp_path):
     init = functools.partial(record_init, str(tmp_path))
     with Loader(Info(40), 4, num_workers=2, worker_init_fn=init, autotune=False) as L:

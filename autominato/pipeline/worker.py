@@ -26,10 +26,10 @@ controller adds, takes the lowest free id, as the DataLoader's ids) and
 ``torch.utils.data.get_worker_info()`` returns its ``WorkerInfo(id, num_workers, seed,
 dataset)`` there, ``seed`` being DataLoader's ``base_seed + id`` (the loader's seed as base).
 A process worker sets torch's own process-wide record; thread workers cannot (the training
-loop shares the process), so a thread-kind pipeline wraps torch's getter once
-(:func:`install_thread_getter`) to read a thread-local record first: it still returns ``None``
-in the training loop's thread. :func:`get_worker_info` (``autominato.get_worker_info``) reads
-the same records without the wrapper. ``worker_init_fn(id)`` runs once in every worker before
+loop shares the process), so a thread-kind pipeline gives torch's getter, once, a body that
+reads a thread-local record first (:func:`install_thread_getter`; references bound before see
+it too): it still returns ``None`` in the training loop's thread. :func:`get_worker_info`
+(``autominato.get_worker_info``) reads the same records. ``worker_init_fn(id)`` runs once in every worker before
 its first sample, and again after the dataset is sent anew (``persistent_workers=False``).
 
 Intra-op threads (BLAS, OpenMP, torch) of a worker process:
@@ -353,22 +353,42 @@ def get_worker_info() -> Any:
     return torch_worker._worker_info
 
 
+#: The body torch's ``get_worker_info`` gets from :func:`install_thread_getter` (compiled in
+#: torch's module, where ``_worker_info`` is torch's process-wide record).
+_THREAD_AWARE_GETTER = """
+def get_worker_info():
+    info = getattr(_autominato_thread_info, "info", None)
+    return info if info is not None else _worker_info
+"""
+
+
 def install_thread_getter() -> None:
     """Make ``torch.utils.data.get_worker_info()`` see thread workers too: torch's getter reads
     one process-wide record, which a thread worker cannot set without the training loop seeing
-    it. The wrapper returns this thread's record when it has one, else calls torch's getter
-    (so it returns ``None`` in the training loop as before). Installed once, by the first
-    pipeline with thread workers; code that bound torch's function before (``from
-    torch.utils.data import get_worker_info`` at import time) keeps torch's, which returns
-    ``None`` in a thread worker: :func:`get_worker_info` works there."""
+    it. Torch's function object itself is given a body that returns this thread's record when
+    it has one, else torch's record (so it still returns ``None`` in the training loop), so code
+    that bound it before (``from torch.utils.data import get_worker_info`` at import time, as
+    sharding iterable datasets commonly do) sees thread workers too: without that, each thread
+    worker read the whole stream and every sample came ``num_workers`` times. Installed once,
+    by the first pipeline with thread workers. Where torch's getter is not a plain function
+    without closure (another library wrapped it), a thread-aware wrapper replaces the module
+    attributes instead, which early-bound references do not see."""
     import functools
+    import types
 
     import torch.utils.data as tud
     from torch.utils.data._utils import worker as torch_worker
 
-    if getattr(tud.get_worker_info, "_autominato", False):
-        return
     original = torch_worker.get_worker_info
+    if getattr(original, "_autominato", False) or getattr(tud.get_worker_info, "_autominato", False):
+        return
+    if isinstance(original, types.FunctionType) and not original.__code__.co_freevars:
+        torch_worker.__dict__["_autominato_thread_info"] = _local
+        compiled: dict[str, Any] = {}
+        exec(_THREAD_AWARE_GETTER, torch_worker.__dict__, compiled)  # noqa: S102 (fixed source)
+        original.__code__ = compiled["get_worker_info"].__code__
+        original._autominato = True  # type: ignore[attr-defined]
+        return
 
     @functools.wraps(original)
     def thread_aware_get_worker_info() -> Any:
