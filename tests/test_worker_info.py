@@ -249,6 +249,49 @@ def test_persistent_workers_false_with_an_iterable_dataset():
         assert sorted(r[0] for b in L for r in b.tolist()) == list(range(14))
 
 
+class Heavy:
+    """An in-memory dataset of 8 MiB: its pickle is as large."""
+
+    def __init__(self) -> None:
+        self.blob = np.ones(1 << 23, np.uint8)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return np.int64(i)
+
+
+def pickled_copies_in_callers(folder: str, wid: int) -> None:
+    """worker_init_fn: write how many byte strings of >= 4 MiB its callers' frames hold."""
+    import sys
+
+    held, frame = 0, sys._getframe(1)
+    while frame is not None:
+        for value in list(frame.f_locals.values()) + [
+                v for t in frame.f_locals.values() if isinstance(t, tuple) for v in t]:
+            if isinstance(value, (bytes, bytearray, memoryview)) and len(value) >= 1 << 22:
+                held += 1
+        frame = frame.f_back
+    Path(folder, f"{os.getpid()}-{time.monotonic_ns()}").write_text(str(held))
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_worker_drops_the_pickled_dataset_before_worker_init_fn(persistent, tmp_path):
+    """The pickled bytes of the dataset (as large as an in-memory one) are not held beside
+    the unpickled copy while worker_init_fn runs, nor after (persistent_workers=False sends
+    the dataset anew every epoch)."""
+    init = functools.partial(pickled_copies_in_callers, str(tmp_path))
+    ds = Heavy()
+    with Loader(ds, 2, num_workers=2, persistent_workers=persistent, worker_init_fn=init,
+                autotune=False) as loader:
+        for epoch in range(2):
+            ds.blob[0] = epoch + 7  # a changed dataset is sent anew (persistent_workers=False)
+            assert sorted(int(x) for b in loader for x in b) == [0, 1, 2, 3]
+    counts = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(counts) >= (2 if persistent else 4) and counts == [0] * len(counts)
+
+
 class Straggler:
     """Sample 1 of the first version sleeps ``hang`` s (touching ``mark`` first); ``blob`` makes
     the dataset's pickle larger than a socket's buffer, so sending it blocks until read."""

@@ -611,8 +611,9 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
             seed_globals(spec.seed, wid)  # per sample too when there is a transform
-            _new_dataset(spec, payload, wid, workers, worker)
-            del payload  # the pickled dataset: not kept for the worker's life
+            _take_dataset(spec, payload)
+            del payload  # the pickled dataset: not kept through worker_init_fn or after
+            start_worker(spec, wid, workers, worker, process=True)
             cache = SlotCache()
             streams = Streams(spec, process=True)
             # Its first give-back (what start-up freed) comes before "ready": no task waits on it.
@@ -646,15 +647,18 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             streams.drop(msg[1])
             continue
         if kind == "dataset":
+            payload = msg[1]
+            del msg
             try:
-                _new_dataset(spec, msg[1], wid, workers, worker)
+                _take_dataset(spec, payload)
+                del payload  # the pickled copy: not kept through worker_init_fn
+                start_worker(spec, wid, workers, worker, process=True)
             except BaseException as e:  # noqa: BLE001
                 try:
                     conn.send(("fatal", ErrorReport.capture(e, -1, None, worker)))
                 except (EOFError, OSError):
                     pass
                 return
-            del msg  # the pickled copy, before the heap is looked at
             served = True  # the old copy of the dataset was freed
             continue
         if kind == "stream":
@@ -666,14 +670,14 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
         served = True
 
 
-def _new_dataset(spec: WorkSpec, payload: bytes | None, wid: int, workers: int, worker: str) -> None:
-    """Take the dataset in ``payload`` (cloudpickled; ``None``: keep the spec's) and (re)start
-    the worker: worker info and ``worker_init_fn``."""
+def _take_dataset(spec: WorkSpec, payload: bytes | None) -> None:
+    """Unpickle the dataset in ``payload`` (cloudpickled) into ``spec``; ``None``: keep the
+    spec's. The caller drops ``payload`` before it runs ``worker_init_fn`` (:func:`start_worker`),
+    so that the pickled bytes (as large as an in-memory dataset) are not held beside the copy."""
     if payload is not None:
         import cloudpickle
 
         spec.dataset = cloudpickle.loads(payload)
-    start_worker(spec, wid, workers, worker, process=True)
 
 
 #: A worker given several samples in one message replies for all of them in one message, but
