@@ -540,7 +540,7 @@ class Loader:
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
         self._resumed: dict | None = None  # the state the most recent pass resumed
-        self._restart_warned: int | None = None  # epoch an iterable's restart was told for
+        self._restart_warned: Any = None  # the pass whose iterable restart was told
         self._sync_skip_logged: set[int] = set()
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
@@ -749,7 +749,9 @@ class Loader:
 
         An iterable dataset's position in its stream is its own: in the middle of its epoch
         the state is that of the epoch from its start (a resume restarts the epoch, as
-        DataLoader's under Lightning does), with a ``UserWarning`` once per epoch.
+        DataLoader's under Lightning does; ``restarted`` holds the batches delivered before),
+        with an :class:`~autominato.resume.IterableRestartWarning` once per pass; after
+        ``len(loader)`` batches of a sized one, the epoch counts as ended.
         """
         return resume.build(self)
 
@@ -757,7 +759,8 @@ class Loader:
         """Resume from :meth:`state_dict`: the next iteration delivers exactly the samples of
         the interrupted epoch not delivered before the checkpoint, each once, with the same
         augmentation (seeded by ``(seed, epoch, index)``); the iteration after it is the next
-        epoch. Call it before iterating (a fresh Loader in a new process, typically). The
+        epoch. An iterable dataset's epoch interrupted in the middle restarts from its first
+        sample instead (an :class:`~autominato.resume.IterableRestartWarning` says so). Call it before iterating (a fresh Loader in a new process, typically). The
         knobs take the saved values (clamped to this Loader's bounds; ``workers`` is kept when
         either Loader has ``num_workers=0``), so a resumed job starts tuned; a Loader built without ``seed`` takes the state's. ``set_epoch`` with another
         epoch before iterating starts that epoch from its beginning instead.

@@ -111,28 +111,41 @@ def check_dataset(dataset: Any, iterable: bool, mid_epoch: bool) -> None:
             "to resume from. Load a state this Loader wrote, or use a map-style dataset")
 
 
-#: Message of the warning :func:`build` gives for an iterable dataset's mid-epoch state.
-ITERABLE_RESTART = (
-    "Loader.state_dict(): the dataset ({name}) is iterable, so its position within epoch "
-    "{epoch} is not saved (its stream's position is its own); resuming from this state "
-    "restarts epoch {epoch} from its first sample, as DataLoader does. Checkpoint between "
-    "epochs, or use a map-style dataset, to resume exactly")
+class IterableRestartWarning(UserWarning):
+    """A state of an iterable dataset's epoch taken, or loaded, in the middle of that epoch:
+    the epoch restarts from its first sample at the resume (see :func:`build`). Its own class,
+    so that ``warnings.filterwarnings("ignore", category=IterableRestartWarning)`` silences
+    it alone."""
+
+
+def _warn_restart(text: str) -> None:
+    warnings.warn(text, IterableRestartWarning, stacklevel=4)
 
 
 def build(loader: Any) -> dict[str, Any]:
     """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
     p: Progress | None = loader._progress
     started = p is not None and p.epoch == loader._epoch and p.batches > 0
-    if loader._iterable and started and not p.finished:
-        # Lightning saves a stateful loader's state at every checkpoint, mid-epoch ones too: a
-        # TypeError here would end the training. DataLoader has no state, so Lightning then
-        # restarts the epoch's stream on resume: the state below (the epoch, not started) does
-        # the same, and says so.
-        if loader._restart_warned != p.epoch:
-            loader._restart_warned = p.epoch
-            warnings.warn(ITERABLE_RESTART.format(name=type(loader.dataset).__name__,
-                                                  epoch=p.epoch), UserWarning, stacklevel=3)
-        started = False
+    restarted, ended = 0, p is not None and p.finished
+    if loader._iterable and started and not ended:
+        if loader._n is not None and p.batches >= len(loader):
+            # As many batches as len(): Lightning ends the epoch there without the next()
+            # that would end it (and so may any loop bounded by len), as for a map-style one.
+            ended = True
+        else:
+            # Lightning saves a stateful loader's state at every checkpoint, mid-epoch ones
+            # too: a TypeError here ended the training. DataLoader has no state, so Lightning
+            # restarts its stream on resume: this state (the epoch, not started) does the same,
+            # says so now, and again when it is loaded ("restarted").
+            restarted, started = p.batches, False
+            if loader._restart_warned is not p:  # once per pass
+                loader._restart_warned = p
+                _warn_restart(
+                    f"Loader.state_dict(): the dataset ({type(loader.dataset).__name__}) is "
+                    f"iterable, so its position within epoch {p.epoch} ({p.batches} batches "
+                    "delivered) is not saved; resuming from this state restarts the epoch from "
+                    "its first sample, as DataLoader's epoch under Lightning. Checkpoint "
+                    "between epochs, or use a map-style dataset, to resume exactly")
     state = {
         "version": VERSION,
         "epoch": loader._epoch,
@@ -152,13 +165,14 @@ def build(loader: Any) -> dict[str, Any]:
         "in_order": bool(loader.in_order),
         "samplers": sampler_states(loader),
         "knobs": loader.knobs.as_dict(),
+        "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
-    elif loader._iterable:  # between epochs (check_dataset): the positions are not counted
-        if started:
+    elif loader._iterable:  # an epoch ended, or not started: no positions are counted
+        if started and ended:
             state.update(finished=True, batches=p.batches)
     elif p is not None and p.epoch == loader._epoch:
         # Every position delivered (a checkpoint after the epoch's last batch, before the
@@ -210,6 +224,12 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
                          f"Loader has seed={loader.seed!r} (give the same seed, or none to take "
                          "the state's)")
     check_dataset(loader.dataset, loader._iterable, state["epoch_size"] is not None)
+    if state.get("restarted"):
+        _warn_restart(
+            f"Loader.load_state_dict(): the state was taken in the middle of epoch "
+            f"{state['epoch']} of an iterable dataset, after {state['restarted']} batches, and "
+            "holds no stream position: the epoch restarts from its first sample (those batches "
+            "come again)")
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
     for name in state["samplers"]:

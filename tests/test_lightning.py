@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 
 import lightning as L
-import pytest
 import torch
 
 from autominato import Loader
 from autominato.pipeline.sampler import epoch_order
+from autominato.resume import IterableRestartWarning
 
 
 class Points:
@@ -218,23 +220,59 @@ def _fit_stream(make_loader, tmp_path, ckpt_path=None):
     return trainer, model
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lightning_checkpoints_mid_epoch_with_an_iterable_dataset_and_resumes_as_with_dataloader(tmp_path):
     """Lightning saves a stateful loader's state at every checkpoint: with an iterable dataset
-    the Loader's mid-epoch state restarts the epoch, as DataLoader's (no state) does."""
+    the Loader's mid-epoch state restarts the epoch, as DataLoader's (no state) does, and says
+    so when it is saved and when it is loaded."""
     runs = {}
     for name, make in (("dataloader", lambda: torch.utils.data.DataLoader(Stream16(), batch_size=2)),
                        ("autominato", lambda: Loader(Stream16(), batch_size=2, num_workers=0,
                                                      autotune=False))):
         folder = tmp_path / name
-        trainer, _ = _fit_stream(make, folder)
+        with warnings.catch_warnings(record=True) as saved:
+            warnings.simplefilter("always")
+            trainer, _ = _fit_stream(make, folder)
         assert trainer.global_step == 16
         ckpt = folder / "epoch=0-step=3.ckpt"
         assert ckpt.exists(), sorted(p.name for p in folder.iterdir())
-        resumed, model = _fit_stream(make, folder, ckpt_path=str(ckpt))
-        runs[name] = (resumed.global_step, [i for _, _, b in model.seen for i in b])
+        with warnings.catch_warnings(record=True) as loaded:
+            warnings.simplefilter("always")
+            resumed, model = _fit_stream(make, folder, ckpt_path=str(ckpt))
+        told = [str(w.message) for w in saved + loaded if w.category is IterableRestartWarning]
+        runs[name] = (resumed.global_step, [i for _, _, b in model.seen for i in b], told)
+    assert runs["dataloader"][2] == []
+    told = runs["autominato"][2]
+    assert any("state_dict(): the dataset (Stream16) is iterable" in t for t in told)
+    # (after 3 steps Lightning had fetched 4 batches: it prefetches one)
+    assert any(re.search(r"load_state_dict\(\): the state was taken in the middle of epoch 0 of an "
+                         r"iterable dataset, after [34] batches", t) for t in told)
     assert runs["autominato"][0] == runs["dataloader"][0]
-    steps, seen = runs["autominato"]
+    steps, seen, _ = runs["autominato"]
     # epoch 0 again from its first sample, then epoch 1: each sample once per epoch
     assert sorted(seen[:16]) == list(range(16)) and sorted(seen[16:]) == list(range(16))
     assert seen[:2] == runs["dataloader"][1][:2] == [0, 1]
+
+
+class SizedStream16(Stream16):
+    def __len__(self) -> int:
+        return 16
+
+
+def test_a_sized_iterables_end_of_epoch_checkpoints_are_ended_epochs(tmp_path):
+    """Lightning ends an epoch after len(loader) batches, without the next() that would end the
+    pass: its end-of-epoch checkpoints hold the ended epoch, no restart."""
+    model = StreamModel()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
+                        default_root_dir=tmp_path, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = Loader(SizedStream16(), batch_size=2, num_workers=0, autotune=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", IterableRestartWarning)
+            trainer.fit(model, loader)
+    finally:
+        loader.close()
+    (ckpt,) = (tmp_path / "checkpoints").iterdir()
+    (state,) = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"]
+    assert state["finished"] and state["epoch"] == 1 and not state["restarted"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from autominato import Loader, resume
+from autominato.resume import IterableRestartWarning
 
 N = 30
 B = 4
@@ -399,19 +400,32 @@ def test_an_iterable_datasets_mid_epoch_state_restarts_its_epoch_and_its_state_b
         it = iter(loader)
         next(it)
         next(it)
-        with pytest.warns(UserWarning, match="position within epoch 0 is not saved.*restarts epoch 0"):
+        with pytest.warns(IterableRestartWarning, match="within epoch 0 .2 batches delivered. "
+                          "is not saved.*restarts the epoch"):
             mid = loader.state_dict()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert loader.state_dict() == mid  # told once per epoch
+            assert loader.state_dict() == mid  # told once per pass
         list(it)
         ended = loader.state_dict()  # epoch 0 ended
+        it = iter(loader)
+        next(it)
+        with pytest.warns(IterableRestartWarning, match="within epoch 1"):  # the next pass: again
+            loader.state_dict()
+        list(it)
     assert mid["epoch"] == 0 and not mid["finished"] and mid["epoch_size"] is None
-    assert mid["batches"] == 0 and mid["delivered"] == []
+    assert mid["batches"] == 0 and mid["delivered"] == [] and mid["restarted"] == 2
     assert ended["finished"] and ended["epoch"] == 0 and ended["epoch_size"] is None
+    assert not fresh["restarted"] and not ended["restarted"]
     for state, epoch in ((fresh, 0), (mid, 0), (ended, 1)):
         with Loader(dataset(), batch_size=B, num_workers=0, autotune=False) as loader:
-            loader.load_state_dict(state)
+            with warnings.catch_warnings(record=True) as told:
+                warnings.simplefilter("always")
+                loader.load_state_dict(state)
+            restart = [w for w in told if issubclass(w.category, IterableRestartWarning)]
+            assert len(restart) == (state is mid)
+            if state is mid:
+                assert "after 2 batches" in str(restart[0].message)
             rows = np.concatenate([b.numpy() for b in loader])
             assert loader.epoch == epoch
             ids = rows[:, 0] if rows.ndim == 2 else rows
@@ -419,6 +433,19 @@ def test_an_iterable_datasets_mid_epoch_state_restarts_its_epoch_and_its_state_b
     with Loader(dataset(), batch_size=B, num_workers=0, autotune=False) as loader:
         with pytest.raises(TypeError, match="dataset .* is iterable"):
             loader.load_state_dict({**ended, "finished": False, "epoch_size": N})
+
+
+def test_a_sized_iterables_state_after_len_batches_is_its_epochs_end():
+    """Lightning stops an epoch after len(loader) batches, without the next() that would end
+    it: the state there is the ended epoch's, with no restart warning."""
+    with Loader(IterableWithLength(), batch_size=B, num_workers=0, autotune=False) as loader:
+        it = iter(loader)
+        for _ in range(len(loader)):
+            next(it)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            state = loader.state_dict()
+    assert state["finished"] and state["epoch"] == 0 and not state["restarted"]
 
 
 CHILD = """
