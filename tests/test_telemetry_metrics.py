@@ -287,23 +287,69 @@ def test_a_loader_built_before_the_process_group_relabels_its_series_with_its_ra
     loader = Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip",
                     metrics_port=0, autotune=False, seed=0)
     try:
-        before = loader._telemetry.rank
-        assert before.split("-")[0] == "0"
+        handle = loader._telemetry
+        before = handle.rank
+        base, _, suffix = before.partition("-")
+        assert base == "0"
+        after = "1" + (f"-{suffix}" if suffix else "")  # a second live loader keeps its suffix
+        handle._on_decision(Decision("workers", 2, 3, "transform_bound"))
+        handle._on_decision(Decision("workers", 3, 4, "transform_bound"))
         monkeypatch.setattr(dist, "is_available", lambda: True)
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
         got = list(loader)
-        assert loader.rank == 1 and loader._telemetry.rank == "1"
-        fams = scrape(loader._telemetry.url)
-        assert value(fams, "autominato_samples_total", rank="1") == sum(len(x[1]) for x in got)
-        waits = [(n, lab) for n, lab, _ in fams["autominato_consumer_wait_seconds"]["samples"]
+        assert loader.rank == 1 and handle.rank == after
+        fams = scrape(handle.url)
+        assert value(fams, "autominato_samples_total", rank=after) == sum(len(x[1]) for x in got)
+        waits = [lab["rank"] for n, lab, _ in fams["autominato_consumer_wait_seconds"]["samples"]
                  if n.endswith("_count")]
-        assert before not in {lab["rank"] for _, lab in waits}  # the old label's series went
-        assert value(fams, "autominato_consumer_wait_seconds_count", rank="1") == len(got)
-        assert "rank 1" in loader._telemetry.report()
+        assert before not in waits  # the old label's series went
+        assert value(fams, "autominato_consumer_wait_seconds_count", rank=after) == len(got)
+        decisions = fams["autominato_controller_decisions"]["samples"]
+        assert {lab["rank"] for _, lab, _ in decisions} & {before, after} == {after}
+        assert value(fams, "autominato_controller_decisions_total", knob="workers",
+                     reason="transform_bound", rank=after) == 2  # carried over
+        assert f"rank {after}" in handle.report()
+        loader.close()
+        for fam in ("autominato_controller_decisions", "autominato_consumer_wait_seconds"):
+            assert after not in {lab["rank"] for _, lab, _ in
+                                 scrape_registry()[fam]["samples"]}
     finally:
         loader.close()
+
+
+def scrape_registry() -> dict[str, dict]:
+    """The default registry's exposition (the exporter of a closed loader is gone)."""
+    from prometheus_client import generate_latest
+
+    from autominato.telemetry.metrics import REGISTRY
+
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        out[fam.name] = {"samples": [(s.name, s.labels, s.value) for s in fam.samples]}
+    return out
+
+
+def test_relabelled_loaders_keep_which_one_has_the_suffix():
+    """Lightning's sanity check iterates the validation loader (built second: "0-1") first: on
+    rank 1 it must become "1-1", and the training loader "1", as on rank 0."""
+    from autominato.telemetry.handle import TelemetryHandle
+
+    loaders = [Loader(Volumes(), batch_size=B, worker_kind="thread", autotune=False)
+               for _ in range(2)]
+    handles = [TelemetryHandle(x) for x in loaders]
+    try:
+        old = [h.rank.partition("-") for h in handles]  # (base, "-", suffix or "")
+        assert old[0][0] == old[1][0] == "0" and old[0][2] != old[1][2]
+        handles[1].set_rank(1)  # the one built second first
+        handles[0].set_rank(1)
+        assert [h.rank for h in handles] == ["-".join(filter(None, ("1", o[2]))) for o in old]
+    finally:
+        for h in handles:
+            h.close()
+        for x in loaders:
+            x.close()
 
 
 def test_exporter_stops_when_its_last_loader_closes():

@@ -75,6 +75,13 @@ class SnapshotCollector(Collector):
         with self._lock:
             self._sources[key] = _Source(rank, snapshot, SlidingWindow())
 
+    def relabel(self, key: int, rank: str) -> None:
+        """Give the loader registered under ``key`` the label ``rank`` (its window is kept)."""
+        with self._lock:
+            src = self._sources.get(key)
+            if src is not None:
+                src.rank = rank
+
     def remove(self, key: int) -> None:
         with self._lock:
             self._sources.pop(key, None)

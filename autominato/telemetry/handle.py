@@ -7,6 +7,7 @@ usable by hand on anything that offers the loader's telemetry surface (``snapsho
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -97,12 +98,15 @@ _live_lock = threading.Lock()
 _live_ranks: dict[int, str] = {}
 
 
-def _unique_rank(key: int, rank: int) -> str:
+def _unique_rank(key: int, rank: int, suffix: int = 0) -> str:
     # Two live loaders of one rank in a process (a training and a validation loader) would
     # emit identical series; the second gets "<rank>-<n>" so both stay visible and valid.
+    # ``suffix``: the n a relabelled loader had, kept when free (so that the loader built
+    # second keeps "-1" whichever of the two is relabelled first).
     with _live_lock:
-        taken = set(_live_ranks.values())
-        label, n = str(rank), 1
+        taken = {v for k, v in _live_ranks.items() if k != key}
+        label = f"{rank}-{suffix}" if suffix else str(rank)
+        n = 1
         while label in taken:
             label, n = f"{rank}-{n}", n + 1
         _live_ranks[key] = label
@@ -156,7 +160,8 @@ class TelemetryHandle:
             CONSUMER_WAIT_SECONDS.labels(self.rank),
         )
         self._h2d_copy = H2D_COPY_SECONDS.labels(self.rank)
-        self._decision_labels: set[tuple[str, str]] = set()
+        self._decisions: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._lock = threading.Lock()  # rank label, decision counts and closing
         self._hooked: list[StageStats] = []
         for stats in loader.stage_stats.values():
             stats.hooks.append(self._on_item)
@@ -186,37 +191,44 @@ class TelemetryHandle:
     def set_rank(self, rank: int) -> None:
         """Label this loader's series with ``rank`` from now on (``Loader`` calls it when
         ``torch.distributed`` came up after the Loader was built, as under Lightning's DDP,
-        which starts the process group in ``Trainer.fit``). The series of the old label are
-        removed (they hold what was observed before: nothing, when no pass ran yet); the
-        scrape-time figures (counters, gauges) are the loader's own and keep their values.
+        which starts the process group in ``Trainer.fit``). A ``"-n"`` suffix is kept when
+        free. The controller's decision counts move to the new label; the scrape-time figures
+        (counters and gauges of the loader's snapshot, the sliding window) are the loader's own
+        and keep their values; the latency histograms of the old label are removed (what they
+        held was observed before the process group existed: nothing, when no pass ran yet).
         """
-        if self._closed or self.rank.split("-")[0] == str(rank):
-            return
-        old = self.rank
-        with _live_lock:
-            _live_ranks.pop(self._key, None)
-        new = _unique_rank(self._key, rank)
-        self._pairs = {
-            **{stage: (STAGE_SERVICE_SECONDS.labels(stage, new), STAGE_WAIT_SECONDS.labels(stage, new))
-               for stage in STAGES},
-            "consumer": (CONSUMER_STEP_SECONDS.labels(new), CONSUMER_WAIT_SECONDS.labels(new)),
-        }
-        self._h2d_copy = H2D_COPY_SECONDS.labels(new)
-        self.rank = new
-        COLLECTOR.add(self._key, new, self.loader.snapshot)  # same key: replaces the old source
-        if self.monitor is not None:
-            self.monitor.rank = new
-        self._remove_series(old)
+        with self._lock:
+            base, _, suffix = self.rank.partition("-")
+            if self._closed or base == str(rank):
+                return
+            old = self.rank
+            new = _unique_rank(self._key, rank, int(suffix or 0))
+            self._pairs = {
+                **{stage: (STAGE_SERVICE_SECONDS.labels(stage, new),
+                           STAGE_WAIT_SECONDS.labels(stage, new)) for stage in STAGES},
+                "consumer": (CONSUMER_STEP_SECONDS.labels(new), CONSUMER_WAIT_SECONDS.labels(new)),
+            }
+            self._h2d_copy = H2D_COPY_SECONDS.labels(new)
+            self.rank = new
+            COLLECTOR.relabel(self._key, new)
+            if self.monitor is not None:
+                self.monitor.relabel(new)
+            decisions = dict(self._decisions)
+            self._remove_series(old)
+            for (knob, reason), n in decisions.items():
+                CONTROLLER_DECISIONS.labels(knob, reason, new).inc(n)
+            self._decisions.update(decisions)
 
     def _remove_series(self, rank: str) -> None:
+        """Remove the histograms and decision counters of label ``rank`` (under ``_lock``)."""
         for hist in STAGE_HISTOGRAMS:
             for stage in STAGES:
                 _remove(hist, stage, rank)
         for hist in RANKED_HISTOGRAMS:
             _remove(hist, rank)
-        for knob, reason in list(self._decision_labels):
+        for knob, reason in self._decisions:
             _remove(CONTROLLER_DECISIONS, knob, reason, rank)
-        self._decision_labels.clear()
+        self._decisions.clear()
 
     @property
     def port(self) -> int | None:
@@ -244,8 +256,11 @@ class TelemetryHandle:
         knob = str(getattr(decision, "knob", ""))
         knob = knob if knob in KNOB_NAMES else "other"
         reason = bounded_reason(getattr(decision, "reason", "other"))
-        self._decision_labels.add((knob, reason))
-        CONTROLLER_DECISIONS.labels(knob, reason, self.rank).inc()
+        with self._lock:  # against set_rank and close: no series left under a removed label
+            if self._closed:
+                return
+            self._decisions[(knob, reason)] += 1
+            CONTROLLER_DECISIONS.labels(knob, reason, self.rank).inc()
 
     def report(self, title: str | None = None) -> str | None:
         """The Data Monitor report now: logged (when the monitor is on) and returned.
@@ -262,9 +277,10 @@ class TelemetryHandle:
         """Log a last report (monitor on), stop the monitor, drop the hooks, the loader's
         series and this user of the exporter. Idempotent.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if self.monitor is not None:
             self.monitor.stop()
             try:
@@ -279,10 +295,11 @@ class TelemetryHandle:
         decision_hooks = getattr(self.loader, "decision_hooks", None)
         if decision_hooks is not None and self._on_decision in decision_hooks:
             decision_hooks.remove(self._on_decision)
-        COLLECTOR.remove(self._key)
-        self._remove_series(self.rank)
-        with _live_lock:
-            _live_ranks.pop(self._key, None)
+        with self._lock:
+            COLLECTOR.remove(self._key)
+            self._remove_series(self.rank)
+            with _live_lock:
+                _live_ranks.pop(self._key, None)
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None

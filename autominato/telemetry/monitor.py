@@ -610,6 +610,11 @@ class DataMonitor:
         self._thread.start()
         return self
 
+    def relabel(self, rank: int | str) -> None:
+        """Title later reports (and name the thread) with ``rank``."""
+        self.rank = rank
+        self._thread.name = f"autominato-monitor-{rank}"
+
     def history(self) -> list[LoaderSnapshot]:
         """The snapshots kept, oldest first."""
         with self._lock:
