@@ -89,7 +89,8 @@ def test_collate_matches_default_collate_on_nested_samples_and_rejects_ragged_sh
     assert got["name"] == want["name"] and torch.equal(got["pair"][0], want["pair"][0])
     # A flipped array (negative strides), which default_collate refuses, stacks as its values.
     assert torch.equal(collate([np.arange(3)[::-1]] * 2), torch.tensor([[2, 1, 0]] * 2))
-    # default_collate's error type (RuntimeError), and ValueError, autominato's before
+    # default_collate's error type (RuntimeError), and ValueError, autominato's before; dtypes
+    # that differ are refused too (default_collate promotes them: a known difference)
     for bad in ([torch.zeros(2), torch.zeros(3)], [np.zeros(2), np.zeros(3)],
                 [np.zeros(2, np.float32), np.zeros(2)]):
         with pytest.raises(RuntimeError, match="shapes/dtypes differ") as info:

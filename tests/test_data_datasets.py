@@ -77,17 +77,28 @@ def test_find_pairs_reads_kits19_and_decathlon_layouts(tmp_path):
         ("imagesTr/brain_001_0000.nii.gz", "brain_001.nii.gz"),
         ("imagesTr/brain_002.nii", "brain_002.nii"),
     ]
-    with pytest.raises(FileNotFoundError, match="imagesTr") as info:
+    with pytest.raises(FileNotFoundError, match="imagesTr"):
         find_pairs(tmp_path / "case_00002")
-    assert "prepare" not in str(info.value)  # an image without a mask: no masks to prepare
+    only_image = tmp_path / "test-cases"  # a KiTS19 test case: an image, no mask
+    save_nifti(only_image / "case_00002" / "imaging.nii.gz", vol)
+    with pytest.raises(FileNotFoundError, match="imagesTr") as info:
+        find_pairs(only_image)
+    assert "prepare" not in str(info.value)  # no masks to prepare
 
 
 @pytest.mark.parametrize("layout", ["case_00003.nii.gz", "case_00003/segmentation.nii.gz"])
 def test_a_folder_of_masks_only_points_to_prepare(tmp_path, layout):
     save_nifti(tmp_path / layout, np.zeros((4, 5, 6), np.uint8))
     with pytest.raises(FileNotFoundError, match=r"1 KiTS19 label masks without images.*"
-                       r"autominato prepare kits19 --synthesize-ct"):
+                       r"autominato prepare kits19 --synthesize-ct.*KiTS19Dataset\(OUT\)"):
         find_pairs(tmp_path)
+
+
+def test_a_folder_of_other_niftis_gets_no_prepare_hint(tmp_path):
+    save_nifti(tmp_path / "case_00000_0000.nii.gz", np.zeros((4, 5, 6), np.float32))
+    with pytest.raises(FileNotFoundError, match="imagesTr") as info:
+        find_pairs(tmp_path)
+    assert "prepare" not in str(info.value)  # prepare would refuse this folder too
 
 
 def test_nifti_dataset_returns_channel_first_float32_and_uint8(tmp_path):

@@ -172,6 +172,23 @@ def test_autominato_monitor_names_a_malformed_url_without_a_traceback(capsys, ur
     assert rc == 2 and says in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag, v", [("--timeout", "0"), ("--timeout", "inf"), ("--interval", "-1"),
+                                     ("--interval", "nan"), ("--interval", "inf")])
+def test_autominato_monitor_names_a_bad_duration(capsys, flag, v):
+    rc = cli_main(["monitor", "127.0.0.1:1", flag, v])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{flag} must be a finite number of seconds > 0" in err
+
+
+@pytest.mark.parametrize("url", ["https://host:9100/metrics", "http://[::1]:9100", "[::1]:9100",
+                                 "host:9100", "localhost", "HTTP://host:9100/custom/path",
+                                 "user:pw@host:9100"])
+def test_monitor_urls_that_can_be_fetched_pass_the_check(url):
+    from autominato.telemetry.remote import url_problem
+
+    assert url_problem(url) is None
+
+
 def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monkeypatch):
     # Ray actors are bounded by the cluster's free CPUs (here 16), not this machine's: the
     # report's "workers N -> M" / "no spare cores" must use that budget too.

@@ -70,12 +70,16 @@ def find_pairs(root: str | Path) -> list[tuple[Path, Path]]:
             if name in by_name:
                 pairs.append((image, by_name[name]))
     if not pairs:
-        masks = [p for p in root.glob("case_*") if p.is_file() and p.name.endswith((".nii", ".nii.gz"))]
-        masks += [c / "segmentation.nii.gz" for c in root.glob("case_*")
-                  if (c / "segmentation.nii.gz").exists()]
+        from autominato.data.prepare import find_cases  # prepare imports this module
+
+        try:
+            masks = len(find_cases(root))
+        except FileNotFoundError:
+            masks = 0
         hint = (
-            f"; it holds {len(masks)} KiTS19 label masks without images: make the training "
-            f"cases with `autominato prepare kits19 --synthesize-ct {root} OUT` and use OUT instead"
+            f"; it holds {masks} KiTS19 label masks without images: make training cases of "
+            f"them with `autominato prepare kits19 --synthesize-ct {root} OUT`, then read OUT "
+            "with KiTS19Dataset(OUT) or `autominato run --data OUT`"
             if masks else ""
         )
         raise FileNotFoundError(

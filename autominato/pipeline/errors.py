@@ -90,9 +90,12 @@ class CollateError(RuntimeError, ValueError):
     """Samples that cannot be stacked into one batch (arrays of different shapes or dtypes,
     sequences of different lengths).
 
-    A ``RuntimeError``, as ``torch.utils.data.default_collate``'s error for the same batch (so
-    code written for DataLoader catches it), and a ``ValueError`` (what autominato raised up
-    to 0.1.0; kept so that code written for that still catches it).
+    A ``RuntimeError``, as ``torch.utils.data.default_collate``'s error for samples of
+    unequal shapes or sequence lengths (so code written for DataLoader catches it), and a
+    ``ValueError`` (what autominato raised up to 0.1.0; kept so that code written for that
+    still catches it). Unlike ``default_collate``, which promotes arrays of different dtypes
+    to a common one (float32 and float64 stack as float64), autominato refuses them: the
+    batch buffers are pooled per dtype.
     """
 
 

@@ -11,6 +11,7 @@ as its bucket's midpoint), which only feeds the "queue wait share" line.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import urllib.error
@@ -224,12 +225,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report of each rank; 2 when unreachable, 1 when there is nothing to report."""
-    if not args.interval > 0:
-        print(f"autominato monitor: --interval must be > 0, got {args.interval}", file=sys.stderr)
-        return 2
-    if not args.timeout > 0:
-        print(f"autominato monitor: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
-        return 2
+    for flag, v in (("--interval", args.interval), ("--timeout", args.timeout)):
+        if not (v > 0 and math.isfinite(v)):
+            print(f"autominato monitor: {flag} must be a finite number of seconds > 0, got {v}",
+                  file=sys.stderr)
+            return 2
     problem = url_problem(args.url)
     if problem is not None:
         print(f"autominato monitor: url {problem}", file=sys.stderr)

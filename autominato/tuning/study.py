@@ -54,8 +54,8 @@ def same_error_key(failure: str | None) -> str | None:
     numbers and bracketed details (a sample's index, the shapes that met in a batch, which
     depend on the order samples completed in) left out.
 
-    >>> same_error_key("ValueError: cannot stack: [(1,), (2,)]") == same_error_key(
-    ...     "ValueError: cannot stack: [(1,), (2,), (3,)]")
+    >>> same_error_key("CollateError: cannot stack: [(1,), (2,)]") == same_error_key(
+    ...     "CollateError: cannot stack: [(1,), (2,), (3,)]")
     True
     """
     if failure is None:
