@@ -233,7 +233,9 @@ class Loader:
         fuse_read: read inside the transform worker processes (default), so that only the
             transformed sample crosses to the main process. ``False`` adds a separate read
             stage of threads (``read_threads``) for I/O-bound reads (network storage).
-        on_error: ``"raise"`` or ``"skip"`` (log, count and continue without the sample).
+        on_error: ``"raise"`` (the error reaches the training loop; a loop that catches it
+            gets the rest of the epoch, as from DataLoader's iterator, less the failing sample)
+            or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
         sample_timeout: seconds one sample may take in a worker before that worker is
@@ -1113,6 +1115,9 @@ class _EpochIterator:
                 run.cv.wait(min(0.5, left))
             item = run.out.popleft()
         kind = item[0]
+        if kind == "raise":  # a sample's error: the epoch goes on, as DataLoader's iterator
+            self.pipeline.consumed(run)
+            raise item[1]
         if kind != "batch":
             self._finish()
             if kind == "end":
@@ -1208,7 +1213,7 @@ class _SyncIterator:
                 if isinstance(d, Skip):
                     L._skip(d.index, d.error)
                 elif isinstance(d, Raise):
-                    self._done = True
+                    self._done = d.final  # a sample's error: the epoch goes on after it
                     raise d.error
                 elif isinstance(d, End):
                     self._done = True

@@ -78,14 +78,17 @@ def test_straggler_is_counted_when_it_joins_a_later_batch():
     assert ep.stragglers == 1 and len(t) == 4
 
 
-def test_raise_policy_ends_the_epoch_and_frees_what_it_held():
+def test_raise_policy_raises_and_the_epoch_goes_on_without_the_failing_sample():
+    """As from the DataLoader's iterator, a loop that catches the error gets the rest."""
     ep = Epoch(list(range(6)), batch_size=4)
     ep.take(6)
     out = ep.on(Completed(0, 0, "r0")) + ep.on(Failed(1, 0, Boom()))
-    assert isinstance(out[0], Raise)
-    assert [d.result for d in out if isinstance(d, Discard)] == ["r0"]
-    assert ep.on(Completed(2, 0, "late")) == [Discard("late")]
-    assert ep.take(1) == []
+    assert [type(d) for d in out] == [Raise] and not out[0].final
+    for pos in (2, 3, 4, 5):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert [[r for _, _, r in d.items] for d in out if isinstance(d, Emit)] == [
+        ["r0", "r2", "r3", "r4"], ["r5"]]
+    assert isinstance(out[-1], End) and ep.ended and not ep.failed and ep.raised == 1
 
 
 def test_in_order_raise_delivers_every_batch_before_the_failing_one_first():
@@ -98,10 +101,11 @@ def test_in_order_raise_delivers_every_batch_before_the_failing_one_first():
     assert out == []
     out += ep.on(Completed(0, 0, "r0"))
     assert batches(out) == [[0, 1, 2, 3]]
-    kinds = [type(d) for d in out if not isinstance(d, Discard)]
-    assert kinds == [Emit, Raise]
-    assert sorted(d.result for d in out if isinstance(d, Discard)) == ["r4", "r5", "r8"]
-    assert ep.on(Completed(7, 0, "r7")) == [Discard("r7")]
+    assert [type(d) for d in out] == [Emit, Raise]  # 4 and 5 wait for 7 and 8
+    for pos in (7, 9, 10, 11):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert batches(out) == [[0, 1, 2, 3], [4, 5, 7, 8], [9, 10, 11]]
+    assert not any(isinstance(d, Discard) for d in out) and ep.ended and ep.raised == 1
 
 
 def test_a_death_redispatches_until_max_tries_then_applies_the_policy():
@@ -160,8 +164,22 @@ def test_batch_sampler_in_order_raise_comes_after_the_earlier_groups():
     for t in (tasks[5], tasks[4], tasks[2], tasks[1], tasks[0]):
         out += ep.on(Completed(t.pos, t.attempt, t.index))
     kinds = [type(d).__name__ for d in out if isinstance(d, (Emit, Raise))]
-    assert batches(out) == [[0, 1]] and kinds == ["Emit", "Raise"]
-    assert ep.failed and ep.held == 0
+    # the failing group's batch is lost (as the DataLoader's), the next one follows
+    assert batches(out) == [[0, 1], [4, 5]] and kinds == ["Emit", "Raise", "Emit"]
+    assert [d.result for d in out if isinstance(d, Discard)] == [2]
+    assert ep.ended and ep.held == 0
+
+
+def test_batch_sampler_raise_loses_the_group_and_raises_its_first_error_once():
+    ep = Epoch(list(range(6)), batch_size=1, groups=[3, 3])
+    tasks = ep.take(6)
+    out = ep.on(Completed(tasks[0].pos, 0, "a")) + ep.on(Failed(tasks[1].pos, 0, Boom("first")))
+    out += ep.on(Failed(tasks[2].pos, 0, Boom("second")))
+    for t in tasks[3:]:
+        out += ep.on(Completed(t.pos, 0, t.index))
+    assert [str(d.error) for d in out if isinstance(d, Raise)] == ["first"]
+    assert [d.result for d in out if isinstance(d, Discard)] == ["a"]
+    assert batches(out) == [[3, 4, 5]] and isinstance(out[-1], End)
 
 
 def test_groups_must_cover_the_order():
@@ -231,6 +249,10 @@ def test_random_interleavings_deliver_every_position_exactly_once(seed):
         _check_one_run(ep, rng)
 
 
+def group_of_pos(ep: Epoch, pos: int) -> int:
+    return next(g for g in range(len(ep.groups)) if pos < sum(ep.groups[:g + 1]))
+
+
 def _check_one_run(ep: Epoch, rng: random.Random) -> None:
     n, B = ep.size, ep.batch_size
     made: list[str] = []  # every result produced by a "worker"
@@ -238,14 +260,15 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
     delivered: list[int] = []  # positions, in batch order
     skipped: list[int] = []
     sizes: list[int] = []
-    raised = False
+    raised: list = []  # errors raised (the epoch goes on after each)
+    ended = False
     in_flight: list = []  # tasks a worker holds (may include superseded attempts)
     window = rng.randint(1, 8)
 
     def apply(decisions: list) -> None:
-        nonlocal raised
+        nonlocal ended
         for d in decisions:
-            assert not (raised and isinstance(d, Emit)), "a batch after Raise"
+            assert not (ended and isinstance(d, (Emit, Raise, Skip, End))), "a decision after End"
             if isinstance(d, Emit):
                 sizes.append(len(d.items))
                 for pos, index, result in d.items:
@@ -257,7 +280,12 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
             elif isinstance(d, Discard):
                 freed.append(d.result)
             elif isinstance(d, Raise):
-                raised = True
+                raised.append(d.pos)
+                assert not d.final and d.pos is not None
+                if ep.in_order and ep.groups is None:  # after the batches before it
+                    assert all(p < d.pos for p in delivered)
+            elif isinstance(d, End):
+                ended = True
 
     apply(ep.start())
     steps = 0
@@ -306,13 +334,19 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
     assert not set(delivered) & set(skipped)
     prior = set(ep.done)
     assert not (set(delivered) | set(skipped)) & prior, "a position done before the run came again"
-    if raised:
-        assert ep.failed
-        return
-    assert ep.ended
+    assert ep.ended and ended and not ep.failed
+    assert not (ep.skip_errors and raised)
     dropped = set(range(n)) - set(delivered) - set(skipped) - prior
     if ep.groups is not None:
-        # Each batch is one whole group less its skipped positions, in sampler order within.
+        # Each batch is one whole group less its skipped positions, in sampler order within;
+        # a group with an error is lost whole, and raises once.
+        starts = [sum(ep.groups[:g]) for g in range(len(ep.groups))]
+        lost = {g for g in range(len(ep.groups))
+                if set(range(starts[g], starts[g] + ep.groups[g])) & dropped}
+        assert len(raised) == len(lost) and {group_of_pos(ep, p) for p in raised} == lost
+        for g in lost:
+            assert set(range(starts[g], starts[g] + ep.groups[g])) - prior <= dropped
+        dropped -= {p for g in lost for p in range(starts[g], starts[g] + ep.groups[g])}
         assert not dropped
         starts = [sum(ep.groups[:g]) for g in range(len(ep.groups))]
         group_of = {p: g for g in range(len(ep.groups)) for p in range(starts[g], starts[g] + ep.groups[g])}
@@ -329,7 +363,9 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
         if ep.in_order:
             assert emitted == sorted(emitted)
         return
-    # Every position is final exactly once: delivered, skipped, or (drop_last) dropped.
+    # Every position is final exactly once: delivered, skipped, raised, or (drop_last) dropped.
+    assert len(raised) == len(set(raised)) == ep.raised and set(raised) <= dropped
+    dropped -= set(raised)
     if ep.drop_last:
         assert len(dropped) < B
         assert all(s == B for s in sizes)

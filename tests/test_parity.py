@@ -215,3 +215,48 @@ def test_samples_that_do_not_stack_raise_runtime_error_as_dataloader(workers):
     with Loader(Growing(4), 2, num_workers=workers, autotune=False) as loader:
         with pytest.raises(RuntimeError, match="shapes/dtypes differ"):
             next(iter(loader))
+
+
+class FailsAt(Indexed):
+    """Sample ``bad`` raises."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
+def drain(it) -> tuple[list, list[BaseException]]:
+    """Every batch (first column) and error (as "error") of an iterator whose loop catches
+    errors and goes on, in the order they came; and the errors."""
+    seq, errors = [], []
+    while True:
+        try:
+            seq.append(next(it)[:, 0].tolist())
+        except StopIteration:
+            return seq, errors
+        except ValueError as e:
+            errors.append(e)
+            seq.append("error")
+
+
+@pytest.mark.parametrize("workers, in_order", [(0, True), (2, True), (2, False)])
+def test_a_loop_that_catches_a_samples_error_gets_the_rest_of_the_epoch(workers, in_order):
+    """DataLoader's iterator goes on after an error (it loses that batch); so does the
+    Loader's, which loses only the failing sample."""
+    seq, errors = drain(iter(DataLoader(FailsAt(12, 4), 3, num_workers=workers)))
+    assert seq == [[0, 1, 2], "error", [6, 7, 8], [9, 10, 11]] and len(errors) == 1
+    with Loader(FailsAt(12, 4), 3, num_workers=workers, in_order=in_order, seed=0,
+                autotune=False) as loader:
+        for _ in range(2):  # and the next epoch is whole again
+            seq, errors = drain(iter(loader))
+            assert len(errors) == 1 and "bad sample 4" in str(errors[0])
+            got = [b for b in seq if b != "error"]
+            assert sorted(i for b in got for i in b) == [i for i in range(12) if i != 4]
+            assert [len(b) for b in got] == [3, 3, 3, 2]
+            if in_order:  # the error comes after the batches before sample 4, in order
+                assert seq == [[0, 1, 2], "error", [3, 5, 6], [7, 8, 9], [10, 11]]

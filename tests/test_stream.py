@@ -131,7 +131,7 @@ def test_a_lost_shard_ends_the_epoch_with_its_error():
     ep.on(Yielded(2, "x"))
     err = RuntimeError("worker 1 died")
     out = ep.on(ShardLost(1, err))
-    assert out[0] == Raise(err) and out[1:] == [Discard("x")]
+    assert out[0] == Raise(err, final=True) and out[1:] == [Discard("x")]
 
 
 def test_a_shard_has_one_pull_open_and_asks_no_more_than_the_room():

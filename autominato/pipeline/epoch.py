@@ -15,7 +15,8 @@ States of a position::
                           │  └─ Lost(retry) ────┘  (worker died: dispatched again,
                           │                          at most ``max_tries`` times)
                           ├─ Failed / Lost(no retry) ──► on_error="skip": skipped (final)
-                          │                              on_error="raise": Raise
+                          │                              on_error="raise": Raise (final; the
+                          │                              epoch goes on, as DataLoader's)
                           └─ (epoch end with drop_last): a short remainder is dropped (final)
 
 Rules:
@@ -32,6 +33,12 @@ Rules:
   positions are final: the first complete group first (default) or in group order
   (``in_order``); a skipped sample shortens its own group; ``drop_last`` does not apply (the
   batch sampler decides).
+* ``on_error="raise"``: the error goes to the training loop and the epoch goes on, so a loop
+  that catches it gets the batches after it, as from the DataLoader's iterator. Lost with it:
+  the failing sample alone (its batch is made of other samples; the DataLoader, whose batches
+  are fixed, loses the whole batch), or with ``groups`` its whole group (the batch sampler's
+  batch). In order, the error comes after every batch before the failing sample and before any
+  batch after it; only the first error of a group is raised.
 * A resumed epoch starts with ``done`` positions already final (delivered before a
   checkpoint): they are never dispatched, count towards the epoch's end and ``drop_last``, and
   ``in_order`` steps over them, so the remaining batches are the ones the uninterrupted epoch
@@ -121,9 +128,13 @@ class Discard:
 
 @dataclass(slots=True)
 class Raise:
-    """``on_error="raise"``: the training loop gets ``error``; the epoch is over."""
+    """The training loop gets ``error``. ``final``: the epoch is over (a worker death under
+    ``on_worker_death="raise"``, decided by the scheduler); else (a sample's error under
+    ``on_error="raise"``) the epoch goes on after it."""
 
     error: BaseException
+    final: bool = False
+    pos: int | None = None  # the failing position (the first of a group's, with groups)
 
 
 @dataclass(slots=True)
@@ -176,6 +187,7 @@ class Epoch:
     _final: int = 0  # positions final (emitted, skipped or dropped)
     batches: int = 0
     skipped: int = 0
+    raised: int = 0  # positions whose error was raised (on_error="raise")
     stragglers: int = 0
     failed: bool = False
     ended: bool = False
@@ -192,6 +204,7 @@ class Epoch:
             self._left = sizes  # positions of a group not yet final
             self._members: dict = {}  # group -> items completed
             self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
+            self._failed: set = set()  # groups whose error was decided (raised or waiting to)
             self._next_group = 0
         self._prior = bytearray(len(self.order))  # pos -> 1: final before the epoch ran
         for pos in self.done:
@@ -318,8 +331,10 @@ class Epoch:
         item = (ev.pos, int(self.order[ev.pos]), ev.result)
         if self.groups is not None:
             g = self._group[ev.pos]
-            if g in self._complete:  # in order, its group already failed: it waits to raise
-                return [Discard(ev.result)]
+            if g in self._failed:  # its group's batch is lost to an error
+                self._left[g] -= 1
+                self._final += 1
+                return self._maybe_end([Discard(ev.result)])
             self._members.setdefault(g, []).append(item)
             return self._group_final(g, [])
         if self.in_order:
@@ -333,14 +348,16 @@ class Epoch:
         self._deaths.pop(pos, None)
         self._tries.pop(pos, None)
         if not self.skip_errors:
-            if self.groups is not None and self.in_order:
-                return self._group_ready(self._group[pos], _Failure(error), [])
+            if self.groups is not None:
+                return self._group_failed(self._group[pos], error, pos)
             if self.in_order:
                 # As the DataLoader: every batch before the failing sample's is delivered,
-                # then the error is raised in place of that batch.
-                self._done[pos] = _Failure(error)
+                # then the error is raised; the batches after it follow.
+                self._done[pos] = _Failure(error, pos)
                 return self._advance([])
-            return self._raise(error)
+            self.raised += 1
+            self._final += 1
+            return self._emit_full([Raise(error, pos=pos)])
         self.skipped += 1
         self._final += 1
         out: list[Decision] = [Skip(pos, int(self.order[pos]), error)]
@@ -351,9 +368,23 @@ class Epoch:
             return self._advance(out)
         return self._emit_full(out)
 
-    def _raise(self, error: BaseException) -> list[Decision]:
-        self.failed = True
-        return [Raise(error), *self.abort()]
+    def _group_failed(self, g: int, error: BaseException, pos: int) -> list[Decision]:
+        """A position of group ``g`` failed (``on_error="raise"``): the group's batch is lost
+        (its completed members discarded now, the others as they complete); the first error
+        of the group is raised, in group order with ``in_order``."""
+        self._left[g] -= 1
+        self._final += 1
+        self.raised += 1
+        if g in self._failed:
+            return self._maybe_end([])
+        self._failed.add(g)
+        members = self._members.pop(g, [])
+        self._final += len(members)
+        out: list[Decision] = [Discard(r) for _, _, r in members]
+        if self.in_order:
+            return self._group_ready(g, _Failure(error, pos), out)
+        out.append(Raise(error, pos=pos))
+        return self._maybe_end(out)
 
     def _advance(self, out: list[Decision]) -> list[Decision]:
         """In order: move the final positions at the cursor to the batch being filled."""
@@ -367,12 +398,16 @@ class Epoch:
                 break
             item = self._done.pop(self._next_pos)
             if isinstance(item, _Failure):
-                # Emit the batches before this one; the partial batch it belongs to is not.
-                done = len(self._ready) - len(self._ready) % B
-                self._ready, rest = self._ready[:done], self._ready[done:]
-                self._emit_full(out)
-                out += [Discard(r) for _, _, r in rest]
-                return out + self._raise(item.error)
+                # The full batches before it first; the samples before it that do not fill
+                # a batch wait for the ones after it (only the failing sample is lost).
+                while len(self._ready) >= B:
+                    group, self._ready = self._ready[:B], self._ready[B:]
+                    out.append(self._batch(group))
+                out.append(Raise(item.error, pos=item.pos))
+                self.raised += 1
+                self._final += 1
+                self._next_pos += 1
+                continue
             if item is not _SKIPPED:
                 self._ready.append(item)
             self._next_pos += 1
@@ -407,17 +442,13 @@ class Epoch:
             if items:
                 out.append(self._batch(items))
             return self._maybe_end(out)
-        if g in self._complete:  # failed already
-            if isinstance(items, list):
-                out += [Discard(r) for _, _, r in items]
-            return out
         self._complete[g] = items
         while self._next_group in self._complete:
             items = self._complete.pop(self._next_group)
             self._next_group += 1
             if isinstance(items, _Failure):
-                return out + self._raise(items.error)
-            if items:
+                out.append(Raise(items.error, pos=items.pos))
+            elif items:
                 out.append(self._batch(items))
             self._empty_groups()
         return self._maybe_end(out)
@@ -452,10 +483,11 @@ class Epoch:
 class _Failure:
     """In order, a failed position waits for its turn to raise."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "pos")
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, pos: int) -> None:
         self.error = error
+        self.pos = pos
 
 
 class _Skipped:

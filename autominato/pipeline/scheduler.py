@@ -183,13 +183,15 @@ class Run:
 
 
 class _Final:
-    """The last item of a run (``("end",)`` or ``("error", e)``): it travels behind the run's
-    batches through the batch and transfer stages, so it never overtakes one."""
+    """An item of a run that is no batch: its last (``("end",)`` or ``("error", e)``), or a
+    sample's error that the epoch goes on after (``("raise", e)``, ``ends=False``). It travels
+    behind the run's batches through the batch and transfer stages, so it never overtakes one."""
 
-    __slots__ = ("item",)
+    __slots__ = ("item", "ends")
 
-    def __init__(self, item: tuple) -> None:
+    def __init__(self, item: tuple, ends: bool = True) -> None:
         self.item = item
+        self.ends = ends
 
 
 class Pipeline:
@@ -695,8 +697,7 @@ class Pipeline:
             note = f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried"
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
-            run.epoch.on(Failed(pos, attempt, err))  # makes the position final
-            self._decide(run, [Raise(err), *run.epoch.abort()])
+            self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
         elif r.requeue:
             self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
         elif r.lost:
@@ -819,6 +820,9 @@ class Pipeline:
                     run.deferred.append(d)
                 else:
                     self._skip(d)
+            elif isinstance(d, Raise) and not d.final:  # the epoch goes on after it
+                self.batch_stage.put((run.gen, next(self._batch_ids)),
+                                     (run, _Final(("raise", d.error), ends=False)))
             elif isinstance(d, (Raise, End)):
                 last = ("error", d.error) if isinstance(d, Raise) else ("end",)
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
@@ -888,6 +892,10 @@ class Pipeline:
             return
         if r.stage == "batch" and self.transfer_stage is not None:
             self.transfer_stage.put(r.key, (run, payload))
+            return
+        if final and not payload.ends:
+            if not run.stopped:
+                run.deliver(payload.item)
             return
         if final:
             self.runs.pop(run.gen, None)

@@ -235,7 +235,7 @@ class Stream:
         self._asked[s] = max(0, self._asked[s] - 1)
 
     def _raise(self, error: BaseException) -> list[Decision]:
-        return [Raise(error), *self.abort()]
+        return [Raise(error, final=True), *self.abort()]  # the epoch ends with it
 
     def _batch(self, items: list) -> Emit:
         self.batches += 1
