@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import threading
@@ -197,6 +198,33 @@ def test_an_error_in_worker_init_fn_is_raised_naming_it(kind):
         with pytest.raises(WorkerInitError, match=r"worker_init_fn\(0\) raised OSError: cannot "
                                                   "open the shard file of worker 0"):
             rows(L)
+
+
+def init_failing_first(folder: str, fails: int, wid: int) -> None:
+    """worker_init_fn that raises in its first ``fails`` calls (counted across processes by
+    the files it claims in ``folder``), then succeeds."""
+    n = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(folder, str(n)), os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            n += 1
+    if n < fails:
+        raise OSError(f"cannot open the shard file of worker {wid}")
+
+
+def test_a_worker_whose_init_failed_is_no_death_and_the_next_pass_runs(tmp_path, caplog):
+    """The worker said why it cannot work and exited: no "died (exit code 0); replacing it"
+    warning; the same failure reported late by the other worker started with it does not end
+    the next pass, whose workers (their init now succeeds) load everything."""
+    init = functools.partial(init_failing_first, str(tmp_path), 2)
+    with Loader(Info(8), 2, num_workers=2, worker_init_fn=init, autotune=False) as L:
+        with caplog.at_level(logging.WARNING, logger="autominato"):
+            with pytest.raises(WorkerInitError):
+                rows(L)
+            assert sorted(int(r[0]) for r in rows(L)) == list(range(8))
+        assert not [r for r in caplog.records if "died" in r.getMessage()]
 
 
 class Offset:

@@ -115,6 +115,7 @@ class ProcessExecutor:
         self._service_s = CHUNK_BUDGET_S  # running mean seconds of worker time per item
         self.max_startup_deaths = max_startup_deaths
         self.on_fatal = on_fatal
+        self._fatal_mark = -1  # workers up to this id started before the last fatal was raised
         self.start_method = start_method
         self.restarts = 0
         self.chunk = 1
@@ -227,6 +228,15 @@ class ProcessExecutor:
             self._startup_deaths = 0
             return []
         if kind == "fatal":
+            if w is not None:
+                w.info["fatal"] = True  # it exits now, having said why: no death to report
+            if wid <= self._fatal_mark:
+                # Started with the worker whose same failure was raised already (worker_init_fn
+                # fails in every worker): a late report must not end a pass begun since then.
+                log.debug("transform worker %s: %s: %s (raised already)", wid, reply[1].type_name,
+                          reply[1].message)
+                return []
+            self._fatal_mark = max([wid, *pool.workers, *pool.dead])
             self.on_fatal(reply[1].to_exception())
             return []
         if kind == "stream":  # ("stream", key, [outcome, ...], final)
@@ -282,7 +292,9 @@ class ProcessExecutor:
                         worker=who))
                 return []
         timed_out = w.info.get("timed_out")
-        if not timed_out:
+        if w.info.get("fatal"):  # it said why (worker_init_fn raised): no unexplained death
+            log.info("transform %s exited after its error (%s); starting another", who, how)
+        elif not timed_out:
             log.warning("transform %s died (%s); replacing it", who, how)
         if self.pool.size < self.want:
             self.pool.start_one()
