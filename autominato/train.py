@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autominato.cli import int_at_least, port
+from autominato.cli import int_at_least, port, seconds
 from autominato.models.step import LEARNING_RATE
 
 #: Demo set size: enough cases for a few batches per epoch, small enough to prepare in seconds.
@@ -109,14 +109,55 @@ class TrainResult:
 
 
 def _device(name: str) -> Any:
+    """The ``torch.device`` of ``--device``.
+
+    Raises:
+        ValueError: a name torch does not know, or ``cuda`` without CUDA (names ``--device``).
+    """
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {name}: not a device torch knows ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: autominato run trains on cpu or cuda")
     return dev
+
+
+def patch_for_data(data: Path, patch: tuple[int, int, int] | None,
+                   divisor: int = 32) -> tuple[int, int, int]:
+    """The crop of ``autominato run`` for the prepared folder ``data``: ``patch`` when given,
+    else MLPerf's 128^3, shrunk to fit cases padded to a smaller ``min_shape`` (its
+    ``prepare.json``, from ``prepare --scale``): the largest multiple of ``divisor`` per axis.
+
+    Raises:
+        ValueError: ``patch`` (given) is larger than the cases are padded to, or no patch the
+            model takes (multiples of ``divisor``, at least ``2 * divisor``) fits them.
+    """
+    from autominato.data.kits19 import read_manifest
+
+    min_shape = read_manifest(data).get("min_shape") if data.is_dir() else None
+    if patch is not None:
+        if min_shape and any(p > m for p, m in zip(patch, min_shape, strict=False)):
+            raise ValueError(
+                f"--patch {'x'.join(map(str, patch))} is larger than the cases of {data} are "
+                f"padded to ({'x'.join(map(str, min_shape))}, by `autominato prepare --scale`): "
+                "give a smaller --patch")
+        return patch
+    if not min_shape:
+        return (128, 128, 128)
+    fit = tuple(min(128, m // divisor * divisor) for m in min_shape)
+    if min(fit) < 2 * divisor:
+        raise ValueError(
+            f"the cases of {data} are padded to {'x'.join(map(str, min_shape))} (`autominato "
+            f"prepare --scale`), smaller than the smallest patch the model takes "
+            f"({2 * divisor}^3): prepare them with a larger --scale (0.5: 64^3)")
+    return fit  # type: ignore[return-value]
 
 
 def train(
@@ -309,17 +350,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int_at_least(1), default=None, help="optimiser steps to run")
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs to run (default 1 when --steps is not given)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=int_at_least(1), default=None,
                         help="samples per batch (default: the --config's, else 2)")
-    parser.add_argument("--patch", type=_patch, default=(128, 128, 128),
-                        help="crop size N or D,H,W (default 128, MLPerf's)")
+    parser.add_argument("--patch", type=_patch, default=None,
+                        help="crop size N or D,H,W, each a multiple of 32 and at least 64 "
+                        "(default 128, MLPerf's; smaller for cases prepared with --scale < 1)")
     parser.add_argument("--config", type=Path, default=None,
                         help="loader configuration written by `autominato tune`")
     parser.add_argument("--metrics-port", type=port, default=None,
                         help="serve Prometheus metrics on this port (127.0.0.1)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics endpoint binds (0.0.0.0 inside a container)")
-    parser.add_argument("--monitor-interval", type=float, default=60.0,
+    parser.add_argument("--monitor-interval", type=seconds, default=60.0,
                         help="seconds between Data Monitor reports in the log (0: only at the "
                         "end of the run)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
@@ -331,6 +373,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo-dir", type=Path, default=None,
                         help=f"where the demo set is cached (default {default_cache()}/demo)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check_host(host: str) -> None:
+    """Raises ValueError naming ``--metrics-host`` when it resolves to no address."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        raise ValueError(f"--metrics-host {host}: not an address this machine can bind ({e})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -357,7 +409,14 @@ def run(args: argparse.Namespace) -> int:
             data = prepare_demo(root, seed=args.seed)
         else:
             data = args.data
+        _device(args.device)
+        if args.metrics_port is not None:
+            _check_host(args.metrics_host)
         dataset = open_dataset(data)
+        patch = patch_for_data(Path(data), args.patch)
+        if args.patch is None and patch != (128, 128, 128):
+            print(f"[run] patch {'x'.join(map(str, patch))}: the largest that fits the cases "
+                  f"(prepared smaller than MLPerf's 128^3; --patch to choose)", file=out, flush=True)
         kind = type(dataset).__name__
         synthetic = getattr(dataset, "synthetic", False)
         print(f"[run] data {data}: {len(dataset)} samples ({kind}"
@@ -369,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = train(
             dataset, steps=args.steps, epochs=args.epochs, batch_size=batch_size,
-            patch=args.patch, device=args.device, full_size=args.full_size, lr=args.lr,
+            patch=patch, device=args.device, full_size=args.full_size, lr=args.lr,
             seed=args.seed, config=args.config, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             monitor_interval=args.monitor_interval if args.monitor_interval > 0 else 1e9,
@@ -382,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     model = "MLPerf 3D-UNet (full size)" if args.full_size else "compact 3D-UNet"
     print(f"autominato run: {model} on {_device(args.device)}, patch "
-          f"{'x'.join(map(str, args.patch))}, data {data}"
+          f"{'x'.join(map(str, patch))}, data {data}"
           + (" (SYNTHETIC)" if synthetic else ""), file=out)
     print(summary(res, batch_size), file=out, flush=True)
     loss_ok = all(math.isfinite(v) for v in res.losses)

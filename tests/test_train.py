@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
 from pathlib import Path
@@ -146,3 +148,47 @@ def test_dice_ce_loss_is_lower_for_the_right_answer():
     onehot = torch.nn.functional.one_hot(target[:, 0].long(), 3).movedim(-1, 1).float()
     right, wrong = DiceCELoss()(onehot * 20, target), DiceCELoss()(onehot.flip(1) * 20, target)
     assert float(right) < 0.01 < 0.9 < float(wrong)
+
+
+def test_run_fits_its_default_patch_to_cases_prepared_smaller(tiny, capsys):
+    """Cases prepared with --scale 0.5 are padded to 64^3: without --patch, run crops 64^3
+    (MLPerf's 128^3 fails on every sample); a --patch larger than that is named at once."""
+    from autominato.train import patch_for_data
+
+    assert patch_for_data(tiny, None) == (64, 64, 64)
+    assert patch_for_data(tiny, (64, 64, 32)) == (64, 64, 32)
+    with pytest.raises(ValueError, match=r"--patch 128x128x128 is larger than .* padded to \(64x64x64"):
+        patch_for_data(tiny, (128, 128, 128))
+    rc = cli_main(["run", "--data", str(tiny), "--steps", "1", "--batch-size", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "patch 64x64x64: the largest that fits" in out
+
+
+def test_run_refuses_cases_too_small_for_any_patch(tiny, tmp_path):
+    from autominato.train import patch_for_data
+
+    (tmp_path / "prepare.json").write_text(json.dumps({"min_shape": [32, 32, 32]}))
+    with pytest.raises(ValueError, match=r"padded to 32x32x32 .* larger --scale"):
+        patch_for_data(tmp_path, None)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
+    (["--monitor-interval", "-1"], "argument --monitor-interval"),
+    (["--device", "tpu"], "--device tpu: "),
+    (["--metrics-port", "0", "--metrics-host", "999.1.1.1"], "--metrics-host 999.1.1.1: "),
+])
+def test_run_names_a_bad_argument_without_a_traceback(tiny, capsys, args, says):
+    with pytest.raises(SystemExit) if args[0] in ("--batch-size", "--monitor-interval") else \
+            contextlib.nullcontext():
+        rc = cli_main(["run", "--data", str(tiny), "--steps", "1", "--no-progress", *args])
+        assert rc == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_run_data_that_is_a_file_is_not_a_folder(tmp_path, capsys):
+    f = tmp_path / "README.md"
+    f.write_text("x")
+    assert cli_main(["run", "--data", str(f), "--steps", "1"]) == 2
+    assert f"{f}: not a folder" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def find_pairs(root: str | Path) -> list[tuple[Path, Path]]:
     """
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such folder")
+        raise FileNotFoundError(f"{root}: " + ("not a folder" if root.exists() else "no such folder"))
     pairs: list[tuple[Path, Path]] = []
     for case in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("case_")):
         image, label = case / "imaging.nii.gz", case / "segmentation.nii.gz"

@@ -68,7 +68,7 @@ def find_cases(raw: str | Path) -> list[Case]:
     """
     raw = Path(raw)
     if not raw.is_dir():
-        raise FileNotFoundError(f"{raw}: no such folder")
+        raise FileNotFoundError(f"{raw}: " + ("not a folder" if raw.exists() else "no such folder"))
     cases = []
     for p in sorted(raw.iterdir()):
         if p.is_dir() and p.name.startswith("case_"):
