@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,31 +133,40 @@ def _device(name: str) -> Any:
 def patch_for_data(data: Path, patch: tuple[int, int, int] | None,
                    divisor: int = 32) -> tuple[int, int, int]:
     """The crop of ``autominato run`` for the prepared folder ``data``: ``patch`` when given,
-    else MLPerf's 128^3, shrunk to fit cases padded to a smaller ``min_shape`` (its
-    ``prepare.json``, from ``prepare --scale``): the largest multiple of ``divisor`` per axis.
+    else MLPerf's 128^3 shrunk, per axis, to the largest multiple of ``divisor`` that fits the
+    smallest case (the case shapes of its ``prepare.json``, each padded to ``min_shape``;
+    cases prepared with ``--scale`` < 1 are smaller than MLPerf's).
 
     Raises:
-        ValueError: ``patch`` (given) is larger than the cases are padded to, or no patch the
-            model takes (multiples of ``divisor``, at least ``2 * divisor``) fits them.
+        ValueError: ``patch`` (given) has a size that is no multiple of ``divisor`` or below
+            ``2 * divisor`` (the model's limits), or is larger than the smallest case; or no
+            patch the model takes fits the cases.
     """
     from autominato.data.kits19 import read_manifest
 
-    min_shape = read_manifest(data).get("min_shape") if data.is_dir() else None
+    def text(shape: Sequence[int]) -> str:
+        return "x".join(map(str, shape))
+
+    if patch is not None and any(p % divisor or p < 2 * divisor for p in patch):
+        raise ValueError(f"--patch {text(patch)}: every size must be a multiple of {divisor} and "
+                         f"at least {2 * divisor}")
+    manifest = read_manifest(data) if data.is_dir() else {}
+    floor = manifest.get("min_shape") or [0, 0, 0]
+    shapes = [c.get("shape") for c in (manifest.get("cases") or {}).values()]
+    shapes = [sh for sh in shapes if isinstance(sh, list) and len(sh) == 3]
+    if not shapes:
+        return patch or (128, 128, 128)  # nothing known of the cases: the loader will say
+    smallest = [max(f, min(sh[a] for sh in shapes)) for a, f in enumerate(floor)]
     if patch is not None:
-        if min_shape and any(p > m for p, m in zip(patch, min_shape, strict=False)):
-            raise ValueError(
-                f"--patch {'x'.join(map(str, patch))} is larger than the cases of {data} are "
-                f"padded to ({'x'.join(map(str, min_shape))}, by `autominato prepare --scale`): "
-                "give a smaller --patch")
+        if any(p > m for p, m in zip(patch, smallest, strict=True)):
+            raise ValueError(f"--patch {text(patch)} is larger than the smallest case of {data} "
+                             f"({text(smallest)}): give a smaller --patch")
         return patch
-    if not min_shape:
-        return (128, 128, 128)
-    fit = tuple(min(128, m // divisor * divisor) for m in min_shape)
+    fit = tuple(min(128, m // divisor * divisor) for m in smallest)
     if min(fit) < 2 * divisor:
         raise ValueError(
-            f"the cases of {data} are padded to {'x'.join(map(str, min_shape))} (`autominato "
-            f"prepare --scale`), smaller than the smallest patch the model takes "
-            f"({2 * divisor}^3): prepare them with a larger --scale (0.5: 64^3)")
+            f"the smallest case of {data} is {text(smallest)}, smaller than the smallest patch "
+            f"the model takes ({2 * divisor}^3): prepare the cases with a larger --scale")
     return fit  # type: ignore[return-value]
 
 
@@ -415,8 +425,8 @@ def run(args: argparse.Namespace) -> int:
         dataset = open_dataset(data)
         patch = patch_for_data(Path(data), args.patch)
         if args.patch is None and patch != (128, 128, 128):
-            print(f"[run] patch {'x'.join(map(str, patch))}: the largest that fits the cases "
-                  f"(prepared smaller than MLPerf's 128^3; --patch to choose)", file=out, flush=True)
+            print(f"[run] patch {'x'.join(map(str, patch))}: MLPerf's 128^3 shrunk to fit the "
+                  f"smallest case (--patch to choose)", file=out, flush=True)
         kind = type(dataset).__name__
         synthetic = getattr(dataset, "synthetic", False)
         print(f"[run] data {data}: {len(dataset)} samples ({kind}"

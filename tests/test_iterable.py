@@ -159,6 +159,21 @@ def test_errors_in_a_stream_follow_on_error():
         with pytest.raises(KeyError, match="bad record 13") as e:
             rows(L)
         assert "shard 1 of 2" in "".join(getattr(e.value, "__notes__", []))
+        # A loop that catches it gets the rest, as from DataLoader's iterator: the other
+        # worker's shard goes on; the generator that raised is over. (DataLoader also loses
+        # the samples of the batch its worker was filling, 9 and 11.)
+        for last, loader in ((13, L), (9, DataLoader(FailsAt(30), 4, num_workers=2))):
+            got, it = [], iter(loader)
+            while True:
+                try:
+                    got += [r[0] for r in next(it).tolist()]
+                except StopIteration:
+                    break
+                except KeyError:
+                    got.append("error")
+            assert got.count("error") == 1
+            assert sorted(x for x in got if x != "error") == [
+                i for i in range(30) if i % 2 == 0 or i < last]
 
 
 def test_a_worker_killed_mid_stream_ends_the_epoch_with_an_error_naming_the_shard():

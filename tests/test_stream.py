@@ -114,15 +114,17 @@ def test_every_sample_is_delivered_once_in_random_interleavings(in_order):
                 assert not discarded and (not batches or 0 < len(batches[-1]) <= B)
 
 
-def test_a_failed_sample_raises_at_once_and_frees_what_is_held():
-    ep = Stream(2, 4)
+def test_a_failed_sample_raises_at_once_and_the_epoch_goes_on():
+    """As DataLoader's workers: the error reaches the training loop, the shard is pulled on."""
+    ep = Stream(2, 2)
     pulls = ep.take(8)
     assert [(p.shard, p.n, p.seq) for p in pulls] == [(0, 4, 0), (1, 4, 0)]
     assert ep.on(Yielded(0, "a")) == [] and ep.held == 8
     out = ep.on(YieldFailed(1, ValueError("bad")))
-    assert isinstance(out[0], Raise) and [d.result for d in out[1:]] == ["a"]
-    assert ep.finished and ep.take(8) == []
-    assert ep.on(Yielded(0, "late")) == [Discard("late")]
+    assert [type(d) for d in out] == [Raise] and not out[0].final and not ep.finished
+    out = ep.on(Yielded(1, "b"))
+    assert [[r for _, _, r in d.items] for d in out if isinstance(d, Emit)] == [["a", "b"]]
+    assert ep.raised == 1 and ep.skipped == 0
 
 
 def test_a_lost_shard_ends_the_epoch_with_its_error():

@@ -156,19 +156,30 @@ def test_run_fits_its_default_patch_to_cases_prepared_smaller(tiny, capsys):
     from autominato.train import patch_for_data
 
     assert patch_for_data(tiny, None) == (64, 64, 64)
-    assert patch_for_data(tiny, (64, 64, 32)) == (64, 64, 32)
-    with pytest.raises(ValueError, match=r"--patch 128x128x128 is larger than .* padded to \(64x64x64"):
+    assert patch_for_data(tiny, (64, 64, 64)) == (64, 64, 64)
+    with pytest.raises(ValueError, match=r"--patch 128x128x128 is larger than the smallest case "
+                       r".*\(64x64x64\)"):
         patch_for_data(tiny, (128, 128, 128))
+    with pytest.raises(ValueError, match="--patch 65x65x65: every size must be a multiple of 32"):
+        patch_for_data(tiny, (65, 65, 65))
     rc = cli_main(["run", "--data", str(tiny), "--steps", "1", "--batch-size", "1", "--no-progress"])
     out = capsys.readouterr().out
-    assert rc == 0 and "patch 64x64x64: the largest that fits" in out
+    assert rc == 0 and "patch 64x64x64: MLPerf's 128^3 shrunk to fit the smallest case" in out
 
 
-def test_run_refuses_cases_too_small_for_any_patch(tiny, tmp_path):
+def test_run_fits_the_patch_to_the_smallest_case_not_to_the_padding(tmp_path):
+    """prepare.json's min_shape is only the padding floor: the cases may be larger."""
     from autominato.train import patch_for_data
 
-    (tmp_path / "prepare.json").write_text(json.dumps({"min_shape": [32, 32, 32]}))
-    with pytest.raises(ValueError, match=r"padded to 32x32x32 .* larger --scale"):
+    cases = {"case_00000": {"shape": [81, 170, 200]}, "case_00001": {"shape": [94, 200, 170]}}
+    (tmp_path / "prepare.json").write_text(json.dumps({"min_shape": [64, 64, 64], "cases": cases}))
+    assert patch_for_data(tmp_path, None) == (64, 128, 128)
+    assert patch_for_data(tmp_path, (64, 160, 160)) == (64, 160, 160)
+    with pytest.raises(ValueError, match=r"larger than the smallest case .*\(81x170x170\)"):
+        patch_for_data(tmp_path, (96, 160, 160))
+    cases = {"case_00000": {"shape": [40, 40, 40]}}
+    (tmp_path / "prepare.json").write_text(json.dumps({"min_shape": [32, 32, 32], "cases": cases}))
+    with pytest.raises(ValueError, match=r"smallest case .* is 40x40x40, .* larger --scale"):
         patch_for_data(tmp_path, None)
 
 

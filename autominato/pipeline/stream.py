@@ -20,7 +20,8 @@ Rules:
   consecutive samples of one shard, and batches come round-robin over the shards (shard 0's
   first, shard 1's first, ..., shard 0's second, ...), a shard that ended leaving the round;
   each shard's last batch may be short (``drop_last`` drops it), as each DataLoader worker's.
-* A failed sample is skipped (``skip_errors``) or raised at once; a shard whose worker is gone
+* A failed sample is skipped (``skip_errors``) or raised at once, and its shard is pulled on
+  (as by DataLoader's workers: a generator that raised then ends); a shard whose worker is gone
   (:class:`ShardLost`) ends the epoch with its error: its iterator died with the worker.
 * Exactly once: every sample yielded is emitted in one batch, skipped, dropped by
   ``drop_last`` or discarded (the epoch already failed); none is asked for twice.
@@ -118,6 +119,7 @@ class Stream:
     _arrived: int = 0
     batches: int = 0
     skipped: int = 0
+    raised: int = 0  # samples whose error was raised (on_error="raise"; the epoch goes on)
     failed: bool = False
     ended: bool = False
 
@@ -189,11 +191,14 @@ class Stream:
             if self.finished:
                 return []
             self._answered(event.shard)
-            if not self.skip_errors:
-                return self._raise(event.error)
-            self.skipped += 1
             pos = self._arrived
             self._arrived += 1
+            if not self.skip_errors:
+                # As DataLoader's workers: the error goes to the training loop and the shard is
+                # pulled on (a generator that raised then ends; other shards are not affected).
+                self.raised += 1
+                return [Raise(event.error, pos=pos)]
+            self.skipped += 1
             return [Skip(pos, -1, event.error)]
         if isinstance(event, PullDone):
             s = event.shard
