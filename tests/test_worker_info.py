@@ -216,15 +216,48 @@ def init_failing_first(folder: str, fails: int, wid: int) -> None:
 
 def test_a_worker_whose_init_failed_is_no_death_and_the_next_pass_runs(tmp_path, caplog):
     """The worker said why it cannot work and exited: no "died (exit code 0); replacing it"
-    warning; the same failure reported late by the other worker started with it does not end
-    the next pass, whose workers (their init now succeeds) load everything."""
+    warning; once the cause is gone, the next pass loads everything."""
     init = functools.partial(init_failing_first, str(tmp_path), 2)
     with Loader(Info(8), 2, num_workers=2, worker_init_fn=init, autotune=False) as L:
         with caplog.at_level(logging.WARNING, logger="autominato"):
             with pytest.raises(WorkerInitError):
                 rows(L)
+            deadline = time.monotonic() + 10
+            while len(os.listdir(tmp_path)) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the two replacements ran their (now passing) init
+            time.sleep(0.5)  # and every report of the failing ones reached the loader
             assert sorted(int(r[0]) for r in rows(L)) == list(range(8))
         assert not [r for r in caplog.records if "died" in r.getMessage()]
+
+
+def test_a_late_report_of_the_same_init_failure_is_not_raised_again():
+    """Workers started together fail together: the first report is raised; a report from a
+    worker started before it was raised must not end a pass begun since."""
+    from types import SimpleNamespace
+
+    from autominato.pipeline.errors import ErrorReport
+    from autominato.pipeline.executors import ProcessExecutor
+
+    raised = []
+    ex = ProcessExecutor.__new__(ProcessExecutor)
+    ex.pool = SimpleNamespace(workers={0: SimpleNamespace(info={}), 1: SimpleNamespace(info={})},
+                              dead={})
+    ex.on_fatal, ex._fatal_mark = raised.append, -1
+    report = lambda wid: ErrorReport.capture(OSError(f"init {wid}"), -1, None, f"worker {wid}")  # noqa: E731
+    assert ex._reply(0, ("fatal", report(0))) == [] and len(raised) == 1
+    assert ex._reply(1, ("fatal", report(1))) == [] and len(raised) == 1  # same wave
+    ex.pool.workers[2] = SimpleNamespace(info={})  # started after: a new failure
+    assert ex._reply(2, ("fatal", report(2))) == [] and len(raised) == 2
+    assert all(w.info.get("fatal") for w in ex.pool.workers.values())
+
+
+def test_a_worker_init_fn_that_always_fails_raises_its_own_error_at_every_pass(tmp_path):
+    """Not, every few passes, an unexplained "died before they were ready" WorkerDied."""
+    init = functools.partial(init_failing_first, str(tmp_path), 10**6)
+    with Loader(Info(8), 2, num_workers=2, worker_init_fn=init, autotune=False) as L:
+        for _ in range(6):
+            with pytest.raises(WorkerInitError, match="cannot open the shard file"):
+                rows(L)
 
 
 class Offset:

@@ -229,7 +229,7 @@ class ProcessExecutor:
             return []
         if kind == "fatal":
             if w is not None:
-                w.info["fatal"] = True  # it exits now, having said why: no death to report
+                w.info["fatal"] = reply[1]  # it exits now, having said why: no unexplained death
             if wid <= self._fatal_mark:
                 # Started with the worker whose same failure was raised already (worker_init_fn
                 # fails in every worker): a late report must not end a pass begun since then.
@@ -282,7 +282,11 @@ class ProcessExecutor:
         if not w.ready:
             self._startup_deaths += 1
             if self._startup_deaths >= self.max_startup_deaths:
-                if self._startup_deaths == self.max_startup_deaths:
+                if self._startup_deaths == self.max_startup_deaths and w.info.get("fatal"):
+                    # The workers keep saying why (worker_init_fn raises every time): that
+                    # error, not an unexplained "died before ready".
+                    self.on_fatal(w.info["fatal"].to_exception())
+                elif self._startup_deaths == self.max_startup_deaths:
                     self.on_fatal(WorkerDied(
                         f"{self._startup_deaths} transform worker processes in a row died before "
                         f"they were ready (the last: worker {w.slot}, pid {w.pid}, {how}). The "
