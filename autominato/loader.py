@@ -1115,15 +1115,20 @@ class _EpochIterator:
                 run.cv.wait(min(0.5, left))
             item = run.out.popleft()
         kind = item[0]
-        if kind == "raise":  # a sample's error: the epoch goes on, as DataLoader's iterator
-            self.pipeline.consumed(run)
-            raise item[1]
         if kind != "batch":
-            self._finish()
-            if kind == "end":
-                self.progress.finished = True
-                raise StopIteration
-            raise item[1]
+            err = item[1] if len(item) > 1 else None
+            del item  # no frame of this call keeps the error (its traceback holds this frame)
+            if kind == "raise":  # a sample's error: the epoch goes on, as DataLoader's iterator
+                self.pipeline.consumed(run)
+            else:
+                self._finish()
+                if kind == "end":
+                    self.progress.finished = True
+                    raise StopIteration
+            try:
+                raise err
+            finally:
+                del err
         self.pipeline.consumed(run)
         _, batch, indices, h2d, positions = item
         self.progress.deliver(positions)

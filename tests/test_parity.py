@@ -260,3 +260,29 @@ def test_a_loop_that_catches_a_samples_error_gets_the_rest_of_the_epoch(workers,
             assert [len(b) for b in got] == [3, 3, 3, 2]
             if in_order:  # the error comes after the batches before sample 4, in order
                 assert seq == [[0, 1, 2], "error", [3, 5, 6], [7, 8, 9], [10, 11]]
+
+
+@pytest.mark.parametrize("workers", [2])
+def test_an_error_the_loop_does_not_catch_stops_its_run(workers):
+    """The error leaves the loop; nothing may keep its iterator (and so its run, its window
+    and its slots) alive: not the loader's threads, not a cycle through the traceback."""
+    import gc
+
+    with Loader(FailsAt(40, 4), 3, num_workers=workers, autotune=False) as loader:
+
+        def loop():
+            for _ in loader:
+                pass
+
+        gc.disable()
+        try:
+            with pytest.raises(ValueError):
+                loop()
+            pipeline = loader._pipeline
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(not r.speculative
+                                                      for r in pipeline.runs.values()):
+                time.sleep(0.02)
+            assert [r for r in pipeline.runs.values() if not r.speculative] == []
+        finally:
+            gc.enable()

@@ -190,6 +190,10 @@ class ThreadWorkers:
                 else:
                     self.in_flight -= 1
             self.post(event)
+            # Not held while waiting for the next task: an item may carry an exception whose
+            # traceback holds the training loop's frames (and its iterator, whose run then
+            # never stops).
+            task = event = None
             if stuck:
                 return
 
