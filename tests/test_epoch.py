@@ -295,13 +295,15 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
         r = rng.random()
         if r < 0.1:
             window = rng.randint(1, 8)  # a knob change
+        room = max(max(window, ep.min_window) - ep.held, ep.redo_due)  # the scheduler's window
         if not ep.finished and rng.random() < 0.5:
-            in_flight += ep.take(max(0, window - ep.held))
+            in_flight += ep.take(max(0, room))
         if not in_flight:
             if ep.finished:
                 break
-            if ep.held >= window and ep.in_flight == 0:
-                window += 1  # everything held waits for a batch: the window must open
+            # Nothing in flight and no room: the epoch could never end (the scheduler's window
+            # is max(pool_size, min_window), as here).
+            assert not (room <= 0 and ep.in_flight == 0), f"stalled: window {window}, held {ep.held}"
             continue
         t = in_flight.pop(rng.randrange(len(in_flight)))
         r = rng.random()

@@ -286,3 +286,14 @@ def test_an_error_the_loop_does_not_catch_stops_its_run(workers):
             assert [r for r in pipeline.runs.values() if not r.speculative] == []
         finally:
             gc.enable()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_batch_sampler_batches_larger_than_the_pool_complete(in_order):
+    """pool_size bounds the samples in flight (6 here); a batch sampler's batch of 32 must
+    still complete (it hung: its group never filled)."""
+    bs = BatchSampler(SequentialSampler(range(64)), 32, drop_last=False)
+    with Loader(Indexed(64), batch_sampler=bs, num_workers=2, in_order=in_order,
+                timeout=30) as loader:
+        assert loader.knobs.pool_size < 32
+        assert [b[:, 0].tolist() for b in loader] == [list(range(32)), list(range(32, 64))]

@@ -226,6 +226,21 @@ class Epoch:
         return len(self.order)
 
     @property
+    def min_window(self) -> int:
+        """Positions this epoch must be let hold at once to complete its largest batch (a
+        ``batch_sampler``'s largest group, else ``batch_size``): a smaller window never
+        completes it."""
+        if self.groups is not None:
+            return max((int(n) for n in self.groups), default=1) or 1
+        return self.batch_size
+
+    @property
+    def redo_due(self) -> int:
+        """Positions due for re-dispatch (their worker died): the window must let them go
+        whatever it holds, or an epoch whose window filled behind them never ends."""
+        return len(self._redo)
+
+    @property
     def in_flight(self) -> int:
         """Positions dispatched and not yet completed or final."""
         return len(self._attempt)

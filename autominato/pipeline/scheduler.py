@@ -561,7 +561,10 @@ class Pipeline:
             pred = run.pred
             if pred is not None and self.runs.get(pred.gen) is pred:
                 used += pred.epoch.held + pred.uncollated
-            room = min(pool - used, *(s.room() for s in stages))
+            # A batch sampler's batch larger than pool_size would never complete, nor would
+            # an epoch whose window filled behind a sample to re-dispatch (a knob shrank it).
+            room = min(max(max(pool, run.epoch.min_window) - used, run.epoch.redo_due),
+                       *(s.room() for s in stages))
             if room <= 0:
                 continue
             tasks = run.epoch.take(room)
