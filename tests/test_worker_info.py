@@ -240,14 +240,17 @@ def test_a_late_report_of_the_same_init_failure_is_not_raised_again():
 
     raised = []
     ex = ProcessExecutor.__new__(ProcessExecutor)
-    ex.pool = SimpleNamespace(workers={0: SimpleNamespace(info={}), 1: SimpleNamespace(info={})},
-                              dead={})
-    ex.on_fatal, ex._fatal_mark = raised.append, -1
+    worker = lambda ready=False: SimpleNamespace(info={}, ready=ready)  # noqa: E731
+    ex.pool = SimpleNamespace(workers={0: worker(), 1: worker(), 2: worker(ready=True)}, dead={})
+    ex.on_fatal, ex._fatal_wave = raised.append, set()
     report = lambda wid: ErrorReport.capture(OSError(f"init {wid}"), -1, None, f"worker {wid}")  # noqa: E731
     assert ex._reply(0, ("fatal", report(0))) == [] and len(raised) == 1
     assert ex._reply(1, ("fatal", report(1))) == [] and len(raised) == 1  # same wave
-    ex.pool.workers[2] = SimpleNamespace(info={})  # started after: a new failure
+    # a worker that was ready (its re-init with persistent_workers=False failed), or one
+    # started after, is a new failure
     assert ex._reply(2, ("fatal", report(2))) == [] and len(raised) == 2
+    ex.pool.workers[3] = worker()
+    assert ex._reply(3, ("fatal", report(3))) == [] and len(raised) == 3
     assert all(w.info.get("fatal") for w in ex.pool.workers.values())
 
 

@@ -115,7 +115,7 @@ class ProcessExecutor:
         self._service_s = CHUNK_BUDGET_S  # running mean seconds of worker time per item
         self.max_startup_deaths = max_startup_deaths
         self.on_fatal = on_fatal
-        self._fatal_mark = -1  # workers up to this id started before the last fatal was raised
+        self._fatal_wave: set[int] = set()  # workers starting when the last fatal was raised
         self.start_method = start_method
         self.restarts = 0
         self.chunk = 1
@@ -230,13 +230,16 @@ class ProcessExecutor:
         if kind == "fatal":
             if w is not None:
                 w.info["fatal"] = reply[1]  # it exits now, having said why: no unexplained death
-            if wid <= self._fatal_mark:
-                # Started with the worker whose same failure was raised already (worker_init_fn
+            if wid in self._fatal_wave:
+                # Was starting with the worker whose failure was raised already (worker_init_fn
                 # fails in every worker): a late report must not end a pass begun since then.
                 log.debug("transform worker %s: %s: %s (raised already)", wid, reply[1].type_name,
                           reply[1].message)
                 return []
-            self._fatal_mark = max([wid, *pool.workers, *pool.dead])
+            # The workers starting now fail alike; a ready one (re-initialised later, with
+            # persistent_workers=False) or one started later is a new failure.
+            self._fatal_wave = {wid, *(i for i, x in {**pool.dead, **pool.workers}.items()
+                                       if not x.ready)}
             self.on_fatal(reply[1].to_exception())
             return []
         if kind == "stream":  # ("stream", key, [outcome, ...], final)
