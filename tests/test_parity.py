@@ -220,12 +220,12 @@ def test_samples_that_do_not_stack_raise_runtime_error_as_dataloader(workers):
 class FailsAt(Indexed):
     """Sample ``bad`` raises."""
 
-    def __init__(self, n: int, bad: int) -> None:
+    def __init__(self, n: int, bad: int | range) -> None:
         super().__init__(n)
         self.bad = bad
 
     def __getitem__(self, i: int):
-        if i == self.bad:
+        if i == self.bad or (not isinstance(self.bad, int) and i in self.bad):
             raise ValueError(f"bad sample {i}")
         return super().__getitem__(i)
 
@@ -297,3 +297,16 @@ def test_batch_sampler_batches_larger_than_the_pool_complete(in_order):
                 timeout=30) as loader:
         assert loader.knobs.pool_size < 32
         assert [b[:, 0].tolist() for b in loader] == [list(range(32)), list(range(32, 64))]
+
+
+def test_errors_wait_for_the_consumer_as_batches_do():
+    """An iterator not being read does not work through an epoch of failing samples: the
+    errors count in its window and its prefetch depth."""
+    with Loader(FailsAt(400, range(3, 400)), 2, num_workers=2, autotune=False) as loader:
+        it = iter(loader)
+        assert next(it)[:, 0].tolist() == [0, 1]
+        time.sleep(1.0)
+        (run,) = [r for r in loader._pipeline.runs.values() if not r.speculative]
+        assert run.taken <= loader.knobs.pool_size + 2 * loader.knobs.depth + 2
+        got, errors = drain(it)
+        assert [b for b in got if b != "error"] == [[2]] and len(errors) == 397

@@ -650,7 +650,8 @@ class Pipeline:
         while i < len(bs.queue) and bs.executor.free() > 0:
             _, (run, items), _ = bs.queue[i]
             final = isinstance(items, _Final)
-            if run.gen in blocked or (not final and len(run.out) + run.batching >= depth
+            ends = final and items.ends  # a sample's error waits for room as a batch does
+            if run.gen in blocked or (not ends and len(run.out) + run.batching >= depth
                                       and not run.stopped):
                 blocked.add(run.gen)  # keep this run's order: none of its later items pass
                 i += 1
@@ -824,6 +825,7 @@ class Pipeline:
                 else:
                     self._skip(d)
             elif isinstance(d, Raise) and not d.final:  # the epoch goes on after it
+                run.uncollated += 1  # in the window until delivered, as a batch's samples
                 self.batch_stage.put((run.gen, next(self._batch_ids)),
                                      (run, _Final(("raise", d.error), ends=False)))
             elif isinstance(d, (Raise, End)):
@@ -897,6 +899,7 @@ class Pipeline:
             self.transfer_stage.put(r.key, (run, payload))
             return
         if final and not payload.ends:
+            run.uncollated -= 1  # delivered: out of the window (see _decide)
             if not run.stopped:
                 run.deliver(payload.item)
             return
