@@ -170,6 +170,21 @@ def test_batch_sampler_in_order_raise_comes_after_the_earlier_groups():
     assert ep.ended and ep.held == 0
 
 
+def test_a_failed_groups_members_not_yet_loaded_are_not_loaded():
+    """As the DataLoader, which stops fetching a batch at its first error."""
+    ep = Epoch(list(range(8)), batch_size=1, groups=[4, 4])
+    first = ep.take(2)
+    assert [t.pos for t in first] == [0, 1]
+    out = ep.on(Failed(0, 0, Boom()))
+    assert [type(d) for d in out] == [Raise]
+    assert [t.pos for t in ep.take(8)] == [4, 5, 6, 7]  # not 2 and 3
+    out = ep.on(Completed(1, 0, "r1"))
+    assert out == [Discard("r1")]
+    for pos in (4, 5, 6, 7):
+        out += ep.on(Completed(pos, 0, pos))
+    assert batches(out) == [[4, 5, 6, 7]] and isinstance(out[-1], End) and ep.raised == 1
+
+
 def test_batch_sampler_raise_loses_the_group_and_raises_its_first_error_once():
     ep = Epoch(list(range(6)), batch_size=1, groups=[3, 3])
     tasks = ep.take(6)

@@ -201,6 +201,9 @@ class Epoch:
                 raise ValueError(f"groups sum to {sum(sizes)}, not to the {len(self.order)} "
                                  "positions of the order")
             self._group = [g for g, n in enumerate(sizes) for _ in range(n)]  # pos -> group
+            self._starts = [0]  # group -> its first position
+            for n in sizes:
+                self._starts.append(self._starts[-1] + n)
             self._left = sizes  # positions of a group not yet final
             self._members: dict = {}  # group -> items completed
             self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
@@ -389,13 +392,26 @@ class Epoch:
         of the group is raised, in group order with ``in_order``."""
         self._left[g] -= 1
         self._final += 1
-        self.raised += 1
         if g in self._failed:
             return self._maybe_end([])
+        self.raised += 1
         self._failed.add(g)
         members = self._members.pop(g, [])
         self._final += len(members)
         out: list[Decision] = [Discard(r) for _, _, r in members]
+        # Its members not dispatched yet, or due again after a death, are not loaded at all
+        # (the DataLoader stops fetching a batch at its first error).
+        due = [q for q in self._redo if self._group[q] == g]
+        for q in due:
+            self._redo.remove(q)
+            self._tries.pop(q, None)
+            self._deaths.pop(q, None)
+        for q in range(max(self._cursor, self._starts[g]), self._starts[g + 1]):
+            if not self._prior[q]:
+                self._prior[q] = 1  # take() steps over it
+                due.append(q)
+        self._left[g] -= len(due)
+        self._final += len(due)
         if self.in_order:
             return self._group_ready(g, _Failure(error, pos), out)
         out.append(Raise(error, pos=pos))
