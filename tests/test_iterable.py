@@ -176,6 +176,25 @@ def test_errors_in_a_stream_follow_on_error():
                 i for i in range(30) if i % 2 == 0 or i < last]
 
 
+def test_in_order_a_streams_error_comes_in_its_shards_turn_as_with_dataloader():
+    """With in_order, the error takes the place of the batch it was in, in the round-robin
+    (here a batch of its own, so every batch and the error come as from the DataLoader)."""
+    def seq(loader):
+        out, it = [], iter(loader)
+        while True:
+            try:
+                out.append([r[0] for r in next(it).tolist()])
+            except StopIteration:
+                return out
+            except KeyError:
+                out.append("error")
+
+    want = seq(DataLoader(FailsAt(30), 2, num_workers=2))
+    assert "error" in want
+    with Loader(FailsAt(30), 2, num_workers=2, in_order=True, autotune=False) as L:
+        assert seq(L) == want
+
+
 def test_a_worker_killed_mid_stream_ends_the_epoch_with_an_error_naming_the_shard():
     slow = {i: 0.05 for i in range(60)}
     with Loader(Numbers(60, slow), 2, num_workers=2, autotune=False) as L:

@@ -91,21 +91,29 @@ def test_every_sample_is_delivered_once_in_random_interleavings(in_order):
         shards = [[(s, k) for k in range(L)] for s, L in enumerate(lengths)]
         B, drop_last, skip = rng.randint(1, 5), rng.random() < 0.5, rng.random() < 0.5
         every = [x for sh in shards for x in sh]
-        bad = set(rng.sample(every, min(len(every), rng.randint(0, 2)))) if skip else set()
+        bad = set(rng.sample(every, min(len(every), rng.randint(0, 2))))
         window = rng.randint(B, 3 * B + 4)
         batches, skipped, discarded, raised, most = simulate(rng, shards, B, drop_last, in_order,
                                                              skip, bad, window)
-        assert not raised
+        raised = [e.args[0] for e in raised]  # on_error="raise": the epoch goes on after each
         delivered = [x for b in batches for x in b]
         assert len(delivered) == len(set(delivered))
-        assert sorted(delivered + skipped + discarded) == sorted(every), trial
-        assert set(skipped) == bad
+        assert sorted(delivered + skipped + discarded + raised) == sorted(every), trial
+        assert set(skipped if skip else raised) == bad and not (raised if skip else skipped)
         # the window bounds what is asked for and held (in order, the shard whose turn it is
         # may fill its batch one sample at a time beyond it)
-        assert most <= window + (B if in_order else 0)
-        if in_order:
+        # (after an error in order, the samples before it that wait for the shard's next
+        # batch may be as many again)
+        assert most <= window + (B if in_order else 0) + (B if in_order and raised else 0)
+        if in_order and skip:
             good = [[x for x in sh if x not in bad] for sh in shards]
             assert batches == dataloader_order(good, B, drop_last), trial
+        elif in_order:  # an error takes its shard's turn: each shard's batches keep their order
+            good = [[x for x in sh if x not in bad] for sh in shards]
+            for sh, want in enumerate(good):
+                got = [b for b in batches if b[0][0] == sh]
+                assert all(len(b) == B for b in got[:-1]) and sum(got, []) == (
+                    want[:len(want) - len(want) % B] if drop_last else want)[:len(sum(got, []))]
         else:
             assert all(len(b) == B for b in batches[:-1])
             if drop_last:
@@ -144,6 +152,22 @@ def test_a_shard_has_one_pull_open_and_asks_no_more_than_the_room():
     ep.on(PullDone(0, 0, False))
     assert [(p.shard, p.n, p.seq) for p in ep.take(10)] == [(0, 4, 1)]
     assert ep.take(0) == []
+
+
+def test_in_order_an_error_comes_in_its_shards_turn():
+    """As DataLoader's round-robin: shard 0's batch, shard 1's batch, then shard 1's error in
+    place of its next batch, though the error arrived first."""
+    ep = Stream(2, 2, in_order=True)
+    ep.take(8)
+    out = ep.on(Yielded(1, "b0")) + ep.on(Yielded(1, "b1"))
+    out += ep.on(YieldFailed(1, ValueError("bad")))
+    assert out == []  # shard 0's batch comes first
+    out += ep.on(Yielded(0, "a0")) + ep.on(Yielded(0, "a1"))
+    assert [type(d) for d in out] == [Emit, Emit]
+    assert [[r for _, _, r in d.items] for d in out] == [["a0", "a1"], ["b0", "b1"]]
+    out = ep.on(Yielded(0, "a2")) + ep.on(Yielded(0, "a3"))
+    assert [type(d) for d in out] == [Emit, Raise]  # shard 0's 2nd batch, shard 1's error
+    assert not ep.finished
 
 
 def test_in_order_the_shard_whose_turn_it_is_may_ask_beyond_the_window():

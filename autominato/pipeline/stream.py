@@ -142,7 +142,8 @@ class Stream:
     def held(self) -> int:
         """Samples asked for and not yet answered, plus samples awaiting their batch: what the
         epoch holds resources for."""
-        return sum(self._asked) + len(self._ready) + sum(map(len, self._queues))
+        return sum(self._asked) + len(self._ready) + sum(
+            1 for q in self._queues for it in q if type(it) is not _Failure)
 
     def is_open(self, shard: int) -> bool:
         return self._open[shard]
@@ -197,6 +198,9 @@ class Stream:
                 # As DataLoader's workers: the error goes to the training loop and the shard is
                 # pulled on (a generator that raised then ends; other shards are not affected).
                 self.raised += 1
+                if self.in_order:  # in the shard's turn, in place of the batch it was in
+                    self._queues[event.shard].append(_Failure(event.error, pos))
+                    return self._advance([])
                 return [Raise(event.error, pos=pos)]
             self.skipped += 1
             return [Skip(pos, -1, event.error)]
@@ -222,7 +226,7 @@ class Stream:
         discarded by :meth:`on` (the epoch is then finished)."""
         out = [Discard(r) for _, _, r in self._ready]
         for q in self._queues:
-            out += [Discard(r) for _, _, r in q]
+            out += [Discard(it[2]) for it in q if type(it) is not _Failure]
             q.clear()
         self._ready.clear()
         self.failed = True
@@ -263,7 +267,11 @@ class Stream:
         while not all(self._done(s) and not self._queues[s] for s in range(self.shards)):
             s = self._turn
             q = self._queues[s]
-            if len(q) >= B:
+            failed = next((i for i, it in enumerate(q[:B]) if type(it) is _Failure), None)
+            if failed is not None:  # the error takes the place of the batch it was in
+                f = q.pop(failed)
+                out.append(Raise(f.error, pos=f.pos))
+            elif len(q) >= B:
                 out.append(self._batch(q[:B]))
                 del q[:B]
             elif self._done(s):
@@ -291,3 +299,13 @@ class Stream:
         self.ended = True
         out.append(End())
         return out
+
+
+class _Failure:
+    """In order: a sample's error waiting for its shard's turn."""
+
+    __slots__ = ("error", "pos")
+
+    def __init__(self, error: BaseException, pos: int) -> None:
+        self.error = error
+        self.pos = pos
