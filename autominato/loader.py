@@ -707,9 +707,19 @@ class Loader:
             if self._iterable:
                 progress = self._progress = resume.Progress(self._epoch, None)
                 if self.knobs.workers == 0:
+                    # One stream in the loop's thread: len() batches are all there is (a
+                    # dataset whose __len__ is true), as DataLoader's single-process iterator.
+                    progress.drained = lambda: True
                     return _SyncStreamIterator(self, self._epoch, progress)
                 pipeline = self._ensure_pipeline()
-                return _EpochIterator(self, pipeline, pipeline.start_stream(self._epoch), progress)
+                run = pipeline.start_stream(self._epoch)
+                # every batch decided and none on its way or waiting for the training loop
+                # (see resume.build): emitted samples count in uncollated until collated, a
+                # batch in batching from then until it is in out
+                progress.drained = lambda: (run.epoch.ended and run.uncollated == 0
+                                            and run.batching == 0
+                                            and not any(i[0] == "batch" for i in list(run.out)))
+                return _EpochIterator(self, pipeline, run, progress)
             pending, self._resume = self._resume, None
             if (pending is None and not was_epoch and self._resumed is not None
                     and prev is not None and prev.epoch == self._epoch and not prev.finished):

@@ -18,7 +18,7 @@ so ``torch.save`` / ``pickle`` / ``json`` store it beside the model's.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,9 @@ class Progress:
         self.batches = batches
         self.samplers = samplers or {}
         self.finished = False
+        # An iterable's pass: whether every batch of the epoch has been delivered already
+        # (set by the Loader; see build).
+        self.drained: Callable[[], bool] = lambda: False
 
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
@@ -128,9 +131,11 @@ def build(loader: Any) -> dict[str, Any]:
     started = p is not None and p.epoch == loader._epoch and p.batches > 0
     restarted, ended = 0, p is not None and p.finished
     if loader._iterable and started and not ended:
-        if loader._n is not None and p.batches >= len(loader):
-            # As many batches as len(): Lightning ends the epoch there without the next()
-            # that would end it (and so may any loop bounded by len), as for a map-style one.
+        if loader._n is not None and p.batches >= len(loader) and p.drained():
+            # As many batches as len() and no more to come: Lightning ends the epoch there
+            # without the next() that would end it (and so may any loop bounded by len). With
+            # workers, shards of uneven lengths can make more batches than len(): the epoch
+            # is then not over (its state restarts it, as any mid-epoch one).
             ended = True
         else:
             # Lightning saves a stateful loader's state at every checkpoint, mid-epoch ones

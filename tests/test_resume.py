@@ -435,6 +435,32 @@ def test_an_iterable_datasets_mid_epoch_state_restarts_its_epoch_and_its_state_b
             loader.load_state_dict({**ended, "finished": False, "epoch_size": N})
 
 
+class UnevenShards(torch.utils.data.IterableDataset):
+    """10 samples in 2 shards of 5: with batch 4, 2 + 2 batches, though len() says 3."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        return (np.array([k, -1.0]) for k in range(w, 10, n))
+
+
+def test_a_sized_iterables_state_after_len_batches_with_more_to_come_restarts_it():
+    """Shards of uneven lengths make more batches than len(): after len() batches the epoch is
+    not over, so its state is a restart's (not an ended epoch's, which lost sample 9)."""
+    with Loader(UnevenShards(), batch_size=4, num_workers=2, in_order=True,
+                autotune=False) as loader:
+        it = iter(loader)
+        for _ in range(len(loader)):
+            next(it)
+        with pytest.warns(IterableRestartWarning):
+            state = loader.state_dict()
+        assert len(list(it)) == 1  # the batch len() did not count
+    assert not state["finished"] and state["restarted"] == 3
+
+
 def test_a_sized_iterables_state_after_len_batches_is_its_epochs_end():
     """Lightning stops an epoch after len(loader) batches, without the next() that would end
     it: the state there is the ended epoch's, with no restart warning."""

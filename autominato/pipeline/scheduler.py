@@ -908,11 +908,11 @@ class Pipeline:
             self._drop_streams(run)
             run.finish(None if run.stopped else payload.item)
             return
-        run.batching -= 1
         if not run.stopped:
             batch, indices, positions = payload[0], payload[1], payload[2]
             run.deliver(("batch", batch, indices, payload[3] if len(payload) > 3 else None,
                          positions))
+        run.batching -= 1  # after it is in ``out``: a reader never sees it in neither
 
     def _collate(self, key: Any, job: tuple) -> Result:
         """Batch stage function (its own thread): collate a group into pooled buffers."""
