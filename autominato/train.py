@@ -125,8 +125,6 @@ def _device(name: str) -> Any:
         raise ValueError(f"--device {name}: not a device torch knows ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: autominato run trains on cpu or cuda")
     return dev
 
 
@@ -358,7 +356,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prepared KiTS19 folder or NIfTI folder (default: a generated, "
                         "synthetic demo set)")
     parser.add_argument("--steps", type=int_at_least(1), default=None, help="optimiser steps to run")
-    parser.add_argument("--epochs", type=int, default=None,
+    parser.add_argument("--epochs", type=int_at_least(1), default=None,
                         help="epochs to run (default 1 when --steps is not given)")
     parser.add_argument("--batch-size", type=int_at_least(1), default=None,
                         help="samples per batch (default: the --config's, else 2)")
@@ -410,7 +408,10 @@ def run(args: argparse.Namespace) -> int:
         batch_size = args.batch_size
         if args.config is not None and batch_size is None:
             batch_size = load_config(args.config)["loader"].get("batch_size")
-        batch_size = int(batch_size or 2)
+        batch_size = 2 if batch_size is None else int(batch_size)
+        if batch_size < 1:
+            raise ValueError(f"batch_size {batch_size} in {args.config}: must be >= 1")
+        _device(args.device)
         if args.data is None:
             root = args.demo_dir or default_cache() / "demo"
             print(f"[run] no --data: preparing a SYNTHETIC demo set of {DEMO_CASES} cases in "
@@ -419,7 +420,6 @@ def run(args: argparse.Namespace) -> int:
             data = prepare_demo(root, seed=args.seed)
         else:
             data = args.data
-        _device(args.device)
         if args.metrics_port is not None:
             _check_host(args.metrics_host)
         dataset = open_dataset(data)

@@ -129,8 +129,8 @@ class Discard:
 @dataclass(slots=True)
 class Raise:
     """The training loop gets ``error``. ``final``: the epoch is over (a worker death under
-    ``on_worker_death="raise"``, decided by the scheduler); else (a sample's error under
-    ``on_error="raise"``) the epoch goes on after it."""
+    ``on_worker_death="raise"``, decided by the scheduler; an iterable's shard lost with its
+    worker); else (a sample's error under ``on_error="raise"``) the epoch goes on after it."""
 
     error: BaseException
     final: bool = False

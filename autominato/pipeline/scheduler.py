@@ -142,7 +142,8 @@ class Run:
 
     ``out`` holds ``("batch", batch, indices, h2d, positions)`` items (``indices``: dataset
     indices, ``positions``: their positions in the epoch's order; ``h2d``: the copy's CUDA
-    events or ``None``), then ``("end",)`` or ``("error", exception)``."""
+    events or ``None``) and ``("raise", exception)`` items (a sample's error, raised in the
+    training loop; the epoch goes on), then ``("end",)`` or ``("error", exception)``."""
 
     gen: int
     epoch_no: int

@@ -23,7 +23,7 @@ Rules:
 * A failed sample is skipped (``skip_errors``) or raised at once, and its shard is pulled on
   (as by DataLoader's workers: a generator that raised then ends); a shard whose worker is gone
   (:class:`ShardLost`) ends the epoch with its error: its iterator died with the worker.
-* Exactly once: every sample yielded is emitted in one batch, skipped, dropped by
+* Exactly once: every sample yielded is emitted in one batch, skipped, raised, dropped by
   ``drop_last`` or discarded (the epoch already failed); none is asked for twice.
 """
 
