@@ -150,9 +150,13 @@ def raise_in_stream(row):
     raise KeyError(f"bad record {int(row[0])}")
 
 
-def test_errors_in_a_stream_follow_on_error():
+def test_errors_in_a_stream_follow_on_error(caplog):
     with Loader(FailsAt(30), 4, num_workers=2, on_error="skip", autotune=False) as L:
-        got = sorted(r[0] for r in rows(L))
+        with caplog.at_level(logging.WARNING, logger="autominato.pipeline"):
+            got = sorted(r[0] for r in rows(L))
+    told = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert told and all("sample of the iterable dataset: KeyError" in m for m in told)
+    assert not any("index -1" in m for m in told)
     # a generator that raised is over: worker 1's shard ends at 13, as under the DataLoader
     assert got == [i for i in range(30) if i % 2 == 0 or i < 13]
     with Loader(FailsAt(30), 4, num_workers=2, autotune=False) as L:

@@ -217,12 +217,18 @@ def _from_parts(parts: tuple) -> BaseException:
     return exc
 
 
-def log_skip(index: int, path: str | None, error: BaseException, logged: set[int]) -> None:
+def log_skip(index: int, path: str | None, error: BaseException, logged: set) -> None:
     """Log sample ``index`` (file ``path``) skipped by ``on_error="skip"``: a warning the first
     time (a corrupt file is skipped every epoch), then at debug level; ``logged`` holds the
-    indices warned about already and is updated."""
-    level = logging.DEBUG if index in logged else logging.WARNING
-    logged.add(index)
+    indices warned about already and is updated. ``index < 0``: a sample of an iterable
+    dataset (no index; its error's note names the shard), told once per distinct error."""
+    what = describe(error)
+    key = index if index >= 0 else what
+    level = logging.DEBUG if key in logged else logging.WARNING
+    logged.add(key)
+    if index < 0:
+        logging.getLogger("autominato.pipeline").log(
+            level, "skipping a sample of the iterable dataset: %s", what)
+        return
     logging.getLogger("autominato.pipeline").log(
-        level, "skipping sample index %d%s: %s", index, f" (file {path})" if path else "",
-        describe(error))
+        level, "skipping sample index %d%s: %s", index, f" (file {path})" if path else "", what)
