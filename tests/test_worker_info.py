@@ -196,8 +196,11 @@ def test_an_error_in_worker_init_fn_is_raised_naming_it(kind):
     with Loader(Info(8), 2, num_workers=1, worker_kind=kind, worker_init_fn=broken_init,
                 autotune=False) as L:
         with pytest.raises(WorkerInitError, match=r"worker_init_fn\(0\) raised OSError: cannot "
-                                                  "open the shard file of worker 0"):
+                                                  "open the shard file of worker 0") as info:
             rows(L)
+    # of the type worker_init_fn raised too, as DataLoader re-raises it: `except OSError` works
+    assert isinstance(info.value, OSError) and isinstance(info.value, RuntimeError)
+    assert "shard file" in str(info.value.__cause__) or info.value.__cause__ is not None
 
 
 def init_failing_first(folder: str, fails: int, wid: int) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autominato.pipeline.errors import ErrorReport, WorkerInitError
+from autominato.pipeline.errors import ErrorReport, WorkerInitError, with_original_type
 from autominato.pipeline.executor import ProcessWorkers
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.shm import pack, packed_nbytes, use_slot
@@ -70,7 +70,7 @@ def compose(p: Pipeline) -> list[Stage]:
             start_worker(spec, wid, k.workers, f"thread {threading.current_thread().name}",
                          process=False)
         except WorkerInitError as e:
-            post(("fatal", e))
+            post(("fatal", with_original_type(e)))
             return False
         return True
 

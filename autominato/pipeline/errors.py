@@ -83,7 +83,52 @@ class SampleTimeout(SampleError, TimeoutError):
 
 
 class WorkerInitError(RuntimeError):
-    """``worker_init_fn`` raised in a worker; the original exception is the cause."""
+    """``worker_init_fn`` raised in a worker; the original exception is the cause.
+
+    What the training loop gets is also of the original exception's type (a class deriving
+    from both, made by :func:`with_original_type`), as the DataLoader re-raises the original
+    type: ``except ValueError`` catches a ``worker_init_fn`` that raised ``ValueError``.
+
+    Attributes:
+        original_type: ``(module, qualname)`` of the exception ``worker_init_fn`` raised.
+    """
+
+    def __init__(self, *args: object, original_type: tuple[str, str] | None = None) -> None:
+        super().__init__(*args)
+        self.original_type = original_type
+
+
+_DUAL: dict[type, type] = {}
+
+
+def with_original_type(err: BaseException) -> BaseException:
+    """``err`` as an exception of both ``WorkerInitError`` and the type ``worker_init_fn``
+    raised (``err.original_type``), with the same message, cause, notes and attributes; ``err``
+    itself when that type cannot be found or combined (its constructor takes other arguments,
+    as ``UnicodeDecodeError``'s)."""
+    import importlib
+
+    spec = getattr(err, "original_type", None)
+    if not isinstance(err, WorkerInitError) or not spec or type(err) is not WorkerInitError:
+        return err
+    try:
+        cls: object = importlib.import_module(spec[0])
+        for name in spec[1].split("."):
+            cls = getattr(cls, name)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(
+                cls, WorkerInitError):
+            return err
+        dual = _DUAL.get(cls)
+        if dual is None:
+            dual = _DUAL[cls] = type("WorkerInitError", (cls, WorkerInitError),
+                                     {"__module__": __name__, "__qualname__": "WorkerInitError"})
+        new = dual(*err.args)
+    except Exception:
+        return err
+    new.__dict__.update(err.__dict__)
+    new.__cause__ = err.__cause__
+    new.__traceback__ = err.__traceback__
+    return new
 
 
 class CollateError(RuntimeError, ValueError):
@@ -199,7 +244,7 @@ class ErrorReport:
                 exc.add_note(f"[autominato] {self.where()}")
         if exc is not self.original:
             exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in {self.worker}:\n{self.traceback}")
-        return exc
+        return with_original_type(exc)
 
 
 def _from_parts(parts: tuple) -> BaseException:

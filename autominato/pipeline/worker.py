@@ -412,7 +412,9 @@ def start_worker(spec: WorkSpec, wid: int, workers: int, where: str, process: bo
         try:
             spec.worker_init_fn(wid)
         except BaseException as e:  # noqa: BLE001 - reported to the training loop
-            raise WorkerInitError(f"worker_init_fn({wid}) raised {describe(e)} in {where}") from e
+            raise WorkerInitError(
+                f"worker_init_fn({wid}) raised {describe(e)} in {where}",
+                original_type=(type(e).__module__, type(e).__qualname__)) from e
 
 
 # -- iterable datasets ---------------------------------------------------------------------------
