@@ -9,6 +9,7 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -713,12 +714,7 @@ class Loader:
                     return _SyncStreamIterator(self, self._epoch, progress)
                 pipeline = self._ensure_pipeline()
                 run = pipeline.start_stream(self._epoch)
-                # every batch decided and none on its way or waiting for the training loop
-                # (see resume.build): emitted samples count in uncollated until collated, a
-                # batch in batching from then until it is in out
-                progress.drained = lambda: (run.epoch.ended and run.uncollated == 0
-                                            and run.batching == 0
-                                            and not any(i[0] == "batch" for i in list(run.out)))
+                progress.drained = functools.partial(_run_drained, run)
                 return _EpochIterator(self, pipeline, run, progress)
             pending, self._resume = self._resume, None
             if (pending is None and not was_epoch and self._resumed is not None
@@ -1135,6 +1131,9 @@ class _EpochIterator:
                 if kind == "end":
                     self.progress.finished = True
                     raise StopIteration
+            # Nor this iterator or its run: a kept error (a notebook's sys.last_value, a
+            # debugger's post-mortem) would keep the run's window, slots and batches.
+            del self, run
             try:
                 raise err
             finally:
@@ -1183,6 +1182,25 @@ class _EpochIterator:
             self._finish()
         except Exception:
             pass
+
+
+def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
+    """Whether ``run`` has no batch left for the training loop (see ``resume.build``: asked
+    once ``len(loader)`` batches were delivered). The run's end travels behind its last batch,
+    so this waits, up to ``wait_s`` seconds, for the end or another batch to reach ``run.out``;
+    ``False`` when neither came (the state then restarts the epoch: nothing is lost), when
+    the run ended with an error, or when its consumer left it."""
+    deadline = time.monotonic() + wait_s
+    with run.cv:
+        while True:
+            if any(item[0] == "batch" for item in run.out):
+                return False
+            if run.closed:
+                return bool(run.out) and run.out[-1][0] == "end"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            run.cv.wait(left)
 
 
 class _SyncIterator:

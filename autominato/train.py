@@ -125,6 +125,12 @@ def _device(name: str) -> Any:
         raise ValueError(f"--device {name}: not a device torch knows ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available")
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception as e:  # noqa: BLE001 - torch's error names the cause
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"--device {name}: not available here ({first})") from None
     return dev
 
 

@@ -185,6 +185,18 @@ def test_a_failed_groups_members_not_yet_loaded_are_not_loaded():
     assert batches(out) == [[4, 5, 6, 7]] and isinstance(out[-1], End) and ep.raised == 1
 
 
+def test_a_failed_groups_member_whose_worker_dies_is_not_loaded_again():
+    ep = Epoch(list(range(8)), batch_size=1, groups=[4, 4])
+    ep.take(3)
+    ep.on(Failed(0, 0, Boom()))
+    assert ep.on(Lost(1, 0, Boom("died"))) == []
+    assert [t.pos for t in ep.take(8)] == [4, 5, 6, 7]  # not 1 again
+    out = ep.on(Completed(2, 0, "r2"))
+    for pos in (4, 5, 6, 7):
+        out += ep.on(Completed(pos, 0, pos))
+    assert batches(out) == [[4, 5, 6, 7]] and isinstance(out[-1], End)
+
+
 def test_batch_sampler_raise_loses_the_group_and_raises_its_first_error_once():
     ep = Epoch(list(range(6)), batch_size=1, groups=[3, 3])
     tasks = ep.take(6)

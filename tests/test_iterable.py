@@ -180,9 +180,11 @@ def test_errors_in_a_stream_follow_on_error(caplog):
                 i for i in range(30) if i % 2 == 0 or i < last]
 
 
-def test_in_order_a_streams_error_comes_in_its_shards_turn_as_with_dataloader():
-    """With in_order, the error takes the place of the batch it was in, in the round-robin
-    (here a batch of its own, so every batch and the error come as from the DataLoader)."""
+def test_in_order_a_streams_error_on_a_batch_boundary_comes_as_with_dataloader():
+    """With in_order, the error takes the place of the batch it was in, in the round-robin.
+    Here it starts a batch, so every batch and the error come as from the DataLoader (in the
+    middle of a batch, DataLoader also loses the samples before it in that batch; autominato
+    keeps them for the shard's next batch)."""
     def seq(loader):
         out, it = [], iter(loader)
         while True:

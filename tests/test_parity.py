@@ -310,3 +310,22 @@ def test_errors_wait_for_the_consumer_as_batches_do():
         assert run.taken <= loader.knobs.pool_size + 2 * loader.knobs.depth + 2
         got, errors = drain(it)
         assert [b for b in got if b != "error"] == [[2]] and len(errors) == 397
+
+
+def test_a_kept_error_does_not_keep_its_run():
+    """A notebook keeps the last error (sys.last_value), a debugger its traceback: that must
+    not keep the iterator's run, its window and slots."""
+    with Loader(FailsAt(40, 4), 3, num_workers=2, autotune=False) as loader:
+        kept = None
+        try:
+            for _ in loader:
+                pass
+        except ValueError as e:
+            kept = e
+        pipeline = loader._pipeline
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(not r.speculative
+                                                  for r in pipeline.runs.values()):
+            time.sleep(0.02)
+        assert kept is not None
+        assert [r for r in pipeline.runs.values() if not r.speculative] == []

@@ -447,6 +447,35 @@ class UnevenShards(torch.utils.data.IterableDataset):
         return (np.array([k, -1.0]) for k in range(w, 10, n))
 
 
+class EvenShards(UnevenShards):
+    """8 samples in 2 shards of 4: with batch 4, exactly len() = 2 batches."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        return (np.array([k, -1.0]) for k in range(w, 8, n))
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_sized_iterables_state_after_its_last_batch_is_the_epochs_end_with_workers(kind, in_order):
+    """Lightning's end-of-epoch checkpoint comes right after the len()-th batch, before the
+    workers may have said their shards ended: still the ended epoch, no restart warning."""
+    for _ in range(3):
+        with Loader(EvenShards(), batch_size=4, num_workers=2, worker_kind=kind,
+                    in_order=in_order, autotune=False) as loader:
+            it = iter(loader)
+            for _ in range(len(loader)):
+                next(it)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", IterableRestartWarning)
+                state = loader.state_dict()
+            assert state["finished"] and not state["restarted"]
+
+
 def test_a_sized_iterables_state_after_len_batches_with_more_to_come_restarts_it():
     """Shards of uneven lengths make more batches than len(): after len() batches the epoch is
     not over, so its state is a restart's (not an ended epoch's, which lost sample 9)."""

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +201,7 @@ def test_an_error_in_worker_init_fn_is_raised_naming_it(kind):
             rows(L)
     # of the type worker_init_fn raised too, as DataLoader re-raises it: `except OSError` works
     assert isinstance(info.value, OSError) and isinstance(info.value, RuntimeError)
-    assert "shard file" in str(info.value.__cause__) or info.value.__cause__ is not None
+    assert "cannot open the shard file" in "".join(traceback.format_exception(info.value.__cause__))
 
 
 def init_failing_first(folder: str, fails: int, wid: int) -> None:
@@ -393,3 +394,24 @@ def test_persistent_workers_false_a_busy_worker_does_not_hold_up_the_next_epoch(
         first = next(iter(L))
         assert time.monotonic() - t0 < 20
         assert first.item() >= 100
+
+
+def test_a_worker_init_errors_original_type_pickles_and_spares_stop_iteration():
+    """The class deriving from both pickles (a training function under multiprocessing sends
+    its error back); a StopIteration, or what is no Exception, stays a plain WorkerInitError
+    (a StopIteration would end the training loop's for silently)."""
+    import pickle
+
+    from autominato.pipeline.errors import with_original_type
+
+    def made(t):
+        return with_original_type(WorkerInitError(
+            "worker_init_fn(0) raised ...", original_type=(t.__module__, t.__qualname__)))
+
+    for t in (ValueError, KeyError, FileNotFoundError):
+        err = made(t)
+        back = pickle.loads(pickle.dumps(err))
+        assert isinstance(err, t) and isinstance(back, t) and isinstance(back, WorkerInitError)
+        assert str(back) == str(err) == "worker_init_fn(0) raised ..."  # no KeyError quotes
+    for t in (StopIteration, SystemExit, KeyboardInterrupt):
+        assert type(made(t)) is WorkerInitError

@@ -210,6 +210,9 @@ class Epoch:
             self._failed: set = set()  # groups whose error was decided (raised or waiting to)
             self._next_group = 0
         self._prior = bytearray(len(self.order))  # pos -> 1: final before the epoch ran
+        # (read at every dispatch: computed once)
+        self._min_window = (max((int(n) for n in self.groups), default=1) or 1
+                            if self.groups is not None else self.batch_size)
         for pos in self.done:
             if not 0 <= pos < len(self.order):
                 raise ValueError(f"done position {pos} is not in [0, {len(self.order)})")
@@ -233,9 +236,7 @@ class Epoch:
         """Positions this epoch must be let hold at once to complete its largest batch (a
         ``batch_sampler``'s largest group, else ``batch_size``): a smaller window never
         completes it."""
-        if self.groups is not None:
-            return max((int(n) for n in self.groups), default=1) or 1
-        return self.batch_size
+        return self._min_window
 
     @property
     def redo_due(self) -> int:
@@ -311,6 +312,14 @@ class Epoch:
         if isinstance(event, Lost):
             if self.finished or not self.is_current(event.pos, event.attempt):
                 return []
+            if self.groups is not None and self._group[event.pos] in self._failed:
+                # its batch is lost already: not loaded again
+                del self._attempt[event.pos]
+                self._deaths.pop(event.pos, None)
+                self._tries.pop(event.pos, None)
+                self._left[self._group[event.pos]] -= 1
+                self._final += 1
+                return self._maybe_end([])
             if event.retry:
                 deaths = self._deaths.get(event.pos, 0) + event.count
                 self._deaths[event.pos] = deaths

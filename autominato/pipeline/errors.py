@@ -87,7 +87,9 @@ class WorkerInitError(RuntimeError):
 
     What the training loop gets is also of the original exception's type (a class deriving
     from both, made by :func:`with_original_type`), as the DataLoader re-raises the original
-    type: ``except ValueError`` catches a ``worker_init_fn`` that raised ``ValueError``.
+    type: ``except ValueError`` catches a ``worker_init_fn`` that raised ``ValueError``. Not
+    for a ``StopIteration`` (it would end the training loop's ``for`` silently) nor for what
+    is no ``Exception`` (``SystemExit``, ``KeyboardInterrupt``).
 
     Attributes:
         original_type: ``(module, qualname)`` of the exception ``worker_init_fn`` raised.
@@ -97,32 +99,46 @@ class WorkerInitError(RuntimeError):
         super().__init__(*args)
         self.original_type = original_type
 
+    def __reduce__(self) -> tuple:
+        # The class made by with_original_type has no importable name: rebuild it on load.
+        return (_rebuild_init_error, (self.args, dict(self.__dict__)))
+
+
+def _rebuild_init_error(args: tuple, state: dict) -> BaseException:
+    err = WorkerInitError(*args)
+    err.__dict__.update(state)
+    return with_original_type(err)
+
 
 _DUAL: dict[type, type] = {}
 
 
 def with_original_type(err: BaseException) -> BaseException:
     """``err`` as an exception of both ``WorkerInitError`` and the type ``worker_init_fn``
-    raised (``err.original_type``), with the same message, cause, notes and attributes; ``err``
-    itself when that type cannot be found or combined (its constructor takes other arguments,
-    as ``UnicodeDecodeError``'s)."""
-    import importlib
+    raised (``err.original_type``, looked up among the modules already imported), with the
+    same message, cause, notes and attributes; ``err`` itself when there is no such type, or
+    it is no ``Exception`` or a ``StopIteration``, or the two cannot be combined. The original
+    type's ``__init__`` is not run (its arguments are not the message's)."""
+    import sys
 
     spec = getattr(err, "original_type", None)
     if not isinstance(err, WorkerInitError) or not spec or type(err) is not WorkerInitError:
         return err
     try:
-        cls: object = importlib.import_module(spec[0])
+        cls: object = sys.modules.get(spec[0])
         for name in spec[1].split("."):
             cls = getattr(cls, name)
-        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or issubclass(
-                cls, WorkerInitError):
+        if (not isinstance(cls, type) or not issubclass(cls, Exception)
+                or issubclass(cls, (StopIteration, StopAsyncIteration, WorkerInitError))):
             return err
         dual = _DUAL.get(cls)
         if dual is None:
-            dual = _DUAL[cls] = type("WorkerInitError", (cls, WorkerInitError),
-                                     {"__module__": __name__, "__qualname__": "WorkerInitError"})
-        new = dual(*err.args)
+            dual = _DUAL[cls] = type("WorkerInitError", (cls, WorkerInitError), {
+                "__module__": __name__, "__qualname__": "WorkerInitError",
+                "__str__": BaseException.__str__, "__init__": BaseException.__init__,
+                "__reduce__": WorkerInitError.__reduce__})
+        new = dual.__new__(dual, *err.args)
+        new.args = err.args
     except Exception:
         return err
     new.__dict__.update(err.__dict__)
@@ -270,7 +286,8 @@ def log_skip(index: int, path: str | None, error: BaseException, logged: set) ->
     what = describe(error)
     key = index if index >= 0 else what
     level = logging.DEBUG if key in logged else logging.WARNING
-    logged.add(key)
+    if len(logged) < 100_000:  # an endless stream of distinct errors: bounded memory
+        logged.add(key)
     if index < 0:
         logging.getLogger("autominato.pipeline").log(
             level, "skipping a sample of the iterable dataset: %s", what)

@@ -287,7 +287,9 @@ class ProcessExecutor:
             if self._startup_deaths >= self.max_startup_deaths:
                 if self._startup_deaths == self.max_startup_deaths and w.info.get("fatal"):
                     # The workers keep saying why (worker_init_fn raises every time): that
-                    # error, not an unexplained "died before ready".
+                    # error, not an unexplained "died before ready". (Raised even when it came
+                    # from the wave whose failure was raised: no worker is started after this,
+                    # so a pass waiting for one would hang.)
                     self.on_fatal(w.info["fatal"].to_exception())
                 elif self._startup_deaths == self.max_startup_deaths:
                     self.on_fatal(WorkerDied(

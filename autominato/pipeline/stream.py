@@ -140,10 +140,9 @@ class Stream:
 
     @property
     def held(self) -> int:
-        """Samples asked for and not yet answered, plus samples awaiting their batch: what the
-        epoch holds resources for."""
-        return sum(self._asked) + len(self._ready) + sum(
-            1 for q in self._queues for it in q if type(it) is not _Failure)
+        """Samples asked for and not yet answered, plus samples (and, in order, errors)
+        awaiting their batch's turn: what the epoch holds resources for."""
+        return sum(self._asked) + len(self._ready) + sum(map(len, self._queues))
 
     def is_open(self, shard: int) -> bool:
         return self._open[shard]
