@@ -436,27 +436,23 @@ def test_an_iterable_datasets_mid_epoch_state_restarts_its_epoch_and_its_state_b
 
 
 class UnevenShards(torch.utils.data.IterableDataset):
-    """10 samples in 2 shards of 5: with batch 4, 2 + 2 batches, though len() says 3."""
+    """``n`` = 10 samples in 2 shards of 5: with batch 4, 2 + 2 batches, though len() says 3."""
+
+    n = 10
 
     def __len__(self) -> int:
-        return 10
+        return self.n
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        w, n = (0, 1) if info is None else (info.id, info.num_workers)
-        return (np.array([k, -1.0]) for k in range(w, 10, n))
+        w, k = (0, 1) if info is None else (info.id, info.num_workers)
+        return (np.array([i, -1.0]) for i in range(w, self.n, k))
 
 
 class EvenShards(UnevenShards):
     """8 samples in 2 shards of 4: with batch 4, exactly len() = 2 batches."""
 
-    def __len__(self) -> int:
-        return 8
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        w, n = (0, 1) if info is None else (info.id, info.num_workers)
-        return (np.array([k, -1.0]) for k in range(w, 8, n))
+    n = 8
 
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
