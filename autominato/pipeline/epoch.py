@@ -15,7 +15,7 @@ States of a position::
                           │  └─ Lost(retry) ────┘  (worker died: dispatched again,
                           │                          at most ``max_tries`` times)
                           ├─ Failed / Lost(no retry) ──► on_error="skip": skipped (final)
-                          │                              on_error="raise": Raise (final; the
+                          │                              on_error="raise": raised (final; the
                           │                              epoch goes on, as DataLoader's)
                           └─ (epoch end with drop_last): a short remainder is dropped (final)
 
@@ -207,7 +207,7 @@ class Epoch:
             self._left = sizes  # positions of a group not yet final
             self._members: dict = {}  # group -> items completed
             self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
-            self._failed: set = set()  # groups whose error was decided (raised or waiting to)
+            self._lost_groups: set = set()  # groups lost to an error (raised or waiting to be)
             self._next_group = 0
         self._prior = bytearray(len(self.order))  # pos -> 1: final before the epoch ran
         # (read at every dispatch: computed once)
@@ -312,14 +312,12 @@ class Epoch:
         if isinstance(event, Lost):
             if self.finished or not self.is_current(event.pos, event.attempt):
                 return []
-            if self.groups is not None and self._group[event.pos] in self._failed:
+            if self.groups is not None and self._group[event.pos] in self._lost_groups:
                 # its batch is lost already: not loaded again
                 del self._attempt[event.pos]
                 self._deaths.pop(event.pos, None)
                 self._tries.pop(event.pos, None)
-                self._left[self._group[event.pos]] -= 1
-                self._final += 1
-                return self._maybe_end([])
+                return self._lost_member(self._group[event.pos], [])
             if event.retry:
                 deaths = self._deaths.get(event.pos, 0) + event.count
                 self._deaths[event.pos] = deaths
@@ -358,10 +356,8 @@ class Epoch:
         item = (ev.pos, int(self.order[ev.pos]), ev.result)
         if self.groups is not None:
             g = self._group[ev.pos]
-            if g in self._failed:  # its group's batch is lost to an error
-                self._left[g] -= 1
-                self._final += 1
-                return self._maybe_end([Discard(ev.result)])
+            if g in self._lost_groups:  # its group's batch is lost to an error
+                return self._lost_member(g, [Discard(ev.result)])
             self._members.setdefault(g, []).append(item)
             return self._group_final(g, [])
         if self.in_order:
@@ -395,16 +391,23 @@ class Epoch:
             return self._advance(out)
         return self._emit_full(out)
 
+    def _lost_member(self, g: int, out: list[Decision]) -> list[Decision]:
+        """A position of group ``g``, whose batch an error lost, is final (failed too,
+        completed, or its worker died)."""
+        self._left[g] -= 1
+        self._final += 1
+        return self._maybe_end(out)
+
     def _group_failed(self, g: int, error: BaseException, pos: int) -> list[Decision]:
         """A position of group ``g`` failed (``on_error="raise"``): the group's batch is lost
         (its completed members discarded now, the others as they complete); the first error
         of the group is raised, in group order with ``in_order``."""
+        if g in self._lost_groups:
+            return self._lost_member(g, [])
         self._left[g] -= 1
         self._final += 1
-        if g in self._failed:
-            return self._maybe_end([])
         self.raised += 1
-        self._failed.add(g)
+        self._lost_groups.add(g)
         members = self._members.pop(g, [])
         self._final += len(members)
         out: list[Decision] = [Discard(r) for _, _, r in members]
@@ -428,7 +431,6 @@ class Epoch:
 
     def _advance(self, out: list[Decision]) -> list[Decision]:
         """In order: move the final positions at the cursor to the batch being filled."""
-        B = self.batch_size
         prior = self._prior
         while True:
             if self._next_pos < len(prior) and prior[self._next_pos]:
@@ -440,9 +442,7 @@ class Epoch:
             if isinstance(item, _Failure):
                 # The full batches before it first; the samples before it that do not fill
                 # a batch wait for the ones after it (only the failing sample is lost).
-                while len(self._ready) >= B:
-                    group, self._ready = self._ready[:B], self._ready[B:]
-                    out.append(self._batch(group))
+                self._emit_batches(out)
                 out.append(Raise(item.error, pos=item.pos))
                 self.raised += 1
                 self._final += 1
@@ -454,11 +454,15 @@ class Epoch:
         return self._emit_full(out)
 
     def _emit_full(self, out: list[Decision]) -> list[Decision]:
+        self._emit_batches(out)
+        return self._maybe_end(out)
+
+    def _emit_batches(self, out: list[Decision]) -> None:
+        """Emit every full batch waiting in ``_ready``."""
         B = self.batch_size
         while len(self._ready) >= B:
             group, self._ready = self._ready[:B], self._ready[B:]
             out.append(self._batch(group))
-        return self._maybe_end(out)
 
     def _batch(self, group: list) -> Emit:
         k = self.batches
@@ -521,7 +525,8 @@ class Epoch:
 
 
 class _Failure:
-    """In order, a failed position waits for its turn to raise."""
+    """In order, an error waiting for its turn to be raised (a position's, or in a stream a
+    shard's sample's: ``stream.py`` uses it too)."""
 
     __slots__ = ("error", "pos")
 

@@ -125,10 +125,8 @@ def with_original_type(err: BaseException) -> BaseException:
     if not isinstance(err, WorkerInitError) or not spec or type(err) is not WorkerInitError:
         return err
     try:
-        cls: object = sys.modules.get(spec[0])
-        for name in spec[1].split("."):
-            cls = getattr(cls, name)
-        if (not isinstance(cls, type) or not issubclass(cls, Exception)
+        cls = _exception_class(spec[0], spec[1], sys.modules.get(spec[0]))
+        if (not issubclass(cls, Exception)
                 or issubclass(cls, (StopIteration, StopAsyncIteration, WorkerInitError))):
             return err
         dual = _DUAL.get(cls)
@@ -263,15 +261,25 @@ class ErrorReport:
         return with_original_type(exc)
 
 
-def _from_parts(parts: tuple) -> BaseException:
-    import importlib
+def _exception_class(module: str, qualname: str, found: object) -> type[BaseException]:
+    """The class ``qualname`` in the module object ``found`` (named ``module``).
 
-    _, module, qualname, args, attrs = parts
-    cls: object = importlib.import_module(module)
+    Raises:
+        AttributeError: no such name; TypeError: it is no exception class.
+    """
+    cls = found
     for name in qualname.split("."):
         cls = getattr(cls, name)
     if not (isinstance(cls, type) and issubclass(cls, BaseException)):
         raise TypeError(f"{module}.{qualname} is not an exception class")
+    return cls
+
+
+def _from_parts(parts: tuple) -> BaseException:
+    import importlib
+
+    _, module, qualname, args, attrs = parts
+    cls = _exception_class(module, qualname, importlib.import_module(module))
     exc = cls.__new__(cls, *args)
     exc.args = args
     exc.__dict__.update(attrs)

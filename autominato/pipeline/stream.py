@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.pipeline.epoch import Decision, Discard, Emit, End, Raise, Skip
+from autominato.pipeline.epoch import Decision, Discard, Emit, End, Raise, Skip, _Failure
 
 # -- decisions and events ---------------------------------------------------------------------
 
@@ -299,12 +299,3 @@ class Stream:
         out.append(End())
         return out
 
-
-class _Failure:
-    """In order: a sample's error waiting for its shard's turn."""
-
-    __slots__ = ("error", "pos")
-
-    def __init__(self, error: BaseException, pos: int) -> None:
-        self.error = error
-        self.pos = pos
