@@ -231,20 +231,25 @@ class Same:
         return np.full((65_536,), i, dtype=np.float32)
 
 
-def test_a_task_waiting_for_a_worker_holds_no_output_slot_and_only_the_first_comes_in_a_memory_file(monkeypatch):
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_task_waiting_for_a_worker_holds_no_output_slot_and_only_the_first_comes_in_a_memory_file(
+        monkeypatch, in_order):
     """With a read stage ahead of the workers (``fuse_read=False``), transform tasks wait in
     a queue for a free worker. Each took its output slot when it was queued: the queued ones
     held slots (memory) the worker was not writing, and those queued before the first result
     (its size unknown) all came in memory files. Taken as a task leaves for its worker: one
     memory file (the first sample), and output slots only for the samples in the worker and
-    those waiting for their batch (besides the read stage's input slots)."""
+    those waiting for their batch (besides the read stage's input slots). In completion order
+    a finished sample claims a batch row instead (rows.py): no memory file at all."""
     mapped = []
     real = executor_mod.map_memfd
     monkeypatch.setattr(executor_mod, "map_memfd",
                         lambda d, fd, n: (mapped.append(n), real(d, fd, n))[1])
     with Loader(Same(), batch_size=2, num_workers=1, pool_size=8, read_threads=2,
-                fuse_read=False, autotune=False, prefetch_next_epoch=False) as loader:
+                fuse_read=False, autotune=False, prefetch_next_epoch=False,
+                in_order=in_order) as loader:
         for _ in range(2):
             got = sorted(int(v) for b in loader for v in b[:, 0])
             assert got == list(range(24))
-    assert len(mapped) == 1, mapped
+        assert (loader._pipeline.rows.claims > 0) is not in_order
+    assert len(mapped) == (1 if in_order else 0), mapped

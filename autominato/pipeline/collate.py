@@ -212,6 +212,11 @@ class BatchPool:
         # Its base is the map itself, so a view of it (buf[0]) holds buf's reference count up.
         return np.ndarray(shape, dtype, buffer=map_), map_
 
+    def stacked(self, arrays: Sequence[Any], dtype: np.dtype) -> np.ndarray | None:
+        """Arrays already stacked in memory, as a batch array (see ``rows.RowsView``); a
+        pool's own buffers never are: None."""
+        return None
+
     def clear(self) -> None:
         with self._lock:
             self._meta.clear()
@@ -278,6 +283,10 @@ def _stack_arrays(arrays: Sequence[np.ndarray], pool: BatchPool | None) -> torch
     _check_same(arrays)
     shape = (len(arrays), *arrays[0].shape)
     dtype = arrays[0].dtype
+    if pool is not None:
+        out = pool.stacked(arrays, dtype)  # the samples' rows of one buffer: no copy
+        if out is not None:
+            return torch.from_numpy(out)
     out = pool.acquire(shape, dtype) if pool else np.empty(shape, dtype)
     for i, a in enumerate(arrays):
         out[i] = a
@@ -309,6 +318,11 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
              for s in samples]
     shape = (len(parts), *first.shape)
     raw = slot_dtype(first.dtype)  # int16 for bfloat16: NumPy has no such type
+    if pool is not None and cls is torch.Tensor:  # a subclass's stack may add its metadata
+        buf = pool.stacked(parts, raw)  # the samples' rows of one buffer: no copy
+        if buf is not None:
+            out = torch.from_numpy(buf)
+            return out.view(first.dtype) if out.dtype != first.dtype else out
     buf = pool.acquire(shape, raw) if pool else np.empty(shape, raw)
     out = torch.from_numpy(buf)
     if out.dtype != first.dtype:

@@ -231,6 +231,13 @@ class ProcWorker:
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
     dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
     fd_sock: Any = None  # conn's socket for the memory files beside replies (shm.fd_socket)
+    # The scheduler thread sends tasks and control messages, the collector thread the answers
+    # to row claims (rows.RowAllocator.claim): one message at a time.
+    send_lock: Any = field(default_factory=threading.Lock)
+
+    def send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
 
     def close_conn(self) -> None:
         for c in (self.conn, self.fd_sock):
@@ -333,6 +340,9 @@ class ProcessWorkers:
         self._zygotes: list[Zygote] = []
         self._closing = False
         self._stop_collector = False
+        #: ``on_claim(key, signature) -> answer``: a worker's claim of a batch row, answered
+        #: from the collector thread (``rows.RowAllocator.claim``); None: every claim is refused.
+        self.on_claim: Callable[[tuple, tuple], tuple] | None = None
         # First, while this process runs one thread: a forked zygote is started right here.
         self._zygote: Zygote | None = self._new_zygote(self.kind)
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -493,13 +503,13 @@ class ProcessWorkers:
         w.task = task
         w.task_started = time.monotonic()
         try:
-            w.conn.send(msg)
+            w.send(msg)
         except (BrokenPipeError, OSError):
             pass  # its death is reported by the collector; the task is re-dispatched then
 
     def _send_control(self, w: ProcWorker, msg: tuple) -> None:
         try:
-            w.conn.send(msg)
+            w.send(msg)
         except (BrokenPipeError, OSError):
             pass  # a dead worker: the collector reports it
 
@@ -510,7 +520,7 @@ class ProcessWorkers:
 
     def _stop(self, w: ProcWorker) -> None:
         try:
-            w.conn.send(None)
+            w.send(None)
         except (BrokenPipeError, OSError):
             pass
         w.proc.stop_deadline = time.monotonic() + 5.0  # then the collector SIGKILLs it
@@ -542,7 +552,7 @@ class ProcessWorkers:
         deadline = time.monotonic() + timeout
         for w in list(self.workers.values()):
             try:
-                w.conn.send(None)
+                w.send(None)
             except (BrokenPipeError, OSError):
                 pass
         # Idle workers exit at once; one busy on a long sample would finish it first: do not
@@ -613,6 +623,10 @@ class ProcessWorkers:
         try:
             while w.conn.poll():
                 reply = w.conn.recv()
+                if reply[0] == "claim":  # ("claim", key, signature): answered here, at once
+                    claim = self.on_claim
+                    w.send(claim(reply[1], reply[2]) if claim is not None else ("norow",))
+                    continue
                 if reply[0] == "many":
                     try:
                         _receive_fds(w.fd_sock, reply[1])

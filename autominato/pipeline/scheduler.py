@@ -54,6 +54,7 @@ from autominato.pipeline.epoch import (
 from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
+from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
     SlotPool,
@@ -218,6 +219,7 @@ class Pipeline:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.slots = SlotPool(max_slots=2 * knobs.pool_size, budget_bytes=cfg.shm_budget_bytes)
         self.batch_pool = BatchPool(max_per_key=knobs.depth + 3, pin=cfg.cuda or cfg.pin_memory)
+        self.rows = RowAllocator(self.slots)
         self.runs: dict[int, Run] = {}
         self.pending: Run | None = None  # the speculative run the next start() may adopt
         self._waiting: list[Run] = []  # speculative runs whose predecessor still dispatches
@@ -244,6 +246,13 @@ class Pipeline:
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
+            # Process workers write finished samples into batch rows (see rows.py) where the
+            # default collate stacks them and no pinned copy follows.
+            self._rows_ok = (self.procs is not None and self.sample_stages[-1].executor is self.procs
+                             and cfg.collate_fn is None and not cfg.iterable
+                             and not (cfg.cuda or cfg.pin_memory))
+            if self._rows_ok:
+                self.procs.pool.on_claim = self.rows.claim
             # persistent_workers=False: the dataset as the workers hold it, to send it again
             # when it changed (see start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
@@ -608,6 +617,9 @@ class Pipeline:
 
     def _begin(self, run: Run) -> None:
         self.runs[run.gen] = run
+        ep = run.epoch
+        if self._rows_ok and isinstance(ep, Epoch) and ep.groups is None and not ep.in_order:
+            self.rows.open(run.gen, ep.batch_size)
         if self.cfg.iterable:
             self._size_stream_workers()
         else:
@@ -636,6 +648,8 @@ class Pipeline:
         output slot (one that fits the largest output seen, or none: a memory file then)."""
         if type(item) is not tuple or len(item) != 6 or item[5] is not _SLOT_LATER:
             return item  # a pull, or a task of another kind
+        if self.rows.active(key[0]) and self.sample_stages[-1].executor is self.procs:
+            return (*item[:5], CLAIM)  # it claims a batch row when its sample is done
         out = self.slots.acquire(self.out_estimate) if use_slot(self.out_estimate) else None
         in_slot, _ = self.held.get(key, (None, None))
         self.held[key] = (in_slot, out)
@@ -678,6 +692,9 @@ class Pipeline:
         gen, pos, attempt = r.key
         run = self.runs.get(gen)
         slots = self.held.pop(r.key, ())
+        row = self.rows.take(r.key)  # the batch row its sample claimed (see rows.py)
+        if row is not None:
+            slots = (slots[0] if slots else None, row)
         if r.ok:
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)
@@ -777,6 +794,11 @@ class Pipeline:
         desc, need = r.value
         in_slot, out = slots if slots else (None, None)
         self.slots.release(in_slot)
+        if type(out) is RowRef:
+            if type(desc) is FdDesc:  # pragma: no cover - a worker with a row writes there
+                self.rows.release(out)
+                return unpack(desc.desc, desc.buf), ()
+            return unpack(desc, out.buf.slot.mmap), (out,)
         if type(desc) is FdDesc:  # no slot (fitting) was given: it came in a memory file
             self.slots.release(out)
             # the mapping is this sample's alone and lives as long as views of it (a user's
@@ -805,7 +827,10 @@ class Pipeline:
 
     def _free(self, slots: tuple) -> None:
         for s in slots:
-            self.slots.release(s)
+            if type(s) is RowRef:
+                self.rows.release(s)
+            else:
+                self.slots.release(s)
 
     def _decide(self, run: Run, decisions: list) -> None:
         for d in decisions:
@@ -852,6 +877,7 @@ class Pipeline:
         are freed when they arrive), then close it with ``last`` (``None``: the consumer left)."""
         if self.runs.pop(run.gen, None) is None:
             return
+        self.rows.close_run(run.gen)
         self._decide(run, run.epoch.abort())
         gone = lambda k, g=run.gen: k[0] != g  # noqa: E731
         for st in self.sample_stages:
@@ -906,6 +932,7 @@ class Pipeline:
             return
         if final:
             self.runs.pop(run.gen, None)
+            self.rows.close_run(run.gen)
             self._drop_streams(run)
             run.finish(None if run.stopped else payload.item)
             return
@@ -922,6 +949,15 @@ class Pipeline:
             return Result("batch", key, items)
         t0 = time.perf_counter()
         try:
+            pool = self.batch_pool
+            first = items[0][2].slots
+            if first and type(first[-1]) is RowRef:
+                buf = first[-1].buf
+                if all(c.slots and type(c.slots[-1]) is RowRef and c.slots[-1].buf is buf
+                       for _, _, c in items):
+                    # Rows of one buffer: in row order, a run of rows is the batch (no copy).
+                    items = tuple(sorted(items, key=lambda it: it[2].slots[-1].row))
+                    pool = RowsView(self.batch_pool, buf, self.rows)
             samples = [c.sample for _, _, c in items]
             if self.cfg.collate_fn is not None:
                 batch = self.cfg.collate_fn(samples)  # samples own their arrays (see _output)
@@ -929,7 +965,7 @@ class Pipeline:
                 if self.cfg.pin_memory or self.cfg.cuda:
                     batch = pin(batch)
             else:
-                batch = collate(samples, self.batch_pool)
+                batch = collate(samples, pool)
                 del samples
                 self._release_items(items)
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
@@ -942,8 +978,7 @@ class Pipeline:
 
     def _release_items(self, items: tuple) -> None:
         for _, _, c in items:
-            for s in c.slots:
-                self.slots.release(s)
+            self._free(c.slots)
 
     def _transfer(self, key: Any, job: tuple) -> Result:
         """Transfer stage function (its own thread): start the host-to-device copy on a side

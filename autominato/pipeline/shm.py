@@ -31,6 +31,7 @@ import os
 import pickle
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -74,13 +75,17 @@ class Slot:
     """One shared-memory segment owned by the main process.
 
     ``warm``: its pages are allocated (False after :meth:`release_memory`); ``freed_at``:
-    ``time.monotonic()`` when it last went back to the pool's free list."""
+    ``time.monotonic()`` when it last went back to the pool's free list; ``lent``: a batch
+    was made of views of its memory (:class:`~autominato.pipeline.rows.RowsView`), so the
+    pool hands it out again only once no view is left (:meth:`viewed`)."""
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
         self.size = size
         self.warm = True
         self.freed_at = 0.0
+        self.lent = False
+        self._addr = 0
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -94,6 +99,22 @@ class Slot:
             os.unlink(path)
             raise
         os.close(fd)
+
+    @property
+    def addr(self) -> int:
+        """The address of this process's mapping (fixed for the mapping's life)."""
+        if not self._addr:
+            self._addr = np.frombuffer(self.mmap, np.uint8, count=1).ctypes.data
+        return self._addr
+
+    def viewed(self) -> bool:
+        """Whether a lent slot's memory is still viewed (a batch the training loop holds, or a
+        view of it): an array made on the mapping holds a reference to it. Clears ``lent``
+        once none is left."""
+        if self.lent and sys.getrefcount(self.mmap) > _MMAP_IDLE:
+            return True
+        self.lent = False
+        return False
 
     def release_memory(self) -> None:
         """Give the segment's pages back (``MADV_REMOVE`` punches a hole in the file: every
@@ -134,6 +155,23 @@ class Slot:
             pass
 
 
+class _Holder:
+    pass
+
+
+def _idle_refs() -> int:
+    h = _Holder()
+    h.mmap = mmap.mmap(-1, mmap.PAGESIZE)
+    n = sys.getrefcount(h.mmap)
+    h.mmap.close()
+    return n
+
+
+# What sys.getrefcount says of a slot's mapping that only the slot holds (see Slot.viewed):
+# measured rather than assumed, as collate._IDLE.
+_MMAP_IDLE = _idle_refs()
+
+
 #: Results at least this large travel in a memory file when they have no slot; smaller ones
 #: are cheaper pickled (a memory file costs a few system calls and a page-sized mapping).
 MEMFD_MIN_BYTES = 1 << 16
@@ -170,7 +208,7 @@ _memfd_usable = True
 
 
 def pack_memfd(sample: Any, need: int) -> FdDesc | None:
-    """Write ``sample``'s arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
+    """Write ``sample``'s (or a :class:`Prepared` one's) arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
     memory file; ``None`` when the result is small, ``memfd_create`` is missing or cannot be
     used (a sandbox), or memory or descriptors are short (the caller pickles it then). The
     caller sends and then closes ``fd``."""
@@ -183,7 +221,8 @@ def pack_memfd(sample: Any, need: int) -> FdDesc | None:
         os.posix_fallocate(fd, 0, need)  # memory short: an error here, not a SIGBUS below
         buf = mmap.mmap(fd, need)
         try:
-            desc, _ = pack(sample, buf)
+            prep = sample if type(sample) is Prepared else prepare(sample)
+            desc, _ = pack_prepared(prep, buf)
         finally:
             try:
                 buf.close()
@@ -292,7 +331,7 @@ class SlotPool:
         with self._lock:
             if self.closed:
                 return None
-            fits = [s for s in self._free if s.size >= nbytes]
+            fits = [s for s in self._free if s.size >= nbytes and not (s.lent and s.viewed())]
             if fits:
                 # The smallest that fits; of those, one that still has its memory, the most
                 # recently freed first (so that the slots in use lately stay the warm ones).
@@ -305,6 +344,14 @@ class SlotPool:
                     return None
                 return slot
             # Grow: replace the largest too-small free slot, or add one within the budgets.
+            # A free slot that the training loop still views (a batch it keeps) is given up
+            # first: unlinked, its memory lives on with the views, as a batch of its own.
+            viewed = [s for s in self._free if s.lent and s.viewed()]
+            if viewed and (len(self._all) >= self.max_slots
+                           or self.bytes + nbytes > self.budget_bytes):
+                victim = viewed[0]
+                self._free.remove(victim)
+                self._drop(victim)
             if self._free and len(self._all) >= self.max_slots:
                 victim = max(self._free, key=lambda s: s.size)
                 self._free.remove(victim)  # else it would be handed out again, unmapped
@@ -367,7 +414,7 @@ class SlotPool:
         done = 0
         with self._lock:
             for slot in self._free:
-                if slot.warm and slot.freed_at < old:
+                if slot.warm and slot.freed_at < old and not (slot.lent and slot.viewed()):
                     try:
                         slot.release_memory()
                     except (OSError, ValueError):  # a file system that cannot punch holes
@@ -657,6 +704,35 @@ def _header(a: Any) -> tuple[np.ndarray, tuple]:
     return host, (host.shape, host.dtype.str, name, cls, _get_obj_state(a))
 
 
+class Prepared:
+    """A sample taken apart for packing (:func:`prepare`): its arrays' bytes as NumPy arrays
+    (``hosts``), their headers, and the rest of the sample."""
+
+    __slots__ = ("kind", "skeleton", "hosts", "headers", "need")
+
+    def __init__(self, kind: int, skeleton: Any, hosts: list, headers: list, need: int) -> None:
+        self.kind, self.skeleton, self.hosts, self.headers, self.need = kind, skeleton, hosts, headers, need
+
+    def signature(self) -> tuple:
+        """``((shape, dtype), ...)`` of the arrays, in order: samples with equal signatures
+        stack into one batch array per position (see :class:`~autominato.pipeline.rows.RowAllocator`)."""
+        return tuple((h.shape, h.dtype.str) for h in self.hosts)
+
+
+def prepare(sample: Any) -> Prepared:
+    """Take ``sample`` apart for :func:`pack_prepared`; ``need`` is :func:`packed_nbytes`."""
+    kind, arrays, skeleton = _layout(sample)
+    hosts = []
+    headers = []
+    need = 0
+    for a in arrays:
+        host, header = _header(a)
+        hosts.append(host)
+        headers.append(header)
+        need += -(-host.nbytes // ALIGN) * ALIGN
+    return Prepared(kind, skeleton, hosts, headers, need)
+
+
 def pack(sample: Any, buf: memoryview | mmap.mmap | None) -> tuple[bytes, int]:
     """Write the arrays of ``sample`` into ``buf`` and return ``(descriptor, nbytes)``.
 
@@ -676,28 +752,34 @@ def pack(sample: Any, buf: memoryview | mmap.mmap | None) -> tuple[bytes, int]:
     Raises:
         pickle.PicklingError, TypeError, AttributeError: a leaf cannot be pickled.
     """
-    kind, arrays, skeleton = _layout(sample)
-    if kind == _NO_ARRAYS:
-        return pickle.dumps((kind, skeleton, None, None, None), protocol=pickle.HIGHEST_PROTOCOL), 0
-    hosts = []
-    headers = []
-    offsets = []
-    need = 0
-    for a in arrays:
-        host, header = _header(a)
-        hosts.append(host)
-        headers.append(header)
-        offsets.append(need)
-        need += -(-host.nbytes // ALIGN) * ALIGN
-    if buf is not None and need <= len(buf):
+    return pack_prepared(prepare(sample), buf)
+
+
+def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
+                  offsets: list[int] | None = None) -> tuple[bytes, int]:
+    """:func:`pack` of a :func:`prepare` d sample. ``offsets``: where in ``buf`` each array
+    goes (bytes; each a multiple of its dtype's item size, the regions not overlapping, as a
+    :class:`~autominato.pipeline.rows.RowAllocator` row gives them); ``None``: one after the
+    other from 0, each aligned to 64 bytes."""
+    if prep.kind == _NO_ARRAYS:
+        return pickle.dumps((prep.kind, prep.skeleton, None, None, None),
+                            protocol=pickle.HIGHEST_PROTOCOL), 0
+    hosts, need = prep.hosts, prep.need
+    if offsets is None and buf is not None and need <= len(buf):
+        offsets = []
+        off = 0
+        for h in hosts:
+            offsets.append(off)
+            off += -(-h.nbytes // ALIGN) * ALIGN
+    if offsets is not None and buf is not None:
         for h, off in zip(hosts, offsets, strict=True):
             np.copyto(np.ndarray(h.shape, h.dtype, buffer=buf, offset=off), h, casting="no")
-        desc = (kind, skeleton, headers, offsets, None)
+        desc = (prep.kind, prep.skeleton, prep.headers, list(offsets), None)
     else:
         # As bytes (a uint8 view: datetime and structured dtypes have no buffer format).
         raw = [pickle.PickleBuffer(np.ascontiguousarray(h).reshape(-1).view(np.uint8))
                for h in hosts]
-        desc = (kind, skeleton, headers, None, raw)
+        desc = (prep.kind, prep.skeleton, prep.headers, None, raw)
     return pickle.dumps(desc, protocol=pickle.HIGHEST_PROTOCOL), need
 
 

@@ -67,6 +67,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ import numpy as np
 
 from autominato.pipeline import random_state
 from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
+from autominato.pipeline.rows import CLAIM
 from autominato.pipeline.shm import (
     SCM_MAX_FD,
     FdDesc,
@@ -82,8 +84,11 @@ from autominato.pipeline.shm import (
     fd_socket,
     pack,
     pack_memfd,
+    pack_prepared,
     packed_nbytes,
+    prepare,
     unpack,
+    use_slot,
 )
 
 
@@ -584,7 +589,10 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     copy of the dataset, ``persistent_workers=False``: ``worker_init_fn`` runs again, as in a
     DataLoader's fresh worker), ``("many", [task, ...])``, each task
     ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
-    or ``None``, served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
+    or ``None``, and ``out_slot`` may be ``rows.CLAIM``: the finished sample (16 KiB or more)
+    asks for a batch row, ``("claim", key, signature)``, answered ``("row", name, size,
+    offsets)`` or ``("norow",)`` before any other message is served (see :class:`_Claimer`),
+    served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
     (a pull of an iterable dataset's shard, see :class:`Streams`; one slot or ``None`` per
     sample asked) and ``("drop", gen)`` (forget run ``gen``'s streams). Replies:
     ``("many", [reply, ...])`` (see :data:`FLUSH_S`), each ``("ok", key, desc, need, read_s,
@@ -629,6 +637,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     except (EOFError, OSError):
         return  # retired (or the loader closed) before this worker was ready: nothing to say
     served = False  # a message was served since the worker last looked at its heap
+    pending: deque = deque()  # messages that came while a task waited for its batch row
     while True:
         if served:
             # A worker gets its next task only once it replied (the loader sends work to
@@ -636,7 +645,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             heap.after_task()
             served = False
         try:
-            msg = conn.recv()
+            msg = pending.popleft() if pending else conn.recv()
         except (EOFError, OSError):
             return  # the loader is gone
         if msg is None:
@@ -666,7 +675,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
         if kind == "stream":
             ok = _serve_stream(conn, spec, cache, streams, worker, msg)
         else:
-            ok = _serve_chunk(conn, spec, cache, worker, msg[1])  # ("many", [task, ...])
+            ok = _serve_chunk(conn, spec, cache, worker, msg[1], pending)  # ("many", [task, ...])
         if not ok:
             return
         served = True
@@ -689,8 +698,11 @@ def _take_dataset(spec: WorkSpec, payload: bytes | None) -> None:
 FLUSH_S = 0.02
 
 
-def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
-    """Read / transform one task and pack the result; returns the reply (never raises)."""
+def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
+           claim: Callable[[tuple, tuple], tuple] | None = None) -> tuple:
+    """Read / transform one task and pack the result; returns the reply (never raises).
+    ``claim(key, signature)``: asks the loader for a batch row (``out_slot`` is
+    ``rows.CLAIM``; see :mod:`autominato.pipeline.rows`)."""
     pos, index, epoch, read, in_slot, in_desc, out_slot = msg
     try:
         sample = None
@@ -699,24 +711,68 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple) -> tuple:
             sample = unpack(in_desc, buf)
         sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample)
         t = time.perf_counter()
-        out = cache.get(*out_slot) if out_slot is not None else None
-        need = packed_nbytes(sample)
         desc: bytes | FdDesc | None = None
-        if out is None or need > len(out):
-            desc = pack_memfd(sample, need)  # no slot fits: a memory file, else pickled
-        if desc is None:
-            desc, need = pack(sample, out)
+        if out_slot == CLAIM:
+            prep = prepare(sample)
+            need = prep.need
+            if claim is not None and use_slot(need):
+                row = claim(pos, prep.signature())
+                if row[0] == "row":
+                    desc, need = pack_prepared(prep, cache.get(row[1], row[2]), row[3])
+            if desc is None:
+                desc = pack_memfd(prep, need)  # no row: a memory file, else pickled
+            if desc is None:
+                desc, need = pack_prepared(prep, None)
+            del prep
+        else:
+            out = cache.get(*out_slot) if out_slot is not None else None
+            need = packed_nbytes(sample)
+            if out is None or need > len(out):
+                desc = pack_memfd(sample, need)  # no slot fits: a memory file, else pickled
+            if desc is None:
+                desc, need = pack(sample, out)
         del sample
         return ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
         return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
 
 
-def _serve_chunk(conn, spec: WorkSpec, cache: SlotCache, worker: str, tasks: list) -> bool:
+class _Claimer:
+    """``claim(key, signature)`` for :func:`_serve`: sends ``("claim", key, signature)`` and
+    waits for the answer (``("row", name, size, offsets)`` or ``("norow",)``); messages that
+    come before it (control messages: ``threads``, ``drop``, ``dataset``, ``None``) go to
+    ``pending``, served after the task. Raises EOFError / OSError when the loader is gone.
+    ``rows``: rows received since :meth:`flush_now` last looked: the reply of a sample written
+    into a row goes at once (not with the rest of its chunk, see :data:`FLUSH_S`), so that
+    batches form in the order rows were handed out (``rows.RowAllocator``)."""
+
+    def __init__(self, conn, pending: deque) -> None:
+        self.conn = conn
+        self.pending = pending
+        self.rows = 0
+
+    def __call__(self, key: tuple, sig: tuple) -> tuple:
+        self.conn.send(("claim", key, sig))
+        while True:
+            msg = self.conn.recv()
+            if type(msg) is tuple and msg and msg[0] in ("row", "norow"):
+                self.rows += msg[0] == "row"
+                return msg
+            self.pending.append(msg)
+
+    def flush_now(self) -> bool:
+        n, self.rows = self.rows, 0
+        return n > 0
+
+
+def _serve_chunk(conn, spec: WorkSpec, cache: SlotCache, worker: str, tasks: list,
+                 pending: deque | None = None) -> bool:
     """Serve several tasks, replying ``("many", [reply, ...])`` (see :data:`FLUSH_S`).
     Returns False when the loader is gone."""
-    return _send_flushing(conn, (_serve(spec, cache, worker, task) for task in tasks),
-                          lambda replies, final: ("many", replies) if replies else None)
+    claim = _Claimer(conn, pending if pending is not None else deque())
+    return _send_flushing(conn, (_serve(spec, cache, worker, task, claim) for task in tasks),
+                          lambda replies, final: ("many", replies) if replies else None,
+                          claim.flush_now)
 
 
 def _serve_stream(conn, spec: WorkSpec, cache: SlotCache, streams: Streams, worker: str,
@@ -747,15 +803,17 @@ def _serve_stream(conn, spec: WorkSpec, cache: SlotCache, streams: Streams, work
     return _send_flushing(conn, outcomes(), lambda outs, final: ("stream", key, outs, final))
 
 
-def _send_flushing(conn, replies: Iterator[tuple], message: Callable[[list, bool], tuple | None]) -> bool:
+def _send_flushing(conn, replies: Iterator[tuple], message: Callable[[list, bool], tuple | None],
+                   flush_now: Callable[[], bool] | None = None) -> bool:
     """Send ``replies`` as ``message(part, final)`` (skipped when ``None``): what is there each
-    :data:`FLUSH_S` seconds, and the rest at the end. Returns False when the loader is gone."""
+    :data:`FLUSH_S` seconds or when ``flush_now()`` says so after a reply, and the rest at the
+    end. Returns False when the loader is gone."""
     part: list = []
     last = time.perf_counter()
     try:
         for reply in replies:
             part.append(reply)
-            if time.perf_counter() - last > FLUSH_S:
+            if time.perf_counter() - last > FLUSH_S or (flush_now is not None and flush_now()):
                 _send_with_fds(conn, message(part, False), part)
                 part, last = [], time.perf_counter()
         msg = message(part, True)

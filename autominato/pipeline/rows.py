@@ -1,0 +1,220 @@
+"""Batch rows: process workers write finished samples straight into the batch's memory.
+
+Without this, a sample crosses memory twice on its way into a batch: the worker writes it into
+a slot it was given with its task (held through the whole transform), then the batch stage
+copies it from there into a batch buffer in the main process. With it, a worker that finished a
+sample *claims a row* (a message to the loader, answered by the collector thread,
+:meth:`RowAllocator.claim`), writes the sample's arrays into that row of a shared batch buffer
+(a slot of ``batch_size`` rows, one region per array of the sample, so that each region is
+already the stacked ``(B, *shape)`` array), and replies as before. When the batch stage gets a
+group whose samples are the consecutive rows of one buffer, the batch is views of it
+(:class:`RowsView`): no copy, and no slot per sample. Memory then holds a batch's rows from the
+first claim (its first sample finished) to the end of its use, instead of a slot per sample
+from dispatch plus a private batch buffer.
+
+Rows are handed out in claim order, batches form in completion order (``epoch.Epoch``): the two
+agree unless two workers' claims and replies cross, a sample fails after claiming, or a worker
+dies between its claim and its reply (a hole). A group that is not a run of rows of one buffer
+is copied into a pooled buffer as before, so the claim order never changes what is delivered,
+only whether it costs a copy. A buffer never holds two runs' (epochs') samples.
+
+Used for completion-order epochs of map-style datasets with the default collate and process
+workers, without pinned memory (a pinned batch is a copy anyway); everything else keeps slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from autominato.pipeline.shm import ALIGN, Slot, SlotPool
+
+#: The ``out_slot`` of a process worker's task whose result claims a row (see the module doc).
+CLAIM = "claim"
+
+
+class RowBuffer:
+    """One shared batch buffer: ``rows`` rows of samples whose arrays have ``sig`` (shapes and
+    dtypes), array ``i`` of row ``r`` at ``regions[i] + r * sizes[i]``."""
+
+    __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed")
+
+    def __init__(self, slot: Slot, sig: tuple, rows: int, sizes: list[int], regions: list[int]) -> None:
+        self.slot = slot
+        self.sig = sig
+        self.rows = rows
+        self.sizes = sizes
+        self.regions = regions
+        self.claimed = 0  # rows handed out
+        self.out = 0  # rows handed out and not released
+        self.closed = False  # no more rows are handed out
+
+
+class RowRef:
+    """Row ``row`` of ``buf``: what a sample written there holds instead of a slot."""
+
+    __slots__ = ("buf", "row")
+
+    def __init__(self, buf: RowBuffer, row: int) -> None:
+        self.buf = buf
+        self.row = row
+
+
+def layout(sig: tuple, rows: int) -> tuple[list[int], list[int], int]:
+    """``(sizes, regions, nbytes)`` of a buffer of ``rows`` samples of signature ``sig``:
+    each array's bytes, the offset of its region (64-byte aligned), and the buffer's size."""
+    sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in sig]
+    regions = []
+    off = 0
+    for n in sizes:
+        regions.append(off)
+        off += -(-(n * rows) // ALIGN) * ALIGN
+    return sizes, regions, off
+
+
+class RowAllocator:
+    """Hands out rows of shared batch buffers to finished samples, per run, in claim order.
+
+    Thread-safe: :meth:`claim` runs in the process workers' collector thread, the rest in the
+    scheduler and batch threads. Buffers are slots of ``pool`` (its count and byte budgets
+    apply); when none can be had the claim is refused and the worker sends its sample as if
+    it had no slot (a memory file).
+    """
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._runs: dict[int, list] = {}  # gen -> [batch_size, forming buffer or None]
+        self._claims: dict[tuple, RowRef] = {}  # task key -> its row, until the result is in
+        self.claims = 0  # rows handed out
+        self.refused = 0  # claims answered without a row
+        self.views = 0  # batch arrays that are views of a buffer (not copied; RowsView)
+
+    def open(self, gen: int, batch_size: int) -> None:
+        """Run ``gen``'s samples may claim rows, ``batch_size`` to a buffer."""
+        with self._lock:
+            self._runs[gen] = [max(1, int(batch_size)), None]
+
+    def active(self, gen: int) -> bool:
+        return gen in self._runs
+
+    def close_run(self, gen: int) -> None:
+        """Run ``gen`` ended: no more rows for it (rows claimed stay until released)."""
+        with self._lock:
+            run = self._runs.pop(gen, None)
+            if run is not None and run[1] is not None:
+                self._close(run[1])
+
+    def claim(self, key: tuple, sig: tuple) -> tuple:
+        """A row for the sample of task ``key`` (``(gen, pos, attempt)``) whose arrays have
+        ``sig`` (``((shape, dtype str), ...)``): ``("row", slot name, slot size, [offset of each
+        array])``, or ``("norow",)`` (the run ended, or no buffer could be had)."""
+        with self._lock:
+            run = self._runs.get(key[0])
+            if run is None or not sig:
+                self.refused += 1
+                return ("norow",)
+            rows, buf = run
+            if buf is not None and buf.sig != sig:
+                self._close(buf)
+                run[1] = buf = None
+            if buf is None:
+                sizes, regions, nbytes = layout(sig, rows)
+                slot = self.pool.acquire(nbytes)
+                if slot is None:
+                    self.refused += 1
+                    return ("norow",)
+                run[1] = buf = RowBuffer(slot, sig, rows, sizes, regions)
+            row = buf.claimed
+            buf.claimed += 1
+            buf.out += 1
+            if buf.claimed == buf.rows:
+                buf.closed = True
+                run[1] = None
+            ref = RowRef(buf, row)
+            old = self._claims.pop(key, None)
+            self._claims[key] = ref
+            if old is not None:  # a task claims once; a second claim replaces a stale one
+                self._release(old)
+            self.claims += 1
+            return ("row", buf.slot.name, buf.slot.size,
+                    [r + row * n for r, n in zip(buf.regions, buf.sizes, strict=True)])
+
+    def take(self, key: tuple) -> RowRef | None:
+        """The row that task ``key`` claimed (its result is in), or None."""
+        if not self._claims:
+            return None
+        with self._lock:
+            return self._claims.pop(key, None)
+
+    def release(self, ref: RowRef) -> None:
+        """The sample in ``ref`` is in a batch (or dropped): its row is free; a closed buffer
+        whose rows are all free goes back to the pool (which waits for a batch made of views
+        of it to be dropped before it hands it out again: ``Slot.viewed``)."""
+        with self._lock:
+            self._release(ref)
+
+    def _release(self, ref: RowRef) -> None:
+        buf = ref.buf
+        buf.out -= 1
+        if buf.closed and buf.out == 0:
+            self.pool.release(buf.slot)
+
+    def _close(self, buf: RowBuffer) -> None:
+        buf.closed = True
+        if buf.out == 0:
+            self.pool.release(buf.slot)
+
+    def pending(self) -> int:
+        """Claims whose result has not come in (for tests and leak checks)."""
+        with self._lock:
+            return len(self._claims)
+
+
+def _ptr(a: Any) -> int:
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.__array_interface__["data"][0]
+
+
+def _contiguous(a: Any) -> bool:
+    return a.is_contiguous() if isinstance(a, torch.Tensor) else a.flags.c_contiguous
+
+
+def _nbytes(a: Any) -> int:
+    return a.element_size() * a.numel() if isinstance(a, torch.Tensor) else a.nbytes
+
+
+class RowsView:
+    """The batch pool for a group whose samples lie in consecutive rows of one buffer: an
+    array position whose arrays are exactly those rows, in order, is a view of the buffer
+    (:meth:`stacked`); anything else is stacked into ``pool`` as usual (:meth:`acquire`)."""
+
+    def __init__(self, pool: Any, buf: RowBuffer, rows: RowAllocator) -> None:
+        self.pool = pool
+        self.slot = buf.slot
+        self.rows = rows
+
+    def acquire(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return self.pool.acquire(shape, dtype)
+
+    def stacked(self, arrays: list, dtype: np.dtype) -> np.ndarray | None:
+        """A ``(len(arrays), *shape)`` view of the slot of NumPy ``dtype`` when ``arrays``
+        (equal in shape and dtype, checked by the caller) lie back to back in it in order;
+        None otherwise (the caller copies them)."""
+        slot = self.slot
+        base = slot.addr
+        n = _nbytes(arrays[0])
+        p0 = _ptr(arrays[0])
+        if n == 0 or p0 < base or p0 + n * len(arrays) > base + slot.size:
+            return None
+        for k, a in enumerate(arrays):
+            if _ptr(a) != p0 + k * n or not _contiguous(a):
+                return None
+        slot.lent = True  # before the view exists: the pool must not hand it out under it
+        self.rows.views += 1
+        # frombuffer holds a buffer export on the mapping (np.ndarray(buffer=) does not): the
+        # mapping then outlives the slot (SlotPool may unlink it) for as long as the batch lives.
+        count = len(arrays) * n // np.dtype(dtype).itemsize
+        return np.frombuffer(slot.mmap, dtype, count, p0 - base).reshape(len(arrays), *arrays[0].shape)

@@ -1,0 +1,225 @@
+"""Batch rows (pipeline/rows.py): process workers write finished samples into rows of shared
+batch buffers; a batch whose samples are consecutive rows of one buffer is views of it.
+What must hold: the rows handed out, the buffer's return to the pool only when its rows are
+free and no batch views it, the values delivered, and exactly-once per epoch when rows and
+completions disagree (holes, errors after a claim)."""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from autominato import Loader
+from autominato.pipeline.collate import BatchPool, collate
+from autominato.pipeline.rows import RowAllocator, RowsView, layout
+from autominato.pipeline.shm import SlotPool, pack_prepared, prepare, unpack
+from autominato.pipeline.worker import _Claimer
+
+SIG = (((4, 8), "<f4"), ((3,), "<i8"))
+
+
+@pytest.fixture
+def pool():
+    p = SlotPool(max_slots=8, budget_bytes=1 << 24)
+    yield p
+    p.close()
+
+
+def test_layout_puts_each_array_position_in_a_region_of_its_own_rows():
+    sizes, regions, nbytes = layout(SIG, 3)
+    assert sizes == [128, 24]
+    assert regions == [0, 384]  # 3 rows of 128 bytes, then the next region at a 64-byte line
+    assert nbytes == 384 + 128  # 72 bytes rounded up to 64
+
+
+def test_rows_are_handed_out_in_claim_order_and_a_full_buffer_makes_a_new_one(pool):
+    rows = RowAllocator(pool)
+    assert rows.claim((1, 0, 0), SIG) == ("norow",)  # run 1 is not open
+    rows.open(1, 2)
+    a = rows.claim((1, 0, 0), SIG)
+    b = rows.claim((1, 5, 0), SIG)
+    c = rows.claim((1, 3, 0), SIG)
+    assert a[0] == b[0] == c[0] == "row"
+    assert a[1] == b[1] != c[1]  # two rows per buffer
+    assert a[3] == [0, 256] and b[3] == [128, 256 + 24]
+    ra, rb, rc = rows.take((1, 0, 0)), rows.take((1, 5, 0)), rows.take((1, 3, 0))
+    assert (ra.row, rb.row, rc.row) == (0, 1, 0) and ra.buf is rb.buf
+    assert rows.take((1, 0, 0)) is None and rows.pending() == 0
+    # The full buffer goes back to the pool when both its rows are free, not before.
+    rows.release(ra)
+    assert len(pool._free) == 0
+    rows.release(rb)
+    assert [s.name for s in pool._free] == [a[1]]
+    # The forming buffer (one row out) goes back when its run ends and its row is free.
+    rows.close_run(1)
+    assert len(pool._free) == 1
+    rows.release(rc)
+    assert len(pool._free) == 2
+    assert rows.claim((1, 9, 0), SIG) == ("norow",)  # closed
+
+
+def test_a_sample_of_another_shape_starts_a_new_buffer_and_runs_never_share_one(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 4)
+    rows.open(2, 4)
+    a = rows.claim((1, 0, 0), SIG)
+    b = rows.claim((2, 0, 0), SIG)
+    c = rows.claim((1, 1, 0), (((5, 8), "<f4"), ((3,), "<i8")))
+    assert len({a[1], b[1], c[1]}) == 3
+    ra = rows.take((1, 0, 0))
+    assert ra.buf.closed  # closed by the change of shape: its row alone is out
+    rows.release(ra)
+    assert [s.name for s in pool._free] == [a[1]]
+
+
+def _written(rows, key, sample):
+    """What a worker does with a row: claim, write, reply (the descriptor)."""
+    prep = prepare(sample)
+    ans = rows.claim(key, prep.signature())
+    assert ans[0] == "row"
+    ref = rows.take(key)
+    desc, _ = pack_prepared(prep, ref.buf.slot.mmap, ans[3])
+    return ref, unpack(desc, ref.buf.slot.mmap)
+
+
+def test_a_group_of_consecutive_rows_is_a_view_and_its_buffer_waits_for_the_batch(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 2)
+    refs, samples = zip(*[_written(rows, (1, i, 0), (np.full((4, 8), i, np.float32),
+                                                      torch.arange(3) + 10 * i)) for i in range(2)])
+    view = RowsView(BatchPool(), refs[0].buf, rows)
+    batch = collate(list(samples), view)
+    assert rows.views == 2  # both array positions: no copy
+    assert batch[0][:, 0, 0].tolist() == [0.0, 1.0] and batch[1].tolist() == [[0, 1, 2], [10, 11, 12]]
+    slot = refs[0].buf.slot
+    assert batch[0].data_ptr() == slot.addr  # the buffer's memory itself
+    del samples
+    for r in refs:
+        rows.release(r)
+    assert slot in pool._free and slot.lent
+    # The training loop holds the batch: the pool does not hand its memory out again.
+    other = pool.acquire(slot.size)
+    assert other is not slot
+    del batch
+    gc.collect()
+    assert pool.acquire(slot.size) is slot  # dropped: reused
+    pool.release(other)
+
+
+def test_rows_out_of_order_or_of_two_buffers_are_copied(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 2)
+    got = [_written(rows, (1, i, 0), np.full((4, 8), i, np.float32)) for i in range(3)]
+    refs = [r for r, _ in got]
+    samples = [s for _, s in got]
+    # rows 0 and 0 of two buffers: not one run of rows
+    batch = collate([samples[0], samples[2]], RowsView(BatchPool(), refs[0].buf, rows))
+    assert rows.views == 0 and batch[:, 0, 0].tolist() == [0.0, 2.0]
+    # rows 1 then 0 of one buffer: the scheduler sorts them first; unsorted they are copied
+    batch = collate([samples[1], samples[0]], RowsView(BatchPool(), refs[0].buf, rows))
+    assert rows.views == 0 and batch[:, 0, 0].tolist() == [1.0, 0.0]
+
+
+def test_a_lent_slot_that_is_still_viewed_is_given_up_when_the_pool_is_full():
+    pool = SlotPool(max_slots=1, budget_bytes=1 << 24)
+    try:
+        rows = RowAllocator(pool)
+        rows.open(1, 1)
+        ref, sample = _written(rows, (1, 0, 0), np.full((4, 8), 7, np.float32))
+        batch = collate([sample], RowsView(BatchPool(), ref.buf, rows))
+        del sample
+        rows.release(ref)
+        # The one slot allowed is viewed by the batch kept: a new one replaces it in the pool,
+        # and the batch keeps its memory.
+        new = pool.acquire(4096)
+        assert new is not None and new is not ref.buf.slot and len(pool._all) == 1
+        np.frombuffer(new.mmap, np.uint8)[:] = 0
+        assert batch[0, 0, 0].item() == 7.0
+    finally:
+        pool.close()
+
+
+class _FakeConn:
+    def __init__(self, incoming):
+        self.incoming = deque(incoming)
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def recv(self):
+        return self.incoming.popleft()
+
+
+def test_a_worker_waiting_for_its_row_keeps_control_messages_for_after_the_task():
+    pending = deque()
+    conn = _FakeConn([("threads", 2), None, ("row", "n", 64, [0])])
+    claim = _Claimer(conn, pending)
+    assert claim((1, 2, 0), SIG) == ("row", "n", 64, [0])
+    assert conn.sent == [("claim", (1, 2, 0), SIG)]
+    assert list(pending) == [("threads", 2), None]
+    assert claim.flush_now() and not claim.flush_now()
+
+
+# -- through the Loader ---------------------------------------------------------------------
+
+class Volumes:
+    """Samples of 64 KiB and more (rows are for samples that would take a slot)."""
+
+    def __init__(self, n: int, bad: frozenset = frozenset()) -> None:
+        self.n = n
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i in self.bad:  # written into its row, then fails to pickle: a hole in a buffer
+            return {"x": np.full((32, 32, 16), i, np.float32), "f": lambda: i}
+        return {"x": np.full((32, 32, 16), i, np.float32), "y": torch.full((5,), i), "i": i}
+
+
+def _check(batch):
+    i = batch["i"]
+    assert (batch["x"][:, 0, 0, 0].long() == i).all() and (batch["x"][:, -1, -1, -1].long() == i).all()
+    assert (batch["y"][:, 0] == i).all()
+    return i.tolist()
+
+
+def test_batches_kept_by_the_training_loop_are_never_overwritten():
+    with Loader(Volumes(48), batch_size=4, num_workers=2, shuffle=True, autotune=False) as L:
+        kept = []
+        for _ in range(3):
+            seen = []
+            for b in L:
+                seen += _check(b)
+                kept.append(b)
+            assert sorted(seen) == list(range(48))
+        assert L._pipeline.rows.views > 0  # the batches were views of rows
+        for b in kept:  # every batch of the three epochs still holds its own samples
+            _check(b)
+
+
+def test_a_sample_that_fails_after_its_row_was_written_leaves_a_hole_and_loses_nothing_else():
+    bad = frozenset({3, 17, 30})
+    with Loader(Volumes(40, bad), batch_size=4, num_workers=2, shuffle=True, on_error="skip",
+                autotune=False, prefetch_next_epoch=False) as L:
+        for _ in range(2):
+            seen = []
+            for b in L:
+                seen += _check(b)
+            assert sorted(seen) == [i for i in range(40) if i not in bad]
+            p = L._pipeline
+            assert p.rows.pending() == 0  # every claim's result came in and let its row go
+        assert p.rows.claims == 80
+
+
+@pytest.mark.parametrize("kw", [dict(in_order=True), dict(collate_fn=lambda b: b)])
+def test_in_order_epochs_and_a_users_collate_keep_slots(kw):
+    with Loader(Volumes(8), batch_size=2, num_workers=2, autotune=False, **kw) as L:
+        assert len(list(L)) == 4
+        assert L._pipeline.rows.claims == 0
