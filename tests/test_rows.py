@@ -62,17 +62,26 @@ def test_rows_are_handed_out_in_claim_order_and_a_full_buffer_makes_a_new_one(po
     assert rows.claim((1, 9, 0), SIG) == ("norow",)  # closed
 
 
-def test_a_sample_of_another_shape_starts_a_new_buffer_and_runs_never_share_one(pool):
+def test_samples_of_other_shapes_fill_buffers_of_their_own_and_runs_never_share_one(pool):
+    from autominato.pipeline.rows import MAX_FORMING
+
     rows = RowAllocator(pool)
     rows.open(1, 4)
     rows.open(2, 4)
     a = rows.claim((1, 0, 0), SIG)
     b = rows.claim((2, 0, 0), SIG)
-    c = rows.claim((1, 1, 0), (((5, 8), "<f4"), ((3,), "<i8")))
-    assert len({a[1], b[1], c[1]}) == 3
+    other = (((5, 8), "<f4"), ((3,), "<i8"))
+    c = rows.claim((1, 1, 0), other)
+    d = rows.claim((1, 2, 0), SIG)
+    assert len({a[1], b[1], c[1]}) == 3 and d[1] == a[1]  # the first shape's buffer goes on
     ra = rows.take((1, 0, 0))
-    assert ra.buf.closed  # closed by the change of shape: its row alone is out
+    assert not ra.buf.closed
+    # More shapes than MAX_FORMING at once: the oldest buffer takes no more rows.
+    for k in range(MAX_FORMING - 1):
+        rows.claim((1, 10 + k, 0), (((6 + k, 8), "<f4"),))
+    assert ra.buf.closed
     rows.release(ra)
+    rows.release(rows.take((1, 2, 0)))
     assert [s.name for s in pool._free] == [a[1]]
 
 
@@ -124,6 +133,62 @@ def test_rows_out_of_order_or_of_two_buffers_are_copied(pool):
     assert rows.views == 0 and batch[:, 0, 0].tolist() == [1.0, 0.0]
 
 
+def test_a_viewed_slot_keeps_its_pages_and_its_bytes_count_until_the_batch_is_dropped(pool):
+    import time
+
+    rows = RowAllocator(pool)
+    rows.open(1, 1)
+    ref, sample = _written(rows, (1, 0, 0), (np.full((4, 8), 7, np.float32),
+                                             torch.full((6,), 1.5, dtype=torch.bfloat16)))
+    batch = collate([sample], RowsView(BatchPool(), ref.buf, rows))
+    assert rows.views == 2 and batch[1].dtype == torch.bfloat16 and batch[1][0, 0].item() == 1.5
+    del sample
+    rows.release(ref)
+    slot = ref.buf.slot
+    assert pool.decay(now=time.monotonic() + 60) == 0 and slot.warm  # no hole under the batch
+    held = pool.bytes
+    pool.set_max_slots(0)  # dropped from the pool: an orphan whose bytes still count
+    assert slot.name not in pool._all and pool.bytes == held
+    assert batch[0][0, 0, 0].item() == 7.0 and batch[1][0, 5].item() == 1.5
+    del batch
+    gc.collect()
+    pool.set_max_slots(4)
+    pool.acquire(64)
+    assert pool.bytes == 4096  # the orphan is forgotten, the new slot counted
+
+
+def test_without_room_for_a_buffer_a_sample_gets_a_slot_of_its_own_and_no_warning(caplog):
+    pool = SlotPool(max_slots=8, budget_bytes=3 * 4096)
+    try:
+        rows = RowAllocator(pool)
+        rows.open(1, 64)  # 64 rows of 4 KiB do not fit 12 KiB
+        sig = (((1024,), "<f4"),)
+        with caplog.at_level("WARNING"):
+            ans = rows.claim((1, 0, 0), sig)
+        assert ans[0] == "slot" and ans[2] == 4096 and rows.singles == 1
+        assert not [r for r in caplog.records if "cannot grow" in r.getMessage()]
+        slot = rows.take((1, 0, 0))
+        assert slot is pool._all[ans[1]]
+        assert rows.claim((1, 0, 0), sig)[0] == "slot"  # its result is in: a new attempt may
+        assert rows.claim((1, 0, 0), sig) == ("norow",)  # but a task claims once
+    finally:
+        pool.close()
+
+
+def test_an_error_while_answering_a_claim_refuses_it_and_keeps_the_collector(caplog):
+    from types import SimpleNamespace
+
+    from autominato.pipeline.executor import ProcessWorkers
+
+    def boom(key, sig):
+        raise OSError(24, "Too many open files")
+
+    with caplog.at_level("WARNING"):
+        ans = ProcessWorkers._answer_claim(SimpleNamespace(on_claim=boom), (1, 0, 0), SIG)
+    assert ans == ("norow",)
+    assert any("Too many open files" in r.getMessage() for r in caplog.records)
+
+
 def test_a_lent_slot_that_is_still_viewed_is_given_up_when_the_pool_is_full():
     pool = SlotPool(max_slots=1, budget_bytes=1 << 24)
     try:
@@ -167,20 +232,62 @@ def test_a_worker_waiting_for_its_row_keeps_control_messages_for_after_the_task(
 
 # -- through the Loader ---------------------------------------------------------------------
 
-class Volumes:
-    """Samples of 64 KiB and more (rows are for samples that would take a slot)."""
+class Bomb:
+    """Ends the worker that pickles it the first time (``flag`` does not exist yet): after the
+    sample's arrays were written into its row, before its reply."""
 
-    def __init__(self, n: int, bad: frozenset = frozenset()) -> None:
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        import os
+
+        if not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os._exit(3)
+        return (str, ("ok",))
+
+
+class Volumes:
+    """Samples of 64 KiB (rows are for samples that would take a slot), 10 ms each (rows are for
+    samples that go one per message)."""
+
+    def __init__(self, n: int, bad: frozenset = frozenset(), bomb: tuple = (None, None)) -> None:
         self.n = n
         self.bad = bad
+        self.bomb = bomb
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int):
+        import time
+
+        time.sleep(0.01)
+        s = {"x": np.full((32, 32, 16), i, np.float32), "y": torch.full((5,), i), "i": i}
         if i in self.bad:  # written into its row, then fails to pickle: a hole in a buffer
-            return {"x": np.full((32, 32, 16), i, np.float32), "f": lambda: i}
-        return {"x": np.full((32, 32, 16), i, np.float32), "y": torch.full((5,), i), "i": i}
+            s["i"] = lambda: i
+        if i == self.bomb[0]:
+            s["b"] = Bomb(self.bomb[1])
+        return s
+
+
+def _mapped_shm(tag: str) -> int:
+    """Bytes of the pool's shared-memory files that this process maps, unlinked ones included
+    (the memory /dev/shm holds for them), from /proc/self/maps."""
+    seen = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if tag in line:
+                span, _, _, _, inode = line.split()[:5]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                seen[inode] = max(seen.get(inode, 0), hi - lo)
+    return sum(seen.values())
+
+
+def _all_free(p) -> bool:
+    """Every slot of the pipeline's pool is back in the free list (rows all released)."""
+    return {id(x) for x in p.slots._free} == {id(x) for x in p.slots._all.values()}
 
 
 def _check(batch):
@@ -192,6 +299,7 @@ def _check(batch):
 
 def test_batches_kept_by_the_training_loop_are_never_overwritten():
     with Loader(Volumes(48), batch_size=4, num_workers=2, shuffle=True, autotune=False) as L:
+        L._pipeline.slots.budget_bytes = 12 * (32 * 32 * 16 * 4 * 4 + 4096)  # 12 buffers
         kept = []
         for _ in range(3):
             seen = []
@@ -199,7 +307,13 @@ def test_batches_kept_by_the_training_loop_are_never_overwritten():
                 seen += _check(b)
                 kept.append(b)
             assert sorted(seen) == list(range(48))
-        assert L._pipeline.rows.views > 0  # the batches were views of rows
+        p = L._pipeline
+        assert p.rows.views > 0  # the batches were views of rows
+        # The kept batches filled the budget: later samples had no buffer, and the pool held
+        # no more /dev/shm than its budget, the kept batches' included.
+        assert p.rows.refused + p.rows.singles > 0
+        assert p.slots.bytes <= p.slots.budget_bytes
+        assert _mapped_shm(p.slots._tag) <= p.slots.budget_bytes  # what /dev/shm really holds
         for b in kept:  # every batch of the three epochs still holds its own samples
             _check(b)
 
@@ -212,10 +326,28 @@ def test_a_sample_that_fails_after_its_row_was_written_leaves_a_hole_and_loses_n
             seen = []
             for b in L:
                 seen += _check(b)
+            del b
             assert sorted(seen) == [i for i in range(40) if i not in bad]
             p = L._pipeline
             assert p.rows.pending() == 0  # every claim's result came in and let its row go
+            assert _all_free(p)
         assert p.rows.claims == 80
+        # The holes made batches of rows of two buffers: copied, the others views.
+        assert 0 < p.rows.views < 2 * 2 * 10
+
+
+def test_a_worker_that_dies_between_its_claim_and_its_reply_loses_nothing(tmp_path):
+    flag = str(tmp_path / "died")
+    with Loader(Volumes(24, bomb=(5, flag)), batch_size=4, num_workers=2, shuffle=True,
+                autotune=False, prefetch_next_epoch=False) as L:
+        seen = []
+        for b in L:
+            seen += _check(b)
+        del b
+        assert sorted(seen) == list(range(24))  # sample 5 went again, in a new worker
+        p = L._pipeline
+        assert p.procs.restarts >= 1 and p.rows.claims == 25
+        assert p.rows.pending() == 0 and _all_free(p)
 
 
 @pytest.mark.parametrize("kw", [dict(in_order=True), dict(collate_fn=lambda b: b)])

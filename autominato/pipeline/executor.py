@@ -624,8 +624,7 @@ class ProcessWorkers:
             while w.conn.poll():
                 reply = w.conn.recv()
                 if reply[0] == "claim":  # ("claim", key, signature): answered here, at once
-                    claim = self.on_claim
-                    w.send(claim(reply[1], reply[2]) if claim is not None else ("norow",))
+                    w.send(self._answer_claim(reply[1], reply[2]))
                     continue
                 if reply[0] == "many":
                     try:
@@ -642,6 +641,20 @@ class ProcessWorkers:
         except (EOFError, OSError):
             w.proc.eof = True
         return w.proc.eof
+
+    def _answer_claim(self, key: tuple, sig: tuple) -> tuple:
+        """The answer to a worker's claim of a batch row (see ``on_claim``); ``("norow",)``
+        when there is no handler or it failed (the worker then sends its sample without one:
+        an error here must neither pass for the worker's end nor stop this thread)."""
+        claim = self.on_claim
+        if claim is None:
+            return ("norow",)
+        try:
+            return claim(key, sig)
+        except Exception as e:  # noqa: BLE001 - logged; the sample travels another way
+            log.warning("could not give a batch row to a sample (%s); it travels without one",
+                        describe(e))
+            return ("norow",)
 
     def _from_zygote(self, z: Zygote) -> None:
         for msg in z.receive():

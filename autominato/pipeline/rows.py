@@ -35,6 +35,10 @@ from autominato.pipeline.shm import ALIGN, Slot, SlotPool
 #: The ``out_slot`` of a process worker's task whose result claims a row (see the module doc).
 CLAIM = "claim"
 
+#: Buffers a run fills at once, one per signature (shapes and dtypes of a sample's arrays):
+#: samples of a few shapes in one epoch each fill their own instead of closing each other's.
+MAX_FORMING = 4
+
 
 class RowBuffer:
     """One shared batch buffer: ``rows`` rows of samples whose arrays have ``sig`` (shapes and
@@ -87,16 +91,17 @@ class RowAllocator:
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self._lock = threading.Lock()
-        self._runs: dict[int, list] = {}  # gen -> [batch_size, forming buffer or None]
-        self._claims: dict[tuple, RowRef] = {}  # task key -> its row, until the result is in
+        self._runs: dict[int, tuple] = {}  # gen -> (batch_size, {signature: forming buffer})
+        self._claims: dict[tuple, RowRef | Slot] = {}  # task key -> its row (or slot), until its result is in
         self.claims = 0  # rows handed out
-        self.refused = 0  # claims answered without a row
+        self.refused = 0  # claims answered without a row or a slot
+        self.singles = 0  # claims answered with a slot of the sample's own (no buffer could be had)
         self.views = 0  # batch arrays that are views of a buffer (not copied; RowsView)
 
     def open(self, gen: int, batch_size: int) -> None:
         """Run ``gen``'s samples may claim rows, ``batch_size`` to a buffer."""
         with self._lock:
-            self._runs[gen] = [max(1, int(batch_size)), None]
+            self._runs[gen] = (max(1, int(batch_size)), {})
 
     def active(self, gen: int) -> bool:
         return gen in self._runs
@@ -105,46 +110,54 @@ class RowAllocator:
         """Run ``gen`` ended: no more rows for it (rows claimed stay until released)."""
         with self._lock:
             run = self._runs.pop(gen, None)
-            if run is not None and run[1] is not None:
-                self._close(run[1])
+            for buf in (run[1].values() if run is not None else ()):
+                self._close(buf)
 
     def claim(self, key: tuple, sig: tuple) -> tuple:
         """A row for the sample of task ``key`` (``(gen, pos, attempt)``) whose arrays have
         ``sig`` (``((shape, dtype str), ...)``): ``("row", slot name, slot size, [offset of each
-        array])``, or ``("norow",)`` (the run ended, or no buffer could be had)."""
+        array])``; ``("slot", name, size)`` when no batch buffer can be had (the pool's count
+        or byte budget: a slot of the sample's own, copied into its batch as without rows); or
+        ``("norow",)`` (the run ended, nor a slot could be had: the worker sends the sample in
+        a memory file)."""
         with self._lock:
             run = self._runs.get(key[0])
-            if run is None or not sig:
-                self.refused += 1
+            if run is None or not sig or key in self._claims:
+                self.refused += 1  # a task claims once: a second claim is not given a row
                 return ("norow",)
-            rows, buf = run
-            if buf is not None and buf.sig != sig:
-                self._close(buf)
-                run[1] = buf = None
+            rows, forming = run
+            buf = forming.get(sig)
             if buf is None:
                 sizes, regions, nbytes = layout(sig, rows)
-                slot = self.pool.acquire(nbytes)
+                slot = self.pool.acquire(nbytes, quiet=True)
                 if slot is None:
-                    self.refused += 1
-                    return ("norow",)
-                run[1] = buf = RowBuffer(slot, sig, rows, sizes, regions)
+                    return self._single(key, sig)
+                if len(forming) >= MAX_FORMING:  # the oldest shape's buffer takes no more rows
+                    self._close(forming.pop(next(iter(forming))))
+                forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions)
             row = buf.claimed
             buf.claimed += 1
             buf.out += 1
             if buf.claimed == buf.rows:
                 buf.closed = True
-                run[1] = None
-            ref = RowRef(buf, row)
-            old = self._claims.pop(key, None)
-            self._claims[key] = ref
-            if old is not None:  # a task claims once; a second claim replaces a stale one
-                self._release(old)
+                del forming[sig]
+            self._claims[key] = RowRef(buf, row)
             self.claims += 1
             return ("row", buf.slot.name, buf.slot.size,
                     [r + row * n for r, n in zip(buf.regions, buf.sizes, strict=True)])
 
-    def take(self, key: tuple) -> RowRef | None:
-        """The row that task ``key`` claimed (its result is in), or None."""
+    def _single(self, key: tuple, sig: tuple) -> tuple:
+        slot = self.pool.acquire(layout(sig, 1)[2])
+        if slot is None:
+            self.refused += 1
+            return ("norow",)
+        self._claims[key] = slot
+        self.singles += 1
+        return ("slot", slot.name, slot.size)
+
+    def take(self, key: tuple) -> RowRef | Slot | None:
+        """The row (or slot, see :meth:`claim`) that task ``key`` claimed (its result is in),
+        or None."""
         if not self._claims:
             return None
         with self._lock:

@@ -648,8 +648,12 @@ class Pipeline:
         output slot (one that fits the largest output seen, or none: a memory file then)."""
         if type(item) is not tuple or len(item) != 6 or item[5] is not _SLOT_LATER:
             return item  # a pull, or a task of another kind
-        if self.rows.active(key[0]) and self.sample_stages[-1].executor is self.procs:
-            return (*item[:5], CLAIM)  # it claims a batch row when its sample is done
+        if (self.rows.active(key[0]) and self.sample_stages[-1].executor is self.procs
+                and self.procs.chunk == 1):
+            # It claims a batch row when its sample is done: one round trip, worth it for
+            # samples that go one per message (10 ms or more, see executors.CHUNK_BUDGET_S);
+            # faster ones keep their chunks' one message each way.
+            return (*item[:5], CLAIM)
         out = self.slots.acquire(self.out_estimate) if use_slot(self.out_estimate) else None
         in_slot, _ = self.held.get(key, (None, None))
         self.held[key] = (in_slot, out)
@@ -692,7 +696,7 @@ class Pipeline:
         gen, pos, attempt = r.key
         run = self.runs.get(gen)
         slots = self.held.pop(r.key, ())
-        row = self.rows.take(r.key)  # the batch row its sample claimed (see rows.py)
+        row = self.rows.take(r.key)  # the batch row (or slot) its sample claimed (rows.py)
         if row is not None:
             slots = (slots[0] if slots else None, row)
         if r.ok:

@@ -299,6 +299,10 @@ class SlotPool:
         self._lock = threading.Lock()
         self._free: list[Slot] = []
         self._all: dict[str, Slot] = {}
+        # Slots dropped while a batch still views them (Slot.viewed): unlinked, but their
+        # pages stay allocated in /dev/shm until the views die, so their bytes still count
+        # against the budget until then.
+        self._orphans: list[Slot] = []
         self.max_slots = max_slots
         self.budget_bytes = budget_bytes
         self.bytes = 0
@@ -322,15 +326,28 @@ class SlotPool:
 
     def _drop(self, slot: Slot) -> None:
         del self._all[slot.name]
-        self.bytes -= slot.size
         slot.unlink()
+        if slot.lent and slot.viewed():
+            self._orphans.append(slot)
+        else:
+            self.bytes -= slot.size
 
-    def acquire(self, nbytes: int) -> Slot | None:
+    def _reap(self) -> None:
+        """Forget the orphans no batch views any more (their memory went with the views)."""
+        if self._orphans:
+            for slot in [s for s in self._orphans if not s.viewed()]:
+                self._orphans.remove(slot)
+                self.bytes -= slot.size
+
+    def acquire(self, nbytes: int, quiet: bool = False) -> Slot | None:
+        """A free slot of at least ``nbytes`` bytes, or None (see the class doc); ``quiet``:
+        no warning when the budget refuses it (the caller has another way)."""
         if nbytes <= 0:
             return None
         with self._lock:
             if self.closed:
                 return None
+            self._reap()
             fits = [s for s in self._free if s.size >= nbytes and not (s.lent and s.viewed())]
             if fits:
                 # The smallest that fits; of those, one that still has its memory, the most
@@ -360,6 +377,8 @@ class SlotPool:
                 return None
             size = -(-nbytes // 4096) * 4096
             if self.bytes + size > self.budget_bytes:
+                if quiet:
+                    return None
                 self._warn(f"the pool's budget of {self.budget_bytes} bytes is reached "
                            f"({self.bytes} bytes in {len(self._all)} slots, {size} more asked)")
                 return None
@@ -434,6 +453,7 @@ class SlotPool:
                 slot.unlink()
             self._all.clear()
             self._free.clear()
+            self._orphans.clear()
             self.bytes = 0
             if self._lockfd is not None:
                 try:

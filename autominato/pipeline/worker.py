@@ -719,6 +719,8 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
                 row = claim(pos, prep.signature())
                 if row[0] == "row":
                     desc, need = pack_prepared(prep, cache.get(row[1], row[2]), row[3])
+                elif row[0] == "slot":  # no batch buffer could be had: a slot of its own
+                    desc, need = pack_prepared(prep, cache.get(row[1], row[2]))
             if desc is None:
                 desc = pack_memfd(prep, need)  # no row: a memory file, else pickled
             if desc is None:
@@ -739,7 +741,8 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
 
 class _Claimer:
     """``claim(key, signature)`` for :func:`_serve`: sends ``("claim", key, signature)`` and
-    waits for the answer (``("row", name, size, offsets)`` or ``("norow",)``); messages that
+    waits for the answer (``("row", name, size, offsets)``, ``("slot", name, size)`` or
+    ``("norow",)``, see ``rows.RowAllocator.claim``); messages that
     come before it (control messages: ``threads``, ``drop``, ``dataset``, ``None``) go to
     ``pending``, served after the task. Raises EOFError / OSError when the loader is gone.
     ``rows``: rows received since :meth:`flush_now` last looked: the reply of a sample written
@@ -755,7 +758,7 @@ class _Claimer:
         self.conn.send(("claim", key, sig))
         while True:
             msg = self.conn.recv()
-            if type(msg) is tuple and msg and msg[0] in ("row", "norow"):
+            if type(msg) is tuple and msg and msg[0] in ("row", "slot", "norow"):
                 self.rows += msg[0] == "row"
                 return msg
             self.pending.append(msg)
