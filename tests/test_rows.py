@@ -77,7 +77,7 @@ def test_samples_of_other_shapes_fill_buffers_of_their_own_and_runs_never_share_
     ra = rows.take((1, 0, 0))
     assert not ra.buf.closed
     # More shapes than MAX_FORMING at once: the oldest buffer takes no more rows.
-    for k in range(MAX_FORMING - 1):
+    for k in range(MAX_FORMING + 2):  # (some close at once: they end where a batch starts)
         rows.claim((1, 10 + k, 0), (((6 + k, 8), "<f4"),))
     assert ra.buf.closed
     rows.release(ra)
@@ -336,6 +336,18 @@ def test_a_sample_that_fails_after_its_row_was_written_leaves_a_hole_and_loses_n
         assert 0 < p.rows.views < 2 * 2 * 10
 
 
+def test_after_a_hole_the_next_batches_are_views_again():
+    """One worker, in order: each hole costs one copied batch (36 of the 40 batch arrays are
+    views); without moving the buffers' boundaries every batch after the first hole of an
+    epoch was copied (4 of 40)."""
+    with Loader(Volumes(40, frozenset({3, 17, 30})), batch_size=4, num_workers=1, on_error="skip",
+                autotune=False, prefetch_next_epoch=False) as L:
+        for _ in range(2):
+            seen = [i for b in L for i in _check(b)]
+            assert len(seen) == 37
+        assert L._pipeline.rows.views >= 32
+
+
 def test_a_worker_that_dies_between_its_claim_and_its_reply_loses_nothing(tmp_path):
     flag = str(tmp_path / "died")
     with Loader(Volumes(24, bomb=(5, flag)), batch_size=4, num_workers=2, shuffle=True,
@@ -355,3 +367,98 @@ def test_in_order_epochs_and_a_users_collate_keep_slots(kw):
     with Loader(Volumes(8), batch_size=2, num_workers=2, autotune=False, **kw) as L:
         assert len(list(L)) == 4
         assert L._pipeline.rows.claims == 0
+
+
+def _lent_batch(pool):
+    """A one-row batch viewing a slot of ``pool`` that is back in its free list."""
+    rows = RowAllocator(pool)
+    rows.open(1, 1)
+    ref, sample = _written(rows, (1, 0, 0), np.full((1024,), 7, np.float32))
+    batch = collate([sample], RowsView(BatchPool(), ref.buf, rows))
+    del sample
+    rows.release(ref)
+    return batch, ref.buf.slot
+
+
+def test_a_viewed_slot_is_not_given_up_when_that_frees_no_room():
+    pool = SlotPool(max_slots=1, budget_bytes=4096)
+    try:
+        batch, slot = _lent_batch(pool)
+        # Count and budget both full: dropping the viewed slot would keep its bytes (an
+        # orphan) and still leave no room; it stays, reusable once the batch is dropped.
+        assert pool.acquire(4096) is None
+        assert slot.name in pool._all and not pool._orphans
+        del batch
+        gc.collect()
+        assert pool.acquire(4096) is slot
+    finally:
+        pool.close()
+
+
+def test_an_orphan_is_unmapped_at_the_next_decay_once_its_batch_is_dropped():
+    pool = SlotPool(max_slots=1, budget_bytes=1 << 20)
+    try:
+        batch, slot = _lent_batch(pool)
+        pool.set_max_slots(0)
+        assert pool._orphans == [slot] and pool.resident_bytes() == slot.size
+        assert _mapped_shm(pool._tag) == slot.size  # unlinked, still mapped: the batch's
+        del batch
+        gc.collect()
+        pool.decay()
+        assert not pool._orphans and pool.bytes == 0 and pool.resident_bytes() == 0
+        assert _mapped_shm(pool._tag) == 0
+    finally:
+        pool.close()
+
+
+def test_a_batch_buffer_that_dev_shm_cannot_hold_does_not_cap_the_pool(monkeypatch, caplog):
+    import errno
+
+    from autominato.pipeline import shm
+
+    pool = SlotPool(max_slots=8, budget_bytes=1 << 30)
+    try:
+        real = shm.Slot
+
+        def small_only(name, size):
+            if size > 1 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(name, size)
+
+        monkeypatch.setattr(shm, "Slot", small_only)
+        rows = RowAllocator(pool)
+        rows.open(1, 64)
+        with caplog.at_level("WARNING"):
+            ans = rows.claim((1, 0, 0), (((65536,), "<f4"),))  # a 16 MiB buffer, a 256 KiB slot
+        assert ans[0] == "slot" and pool.max_slots == 8
+        assert not [r for r in caplog.records if "bytes free" in r.getMessage()]
+    finally:
+        pool.close()
+
+
+def test_after_a_hole_or_a_rowless_completion_buffers_end_where_batches_now_start(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 4)
+    names = [rows.claim((1, i, 0), SIG)[1] for i in range(6)]
+    assert names[:4] == [names[0]] * 4 and names[4] == names[5] != names[0]
+    # Claim 1 turns out a hole: completions 0, 2, 3, 4 form the first batch, so batches now
+    # start at claims 5, 9, 13. The buffer of claims 4 and 5 cannot end at 5 any more: it
+    # ends at 8 (its 4 rows), claim 8 gets a buffer of one row, and from claim 9 on a buffer
+    # is a batch again (two batches copied, none after).
+    rows.shift(1, +1)
+    for i in range(6, 14):
+        rows.claim((1, i, 0), SIG)
+    buf = {i: rows._claims[(1, i, 0)].buf for i in range(4, 14)}
+    assert buf[4] is buf[7] and (buf[4].start, buf[4].cap) == (4, 4)
+    assert (buf[8].start, buf[8].cap) == (8, 1)
+    assert buf[9] is buf[12] and (buf[9].start, buf[9].cap) == (9, 4)
+    assert (buf[13].start, buf[13].cap) == (13, 4)
+    # A completion without a row (a small sample, or one given a slot of its own) moves them
+    # back by one: batches start at claims 12 and 16, so the buffer being filled (claim 13)
+    # takes 3 rows.
+    rows.shift(1, -1)
+    assert buf[13].cap == 3 and not buf[13].closed
+    for i in range(14, 17):
+        rows.claim((1, i, 0), SIG)
+    assert rows._claims[(1, 15, 0)].buf is buf[13] and buf[13].closed
+    assert rows._claims[(1, 16, 0)].buf.cap == 4

@@ -64,9 +64,10 @@ def quick_transform(sample, rng):
 
 
 def broken_transform(sample, rng):
-    if int(sample[0].flat[0]) % 4 == 1:
-        raise ValueError("cannot flip a volume of 4 voxels")
-    return sample
+    # Every sample: a trial ends after its window, so an error that only some samples raise
+    # may come after it (in completion order, behind batches that finished first) and the
+    # trial completes (seen in 2 of 10 runs of this file, before and after batch rows).
+    raise ValueError("cannot flip a volume of 4 voxels")
 
 
 SPACE = """
@@ -196,7 +197,7 @@ def test_transform_that_raises_names_the_sample_and_file_and_the_study_resumes(
     assert rc == 1
     text = capsys.readouterr().out
     index = re.search(r"sample index (\d+) \(file volumes/case_(\d+)\.npy\)", text)
-    assert index and int(index[1]) == int(index[2]) and int(index[1]) % 4 == 1
+    assert index and int(index[1]) == int(index[2])
     assert "ValueError: cannot flip a volume of 4 voxels" in text
     assert "run the same command to resume" in text
     storage = f"sqlite:///{out / 'study.db'}"

@@ -275,7 +275,9 @@ def _check_same(samples: Sequence[Any]) -> None:
         raise CollateError(
             "cannot stack samples into a batch: shapes/dtypes differ: "
             f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
-            "give a collate_fn or make the transform produce equal shapes"
+            "give a collate_fn or make the transform produce equal shapes (a sampler that "
+            "orders samples so that each batch has one shape needs in_order=True or a "
+            "batch_sampler: in completion order a batch takes the samples that finished first)"
         )
 
 
@@ -318,7 +320,8 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
              for s in samples]
     shape = (len(parts), *first.shape)
     raw = slot_dtype(first.dtype)  # int16 for bfloat16: NumPy has no such type
-    if pool is not None and cls is torch.Tensor:  # a subclass's stack may add its metadata
+    if pool is not None and all(type(p) is torch.Tensor for p in parts):
+        # (a subclass's stack may add its metadata: it is stacked as before)
         buf = pool.stacked(parts, raw)  # the samples' rows of one buffer: no copy
         if buf is not None:
             out = torch.from_numpy(buf)

@@ -44,17 +44,43 @@ class RowBuffer:
     """One shared batch buffer: ``rows`` rows of samples whose arrays have ``sig`` (shapes and
     dtypes), array ``i`` of row ``r`` at ``regions[i] + r * sizes[i]``."""
 
-    __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed")
+    __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed", "start", "cap")
 
-    def __init__(self, slot: Slot, sig: tuple, rows: int, sizes: list[int], regions: list[int]) -> None:
+    def __init__(self, slot: Slot, sig: tuple, rows: int, sizes: list[int], regions: list[int],
+                 start: int = 0, cap: int | None = None) -> None:
         self.slot = slot
         self.sig = sig
         self.rows = rows
         self.sizes = sizes
         self.regions = regions
+        self.start = start  # the run's row claims before its first row
+        self.cap = rows if cap is None else cap  # rows it hands out (see RowAllocator.shift)
         self.claimed = 0  # rows handed out
         self.out = 0  # rows handed out and not released
         self.closed = False  # no more rows are handed out
+
+
+class _RunRows:
+    """A run's rows: ``batch_size`` rows per buffer, the buffers being filled by signature,
+    the row claims so far and the shift of batch boundaries (:meth:`RowAllocator.shift`)."""
+
+    __slots__ = ("rows", "forming", "claims", "shift")
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.forming: dict[tuple, RowBuffer] = {}
+        self.claims = 0
+        self.shift = 0
+
+    def cap(self, start: int, claimed: int) -> int:
+        """Rows a buffer whose first row was claim ``start`` hands out, ``claimed`` of them
+        handed out already: up to the next claim where a batch starts (claim ``i`` is
+        completion ``i - shift``, and batches start every ``rows`` completions), at most
+        ``rows``."""
+        left = (self.shift - start - claimed) % self.rows
+        if left == 0 and claimed == 0:  # a batch starts at its first row: a whole buffer
+            left = self.rows
+        return min(self.rows, claimed + left)
 
 
 class RowRef:
@@ -91,7 +117,7 @@ class RowAllocator:
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self._lock = threading.Lock()
-        self._runs: dict[int, tuple] = {}  # gen -> (batch_size, {signature: forming buffer})
+        self._runs: dict[int, _RunRows] = {}
         self._claims: dict[tuple, RowRef | Slot] = {}  # task key -> its row (or slot), until its result is in
         self.claims = 0  # rows handed out
         self.refused = 0  # claims answered without a row or a slot
@@ -101,7 +127,7 @@ class RowAllocator:
     def open(self, gen: int, batch_size: int) -> None:
         """Run ``gen``'s samples may claim rows, ``batch_size`` to a buffer."""
         with self._lock:
-            self._runs[gen] = (max(1, int(batch_size)), {})
+            self._runs[gen] = _RunRows(max(1, int(batch_size)))
 
     def active(self, gen: int) -> bool:
         return gen in self._runs
@@ -110,8 +136,26 @@ class RowAllocator:
         """Run ``gen`` ended: no more rows for it (rows claimed stay until released)."""
         with self._lock:
             run = self._runs.pop(gen, None)
-            for buf in (run[1].values() if run is not None else ()):
+            for buf in (run.forming.values() if run is not None else ()):
                 self._close(buf)
+
+    def shift(self, gen: int, by: int) -> None:
+        """Batches form every ``batch_size`` completions, rows are handed out ``batch_size``
+        to a buffer: a claimed row that does not complete (``by=+1``: its sample failed after
+        claiming, its worker died, or the completion was discarded) or a completion without a
+        row (``by=-1``) moves the batch boundaries against the buffers' for the rest of the
+        run. Buffers being filled end early (and later ones start) where batches now start,
+        so that one such event costs a copy or two, not every batch after it."""
+        with self._lock:
+            run = self._runs.get(gen)
+            if run is None:
+                return
+            run.shift += by
+            for sig, buf in list(run.forming.items()):
+                buf.cap = run.cap(buf.start, buf.claimed)
+                if buf.claimed >= buf.cap:
+                    del run.forming[sig]
+                    self._close(buf)
 
     def claim(self, key: tuple, sig: tuple) -> tuple:
         """A row for the sample of task ``key`` (``(gen, pos, attempt)``) whose arrays have
@@ -125,7 +169,7 @@ class RowAllocator:
             if run is None or not sig or key in self._claims:
                 self.refused += 1  # a task claims once: a second claim is not given a row
                 return ("norow",)
-            rows, forming = run
+            rows, forming = run.rows, run.forming
             buf = forming.get(sig)
             if buf is None:
                 sizes, regions, nbytes = layout(sig, rows)
@@ -134,11 +178,13 @@ class RowAllocator:
                     return self._single(key, sig)
                 if len(forming) >= MAX_FORMING:  # the oldest shape's buffer takes no more rows
                     self._close(forming.pop(next(iter(forming))))
-                forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions)
+                forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions, run.claims,
+                                               run.cap(run.claims, 0))
             row = buf.claimed
             buf.claimed += 1
             buf.out += 1
-            if buf.claimed == buf.rows:
+            run.claims += 1
+            if buf.claimed >= buf.cap:
                 buf.closed = True
                 del forming[sig]
             self._claims[key] = RowRef(buf, row)

@@ -697,7 +697,7 @@ class Pipeline:
         run = self.runs.get(gen)
         slots = self.held.pop(r.key, ())
         row = self.rows.take(r.key)  # the batch row (or slot) its sample claimed (rows.py)
-        if row is not None:
+        if row is not None:  # a claiming task was given no output slot
             slots = (slots[0] if slots else None, row)
         if r.ok:
             if r.read_s:
@@ -712,9 +712,22 @@ class Pipeline:
                 nxt = self.sample_stages[self.sample_stages.index(stage) + 1]
                 nxt.put(r.key, self._next_item(index, run.epoch_no, r.key, value))
                 return
-            self._decide(run, run.epoch.on(Completed(pos, attempt, Carried(value, slots))))
+            carried = Carried(value, slots)
+            decisions = run.epoch.on(Completed(pos, attempt, carried))
+            if self.rows.active(gen):
+                # A row that joins no batch, or a sample that joins one without a row, moves
+                # the batches' boundaries against the buffers' (RowAllocator.shift).
+                dropped = bool(decisions) and isinstance(decisions[0], Discard) and decisions[0].result is carried
+                if type(row) is RowRef:
+                    if dropped:
+                        self.rows.shift(gen, +1)
+                elif not dropped:
+                    self.rows.shift(gen, -1)
+            self._decide(run, decisions)
             return
         self._free(slots)
+        if type(row) is RowRef:
+            self.rows.shift(gen, +1)  # a row that joins no batch (a no-op for an ended run)
         if run is None or run.epoch.finished:
             return
         index = run.epoch.order[pos]

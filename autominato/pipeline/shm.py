@@ -333,11 +333,15 @@ class SlotPool:
             self.bytes -= slot.size
 
     def _reap(self) -> None:
-        """Forget the orphans no batch views any more (their memory went with the views)."""
+        """Unmap and forget the orphans no batch views any more."""
         if self._orphans:
             for slot in [s for s in self._orphans if not s.viewed()]:
                 self._orphans.remove(slot)
                 self.bytes -= slot.size
+                try:
+                    slot.mmap.close()  # its file is gone: the memory goes back now
+                except BufferError:  # pragma: no cover - viewed() said no view is left
+                    pass
 
     def acquire(self, nbytes: int, quiet: bool = False) -> Slot | None:
         """A free slot of at least ``nbytes`` bytes, or None (see the class doc); ``quiet``:
@@ -360,22 +364,14 @@ class SlotPool:
                     self._drop(slot)  # /dev/shm filled up meanwhile: travel another way
                     return None
                 return slot
-            # Grow: replace the largest too-small free slot, or add one within the budgets.
-            # A free slot that the training loop still views (a batch it keeps) is given up
-            # first: unlinked, its memory lives on with the views, as a batch of its own.
-            viewed = [s for s in self._free if s.lent and s.viewed()]
-            if viewed and (len(self._all) >= self.max_slots
-                           or self.bytes + nbytes > self.budget_bytes):
-                victim = viewed[0]
-                self._free.remove(victim)
-                self._drop(victim)
-            if self._free and len(self._all) >= self.max_slots:
-                victim = max(self._free, key=lambda s: s.size)
+            # Grow: add a slot within the budgets, replacing a free one when the count is full.
+            size = -(-nbytes // 4096) * 4096
+            if len(self._all) >= self.max_slots:
+                victim = self._victim(size)
+                if victim is None:
+                    return None
                 self._free.remove(victim)  # else it would be handed out again, unmapped
                 self._drop(victim)
-            if len(self._all) >= self.max_slots:
-                return None
-            size = -(-nbytes // 4096) * 4096
             if self.bytes + size > self.budget_bytes:
                 if quiet:
                     return None
@@ -387,6 +383,8 @@ class SlotPool:
                 slot = Slot(f"{self._tag}_{self._n}", size)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    if quiet:  # a batch buffer: the caller tries a smaller slot next
+                        return None
                     self._warn(
                         f"{SHM_DIR} has {shm_free_bytes()} bytes free, a slot needs {size} "
                         f"(pool holds {self.bytes} bytes in {len(self._all)} slots)"
@@ -397,6 +395,21 @@ class SlotPool:
             self._all[slot.name] = slot
             self.bytes += size
             return slot
+
+    def _victim(self, size: int) -> Slot | None:
+        """The free slot to drop so that a new one of ``size`` bytes fits (the count is full),
+        or None: the largest free slot no batch views, if the budget then has room; else a
+        viewed one (a batch the training loop keeps), if the budget has room without its bytes
+        (dropped, it becomes an orphan whose bytes count until the batch dies)."""
+        viewed = [s for s in self._free if s.lent and s.viewed()]
+        plain = [s for s in self._free if not any(s is v for v in viewed)]
+        if plain:
+            v = max(plain, key=lambda s: s.size)
+            if self.bytes - v.size + size <= self.budget_bytes:
+                return v
+        if viewed and self.bytes + size <= self.budget_bytes:
+            return viewed[0]
+        return None
 
     def _warn(self, why: str) -> None:
         if not self._warned:
@@ -418,15 +431,20 @@ class SlotPool:
                 self._free.append(slot)
 
     def resident_bytes(self) -> int:
-        """Bytes of the slots that have their pages (:attr:`bytes` counts every slot)."""
+        """Bytes of the slots that have their pages (:attr:`bytes` counts every slot), and of
+        the orphans (dropped slots that batches still view)."""
         with self._lock:
-            return sum(s.size for s in self._all.values() if s.warm)
+            self._reap()
+            return (sum(s.size for s in self._all.values() if s.warm)
+                    + sum(s.size for s in self._orphans))
 
     def decay(self, now: float | None = None) -> int:
         """Free slots unused for :data:`DECAY_S` seconds give their memory back; returns how
         many did. Called from the scheduler's periodic tick, not on the hot path, so that the
         memory goes back during a pause (between epochs, a validation pass) rather than when
         the next epoch asks for slots again."""
+        with self._lock:
+            self._reap()  # between epochs too, not only when a slot is next asked for
         if not self._punch:
             return 0
         old = (time.monotonic() if now is None else now) - DECAY_S

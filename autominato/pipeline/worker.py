@@ -716,7 +716,9 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
             prep = prepare(sample)
             need = prep.need
             if claim is not None and use_slot(need):
+                w = time.perf_counter()
                 row = claim(pos, prep.signature())
+                t += time.perf_counter() - w  # waiting for the loader is not packing
                 if row[0] == "row":
                     desc, need = pack_prepared(prep, cache.get(row[1], row[2]), row[3])
                 elif row[0] == "slot":  # no batch buffer could be had: a slot of its own
@@ -744,7 +746,9 @@ class _Claimer:
     waits for the answer (``("row", name, size, offsets)``, ``("slot", name, size)`` or
     ``("norow",)``, see ``rows.RowAllocator.claim``); messages that
     come before it (control messages: ``threads``, ``drop``, ``dataset``, ``None``) go to
-    ``pending``, served after the task. Raises EOFError / OSError when the loader is gone.
+    ``pending``, served after the task. Raises EOFError / OSError when the loader is gone
+    (:func:`_serve` reports it as the sample's error; the reply then fails and the worker
+    ends).
     ``rows``: rows received since :meth:`flush_now` last looked: the reply of a sample written
     into a row goes at once (not with the rest of its chunk, see :data:`FLUSH_S`), so that
     batches form in the order rows were handed out (``rows.RowAllocator``)."""
