@@ -591,7 +591,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
     or ``None``, and ``out_slot`` may be ``rows.CLAIM``: the finished sample (16 KiB or more)
     asks for a batch row, ``("claim", key, signature)``, answered ``("row", name, size,
-    offsets)`` or ``("norow",)`` before any other message is served (see :class:`_Claimer`),
+    offsets)``, ``("slot", name, size)`` or ``("norow",)`` before any other message is served
+    (see :class:`_Claimer`),
     served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
     (a pull of an iterable dataset's shard, see :class:`Streams`; one slot or ``None`` per
     sample asked) and ``("drop", gen)`` (forget run ``gen``'s streams). Replies:
