@@ -267,8 +267,8 @@ class Volumes:
         s = {"x": np.full((32, 32, 16), i, np.float32), "y": torch.full((5,), i), "i": i}
         if i in self.bad:  # written into its row, then fails to pickle: a hole in a buffer
             s["i"] = lambda: i
-        if i == self.bomb[0]:
-            s["b"] = Bomb(self.bomb[1])
+        if self.bomb[0] is not None:  # every sample has the key (a batch's dicts must match)
+            s["b"] = Bomb(self.bomb[1]) if i == self.bomb[0] else "ok"
         return s
 
 
