@@ -428,10 +428,19 @@ def test_a_batch_buffer_that_dev_shm_cannot_hold_does_not_cap_the_pool(monkeypat
         monkeypatch.setattr(shm, "Slot", small_only)
         rows = RowAllocator(pool)
         rows.open(1, 64)
+        tried = []
+        monkeypatch.setattr(shm, "Slot", lambda name, size: (tried.append(size), small_only(name, size))[1])
         with caplog.at_level("WARNING"):
             ans = rows.claim((1, 0, 0), (((65536,), "<f4"),))  # a 16 MiB buffer, a 256 KiB slot
         assert ans[0] == "slot" and pool.max_slots == 8
         assert not [r for r in caplog.records if "bytes free" in r.getMessage()]
+        # The next claims do not try the refused size again at once (each try fills /dev/shm
+        # up to the refusal, in the collector thread); they reuse the sample's slot.
+        pool.release(rows.take((1, 0, 0)))
+        for i in range(1, 4):
+            assert rows.claim((1, i, 0), (((65536,), "<f4"),))[0] == "slot"
+            pool.release(rows.take((1, i, 0)))
+        assert sum(size > 1 << 20 for size in tried) == 1
     finally:
         pool.close()
 
@@ -462,3 +471,21 @@ def test_after_a_hole_or_a_rowless_completion_buffers_end_where_batches_now_star
         rows.claim((1, i, 0), SIG)
     assert rows._claims[(1, 15, 0)].buf is buf[13] and buf[13].closed
     assert rows._claims[(1, 16, 0)].buf.cap == 4
+
+
+def test_with_samples_of_two_shapes_interleaved_buffers_still_end_where_batches_start(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 4)
+    A, B = SIG, (((5, 8), "<f4"),)
+    for i, sig in enumerate([A, B, A, B, A]):
+        rows.claim((1, i, 0), sig)
+    buf = {i: rows._claims[(1, i, 0)].buf for i in range(5)}
+    # Batches start at claims 0 and 4, whichever shape claims: B's buffer (from claim 1) was
+    # made for 3 rows and ends after claim 3; A's first ends after claim 2; claim 4 starts one.
+    assert (buf[1].rows, buf[1].claimed) == (3, 2) and buf[1].closed and buf[1] is buf[3]
+    assert buf[1].slot.size >= layout(B, 3)[2]
+    assert buf[0] is buf[2] and buf[0].closed and buf[4] is not buf[0] and buf[4].start == 4
+    # A hole moves the next batch's start to claim 5, the next claim: A's new buffer ends now.
+    rows.shift(1, +1)
+    assert buf[4].closed and buf[4].claimed == 1
+

@@ -72,15 +72,15 @@ class _RunRows:
         self.claims = 0
         self.shift = 0
 
-    def cap(self, start: int, claimed: int) -> int:
-        """Rows a buffer whose first row was claim ``start`` hands out, ``claimed`` of them
-        handed out already: up to the next claim where a batch starts (claim ``i`` is
-        completion ``i - shift``, and batches start every ``rows`` completions), at most
-        ``rows``."""
-        left = (self.shift - start - claimed) % self.rows
+    def cap(self, claimed: int, most: int) -> int:
+        """Rows a buffer with ``claimed`` rows handed out (and room for ``most``) hands out:
+        up to the claim where the next batch starts (claim ``i`` is completion ``i - shift``,
+        batches start every ``rows`` completions; the next claim is ``claims``, whichever
+        buffer it goes to)."""
+        left = (self.shift - self.claims) % self.rows
         if left == 0 and claimed == 0:  # a batch starts at its first row: a whole buffer
             left = self.rows
-        return min(self.rows, claimed + left)
+        return min(most, claimed + left)
 
 
 class RowRef:
@@ -152,7 +152,7 @@ class RowAllocator:
                 return
             run.shift += by
             for sig, buf in list(run.forming.items()):
-                buf.cap = run.cap(buf.start, buf.claimed)
+                buf.cap = run.cap(buf.claimed, buf.rows)
                 if buf.claimed >= buf.cap:
                     del run.forming[sig]
                     self._close(buf)
@@ -169,17 +169,23 @@ class RowAllocator:
             if run is None or not sig or key in self._claims:
                 self.refused += 1  # a task claims once: a second claim is not given a row
                 return ("norow",)
-            rows, forming = run.rows, run.forming
+            forming = run.forming
             buf = forming.get(sig)
+            if buf is not None:  # (samples of other shapes may have claimed since its last row)
+                buf.cap = run.cap(buf.claimed, buf.rows)
+                if buf.claimed >= buf.cap:  # a batch starts here
+                    del forming[sig]
+                    self._close(buf)
+                    buf = None
             if buf is None:
+                rows = run.cap(0, run.rows)  # a buffer only as large as the rows it hands out
                 sizes, regions, nbytes = layout(sig, rows)
                 slot = self.pool.acquire(nbytes, quiet=True)
                 if slot is None:
                     return self._single(key, sig)
                 if len(forming) >= MAX_FORMING:  # the oldest shape's buffer takes no more rows
                     self._close(forming.pop(next(iter(forming))))
-                forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions, run.claims,
-                                               run.cap(run.claims, 0))
+                forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions, run.claims)
             row = buf.claimed
             buf.claimed += 1
             buf.out += 1

@@ -303,6 +303,9 @@ class SlotPool:
         # pages stay allocated in /dev/shm until the views die, so their bytes still count
         # against the budget until then.
         self._orphans: list[Slot] = []
+        # (size, time.monotonic()) of the last quiet request /dev/shm refused (ENOSPC): as large
+        # ones are refused without trying again for DECAY_S seconds or until bytes are freed.
+        self._quiet_fail: tuple[int, float] | None = None
         self.max_slots = max_slots
         self.budget_bytes = budget_bytes
         self.bytes = 0
@@ -325,6 +328,7 @@ class SlotPool:
                 self._drop(self._free.pop(0))
 
     def _drop(self, slot: Slot) -> None:
+        self._quiet_fail = None  # room may have come back
         del self._all[slot.name]
         slot.unlink()
         if slot.lent and slot.viewed():
@@ -366,6 +370,10 @@ class SlotPool:
                 return slot
             # Grow: add a slot within the budgets, replacing a free one when the count is full.
             size = -(-nbytes // 4096) * 4096
+            if quiet and self._quiet_fail is not None:
+                failed, at = self._quiet_fail
+                if size >= failed and time.monotonic() - at < DECAY_S:
+                    return None  # /dev/shm refused as much just now: no new try (and no victim)
             if len(self._all) >= self.max_slots:
                 victim = self._victim(size)
                 if victim is None:
@@ -384,6 +392,7 @@ class SlotPool:
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM):
                     if quiet:  # a batch buffer: the caller tries a smaller slot next
+                        self._quiet_fail = (size, time.monotonic())
                         return None
                     self._warn(
                         f"{SHM_DIR} has {shm_free_bytes()} bytes free, a slot needs {size} "
