@@ -47,14 +47,14 @@ class RowBuffer:
     __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed", "start", "cap")
 
     def __init__(self, slot: Slot, sig: tuple, rows: int, sizes: list[int], regions: list[int],
-                 start: int = 0, cap: int | None = None) -> None:
+                 start: int = 0) -> None:
         self.slot = slot
         self.sig = sig
         self.rows = rows
         self.sizes = sizes
         self.regions = regions
         self.start = start  # the run's row claims before its first row
-        self.cap = rows if cap is None else cap  # rows it hands out (see RowAllocator.shift)
+        self.cap = rows  # rows it hands out: fewer when batches move (RowAllocator.shift)
         self.claimed = 0  # rows handed out
         self.out = 0  # rows handed out and not released
         self.closed = False  # no more rows are handed out
