@@ -85,7 +85,6 @@ from autominato.pipeline.shm import (
     pack,
     pack_memfd,
     pack_prepared,
-    packed_nbytes,
     prepare,
     unpack,
     use_slot,
@@ -712,31 +711,30 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
             sample = unpack(in_desc, buf)
         sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample)
         t = time.perf_counter()
-        desc: bytes | FdDesc | None = None
+        prep = prepare(sample)  # taken apart once, whichever way it travels
+        del sample
+        need = prep.need
+        buf = offsets = None
         if out_slot == CLAIM:
-            prep = prepare(sample)
-            need = prep.need
             if claim is not None and use_slot(need):
                 w = time.perf_counter()
                 row = claim(pos, prep.signature())
                 t += time.perf_counter() - w  # waiting for the loader is not packing
-                if row[0] == "row":
-                    desc, need = pack_prepared(prep, cache.get(row[1], row[2]), row[3])
-                elif row[0] == "slot":  # no batch buffer could be had: a slot of its own
-                    desc, need = pack_prepared(prep, cache.get(row[1], row[2]))
-            if desc is None:
-                desc = pack_memfd(prep, need)  # no row: a memory file, else pickled
-            if desc is None:
-                desc, need = pack_prepared(prep, None)
-            del prep
+                if row[0] in ("row", "slot"):  # a batch row, or a slot of its own
+                    buf = cache.get(row[1], row[2])
+                    offsets = row[3] if row[0] == "row" else None
+        elif out_slot is not None:
+            buf = cache.get(*out_slot)
+            if need > len(buf):
+                buf = None  # it outgrew its slot
+        desc: bytes | FdDesc | None = None
+        if buf is not None:
+            desc, need = pack_prepared(prep, buf, offsets)
         else:
-            out = cache.get(*out_slot) if out_slot is not None else None
-            need = packed_nbytes(sample)
-            if out is None or need > len(out):
-                desc = pack_memfd(sample, need)  # no slot fits: a memory file, else pickled
-            if desc is None:
-                desc, need = pack(sample, out)
-        del sample
+            desc = pack_memfd(prep, need)  # no slot or row: a memory file, else pickled
+        if desc is None:
+            desc, need = pack_prepared(prep, None)
+        del prep
         return ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
         return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
