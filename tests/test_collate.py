@@ -191,3 +191,22 @@ def test_arrays_collated_as_a_list_are_copies_not_views_of_the_slot_they_came_in
     out = collate([{"m": None}, {"m": slot[:4]}])
     slot[:] = -1  # the slot is written by its next sample
     assert out["m"][0] is None and out["m"][1].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("value", [np.array(["a", "bc"]), np.array([b"ab"]),
+                                   np.array([1, "x"], dtype=object)],
+                         ids=["unicode", "bytes", "object"])
+def test_numpy_arrays_of_strings_or_objects_raise_default_collates_type_error(value):
+    # DataLoader's default_collate refuses them (np_str_obj_array_pattern, "[SaUO]") with a
+    # TypeError naming the dtype; an object array used to come back as a list, a string one
+    # with torch's "can't convert np.ndarray of type numpy.str_".
+    samples = [value, value.copy()]
+    with pytest.raises(TypeError) as theirs:
+        default_collate(samples)
+    with pytest.raises(TypeError) as ours:
+        collate(samples)
+    assert str(ours.value) == str(theirs.value)
+    # Nested in a dict as well, and a NumPy string scalar still collates as a list of strings.
+    with pytest.raises(TypeError, match="found"):
+        collate([{"k": value}, {"k": value}])
+    assert collate([np.str_("a"), np.str_("b")]) == default_collate([np.str_("a"), np.str_("b")])

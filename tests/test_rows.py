@@ -15,7 +15,7 @@ import torch
 
 from autominato import Loader
 from autominato.pipeline.collate import BatchPool, collate
-from autominato.pipeline.rows import RowAllocator, RowsView, layout
+from autominato.pipeline.rows import RowAllocator, RowRef, RowsView, layout
 from autominato.pipeline.shm import SlotPool, pack_prepared, prepare, unpack
 from autominato.pipeline.worker import _Claimer
 
@@ -362,11 +362,121 @@ def test_a_worker_that_dies_between_its_claim_and_its_reply_loses_nothing(tmp_pa
         assert p.rows.pending() == 0 and _all_free(p)
 
 
-@pytest.mark.parametrize("kw", [dict(in_order=True), dict(collate_fn=lambda b: b)])
-def test_in_order_epochs_and_a_users_collate_keep_slots(kw):
-    with Loader(Volumes(8), batch_size=2, num_workers=2, autotune=False, **kw) as L:
+def test_a_users_collate_keeps_slots():
+    with Loader(Volumes(8), batch_size=2, num_workers=2, autotune=False,
+                collate_fn=lambda b: b) as L:
         assert len(list(L)) == 4
         assert L._pipeline.rows.claims == 0
+
+
+class Uneven(Volumes):
+    """Volumes whose samples in ``slow`` take 80 ms (the others finish first) and whose
+    samples in ``broken`` raise in ``__getitem__`` (before any row is claimed)."""
+
+    def __init__(self, n: int, bad: frozenset = frozenset(), slow: frozenset = frozenset(),
+                 broken: frozenset = frozenset()) -> None:
+        super().__init__(n, bad)
+        self.slow = slow
+        self.broken = broken
+
+    def __getitem__(self, i: int):
+        import time
+
+        if i in self.slow:
+            time.sleep(0.08)
+        if i in self.broken:
+            raise ValueError(f"sample {i} is broken")
+        return super().__getitem__(i)
+
+
+def _chunks(seq, n):
+    return [list(seq[k:k + n]) for k in range(0, len(seq), n)]
+
+
+def test_in_order_batches_are_views_of_rows_in_sampler_order():
+    """in_order=True: a sample's row is its place in the sampler's batch, whatever order the
+    samples finish in; every batch is the DataLoader's, and is views of one buffer."""
+    with Loader(Uneven(24, slow=frozenset({1, 6, 13, 22})), batch_size=4, num_workers=2,
+                in_order=True, autotune=False, prefetch_next_epoch=False) as L:
+        for _ in range(2):
+            assert [_check(b) for b in L] == _chunks(range(24), 4)
+        p = L._pipeline
+        assert p.rows.claims == 48 and p.rows.pending() == 0
+        assert p.rows.views == 2 * 6 * 2  # "x" and "y" of every batch: no copy
+        gc.collect()
+        assert _all_free(p)
+
+
+def test_in_order_rows_move_past_samples_that_fail_before_or_after_their_claim():
+    """Skipped samples shorten the epoch, not a batch: the batches after one are made of the
+    next samples, so the rows move with them (a hole costs one copied batch, not the rest of
+    the epoch). Sample 3 fails after its row was written, 9 before it claims one."""
+    lost = {3, 9, 30}
+    with Loader(Uneven(40, bad=frozenset({3, 30}), broken=frozenset({9}), slow=frozenset({2, 20})),
+                batch_size=4, num_workers=1, in_order=True, on_error="skip", autotune=False,
+                prefetch_next_epoch=False) as L:
+        for _ in range(2):
+            got = [_check(b) for b in L]
+            assert got == _chunks([i for i in range(40) if i not in lost], 4)
+        p = L._pipeline
+        # 10 batches an epoch, each hole costs at most its batch and the next: >= 4 views.
+        assert p.rows.views >= 2 * 2 * 4
+        assert p.rows.pending() == 0 and _all_free(p)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_batch_samplers_batches_are_views_of_rows(in_order):
+    groups = [[5, 0, 7], [3, 4], [1, 2, 6, 8], [9], [11, 10]]
+    with Loader(Uneven(12, slow=frozenset({5, 3})), batch_sampler=groups, num_workers=2,
+                in_order=in_order, autotune=False, prefetch_next_epoch=False) as L:
+        for _ in range(2):
+            got = [_check(b) for b in L]
+            assert (got if in_order else sorted(got)) == (groups if in_order else sorted(groups))
+        p = L._pipeline
+        assert p.rows.views == 2 * 2 * len(groups)
+        assert p.rows.pending() == 0
+
+
+def test_in_order_rows_follow_positions_and_a_taken_row_gets_a_slot_of_its_own(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 3, in_order=True)
+    a = rows.claim((1, 4, 0), SIG)  # position 4: row 1 of the second batch (positions 3-5)
+    b = rows.claim((1, 3, 0), SIG)  # row 0 of it
+    assert a[1] == b[1] and (a[3][0], b[3][0]) == (128, 0)
+    rows.hole(1, 0)  # position 0 will not be delivered: batches 1-3 | 4-6 | ...
+    c = rows.claim((1, 5, 0), SIG)  # now row 1 of the second batch: position 4 has it
+    assert c[0] == "slot"
+    d = rows.claim((1, 6, 0), SIG)  # row 2 of the second batch: the same buffer
+    assert d[1] == a[1] and d[3][0] == 2 * 128
+    e = rows.claim((1, 7, 0), SIG)  # that buffer is full: the third batch's row 0, a new one
+    assert e[0] == "row" and e[1] != a[1] and e[3][0] == 0
+    single = rows.take((1, 5, 0))
+    assert type(single) is not RowRef
+    pool.release(single)
+    for key in ((1, 4, 0), (1, 3, 0), (1, 6, 0), (1, 7, 0)):
+        rows.release(rows.take(key))
+    rows.close_run(1)
+    assert rows.pending() == 0 and len(pool._free) == len(pool._all) == 3
+
+
+def test_batch_sampler_rows_are_the_members_places_in_their_batch(pool):
+    rows = RowAllocator(pool)
+    rows.open(1, 1, groups=[3, 1, 2])  # batches: positions 0-2, 3, 4-5
+    e = rows.claim((1, 5, 0), SIG)
+    c = rows.claim((1, 2, 0), SIG)
+    a = rows.claim((1, 0, 0), SIG)
+    assert a[1] == c[1] != e[1]
+    assert a[3][0] == 0 and c[3][0] == 2 * 128 and e[3][0] == 128
+    ra, rc = rows.take((1, 0, 0)), rows.take((1, 2, 0))
+    assert ra.buf.rows == 3 and (ra.row, rc.row) == (0, 2)
+    # Position 1 was skipped: its batch is made of rows 0 and 2 (a copy); once they are
+    # released the buffer takes no more rows and goes back to the pool.
+    rows.release(ra)
+    rows.release(rc)
+    assert ra.buf.closed and ra.buf.slot in pool._free
+    rows.release(rows.take((1, 5, 0)))
+    rows.close_run(1)
+    assert len(pool._free) == 2
 
 
 def _lent_batch(pool):

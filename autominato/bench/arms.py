@@ -34,6 +34,9 @@ autominato-ray         ``autominato.Loader(worker_kind="ray", workers=1)``, cont
                        started before the timed span (opt-in: not in :data:`DEFAULT_ARMS`)
 autominato-drain       ``autominato.Loader(prefetch_next_epoch=False)``: defaults, but every epoch
                        boundary drains and refills (as before issue 14), for the before/after
+autominato-in-order    ``autominato.Loader(in_order=True)``, controller on: the DataLoader's batches
+                       (sampler order, reproducible), against the ``dataloader`` arm like for
+                       like (opt-in: not in :data:`DEFAULT_ARMS`)
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -61,11 +64,13 @@ ARM_NAMES = (
     "autominato-tuned",
     "autominato-ray",
     "autominato-drain",
+    "autominato-in-order",
 )
 
 #: The arms run when none are named: ``autominato-ray`` needs Ray (``autominato[ray]``) and
-#: starts a Ray instance, so it runs when asked for.
-DEFAULT_ARMS = tuple(a for a in ARM_NAMES if a != "autominato-ray")
+#: starts a Ray instance, so it runs when asked for; ``autominato-in-order`` when asked for
+#: (one run more per repeat otherwise).
+DEFAULT_ARMS = tuple(a for a in ARM_NAMES if a not in ("autominato-ray", "autominato-in-order"))
 
 Built = tuple[Iterable[Any], Callable[[], None]]
 
@@ -130,6 +135,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
         ),
         "autominato-drain": Arm(
             "autominato-drain", "autominato", {"autotune": True, "prefetch_next_epoch": False}
+        ),
+        "autominato-in-order": Arm(
+            "autominato-in-order", "autominato", {"autotune": True, "in_order": True}
         ),
     }
 
@@ -367,6 +375,8 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
             kwargs[name] = p[name]
     if "prefetch_next_epoch" in p:
         kwargs["prefetch_next_epoch"] = bool(p["prefetch_next_epoch"])
+    if "in_order" in p:
+        kwargs["in_order"] = bool(p["in_order"])
     if ctx.device == "cuda":
         kwargs["device"] = "cuda"
     loader = Loader(wl.indexed_dataset(), **kwargs)

@@ -33,6 +33,11 @@ try:  # where torch keeps the per-type collate functions that default_collate di
     from torch.utils.data._utils.collate import default_collate_fn_map
 except ImportError:  # pragma: no cover - a torch without it: no subclass registers one
     default_collate_fn_map = {}
+try:  # default_collate's message for what it cannot batch (its own TypeError's text)
+    from torch.utils.data._utils.collate import default_collate_err_msg_format
+except ImportError:  # pragma: no cover
+    default_collate_err_msg_format = ("default_collate: batch must contain tensors, numpy arrays, "
+                                      "numbers, dicts or lists; found {}")
 
 
 def _refcount(bufs: list, i: int) -> int:
@@ -239,10 +244,14 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         CollateError: (a ``RuntimeError``, as ``default_collate``'s, and a ``ValueError``)
             arrays of one field differ in shape or dtype across samples (the message gives the
             field's shapes), or sequences in length.
+        TypeError: a NumPy array of strings or Python objects, as ``default_collate``.
     """
     first = samples[0]
     if isinstance(first, torch.Tensor):
         return _stack_tensors(samples, pool)
+    if isinstance(first, np.ndarray) and first.dtype.kind in "SaUO":
+        # As default_collate (its np_str_obj_array_pattern): strings and objects are no batch.
+        raise TypeError(default_collate_err_msg_format.format(first.dtype))
     if isinstance(first, np.ndarray) and is_array(first):
         if all(type(s) is np.ndarray for s in samples):
             return _stack_arrays(samples, pool)

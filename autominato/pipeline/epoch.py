@@ -273,6 +273,11 @@ class Epoch:
         """Workers that died holding ``pos`` so far."""
         return self._deaths.get(pos, 0)
 
+    def settled(self, pos: int) -> bool:
+        """Whether dispatched position ``pos`` is final: neither in flight nor waiting to go
+        again (after a :class:`Failed` or :class:`Lost`: it failed for good)."""
+        return pos not in self._attempt and pos not in self._tries
+
     def is_current(self, pos: int, attempt: int) -> bool:
         return self._attempt.get(pos) == attempt
 

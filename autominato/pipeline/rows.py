@@ -12,19 +12,26 @@ group whose samples are the consecutive rows of one buffer, the batch is views o
 first claim (its first sample finished) to the end of its use, instead of a slot per sample
 from dispatch plus a private batch buffer.
 
-Rows are handed out in claim order, batches form in completion order (``epoch.Epoch``): the two
-agree unless two workers' claims and replies cross, a sample fails after claiming, or a worker
-dies between its claim and its reply (a hole). A group that is not a run of rows of one buffer
-is copied into a pooled buffer as before, so the claim order never changes what is delivered,
+Where a sample's row is. In completion order, rows are handed out in claim order and batches
+form in completion order (``epoch.Epoch``): the two agree unless two workers' claims and
+replies cross, a sample fails after claiming, or a worker dies between its claim and its reply
+(a hole). Where the batch a sample joins is known from its position (*placed* rows), the row
+is its place in that batch, whatever order the samples finish in: with a batch sampler, its
+place in its group; in order (``in_order=True``), its place among the samples the epoch
+delivers, which skips the positions that failed for good (:meth:`RowAllocator.hole`) or were
+delivered before a checkpoint. A group that is not a run of rows of one buffer, in its order,
+is copied into a pooled buffer as before, so where rows go never changes what is delivered,
 only whether it costs a copy. A buffer never holds two runs' (epochs') samples.
 
-Used for completion-order epochs of map-style datasets with the default collate and process
-workers, without pinned memory (a pinned batch is a copy anyway); everything else keeps slots.
+Used for map-style datasets with the default collate and process workers, without pinned
+memory (a pinned batch is a copy anyway); everything else keeps slots.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,12 +46,17 @@ CLAIM = "claim"
 #: samples of a few shapes in one epoch each fill their own instead of closing each other's.
 MAX_FORMING = 4
 
+#: Buffers a run with placed rows fills at once (one per batch whose first sample finished):
+#: beyond it the earliest batch's buffer takes no more rows (its later samples are copied).
+MAX_PLACED = 16
+
 
 class RowBuffer:
     """One shared batch buffer: ``rows`` rows of samples whose arrays have ``sig`` (shapes and
     dtypes), array ``i`` of row ``r`` at ``regions[i] + r * sizes[i]``."""
 
-    __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed", "start", "cap")
+    __slots__ = ("slot", "sig", "rows", "sizes", "regions", "claimed", "out", "closed", "start", "cap",
+                 "taken", "home")
 
     def __init__(self, slot: Slot, sig: tuple, rows: int, sizes: list[int], regions: list[int],
                  start: int = 0) -> None:
@@ -58,19 +70,40 @@ class RowBuffer:
         self.claimed = 0  # rows handed out
         self.out = 0  # rows handed out and not released
         self.closed = False  # no more rows are handed out
+        self.taken: set[int] | None = None  # placed rows: the rows handed out
+        self.home: tuple | None = None  # placed rows: (its run's forming dict, its key there)
 
 
 class _RunRows:
     """A run's rows: ``batch_size`` rows per buffer, the buffers being filled by signature,
-    the row claims so far and the shift of batch boundaries (:meth:`RowAllocator.shift`)."""
+    the row claims so far and the shift of batch boundaries (:meth:`RowAllocator.shift`).
+    Placed rows (see the module doc): ``starts``, a batch sampler's groups' first positions
+    (and the end), or ``holes``, in order, the positions that will not be delivered; the
+    buffers being filled are then keyed by ``(batch, signature)``."""
 
-    __slots__ = ("rows", "forming", "claims", "shift")
+    __slots__ = ("rows", "forming", "claims", "shift", "starts", "holes")
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, starts: list[int] | None = None,
+                 holes: list[int] | None = None) -> None:
         self.rows = rows
         self.forming: dict[tuple, RowBuffer] = {}
         self.claims = 0
         self.shift = 0
+        self.starts = starts
+        self.holes = holes
+
+    @property
+    def placed(self) -> bool:
+        return self.starts is not None or self.holes is not None
+
+    def place(self, pos: int) -> tuple[int, int, int]:
+        """``(batch, row, rows)`` of position ``pos`` (placed rows): the batch it joins, its
+        place there and the batch's size."""
+        if self.starts is not None:
+            g = bisect.bisect_right(self.starts, pos) - 1
+            return g, pos - self.starts[g], self.starts[g + 1] - self.starts[g]
+        q = pos - bisect.bisect_left(self.holes, pos)  # its place among the delivered
+        return q // self.rows, q % self.rows, self.rows
 
     def cap(self, claimed: int, most: int) -> int:
         """Rows a buffer with ``claimed`` rows handed out (and room for ``most``) hands out:
@@ -124,10 +157,21 @@ class RowAllocator:
         self.singles = 0  # claims answered with a slot of the sample's own (no buffer could be had)
         self.views = 0  # batch arrays that are views of a buffer (not copied; RowsView)
 
-    def open(self, gen: int, batch_size: int) -> None:
-        """Run ``gen``'s samples may claim rows, ``batch_size`` to a buffer."""
+    def open(self, gen: int, batch_size: int, *, in_order: bool = False,
+             groups: Sequence[int] | None = None, done: Iterable[int] = ()) -> None:
+        """Run ``gen``'s samples may claim rows, ``batch_size`` to a buffer, in claim order;
+        placed (see the module doc) with ``groups`` (a batch sampler's batch sizes, in position
+        order: a buffer per batch) or ``in_order`` (``done``: positions delivered before a
+        checkpoint, which the epoch steps over)."""
+        starts = holes = None
+        if groups is not None:
+            starts = [0]
+            for n in groups:
+                starts.append(starts[-1] + int(n))
+        elif in_order:
+            holes = sorted(set(int(p) for p in done))
         with self._lock:
-            self._runs[gen] = _RunRows(max(1, int(batch_size)))
+            self._runs[gen] = _RunRows(max(1, int(batch_size)), starts, holes)
 
     def active(self, gen: int) -> bool:
         return gen in self._runs
@@ -148,7 +192,7 @@ class RowAllocator:
         so that one such event costs a copy or two, not every batch after it."""
         with self._lock:
             run = self._runs.get(gen)
-            if run is None:
+            if run is None or run.placed:  # placed rows do not depend on completions
                 return
             run.shift += by
             for sig, buf in list(run.forming.items()):
@@ -156,6 +200,16 @@ class RowAllocator:
                 if buf.claimed >= buf.cap:
                     del run.forming[sig]
                     self._close(buf)
+
+    def hole(self, gen: int, pos: int) -> None:
+        """In order: position ``pos`` of run ``gen`` will not be delivered (it failed for good);
+        the samples after it move up a place (for the rows claimed from now on)."""
+        with self._lock:
+            run = self._runs.get(gen)
+            if run is not None and run.holes is not None:
+                i = bisect.bisect_left(run.holes, pos)
+                if i == len(run.holes) or run.holes[i] != pos:
+                    run.holes.insert(i, pos)
 
     def claim(self, key: tuple, sig: tuple) -> tuple:
         """A row for the sample of task ``key`` (``(gen, pos, attempt)``) whose arrays have
@@ -169,6 +223,8 @@ class RowAllocator:
             if run is None or not sig or key in self._claims:
                 self.refused += 1  # a task claims once: a second claim is not given a row
                 return ("norow",)
+            if run.placed:
+                return self._claim_placed(run, key, sig)
             forming = run.forming
             buf = forming.get(sig)
             if buf is not None:  # (samples of other shapes may have claimed since its last row)
@@ -198,6 +254,37 @@ class RowAllocator:
             return ("row", buf.slot.name, buf.slot.size,
                     [r + row * n for r, n in zip(buf.regions, buf.sizes, strict=True)])
 
+    def _claim_placed(self, run: _RunRows, key: tuple, sig: tuple) -> tuple:
+        """:meth:`claim` for placed rows: the row of the sample's place in its batch's buffer;
+        a slot of its own when that row was handed out already (a retried sample whose first
+        attempt claimed it, or rows moved by a hole) or no buffer can be had."""
+        g, row, rows = run.place(key[1])
+        fk = (g, sig)
+        buf = run.forming.get(fk)
+        if buf is None:
+            sizes, regions, nbytes = layout(sig, rows)
+            slot = self.pool.acquire(nbytes, quiet=True)
+            if slot is None:
+                return self._single(key, sig)
+            if len(run.forming) >= MAX_PLACED:  # the earliest batch's buffer takes no more rows
+                self._close(run.forming.pop(min(run.forming, key=lambda k: k[0])))
+            buf = run.forming[fk] = RowBuffer(slot, sig, rows, sizes, regions)
+            buf.taken = set()
+            buf.home = (run.forming, fk)
+        if row in buf.taken:
+            return self._single(key, sig)
+        buf.taken.add(row)
+        buf.claimed += 1
+        buf.out += 1
+        run.claims += 1
+        if buf.claimed >= buf.rows:
+            buf.closed = True
+            del run.forming[fk]
+        self._claims[key] = RowRef(buf, row)
+        self.claims += 1
+        return ("row", buf.slot.name, buf.slot.size,
+                [r + row * n for r, n in zip(buf.regions, buf.sizes, strict=True)])
+
     def _single(self, key: tuple, sig: tuple) -> tuple:
         slot = self.pool.acquire(layout(sig, 1)[2])
         if slot is None:
@@ -218,13 +305,20 @@ class RowAllocator:
     def release(self, ref: RowRef) -> None:
         """The sample in ``ref`` is in a batch (or dropped): its row is free; a closed buffer
         whose rows are all free goes back to the pool (which waits for a batch made of views
-        of it to be dropped before it hands it out again: ``Slot.viewed``)."""
+        of it to be dropped before it hands it out again: ``Slot.viewed``). A buffer of placed
+        rows takes no more rows once one is released: its batch is being made (a row not
+        claimed by then is a sample that failed), or a sample in it was dropped."""
         with self._lock:
             self._release(ref)
 
     def _release(self, ref: RowRef) -> None:
         buf = ref.buf
         buf.out -= 1
+        if buf.home is not None and not buf.closed:
+            forming, fk = buf.home
+            if forming.get(fk) is buf:
+                del forming[fk]
+            buf.closed = True
         if buf.closed and buf.out == 0:
             self.pool.release(buf.slot)
 

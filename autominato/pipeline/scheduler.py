@@ -618,8 +618,11 @@ class Pipeline:
     def _begin(self, run: Run) -> None:
         self.runs[run.gen] = run
         ep = run.epoch
-        if self._rows_ok and isinstance(ep, Epoch) and ep.groups is None and not ep.in_order:
-            self.rows.open(run.gen, ep.batch_size)
+        if self._rows_ok and isinstance(ep, Epoch):
+            # In completion order a row is the next of the batch being filled; with a batch
+            # sampler or in order, the sample's place in the batch it joins (rows.py).
+            self.rows.open(run.gen, ep.batch_size, in_order=ep.in_order, groups=ep.groups,
+                           done=ep.done)
         if self.cfg.iterable:
             self._size_stream_workers()
         else:
@@ -737,12 +740,16 @@ class Pipeline:
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
-        elif r.requeue:
-            self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
-        elif r.lost:
-            self._decide(run, run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out)))
         else:
-            self._decide(run, run.epoch.on(Failed(pos, attempt, err)))
+            if r.requeue:
+                decisions = run.epoch.on(Lost(pos, attempt, err, count=False))
+            elif r.lost:
+                decisions = run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out))
+            else:
+                decisions = run.epoch.on(Failed(pos, attempt, err))
+            if self.rows.active(gen) and run.epoch.settled(pos):
+                self.rows.hole(gen, pos)  # in order, the samples after it move up a place
+            self._decide(run, decisions)
 
     def _stream_result(self, stage: Stage, r: Result) -> None:
         """Outcomes of a pull (see ``worker.Streams.pull``): each sample to the run's
@@ -972,8 +979,10 @@ class Pipeline:
                 buf = first[-1].buf
                 if all(c.slots and type(c.slots[-1]) is RowRef and c.slots[-1].buf is buf
                        for _, _, c in items):
-                    # Rows of one buffer: in row order, a run of rows is the batch (no copy).
-                    items = tuple(sorted(items, key=lambda it: it[2].slots[-1].row))
+                    # Rows of one buffer: a run of rows in the batch's order is the batch (no
+                    # copy). In completion order any order will do: the rows'.
+                    if buf.home is None:
+                        items = tuple(sorted(items, key=lambda it: it[2].slots[-1].row))
                     pool = RowsView(self.batch_pool, buf, self.rows)
             samples = [c.sample for _, _, c in items]
             if self.cfg.collate_fn is not None:
