@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from autominato import Loader
 from autominato.pipeline import executor as executor_mod
@@ -231,25 +232,27 @@ class Same:
         return np.full((65_536,), i, dtype=np.float32)
 
 
-@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("kw", [dict(collate_fn=default_collate), dict(in_order=True), dict()],
+                         ids=["collate_fn", "in_order", "completion"])
 def test_a_task_waiting_for_a_worker_holds_no_output_slot_and_only_the_first_comes_in_a_memory_file(
-        monkeypatch, in_order):
+        monkeypatch, kw):
     """With a read stage ahead of the workers (``fuse_read=False``), transform tasks wait in
     a queue for a free worker. Each took its output slot when it was queued: the queued ones
     held slots (memory) the worker was not writing, and those queued before the first result
     (its size unknown) all came in memory files. Taken as a task leaves for its worker: one
     memory file (the first sample), and output slots only for the samples in the worker and
-    those waiting for their batch (besides the read stage's input slots). In completion order
-    a finished sample claims a batch row instead (rows.py): no memory file at all."""
+    those waiting for their batch (besides the read stage's input slots); with a user's
+    ``collate_fn`` (slots). With the default collate a finished sample claims a batch row
+    instead (rows.py), in order too: no memory file at all."""
     mapped = []
     real = executor_mod.map_memfd
     monkeypatch.setattr(executor_mod, "map_memfd",
                         lambda d, fd, n: (mapped.append(n), real(d, fd, n))[1])
+    rows = "collate_fn" not in kw
     with Loader(Same(), batch_size=2, num_workers=1, pool_size=8, read_threads=2,
-                fuse_read=False, autotune=False, prefetch_next_epoch=False,
-                in_order=in_order) as loader:
+                fuse_read=False, autotune=False, prefetch_next_epoch=False, **kw) as loader:
         for _ in range(2):
             got = sorted(int(v) for b in loader for v in b[:, 0])
             assert got == list(range(24))
-        assert (loader._pipeline.rows.claims > 0) is not in_order
-    assert len(mapped) == (1 if in_order else 0), mapped
+        assert (loader._pipeline.rows.claims > 0) is rows
+    assert len(mapped) == (0 if rows else 1), mapped

@@ -99,7 +99,7 @@ def test_a_group_of_consecutive_rows_is_a_view_and_its_buffer_waits_for_the_batc
     rows = RowAllocator(pool)
     rows.open(1, 2)
     refs, samples = zip(*[_written(rows, (1, i, 0), (np.full((4, 8), i, np.float32),
-                                                      torch.arange(3) + 10 * i)) for i in range(2)])
+                                                      torch.arange(3) + 10 * i)) for i in range(2)], strict=True)
     view = RowsView(BatchPool(), refs[0].buf, rows)
     batch = collate(list(samples), view)
     assert rows.views == 2  # both array positions: no copy
