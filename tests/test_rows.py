@@ -409,8 +409,9 @@ def test_in_order_batches_are_views_of_rows_in_sampler_order():
 
 def test_in_order_rows_move_past_samples_that_fail_before_or_after_their_claim():
     """Skipped samples shorten the epoch, not a batch: the batches after one are made of the
-    next samples, so the rows move with them (a hole costs one copied batch, not the rest of
-    the epoch). Sample 3 fails after its row was written, 9 before it claims one."""
+    next samples, so the rows move with them. With one worker a failure is known before the
+    samples after it claim rows: a hole costs its batch and at most the next, not the rest of
+    the epoch. Sample 3 fails after its row was written, 9 before it claims one."""
     lost = {3, 9, 30}
     with Loader(Uneven(40, bad=frozenset({3, 30}), broken=frozenset({9}), slow=frozenset({2, 20})),
                 batch_size=4, num_workers=1, in_order=True, on_error="skip", autotune=False,
@@ -599,3 +600,24 @@ def test_with_samples_of_two_shapes_interleaved_buffers_still_end_where_batches_
     rows.shift(1, +1)
     assert buf[4].closed and buf[4].claimed == 1
 
+
+
+def test_beyond_max_placed_buffers_a_later_batch_gets_slots_and_the_earliest_keep_theirs():
+    from autominato.pipeline.rows import MAX_PLACED
+
+    pool = SlotPool(max_slots=64, budget_bytes=1 << 24)
+    try:
+        rows = RowAllocator(pool)
+        rows.open(1, 2, in_order=True)
+        first = [rows.claim((1, 2 * g, 0), SIG) for g in range(MAX_PLACED)]  # a row each
+        assert all(a[0] == "row" for a in first)
+        assert rows.claim((1, 2 * MAX_PLACED, 0), SIG)[0] == "slot"  # one batch too many
+        head = rows.claim((1, 1, 0), SIG)  # the head batch (delivered next) still fills its own
+        assert head[0] == "row" and head[1] == first[0][1]
+        for key in list(rows._claims):
+            ref = rows.take(key)
+            rows.release(ref) if type(ref) is RowRef else pool.release(ref)
+        rows.close_run(1)
+        assert rows.pending() == 0 and len(pool._free) == len(pool._all)
+    finally:
+        pool.close()

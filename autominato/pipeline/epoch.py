@@ -213,6 +213,7 @@ class Epoch:
         # (read at every dispatch: computed once)
         self._min_window = (max((int(n) for n in self.groups), default=1) or 1
                             if self.groups is not None else self.batch_size)
+        self.done = tuple(self.done)  # read again by others (rows.RowAllocator.open)
         for pos in self.done:
             if not 0 <= pos < len(self.order):
                 raise ValueError(f"done position {pos} is not in [0, {len(self.order)})")

@@ -19,7 +19,9 @@ replies cross, a sample fails after claiming, or a worker dies between its claim
 is its place in that batch, whatever order the samples finish in: with a batch sampler, its
 place in its group; in order (``in_order=True``), its place among the samples the epoch
 delivers, which skips the positions that failed for good (:meth:`RowAllocator.hole`) or were
-delivered before a checkpoint. A group that is not a run of rows of one buffer, in its order,
+delivered before a checkpoint (a hole found after later samples claimed their rows leaves those
+rows where they were: their batches are copied). A group that is not a run of rows of one
+buffer, in its order,
 is copied into a pooled buffer as before, so where rows go never changes what is delivered,
 only whether it costs a copy. A buffer never holds two runs' (epochs') samples.
 
@@ -47,7 +49,8 @@ CLAIM = "claim"
 MAX_FORMING = 4
 
 #: Buffers a run with placed rows fills at once (one per batch whose first sample finished):
-#: beyond it the earliest batch's buffer takes no more rows (its later samples are copied).
+#: beyond it a sample of another batch gets a slot of its own (its batch is copied); the
+#: earliest batches, in order the ones delivered next, keep theirs.
 MAX_PLACED = 16
 
 
@@ -256,18 +259,20 @@ class RowAllocator:
 
     def _claim_placed(self, run: _RunRows, key: tuple, sig: tuple) -> tuple:
         """:meth:`claim` for placed rows: the row of the sample's place in its batch's buffer;
-        a slot of its own when that row was handed out already (a retried sample whose first
-        attempt claimed it, or rows moved by a hole) or no buffer can be had."""
+        a slot of its own when that row was handed out already (rows moved by a hole found
+        after later samples claimed theirs), :data:`MAX_PLACED` buffers are being filled, or
+        no buffer can be had. (A retried sample whose first attempt claimed its row finds a
+        new buffer: releasing that row closed the first, see :meth:`release`.)"""
         g, row, rows = run.place(key[1])
         fk = (g, sig)
         buf = run.forming.get(fk)
         if buf is None:
+            if len(run.forming) >= MAX_PLACED:
+                return self._single(key, sig)
             sizes, regions, nbytes = layout(sig, rows)
             slot = self.pool.acquire(nbytes, quiet=True)
             if slot is None:
                 return self._single(key, sig)
-            if len(run.forming) >= MAX_PLACED:  # the earliest batch's buffer takes no more rows
-                self._close(run.forming.pop(min(run.forming, key=lambda k: k[0])))
             buf = run.forming[fk] = RowBuffer(slot, sig, rows, sizes, regions)
             buf.taken = set()
             buf.home = (run.forming, fk)

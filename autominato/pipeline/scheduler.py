@@ -741,13 +741,14 @@ class Pipeline:
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
         else:
+            current = run.epoch.is_current(pos, attempt)  # else the event is stale: ignored
             if r.requeue:
                 decisions = run.epoch.on(Lost(pos, attempt, err, count=False))
             elif r.lost:
                 decisions = run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out))
             else:
                 decisions = run.epoch.on(Failed(pos, attempt, err))
-            if self.rows.active(gen) and run.epoch.settled(pos):
+            if current and self.rows.active(gen) and run.epoch.settled(pos):
                 self.rows.hole(gen, pos)  # in order, the samples after it move up a place
             self._decide(run, decisions)
 
