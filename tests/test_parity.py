@@ -262,6 +262,56 @@ def test_a_loop_that_catches_a_samples_error_gets_the_rest_of_the_epoch(workers,
                 assert seq == [[0, 1, 2], "error", [3, 5, 6], [7, 8, 9], [10, 11]]
 
 
+class OddShapeAt(Indexed):
+    """Sample ``odd`` is a (3,) array: the batch it joins cannot be stacked."""
+
+    def __init__(self, n: int, odd: int) -> None:
+        super().__init__(n)
+        self.odd = odd
+
+    def __getitem__(self, i: int):
+        return np.full(3 if i == self.odd else 2, i, np.int64)
+
+
+@pytest.mark.parametrize("workers, in_order", [(0, True), (2, True), (2, False)])
+def test_a_batch_that_cannot_be_collated_is_an_error_and_the_epoch_goes_on(workers, in_order):
+    """DataLoader raises default_collate's RuntimeError for that batch and goes on; the
+    Loader's epoch ended there (every later batch was lost)."""
+    def drain_runtime(it):
+        seq = []
+        while True:
+            try:
+                seq.append(next(it)[:, 0].tolist())
+            except StopIteration:
+                return seq
+            except RuntimeError:
+                seq.append("error")
+
+    assert drain_runtime(iter(DataLoader(OddShapeAt(12, 4), 3, num_workers=workers))) == [
+        [0, 1, 2], "error", [6, 7, 8], [9, 10, 11]]
+    with Loader(OddShapeAt(12, 4), 3, num_workers=workers, in_order=in_order, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        for _ in range(2):
+            seq = drain_runtime(iter(loader))
+            assert seq.count("error") == 1
+            got = sorted(i for b in seq if b != "error" for i in b)
+            assert len(got) == 9 and 4 not in got  # the batch with sample 4 is lost, as DL's
+            if in_order:
+                assert seq == [[0, 1, 2], "error", [6, 7, 8], [9, 10, 11]]
+
+
+def test_strings_of_tuple_samples_collate_to_a_tuple_as_default_collate():
+    samples = [(np.full(2, i, np.int64), f"case_{i}", i) for i in range(3)]
+    from torch.utils.data import default_collate
+
+    from autominato.pipeline.collate import collate
+
+    ours, theirs = collate(samples), default_collate(samples)
+    assert type(ours[1]) is type(theirs[1]) is tuple and ours[1] == theirs[1]
+    dicts = [{"id": f"case_{i}"} for i in range(2)]
+    assert collate(dicts) == default_collate(dicts) == {"id": ["case_0", "case_1"]}
+
+
 @pytest.mark.parametrize("workers", [2])
 def test_an_error_the_loop_does_not_catch_stops_its_run(workers):
     """The error leaves the loop; nothing may keep its iterator (and so its run, its window

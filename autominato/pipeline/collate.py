@@ -260,17 +260,19 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         return torch.as_tensor(np.asarray(samples))
     if isinstance(first, (str, bytes)) or first is None:
         # Arrays among them may be views into a slot that is reused once the batch is made.
-        return [map_leaves(s, _owned, is_array) for s in samples]
+        # A tuple for a field of tuple samples, a list for a dict's, as default_collate.
+        out = [map_leaves(s, _owned, is_array) for s in samples]
+        return tuple(out) if isinstance(samples, tuple) else out
     if isinstance(first, dict):
         return {k: collate([s[k] for s in samples], pool) for k in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(collate(list(f), pool) for f in zip(*samples, strict=True)))
+        return type(first)(*(collate(f, pool) for f in zip(*samples, strict=True)))
     if isinstance(first, (tuple, list)):
         n = len(first)
         if any(len(s) != n for s in samples):
             raise CollateError("cannot collate samples: sequences of different lengths in one batch")
         # A list for tuple samples too, as torch's default_collate returns.
-        return [collate(list(f), pool) for f in zip(*samples, strict=True)]
+        return [collate(f, pool) for f in zip(*samples, strict=True)]
     return list(samples)
 
 
@@ -285,8 +287,9 @@ def _check_same(samples: Sequence[Any]) -> None:
             "cannot stack samples into a batch: shapes/dtypes differ: "
             f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
             "give a collate_fn or make the transform produce equal shapes (a sampler that "
-            "orders samples so that each batch has one shape needs in_order=True or a "
-            "batch_sampler: in completion order a batch takes the samples that finished first)"
+            "orders samples so that each batch has one shape needs a batch_sampler: in "
+            "completion order a batch takes the samples that finished first, and in order "
+            "a sample that fails moves the later samples into other batches)"
         )
 
 

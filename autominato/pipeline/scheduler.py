@@ -945,6 +945,13 @@ class Pipeline:
         if run is None:
             return  # the run ended (its consumer left): the batch is dropped
         if not r.ok:
+            if r.stage == "batch" and not final:
+                # A batch that cannot be made (its samples do not stack): the error reaches the
+                # loop in the batch's place and the epoch goes on, as DataLoader's iterator.
+                if not run.stopped:
+                    run.deliver(("raise", r.error))
+                run.batching -= 1
+                return
             self._end_run(run, ("error", r.error))
             return
         if r.stage == "batch" and self.transfer_stage is not None:
