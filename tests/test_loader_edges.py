@@ -270,6 +270,30 @@ def test_a_collate_error_always_reaches_the_training_loop():
                     pass
 
 
+def test_a_collate_error_behind_batches_in_the_transfer_stage_keeps_its_place(monkeypatch):
+    """A batch that cannot be made is an error in its place; the epoch goes on after it. With
+    a transfer stage (CUDA) the error waits behind the batches being copied."""
+    _cpu_transfer_stage(monkeypatch)
+
+    def coll(samples):
+        if any(int(s[0]) == 13 for s in samples):
+            raise ValueError("bad batch")
+        return torch.stack(samples)
+
+    with Loader(Tensors(24), 4, workers=1, worker_kind="thread", autotune=False, collate_fn=coll,
+                in_order=True) as L:
+        for _ in range(3):
+            seq, it = [], iter(L)
+            while True:
+                try:
+                    seq.append(int(next(it)[0, 0]))
+                except StopIteration:
+                    break
+                except ValueError:
+                    seq.append("error")
+            assert seq == [0, 4, 8, "error", 16, 20]
+
+
 def test_in_order_errors_come_after_every_batch_before_the_failing_sample():
     with Loader(Indexed(64, bad={40}), 4, workers=0, autotune=False, in_order=True, depth=8,
                 pool_size=64) as L:

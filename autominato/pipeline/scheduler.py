@@ -948,9 +948,12 @@ class Pipeline:
             if r.stage == "batch" and not final:
                 # A batch that cannot be made (its samples do not stack): the error reaches the
                 # loop in the batch's place and the epoch goes on, as DataLoader's iterator.
-                if not run.stopped:
-                    run.deliver(("raise", r.error))
                 run.batching -= 1
+                if self.transfer_stage is not None:  # behind the batches being copied
+                    run.uncollated += 1  # as a sample's error (see _decide)
+                    self.transfer_stage.put(r.key, (run, _Final(("raise", r.error), ends=False)))
+                elif not run.stopped:
+                    run.deliver(("raise", r.error))
                 return
             self._end_run(run, ("error", r.error))
             return
