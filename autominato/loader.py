@@ -1123,9 +1123,12 @@ class _EpochIterator:
         kind = item[0]
         if kind != "batch":
             err = item[1] if len(item) > 1 else None
+            lost = item[2] if len(item) > 2 else None  # a batch's error: its samples' positions
             del item  # no frame of this call keeps the error (its traceback holds this frame)
-            if kind == "raise":  # a sample's error: the epoch goes on, as DataLoader's iterator
+            if kind == "raise":  # a sample's or a batch's error: the epoch goes on, as DataLoader's
                 self.pipeline.consumed(run)
+                if lost:
+                    self.progress.lose(lost)
             else:
                 self._finish()
                 if kind == "end":
@@ -1238,7 +1241,13 @@ class _SyncIterator:
             while self.todo:
                 d = self.todo.popleft()
                 if isinstance(d, Emit):
-                    batch, n = self._batch(d.items), len(d.items)
+                    try:
+                        batch, n = self._batch(d.items), len(d.items)
+                    except Exception:
+                        # lost with its error, as the DataLoader's batch: not loaded again
+                        # after a resume; the epoch goes on
+                        self.progress.lose(pos for pos, _, _ in d.items)
+                        raise
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
                     self.progress.deliver(pos for pos, _, _ in d.items)

@@ -62,6 +62,13 @@ class Progress:
             self.delivered[np.fromiter(positions, dtype=np.int64)] = True
         self.batches += 1
 
+    def lose(self, positions: Iterable[int]) -> None:
+        """A batch that could not be made (its error reached the training loop instead): its
+        samples are not loaded again after a resume, as the DataLoader's lost batch; it is
+        not counted as a batch yielded."""
+        if self.delivered is not None:
+            self.delivered[np.fromiter(positions, dtype=np.int64)] = True
+
 
 def to_ranges(mask: np.ndarray) -> list[list[int]]:
     """Sorted half-open ranges ``[[start, stop], ...]`` of the true entries of a bool array."""

@@ -1,9 +1,10 @@
 """Batch assembly into reusable buffers.
 
 :func:`collate` behaves like ``torch.utils.data.default_collate`` (arrays and tensors are
-stacked along a new first dimension, numbers become tensors, strings stay lists, tuples /
-lists / dicts are collated element-wise) but writes stacked arrays into buffers taken from a
-:class:`BatchPool` instead of allocating new ones per batch.
+stacked along a new first dimension, numbers become tensors, strings stay as they are (a list
+of them, a tuple for a field of tuple samples), tuples / lists / dicts are collated
+element-wise) but writes stacked arrays into buffers taken from a :class:`BatchPool` instead
+of allocating new ones per batch.
 
 A buffer goes back to the pool only when nothing outside the pool references it any more
 (the training loop dropped the batch and every view of it): a NumPy array's reference count

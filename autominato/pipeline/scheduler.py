@@ -143,8 +143,9 @@ class Run:
 
     ``out`` holds ``("batch", batch, indices, h2d, positions)`` items (``indices``: dataset
     indices, ``positions``: their positions in the epoch's order; ``h2d``: the copy's CUDA
-    events or ``None``) and ``("raise", exception)`` items (a sample's error, raised in the
-    training loop; the epoch goes on), then ``("end",)`` or ``("error", exception)``."""
+    events or ``None``) and ``("raise", exception[, positions])`` items (a sample's error, or a
+    batch's that could not be made with the positions of its samples, lost with it; raised in
+    the training loop, the epoch goes on), then ``("end",)`` or ``("error", exception)``."""
 
     gen: int
     epoch_no: int
@@ -185,8 +186,9 @@ class Run:
 
 
 class _Final:
-    """An item of a run that is no batch: its last (``("end",)`` or ``("error", e)``), or a
-    sample's error that the epoch goes on after (``("raise", e)``, ``ends=False``). It travels
+    """An item of a run that is no batch: its last (``("end",)`` or ``("error", e)``), or an
+    error that the epoch goes on after (a sample's or a batch's, ``("raise", e[, positions])``,
+    ``ends=False``). It travels
     behind the run's batches through the batch and transfer stages, so it never overtakes one."""
 
     __slots__ = ("item", "ends")
@@ -945,15 +947,18 @@ class Pipeline:
         if run is None:
             return  # the run ended (its consumer left): the batch is dropped
         if not r.ok:
-            if r.stage == "batch" and not final:
-                # A batch that cannot be made (its samples do not stack): the error reaches the
-                # loop in the batch's place and the epoch goes on, as DataLoader's iterator.
+            if r.stage == "batch" and not final and isinstance(r.error, Exception):
+                # A batch that cannot be made (its samples do not stack, the collate_fn
+                # raised): the error reaches the loop in the batch's place and the epoch goes
+                # on, as DataLoader's iterator; its samples are lost with it (r.value: their
+                # positions, delivered as far as a checkpoint is concerned, as DataLoader's).
                 run.batching -= 1
+                item = ("raise", r.error, r.value)
                 if self.transfer_stage is not None:  # behind the batches being copied
                     run.uncollated += 1  # as a sample's error (see _decide)
-                    self.transfer_stage.put(r.key, (run, _Final(("raise", r.error), ends=False)))
+                    self.transfer_stage.put(r.key, (run, _Final(item, ends=False)))
                 elif not run.stopped:
-                    run.deliver(("raise", r.error))
+                    run.deliver(item)
                 return
             self._end_run(run, ("error", r.error))
             return
@@ -1007,7 +1012,7 @@ class Pipeline:
                 self._release_items(items)
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
             self._release_items(items)
-            return Result("batch", key, None, ok=False, error=e)
+            return Result("batch", key, [pos for pos, _, _ in items], ok=False, error=e)
         indices = [index for _, index, _ in items]
         positions = [pos for pos, _, _ in items]
         return Result("batch", key, (batch, indices, positions),
