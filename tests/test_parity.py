@@ -354,7 +354,8 @@ def test_errors_wait_for_the_consumer_as_batches_do():
     errors count in its window and its prefetch depth."""
     with Loader(FailsAt(400, range(3, 400)), 2, num_workers=2, autotune=False) as loader:
         it = iter(loader)
-        assert next(it)[:, 0].tolist() == [0, 1]
+        first = next(it)[:, 0].tolist()  # completion order: two of the good samples 0, 1, 2
+        assert len(set(first)) == 2 and set(first) <= {0, 1, 2}
         time.sleep(1.0)
         (run,) = [r for r in loader._pipeline.runs.values() if not r.speculative]
         assert run.taken <= loader.knobs.pool_size + 2 * loader.knobs.depth + 2

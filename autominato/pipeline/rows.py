@@ -183,8 +183,10 @@ class RowAllocator:
         """Run ``gen`` ended: no more rows for it (rows claimed stay until released)."""
         with self._lock:
             run = self._runs.pop(gen, None)
-            for buf in (run.forming.values() if run is not None else ()):
-                self._close(buf)
+            if run is not None:
+                for buf in run.forming.values():
+                    self._close(buf)
+                run.forming.clear()  # (a placed buffer refers back to it: no cycle left)
 
     def shift(self, gen: int, by: int) -> None:
         """Batches form every ``batch_size`` completions, rows are handed out ``batch_size``
