@@ -294,6 +294,37 @@ def test_a_collate_error_behind_batches_in_the_transfer_stage_keeps_its_place(mo
             assert seq == [0, 4, 8, "error", 16, 20]
 
 
+def test_errors_in_the_transfer_stage_count_against_the_prefetch_depth(monkeypatch):
+    """Items ready for the loop (batches and errors) never exceed ``depth``: an error on its
+    way through the batch and transfer stages was counted in neither, so a slow consumer with
+    a transfer stage (CUDA) had 2-3 items ready at depth 1."""
+    from autominato.pipeline import scheduler as S
+
+    _cpu_transfer_stage(monkeypatch)
+    most = [0]
+    deliver = S.Run.deliver
+
+    def counted(self, item):
+        deliver(self, item)
+        most[0] = max(most[0], len(self.out))
+
+    monkeypatch.setattr(S.Run, "deliver", counted)
+    coll = lambda b: (torch.stack([torch.as_tensor(x) for x, _ in b]), [i for _, i in b])  # noqa: E731
+    with Loader(Indexed(60, bad=set(range(3, 60, 3))), 2, workers=2, worker_kind="thread",
+                autotune=False, depth=1, collate_fn=coll, prefetch_next_epoch=False) as L:
+        it, errors, got = iter(L), 0, []
+        while True:
+            time.sleep(0.02)  # a consumer slower than the loader
+            try:
+                got += next(it)[1]
+            except StopIteration:
+                break
+            except ValueError:
+                errors += 1
+        assert errors == 19 and sorted(got) == [i for i in range(60) if i % 3 or i == 0]
+    assert most[0] == 1
+
+
 def test_in_order_errors_come_after_every_batch_before_the_failing_sample():
     with Loader(Indexed(64, bad={40}), 4, workers=0, autotune=False, in_order=True, depth=8,
                 pool_size=64) as L:

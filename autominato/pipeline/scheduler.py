@@ -153,7 +153,7 @@ class Run:
     out: deque = field(default_factory=deque)
     cv: threading.Condition = field(default_factory=threading.Condition)
     uncollated: int = 0  # samples emitted to the batch stage, not yet collated
-    batching: int = 0  # batches in the batch / transfer stages
+    batching: int = 0  # batches and errors (non-final items) in the batch / transfer stages
     stopped: bool = False
     closed: bool = False  # nothing more will be put in ``out``
     speculative: bool = False  # started for an iterator that does not exist yet
@@ -680,7 +680,7 @@ class Pipeline:
                 blocked.add(run.gen)  # keep this run's order: none of its later items pass
                 i += 1
                 continue
-            if not final:
+            if not ends:  # a batch, or an error in a batch's place: counted until delivered
                 run.batching += 1
             bs.queue.rotate(-i)
             bs.pump(1)
@@ -952,13 +952,14 @@ class Pipeline:
                 # raised): the error reaches the loop in the batch's place and the epoch goes
                 # on, as DataLoader's iterator; its samples are lost with it (r.value: their
                 # positions, delivered as far as a checkpoint is concerned, as DataLoader's).
-                run.batching -= 1
                 item = ("raise", r.error, r.value)
                 if self.transfer_stage is not None:  # behind the batches being copied
                     run.uncollated += 1  # as a sample's error (see _decide)
                     self.transfer_stage.put(r.key, (run, _Final(item, ends=False)))
-                elif not run.stopped:
+                    return
+                if not run.stopped:
                     run.deliver(item)
+                run.batching -= 1
                 return
             self._end_run(run, ("error", r.error))
             return
@@ -969,6 +970,7 @@ class Pipeline:
             run.uncollated -= 1  # delivered: out of the window (see _decide)
             if not run.stopped:
                 run.deliver(payload.item)
+            run.batching -= 1
             return
         if final:
             self.runs.pop(run.gen, None)
