@@ -649,19 +649,6 @@ def test_a_pass_that_delivers_no_batch_keeps_the_resume_for_the_next(workers):
     assert not first.keys() & rest.keys() and {**first, **rest} == rows(reference())
 
 
-class _OddShapeAt:
-    """Sample ``odd`` is a (3,) array: the batch it joins cannot be stacked."""
-
-    def __init__(self, n: int, odd: int) -> None:
-        self.n, self.odd = n, odd
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        return np.full(3 if i == self.odd else 2, i, np.int64)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_batch_lost_to_a_collate_error_is_not_loaded_again_after_a_resume(workers):
     """As the DataLoader's lost batch: a checkpoint taken after its error counts its samples
@@ -676,9 +663,11 @@ def test_a_batch_lost_to_a_collate_error_is_not_loaded_again_after_a_resume(work
                 seq.append("error")
         return seq
 
+    from test_parity import OddShapeAt  # (pytest puts the tests' folder on sys.path)
+
     kw = dict(batch_size=3, num_workers=workers, in_order=True, autotune=False, seed=0,
               prefetch_next_epoch=False)
-    with Loader(_OddShapeAt(12, 4), **kw) as L:
+    with Loader(OddShapeAt(12, 4), **kw) as L:
         it = iter(L)
         seq = take(it, 2)  # the first batch, then the error
         state = json.loads(json.dumps(L.state_dict()))
@@ -686,7 +675,7 @@ def test_a_batch_lost_to_a_collate_error_is_not_loaded_again_after_a_resume(work
         # After the epoch's last batch, before StopIteration: the epoch is over.
         assert L.state_dict()["finished"] is True
         del it
-    with Loader(_OddShapeAt(12, 4), **kw) as L:
+    with Loader(OddShapeAt(12, 4), **kw) as L:
         L.load_state_dict(state)
         rest = [b[:, 0].tolist() for b in L]
     assert seq + rest == [[0, 1, 2], "error", [6, 7, 8], [9, 10, 11]]

@@ -21,9 +21,9 @@ place in its group; in order (``in_order=True``), its place among the samples th
 delivers, which skips the positions that failed for good (:meth:`RowAllocator.hole`) or were
 delivered before a checkpoint (a hole found after later samples claimed their rows leaves those
 rows where they were: their batches are copied). A group that is not a run of rows of one
-buffer, in its order,
-is copied into a pooled buffer as before, so where rows go never changes what is delivered,
-only whether it costs a copy. A buffer never holds two runs' (epochs') samples.
+buffer, in its order, is copied into a pooled buffer as before, so where rows go never changes
+what is delivered, only whether it costs a copy. A buffer never holds two runs' (epochs')
+samples.
 
 Used for map-style datasets with the default collate and process workers, without pinned
 memory (a pinned batch is a copy anyway); everything else keeps slots.
@@ -247,17 +247,7 @@ class RowAllocator:
                 if len(forming) >= MAX_FORMING:  # the oldest shape's buffer takes no more rows
                     self._close(forming.pop(next(iter(forming))))
                 forming[sig] = buf = RowBuffer(slot, sig, rows, sizes, regions, run.claims)
-            row = buf.claimed
-            buf.claimed += 1
-            buf.out += 1
-            run.claims += 1
-            if buf.claimed >= buf.cap:
-                buf.closed = True
-                del forming[sig]
-            self._claims[key] = RowRef(buf, row)
-            self.claims += 1
-            return ("row", buf.slot.name, buf.slot.size,
-                    [r + row * n for r, n in zip(buf.regions, buf.sizes, strict=True)])
+            return self._hand_out(run, sig, buf, buf.claimed, key)
 
     def _claim_placed(self, run: _RunRows, key: tuple, sig: tuple) -> tuple:
         """:meth:`claim` for placed rows: the row of the sample's place in its batch's buffer;
@@ -281,10 +271,15 @@ class RowAllocator:
         if row in buf.taken:
             return self._single(key, sig)
         buf.taken.add(row)
+        return self._hand_out(run, fk, buf, row, key)
+
+    def _hand_out(self, run: _RunRows, fk: tuple, buf: RowBuffer, row: int, key: tuple) -> tuple:
+        """Row ``row`` of ``buf`` (``run.forming[fk]``) to task ``key``: the claim's answer;
+        the buffer leaves ``forming`` once it handed out all it hands out (``cap``)."""
         buf.claimed += 1
         buf.out += 1
         run.claims += 1
-        if buf.claimed >= buf.rows:
+        if buf.claimed >= buf.cap:
             buf.closed = True
             del run.forming[fk]
         self._claims[key] = RowRef(buf, row)

@@ -188,8 +188,8 @@ class Run:
 class _Final:
     """An item of a run that is no batch: its last (``("end",)`` or ``("error", e)``), or an
     error that the epoch goes on after (a sample's or a batch's, ``("raise", e[, positions])``,
-    ``ends=False``). It travels
-    behind the run's batches through the batch and transfer stages, so it never overtakes one."""
+    ``ends=False``). It travels behind the run's batches through the batch and transfer
+    stages, so it never overtakes one."""
 
     __slots__ = ("item", "ends")
 

@@ -410,8 +410,9 @@ class SlotPool:
         or None: the largest free slot no batch views, if the budget then has room; else a
         viewed one (a batch the training loop keeps), if the budget has room without its bytes
         (dropped, it becomes an orphan whose bytes count until the batch dies)."""
-        viewed = [s for s in self._free if s.lent and s.viewed()]
-        plain = [s for s in self._free if not any(s is v for v in viewed)]
+        viewed, plain = [], []
+        for s in self._free:
+            (viewed if s.lent and s.viewed() else plain).append(s)
         if plain:
             v = max(plain, key=lambda s: s.size)
             if self.bytes - v.size + size <= self.budget_bytes:

@@ -591,8 +591,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     or ``None``, and ``out_slot`` may be ``rows.CLAIM``: the finished sample (16 KiB or more)
     asks for a batch row, ``("claim", key, signature)``, answered ``("row", name, size,
     offsets)``, ``("slot", name, size)`` or ``("norow",)`` before any other message is served
-    (see :class:`_Claimer`),
-    served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
+    (see :class:`_Claimer`), served in order, ``("stream", key, gen, shard, shards, epoch, seq, slots)``
     (a pull of an iterable dataset's shard, see :class:`Streams`; one slot or ``None`` per
     sample asked) and ``("drop", gen)`` (forget run ``gen``'s streams). Replies:
     ``("many", [reply, ...])`` (see :data:`FLUSH_S`), each ``("ok", key, desc, need, read_s,
