@@ -235,7 +235,8 @@ class Loader:
             transformed sample crosses to the main process. ``False`` adds a separate read
             stage of threads (``read_threads``) for I/O-bound reads (network storage).
         on_error: ``"raise"`` (the error reaches the training loop; a loop that catches it
-            gets the rest of the epoch, as from DataLoader's iterator, less the failing sample)
+            gets the rest of the epoch, as from DataLoader's iterator, less the failing
+            sample's batch in order or the failing sample in completion order)
             or ``"skip"`` (log, count and continue without the sample).
         on_worker_death: ``"retry"`` (replace the worker, re-dispatch its sample) or ``"raise"``.
         max_tries: a sample whose worker dies this many times goes through ``on_error``.
@@ -1123,7 +1124,7 @@ class _EpochIterator:
         kind = item[0]
         if kind != "batch":
             err = item[1] if len(item) > 1 else None
-            lost = item[2] if len(item) > 2 else None  # a batch's error: its samples' positions
+            lost = item[2] if len(item) > 2 else None  # an error's: the positions lost with it
             del item  # no frame of this call keeps the error (its traceback holds this frame)
             if kind == "raise":  # a sample's or a batch's error: the epoch goes on, as DataLoader's
                 self.pipeline.consumed(run)
@@ -1256,6 +1257,7 @@ class _SyncIterator:
                     L._skip(d.index, d.error)
                 elif isinstance(d, Raise):
                     self._done = d.final  # a sample's error: the epoch goes on after it
+                    self.progress.lose(d.lost)  # not loaded again after a resume
                     raise d.error
                 elif isinstance(d, End):
                     self._done = True

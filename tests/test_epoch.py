@@ -92,20 +92,63 @@ def test_raise_policy_raises_and_the_epoch_goes_on_without_the_failing_sample():
 
 
 def test_in_order_raise_delivers_every_batch_before_the_failing_one_first():
+    """In order, the DataLoader's fixed batches: the failing sample's batch is lost whole
+    (its finished samples freed), the batches after it do not move."""
     ep = Epoch(list(range(12)), batch_size=4, in_order=True)
     ep.take(12)
     out = ep.on(Failed(6, 0, Boom()))  # fails before the samples ahead of it finish
     assert out == []
     for pos in (5, 4, 8, 3, 2, 1):
         out += ep.on(Completed(pos, 0, f"r{pos}"))
-    assert out == []
-    out += ep.on(Completed(0, 0, "r0"))
-    assert batches(out) == [[0, 1, 2, 3]]
-    assert [type(d) for d in out] == [Emit, Raise]  # 4 and 5 wait for 7 and 8
-    for pos in (7, 9, 10, 11):
+    assert [d.result for d in out] == ["r5", "r4"]  # batch 1's: lost with sample 6
+    out = ep.on(Completed(0, 0, "r0"))
+    assert batches(out) == [[0, 1, 2, 3]] and [type(d) for d in out] == [Emit, Raise]
+    assert out[1].pos == 6 and out[1].lost == (4, 5, 6, 7)
+    out += ep.on(Completed(7, 0, "r7"))
+    assert isinstance(out[-1], Discard)
+    for pos in (9, 10, 11):
         out += ep.on(Completed(pos, 0, f"r{pos}"))
-    assert batches(out) == [[0, 1, 2, 3], [4, 5, 7, 8], [9, 10, 11]]
-    assert not any(isinstance(d, Discard) for d in out) and ep.ended and ep.raised == 1
+    assert batches(out) == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert ep.ended and ep.raised == 1
+
+
+def test_in_order_a_batchs_samples_not_dispatched_when_it_fails_are_never_loaded():
+    """As the DataLoader, which stops fetching a batch at its first error."""
+    ep = Epoch(list(range(8)), batch_size=4, in_order=True)
+    (t0, t1) = ep.take(2)
+    out = ep.on(Failed(1, 0, Boom()))  # batch 0 is the next one: raised at once
+    assert [type(d) for d in out] == [Raise] and out[0].lost == (0, 1, 2, 3)
+    assert [t.pos for t in ep.take(8)] == [4, 5, 6, 7]  # 2 and 3 are lost with the batch
+    out += ep.on(Completed(0, 0, "r0"))  # in flight when it failed: freed
+    assert [type(d) for d in out] == [Raise, Discard]
+    for pos in (4, 5, 6, 7):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert batches(out) == [[4, 5, 6, 7]] and ep.ended
+
+
+def test_in_order_skipping_fills_a_batch_from_the_next_samples():
+    ep = Epoch(list(range(6)), batch_size=2, in_order=True, skip_errors=True)
+    ep.take(6)
+    out = ep.on(Failed(1, 0, Boom()))
+    for pos in (0, 2, 3, 4, 5):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert batches(out) == [[0, 2], [3, 4], [5]] and ep.skipped == 1
+
+
+def test_in_order_drop_last_never_loads_the_short_remainder():
+    ep = Epoch(list(range(7)), batch_size=3, in_order=True, drop_last=True)
+    assert [t.pos for t in ep.take(10)] == list(range(6))
+    out = []
+    for pos in range(6):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert batches(out) == [[0, 1, 2], [3, 4, 5]] and isinstance(out[-1], End)
+
+
+def test_completion_order_raise_loses_the_failing_sample_alone():
+    ep = Epoch(list(range(4)), batch_size=2)
+    ep.take(4)
+    out = ep.on(Failed(2, 0, Boom()))
+    assert [type(d) for d in out] == [Raise] and out[0].lost == (2,)
 
 
 def test_a_death_redispatches_until_max_tries_then_applies_the_policy():

@@ -247,7 +247,8 @@ def drain(it) -> tuple[list, list[BaseException]]:
 @pytest.mark.parametrize("workers, in_order", [(0, True), (2, True), (2, False)])
 def test_a_loop_that_catches_a_samples_error_gets_the_rest_of_the_epoch(workers, in_order):
     """DataLoader's iterator goes on after an error (it loses that batch); so does the
-    Loader's, which loses only the failing sample."""
+    Loader's: in order it loses that batch too (the same batches as DataLoader's), in
+    completion order only the failing sample."""
     seq, errors = drain(iter(DataLoader(FailsAt(12, 4), 3, num_workers=workers)))
     assert seq == [[0, 1, 2], "error", [6, 7, 8], [9, 10, 11]] and len(errors) == 1
     with Loader(FailsAt(12, 4), 3, num_workers=workers, in_order=in_order, seed=0,
@@ -256,10 +257,50 @@ def test_a_loop_that_catches_a_samples_error_gets_the_rest_of_the_epoch(workers,
             seq, errors = drain(iter(loader))
             assert len(errors) == 1 and "bad sample 4" in str(errors[0])
             got = [b for b in seq if b != "error"]
-            assert sorted(i for b in got for i in b) == [i for i in range(12) if i != 4]
-            assert [len(b) for b in got] == [3, 3, 3, 2]
-            if in_order:  # the error comes after the batches before sample 4, in order
-                assert seq == [[0, 1, 2], "error", [3, 5, 6], [7, 8, 9], [10, 11]]
+            if in_order:  # the DataLoader's batches
+                assert seq == [[0, 1, 2], "error", [6, 7, 8], [9, 10, 11]]
+            else:
+                assert sorted(i for b in got for i in b) == [i for i in range(12) if i != 4]
+                assert [len(b) for b in got] == [3, 3, 3, 2]
+
+
+class Buckets:
+    """A sampler that keeps samples of a shape together, ``bucket`` to a batch (shuffled
+    buckets, as a shape-bucketing sampler does)."""
+
+    def __init__(self, n: int, bucket: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.order = [int(i) for b in rng.permutation(n // bucket)
+                      for i in range(b * bucket, (b + 1) * bucket)]
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class ShapeByBucket(FailsAt):
+    """Sample i is a (2 + i // 4,) array: only samples of one bucket of 4 stack."""
+
+    def __getitem__(self, i: int):
+        super().__getitem__(i)
+        return np.full(2 + i // 4, i, np.int64)
+
+
+@pytest.mark.parametrize("workers, kind", [(0, "process"), (2, "process"), (2, "thread")])
+def test_in_order_errors_leave_a_bucketing_samplers_batches_as_dataloaders(workers, kind):
+    """In order the batches are the DataLoader's, errors or not: a failing sample loses its
+    batch and the later batches keep their buckets (they moved up a place, mixing shapes, so
+    every batch after an error failed to stack)."""
+    bad = range(5, 40, 9)
+    ds, sampler = ShapeByBucket(40, bad), Buckets(40, 4, seed=3)
+    want, _ = drain(iter(DataLoader(ds, 4, sampler=sampler, num_workers=2)))
+    assert want.count("error") == 4 and len(want) == 10
+    with Loader(ds, 4, sampler=sampler, num_workers=workers, worker_kind=kind, in_order=True,
+                autotune=False) as loader:
+        for _ in range(2):
+            assert drain(iter(loader))[0] == want
 
 
 class OddShapeAt(Indexed):

@@ -28,17 +28,21 @@ Rules:
   death of a worker whose sample was re-dispatched does not count twice.
 * Batches hold ``batch_size`` samples, in completion order (default) or in sampler order
   (``in_order``); only the epoch's last batch may be short, and with ``drop_last`` none is
-  (skipped samples shorten the epoch, never a batch in the middle of it).
+  (skipped samples shorten the epoch, never a batch in the middle of it). In order with
+  ``on_error="raise"``, the batches are the DataLoader's: batch ``k`` is positions
+  ``[k * batch_size, (k + 1) * batch_size)`` (kept as fixed ``groups``, below), so an error
+  loses its whole batch and the batches after it are the ones an epoch without it delivers.
 * With ``groups`` (a ``batch_sampler``'s batches), a batch is one group, emitted when all its
   positions are final: the first complete group first (default) or in group order
   (``in_order``); a skipped sample shortens its own group; ``drop_last`` does not apply (the
   batch sampler decides).
 * ``on_error="raise"``: the error goes to the training loop and the epoch goes on, so a loop
-  that catches it gets the batches after it, as from the DataLoader's iterator. Lost with it:
-  the failing sample alone (its batch is made of other samples; the DataLoader, whose batches
-  are fixed, loses the whole batch), or with ``groups`` its whole group (the batch sampler's
-  batch). In order, the error comes after every batch before the failing sample and before any
-  batch after it; only the first error of a group is raised.
+  that catches it gets the batches after it, as from the DataLoader's iterator. Lost with it
+  (:attr:`Raise.lost`): in completion order the failing sample alone (its batch is made of
+  other samples), in order or with ``groups`` its whole batch, as the DataLoader's (the
+  batch's samples not dispatched yet are never loaded). In order, the error comes after every
+  batch before the failing sample's and before any batch after it; only the first error of a
+  batch is raised.
 * A resumed epoch starts with ``done`` positions already final (delivered before a
   checkpoint): they are never dispatched, count towards the epoch's end and ``drop_last``, and
   ``in_order`` steps over them, so the remaining batches are the ones the uninterrupted epoch
@@ -135,6 +139,7 @@ class Raise:
     error: BaseException
     final: bool = False
     pos: int | None = None  # the failing position (the first of a group's, with groups)
+    lost: tuple[int, ...] = ()  # positions lost with it (see Epoch): not loaded after a resume
 
 
 @dataclass(slots=True)
@@ -155,7 +160,9 @@ class Epoch:
         order: dataset indices in sampler order (``order[pos]``).
         batch_size: samples per batch (>= 1).
         drop_last: never emit a short batch (the remainder is discarded).
-        in_order: emit batches in sampler order (DataLoader's); else completion order.
+        in_order: emit batches in sampler order (DataLoader's); else completion order. With
+            ``skip_errors`` false and no ``groups``, the batches are fixed runs of
+            ``batch_size`` positions (``groups`` is set to them), as the DataLoader's.
         skip_errors: ``on_error="skip"`` (else ``"raise"``).
         max_tries: a position whose worker died this many times goes through the error policy.
         groups: sizes of consecutive groups of positions that form the batches (a
@@ -181,7 +188,7 @@ class Epoch:
     _attempt: dict = field(default_factory=dict)  # pos -> current attempt, while in flight
     _tries: dict = field(default_factory=dict)  # pos -> attempts made (re-dispatched ones)
     _deaths: dict = field(default_factory=dict)  # pos -> workers that died holding it
-    _done: dict = field(default_factory=dict)  # in_order: pos -> (pos, index, result) or _SKIPPED
+    _done: dict = field(default_factory=dict)  # in order, skipping: pos -> (pos, index, result) or _SKIPPED
     _ready: list = field(default_factory=list)  # (pos, index, result) waiting for a batch
     _next_pos: int = 0  # in_order: first position not yet moved to _ready
     _final: int = 0  # positions final (emitted, skipped or dropped)
@@ -195,6 +202,15 @@ class Epoch:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        cut = 0  # positions past the last full batch that drop_last drops unloaded
+        if self.in_order and not self.skip_errors and self.groups is None:
+            # The DataLoader's batches (its BatchSampler's): an error loses its whole batch
+            # and the batches after it do not move (a sampler that buckets shapes keeps its
+            # buckets). With skips a batch is filled from the next samples instead.
+            n, B = len(self.order), self.batch_size
+            self.groups = [B] * (n // B) + ([n % B] if n % B else [])
+            if self.drop_last and n % B:
+                cut = n % B
         if self.groups is not None:
             sizes = [int(n) for n in self.groups]
             if sum(sizes) != len(self.order) or any(n < 0 for n in sizes):
@@ -214,6 +230,8 @@ class Epoch:
         self._min_window = (max((int(n) for n in self.groups), default=1) or 1
                             if self.groups is not None else self.batch_size)
         self.done = tuple(self.done)  # read again by others (rows.RowAllocator.open)
+        if cut:
+            self.done += tuple(range(len(self.order) - cut, len(self.order)))
         for pos in self.done:
             if not 0 <= pos < len(self.order):
                 raise ValueError(f"done position {pos} is not in [0, {len(self.order)})")
@@ -379,14 +397,9 @@ class Epoch:
         if not self.skip_errors:
             if self.groups is not None:
                 return self._group_failed(self._group[pos], error, pos)
-            if self.in_order:
-                # As the DataLoader: every batch before the failing sample's is delivered,
-                # then the error is raised; the batches after it follow.
-                self._done[pos] = _Failure(error, pos)
-                return self._advance([])
             self.raised += 1
             self._final += 1
-            return self._emit_full([Raise(error, pos=pos)])
+            return self._emit_full([Raise(error, pos=pos, lost=(pos,))])
         self.skipped += 1
         self._final += 1
         out: list[Decision] = [Skip(pos, int(self.order[pos]), error)]
@@ -432,11 +445,12 @@ class Epoch:
         self._final += len(due)
         if self.in_order:
             return self._group_ready(g, _Failure(error, pos), out)
-        out.append(Raise(error, pos=pos))
+        out.append(Raise(error, pos=pos, lost=tuple(range(self._starts[g], self._starts[g + 1]))))
         return self._maybe_end(out)
 
     def _advance(self, out: list[Decision]) -> list[Decision]:
-        """In order: move the final positions at the cursor to the batch being filled."""
+        """In order, skipping errors: move the final positions at the cursor to the batch
+        being filled (a skipped one is left out: the next samples fill its batch)."""
         prior = self._prior
         while True:
             if self._next_pos < len(prior) and prior[self._next_pos]:
@@ -445,15 +459,6 @@ class Epoch:
             if self._next_pos not in self._done:
                 break
             item = self._done.pop(self._next_pos)
-            if isinstance(item, _Failure):
-                # The full batches before it first; the samples before it that do not fill
-                # a batch wait for the ones after it (only the failing sample is lost).
-                self._emit_batches(out)
-                out.append(Raise(item.error, pos=item.pos))
-                self.raised += 1
-                self._final += 1
-                self._next_pos += 1
-                continue
             if item is not _SKIPPED:
                 self._ready.append(item)
             self._next_pos += 1
@@ -497,7 +502,9 @@ class Epoch:
             items = self._complete.pop(self._next_group)
             self._next_group += 1
             if isinstance(items, _Failure):
-                out.append(Raise(items.error, pos=items.pos))
+                g = self._next_group - 1
+                out.append(Raise(items.error, pos=items.pos,
+                                 lost=tuple(range(self._starts[g], self._starts[g + 1]))))
             elif items:
                 out.append(self._batch(items))
             self._empty_groups()

@@ -16,11 +16,12 @@ Where a sample's row is. In completion order, rows are handed out in claim order
 form in completion order (``epoch.Epoch``): the two agree unless two workers' claims and
 replies cross, a sample fails after claiming, or a worker dies between its claim and its reply
 (a hole). Where the batch a sample joins is known from its position (*placed* rows), the row
-is its place in that batch, whatever order the samples finish in: with a batch sampler, its
-place in its group; in order (``in_order=True``), its place among the samples the epoch
-delivers, which skips the positions that failed for good (:meth:`RowAllocator.hole`) or were
-delivered before a checkpoint (a hole found after later samples claimed their rows leaves those
-rows where they were: their batches are copied). A group that is not a run of rows of one
+is its place in that batch, whatever order the samples finish in: with a batch sampler, and in
+order when errors are raised (the DataLoader's fixed batches, ``epoch.Epoch``), its place in
+its group; in order skipping errors, its place among the samples the epoch delivers, which
+skips the positions that failed for good (:meth:`RowAllocator.hole`) or were delivered before a
+checkpoint (a hole found after later samples claimed their rows leaves those rows where they
+were: their batches are copied). A group that is not a run of rows of one
 buffer, in its order, is copied into a pooled buffer as before, so where rows go never changes
 what is delivered, only whether it costs a copy. A buffer never holds two runs' (epochs')
 samples.
@@ -207,8 +208,9 @@ class RowAllocator:
                     self._close(buf)
 
     def hole(self, gen: int, pos: int) -> None:
-        """In order: position ``pos`` of run ``gen`` will not be delivered (it failed for good);
-        the samples after it move up a place (for the rows claimed from now on)."""
+        """In order, skipping errors: position ``pos`` of run ``gen`` will not be delivered (it
+        failed for good); the samples after it move up a place (for the rows claimed from now
+        on). A run placed by groups ignores it."""
         with self._lock:
             run = self._runs.get(gen)
             if run is not None and run.holes is not None:

@@ -143,9 +143,9 @@ class Run:
 
     ``out`` holds ``("batch", batch, indices, h2d, positions)`` items (``indices``: dataset
     indices, ``positions``: their positions in the epoch's order; ``h2d``: the copy's CUDA
-    events or ``None``) and ``("raise", exception[, positions])`` items (a sample's error, or a
-    batch's that could not be made with the positions of its samples, lost with it; raised in
-    the training loop, the epoch goes on), then ``("end",)`` or ``("error", exception)``."""
+    events or ``None``) and ``("raise", exception, positions)`` items (a sample's error, or a
+    batch's that could not be made, with the positions lost with it; raised in the training
+    loop, the epoch goes on), then ``("end",)`` or ``("error", exception)``."""
 
     gen: int
     epoch_no: int
@@ -187,7 +187,7 @@ class Run:
 
 class _Final:
     """An item of a run that is no batch: its last (``("end",)`` or ``("error", e)``), or an
-    error that the epoch goes on after (a sample's or a batch's, ``("raise", e[, positions])``,
+    error that the epoch goes on after (a sample's or a batch's, ``("raise", e, positions)``,
     ``ends=False``). It travels behind the run's batches through the batch and transfer
     stages, so it never overtakes one."""
 
@@ -751,7 +751,7 @@ class Pipeline:
             else:
                 decisions = run.epoch.on(Failed(pos, attempt, err))
             if current and self.rows.active(gen) and run.epoch.settled(pos):
-                self.rows.hole(gen, pos)  # in order, the samples after it move up a place
+                self.rows.hole(gen, pos)  # in order skipping, the samples after it move up
             self._decide(run, decisions)
 
     def _stream_result(self, stage: Stage, r: Result) -> None:
@@ -880,7 +880,7 @@ class Pipeline:
             elif isinstance(d, Raise) and not d.final:  # the epoch goes on after it
                 run.uncollated += 1  # in the window until delivered, as a batch's samples
                 self.batch_stage.put((run.gen, next(self._batch_ids)),
-                                     (run, _Final(("raise", d.error), ends=False)))
+                                     (run, _Final(("raise", d.error, d.lost), ends=False)))
             elif isinstance(d, (Raise, End)):
                 last = ("error", d.error) if isinstance(d, Raise) else ("end",)
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
