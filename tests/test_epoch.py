@@ -116,11 +116,11 @@ def test_in_order_a_batchs_samples_not_dispatched_when_it_fails_are_never_loaded
     """As the DataLoader, which stops fetching a batch at its first error."""
     ep = Epoch(list(range(8)), batch_size=4, in_order=True)
     (t0, t1) = ep.take(2)
-    out = ep.on(Failed(1, 0, Boom()))  # batch 0 is the next one: raised at once
-    assert [type(d) for d in out] == [Raise] and out[0].lost == (0, 1, 2, 3)
+    out = ep.on(Failed(1, 0, Boom()))
+    assert out == []  # sample 0 may fail too: the DataLoader would raise its error
     assert [t.pos for t in ep.take(8)] == [4, 5, 6, 7]  # 2 and 3 are lost with the batch
-    out += ep.on(Completed(0, 0, "r0"))  # in flight when it failed: freed
-    assert [type(d) for d in out] == [Raise, Discard]
+    out += ep.on(Completed(0, 0, "r0"))  # its result is freed
+    assert [type(d) for d in out] == [Discard, Raise] and out[1].lost == (0, 1, 2, 3)
     for pos in (4, 5, 6, 7):
         out += ep.on(Completed(pos, 0, f"r{pos}"))
     assert batches(out) == [[4, 5, 6, 7]] and ep.ended
@@ -135,13 +135,63 @@ def test_in_order_skipping_fills_a_batch_from_the_next_samples():
     assert batches(out) == [[0, 2], [3, 4], [5]] and ep.skipped == 1
 
 
-def test_in_order_drop_last_never_loads_the_short_remainder():
-    ep = Epoch(list(range(7)), batch_size=3, in_order=True, drop_last=True)
-    assert [t.pos for t in ep.take(10)] == list(range(6))
-    out = []
-    for pos in range(6):
-        out += ep.on(Completed(pos, 0, f"r{pos}"))
+def test_in_order_drop_last_drops_the_short_remainder():
+    # (the Loader's orders are cut to whole batches already: sampler.epoch_order)
+    out = run_all(Epoch(list(range(7)), batch_size=3, in_order=True, drop_last=True))
     assert batches(out) == [[0, 1, 2], [3, 4, 5]] and isinstance(out[-1], End)
+
+
+def test_in_order_the_error_raised_is_the_batchs_first_in_sampler_order():
+    """As the DataLoader's fetch, which stops at a batch's first error: a later sample that
+    failed first waits for the ones before it (the error raised does not depend on timing)."""
+    ep = Epoch(list(range(8)), batch_size=4, in_order=True)
+    ep.take(8)
+    out = ep.on(Failed(2, 0, Boom("late one")))
+    out += ep.on(Completed(0, 0, "r0"))
+    assert not any(isinstance(d, Raise) for d in out)  # sample 1 may fail too
+    out += ep.on(Failed(1, 0, Boom("first one")))
+    (r,) = [d for d in out if isinstance(d, Raise)]
+    assert (r.pos, str(r.error), r.lost) == (1, "first one", (0, 1, 2, 3))
+    out = ep.on(Failed(3, 0, Boom("after it")))  # after the first failure: not raised
+    for pos in (4, 5, 6, 7):
+        out += ep.on(Completed(pos, 0, f"r{pos}"))
+    assert batches(out) == [[4, 5, 6, 7]] and not any(isinstance(d, Raise) for d in out)
+    assert ep.ended and ep.raised == 1
+
+
+def test_in_order_a_sample_due_again_before_the_failing_one_is_still_loaded():
+    ep = Epoch(list(range(4)), batch_size=4, in_order=True)
+    ep.take(4)
+    assert ep.on(Lost(0, 0, Boom("died"))) == []  # due again
+    out = ep.on(Failed(2, 0, Boom("bad")))
+    (t,) = ep.take(4)
+    assert t.pos == 0 and not any(isinstance(d, Raise) for d in out)
+    out += ep.on(Completed(1, 0, "r1")) + ep.on(Completed(t.pos, t.attempt, "r0"))
+    assert [d.pos for d in out if isinstance(d, Raise)] == [2]
+
+
+def test_in_order_an_epoch_whose_last_batch_failed_is_exhausted():
+    """(else the next epoch's samples were never started while the failed batch's members in
+    flight finished)"""
+    ep = Epoch(list(range(8)), batch_size=4, in_order=True)
+    ep.take(5)
+    ep.on(Failed(4, 0, Boom()))  # positions 5-7 are never loaded
+    assert ep.exhausted and ep.take(4) == []
+
+
+def test_in_order_resumed_from_a_completion_order_state_fills_every_batch():
+    """Delivered positions that are not whole batches (a completion-order checkpoint): the
+    remaining samples fill full batches, as before fixed batches (not a short batch at each
+    partly delivered one)."""
+    done = [1, 5, 10, 11, 0, 2, 3, 4]
+    out = run_all(Epoch(list(range(24)), batch_size=4, in_order=True, done=done))
+    assert batches(out) == [[6, 7, 8, 9], [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]
+    out = run_all(Epoch(list(range(12)), batch_size=4, in_order=True, done=[1, 5]), fail={6})
+    assert batches(out) == [[0, 2, 3, 4], [7, 8, 9, 10], [11]]
+    assert [d.lost for d in out if isinstance(d, Raise)] == [(6,)]
+    out = run_all(Epoch(list(range(12)), batch_size=4, in_order=True, done=[4, 5, 6, 7]),
+                  fail={9})  # whole batches: fixed
+    assert batches(out) == [[0, 1, 2, 3]]
 
 
 def test_completion_order_raise_loses_the_failing_sample_alone():
@@ -333,6 +383,7 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
     raised: list = []  # errors raised (the epoch goes on after each)
     ended = False
     in_flight: list = []  # tasks a worker holds (may include superseded attempts)
+    failures: set = set()  # positions whose current attempt failed for good
     window = rng.randint(1, 8)
 
     def apply(decisions: list) -> None:
@@ -354,6 +405,12 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
                 assert not d.final and d.pos is not None
                 if ep.in_order and ep.groups is None:  # after the batches before it
                     assert all(p < d.pos for p in delivered)
+                if ep.groups is not None:  # its group's first failure in sampler order
+                    g = group_of_pos(ep, d.pos)
+                    assert not any(q < d.pos and group_of_pos(ep, q) == g for q in failures)
+                    assert d.lost == tuple(range(sum(ep.groups[:g]), sum(ep.groups[:g + 1])))
+                else:
+                    assert d.lost == (d.pos,)
             elif isinstance(d, End):
                 ended = True
 
@@ -386,14 +443,20 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
                 made.append(res)
                 apply(ep.on(Completed(t.pos, t.attempt, res)))
         elif r < 0.82:
+            if ep.is_current(t.pos, t.attempt) and ep.deaths(t.pos) + 1 >= ep.max_tries:
+                failures.add(t.pos)
             apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
             if rng.random() < 0.3:  # the dead worker's death reported twice
                 apply(ep.on(Lost(t.pos, t.attempt, Boom("died"))))
         elif r < 0.86:  # queued behind a dead worker's sample: back to the queue, blameless
             apply(ep.on(Lost(t.pos, t.attempt, Boom("died"), count=False)))
         elif r < 0.93:
+            if ep.is_current(t.pos, t.attempt):
+                failures.add(t.pos)
             apply(ep.on(Failed(t.pos, t.attempt, Boom("bad sample"))))
         else:
+            if ep.is_current(t.pos, t.attempt):
+                failures.add(t.pos)
             apply(ep.on(Lost(t.pos, t.attempt, TimeoutError(), retry=False)))
             if rng.random() < 0.5:  # the abandoned thread returns after all
                 res = f"late{len(made)}"

@@ -303,6 +303,26 @@ def test_in_order_errors_leave_a_bucketing_samplers_batches_as_dataloaders(worke
             assert drain(iter(loader))[0] == want
 
 
+class SlowFirstFailure(FailsAt):
+    """Samples 1 and 2 raise, 1 after 0.3 s: 2 fails first."""
+
+    def __getitem__(self, i: int):
+        if i == 1:
+            time.sleep(0.3)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("workers, kind", [(2, "process"), (2, "thread")])
+def test_in_order_the_error_is_the_batchs_first_in_sampler_order_whatever_fails_first(workers, kind):
+    ds = SlowFirstFailure(8, {1, 2})
+    seq, errors = drain(iter(DataLoader(ds, 4, num_workers=2)))
+    assert seq == ["error", [4, 5, 6, 7]] and "bad sample 1" in str(errors[0])
+    with Loader(ds, 4, num_workers=workers, worker_kind=kind, in_order=True,
+                autotune=False) as loader:
+        got, errs = drain(iter(loader))
+    assert got == seq and "bad sample 1" in str(errs[0])
+
+
 class OddShapeAt(Indexed):
     """Sample ``odd`` is a (3,) array: the batch it joins cannot be stacked."""
 

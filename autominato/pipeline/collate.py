@@ -288,9 +288,9 @@ def _check_same(samples: Sequence[Any]) -> None:
             "cannot stack samples into a batch: shapes/dtypes differ: "
             f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
             "give a collate_fn or make the transform produce equal shapes (a sampler that "
-            "orders samples so that each batch has one shape needs a batch_sampler: in "
-            "completion order a batch takes the samples that finished first, and in order "
-            "a sample that fails moves the later samples into other batches)"
+            "orders samples so that each batch has one shape needs in_order=True or a "
+            "batch_sampler: in completion order a batch takes the samples that finished "
+            "first)"
         )
 
 

@@ -51,6 +51,8 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -188,13 +190,13 @@ class Epoch:
     _attempt: dict = field(default_factory=dict)  # pos -> current attempt, while in flight
     _tries: dict = field(default_factory=dict)  # pos -> attempts made (re-dispatched ones)
     _deaths: dict = field(default_factory=dict)  # pos -> workers that died holding it
-    _done: dict = field(default_factory=dict)  # in order, skipping: pos -> (pos, index, result) or _SKIPPED
+    _done: dict = field(default_factory=dict)  # in order, not fixed: pos -> (pos, index, result), _SKIPPED or _Failure
     _ready: list = field(default_factory=list)  # (pos, index, result) waiting for a batch
     _next_pos: int = 0  # in_order: first position not yet moved to _ready
     _final: int = 0  # positions final (emitted, skipped or dropped)
     batches: int = 0
     skipped: int = 0
-    raised: int = 0  # positions whose error was raised (on_error="raise")
+    raised: int = 0  # errors raised (on_error="raise"): a sample's, or a group's first
     stragglers: int = 0
     failed: bool = False
     ended: bool = False
@@ -202,36 +204,33 @@ class Epoch:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        cut = 0  # positions past the last full batch that drop_last drops unloaded
-        if self.in_order and not self.skip_errors and self.groups is None:
+        self.done = tuple(self.done)  # read again by others (rows.RowAllocator.open)
+        n, B = len(self.order), self.batch_size
+        self._fixed = 0  # the groups are fixed runs of this many positions (pos // _fixed)
+        if (self.in_order and not self.skip_errors and self.groups is None
+                and not (self.drop_last and n % B) and _whole_batches(self.done, n, B)):
             # The DataLoader's batches (its BatchSampler's): an error loses its whole batch
             # and the batches after it do not move (a sampler that buckets shapes keeps its
-            # buckets). With skips a batch is filled from the next samples instead.
-            n, B = len(self.order), self.batch_size
+            # buckets). With skips, or resumed from a state whose delivered positions are not
+            # whole batches (a completion-order one), a batch is filled from the next samples.
             self.groups = [B] * (n // B) + ([n % B] if n % B else [])
-            if self.drop_last and n % B:
-                cut = n % B
+            self._fixed = B
         if self.groups is not None:
-            sizes = [int(n) for n in self.groups]
-            if sum(sizes) != len(self.order) or any(n < 0 for n in sizes):
-                raise ValueError(f"groups sum to {sum(sizes)}, not to the {len(self.order)} "
+            sizes = list(self.groups) if self._fixed else [int(k) for k in self.groups]
+            if not self._fixed and (sum(sizes) != n or any(k < 0 for k in sizes)):
+                raise ValueError(f"groups sum to {sum(sizes)}, not to the {n} "
                                  "positions of the order")
-            self._group = [g for g, n in enumerate(sizes) for _ in range(n)]  # pos -> group
-            self._starts = [0]  # group -> its first position
-            for n in sizes:
-                self._starts.append(self._starts[-1] + n)
+            self._starts = [0, *itertools.accumulate(sizes)]  # group -> its first position (and the end)
             self._left = sizes  # positions of a group not yet final
             self._members: dict = {}  # group -> items completed
             self._complete: dict = {}  # in_order: group -> items (or _Failure) awaiting its turn
             self._lost_groups: set = set()  # groups lost to an error (raised or waiting to be)
+            self._failing: dict = {}  # lost group -> its first failure in position order, until raised
             self._next_group = 0
-        self._prior = bytearray(len(self.order))  # pos -> 1: final before the epoch ran
+        self._prior = bytearray(n)  # pos -> 1: final before the epoch ran
         # (read at every dispatch: computed once)
-        self._min_window = (max((int(n) for n in self.groups), default=1) or 1
-                            if self.groups is not None else self.batch_size)
-        self.done = tuple(self.done)  # read again by others (rows.RowAllocator.open)
-        if cut:
-            self.done += tuple(range(len(self.order) - cut, len(self.order)))
+        self._min_window = (max(self._left, default=1) or 1
+                            if self.groups is not None and not self._fixed else self.batch_size)
         for pos in self.done:
             if not 0 <= pos < len(self.order):
                 raise ValueError(f"done position {pos} is not in [0, {len(self.order)})")
@@ -239,13 +238,19 @@ class Epoch:
                 self._prior[pos] = 1
                 self._final += 1
                 if self.groups is not None:
-                    self._left[self._group[pos]] -= 1
+                    self._left[self._gid(pos)] -= 1
         if self.groups is not None:
             self._empty_groups()
         else:
             self.batches = self._final // self.batch_size  # the batches delivered before
 
     # -- queries ------------------------------------------------------------------------
+    def _gid(self, pos: int) -> int:
+        """The group of position ``pos`` (with ``groups``)."""
+        if self._fixed:
+            return pos // self._fixed
+        return bisect.bisect_right(self._starts, pos) - 1  # (past empty groups at ``pos``)
+
     @property
     def size(self) -> int:
         return len(self.order)
@@ -336,12 +341,15 @@ class Epoch:
         if isinstance(event, Lost):
             if self.finished or not self.is_current(event.pos, event.attempt):
                 return []
-            if self.groups is not None and self._group[event.pos] in self._lost_groups:
-                # its batch is lost already: not loaded again
+            g = self._gid(event.pos) if self.groups is not None else -1
+            if g >= 0 and g in self._lost_groups and (g not in self._failing
+                                           or event.pos > self._failing[g].pos):
+                # its batch is lost already (and its error is not waiting for this sample):
+                # not loaded again
                 del self._attempt[event.pos]
                 self._deaths.pop(event.pos, None)
                 self._tries.pop(event.pos, None)
-                return self._lost_member(self._group[event.pos], [])
+                return self._lost_member(g, [])
             if event.retry:
                 deaths = self._deaths.get(event.pos, 0) + event.count
                 self._deaths[event.pos] = deaths
@@ -379,7 +387,7 @@ class Epoch:
         self._tries.pop(ev.pos, None)
         item = (ev.pos, int(self.order[ev.pos]), ev.result)
         if self.groups is not None:
-            g = self._group[ev.pos]
+            g = self._gid(ev.pos)
             if g in self._lost_groups:  # its group's batch is lost to an error
                 return self._lost_member(g, [Discard(ev.result)])
             self._members.setdefault(g, []).append(item)
@@ -396,7 +404,12 @@ class Epoch:
         self._tries.pop(pos, None)
         if not self.skip_errors:
             if self.groups is not None:
-                return self._group_failed(self._group[pos], error, pos)
+                return self._group_failed(self._gid(pos), error, pos)
+            if self.in_order:
+                # (a resumed epoch whose batches are not fixed) as the DataLoader: every batch
+                # before the failing sample's is delivered, then the error is raised
+                self._done[pos] = _Failure(error, pos)
+                return self._advance([])
             self.raised += 1
             self._final += 1
             return self._emit_full([Raise(error, pos=pos, lost=(pos,))])
@@ -404,7 +417,7 @@ class Epoch:
         self._final += 1
         out: list[Decision] = [Skip(pos, int(self.order[pos]), error)]
         if self.groups is not None:
-            return self._group_final(self._group[pos], out)
+            return self._group_final(self._gid(pos), out)
         if self.in_order:
             self._done[pos] = _SKIPPED
             return self._advance(out)
@@ -415,42 +428,63 @@ class Epoch:
         completed, or its worker died)."""
         self._left[g] -= 1
         self._final += 1
-        return self._maybe_end(out)
+        return self._group_failure(g, out)
 
     def _group_failed(self, g: int, error: BaseException, pos: int) -> list[Decision]:
         """A position of group ``g`` failed (``on_error="raise"``): the group's batch is lost
-        (its completed members discarded now, the others as they complete); the first error
-        of the group is raised, in group order with ``in_order``."""
-        if g in self._lost_groups:
-            return self._lost_member(g, [])
+        (its completed members discarded now, the others as they complete). Raised: the
+        error of its first failing position in sampler order, as the DataLoader's fetch,
+        which stops at a batch's first error (so the members after it are not loaded: those
+        not dispatched yet, or due again after a death, never are), once every member before
+        it is final (one of them may fail too); in group order with ``in_order``."""
+        first = self._failing.get(g)
+        if g in self._lost_groups and (first is None or pos > first.pos):
+            return self._lost_member(g, [])  # raised already, or after the first failure
         self._left[g] -= 1
         self._final += 1
-        self.raised += 1
-        self._lost_groups.add(g)
-        members = self._members.pop(g, [])
-        self._final += len(members)
-        out: list[Decision] = [Discard(r) for _, _, r in members]
-        # Its members not dispatched yet, or due again after a death, are not loaded at all
-        # (the DataLoader stops fetching a batch at its first error).
-        due = [q for q in self._redo if self._group[q] == g]
+        out: list[Decision] = []
+        if g not in self._lost_groups:
+            self.raised += 1
+            self._lost_groups.add(g)
+            members = self._members.pop(g, [])
+            self._final += len(members)
+            out += [Discard(r) for _, _, r in members]
+            for q in range(max(self._cursor, self._starts[g]), self._starts[g + 1]):
+                if not self._prior[q]:
+                    self._prior[q] = 1  # take() steps over it
+                    self._left[g] -= 1
+                    self._final += 1
+            while self._cursor < len(self._prior) and self._prior[self._cursor]:
+                self._cursor += 1  # (so that the epoch is ``exhausted`` when nothing is left)
+        self._failing[g] = _Failure(error, pos)
+        due = [q for q in self._redo if q > pos and self._gid(q) == g]
         for q in due:
             self._redo.remove(q)
             self._tries.pop(q, None)
             self._deaths.pop(q, None)
-        for q in range(max(self._cursor, self._starts[g]), self._starts[g + 1]):
-            if not self._prior[q]:
-                self._prior[q] = 1  # take() steps over it
-                due.append(q)
         self._left[g] -= len(due)
         self._final += len(due)
-        if self.in_order:
-            return self._group_ready(g, _Failure(error, pos), out)
-        out.append(Raise(error, pos=pos, lost=tuple(range(self._starts[g], self._starts[g + 1]))))
+        return self._group_failure(g, out)
+
+    def _group_failure(self, g: int, out: list[Decision]) -> list[Decision]:
+        """Raise lost group ``g``'s failure if it is due (see :meth:`_group_failed`)."""
+        f = self._failing.get(g)
+        if f is not None and not any(q in self._attempt or q in self._tries
+                                     for q in range(self._starts[g], f.pos)):
+            del self._failing[g]
+            if self.in_order:
+                return self._group_ready(g, f, out)
+            out.append(Raise(f.error, pos=f.pos, lost=self._span(g)))
         return self._maybe_end(out)
 
+    def _span(self, g: int) -> tuple[int, ...]:
+        return tuple(range(self._starts[g], self._starts[g + 1]))
+
     def _advance(self, out: list[Decision]) -> list[Decision]:
-        """In order, skipping errors: move the final positions at the cursor to the batch
-        being filled (a skipped one is left out: the next samples fill its batch)."""
+        """In order without fixed batches (skipping errors, or resumed from a state whose
+        delivered positions are not whole batches): move the final positions at the cursor to
+        the batch being filled (a skipped or failed one is left out: the next samples fill
+        its batch)."""
         prior = self._prior
         while True:
             if self._next_pos < len(prior) and prior[self._next_pos]:
@@ -459,6 +493,15 @@ class Epoch:
             if self._next_pos not in self._done:
                 break
             item = self._done.pop(self._next_pos)
+            if isinstance(item, _Failure):
+                # The full batches before it first; the samples before it that do not fill
+                # a batch wait for the ones after it (only the failing sample is lost).
+                self._emit_batches(out)
+                out.append(Raise(item.error, pos=item.pos, lost=(item.pos,)))
+                self.raised += 1
+                self._final += 1
+                self._next_pos += 1
+                continue
             if item is not _SKIPPED:
                 self._ready.append(item)
             self._next_pos += 1
@@ -502,9 +545,7 @@ class Epoch:
             items = self._complete.pop(self._next_group)
             self._next_group += 1
             if isinstance(items, _Failure):
-                g = self._next_group - 1
-                out.append(Raise(items.error, pos=items.pos,
-                                 lost=tuple(range(self._starts[g], self._starts[g + 1]))))
+                out.append(Raise(items.error, pos=items.pos, lost=self._span(self._next_group - 1)))
             elif items:
                 out.append(self._batch(items))
             self._empty_groups()
@@ -554,3 +595,12 @@ class _Skipped:
 
 
 _SKIPPED = _Skipped()
+
+
+def _whole_batches(done: Sequence[int], n: int, size: int) -> bool:
+    """Whether positions ``done`` (of ``n``) are whole batches of ``size`` (the last may be
+    short): what an in-order epoch with fixed batches has delivered before a checkpoint."""
+    count: dict[int, int] = {}
+    for pos in set(done):
+        count[pos // size] = count.get(pos // size, 0) + 1
+    return all(c == min(size, n - k * size) for k, c in count.items())
