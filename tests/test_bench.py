@@ -450,6 +450,8 @@ def test_bench_controller_is_routed_to_the_controller_suite():
         ["synthetic"],
         10,
     )
+    assert args.shuffle  # as training does; a fixed order flatters an in-order DataLoader
+    assert not cli.build_parser(argv).parse_args([*argv, "--no-shuffle"]).shuffle
 
 
 def test_the_unet_step_trains_on_a_collated_kits19_batch():

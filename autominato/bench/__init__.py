@@ -92,10 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--shuffle",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="every arm takes each epoch in the same random order (autominato's shuffle for "
-        "--seed; as training does), not 0..n-1 (with a fixed order an in-order DataLoader's "
-        "workers get the same samples every epoch)",
+        "--seed), as training does (default); --no-shuffle: 0..n-1 every epoch (then an "
+        "in-order DataLoader's workers get the same samples every epoch, which flatters its "
+        "peak memory)",
     )
     g.add_argument(
         "--no-isolate",
