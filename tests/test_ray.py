@@ -301,6 +301,27 @@ def test_worker_info_and_worker_init_fn_in_actors():
     assert {r[1] for r in rows} <= {0, 1} and {r[2] for r in rows} == {2}
 
 
+def test_a_failing_worker_init_fn_is_raised_as_itself_and_a_later_pass_starts_afresh(tmp_path):
+    """As from worker processes: the user's error (a KeyError here, and a WorkerInitError
+    naming the actor), at once; it was a WorkerDied after three actors in a row had died, its
+    text inside Ray's ActorDiedError. Once the cause is fixed, the next pass runs."""
+    from autominato.pipeline.errors import WorkerInitError
+
+    flag = tmp_path / "ok"
+
+    def init(wid):
+        if not flag.exists():
+            raise KeyError(f"no credentials for worker {wid}")
+
+    with Loader(Indexed(8), 2, worker_kind="ray", workers=2, autotune=False,
+                worker_init_fn=init) as L:
+        with pytest.raises(KeyError, match="no credentials") as info:
+            indices(L)
+        assert isinstance(info.value, WorkerInitError) and "Ray actor" in str(info.value)
+        flag.touch()
+        assert sorted(indices(L)) == list(range(8))
+
+
 class GatedRay(Indexed):
     """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
 

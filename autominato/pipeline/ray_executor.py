@@ -152,7 +152,12 @@ class SampleActor:
             so that a dataset class defined next to the training script unpickles here.
         threads: intra-op (BLAS / OpenMP / torch) threads, the actor's CPUs.
         slot, workers: its worker id in ``[0, workers)``: ``get_worker_info()`` returns it and
-            ``worker_init_fn(slot)`` runs here (a ``WorkerInitError`` fails the actor's start).
+            ``worker_init_fn(slot)`` runs here.
+
+    A start that raises (``worker_init_fn``: a ``WorkerInitError``; the dataset or transform
+    that does not unpickle on this node) does not fail the actor's creation: :meth:`ready`
+    reports it (``("fatal", ErrorReport)``), so that the training loop gets the error itself,
+    as from a worker process, not Ray's ``ActorDiedError`` holding its text.
     """
 
     def __init__(self, wid: int, spec_box: list, sys_path: list[str], threads: int,
@@ -165,14 +170,26 @@ class SampleActor:
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         self.ip = ray.util.get_node_ip_address()
-        self.spec: WorkSpec = ray.get(spec_box[0])
-        limit_threads(threads)
-        seed_globals(self.spec.seed, wid)  # per sample too when there is a transform
         self.name = f"Ray actor {wid} (pid {os.getpid()}, node {self.ip})"
-        start_worker(self.spec, slot, workers, self.name, process=True)
+        self.failed: ErrorReport | None = None
+        try:
+            try:
+                self.spec: WorkSpec = ray.get(spec_box[0])
+            except Exception as e:
+                e.add_note(f"[autominato] the dataset or transform could not be unpickled on node "
+                           f"{self.ip}: its code must be importable on every node of the cluster")
+                raise
+            limit_threads(threads)
+            seed_globals(self.spec.seed, wid)  # per sample too when there is a transform
+            start_worker(self.spec, slot, workers, self.name, process=True)
+        except Exception as e:  # noqa: BLE001 - reported by ready()
+            self.failed = ErrorReport.capture(e, -1, None, self.name)
 
-    def ready(self) -> tuple[int, str, str]:
-        """``(pid, node id, node IP address)``."""
+    def ready(self) -> tuple:
+        """``(pid, node id, node IP address)``, or ``("fatal", ErrorReport)`` when the
+        actor's start raised."""
+        if self.failed is not None:
+            return ("fatal", self.failed)
         return os.getpid(), self.node_id, self.ip
 
     def run(self, index: int, epoch: int, sample: Any = None) -> tuple:
@@ -458,10 +475,14 @@ class RayExecutor:
     # -- Ray's threads: note what happened and post results; no Ray call here ------------------
     def _ready(self, a: _Actor, f: Any) -> None:
         try:
-            pid, node_id, ip = f.result()
+            reply = f.result()
         except BaseException as e:  # noqa: BLE001 - the actor could not start
             self._startup_failed(a, e)
             return
+        if reply[0] == "fatal":  # its start raised: the same in every actor, raised at once
+            self._startup_failed(a, reply[1].to_exception(), fatal=True)
+            return
+        pid, node_id, ip = reply
         with self._lock:
             if self._stopped or a.wid not in self._actors:
                 return
@@ -469,11 +490,20 @@ class RayExecutor:
             a.node, a.local = self._label(node_id, ip), node_id == self._here
             self._startup_deaths = 0
 
-    def _startup_failed(self, a: _Actor, e: BaseException) -> None:
+    def _startup_failed(self, a: _Actor, e: BaseException, fatal: bool = False) -> None:
+        """Actor ``a`` did not start: it died (``e``: Ray's error; replaced until
+        ``max_startup_deaths`` in a row), or its start raised (``fatal``: ``e`` is that error,
+        raised in the training loop at once, as a worker process's ``worker_init_fn`` error;
+        no actor is started again until the workers are resized, a new pass)."""
         with self._lock:
             if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
                 return
             self._doomed.append(a)
+            if fatal:
+                if not self._gave_up:  # (its companions of the same start fail alike)
+                    self._gave_up = True
+                    self._fatal = e
+                return
             self.restarts += 1  # replaced, as a worker process that dies before it is ready
             self._startup_deaths += 1
             if self._startup_deaths < self.max_startup_deaths:
