@@ -16,7 +16,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -541,6 +541,8 @@ class Loader:
         self._started = False
         self._batches_at_iter = 0
         self._sync_skipped = 0
+        self._errors_raised = 0  # errors raised in the training loop, the epoch going on
+        self._samples_lost = 0  # samples lost with them
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
         self._resumed: dict | None = None  # the state the most recent pass resumed
@@ -826,6 +828,13 @@ class Loader:
             worker_init_fn=self.worker_init_fn,
         )
 
+    def _lost_to_error(self, lost: Sequence[Any]) -> None:
+        """An error reached the training loop and the epoch goes on; ``lost``: the samples
+        (their positions or items) that it cost (``errors_raised_total``,
+        ``samples_lost_total``)."""
+        self._errors_raised += 1
+        self._samples_lost += len(lost)
+
     def _skip(self, index: int, error: BaseException) -> None:
         """A sample skipped without workers (``num_workers=0``): as the pipeline's skips."""
         self._sync_skipped += 1
@@ -985,6 +994,8 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=p.speculative_discarded if p else 0,
+            errors_raised_total=self._errors_raised,
+            samples_lost_total=self._samples_lost,
         )
 
 
@@ -1128,6 +1139,7 @@ class _EpochIterator:
             del item  # no frame of this call keeps the error (its traceback holds this frame)
             if kind == "raise":  # a sample's or a batch's error: the epoch goes on, as DataLoader's
                 self.pipeline.consumed(run)
+                self.L._lost_to_error(lost or ())
                 if lost:
                     self.progress.lose(lost)
             else:
@@ -1248,6 +1260,7 @@ class _SyncIterator:
                         # lost with its error, as the DataLoader's batch: not loaded again
                         # after a resume; the epoch goes on
                         self.progress.lose(pos for pos, _, _ in d.items)
+                        L._lost_to_error(d.items)
                         raise
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
@@ -1258,6 +1271,8 @@ class _SyncIterator:
                 elif isinstance(d, Raise):
                     self._done = d.final  # a sample's error: the epoch goes on after it
                     self.progress.lose(d.lost)  # not loaded again after a resume
+                    if not d.final:
+                        L._lost_to_error(d.lost)
                     raise d.error
                 elif isinstance(d, End):
                     self._done = True

@@ -51,6 +51,7 @@ LOADER_METRICS = {
     "autominato_h2d_bandwidth_bytes_per_second",
     "autominato_stragglers_total",
     "autominato_samples_skipped_total",
+    "autominato_samples_lost_total",
     "autominato_worker_restarts_total",
     "autominato_knob_value",
     "autominato_controller_decisions_total",
@@ -179,7 +180,8 @@ def test_each_required_view_is_on_the_dashboard():
     assert by_title["Knob values"]["type"] == "state-timeline"
     assert "autominato_controller_decisions_total" in exprs["Controller decisions"]
     assert "changes(autominato_knob_value" in model["annotations"]["list"][0]["expr"]
-    assert "autominato_stragglers_total" in exprs["Stragglers, skips, restarts"]
+    assert "autominato_stragglers_total" in exprs["Stragglers, skips, losses, restarts"]
+    assert "autominato_samples_lost_total" in exprs["Stragglers, skips, losses, restarts"]
     # The GPU row holds exactly the panels that read NVML / DCGM metrics.
     gpu = {t for t, e in exprs.items() if _metric_names(e) & (NVML_METRICS | DCGM_METRICS)}
     assert gpu == set(dash.gpu_panel_titles()) == {"GPU utilisation", "GPU memory used", "PCIe bandwidth"}

@@ -168,6 +168,48 @@ def test_consumer_and_delivery_counters_match_the_batches_received(ran):
     assert value(fams, "autominato_worker_restarts_total", rank=0) == 0  # thread workers
 
 
+class FailsAt:
+    """12 samples of shape (2,); ``bad`` raise, sample ``odd`` is (3,) (its batch does not stack)."""
+
+    def __init__(self, bad=(), odd=None) -> None:
+        self.bad, self.odd = set(bad), odd
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return np.full(3 if i == self.odd else 2, i, np.int64)
+
+
+@pytest.mark.parametrize("workers, in_order, data, errors, lost", [
+    (0, True, FailsAt(bad=[4, 5]), 1, 3),  # one batch, [3, 4, 5], lost (as DataLoader's)
+    (2, True, FailsAt(bad=[4, 9]), 2, 6),  # two batches lost
+    (2, False, FailsAt(bad=[4, 9]), 2, 2),  # completion order: the failing samples alone
+    (2, True, FailsAt(odd=4), 1, 3),  # the batch that does not stack
+    (0, True, FailsAt(odd=4), 1, 3),
+])
+def test_errors_raised_and_samples_lost_are_the_losses_the_loop_saw(workers, in_order, data,
+                                                                     errors, lost):
+    with Loader(data, 3, num_workers=workers, in_order=in_order, metrics_port=0,
+                autotune=False, prefetch_next_epoch=False) as loader:
+        it, got, seen = iter(loader), 0, 0
+        while True:
+            try:
+                got += len(next(it))
+            except StopIteration:
+                break
+            except (ValueError, RuntimeError):
+                seen += 1
+        assert (seen, got) == (errors, 12 - lost)
+        fams, rank = scrape(loader._telemetry.url), loader._telemetry.rank  # ("0-1": the
+        # module's other loader is "0")
+    assert value(fams, "autominato_errors_raised_total", rank=rank) == errors
+    assert value(fams, "autominato_samples_lost_total", rank=rank) == lost
+    assert value(fams, "autominato_samples_total", rank=rank) == 12 - lost
+
+
 def test_knob_values_and_controller_decisions_are_exported(ran):
     loader, fams, _, _ = ran
     for knob, v in loader.knobs.as_dict().items():

@@ -162,6 +162,11 @@ class LoaderSnapshot:
         nodes: with Ray workers, the transform actors by node (:class:`NodeSnapshot`), else ().
         speculative_discarded_total: samples started for a next epoch that the training loop
             did not ask for (another epoch, order or sampler), so discarded.
+        errors_raised_total: errors raised in the training loop after which the epoch went on
+            (a sample's under ``on_error="raise"``, or a batch's that could not be made).
+        samples_lost_total: samples not delivered because of those errors: the failing sample,
+            and in order or with a batch sampler the rest of its batch (as the DataLoader's);
+            for a batch that could not be made, its samples.
     """
 
     time: float
@@ -183,6 +188,8 @@ class LoaderSnapshot:
     extra: dict[str, float] = field(default_factory=dict)
     nodes: tuple[NodeSnapshot, ...] = ()
     speculative_discarded_total: int = 0
+    errors_raised_total: int = 0
+    samples_lost_total: int = 0
 
     @property
     def idle_ratio(self) -> float:

@@ -200,7 +200,7 @@ class Stream:
                 if self.in_order:  # in the shard's turn, in place of the batch it was in
                     self._queues[event.shard].append(_Failure(event.error, pos))
                     return self._advance([])
-                return [Raise(event.error, pos=pos)]
+                return [Raise(event.error, pos=pos, lost=(pos,))]
             self.skipped += 1
             return [Skip(pos, -1, event.error)]
         if isinstance(event, PullDone):
@@ -269,7 +269,7 @@ class Stream:
             failed = next((i for i, it in enumerate(q[:B]) if type(it) is _Failure), None)
             if failed is not None:  # the error takes the place of the batch it was in
                 f = q.pop(failed)
-                out.append(Raise(f.error, pos=f.pos))
+                out.append(Raise(f.error, pos=f.pos, lost=(f.pos,)))
             elif len(q) >= B:
                 out.append(self._batch(q[:B]))
                 del q[:B]

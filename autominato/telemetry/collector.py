@@ -144,6 +144,8 @@ def _add_samples(
         put("autominato_h2d_bandwidth_bytes_per_second", bandwidth)
     put("autominato_stragglers_total", s.stragglers_total)
     put("autominato_samples_skipped_total", s.skipped_total)
+    put("autominato_errors_raised_total", s.errors_raised_total)
+    put("autominato_samples_lost_total", s.samples_lost_total)
     put("autominato_worker_restarts_total", s.worker_restarts_total)
     put("autominato_speculative_samples_discarded_total", s.speculative_discarded_total)
     for knob in KNOB_NAMES:

@@ -386,7 +386,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         "Stragglers and errors",
         (
             PanelSpec(
-                "Stragglers, skips, restarts", "timeseries", "short",
+                "Stragglers, skips, losses, restarts", "timeseries", "short",
                 (
                     Query(
                         "sum by (rank) (increase(autominato_stragglers_total{"
@@ -401,6 +401,12 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "skipped rank {{rank}}",
                     ),
                     Query(
+                        "sum by (rank) (increase(autominato_samples_lost_total{"
+                        + LOADER
+                        + "}[$__rate_interval]))",
+                        "lost to errors rank {{rank}}",
+                    ),
+                    Query(
                         "sum by (rank) (increase(autominato_worker_restarts_total{"
                         + LOADER
                         + "}[$__rate_interval]))",
@@ -408,7 +414,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     ),
                 ),
                 "Per rate interval: samples that joined a later batch, samples skipped on "
-                "error, and worker processes restarted.",
+                "error, samples lost with an error the training loop caught (the failing "
+                "sample; in order or with a batch_sampler its whole batch), and worker "
+                "processes restarted.",
                 w=24, bars=True,
             ),
         ),

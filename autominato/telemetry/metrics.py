@@ -159,6 +159,18 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Samples dropped by the on_error='skip' policy.",
         (),
     ),
+    "autominato_errors_raised_total": (
+        "counter",
+        "Errors raised in the training loop after which the epoch went on (a sample's under "
+        "on_error='raise', or a batch's that could not be made).",
+        (),
+    ),
+    "autominato_samples_lost_total": (
+        "counter",
+        "Samples not delivered because of an error raised in the training loop (the failing "
+        "sample; in order or with a batch_sampler its whole batch, as DataLoader's).",
+        (),
+    ),
     "autominato_speculative_samples_discarded_total": (
         "counter",
         "Samples started for a next epoch that the training loop did not ask for, discarded.",

@@ -172,6 +172,8 @@ def snapshot_from_samples(
         epoch=int(g(samples, "autominato_epoch", rank=rank)),
         stragglers_total=int(g(samples, "autominato_stragglers_total", rank=rank)),
         skipped_total=int(g(samples, "autominato_samples_skipped_total", rank=rank)),
+        errors_raised_total=int(g(samples, "autominato_errors_raised_total", rank=rank)),
+        samples_lost_total=int(g(samples, "autominato_samples_lost_total", rank=rank)),
         worker_restarts_total=int(g(samples, "autominato_worker_restarts_total", rank=rank)),
         h2d_bytes_total=int(g(samples, "autominato_h2d_bytes_total", rank=rank)),
         h2d_seconds_total=g(samples, "autominato_h2d_copy_seconds_sum", rank=rank),
