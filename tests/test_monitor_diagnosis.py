@@ -427,3 +427,16 @@ def test_a_saturated_fused_pair_is_the_bottleneck_even_when_collate_has_the_larg
     assert share.status == "bad" and d.shares["batch"] > d.shares["read"]
     assert d.kind == "cpu" and d.stage == "transform"
     assert d.summary.startswith("reads and transforms (in the same workers) take 1.20x")
+
+
+def test_the_report_says_what_was_not_delivered_and_only_then():
+    """Skips and caught errors, as the loader counted them (since it started), under the
+    window line; nothing when every sample was delivered."""
+    early = snapshot(0.0, 10, step_s=0.1, wait_s=0.01)
+    late = snapshot(5.0, 60, step_s=0.1, wait_s=0.01)
+    assert "not delivered" not in format_report(diagnose([early, late]))
+    late = replace(late, skipped_total=2, errors_raised_total=3, samples_lost_total=7)
+    d = diagnose([early, late])
+    assert (d.skipped, d.errors, d.lost) == (2, 3, 7)
+    assert ("not delivered since the start: 2 samples skipped (on_error='skip'), 7 lost with "
+            "3 errors the training loop caught") in format_report(d)

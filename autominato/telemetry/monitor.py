@@ -149,6 +149,9 @@ class Diagnosis:
         batches: batches delivered in that window.
         epoch: epoch of the latest snapshot.
         nodes: with Ray workers, the transform actors by node over the window.
+        skipped, errors, lost: since the loader started, samples skipped
+            (``on_error="skip"``), errors raised in the training loop after which the epoch
+            went on, and the samples those errors cost (see ``LoaderSnapshot``).
     """
 
     kind: str
@@ -163,6 +166,9 @@ class Diagnosis:
     batches: int = 0
     epoch: int = 0
     nodes: tuple[NodeRow, ...] = ()
+    skipped: int = 0
+    errors: int = 0
+    lost: int = 0
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
@@ -360,6 +366,9 @@ def diagnose(
         batches=basis.batches,
         epoch=last.epoch,
         nodes=_node_rows(history[-2] if len(history) > 1 and cur.batches else None, last),
+        skipped=last.skipped_total,
+        errors=last.errors_raised_total,
+        lost=last.samples_lost_total,
     )
     if basis.batches == 0:
         return Diagnosis(
@@ -541,6 +550,10 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         else "since the loader started"
     )
     console.print(f"{span}, {diagnosis.batches} batches, epoch {diagnosis.epoch}")
+    if diagnosis.skipped or diagnosis.errors:
+        console.print(f"not delivered since the start: {diagnosis.skipped} samples skipped "
+                      f"(on_error='skip'), {diagnosis.lost} lost with {diagnosis.errors} "
+                      "errors the training loop caught", soft_wrap=True)
     if diagnosis.nodes:
         remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
         for col in ("node", "actors", "samples", "MiB moved", "service ms", "round trip ms"):
