@@ -543,6 +543,8 @@ class Loader:
         self._sync_skipped = 0
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
         self._samples_lost = 0  # samples lost with them
+        # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
+        self._retired = {"skipped": 0, "stragglers": 0, "restarts": 0, "discarded": 0}
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
         self._resumed: dict | None = None  # the state the most recent pass resumed
@@ -792,9 +794,14 @@ class Loader:
                 # This Loader drew its seeds (resume.check refuses a given one): take the state's.
                 self.seed, self.shuffle_seed = int(state["seed"]), int(state["shuffle_seed"])
                 if self._pipeline is not None:  # its workers hold the drawn seed
-                    self.knobs.unsubscribe(self._pipeline.knobs_changed)
-                    self._pipeline.close()
+                    p = self._pipeline
+                    self.knobs.unsubscribe(p.knobs_changed)
+                    p.close()
                     self._pipeline = None
+                    for key, n in (("skipped", p.skipped), ("stragglers", p.stragglers),
+                                   ("restarts", p.worker_restarts),
+                                   ("discarded", p.speculative_discarded)):
+                        self._retired[key] += n  # (counters never go back)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -984,16 +991,17 @@ class Loader:
             batches_total=batches,
             samples_total=samples,
             epoch=self._epoch,
-            stragglers_total=p.stragglers if p else 0,
-            skipped_total=(p.skipped if p else 0) + self._sync_skipped,
-            worker_restarts_total=p.worker_restarts if p else 0,
+            stragglers_total=(p.stragglers if p else 0) + self._retired["stragglers"],
+            skipped_total=(p.skipped if p else 0) + self._sync_skipped + self._retired["skipped"],
+            worker_restarts_total=(p.worker_restarts if p else 0) + self._retired["restarts"],
             h2d_bytes_total=self._h2d_bytes,
             h2d_seconds_total=self._h2d_seconds,
             knobs=self.knobs.as_dict(),
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
-            speculative_discarded_total=p.speculative_discarded if p else 0,
+            speculative_discarded_total=((p.speculative_discarded if p else 0)
+                                         + self._retired["discarded"]),
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
         )

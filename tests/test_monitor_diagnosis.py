@@ -438,5 +438,9 @@ def test_the_report_says_what_was_not_delivered_and_only_then():
     late = replace(late, skipped_total=2, errors_raised_total=3, samples_lost_total=7)
     d = diagnose([early, late])
     assert (d.skipped, d.errors, d.lost) == (2, 3, 7)
-    assert ("not delivered since the start: 2 samples skipped (on_error='skip'), 7 lost with "
-            "3 errors the training loop caught") in format_report(d)
+    assert ("not delivered since the start: 2 samples skipped (on_error='skip'), 7 samples "
+            "lost with 3 errors the training loop caught") in format_report(d)
+    d = diagnose([early, replace(late, skipped_total=0, errors_raised_total=1,
+                                 samples_lost_total=1)])
+    assert ("not delivered since the start: 1 sample lost with 1 error the training loop "
+            "caught\n") in format_report(d)

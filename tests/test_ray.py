@@ -322,6 +322,46 @@ def test_a_failing_worker_init_fn_is_raised_as_itself_and_a_later_pass_starts_af
         assert sorted(indices(L)) == list(range(8))
 
 
+class UntilFlag:
+    """worker_init_fn that raises while ``flag`` is missing; worker ``slow`` checks first,
+    then takes ``delay`` s to fail (a slow node that read the old configuration)."""
+
+    def __init__(self, flag: str, slow: int, delay: float) -> None:
+        self.flag, self.slow, self.delay = flag, slow, delay
+
+    def __call__(self, wid: int) -> None:
+        missing = not os.path.exists(self.flag)
+        if wid == self.slow:
+            time.sleep(self.delay)
+        if missing:
+            raise KeyError(f"no credentials for worker {wid}")
+
+
+def test_a_start_error_from_before_the_fix_does_not_fail_the_next_pass(tmp_path):
+    """The slow actor of the failed start fails after the next pass began: its error is
+    stale (the cause was fixed meanwhile); that pass failed with it, and only the one after
+    ran (review 40)."""
+    flag = tmp_path / "ok"
+    with Loader(Indexed(60), 2, worker_kind="ray", workers=2, autotune=False,
+                transform=Slow(0.1), worker_init_fn=UntilFlag(str(flag), slow=1, delay=3.0)) as L:
+        with pytest.raises(KeyError):
+            indices(L)
+        flag.touch()
+        assert sorted(indices(L)) == list(range(60))
+
+
+class BadState(Indexed):
+    def __setstate__(self, state):
+        raise OSError("cannot open the shard on this node")
+
+
+def test_a_dataset_that_cannot_be_unpickled_on_an_actor_raises_its_own_error():
+    """Not Ray's RaySystemError holding its text (review 40)."""
+    with Loader(BadState(8), 2, worker_kind="ray", workers=1, autotune=False) as L:
+        with pytest.raises(OSError, match="cannot open the shard"):
+            indices(L)
+
+
 class GatedRay(Indexed):
     """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
 

@@ -210,6 +210,21 @@ def test_errors_raised_and_samples_lost_are_the_losses_the_loop_saw(workers, in_
     assert value(fams, "autominato_samples_total", rank=rank) == 12 - lost
 
 
+def test_counters_go_on_when_a_resume_rebuilds_the_pipeline():
+    """load_state_dict with a drawn seed rebuilds the pipeline: its counters went back to 0
+    (a skip counted before vanished; review 40)."""
+    with Loader(FailsAt(bad=[5]), 3, num_workers=2, worker_kind="thread", on_error="skip",
+                autotune=False) as loader:
+        assert len([b for b in loader]) == 4
+        assert loader.snapshot().skipped_total == 1
+        with Loader(FailsAt(), 3, num_workers=0, autotune=False) as other:
+            state = other.state_dict()
+        loader.load_state_dict(state)  # another drawn seed: the pipeline is rebuilt
+        assert loader._pipeline is None and loader.snapshot().skipped_total == 1
+        list(loader)
+        assert loader.snapshot().skipped_total == 2
+
+
 def test_knob_values_and_controller_decisions_are_exported(ran):
     loader, fams, _, _ = ran
     for knob, v in loader.knobs.as_dict().items():

@@ -176,9 +176,14 @@ class SampleActor:
             try:
                 self.spec: WorkSpec = ray.get(spec_box[0])
             except Exception as e:
-                e.add_note(f"[autominato] the dataset or transform could not be unpickled on node "
-                           f"{self.ip}: its code must be importable on every node of the cluster")
-                raise
+                # Ray wraps what unpickling raised (a RaySystemError around it): the user's own
+                cause = getattr(e, "client_exc", None)
+                err = cause if isinstance(cause, Exception) else e
+                if isinstance(err, ImportError):
+                    err.add_note(f"[autominato] the dataset or transform could not be unpickled "
+                                 f"on node {self.ip}: its code must be importable on every node "
+                                 "of the cluster")
+                raise err from None
             limit_threads(threads)
             seed_globals(self.spec.seed, wid)  # per sample too when there is a transform
             start_worker(self.spec, slot, workers, self.name, process=True)
@@ -224,6 +229,7 @@ class _Actor:
     retiring: bool = False
     timed_out: float | None = None
     slot: int = 0  # its worker id for get_worker_info / worker_init_fn, in [0, workers)
+    wave: int = 0  # the executor's start wave when it was started (see _startup_failed)
 
 
 @dataclass
@@ -282,6 +288,7 @@ class RayExecutor:
         self._startup_deaths = 0
         self._fatal: BaseException | None = None
         self._gave_up = False  # actors failed to start max_startup_deaths times in a row
+        self._wave = 0  # bumped at each new chance (resize): see _startup_failed
         self._doomed: list[_Actor] = []  # to kill (retired, or dead) from the scheduler thread
         self._nodes: dict[str, _Node] = {}
         self._stopped = False
@@ -341,6 +348,7 @@ class RayExecutor:
             start = max(0, n - len(live))
             if start:
                 self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
+                self._wave += 1  # (a start error of an actor started before is stale)
             # Retire the surplus, the highest ids first as with worker processes, so that ids
             # stay in [0, n) (busy ones finish their sample first).
             live.sort(key=lambda a: -a.slot)
@@ -444,9 +452,10 @@ class RayExecutor:
             taken = {a.slot for a in self._actors.values() if not a.retiring}
             slot = next(i for i in range(len(taken) + 1) if i not in taken)
             workers = max(self.want, slot + 1)
+            wave = self._wave
         handle = self._cls.remote(wid, [self._spec_ref], list(sys.path), self._threads,
                                   slot, workers)
-        a = _Actor(wid, handle, time.monotonic(), slot=slot)
+        a = _Actor(wid, handle, time.monotonic(), slot=slot, wave=wave)
         with self._lock:
             stopped = self._stopped
             if not stopped:
@@ -494,13 +503,18 @@ class RayExecutor:
         """Actor ``a`` did not start: it died (``e``: Ray's error; replaced until
         ``max_startup_deaths`` in a row), or its start raised (``fatal``: ``e`` is that error,
         raised in the training loop at once, as a worker process's ``worker_init_fn`` error;
-        no actor is started again until the workers are resized, a new pass)."""
+        no actor is started again until the workers are resized, a new pass). The error of an
+        actor started before the latest new chance is stale (the cause may be fixed since, as
+        the process workers' ``_fatal_wave``): it is replaced, not raised."""
         with self._lock:
             if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
                 return
             self._doomed.append(a)
             if fatal:
-                if not self._gave_up:  # (its companions of the same start fail alike)
+                if a.wave < self._wave:
+                    log.debug("Ray actor %d: a stale start error (%s); replacing it", a.wid,
+                              _first_line(e))
+                elif not self._gave_up:  # (its companions of the same start fail alike)
                     self._gave_up = True
                     self._fatal = e
                 return

@@ -507,7 +507,13 @@ class Pipeline:
 
     def _fail_runs(self, exc: BaseException) -> None:
         """The pipeline cannot serve the live runs (workers die before they are ready): each
-        gets ``exc``; the next run tries again with fresh workers."""
+        gets ``exc``; the next run tries again with fresh workers. With no run live but a
+        speculative one (a worker that failed to start after a short epoch ended) it is logged,
+        not lost silently."""
+        if all(run.speculative for run in self.runs.values()):
+            text = str(exc).strip().splitlines()
+            log.warning("a worker could not start (%s: %s); no epoch is running: workers start "
+                        "again with the next one", type(exc).__name__, text[0] if text else "")
         for run in list(self.runs.values()):
             self._end_run(run, ("error", exc))
 

@@ -512,6 +512,10 @@ def _fmt(value: float | None, unit: str) -> str:
     return f"{value:.0%}" if unit in ("of time", "of batches") else f"{value:.2f}"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: int = 100) -> str:
     """Render ``diagnosis`` as a text table (metric, current, running mean, threshold, status)
     followed by the diagnosis and its suggestion; plain text without colour codes.
@@ -550,10 +554,14 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         else "since the loader started"
     )
     console.print(f"{span}, {diagnosis.batches} batches, epoch {diagnosis.epoch}")
-    if diagnosis.skipped or diagnosis.errors:
-        console.print(f"not delivered since the start: {diagnosis.skipped} samples skipped "
-                      f"(on_error='skip'), {diagnosis.lost} lost with {diagnosis.errors} "
-                      "errors the training loop caught", soft_wrap=True)
+    parts = []
+    if diagnosis.skipped:
+        parts.append(f"{_count(diagnosis.skipped, 'sample')} skipped (on_error='skip')")
+    if diagnosis.errors:
+        parts.append(f"{_count(diagnosis.lost, 'sample')} lost with "
+                     f"{_count(diagnosis.errors, 'error')} the training loop caught")
+    if parts:
+        console.print("not delivered since the start: " + ", ".join(parts), soft_wrap=True)
     if diagnosis.nodes:
         remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
         for col in ("node", "actors", "samples", "MiB moved", "service ms", "round trip ms"):
