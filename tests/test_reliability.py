@@ -732,6 +732,11 @@ def test_twenty_epochs_keep_memory_and_file_descriptors_flat():
                 n += len(idx)
             assert n == 24
             if pids is None:
+                # (epoch 0's 24 small samples may all have come from the first worker ready:
+                # the second one can still be starting then)
+                deadline = time.monotonic() + 30
+                while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 pids = loader.worker_pids()
             assert loader.worker_pids() == pids  # no worker was replaced: the sum is comparable
             rss.append(anon_rss(pids))
