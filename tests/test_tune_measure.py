@@ -104,7 +104,9 @@ def test_reports_start_their_thread_only_after_the_first_batches():
     measure(Watched(n=50), SleepStep(0.0), warmup_batches=0, window_batches=6, report_every=2,
             on_report=lambda i, idle: seen.append(i))
     assert "autominato-tune-report" not in names_at_first_batch[0]
-    assert seen == [2, 4]
+    # (the report of batch 2 may be superseded by that of batch 4 before the new thread
+    # takes it: only the newest report waits, see the next test; CI saw [4] once)
+    assert seen in ([2, 4], [4])
 
 
 def test_reports_slower_than_the_batches_do_not_pile_up():
