@@ -203,7 +203,8 @@ class Loader:
             (default ``True``, unlike the DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
             are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
-            to each worker when it changed; ``worker_init_fn`` then runs again).
+            to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
+            then replaced by new ones).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); default is completion
             order, where a slow sample joins a later batch of the same epoch.

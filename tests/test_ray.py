@@ -362,6 +362,25 @@ def test_a_dataset_that_cannot_be_unpickled_on_an_actor_raises_its_own_error():
             indices(L)
 
 
+class Offset(Indexed):
+    offset = 0
+
+    def __getitem__(self, i: int):
+        return np.full((4, 5), i + self.offset, np.float32), i + self.offset
+
+
+def test_persistent_workers_false_gives_actors_the_dataset_as_it_is_at_each_epoch():
+    """As process workers (and the DataLoader's fresh workers): a change made between epochs
+    is seen; the actors kept their first copy (review 40)."""
+    ds = Offset(6)
+    with Loader(ds, 3, worker_kind="ray", workers=2, autotune=False,
+                persistent_workers=False) as L:
+        assert sorted(indices(L)) == list(range(6))
+        ds.offset = 100
+        assert sorted(indices(L)) == list(range(100, 106))
+        assert sorted(indices(L)) == list(range(100, 106))  # unchanged: the actors stay
+
+
 class GatedRay(Indexed):
     """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
 

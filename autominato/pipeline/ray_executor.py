@@ -230,6 +230,7 @@ class _Actor:
     timed_out: float | None = None
     slot: int = 0  # its worker id for get_worker_info / worker_init_fn, in [0, workers)
     wave: int = 0  # the executor's start wave when it was started (see _startup_failed)
+    spec_gen: int = 0  # the spec it holds (see reload)
 
 
 @dataclass
@@ -289,6 +290,7 @@ class RayExecutor:
         self._fatal: BaseException | None = None
         self._gave_up = False  # actors failed to start max_startup_deaths times in a row
         self._wave = 0  # bumped at each new chance (resize): see _startup_failed
+        self._spec_gen = 0  # bumped by reload: actors of an older spec are not kept
         self._doomed: list[_Actor] = []  # to kill (retired, or dead) from the scheduler thread
         self._nodes: dict[str, _Node] = {}
         self._stopped = False
@@ -340,7 +342,8 @@ class RayExecutor:
             # Actors retired while busy still run (and hold their ids): they serve on, lowest
             # id first, rather than new actors taking the same ids beside them.
             for a in sorted((a for a in self._actors.values()
-                             if a.retiring and a.timed_out is None), key=lambda a: a.slot):
+                             if a.retiring and a.timed_out is None
+                             and a.spec_gen == self._spec_gen), key=lambda a: a.slot):
                 if len(live) >= n:
                     break
                 a.retiring = False
@@ -360,6 +363,28 @@ class RayExecutor:
                     doomed.append(a)
         self._kill(doomed)
         for _ in range(start):
+            self._start()
+
+    def reload(self, spec: WorkSpec) -> None:
+        """Serve ``spec`` from now on (``persistent_workers=False``, the dataset changed since
+        the actors got theirs): every actor is replaced by a new one that holds it, a busy one
+        once its sample is done, as the DataLoader's workers are new at each epoch
+        (``worker_init_fn`` runs again). Call from the scheduler thread."""
+        ref = self._ray.put(spec)
+        with self._lock:
+            self._spec_ref = ref
+            self._spec_gen += 1
+            self._startup_deaths, self._gave_up = 0, False
+            self._wave += 1
+            doomed = []
+            for a in list(self._actors.values()):
+                a.retiring = True
+                if a.key is None:
+                    del self._actors[a.wid]
+                    doomed.append(a)
+            n = self.want
+        self._kill(doomed)
+        for _ in range(n):
             self._start()
 
     @property
@@ -452,10 +477,9 @@ class RayExecutor:
             taken = {a.slot for a in self._actors.values() if not a.retiring}
             slot = next(i for i in range(len(taken) + 1) if i not in taken)
             workers = max(self.want, slot + 1)
-            wave = self._wave
-        handle = self._cls.remote(wid, [self._spec_ref], list(sys.path), self._threads,
-                                  slot, workers)
-        a = _Actor(wid, handle, time.monotonic(), slot=slot, wave=wave)
+            wave, spec_ref, spec_gen = self._wave, self._spec_ref, self._spec_gen
+        handle = self._cls.remote(wid, [spec_ref], list(sys.path), self._threads, slot, workers)
+        a = _Actor(wid, handle, time.monotonic(), slot=slot, wave=wave, spec_gen=spec_gen)
         with self._lock:
             stopped = self._stopped
             if not stopped:

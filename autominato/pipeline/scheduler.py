@@ -370,7 +370,11 @@ class Pipeline:
 
     @property
     def _resends(self) -> bool:
-        return not self.cfg.persistent_workers and self.procs is not None
+        """The workers hold a copy of the dataset that ``persistent_workers=False`` renews
+        when it changed: processes (sent to them) and Ray actors (replaced)."""
+        return not self.cfg.persistent_workers and (
+            self.procs is not None
+            or any(hasattr(st.executor, "reload") for st in self.sample_stages))
 
     def _pickled_dataset(self) -> bytes:
         import cloudpickle
@@ -476,7 +480,12 @@ class Pipeline:
         elif kind == "start":
             run, payload = ev[1], ev[2]
             if payload is not None:
-                self.procs.pool.send_dataset(payload)
+                if self.procs is not None:
+                    self.procs.pool.send_dataset(payload)
+                else:  # Ray actors: new ones, that hold the dataset as it is now
+                    for st in self.sample_stages:
+                        if hasattr(st.executor, "reload"):
+                            st.executor.reload(self.spec)
             self._begin(run)
         elif kind == "fatal":  # worker_init_fn raised in a thread worker
             self._fail_runs(ev[1])
