@@ -352,6 +352,7 @@ class RayExecutor:
             if start:
                 self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
                 self._wave += 1  # (a start error of an actor started before is stale)
+                self._fatal = None
             # Retire the surplus, the highest ids first as with worker processes, so that ids
             # stay in [0, n) (busy ones finish their sample first).
             live.sort(key=lambda a: -a.slot)
@@ -374,7 +375,7 @@ class RayExecutor:
         with self._lock:
             self._spec_ref = ref
             self._spec_gen += 1
-            self._startup_deaths, self._gave_up = 0, False
+            self._startup_deaths, self._gave_up, self._fatal = 0, False, None
             self._wave += 1
             doomed = []
             for a in list(self._actors.values()):

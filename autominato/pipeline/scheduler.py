@@ -521,8 +521,11 @@ class Pipeline:
         not lost silently."""
         if all(run.speculative for run in self.runs.values()):
             text = str(exc).strip().splitlines()
-            log.warning("a worker could not start (%s: %s); no epoch is running: workers start "
-                        "again with the next one", type(exc).__name__, text[0] if text else "")
+            said = f"{type(exc).__name__}: {text[0] if text else ''}"
+            if said != getattr(self, "_start_warned", None):  # (replacements fail alike)
+                self._start_warned = said
+                log.warning("a worker could not start (%s); no epoch is running: workers start "
+                            "again with the next one", said)
         for run in list(self.runs.values()):
             self._end_run(run, ("error", exc))
 
