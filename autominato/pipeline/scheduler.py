@@ -258,6 +258,7 @@ class Pipeline:
             # persistent_workers=False: the dataset as the workers hold it, to send it again
             # when it changed (see start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
+            self._start_warned: str | None = None  # the last start failure logged (_fail_runs)
         except BaseException:
             for st in getattr(self, "sample_stages", ()):
                 if st.executor is not self.procs:
@@ -522,7 +523,7 @@ class Pipeline:
         if all(run.speculative for run in self.runs.values()):
             text = str(exc).strip().splitlines()
             said = f"{type(exc).__name__}: {text[0] if text else ''}"
-            if said != getattr(self, "_start_warned", None):  # (replacements fail alike)
+            if said != self._start_warned:  # (replacements fail alike)
                 self._start_warned = said
                 log.warning("a worker could not start (%s); no epoch is running: workers start "
                             "again with the next one", said)
