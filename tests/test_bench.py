@@ -87,7 +87,7 @@ def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
         assert 0 <= r.p99_wait_s <= r.wall_s, name
         assert 0 < r.build_s <= r.first_batch_s == r.busy[0][0] < r.wall_s, name
         assert r.cpu_s > 0, name
-        assert r.peak_pss_bytes >= r.start_pss_bytes > 0, name
+        assert r.peak_memory_bytes >= r.start_memory_bytes > 0, name
         # Four 20 ms sleeps in steps, never more busy time than wall time.
         busy = sum(b - a for a, b in r.busy)
         assert 4 * 0.02 <= busy <= r.wall_s, name
@@ -137,8 +137,8 @@ def test_csv_columns_are_stable(all_arms):
         "idle_ratio",
         "p99_wait_s",
         "cpu_s",
-        "peak_pss_bytes",
-        "start_pss_bytes",
+        "peak_memory_bytes",
+        "start_memory_bytes",
         "gpu_util_mean",
         "pcie_rx_bytes_per_s",
         "pcie_tx_bytes_per_s",
@@ -155,7 +155,7 @@ def test_csv_columns_are_stable(all_arms):
         "idle_ratio",
         "p99_wait_s",
         "cpu_s",
-        "peak_pss_bytes",
+        "peak_memory_bytes",
     )
     stats = [f"{m}_{s}" for m in metrics for s in ("median", "min", "max")]
     assert list(rows[0]) == [
@@ -215,7 +215,7 @@ def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind
     # Sampled from this process over the child's span: the child's tree (itself + 2 workers)
     # used CPU and memory of its own.
     assert r["span_end"] - r["span_start"] == pytest.approx(r["wall_s"])
-    assert r["cpu_s"] > 0 and r["peak_pss_bytes"] > r["start_pss_bytes"] > 0
+    assert r["cpu_s"] > 0 and r["peak_memory_bytes"] > r["start_memory_bytes"] > 0
     after = {p.pid for p in __import__("psutil").Process().children(recursive=True)}
     assert after <= before
 
@@ -255,8 +255,8 @@ def test_usage_between_cuts_a_span_out_of_the_samples():
     # (monotonic s, CPU-seconds so far, PSS bytes): samples every 0.1 s.
     s.series = [(0.0, 0.0, 100), (0.1, 0.2, 300), (0.2, 0.5, 900), (0.3, 0.6, 200), (0.4, 0.9, 50)]
     u = s.usage_between(0.15, 0.25)  # widened to the samples at 0.1 and 0.3
-    assert u.cpu_s == pytest.approx(0.4) and u.peak_pss_bytes == 900
-    assert u.start_pss_bytes == 300 and u.samples == 3
+    assert u.cpu_s == pytest.approx(0.4) and u.peak_memory_bytes == 900
+    assert u.start_memory_bytes == 300 and u.samples == 3
     assert s.usage_between(-1.0, 9.0).cpu_s == pytest.approx(0.9)
 
 
@@ -536,7 +536,7 @@ def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
         assert math.isnan(r.ratio_to_floor)
     raw = {"indices": [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 5, 5], "epoch_ends": [6, 12],
            "wall_s": 1.0, "build_s": 0.1, "first_batch_s": 0.2, "idle_ratio": 0.0,
-           "p99_wait_s": 0.0, "cpu_s": 1.0, "peak_pss_bytes": 1.0, "start_pss_bytes": 1.0,
+           "p99_wait_s": 0.0, "cpu_s": 1.0, "peak_memory_bytes": 1.0, "start_memory_bytes": 1.0,
            "gpu_util_mean": 0.0, "pcie_rx_bytes_per_s": 0.0, "pcie_tx_bytes_per_s": 0.0,
            "busy": [], "batches": 6}
     rec = _record(wl, Arm("x", "dataloader"), 0, 0, 1.0, raw)
@@ -642,11 +642,11 @@ def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thr
         usage = s.stop()
     assert child.exitcode == 0
     assert usage.cpu_s >= 0.3  # the child's spin (and the allocation), seen from outside
-    assert usage.peak_pss_bytes - usage.start_pss_bytes >= 150 * 2**20
+    assert usage.peak_memory_bytes - usage.start_memory_bytes >= 150 * 2**20
     assert usage.samples >= 5
     # The fork shares this process's pages with the sampler (its PSS halved): the sampler
     # adds its share back, so the tree's start is what it was before the fork.
-    assert abs(usage.start_pss_bytes - before) < 0.15 * before
+    assert abs(usage.start_memory_bytes - before) < 0.15 * before
     assert s._pid == 0 and sampler_pid not in {c.pid for c in psutil.Process().children()}  # reaped
 
 

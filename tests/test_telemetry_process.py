@@ -28,6 +28,15 @@ for line in sys.stdin:
             pass
     elif cmd == "alloc":  # this many bytes, every page written
         held.append(np.ones(int(arg), np.uint8))
+    elif cmd in ("shm", "shmmap"):  # this many bytes written into a memory file; "shm":
+        import mmap, os                 # unmapped, only its descriptor kept open
+        fd = os.memfd_create("test")
+        os.ftruncate(fd, int(arg))
+        m = mmap.mmap(fd, int(arg))
+        m.write(b"x" * int(arg))
+        if cmd == "shm":
+            m.close()
+        held.append((fd, m))
     elif cmd == "spawn":  # a child of its own that burns this much CPU, then sleeps
         code = (
             f"import time\\nwhile time.process_time() < {float(arg)}: pass\\n"
@@ -88,10 +97,27 @@ def test_memory_grows_by_the_bytes_the_process_wrote(child):
         assert 60 * MiB <= grown <= 72 * MiB, (field, grown / MiB)
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create")
+def test_the_footprint_counts_shared_memory_that_no_process_maps_once(child):
+    meter = ProcessMeter(child.proc.pid, pss=True)
+    before = meter.read()
+    child.do("shm", 64 * MiB)  # written, unmapped, kept: a batch sent and not yet read
+    unmapped = meter.read()
+    # PSS sees no page of it; the footprint sees the machine's shared memory grow.
+    assert unmapped.pss_bytes - before.pss_bytes < 8 * MiB
+    assert 60 * MiB <= unmapped.footprint_bytes - before.footprint_bytes <= 72 * MiB
+    child.do("shmmap", 64 * MiB)  # written and kept mapped: in PSS, counted once
+    mapped = meter.read()
+    assert 60 * MiB <= mapped.pss_bytes - unmapped.pss_bytes <= 72 * MiB
+    assert 60 * MiB <= mapped.footprint_bytes - unmapped.footprint_bytes <= 72 * MiB
+    assert mapped.processes[0].shmem_pss_bytes >= 60 * MiB
+
+
 def test_pss_is_read_only_when_asked_for(child):
     r = ProcessMeter(child.proc.pid).read()
     assert r.processes[0].pss_bytes is None
     assert r.pss_bytes == r.processes[0].rss_bytes  # RSS stands in
+    assert r.shmem_gained_bytes is None and r.footprint_bytes == r.pss_bytes
 
 
 def test_a_listed_worker_counts_as_a_worker_and_its_cpu_outlives_it(child):

@@ -2,9 +2,11 @@
 
 * :class:`TreeSampler`: a thread (:class:`ForkedTreeSampler`: a forked child process) that
   reads a process tree with the process meter
-  (:mod:`autominato.telemetry.process`) and sums CPU-seconds and PSS (proportional set size:
-  shared pages, ``/dev/shm`` included, are split between the processes that map them, so the
-  sum over a tree counts each page once).
+  (:mod:`autominato.telemetry.process`) and sums CPU-seconds and memory: the tree's footprint
+  (PSS, proportional set size, which splits shared pages between the processes that map them
+  so that the sum counts each page once, with the shared memory the machine gained since the
+  first sample in place of the tree's shared pages where that is more: shared memory that no
+  process has mapped, such as prefetched batches the consumer has not touched, is in no PSS).
 * :class:`NvmlSampler`: GPU utilisation and PCIe throughput from NVML (``pynvml``), when a GPU
   and ``nvidia-ml-py`` are present.
 * :func:`consume`: the training loop. It times the span from building the loader to the end of
@@ -37,25 +39,27 @@ class TreeUsage:
     Attributes:
         cpu_s: user + system CPU-seconds spent during the span by the root and every process
             seen in its tree (children seen only between two samples are missed).
-        peak_pss_bytes: highest sum of PSS over the tree at any sample, bytes.
-        start_pss_bytes: sum of PSS when sampling started, bytes (the baseline).
+        peak_memory_bytes: highest footprint of the tree at any sample (``Reading.
+            footprint_bytes`` of :mod:`autominato.telemetry.process`), bytes.
+        start_memory_bytes: the footprint when sampling started, bytes (the baseline).
         samples: number of samples taken.
     """
 
     cpu_s: float
-    peak_pss_bytes: int
-    start_pss_bytes: int
+    peak_memory_bytes: int
+    start_memory_bytes: int
     samples: int
 
 
 class TreeSampler:
-    """Samples CPU-seconds and PSS of the process tree rooted at ``pid`` every ``interval`` s.
+    """Samples CPU-seconds and memory (footprint) of the process tree rooted at ``pid`` every ``interval`` s.
 
     The readings come from the process meter (:class:`~autominato.telemetry.process.
-    ProcessMeter` over the root and all its descendants, with PSS): CPU time is that of
+    ProcessMeter` over the root and all its descendants, with PSS and the machine's shared
+    memory): CPU time is that of
     every process seen in the tree since sampling started (a child seen only between two
     samples is missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
-    PSS bytes)``, so that :meth:`usage_between` can cut out a span that another process
+    footprint bytes)``, so that :meth:`usage_between` can cut out a span that another process
     timed (CLOCK_MONOTONIC is system-wide on Linux).
 
     Sampling ``pid`` from another process keeps the sampler's thread out of the measured
@@ -75,7 +79,7 @@ class TreeSampler:
     def _record(self) -> None:
         r = self.meter.read()
         cpu = max(0.0, r.cpu_seconds_total - self._base)
-        self.series.append((r.time, cpu, r.pss_bytes + self._own_share()))
+        self.series.append((r.time, cpu, r.footprint_bytes + self._own_share()))
 
     def _own_share(self) -> int:
         """Bytes to add to the tree's PSS: 0, or, for a sampler running in a process that it
@@ -94,7 +98,7 @@ class TreeSampler:
     def _first_sample(self) -> None:
         r = self.meter.read()
         self._base = r.cpu_seconds_total
-        self.series = [(r.time, 0.0, r.pss_bytes + self._own_share())]
+        self.series = [(r.time, 0.0, r.footprint_bytes + self._own_share())]
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -121,8 +125,8 @@ class TreeSampler:
         rows = self.series[i : j + 1]
         return TreeUsage(
             cpu_s=rows[-1][1] - rows[0][1],
-            peak_pss_bytes=int(max(r[2] for r in rows)),
-            start_pss_bytes=int(rows[0][2]),
+            peak_memory_bytes=int(max(r[2] for r in rows)),
+            start_memory_bytes=int(rows[0][2]),
             samples=len(rows),
         )
 

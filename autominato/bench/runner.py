@@ -101,8 +101,8 @@ class RunRecord:
     idle_ratio: float = float("nan")
     p99_wait_s: float = float("nan")
     cpu_s: float = float("nan")
-    peak_pss_bytes: float = float("nan")
-    start_pss_bytes: float = float("nan")
+    peak_memory_bytes: float = float("nan")
+    start_memory_bytes: float = float("nan")
     gpu_util_mean: float = float("nan")
     pcie_rx_bytes_per_s: float = float("nan")
     pcie_tx_bytes_per_s: float = float("nan")
@@ -151,7 +151,7 @@ def execute(spec: RunSpec) -> dict[str, Any]:
 
     The arm's libraries are imported and the step (for the UNet, the model) is built before
     the measured span; the loader is built inside it and closed after it. Without in-process
-    sampling, ``cpu_s``, ``peak_pss_bytes``, ``start_pss_bytes`` and the NVML figures are NaN
+    sampling, ``cpu_s``, ``peak_memory_bytes``, ``start_memory_bytes`` and the NVML figures are NaN
     here and filled in by the parent from ``span_start`` / ``span_end``.
     """
     preload(spec.arm)
@@ -194,8 +194,8 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         "span_start": c.span_start,
         "span_end": c.span_end,
         "cpu_s": usage.cpu_s if usage else nan,
-        "peak_pss_bytes": usage.peak_pss_bytes if usage else nan,
-        "start_pss_bytes": usage.start_pss_bytes if usage else nan,
+        "peak_memory_bytes": usage.peak_memory_bytes if usage else nan,
+        "start_memory_bytes": usage.start_memory_bytes if usage else nan,
         "busy": c.busy,
         "gpu_util_mean": g.util_mean if g else nan,
         "pcie_rx_bytes_per_s": g.pcie_rx_bytes_per_s if g else nan,
@@ -287,7 +287,7 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
         raise RunFailed(result["error"], result.get("traceback", ""))
     span = (result["span_start"], result["span_end"])
     u = sampler.usage_between(*span)
-    result.update(cpu_s=u.cpu_s, peak_pss_bytes=u.peak_pss_bytes, start_pss_bytes=u.start_pss_bytes)
+    result.update(cpu_s=u.cpu_s, peak_memory_bytes=u.peak_memory_bytes, start_memory_bytes=u.start_memory_bytes)
     if gpu is not None:
         g = gpu.usage_between(*span)
         result.update(
@@ -426,8 +426,8 @@ def _record(
         idle_ratio=float(r["idle_ratio"]),
         p99_wait_s=float(r["p99_wait_s"]),
         cpu_s=float(r["cpu_s"]),
-        peak_pss_bytes=float(r["peak_pss_bytes"]),
-        start_pss_bytes=float(r["start_pss_bytes"]),
+        peak_memory_bytes=float(r["peak_memory_bytes"]),
+        start_memory_bytes=float(r["start_memory_bytes"]),
         gpu_util_mean=float(r["gpu_util_mean"]),
         pcie_rx_bytes_per_s=float(r["pcie_rx_bytes_per_s"]),
         pcie_tx_bytes_per_s=float(r["pcie_tx_bytes_per_s"]),

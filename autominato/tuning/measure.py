@@ -38,14 +38,16 @@ class MemoryBudgetExceeded(RuntimeError):
     """The loader's processes used more memory than the budget; the configuration is infeasible.
 
     Attributes:
-        used_bytes: proportional set size (PSS) summed over the processes, bytes.
+        used_bytes: the processes' memory footprint (PSS, with the shared memory gained
+            since the trial started counted even where no process maps it:
+            ``Reading.footprint_bytes``), bytes.
         budget_bytes: the budget, bytes.
     """
 
     def __init__(self, used_bytes: int, budget_bytes: int) -> None:
         super().__init__(
             f"memory {used_bytes / 2**30:.2f} GiB over the budget of {budget_bytes / 2**30:.2f} GiB "
-            "(training process + loader workers, proportional set size)"
+            "(training process + loader workers: proportional set size and shared memory)"
         )
         self.used_bytes = used_bytes
         self.budget_bytes = budget_bytes
@@ -65,7 +67,8 @@ class Measurement:
         busy_s: seconds spent in the training step.
         batches / samples: delivered in the window.
         cpu_s: CPU seconds (user + system) of this process and the loader's workers.
-        peak_memory_bytes: highest PSS sum of this process and the workers, bytes.
+        peak_memory_bytes: highest footprint of this process and the workers
+            (``Reading.footprint_bytes``), bytes.
         warmup_s / window_s: wall seconds of the warm-up and of the window.
     """
 
@@ -143,7 +146,7 @@ def measure(
 
     def check_memory(reading: Reading | None = None) -> None:
         nonlocal peak
-        peak = max(peak, (reading or read()).pss_bytes)
+        peak = max(peak, (reading or read()).footprint_bytes)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
             raise MemoryBudgetExceeded(peak, memory_budget_bytes)
 
