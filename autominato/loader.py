@@ -971,7 +971,8 @@ class Loader:
 
     def snapshot(self) -> LoaderSnapshot:
         """A frozen copy of every figure the telemetry and the controller read."""
-        p = self._pipeline
+        with self._lock:  # the pipeline and the counts of the one load_state_dict retired
+            p, retired = self._pipeline, dict(self._retired)
         stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
         cons = stages["consumer"]
         with self._step_lock:
@@ -992,9 +993,9 @@ class Loader:
             batches_total=batches,
             samples_total=samples,
             epoch=self._epoch,
-            stragglers_total=(p.stragglers if p else 0) + self._retired["stragglers"],
-            skipped_total=(p.skipped if p else 0) + self._sync_skipped + self._retired["skipped"],
-            worker_restarts_total=(p.worker_restarts if p else 0) + self._retired["restarts"],
+            stragglers_total=(p.stragglers if p else 0) + retired["stragglers"],
+            skipped_total=(p.skipped if p else 0) + self._sync_skipped + retired["skipped"],
+            worker_restarts_total=(p.worker_restarts if p else 0) + retired["restarts"],
             h2d_bytes_total=self._h2d_bytes,
             h2d_seconds_total=self._h2d_seconds,
             knobs=self.knobs.as_dict(),
@@ -1002,7 +1003,7 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=((p.speculative_discarded if p else 0)
-                                         + self._retired["discarded"]),
+                                         + retired["discarded"]),
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
         )

@@ -362,6 +362,52 @@ def test_a_dataset_that_cannot_be_unpickled_on_an_actor_raises_its_own_error():
             indices(L)
 
 
+class MissingClass(Indexed):
+    def __setstate__(self, state):
+        # what pickle raises where the node's copy of a module lacks the class
+        raise AttributeError("Can't get attribute 'Augment' on <module 'mytransforms'>")
+
+
+def test_a_class_missing_on_the_node_is_raised_with_the_importability_note():
+    with Loader(MissingClass(8), 2, worker_kind="ray", workers=1, autotune=False) as L:
+        with pytest.raises(AttributeError, match="Can't get attribute") as err:
+            indices(L)
+    assert any("importable on every node" in n for n in getattr(err.value, "__notes__", []))
+
+
+class SlowInit:
+    """worker_init_fn: sleeps, then touches ``<dir>/init-<worker id>-<pid>``."""
+
+    def __init__(self, where: str, seconds: float) -> None:
+        self.where, self.seconds = where, seconds
+
+    def __call__(self, wid: int) -> None:
+        time.sleep(self.seconds)
+        Path(self.where, f"init-{wid}-{os.getpid()}").touch()
+
+
+def test_an_actor_retired_while_it_starts_is_killed_once_ready(tmp_path):
+    """Not during its creation: Ray can keep the CPUs of an actor killed then for good
+    (ray-project/ray#27743), and the executor's capacity with them."""
+    with Loader(Indexed(8), 2, worker_kind="ray", workers=2, autotune=False,
+                ray_actor_options={"num_cpus": 0.5}, prefetch_next_epoch=False,
+                worker_init_fn=SlowInit(str(tmp_path), 2.0)) as loader:
+        it = iter(loader)
+        ex = loader._pipeline._stage["transform"].executor
+        loader.knobs.workers = 1  # while both actors are still in worker_init_fn
+        assert sorted(int(i) for _, idx in it for i in idx) == list(range(8))
+        deadline = time.monotonic() + 30
+        while len(ex._actors) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Both starts ran to the end; the retired actor left once ready.
+        assert len(list(tmp_path.glob("init-*"))) == 2
+        assert len(ex._actors) == 1 and ex.size == 1
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
 class Offset(Indexed):
     offset = 0
 

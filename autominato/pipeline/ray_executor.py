@@ -179,7 +179,11 @@ class SampleActor:
                 # Ray wraps what unpickling raised (a RaySystemError around it): the user's own
                 cause = getattr(e, "client_exc", None)
                 err = cause if isinstance(cause, Exception) else e
-                if isinstance(err, ImportError):
+                # ImportError: a module missing on the node; pickle's AttributeError "Can't
+                # get attribute": a class or function the node's copy of the module lacks.
+                if isinstance(err, ImportError) or (
+                    isinstance(err, AttributeError) and "Can't get attribute" in str(err)
+                ):
                     err.add_note(f"[autominato] the dataset or transform could not be unpickled "
                                  f"on node {self.ip}: its code must be importable on every node "
                                  "of the cluster")
@@ -359,9 +363,10 @@ class RayExecutor:
             doomed = []
             for a in live[:max(0, len(live) - n)]:
                 a.retiring = True
-                if a.key is None:
+                if a.key is None and a.ready:
                     del self._actors[a.wid]
                     doomed.append(a)
+                # (one still starting is killed once ready, see _ready)
         self._kill(doomed)
         for _ in range(start):
             self._start()
@@ -380,7 +385,7 @@ class RayExecutor:
             doomed = []
             for a in list(self._actors.values()):
                 a.retiring = True
-                if a.key is None:
+                if a.key is None and a.ready:  # one still starting: once ready (see _ready)
                     del self._actors[a.wid]
                     doomed.append(a)
             n = self.want
@@ -523,6 +528,12 @@ class RayExecutor:
             a.ready, a.pid = True, pid
             a.node, a.local = self._label(node_id, ip), node_id == self._here
             self._startup_deaths = 0
+            if a.retiring:
+                # Retired while it started (resize, reload): killed only now. Ray can keep
+                # the CPUs of an actor killed during its creation for good
+                # (ray-project/ray#27743; seen with Ray 2.60 here, in plain Ray too).
+                del self._actors[a.wid]
+                self._doomed.append(a)
 
     def _startup_failed(self, a: _Actor, e: BaseException, fatal: bool = False) -> None:
         """Actor ``a`` did not start: it died (``e``: Ray's error; replaced until
@@ -532,9 +543,11 @@ class RayExecutor:
         actor started before the latest new chance is stale (the cause may be fixed since, as
         the process workers' ``_fatal_wave``): it is replaced, not raised."""
         with self._lock:
-            if self._stopped or self._actors.pop(a.wid, None) is None or a.retiring:
+            if self._stopped or self._actors.pop(a.wid, None) is None:
                 return
-            self._doomed.append(a)
+            self._doomed.append(a)  # a start that raised leaves the actor alive
+            if a.retiring:
+                return
             if fatal:
                 if a.wave < self._wave:
                     log.debug("Ray actor %d: a stale start error (%s); replacing it", a.wid,
