@@ -116,6 +116,10 @@ class ProcessExecutor:
         self.max_startup_deaths = max_startup_deaths
         self.on_fatal = on_fatal
         self._fatal_wave: set[int] = set()  # workers starting when the last fatal was raised
+        # A worker_init_fn error was raised: workers that exit after theirs are replaced when
+        # the next pass begins (new_pass), not at once, so that none runs worker_init_fn
+        # before the training loop could fix the cause (its later report failed that pass).
+        self._hold = False
         self.start_method = start_method
         self.restarts = 0
         self.chunk = 1
@@ -167,6 +171,11 @@ class ProcessExecutor:
             keys = [k for k, _ in part]
             self._held[w.wid] = keys
             self.pool.send(w, keys, ("many", [(k, *item) for k, item in part]))
+
+    def new_pass(self) -> None:
+        """A pass begins (the scheduler, before it sizes the workers): workers held back
+        after a raised worker_init_fn error may start again."""
+        self._hold = False
 
     def resize(self, n: int) -> None:
         self.want = n
@@ -240,6 +249,7 @@ class ProcessExecutor:
             # persistent_workers=False) or one started later is a new failure.
             self._fatal_wave = {wid, *(i for i, x in {**pool.dead, **pool.workers}.items()
                                        if not x.ready)}
+            self._hold = True
             self.on_fatal(reply[1].to_exception())
             return []
         if kind == "stream":  # ("stream", key, [outcome, ...], final)
@@ -305,7 +315,7 @@ class ProcessExecutor:
             log.info("transform %s exited after its error (%s); starting another", who, how)
         elif not timed_out:
             log.warning("transform %s died (%s); replacing it", who, how)
-        if self.pool.size < self.want:
+        if self.pool.size < self.want and not (self._hold and w.info.get("fatal")):
             self.pool.start_one()
         if not held:
             return []

@@ -644,6 +644,10 @@ class Pipeline:
             # sampler or in order, the sample's place in the batch it joins (rows.py).
             self.rows.open(run.gen, ep.batch_size, in_order=ep.in_order, groups=ep.groups,
                            done=ep.done)
+        for st in self.sample_stages:
+            new_pass = getattr(st.executor, "new_pass", None)
+            if new_pass is not None:
+                new_pass()
         if self.cfg.iterable:
             self._size_stream_workers()
         else:
