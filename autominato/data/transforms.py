@@ -92,7 +92,15 @@ class RandBalancedCrop:
         if classes.size == 0:
             return None
         cl = classes[int(rng.integers(classes.size))]
-        components, _ = scipy.ndimage.label(label == cl)
+        mask = label == cl
+        try:
+            # 2 bytes per voxel instead of scipy's default int32: the component map is the
+            # largest array of the transform (a 425x348x348 case: 196 -> 98 MB at its peak,
+            # measured with tracemalloc; same components, less CPU)
+            components, _ = scipy.ndimage.label(mask, output=np.uint16)
+        except RuntimeError:  # more than 65535 components: "insufficient bit-depth"
+            components, _ = scipy.ndimage.label(mask)
+        del mask
         boxes = [b for b in scipy.ndimage.find_objects(components) if b is not None]
         volumes = [np.prod([s.stop - s.start for s in b]) for b in boxes]
         largest = [boxes[i] for i in np.argsort(volumes, kind="stable")[-2:]]
