@@ -180,11 +180,12 @@ def test_errors_in_a_stream_follow_on_error(caplog):
                 i for i in range(30) if i % 2 == 0 or i < last]
 
 
-def test_in_order_a_streams_error_on_a_batch_boundary_comes_as_with_dataloader():
-    """With in_order, the error takes the place of the batch it was in, in the round-robin.
-    Here it starts a batch, so every batch and the error come as from the DataLoader (in the
-    middle of a batch, DataLoader also loses the samples before it in that batch; autominato
-    keeps them for the shard's next batch)."""
+@pytest.mark.parametrize("batch_size", [2, 4])
+def test_in_order_a_streams_error_comes_as_with_dataloader(batch_size):
+    """With in_order, the error takes the place of the batch it was in, in the round-robin,
+    and the samples of that batch before it are lost with it (batch 4: worker 1's 9 and 11),
+    as a DataLoader worker's fetch; with batch 2 it starts a batch. autominato kept them for
+    the shard's next batch, so every later batch of that shard differed."""
     def seq(loader):
         out, it = [], iter(loader)
         while True:
@@ -195,9 +196,9 @@ def test_in_order_a_streams_error_on_a_batch_boundary_comes_as_with_dataloader()
             except KeyError:
                 out.append("error")
 
-    want = seq(DataLoader(FailsAt(30), 2, num_workers=2))
+    want = seq(DataLoader(FailsAt(30), batch_size, num_workers=2))
     assert "error" in want
-    with Loader(FailsAt(30), 2, num_workers=2, in_order=True, autotune=False) as L:
+    with Loader(FailsAt(30), batch_size, num_workers=2, in_order=True, autotune=False) as L:
         assert seq(L) == want
 
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from autominato import Loader
@@ -183,7 +184,32 @@ class FailsAt:
         return np.full(3 if i == self.odd else 2, i, np.int64)
 
 
+class StreamFailsAt(torch.utils.data.IterableDataset):
+    """Yields 0..11 (no sharding: use it without workers); ``bad`` raise and the iterator
+    goes on (a class, not a generator that a raise would end)."""
+
+    def __init__(self, bad=()) -> None:
+        self.bad = set(bad)
+
+    def __iter__(self):
+        return _Counting(self.bad)
+
+
+class _Counting:
+    def __init__(self, bad) -> None:
+        self.bad, self.i = bad, 0
+
+    def __next__(self):
+        i, self.i = self.i, self.i + 1
+        if i >= 12:
+            raise StopIteration
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return np.full(2, i, np.int64)
+
+
 @pytest.mark.parametrize("workers, in_order, data, errors, lost", [
+    (0, True, StreamFailsAt(bad=[4]), 1, 2),  # iterable: 4 and its batch's 3 (as DataLoader's)
     (0, True, FailsAt(bad=[4, 5]), 1, 3),  # one batch, [3, 4, 5], lost (as DataLoader's)
     (2, True, FailsAt(bad=[4, 9]), 2, 6),  # two batches lost
     (2, False, FailsAt(bad=[4, 9]), 2, 2),  # completion order: the failing samples alone

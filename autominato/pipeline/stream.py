@@ -21,7 +21,9 @@ Rules:
   first, shard 1's first, ..., shard 0's second, ...), a shard that ended leaving the round;
   each shard's last batch may be short (``drop_last`` drops it), as each DataLoader worker's.
 * A failed sample is skipped (``skip_errors``) or raised at once, and its shard is pulled on
-  (as by DataLoader's workers: a generator that raised then ends); a shard whose worker is gone
+  (as by DataLoader's workers: a generator that raised then ends). In order, the samples of the
+  batch it was in that came before it are lost with it (discarded), as the DataLoader's worker
+  loses the batch it was fetching; a shard whose worker is gone
   (:class:`ShardLost`) ends the epoch with its error: its iterator died with the worker.
 * Exactly once: every sample yielded is emitted in one batch, skipped, raised, dropped by
   ``drop_last`` or discarded (the epoch already failed); none is asked for twice.
@@ -267,9 +269,14 @@ class Stream:
             s = self._turn
             q = self._queues[s]
             failed = next((i for i, it in enumerate(q[:B]) if type(it) is _Failure), None)
-            if failed is not None:  # the error takes the place of the batch it was in
-                f = q.pop(failed)
-                out.append(Raise(f.error, pos=f.pos, lost=(f.pos,)))
+            if failed is not None:
+                # The error takes the place of the batch it was in, and the samples of that
+                # batch before it are lost with it, as a DataLoader worker's fetch of the batch
+                # raises (its next batch starts after the failing sample).
+                f, before = q[failed], q[:failed]
+                del q[:failed + 1]
+                out += [Discard(r) for _, _, r in before]
+                out.append(Raise(f.error, pos=f.pos, lost=(*(it[0] for it in before), f.pos)))
             elif len(q) >= B:
                 out.append(self._batch(q[:B]))
                 del q[:B]
