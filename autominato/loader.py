@@ -546,6 +546,9 @@ class Loader:
         self._samples_lost = 0  # samples lost with them
         # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
         self._retired = {"skipped": 0, "stragglers": 0, "restarts": 0, "discarded": 0}
+        # Guards only the swap of a retired pipeline for its counts (load_state_dict) against
+        # snapshot(); never held around user code (self._lock is: samplers run under it).
+        self._counts_lock = threading.Lock()
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
         self._resumed: dict | None = None  # the state the most recent pass resumed
@@ -798,11 +801,12 @@ class Loader:
                     p = self._pipeline
                     self.knobs.unsubscribe(p.knobs_changed)
                     p.close()
-                    self._pipeline = None
-                    for key, n in (("skipped", p.skipped), ("stragglers", p.stragglers),
-                                   ("restarts", p.worker_restarts),
-                                   ("discarded", p.speculative_discarded)):
-                        self._retired[key] += n  # (counters never go back)
+                    with self._counts_lock:  # snapshot() sees the pipeline or its counts
+                        self._pipeline = None
+                        for key, n in (("skipped", p.skipped), ("stragglers", p.stragglers),
+                                       ("restarts", p.worker_restarts),
+                                       ("discarded", p.speculative_discarded)):
+                            self._retired[key] += n  # (counters never go back)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -971,7 +975,7 @@ class Loader:
 
     def snapshot(self) -> LoaderSnapshot:
         """A frozen copy of every figure the telemetry and the controller read."""
-        with self._lock:  # the pipeline and the counts of the one load_state_dict retired
+        with self._counts_lock:  # the pipeline, or the counts of the one load_state_dict retired
             p, retired = self._pipeline, dict(self._retired)
         stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
         cons = stages["consumer"]

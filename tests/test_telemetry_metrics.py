@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -613,3 +614,33 @@ def test_latency_histograms_count_values_in_prometheus_le_buckets():
     assert samples(STAGE_SERVICE_SECONDS) == [] and samples(STAGE_WAIT_SECONDS) == []
     with pytest.raises(ValueError, match="label count"):
         STAGE_SERVICE_SECONDS.labels("read", "le-test", "extra")
+
+
+class _Watching(torch.utils.data.Sampler):
+    """A sampler that reads the loader's telemetry while the epoch's order is drawn."""
+
+    def __init__(self) -> None:
+        self.loader, self.seen = None, []
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self):
+        if self.loader is not None:
+            self.seen.append(self.loader.snapshot().batches_total)
+        return iter(range(8))
+
+
+def test_a_sampler_may_read_the_loaders_snapshot():
+    """snapshot() took the lock that __iter__ holds while it draws the sampler's order: the
+    training loop hung (review 42)."""
+    sampler = _Watching()
+    with Loader(FailsAt(), 2, sampler=sampler, num_workers=2, worker_kind="thread",
+                autotune=False) as loader:
+        sampler.loader = loader
+        out = []
+        t = threading.Thread(target=lambda: out.append(sum(1 for _ in loader)), daemon=True)
+        t.start()
+        t.join(20)
+        assert out == [4]
+    assert sampler.seen and sampler.seen[0] == 0

@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -280,19 +281,46 @@ class UntilFlag:
             raise KeyError(f"no credentials for worker {wid}")
 
 
-def test_the_pass_after_the_fix_of_a_failing_worker_init_fn_runs(tmp_path):
+@pytest.mark.parametrize("knob", [False, True])
+def test_the_pass_after_the_fix_of_a_failing_worker_init_fn_runs(tmp_path, knob):
     """As the DataLoader's fresh workers: workers that ran worker_init_fn before the cause was
     fixed do not fail the pass begun after it. The failed workers were replaced at once, the
     replacements failed again before the fix, and their reports failed the next one or two
-    passes."""
+    passes; a knob change between the error and the fix (the controller's, say) started them
+    too (review 42)."""
     flag = tmp_path / "ok"
     with Loader(Info(8), 2, num_workers=2, worker_init_fn=UntilFlag(str(flag), 0.5),
                 autotune=False) as L:
         with pytest.raises(WorkerInitError, match="no credentials"):
             rows(L)
+        time.sleep(0.2)
+        if knob:
+            L.knobs.set("depth", L.knobs.depth + 1)
         time.sleep(0.3)  # (replacements started at once would look for the flag by now)
         flag.touch()
         assert sorted(int(r[0]) for r in rows(L)) == list(range(8))
+
+
+def test_each_pass_raises_its_own_worker_init_fn_error_until_the_cause_goes():
+    """One worker whose worker_init_fn fails its first three calls: passes 1-3 raise calls
+    0-2's errors and pass 4 runs. The third failure was the third start death in a row
+    (max_tries) and raised call 2's error again in pass 4 (review 42)."""
+    calls = []
+
+    def init(wid: int) -> None:
+        n = len(os.listdir(folder))
+        open(os.path.join(folder, str(n)), "w").close()
+        if n < 3:
+            raise OSError(f"call {n} failed")
+
+    folder = tempfile.mkdtemp()
+    with Loader(Info(8), 2, num_workers=1, worker_init_fn=init, autotune=False) as L:
+        for _ in range(5):
+            try:
+                calls.append(len(rows(L)))
+            except WorkerInitError as e:
+                calls.append(str(e).split("call ")[1][0])
+    assert calls == ["0", "1", "2", 8, 8]
 
 
 class Offset:

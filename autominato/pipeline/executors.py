@@ -179,6 +179,8 @@ class ProcessExecutor:
 
     def resize(self, n: int) -> None:
         self.want = n
+        if self._hold and n >= self.pool.size:
+            return  # (a knob change between passes): the missing workers start at new_pass
         if n > self.pool.size:
             self._startup_deaths = 0  # workers that could not start get a new chance
         self.pool.resize(n)
@@ -292,16 +294,14 @@ class ProcessExecutor:
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
         who = f"worker {w.slot} (pid {w.pid})"
-        if not w.ready:
+        if not w.ready and not w.info.get("fatal"):
+            # Deaths before ready that no worker explained: replaced up to max_startup_deaths
+            # in a row. A worker whose start raised said why, and its error was raised (or was
+            # stale, see _reply); it is replaced at the next pass (_hold) or now if one began:
+            # counting it would raise an error already raised in the pass begun after it.
             self._startup_deaths += 1
             if self._startup_deaths >= self.max_startup_deaths:
-                if self._startup_deaths == self.max_startup_deaths and w.info.get("fatal"):
-                    # The workers keep saying why (worker_init_fn raises every time): that
-                    # error, not an unexplained "died before ready". (Raised even when it came
-                    # from the wave whose failure was raised: no worker is started after this,
-                    # so a pass waiting for one would hang.)
-                    self.on_fatal(w.info["fatal"].to_exception())
-                elif self._startup_deaths == self.max_startup_deaths:
+                if self._startup_deaths == self.max_startup_deaths:
                     self.on_fatal(WorkerDied(
                         f"{self._startup_deaths} transform worker processes in a row died before "
                         f"they were ready (the last: worker {w.slot}, pid {w.pid}, {how}). The "
