@@ -143,3 +143,31 @@ def test_loader_raises_the_corrupt_sample_with_its_index_and_path(folder):
     assert err.value.sample_index == 1
     assert err.value.sample_path == str(path)
     assert str(path) in str(err.value)
+
+
+def _npy_with_header(path, shape, body: bytes = b"") -> None:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    path.write_bytes(buf.getvalue() + body)
+
+
+def test_a_corrupt_header_claiming_a_huge_array_is_named_not_allocated(tmp_path):
+    """The header's shape is checked against the file's size before the array is allocated:
+    a raw MemoryError or 'array is too big' named no sample (review 42)."""
+    np.save(tmp_path / "case_00000_y.npy", np.zeros((1, 4, 5, 6), np.uint8))
+    x = tmp_path / "case_00000_x.npy"
+    for shape in [(1, 3000000, 4000000, 5000000), (1, 2000, 2000, 2000)]:
+        _npy_with_header(x, shape, b"\0" * 100)
+        with pytest.raises(DatasetError, match="truncated") as err:
+            KiTS19Dataset(tmp_path)[0]
+        assert_names_sample(err, 0, x)
+
+
+def test_a_volume_of_zero_voxels_reads_as_an_empty_array(tmp_path):
+    _npy_with_header(tmp_path / "case_00000_x.npy", (1, 0, 4, 5))
+    np.save(tmp_path / "case_00000_y.npy", np.zeros((1, 0, 4, 5), np.uint8))
+    image, label = KiTS19Dataset(tmp_path)[0]
+    assert image.shape == label.shape == (1, 0, 4, 5) and image.dtype == np.float32

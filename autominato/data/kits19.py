@@ -9,6 +9,8 @@ uint8 (0 background, 1 kidney, 2 tumour), every spatial size >= 128.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -141,14 +143,25 @@ class KiTS19Dataset:
             # array. Not np.load(mmap_mode="r") and a copy: the mapped file pages count in
             # the worker's memory while it copies (~200 MB of a large case's PSS on top of the
             # copy, measured) and each 4 KiB page costs a fault.
-            out = np.empty(shape[::-1] if fortran_order else shape, found)
+            need = math.prod(shape) * np.dtype(found).itemsize  # (Python ints: no overflow)
             try:
-                got = f.readinto(memoryview(out).cast("B"))
+                have = os.fstat(f.fileno()).st_size - f.tell()
             except OSError as e:
                 raise DatasetError(index, str(path), f"read failed: {e}") from e
-            if got != out.nbytes:
+            if have < need:  # before allocating: a corrupt header may claim terabytes
                 raise DatasetError(
                     index, str(path),
-                    f"cannot read .npy: truncated: {got} of {out.nbytes} data bytes",
+                    f"cannot read .npy: truncated: {have} of {need} data bytes (shape {shape})",
                 )
+            out = np.empty(shape[::-1] if fortran_order else shape, found)
+            if need:
+                try:
+                    got = f.readinto(memoryview(out.reshape(-1)).cast("B"))
+                except OSError as e:
+                    raise DatasetError(index, str(path), f"read failed: {e}") from e
+                if got != need:
+                    raise DatasetError(
+                        index, str(path),
+                        f"cannot read .npy: truncated: {got} of {need} data bytes",
+                    )
         return np.ascontiguousarray(out.T) if fortran_order else out
