@@ -252,7 +252,7 @@ def test_usage_between_cuts_a_span_out_of_the_samples():
     from autominato.bench.measure import TreeSampler
 
     s = TreeSampler()
-    # (monotonic s, CPU-seconds so far, PSS bytes): samples every 0.1 s.
+    # (monotonic s, CPU-seconds so far, footprint bytes): samples every 0.1 s.
     s.series = [(0.0, 0.0, 100), (0.1, 0.2, 300), (0.2, 0.5, 900), (0.3, 0.6, 200), (0.4, 0.9, 50)]
     u = s.usage_between(0.15, 0.25)  # widened to the samples at 0.1 and 0.3
     assert u.cpu_s == pytest.approx(0.4) and u.peak_memory_bytes == 900
@@ -630,7 +630,7 @@ def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thr
         pytest.skip("this test process runs more than one thread")
     from autominato.telemetry.process import ProcessMeter
 
-    before = ProcessMeter(children=True, pss=True).read().pss_bytes
+    before = ProcessMeter(children=True, pss=True).read().footprint_bytes
     s = ForkedTreeSampler(interval=0.05).start()
     try:
         assert can_fork_now()  # no sampler thread here: a loader would fork its workers

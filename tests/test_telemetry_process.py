@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -97,27 +98,65 @@ def test_memory_grows_by_the_bytes_the_process_wrote(child):
         assert 60 * MiB <= grown <= 72 * MiB, (field, grown / MiB)
 
 
+def _footprint_steps() -> tuple[int, int, int, int]:
+    """Growth of (PSS, footprint) over two steps of a fresh child that already maps 32 MiB of
+    shared memory when the meter is built: 64 MiB written and unmapped, then 64 MiB kept
+    mapped."""
+    c = Child()
+    try:
+        c.do("shmmap", 32 * MiB)
+        meter = ProcessMeter(c.proc.pid, pss=True)
+        before = meter.read()
+        c.do("shm", 64 * MiB)  # written, unmapped, kept: a batch sent and not yet read
+        unmapped = meter.read()
+        c.do("shmmap", 64 * MiB)  # written and kept mapped: in PSS, counted once
+        mapped = meter.read()
+    finally:
+        c.close()
+    return (unmapped.pss_bytes - before.pss_bytes,
+            unmapped.footprint_bytes - before.footprint_bytes,
+            mapped.pss_bytes - unmapped.pss_bytes,
+            mapped.footprint_bytes - unmapped.footprint_bytes)
+
+
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create")
-def test_the_footprint_counts_shared_memory_that_no_process_maps_once(child):
-    meter = ProcessMeter(child.proc.pid, pss=True)
-    before = meter.read()
-    child.do("shm", 64 * MiB)  # written, unmapped, kept: a batch sent and not yet read
-    unmapped = meter.read()
-    # PSS sees no page of it; the footprint sees the machine's shared memory grow.
-    assert unmapped.pss_bytes - before.pss_bytes < 8 * MiB
-    assert 60 * MiB <= unmapped.footprint_bytes - before.footprint_bytes <= 72 * MiB
-    child.do("shmmap", 64 * MiB)  # written and kept mapped: in PSS, counted once
-    mapped = meter.read()
-    assert 60 * MiB <= mapped.pss_bytes - unmapped.pss_bytes <= 72 * MiB
-    assert 60 * MiB <= mapped.footprint_bytes - unmapped.footprint_bytes <= 72 * MiB
-    assert mapped.processes[0].shmem_pss_bytes >= 60 * MiB
+def test_the_footprint_counts_shared_memory_that_no_process_maps_once():
+    # PSS sees no page of the unmapped file; the footprint sees the machine's shared memory
+    # grow, on top of what the child mapped before the meter (review 42: the max of the two
+    # hid it). The machine's figure moves with other tests' loaders too (make test runs two
+    # files at once): a step that another process disturbed is measured again.
+    ok = lambda d: 60 * MiB <= d <= 72 * MiB  # noqa: E731
+    for _attempt in range(4):
+        pss1, foot1, pss2, foot2 = _footprint_steps()
+        if ok(foot1) and ok(foot2):
+            break
+    assert pss1 < 8 * MiB and ok(pss2)
+    assert ok(foot1) and ok(foot2), (foot1 / MiB, foot2 / MiB)
+
+
+def test_a_zombie_keeps_its_cpu_seconds():
+    """An exited, unreaped child (the bench's run until its last sample; a DataLoader worker
+    before it is joined) maps nothing but its CPU time counts (review 42: it was dropped)."""
+    code = "import time\nwhile time.process_time() < 0.5: pass"
+    kid = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        meter = ProcessMeter(kid.pid, pss=True)
+        meter.read()
+        deadline = time.monotonic() + 30
+        while psutil.Process(kid.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = meter.read()
+        assert [p.pid for p in r.processes] == [kid.pid] and r.cpu_seconds_total >= 0.45
+    finally:
+        kid.wait()
 
 
 def test_pss_is_read_only_when_asked_for(child):
     r = ProcessMeter(child.proc.pid).read()
     assert r.processes[0].pss_bytes is None
     assert r.pss_bytes == r.processes[0].rss_bytes  # RSS stands in
-    assert r.shmem_gained_bytes is None and r.footprint_bytes == r.pss_bytes
+    assert r.shmem_bytes is None and r.footprint_bytes == r.pss_bytes
 
 
 def test_a_listed_worker_counts_as_a_worker_and_its_cpu_outlives_it(child):

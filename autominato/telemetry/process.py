@@ -19,8 +19,8 @@ Memory, per process, in bytes:
   that the training process mapped but has not touched (the DataLoader's prefetched batches
   under a consumer that does not read them, a memory file a loader has not read yet) is in
   no process's PSS (measured: a DataLoader holding five 20 MB batches, 100 MB of ``Shmem``,
-  0 MB of ``Pss_Shmem``). The footprint counts the shared memory the machine gained since the
-  meter was built, or the tree's ``Pss_Shmem`` where that is more: what other processes
+  0 MB of ``Pss_Shmem``). The footprint counts the processes' shared memory at the
+  meter's first reading plus what the machine gained since, or the tree's ``Pss_Shmem`` where that is more: what other processes
   on the machine create or free in shared memory meanwhile moves it too.
 
 CPU, per process, in seconds: user + system time (psutil), and on Linux the time its threads
@@ -82,9 +82,10 @@ class Reading:
         runqueue_seconds_total / worker_runqueue_seconds_total: seconds the same processes'
             threads waited on a run queue for a core, cumulative in the same way (0.0 where
             ``/proc/PID/task/TID/schedstat`` is not readable: not Linux, or no schedstats).
-        shmem_gained_bytes: the machine's shared memory (``Shmem`` of ``/proc/meminfo``) now
-            less when the meter was built, at least 0; ``None`` unless the meter reads PSS on
-            Linux.
+        shmem_bytes: the processes' shared memory, bytes: their ``Pss_Shmem`` now, or their
+            ``Pss_Shmem`` at the meter's first reading plus the shared memory the machine
+            gained since (``Shmem`` of ``/proc/meminfo``), whichever is more (see the module
+            doc); ``None`` unless the meter reads PSS on Linux.
     """
 
     time: float
@@ -93,7 +94,7 @@ class Reading:
     worker_cpu_seconds_total: float = 0.0
     runqueue_seconds_total: float = 0.0
     worker_runqueue_seconds_total: float = 0.0
-    shmem_gained_bytes: int | None = None
+    shmem_bytes: int | None = None
 
     @property
     def workers(self) -> tuple[ProcessUsage, ...]:
@@ -108,15 +109,11 @@ class Reading:
     @property
     def footprint_bytes(self) -> int:
         """Memory of the processes with the shared memory none of them maps counted, bytes:
-        their PSS outside shared memory, plus ``max(shmem_gained_bytes, their Pss_Shmem)``
-        (see the module doc). :attr:`pss_bytes` where the shared figures are not known."""
-        if self.shmem_gained_bytes is None or any(
-            p.pss_bytes is None or p.shmem_pss_bytes is None for p in self.processes
-        ):
+        their PSS outside shared memory plus :attr:`shmem_bytes` (see the module doc).
+        :attr:`pss_bytes` where the shared figures are not known."""
+        if self.shmem_bytes is None:
             return self.pss_bytes
-        mapped = sum(p.shmem_pss_bytes for p in self.processes)
-        own = sum(p.pss_bytes - p.shmem_pss_bytes for p in self.processes)
-        return own + max(mapped, self.shmem_gained_bytes)
+        return sum(p.pss_bytes - p.shmem_pss_bytes for p in self.processes) + self.shmem_bytes
 
     @property
     def worker_private_bytes(self) -> int:
@@ -151,8 +148,8 @@ class ProcessMeter:
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
         self._waited: dict[tuple[int, float], float] = {}
-        # The machine's shared memory when the meter was built (see Reading.footprint_bytes).
-        self._shmem0 = machine_shmem_bytes() if pss else None
+        # The machine's shared memory and the processes' Pss_Shmem at the first reading.
+        self._shmem0: tuple[int, int] | None = None
 
     def _process(self, pid: int, found: psutil.Process | None = None) -> psutil.Process | None:
         p = self._procs.get(pid)
@@ -216,15 +213,20 @@ class ProcessMeter:
                     shmem_pss_bytes=shmem_pss,
                 )
             )
-        gained = None
-        if self._shmem0 is not None and (shmem := machine_shmem_bytes()) is not None:
-            gained = max(0, shmem - self._shmem0)
+        shmem_bytes = None
+        if self.pss and all(
+            u.pss_bytes is not None and u.shmem_pss_bytes is not None for u in usages
+        ) and (machine := machine_shmem_bytes()) is not None:
+            mapped = sum(u.shmem_pss_bytes for u in usages)
+            if self._shmem0 is None:
+                self._shmem0 = (machine, mapped)
+            shmem_bytes = max(mapped, self._shmem0[1] + max(0, machine - self._shmem0[0]))
         root = self.root.pid
         workers = sum(cpu for (pid, _), cpu in self._cpu.items() if pid != root)
         waited = sum(self._waited.values())
         workers_waited = sum(w for (pid, _), w in self._waited.items() if pid != root)
         return Reading(
-            t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited, gained
+            t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited, shmem_bytes
         )
 
 
@@ -238,12 +240,12 @@ def _pss(p: psutil.Process) -> tuple[int | None, int | None]:
     try:
         with open(f"/proc/{p.pid}/smaps_rollup", "rb") as f:
             text = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        if _zombie(p):  # exited, not yet reaped: it maps nothing (its CPU still counts)
+            return 0, 0
         if not psutil.pid_exists(p.pid):
             raise psutil.NoSuchProcess(p.pid) from None
         text = b""
-    except ProcessLookupError:
-        raise psutil.NoSuchProcess(p.pid) from None
     except PermissionError:
         raise psutil.AccessDenied(p.pid) from None
     except OSError:
@@ -257,6 +259,13 @@ def _pss(p: psutil.Process) -> tuple[int | None, int | None]:
         pss = getattr(p.memory_full_info(), "pss", None)
         return (int(pss) if pss is not None else None), None
     return fields[b"Pss"], fields.get(b"Pss_Shmem")
+
+
+def _zombie(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def machine_shmem_bytes() -> int | None:

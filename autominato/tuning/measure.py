@@ -139,6 +139,8 @@ def measure(
     def read() -> Reading:
         return meter.read(list(pids_fn()) if callable(pids_fn) else [])
 
+    read()  # the baseline of shared memory (Reading.footprint_bytes): before the trial's batches
+
     batches = _batches(loader)
     wait = busy = 0.0
     samples = 0
