@@ -408,6 +408,40 @@ def test_an_actor_retired_while_it_starts_is_killed_once_ready(tmp_path):
     assert ray.available_resources().get("CPU", 0) == 2
 
 
+def test_a_retired_actor_no_node_placed_is_killed_after_the_grace(tmp_path, monkeypatch):
+    """Three actors of 1 CPU on 2 CPUs, shrunk to 2 then 1: the third, never placed and
+    retired, is killed after PLACEMENT_GRACE_S; it waited for a CPU and ran worker_init_fn
+    for a worker that was gone (review 42)."""
+    from autominato.pipeline import ray_executor
+    from autominato.pipeline.worker import WorkSpec
+
+    monkeypatch.setattr(ray_executor, "PLACEMENT_GRACE_S", 1.0)
+    spec = WorkSpec(dataset=list(range(8)), transform=None, transform_takes_rng=False, seed=0,
+                    worker_init_fn=SlowInit(str(tmp_path), 0.0))
+    ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=3,
+                                  options={"num_cpus": 1}, copy=False, max_startup_deaths=3,
+                                  on_fatal=lambda e: None)
+    try:
+        deadline = time.monotonic() + 60
+        while sum(a.ready for a in ex._actors.values()) < 2:
+            assert time.monotonic() < deadline
+            ex.flush()
+            time.sleep(0.1)
+        ex.resize(2)  # the third, not placed, retires
+        while len(ex._actors) > 2:
+            assert time.monotonic() < deadline
+            ex.flush()
+            time.sleep(0.1)
+        ex.resize(1)  # a CPU comes free: nothing may start on it for slot 2
+        for _ in range(30):
+            ex.flush()
+            time.sleep(0.1)
+        assert sorted(p.name.split("-")[1] for p in tmp_path.glob("init-*")) == ["0", "1"]
+        assert len(ex._actors) == 1
+    finally:
+        ex.stop()
+
+
 class Offset(Indexed):
     offset = 0
 

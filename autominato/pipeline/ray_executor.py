@@ -320,8 +320,16 @@ class RayExecutor:
             self.on_fatal(fatal)
         if self._stopped:
             return
+        now = time.monotonic()
         with self._lock:
             doomed, self._doomed = self._doomed, []
+            # A retired actor still starting is killed once ready (see _ready); one that no
+            # node placed (or whose start hangs) is killed after PLACEMENT_GRACE_S instead of
+            # waiting for a CPU to run worker_init_fn for a worker that is gone.
+            for a in [a for a in self._actors.values()
+                      if a.retiring and not a.ready and now - a.born > PLACEMENT_GRACE_S]:
+                del self._actors[a.wid]
+                doomed.append(a)
             replace = 0 if self._gave_up else max(0, self.want - self._live())
             sends = []
             for a in self._idle():
