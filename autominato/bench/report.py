@@ -99,13 +99,22 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 
 def write_csv(path: Path, columns: Sequence[str], rows: Iterable[dict[str, Any]]) -> Path:
-    """Write ``rows`` with exactly ``columns`` (floats with 6 significant digits)."""
+    """Write ``rows`` with exactly ``columns`` (floats with 6 significant digits; byte figures,
+    columns named ``*_bytes*``, as whole numbers)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+
+    def cell(k: str, v: Any) -> Any:
+        if not isinstance(v, float):
+            return v
+        if "_bytes" in k and math.isfinite(v):
+            return int(round(v))
+        return f"{v:.6g}"
+
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         for row in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+            w.writerow({k: cell(k, v) for k, v in row.items()})
     return path
 
 
@@ -167,7 +176,7 @@ def print_table(
         "idle %",
         "p99 wait ms",
         "CPU-s",
-        "peak mem MB",
+        "peak mem MiB",
         "vs dataloader",
     ):
         t.add_column(col, justify="left" if col in ("arm", "status") else "right", no_wrap=True)
@@ -254,7 +263,7 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         lambda: a["peak_memory_bytes_median"] <= dl["peak_memory_bytes_median"],
         lambda: (
             f"{a['peak_memory_bytes_median'] / 2**20:.0f} vs "
-            f"{dl['peak_memory_bytes_median'] / 2**20:.0f} MB"
+            f"{dl['peak_memory_bytes_median'] / 2**20:.0f} MiB"
         ),
     )
     add(
