@@ -312,7 +312,8 @@ class ProcessExecutor:
                 return []
         timed_out = w.info.get("timed_out")
         if w.info.get("fatal"):  # it said why (worker_init_fn raised): no unexplained death
-            log.info("transform %s exited after its error (%s); starting another", who, how)
+            log.info("transform %s exited after its error (%s); %s", who, how,
+                     "another starts with the next pass" if self._hold else "starting another")
         elif not timed_out:
             log.warning("transform %s died (%s); replacing it", who, how)
         if self.pool.size < self.want and not (self._hold and w.info.get("fatal")):
