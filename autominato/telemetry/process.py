@@ -13,15 +13,16 @@ Memory, per process, in bytes:
   between the processes that map it, so that a sum over processes counts every page once.
   Costs a walk of the process's mappings; read only when the meter is built with
   ``pss=True``.
-* footprint (:attr:`Reading.footprint_bytes`): PSS, but shared memory counted from the whole
-  machine's ``Shmem`` (``/proc/meminfo``). PSS sees a shared page only where some process's
-  page table maps it: a batch that a worker wrote into shared memory, unmapped and sent, and
-  that the training process mapped but has not touched (the DataLoader's prefetched batches
-  under a consumer that does not read them, a memory file a loader has not read yet) is in
-  no process's PSS (measured: a DataLoader holding five 20 MB batches, 100 MB of ``Shmem``,
-  0 MB of ``Pss_Shmem``). The footprint counts the processes' shared memory at the
-  meter's first reading plus what the machine gained since, or the tree's ``Pss_Shmem`` where that is more: what other processes
-  on the machine create or free in shared memory meanwhile moves it too.
+* footprint (:attr:`Reading.footprint_bytes`): PSS with shared memory counted even where no
+  process maps it. PSS sees a shared page only where some process's page table maps it: a
+  batch that a worker wrote into shared memory, unmapped and sent, and that the training
+  process mapped but has not touched (the DataLoader's prefetched batches under a consumer
+  that does not read them, a memory file a loader has not read yet) is in no process's PSS
+  (measured: a DataLoader holding five 20 MB batches, 100 MB of ``Shmem``, 0 MB of
+  ``Pss_Shmem``). The footprint's shared part is the processes' ``Pss_Shmem`` at the meter's
+  first reading plus the shared memory the machine gained since (``Shmem`` of
+  ``/proc/meminfo``), or their ``Pss_Shmem`` now where that is more: what other processes on
+  the machine create or free in shared memory meanwhile moves it too.
 
 CPU, per process, in seconds: user + system time (psutil), and on Linux the time its threads
 were runnable but waited for a core (the run-queue wait, second field of
