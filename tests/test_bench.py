@@ -147,6 +147,7 @@ def test_csv_columns_are_stable(all_arms):
         rows = list(csv.DictReader(f))
     metrics = (
         "wall_s",
+        "build_s",
         "first_batch_s",
         "samples_per_s",
         "ratio_to_limit",
@@ -155,7 +156,9 @@ def test_csv_columns_are_stable(all_arms):
         "idle_ratio",
         "p99_wait_s",
         "cpu_s",
+        "step_s",
         "peak_memory_bytes",
+        "start_memory_bytes",
     )
     stats = [f"{m}_{s}" for m in metrics for s in ("median", "min", "max")]
     assert list(rows[0]) == [
@@ -164,6 +167,7 @@ def test_csv_columns_are_stable(all_arms):
         "status",
         "detail",
         "runs",
+        "epochs",
         "limit_s",
         "floor_s",
         "floor_transform_s",
@@ -522,6 +526,19 @@ def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_p
         assert r.floor_s == floor
         assert r.step_s == pytest.approx(sum(b - a for a, b in r.busy))
         assert r.ratio_to_floor == pytest.approx(r.wall_s / max(floor, r.step_s))
+
+
+def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
+    """The floor is what no loader beats on a quiet machine: a run below it means the floor
+    was measured while the machine was slower, and the log says so (trial 43)."""
+    import autominato.bench.runner as runner
+    from autominato.bench.workload import Floor
+
+    monkeypatch.setattr(runner, "measure_floor", lambda wl, cores, epochs: Floor(100.0, 90.0))
+    said: list[str] = []
+    res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], log=said.append))
+    assert res.records[0].ratio_to_floor < 1
+    assert any("below it" in m and "not to be trusted" in m for m in said), said
 
 
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):

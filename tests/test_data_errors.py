@@ -171,3 +171,12 @@ def test_a_volume_of_zero_voxels_reads_as_an_empty_array(tmp_path):
     np.save(tmp_path / "case_00000_y.npy", np.zeros((1, 0, 4, 5), np.uint8))
     image, label = KiTS19Dataset(tmp_path)[0]
     assert image.shape == label.shape == (1, 0, 4, 5) and image.dtype == np.float32
+
+
+def test_a_big_endian_volume_is_refused_with_how_to_rewrite_it(tmp_path):
+    np.save(tmp_path / "case_00000_x.npy", np.zeros((1, 4, 5, 6), ">f4"))
+    np.save(tmp_path / "case_00000_y.npy", np.zeros((1, 4, 5, 6), np.uint8))
+    with pytest.raises(DatasetError, match=r"got >f4 \(big-endian; rewrite it as little-endian"
+                       ) as err:
+        KiTS19Dataset(tmp_path)[0]
+    assert_names_sample(err, 0, tmp_path / "case_00000_x.npy")

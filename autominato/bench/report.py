@@ -25,6 +25,7 @@ from autominato.bench.runner import RUN_COLUMNS, RunRecord, WorkloadResult
 #: Figures summarised over repeats (each gets ``_median``, ``_min``, ``_max`` columns).
 METRICS = (
     "wall_s",
+    "build_s",
     "first_batch_s",
     "samples_per_s",
     "ratio_to_limit",
@@ -33,7 +34,9 @@ METRICS = (
     "idle_ratio",
     "p99_wait_s",
     "cpu_s",
+    "step_s",
     "peak_memory_bytes",
+    "start_memory_bytes",
 )
 
 #: Columns of ``summary.csv``, in order (pinned by the tests: change them deliberately).
@@ -43,6 +46,7 @@ SUMMARY_COLUMNS = (
     "status",
     "detail",
     "runs",
+    "epochs",
     "limit_s",
     "floor_s",
     "floor_transform_s",
@@ -76,6 +80,7 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "status": status,
             "detail": recs[0].detail,
             "runs": len(good),
+            "epochs": recs[0].epochs,
             "limit_s": recs[0].limit_s,
             "floor_s": recs[0].floor_s,
             "floor_transform_s": recs[0].floor_transform_s,

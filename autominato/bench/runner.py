@@ -552,5 +552,11 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             rec.floor_transform_s = float(np.median(transform_floors))
             if rec.ok:
                 rec.ratio_to_floor = rec.wall_s / max(floor, rec.step_s)
+                if rec.ratio_to_floor < 1.0:
+                    opts.log(
+                        f"[{wl.name}] {rec.arm} #{rec.repeat}: {rec.ratio_to_floor:.2f}x the "
+                        "floor, below it: the machine was slower while the floor was measured "
+                        "(other jobs), so this run's ratios are not to be trusted"
+                    )
     return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors,
                           floor_transform_s=transform_floors)

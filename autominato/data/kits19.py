@@ -136,8 +136,12 @@ class KiTS19Dataset:
             if len(shape) != 4 or shape[0] != 1:
                 raise DatasetError(index, str(path), f"expected shape (1, D, H, W), got {shape}")
             if found != dtype:
+                swapped = found.newbyteorder("=") == np.dtype(dtype) and found.byteorder != "|"
+                hint = (f" (big-endian; rewrite it as little-endian: "
+                        f"np.save(path, a.astype('{np.dtype(dtype).newbyteorder('<').str}')))"
+                        if swapped else "")
                 raise DatasetError(
-                    index, str(path), f"expected dtype {np.dtype(dtype)}, got {found}"
+                    index, str(path), f"expected dtype {np.dtype(dtype)}, got {found}{hint}"
                 )
             # The read itself: the file's bytes are copied once, by the kernel, into the
             # array. Not np.load(mmap_mode="r") and a copy: the mapped file pages count in
