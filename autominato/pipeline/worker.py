@@ -467,7 +467,8 @@ class Streams:
         if self.info:
             set_worker_info(make_info(spec, shard, shards, thread=not self.process), self.process)
         seeding = self.process and spec.transform is not None
-        about = f"{where}, sample {{}} of shard {shard} of {shards} of the iterable dataset"
+        about = (f"{where}, sample {{}} of shard {shard} of {shards} of the iterable dataset "
+                 "(sample and shard counted from 0)")
         try:
             for i in range(n):
                 k = st[1]
