@@ -140,6 +140,11 @@ class _one:
         return default_convert(sample)
 
 
+#: The pipeline's counters that go on across the pipeline load_state_dict rebuilds
+#: (Loader._retired; attribute names of :class:`~autominato.pipeline.scheduler.Pipeline`).
+_PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_discarded")
+
+
 class Loader:
     """A staged asynchronous loader with completion-order batches and live knobs.
 
@@ -545,7 +550,7 @@ class Loader:
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
         self._samples_lost = 0  # samples lost with them
         # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
-        self._retired = {"skipped": 0, "stragglers": 0, "restarts": 0, "discarded": 0}
+        self._retired = dict.fromkeys(_PIPELINE_COUNTERS, 0)
         # Guards only the swap of a retired pipeline for its counts (load_state_dict) against
         # snapshot(); never held around user code (self._lock is: samplers run under it).
         self._counts_lock = threading.Lock()
@@ -803,10 +808,8 @@ class Loader:
                     p.close()
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts
                         self._pipeline = None
-                        for key, n in (("skipped", p.skipped), ("stragglers", p.stragglers),
-                                       ("restarts", p.worker_restarts),
-                                       ("discarded", p.speculative_discarded)):
-                            self._retired[key] += n  # (counters never go back)
+                        for name in _PIPELINE_COUNTERS:
+                            self._retired[name] += getattr(p, name)  # (counters never go back)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -977,6 +980,7 @@ class Loader:
         """A frozen copy of every figure the telemetry and the controller read."""
         with self._counts_lock:  # the pipeline, or the counts of the one load_state_dict retired
             p, retired = self._pipeline, dict(self._retired)
+        count = {name: n + (getattr(p, name) if p else 0) for name, n in retired.items()}
         stages = {name: st.snapshot() for name, st in self.stage_stats.items()}
         cons = stages["consumer"]
         with self._step_lock:
@@ -997,17 +1001,16 @@ class Loader:
             batches_total=batches,
             samples_total=samples,
             epoch=self._epoch,
-            stragglers_total=(p.stragglers if p else 0) + retired["stragglers"],
-            skipped_total=(p.skipped if p else 0) + self._sync_skipped + retired["skipped"],
-            worker_restarts_total=(p.worker_restarts if p else 0) + retired["restarts"],
+            stragglers_total=count["stragglers"],
+            skipped_total=count["skipped"] + self._sync_skipped,
+            worker_restarts_total=count["worker_restarts"],
             h2d_bytes_total=self._h2d_bytes,
             h2d_seconds_total=self._h2d_seconds,
             knobs=self.knobs.as_dict(),
             sample_bytes=p.sample_bytes if p else 0.0,
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
-            speculative_discarded_total=((p.speculative_discarded if p else 0)
-                                         + retired["discarded"]),
+            speculative_discarded_total=count["speculative_discarded"],
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
         )

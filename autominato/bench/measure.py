@@ -52,13 +52,13 @@ class TreeUsage:
 
 
 class TreeSampler:
-    """Samples CPU-seconds and memory (footprint) of the process tree rooted at ``pid`` every ``interval`` s.
+    """Samples CPU-seconds and memory (footprint) of the process tree rooted at ``pid``
+    every ``interval`` s.
 
     The readings come from the process meter (:class:`~autominato.telemetry.process.
     ProcessMeter` over the root and all its descendants, with PSS and the machine's shared
-    memory): CPU time is that of
-    every process seen in the tree since sampling started (a child seen only between two
-    samples is missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
+    memory): CPU time is that of every process seen in the tree since sampling started (a
+    child seen only between two samples is missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
     footprint bytes)``, so that :meth:`usage_between` can cut out a span that another process
     timed (CLOCK_MONOTONIC is system-wide on Linux).
 

@@ -151,8 +151,8 @@ def execute(spec: RunSpec) -> dict[str, Any]:
 
     The arm's libraries are imported and the step (for the UNet, the model) is built before
     the measured span; the loader is built inside it and closed after it. Without in-process
-    sampling, ``cpu_s``, ``peak_memory_bytes``, ``start_memory_bytes`` and the NVML figures are NaN
-    here and filled in by the parent from ``span_start`` / ``span_end``.
+    sampling, ``cpu_s``, ``peak_memory_bytes``, ``start_memory_bytes`` and the NVML figures
+    are NaN here and filled in by the parent from ``span_start`` / ``span_end``.
     """
     preload(spec.arm)
     step = make_step(spec.step)
@@ -287,7 +287,8 @@ def run_once(spec: RunSpec, *, isolate: bool = True, timeout_s: float = 600.0) -
         raise RunFailed(result["error"], result.get("traceback", ""))
     span = (result["span_start"], result["span_end"])
     u = sampler.usage_between(*span)
-    result.update(cpu_s=u.cpu_s, peak_memory_bytes=u.peak_memory_bytes, start_memory_bytes=u.start_memory_bytes)
+    result.update(cpu_s=u.cpu_s, peak_memory_bytes=u.peak_memory_bytes,
+                  start_memory_bytes=u.start_memory_bytes)
     if gpu is not None:
         g = gpu.usage_between(*span)
         result.update(

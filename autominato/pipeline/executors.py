@@ -58,6 +58,9 @@ class ThreadExecutor:
     def flush(self) -> None:
         pass  # threads take each item as it is submitted
 
+    def new_pass(self) -> None:
+        pass  # a thread whose worker_init_fn failed is started again by resize
+
     def expire(self, seconds: float) -> None:
         for task in self._pool.overdue(seconds):
             if self._pool.abandon(task):
@@ -294,7 +297,8 @@ class ProcessExecutor:
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
         who = f"worker {w.slot} (pid {w.pid})"
-        if not w.ready and not w.info.get("fatal"):
+        fatal = w.info.get("fatal")  # it said why (worker_init_fn raised): no unexplained death
+        if not w.ready and not fatal:
             # Deaths before ready that no worker explained: replaced up to max_startup_deaths
             # in a row. A worker whose start raised said why, and its error was raised (or was
             # stale, see _reply); it is replaced at the next pass (_hold) or now if one began:
@@ -311,12 +315,12 @@ class ProcessExecutor:
                         worker=who))
                 return []
         timed_out = w.info.get("timed_out")
-        if w.info.get("fatal"):  # it said why (worker_init_fn raised): no unexplained death
+        if fatal:
             log.info("transform %s exited after its error (%s); %s", who, how,
                      "another starts with the next pass" if self._hold else "starting another")
         elif not timed_out:
             log.warning("transform %s died (%s); replacing it", who, how)
-        if self.pool.size < self.want and not (self._hold and w.info.get("fatal")):
+        if self.pool.size < self.want and not (self._hold and fatal):
             self.pool.start_one()
         if not held:
             return []

@@ -362,19 +362,11 @@ class RayExecutor:
                 live.append(a)
             start = max(0, n - len(live))
             if start:
-                self._startup_deaths, self._gave_up = 0, False  # a new chance for new actors
-                self._wave += 1  # (a start error of an actor started before is stale)
-                self._fatal = None
+                self._new_chance()
             # Retire the surplus, the highest ids first as with worker processes, so that ids
             # stay in [0, n) (busy ones finish their sample first).
             live.sort(key=lambda a: -a.slot)
-            doomed = []
-            for a in live[:max(0, len(live) - n)]:
-                a.retiring = True
-                if a.key is None and a.ready:
-                    del self._actors[a.wid]
-                    doomed.append(a)
-                # (one still starting is killed once ready, see _ready)
+            doomed = [a for a in live[:max(0, len(live) - n)] if self._retire(a)]
         self._kill(doomed)
         for _ in range(start):
             self._start()
@@ -388,18 +380,30 @@ class RayExecutor:
         with self._lock:
             self._spec_ref = ref
             self._spec_gen += 1
-            self._startup_deaths, self._gave_up, self._fatal = 0, False, None
-            self._wave += 1
-            doomed = []
-            for a in list(self._actors.values()):
-                a.retiring = True
-                if a.key is None and a.ready:  # one still starting: once ready (see _ready)
-                    del self._actors[a.wid]
-                    doomed.append(a)
+            self._new_chance()
+            doomed = [a for a in list(self._actors.values()) if self._retire(a)]
             n = self.want
         self._kill(doomed)
         for _ in range(n):
             self._start()
+
+    def new_pass(self) -> None:
+        pass  # a new chance comes with resize (see _new_chance), as the pass sizes the actors
+
+    def _new_chance(self) -> None:  # under the lock
+        """New actors are to start: the count of failed starts begins again, and a start
+        error of an actor started before is stale (see _startup_failed)."""
+        self._startup_deaths, self._gave_up, self._fatal = 0, False, None
+        self._wave += 1
+
+    def _retire(self, a: _Actor) -> bool:  # under the lock
+        """Retire ``a``; True when it is to be killed now (idle and ready). A busy one goes
+        after its sample (_done), one still starting once ready (_ready)."""
+        a.retiring = True
+        if a.key is None and a.ready:
+            del self._actors[a.wid]
+            return True
+        return False
 
     @property
     def size(self) -> int:

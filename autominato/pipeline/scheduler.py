@@ -645,9 +645,7 @@ class Pipeline:
             self.rows.open(run.gen, ep.batch_size, in_order=ep.in_order, groups=ep.groups,
                            done=ep.done)
         for st in self.sample_stages:
-            new_pass = getattr(st.executor, "new_pass", None)
-            if new_pass is not None:
-                new_pass()
+            st.executor.new_pass()
         if self.cfg.iterable:
             self._size_stream_workers()
         else:

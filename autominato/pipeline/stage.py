@@ -81,6 +81,10 @@ class Executor(Protocol):
     def flush(self) -> None:
         """Start what was submitted (an executor may hold submissions to send them together)."""
 
+    def new_pass(self) -> None:
+        """A pass (epoch run) begins, before the scheduler sizes the workers: workers held
+        back after a failed start may start again."""
+
     def expire(self, seconds: float) -> None:
         """Give up on items held longer than ``seconds``: each is posted as lost
         (``timed_out``) once its worker is replaced."""

@@ -168,9 +168,9 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_samples_lost_total": (
         "counter",
         "Samples not delivered because of an error raised in the training loop (the failing "
-        "sample; in order or with a batch_sampler its whole batch, as DataLoader's; an "
-        "iterable dataset's failing sample only, not what a generator that raised never "
-        "yielded).",
+        "sample; in order or with a batch_sampler its whole batch, as DataLoader's, and for "
+        "an iterable dataset in order the samples of its batch before it; not what a "
+        "generator that raised never yielded).",
         (),
     ),
     "autominato_speculative_samples_discarded_total": (
