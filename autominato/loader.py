@@ -40,7 +40,7 @@ from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
 from autominato.pipeline.stream import PullDone, Stream, Yielded, YieldFailed
 from autominato.pipeline.worker import Streams, WorkSpec, run_sample, sample_path, takes_rng
-from autominato.telemetry.handle import monitor_interval_from_env
+from autominato.telemetry.switch import monitor_interval_from_env
 
 log = logging.getLogger("autominato.pipeline")
 

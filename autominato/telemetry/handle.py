@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -33,16 +32,15 @@ from autominato.telemetry.metrics import (
 )
 from autominato.telemetry.monitor import DataMonitor, diagnose, format_report
 from autominato.telemetry.nvml import nvml_collector
+from autominato.telemetry.switch import (  # noqa: F401 (re-exported)
+    DEFAULT_MONITOR_INTERVAL,
+    ENV_MONITOR,
+    ENV_MONITOR_INTERVAL,
+    monitor_interval_from_env,
+)
 
 log = logging.getLogger(__name__)
 
-#: ``AUTOMINATO_DATA_MONITOR=1`` turns the Data Monitor on without code changes (as
-#: MegEngine's ``MGE_DATA_MONITOR`` does); the interval comes from
-#: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` (seconds, default :data:`DEFAULT_MONITOR_INTERVAL`,
-#: MegEngine's 5 s).
-ENV_MONITOR = "AUTOMINATO_DATA_MONITOR"
-ENV_MONITOR_INTERVAL = "AUTOMINATO_DATA_MONITOR_INTERVAL"
-DEFAULT_MONITOR_INTERVAL = 5.0
 
 
 class Observable(Protocol):
@@ -71,27 +69,6 @@ def _ensure_report_visible() -> None:
     mon.addHandler(handler)
     if mon.getEffectiveLevel() > logging.INFO:
         mon.setLevel(logging.INFO)
-
-
-def monitor_interval_from_env() -> float | None:
-    """The interval the environment asks for, or None when ``AUTOMINATO_DATA_MONITOR`` is
-    unset, empty, ``0``, ``false`` or ``no``.
-
-    Raises:
-        ValueError: ``AUTOMINATO_DATA_MONITOR_INTERVAL`` is not a positive number.
-    """
-    if os.environ.get(ENV_MONITOR, "").strip().lower() in ("", "0", "false", "no", "off"):
-        return None
-    raw = os.environ.get(ENV_MONITOR_INTERVAL, "").strip()
-    if not raw:
-        return DEFAULT_MONITOR_INTERVAL
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{ENV_MONITOR_INTERVAL}={raw!r}: expected a positive number of seconds")
-    return value
 
 
 _live_lock = threading.Lock()
