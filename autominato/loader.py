@@ -211,8 +211,9 @@ class Loader:
             to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
             then replaced by new ones).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
-        in_order: deliver batches in sampler order (as the DataLoader); default is completion
-            order, where a slow sample joins a later batch of the same epoch.
+        in_order: deliver batches in sampler order (as the DataLoader); default (``None``):
+            the ``config`` file's, else ``False``, completion order, where a slow sample joins
+            a later batch of the same epoch.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
             ``(seed, epoch, index)``, or a plain ``transform(sample)``.
         seed: base seed of shuffling and augmentation. ``None``: drawn from ``generator``, else
@@ -225,7 +226,8 @@ class Loader:
             semantics); when not given, read from ``torch.distributed`` once it is initialised
             (at every pass until then: a Loader built before Lightning's DDP strategy starts
             the process group shards when the group exists).
-        worker_kind: ``"process"`` (default), ``"thread"`` for GIL-free transforms, or
+        worker_kind: ``"process"`` (the default, unless the ``config`` file names another),
+            ``"thread"`` for GIL-free transforms, or
             ``"ray"``: the transform stage runs on Ray actors, on this machine or a cluster
             (``pip install "autominato[ray]"``; see the README's "Scale out"). ``workers`` is
             then the actor count, bounded by the cluster's free CPUs. The dataset's files
@@ -261,7 +263,9 @@ class Loader:
             interpreter that unpickles the dataset once (~2 s, importing torch); ``"fork"``,
             ``"forkserver"`` force the first or the last; ``"spawn"`` starts each worker as a
             new interpreter. Workers never import ``__main__``.
-        config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds.
+        config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds,
+            and ``worker_kind`` and ``in_order`` where the call does not give them (knobs and
+            settings given as arguments win).
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
         prefetch_next_epoch: start the next epoch's samples in the workers that the tail of
@@ -306,13 +310,13 @@ class Loader:
         prefetch_factor: int | None = None,
         persistent_workers: bool = True,
         pin_memory_device: str = "",
-        in_order: bool = False,
+        in_order: bool | None = None,
         transform: Callable | None = None,
         seed: int | None = None,
         device: str | torch.device | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        worker_kind: str = "process",
+        worker_kind: str | None = None,
         ray_address: str | None = None,
         ray_actor_options: dict | None = None,
         fuse_read: bool | None = None,
@@ -367,6 +371,20 @@ class Loader:
                 raise ValueError(f"prefetch_factor={prefetch_factor} and depth={knobs['depth']} "
                                  "name the same knob: give one")
             knobs["depth"] = prefetch_factor
+        cfg = None
+        if config is not None:
+            from autominato.config import load_config
+
+            cfg = load_config(config)
+            # A tuned file's static settings fill what the call left out; an argument given
+            # wins, as an explicit knob argument does over the file's knobs.
+            static = cfg["loader"]
+            if worker_kind is None:
+                worker_kind = static.get("worker_kind")
+            if in_order is None:
+                in_order = static.get("in_order")
+        worker_kind = "process" if worker_kind is None else worker_kind
+        in_order = False if in_order is None else bool(in_order)
         if worker_kind not in ("process", "thread", "ray"):
             raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")
         if worker_kind == "ray" and is_iterable_dataset(dataset):
@@ -423,15 +441,6 @@ class Loader:
                 raise ValueError("dataset must be map-style (define __len__ and __getitem__) or "
                                  "iterable (a torch.utils.data.IterableDataset, or define __iter__)"
                                  ) from e
-
-        cfg = None
-        if config is not None:
-            from autominato.config import load_config
-
-            cfg = load_config(config)
-            static = cfg["loader"]
-            worker_kind = static.get("worker_kind", worker_kind)
-            in_order = static.get("in_order", in_order)
 
         self.dataset = dataset
         self._batch = int(batch_size)  # samples per batch as the pipeline runs it
@@ -543,6 +552,8 @@ class Loader:
         self._epoch_set = False
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
+        self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
+        self._last_sampler_epoch: int | None = None
         self._last_pass_epoch: int | None = None
         self._started = False
         self._batches_at_iter = 0
@@ -740,8 +751,14 @@ class Loader:
                     getattr(self, name).load_state_dict(sd)
             samplers = resume.sampler_states(self)
             order, groups = self._order(self._epoch)
-            done = (resume.resumed_positions(pending, len(order), self._epoch)
-                    if pending is not None else [])
+            try:
+                done = (resume.resumed_positions(pending, len(order), self._epoch)
+                        if pending is not None else [])
+            except ValueError:
+                # The checkpoint stays pending: a later pass must not start the epoch afresh
+                # and deliver again what was delivered before it (review 45).
+                self._resume, self._resumed = pending, None
+                raise
             progress = resume.Progress(self._epoch, len(order), done,
                                        pending["batches"] if done else 0, samplers)
             self._progress = progress
@@ -752,7 +769,13 @@ class Loader:
                 # (after a pass that was no epoch, Lightning's check, the step is kept)
                 step = self._epoch - self._last_pass_epoch
                 self._epoch_step = step if step in (0, 1) else 1
+                if self._last_sampler_epoch is not None:
+                    # (a DistributedSampler whose epoch the loop sets itself: its own step)
+                    step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
+                    self._sampler_epoch_step = step if step in (0, 1) else 1
             self._last_pass_epoch = self._epoch
+            self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
+                                        is DistributedSampler else None)
             run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order())
             return _EpochIterator(self, pipeline, run, progress)
 
@@ -873,7 +896,7 @@ class Loader:
             sampler = copy.copy(sampler)
             # The training loop sets the sampler's epoch itself (DDP's habit) or through
             # set_epoch: either way the next one is expected to follow.
-            sampler.set_epoch(sampler.epoch + 1)
+            sampler.set_epoch(sampler.epoch + self._sampler_epoch_step)
         order = epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self._batch,
@@ -1132,9 +1155,12 @@ class _EpochIterator:
         self._poll_h2d()
         run = self.run
         limit = self.L.timeout
+        item = None
         with run.cv:
             while not run.out:
-                if self.L._closed or (run.closed and not run.out):
+                # A failed scheduler may never have seen this run (it died before the run's
+                # start reached it): its failure ends the wait too.
+                if self.L._closed or run.closed or self.pipeline.fatal() is not None:
                     self._finish()
                     fatal = self.pipeline.fatal()
                     if fatal is not None:
@@ -1144,11 +1170,18 @@ class _EpochIterator:
                 if limit > 0:
                     left = limit - (time.monotonic() - t0)
                     if left <= 0:
-                        # DataLoader's words; the epoch goes on (a later next() may succeed).
-                        raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting "
-                                           "for a batch (timeout=)")
+                        break
                 run.cv.wait(min(0.5, left))
-            item = run.out.popleft()
+            else:
+                item = run.out.popleft()
+        if item is None:
+            # Raised with neither this iterator nor its run in a frame: a kept error (a
+            # notebook's sys.last_value) would keep the run loading, and its window, slots
+            # and batches, when the training loop drops the iterator (review 45).
+            del self, run
+            # DataLoader's words; the epoch goes on (a later next() may succeed).
+            raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
+                               "(timeout=)")
         kind = item[0]
         if kind != "batch":
             err = item[1] if len(item) > 1 else None

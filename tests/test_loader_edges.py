@@ -169,6 +169,65 @@ def test_a_configuration_beyond_this_machines_cores_is_clamped_with_a_warning(ca
     assert "99 workers" in caplog.text
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+def test_settings_given_as_arguments_win_over_a_configurations(in_order):
+    """The file's ``loader`` section fills what the call leaves out; ``in_order`` and
+    ``worker_kind`` given win, as knob arguments do (review 45: the file's won)."""
+    cfg = {"loader": {"worker_kind": "process", "in_order": not in_order}}
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, in_order=in_order,
+                worker_kind="thread") as L:
+        assert L.in_order is in_order and L.worker_kind == "thread"
+        assert L._ensure_pipeline().cfg.in_order is in_order
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, workers=0) as L:
+        assert L.in_order is (not in_order) and L.worker_kind == "process"
+    with Loader(Indexed(4), 2, autotune=False, workers=0) as L:
+        assert L.in_order is False and L.worker_kind == "process"
+
+
+def test_a_kept_timeout_error_does_not_keep_a_dropped_iterators_epoch_loading():
+    """``timeout=``'s error is raised from no frame that holds the iterator: a training loop
+    that keeps it (a notebook's ``sys.last_value``) and drops the iterator stops its epoch
+    (review 45: the run went on loading and holding its window)."""
+    with Loader(Indexed(40, slow={i: 0.3 for i in range(40)}), 4, workers=2, autotune=False,
+                timeout=0.1, in_order=True, prefetch_next_epoch=False,
+                worker_kind="thread") as L:
+        it = iter(L)
+        with pytest.raises(RuntimeError, match="timed out") as info:
+            next(it)
+        kept = info.value  # noqa: F841 (kept, as a notebook keeps it)
+        del it, info
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while L._pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not L._pipeline.runs
+
+
+def test_a_scheduler_that_fails_before_it_starts_the_epoch_fails_next_instead_of_hanging(
+        monkeypatch):
+    """A bug in the scheduler thread between ``iter()`` and the run's start: ``next()``
+    raises it (review 45: it waited for ever, the run unknown to the failed scheduler)."""
+    from autominato.pipeline.scheduler import Pipeline
+
+    def broken(self, run):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(Pipeline, "_begin", broken)
+    with Loader(Indexed(4), 2, workers=1, worker_kind="thread", autotune=False) as L:
+        out = []
+
+        def consume():
+            try:
+                next(iter(L))
+            except RuntimeError as e:
+                out.append(e)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        t.join(10)
+        assert out and isinstance(out[0].__cause__, ZeroDivisionError), "next() hung"
+
+
 def test_bad_argument_types_name_the_argument():
     with pytest.raises(TypeError, match="batch_size"):
         Loader(Indexed(4), batch_size="2", autotune=False)

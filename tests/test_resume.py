@@ -373,6 +373,10 @@ def test_a_sampler_that_changes_its_length_is_caught_at_the_resume():
         loader.load_state_dict(state)
         with pytest.raises(ValueError, match="28 positions, it had 30"):
             iter(loader)
+        # The checkpoint stays pending: the epoch does not start afresh, delivering again what
+        # was delivered before it (review 45)
+        with pytest.raises(ValueError, match="28 positions, it had 30"):
+            iter(loader)
 
 
 class IterableWithLength(torch.utils.data.IterableDataset):

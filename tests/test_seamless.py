@@ -176,6 +176,22 @@ def test_a_distributed_sampler_is_followed_and_other_samplers_or_the_switch_turn
         assert L._pipeline.pending is None
 
 
+def test_a_repeated_epoch_of_a_distributed_sampler_is_expected_as_the_loaders():
+    """A loop that sets the same epoch on its ``DistributedSampler`` every pass: after one
+    repeat the same epoch is expected (review 45: the sampler's copy always moved on by one,
+    so every later pass discarded its speculation)."""
+    n = 8
+    sampler = DistributedSampler(range(n), num_replicas=2, rank=0, shuffle=True, seed=3)
+    with Loader(StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch, seed=SEED,
+                workers=1, autotune=False) as L:
+        for _ in range(4):
+            sampler.set_epoch(5)
+            got = sorted(i for idx, _ in batches_of(L) for i in idx)
+            assert got == sorted(copy.copy(sampler))
+        # pass 0 expects epoch 6 (discarded), passes 1-2 expect 5 (adopted)
+        assert L._pipeline.speculative_adopted == 2
+
+
 @pytest.mark.parametrize("repeat_epoch", [True, False])
 def test_a_pass_that_repeats_the_set_epoch_is_expected_after_one_repeat(repeat_epoch):
     """``set_epoch`` holds until set again: after one repeated pass the same epoch is expected

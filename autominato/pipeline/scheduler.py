@@ -1011,6 +1011,7 @@ class Pipeline:
         if isinstance(items, _Final):
             return Result("batch", key, items)
         t0 = time.perf_counter()
+        released = False
         try:
             pool = self.batch_pool
             first = items[0][2].slots
@@ -1026,24 +1027,26 @@ class Pipeline:
             samples = [c.sample for _, _, c in items]
             if self.cfg.collate_fn is not None:
                 batch = self.cfg.collate_fn(samples)  # samples own their arrays (see _output)
-                self._release_items(items)
+                released = self._release_items(items)
                 if self.cfg.pin_memory or self.cfg.cuda:
                     batch = pin(batch)
             else:
                 batch = collate(samples, pool)
                 del samples
-                self._release_items(items)
+                released = self._release_items(items)
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
-            self._release_items(items)
+            if not released:  # (pin failed after the release: a slot goes back once)
+                self._release_items(items)
             return Result("batch", key, [pos for pos, _, _ in items], ok=False, error=e)
         indices = [index for _, index, _ in items]
         positions = [pos for pos, _, _ in items]
         return Result("batch", key, (batch, indices, positions),
                       service_s=time.perf_counter() - t0, nbytes=batch_nbytes(batch))
 
-    def _release_items(self, items: tuple) -> None:
+    def _release_items(self, items: tuple) -> bool:
         for _, _, c in items:
             self._free(c.slots)
+        return True
 
     def _transfer(self, key: Any, job: tuple) -> Result:
         """Transfer stage function (its own thread): start the host-to-device copy on a side
