@@ -408,6 +408,43 @@ def draws() -> tuple:
     return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
 
 
+class DrawsInGetitem:
+    """Plain PyTorch augmentation: ``__getitem__`` draws from the global generators; even
+    indices are slow, so that which worker takes which sample varies from run to run."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02 * (i % 2 == 0))
+        return {"i": i, "draws": np.array([*draws()[0], *draws()[1]], np.float64)}
+
+
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, in_order=True),
+                                dict(workers=1)], ids=["completion", "in-order", "one-worker"])
+def test_draws_from_the_global_generators_in_getitem_repeat_with_the_seed(kw):
+    """Without ``transform=``, a sample's draws from ``random``, NumPy's and torch's global
+    generators depend on (seed, epoch, index) only, not on which worker took it (trial 44:
+    they were seeded per worker only, and differed between runs with the same seed)."""
+    def run(seed: int, **kw) -> dict:
+        got = {}
+        with Loader(DrawsInGetitem(), 2, seed=seed, autotune=False, **kw) as loader:
+            for _ in range(2):
+                for b in loader:
+                    for i, d in zip(b["i"].tolist(), b["draws"], strict=True):
+                        got[(loader.epoch, i)] = d.tolist()
+        return got
+
+    first = run(0, **kw)
+    assert len(first) == 32
+    assert run(0, **kw) == first
+    assert run(0, workers=2) == first  # whatever the worker count and order
+    other = run(1, **kw)
+    assert all(other[k] != first[k] for k in first)
+    # each sample's draws differ from the others' (no two samples seeded alike)
+    assert len({tuple(v) for v in first.values()}) == 32
+
+
 @pytest.mark.parametrize("kw", [dict(workers=2, worker_kind="thread"), dict(workers=0)],
                          ids=["thread-workers", "inline"])
 def test_thread_workers_leave_the_training_processs_random_generators_alone(kw):

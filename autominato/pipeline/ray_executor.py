@@ -189,7 +189,7 @@ class SampleActor:
                                  "of the cluster")
                 raise err from None
             limit_threads(threads)
-            seed_globals(self.spec.seed, wid)  # per sample too when there is a transform
+            seed_globals(self.spec.seed, wid)  # for worker_init_fn; per sample too (serve_sample)
             start_worker(self.spec, slot, workers, self.name, process=True)
         except Exception as e:  # noqa: BLE001 - reported by ready()
             self.failed = ErrorReport.capture(e, -1, None, self.name)

@@ -4,14 +4,17 @@ The same :func:`run_sample` serves thread workers and process workers, so a samp
 does not depend on where it ran: its random generator is seeded from ``(seed, epoch, index)``
 alone (``numpy.random.SeedSequence`` entropy).
 
-Global generators. When the loader has a ``transform``, a worker process also seeds Python's
-``random``, NumPy's legacy global generator and torch's default generator from
-``(seed, epoch, index)`` before each sample (:func:`seed_globals`), for transforms that draw
-from them: a sample's augmentation is then reproducible whichever worker ran it. Without a
-transform it seeds them once, from ``(seed, worker id)``, as the DataLoader seeds each of its
-workers (per-sample seeding costs about 15 us, as much as a tiny sample's whole transport). Thread workers (``worker_kind="thread"``, ``workers=0``)
-run in the training process: they leave those generators alone, since reseeding them from a
-worker thread would repeat the training loop's own draws and race with them.
+Global generators. A worker process (or Ray actor) seeds Python's ``random``, NumPy's legacy
+global generator and torch's default generator from ``(seed, worker id)`` before
+``worker_init_fn``, as the DataLoader seeds each of its workers, and again from
+``(seed, epoch, index)`` before each sample (:func:`seed_globals`, 8 us), for a dataset's
+``__getitem__`` or a transform that draws from them: a sample's draws are then reproducible
+whichever worker ran it. The DataLoader's per-worker seeds suffice there because it gives each
+worker a fixed share of the batches; here any worker may take any sample (trial 44: draws in
+``__getitem__`` differed between runs with the same seed when only a ``transform`` got
+per-sample seeds). Thread workers (``worker_kind="thread"``, ``workers=0``) run in the
+training process: they leave those generators alone, since reseeding them from a worker
+thread would repeat the training loop's own draws and race with them.
 
 Random state of library transforms. MONAI's ``Randomizable`` transforms (in the ``transform``
 or inside the dataset, as ``monai.data.Dataset(data, transform=Compose([...]))``) draw from
@@ -466,7 +469,7 @@ class Streams:
         prev = getattr(_local, "info", None)
         if self.info:
             set_worker_info(make_info(spec, shard, shards, thread=not self.process), self.process)
-        seeding = self.process and spec.transform is not None
+        seeding = self.process
         about = (f"{where}, sample {{}} of shard {shard} of {shards} of the iterable dataset "
                  "(sample and shard counted from 0)")
         try:
@@ -520,15 +523,14 @@ class Streams:
 def serve_sample(
     spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None
 ) -> tuple[Any, float, float]:
-    """:func:`run_sample` as a worker process (or a Ray actor) runs it: with a transform, the
-    global generators are first seeded from ``(seed, epoch, index)`` (:func:`seed_globals`),
-    so that a sample's result does not depend on which process ran it.
+    """:func:`run_sample` as a worker process (or a Ray actor) runs it: the global generators
+    are first seeded from ``(seed, epoch, index)`` (:func:`seed_globals`), so that a sample's
+    result does not depend on which process ran it.
 
     Returns:
         ``(sample, read_seconds, transform_seconds)``.
     """
-    if spec.transform is not None:
-        seed_globals(spec.seed, epoch, index)
+    seed_globals(spec.seed, epoch, index)
     return run_sample(spec, index, epoch, read, sample)
 
 
@@ -620,7 +622,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             limit_threads(spec.threads_per_worker if threads is None else threads)
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
-            seed_globals(spec.seed, wid)  # per sample too when there is a transform
+            seed_globals(spec.seed, wid)  # for worker_init_fn; per sample too (serve_sample)
             _take_dataset(spec, payload)
             del payload  # the pickled dataset: not kept through worker_init_fn or after
             start_worker(spec, wid, workers, worker, process=True)
