@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from autominato.pipeline.errors import SampleTimeout, WorkerDied
@@ -199,6 +199,13 @@ class ProcessExecutor:
     def free(self) -> int:
         return len(self.pool.idle()) * self.chunk - len(self._pending)
 
+    def held_keys(self) -> Iterator[Any]:
+        """Keys of the items the workers hold or are about to be sent (submitted)."""
+        for keys in self._held.values():
+            yield from keys
+        for key, _ in self._pending:
+            yield key
+
     def pids(self) -> list[int]:
         return self.pool.pids()
 
@@ -272,9 +279,9 @@ class ProcessExecutor:
             if key in held:
                 held.remove(key)
             if sub[0] == "ok":
-                _, _, desc, need, read_s, transform_s, pack_s = sub
+                _, _, desc, need, read_s, transform_s, pack_s, peak = sub
                 out.append(Result(self.name, key, (desc, need), service_s=transform_s + pack_s,
-                                  read_s=read_s, nbytes=need))
+                                  read_s=read_s, nbytes=need, peak_bytes=peak))
             else:
                 out.append(Result(self.name, key, ok=False, error=sub[2].to_exception()))
         if out:  # the chunk size follows the measured time per item (mean over this reply)

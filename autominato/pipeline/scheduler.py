@@ -54,6 +54,7 @@ from autominato.pipeline.epoch import (
 from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
+from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
@@ -104,6 +105,10 @@ class PipelineConfig:
             :meth:`Pipeline.start_stream`, each worker iterating its shard.
         ray_actor_options: options of the transform actors (``worker_kind="ray"``), see
             :func:`~autominato.pipeline.ray_executor.actor_options`.
+        memory_aware: process workers measure each sample's peak memory and a sample whose
+            working set would not fit beside those in flight waits (see
+            :mod:`autominato.pipeline.memory`).
+        dataset_len: the map-style dataset's length (for ``memory_aware``'s figures).
     """
 
     batch_size: int
@@ -123,6 +128,8 @@ class PipelineConfig:
     pin_memory: bool = False
     iterable: bool = False
     ray_actor_options: dict | None = None
+    memory_aware: bool = True
+    dataset_len: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -245,9 +252,14 @@ class Pipeline:
         self._knob_note: int | None = None  # the workers value last said to wait for an epoch
         try:
             self.sample_stages: list[Stage] = compose(self)
+            self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
+            self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
+                    if cfg.memory_aware and not cfg.iterable:
+                        st.admit = self._admit
+                        self._memory_aware = True
             # Process workers write finished samples into batch rows (see rows.py) where the
             # default collate stacks them and no pinned copy follows.
             self._rows_ok = (self.procs is not None and self.sample_stages[-1].executor is self.procs
@@ -406,6 +418,19 @@ class Pipeline:
         """PIDs of the transform workers that run on this machine (processes, local actors)."""
         pids = getattr(self._stage["transform"].executor, "pids", None)
         return pids() if pids is not None else []
+
+    @property
+    def memory_held(self) -> int:
+        """Samples that waited for memory before they started (see :mod:`.memory`)."""
+        return self.memory.held_back
+
+    @property
+    def memory_budget_bytes(self) -> float:
+        """Bytes of samples' working sets that may be in flight together now; 0 while no
+        sample was measured or the dispatch is not memory-aware."""
+        if not self._memory_aware or not self.memory.known:
+            return 0.0
+        return self.memory.budget(self.procs.size)
 
     @property
     def worker_restarts(self) -> int:
@@ -669,6 +694,19 @@ class Pipeline:
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
                 _SLOT_LATER)
 
+    def _index_of(self, key: tuple) -> int | None:
+        run = self.runs.get(key[0])
+        if run is None or isinstance(run.epoch, Stream) or type(key[1]) is not int:
+            return None
+        return run.epoch.order[key[1]]
+
+    def _admit(self, key: tuple, item: Any) -> bool:
+        """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`)."""
+        if not self.memory.known or type(item) is not tuple or len(item) != 6:
+            return True
+        in_flight = [i for i in map(self._index_of, self.procs.held_keys()) if i is not None]
+        return self.memory.admit(item[0], in_flight, self.procs.size, key)
+
     def _give_slot(self, key: tuple, item: Any) -> Any:
         """``prepare`` of the process workers' stage: a task leaving for a worker takes its
         output slot (one that fits the largest output seen, or none: a memory file then)."""
@@ -726,6 +764,8 @@ class Pipeline:
         if row is not None:  # a claiming task was given no output slot
             slots = (slots[0] if slots else None, row)
         if r.ok:
+            if r.peak_bytes and run is not None:
+                self.memory.learn(run.epoch.order[pos], r.peak_bytes)
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)
             last = stage is self.sample_stages[-1]

@@ -43,6 +43,8 @@ class Result:
         service_s: seconds inside the stage's function.
         read_s: seconds of those spent reading (a stage that reads and transforms), or 0.
         nbytes: bytes of the output (array payload).
+        peak_bytes: the item's peak memory in its worker process (bytes above the worker's
+            resident set when it began; ``worker.PeakMeter``), 0 when not measured.
     """
 
     stage: str
@@ -56,6 +58,7 @@ class Result:
     service_s: float = 0.0
     read_s: float = 0.0
     nbytes: int = 0
+    peak_bytes: int = 0
 
 
 class Executor(Protocol):
@@ -103,18 +106,23 @@ class Stage:
         capacity: the queue's capacity (a callable: it follows a live knob).
         prepare: ``prepare(key, item) -> item``, called as an item leaves the queue for a
             worker (process workers take their output slot then, not while queued).
+        admit: ``admit(key, item) -> bool``: whether the queue's first item may leave for a
+            free worker now (see :mod:`autominato.pipeline.memory`); while it says no, no item
+            leaves (first in, first out).
 
     Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
     """
 
     def __init__(self, name: str, executor: Executor, hook: StatsHook,
                  capacity: Callable[[], int],
-                 prepare: Callable[[Any, Any], Any] | None = None) -> None:
+                 prepare: Callable[[Any, Any], Any] | None = None,
+                 admit: Callable[[Any, Any], bool] | None = None) -> None:
         self.name = name
         self.executor = executor
         self.hook = hook
         self.capacity = capacity
         self.prepare = prepare
+        self.admit = admit
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
 
@@ -132,7 +140,10 @@ class Stage:
         if most is not None:
             n = min(n, most)
         for _ in range(n):
-            key, item, t = self.queue.popleft()
+            key, item, t = self.queue[0]
+            if self.admit is not None and not self.admit(key, item):
+                break
+            self.queue.popleft()
             self._waits[key] = time.monotonic() - t
             ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()

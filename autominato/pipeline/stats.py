@@ -164,6 +164,10 @@ class LoaderSnapshot:
             did not ask for (another epoch, order or sampler), so discarded.
         errors_raised_total: errors raised in the training loop after which the epoch went on
             (a sample's under ``on_error="raise"``, or a batch's that could not be made).
+        samples_held_for_memory_total: samples that waited before they started because their
+            working set would not fit beside those in flight (``memory_aware``).
+        memory_budget_bytes: working-set bytes that may be in flight together now
+            (``memory_aware``; 0 before a sample was measured).
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
             for a batch that could not be made, its samples.
@@ -190,6 +194,8 @@ class LoaderSnapshot:
     speculative_discarded_total: int = 0
     errors_raised_total: int = 0
     samples_lost_total: int = 0
+    samples_held_for_memory_total: int = 0
+    memory_budget_bytes: float = 0.0
 
     @property
     def idle_ratio(self) -> float:

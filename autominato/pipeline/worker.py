@@ -182,6 +182,57 @@ class HeapTrim:
         self.base = self.resident_bytes()
 
 
+class PeakMeter:
+    """A task's peak memory in this process: the resident set's high-water mark above the
+    resident set when the task began, bytes.
+
+    Linux resets ``VmHWM`` to the current resident set when ``5`` is written to
+    ``/proc/self/clear_refs`` (since 4.0; ``Documentation/filesystems/proc.rst``); 25 us a task
+    here for the write and the two reads, so only tasks sent alone (10 ms or more, see
+    ``executors.CHUNK_BUDGET_S``) are measured. Make it in the process that uses it. Without
+    that file (another OS, a restricted ``/proc``) :meth:`start` returns ``None``."""
+
+    def __init__(self) -> None:
+        try:
+            self._clear: int | None = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            self._status: int | None = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear = self._statm = self._status = None
+
+    def start(self) -> int | None:
+        """Reset the high-water mark; returns the resident bytes now (the task's base)."""
+        if self._clear is None:
+            return None
+        try:
+            os.write(self._clear, b"5")
+            return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            self._clear = None
+            return None
+
+    def peak(self, base: int | None) -> int:
+        """Bytes the resident set rose above ``base`` at most since :meth:`start`; 0 unknown."""
+        if base is None or self._status is None:
+            return 0
+        try:
+            text = os.pread(self._status, 4096, 0)
+            at = text.index(b"VmHWM:")
+            return max(0, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
+        except (OSError, ValueError):
+            return 0
+
+
+_meter: tuple[int, PeakMeter] | None = None
+
+
+def _peak_meter() -> PeakMeter:
+    global _meter
+    if _meter is None or _meter[0] != os.getpid():  # (a fork's /proc/self is another's)
+        _meter = (os.getpid(), PeakMeter())
+    return _meter[1]
+
+
 def takes_rng(fn: Callable | None) -> bool:
     """Whether ``fn`` is called as ``fn(sample, rng)`` rather than ``fn(sample)``.
 
@@ -598,7 +649,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     (a pull of an iterable dataset's shard, see :class:`Streams`; one slot or ``None`` per
     sample asked) and ``("drop", gen)`` (forget run ``gen``'s streams). Replies:
     ``("many", [reply, ...])`` (see :data:`FLUSH_S`), each ``("ok", key, desc, need, read_s,
-    transform_s, pack_s)`` or ``("err", key, ErrorReport)``; ``("stream", key, [outcome, ...],
+    transform_s, pack_s, peak_bytes)`` (``peak_bytes``: :class:`PeakMeter`'s, for a task sent
+    alone; else 0) or ``("err", key, ErrorReport)``; ``("stream", key, [outcome, ...],
     final)``, each outcome ``("ok", k, desc, need, read_s, transform_s, pack_s)``,
     ``("err", k, ErrorReport)``, ``("done", unused, exhausted)`` or ``("lost",)``, ``final``
     on the message that ends the pull; before them ``("ready", pid)`` once, or
@@ -701,11 +753,14 @@ FLUSH_S = 0.02
 
 
 def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
-           claim: Callable[[tuple, tuple], tuple] | None = None) -> tuple:
+           claim: Callable[[tuple, tuple], tuple] | None = None,
+           meter: PeakMeter | None = None) -> tuple:
     """Read / transform one task and pack the result; returns the reply (never raises).
     ``claim(key, signature)``: asks the loader for a batch row (``out_slot`` is
-    ``rows.CLAIM``; see :mod:`autominato.pipeline.rows`)."""
+    ``rows.CLAIM``; see :mod:`autominato.pipeline.rows`). With ``meter``, the reply's last
+    field is the task's peak memory (bytes, :class:`PeakMeter`), else 0."""
     pos, index, epoch, read, in_slot, in_desc, out_slot = msg
+    base = meter.start() if meter is not None else None
     try:
         sample = None
         if in_slot is not None or in_desc is not None:
@@ -737,7 +792,9 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
         if desc is None:
             desc, need = pack_prepared(prep, None)
         del prep
-        return ("ok", pos, desc, need, read_s, transform_s, time.perf_counter() - t)
+        pack_s = time.perf_counter() - t
+        return ("ok", pos, desc, need, read_s, transform_s, pack_s,
+                meter.peak(base) if meter is not None else 0)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
         return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
 
@@ -778,7 +835,8 @@ def _serve_chunk(conn, spec: WorkSpec, cache: SlotCache, worker: str, tasks: lis
     """Serve several tasks, replying ``("many", [reply, ...])`` (see :data:`FLUSH_S`).
     Returns False when the loader is gone."""
     claim = _Claimer(conn, pending if pending is not None else deque())
-    return _send_flushing(conn, (_serve(spec, cache, worker, task, claim) for task in tasks),
+    meter = _peak_meter() if len(tasks) == 1 else None  # (a task sent alone: 10 ms or more)
+    return _send_flushing(conn, (_serve(spec, cache, worker, task, claim, meter) for task in tasks),
                           lambda replies, final: ("many", replies) if replies else None,
                           claim.flush_now)
 

@@ -178,6 +178,18 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Samples started for a next epoch that the training loop did not ask for, discarded.",
         (),
     ),
+    "autominato_samples_held_for_memory_total": (
+        "counter",
+        "Samples that waited before they started because their working set (the peak memory "
+        "measured at their last run) would not fit beside the samples in flight.",
+        (),
+    ),
+    "autominato_memory_budget_bytes": (
+        "gauge",
+        "Working-set bytes of samples that may be in flight together: 1.25 x max(the largest "
+        "sample's peak, workers x the median's); 0 before a sample was measured.",
+        (),
+    ),
     "autominato_worker_restarts_total": (
         "counter",
         "Worker processes replaced after dying or hanging.",

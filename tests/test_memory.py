@@ -1,0 +1,145 @@
+"""Memory-aware dispatch: the peak meter's figures, the admission rule, and a large sample that
+never runs beside another large one (pipeline/memory.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from autominato import Loader
+from autominato.pipeline.memory import MARGIN, SampleMemory
+
+MiB = 1 << 20
+
+
+_METER_PROBE = """
+import numpy as np
+from autominato.pipeline.worker import PeakMeter
+meter = PeakMeter()
+base = meter.start()
+if base is None:
+    print("none")
+else:
+    a = np.ones(96 << 20, np.uint8)  # touched: resident
+    del a
+    first = meter.peak(base)
+    base = meter.start()  # reset: the next task's figure does not carry this one's
+    b = np.ones(16 << 20, np.uint8)
+    del b
+    print(first, meter.peak(base))
+"""
+
+
+def test_the_peak_meter_reads_a_known_allocation():
+    # In a process of its own: other tests' threads in this one would move its resident set.
+    out = subprocess.run([sys.executable, "-c", _METER_PROBE], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    if out == ["none"]:
+        pytest.skip("no /proc/self/clear_refs here")
+    first, second = map(int, out)
+    # (pages the process gave back meanwhile lower it a little: 95.9 MiB here)
+    assert 94 * MiB <= first < 104 * MiB, first / MiB
+    assert 14 * MiB <= second < 24 * MiB, second / MiB
+
+
+def test_nothing_is_held_back_before_a_figure_or_when_nothing_is_in_flight():
+    m = SampleMemory(10)
+    assert m.admit(0, [1, 2, 3], workers=2)  # no figure yet
+    m.learn(0, 1000)
+    assert m.admit(1, [], workers=2)  # alone, however large
+    assert SampleMemory(None).admit(0, [1], 2)  # an iterable dataset keeps no figures
+    SampleMemory(None).learn(0, 10)  # (ignored, no error)
+
+
+def test_the_budget_holds_a_large_sample_back_from_large_ones_and_not_from_small_ones():
+    m = SampleMemory(8)
+    for i in range(1, 8):
+        m.learn(i, 100)
+    m.learn(0, 400)
+    # median 100, largest 400: budget 1.25 * max(400, 2 * 100) = 500
+    assert m.budget(2) == pytest.approx(MARGIN * 400)
+    assert m.admit(1, [2], workers=2)  # 200: two typical samples
+    assert m.admit(0, [1], workers=2)  # 500: the large one beside one typical
+    assert not m.admit(0, [1, 2], workers=2)  # 600
+    assert not m.admit(3, [0, 1], workers=2)
+    # with 8 workers the typical samples set the budget: 1.25 * 8 * 100 = 1000
+    assert m.budget(8) == pytest.approx(MARGIN * 800)
+    assert m.admit(0, [1, 2, 3, 4, 5], workers=8)  # 900
+
+
+def test_an_index_not_measured_is_estimated_at_the_median_and_waits_are_counted_once():
+    m = SampleMemory(8)
+    for i, v in enumerate((100, 100, 100, 700)):
+        m.learn(i, v)
+    assert m.estimate(6) == pytest.approx(100)  # median of 100, 100, 100, 700
+    assert not m.admit(3, [6, 5], workers=2, key="k")  # 700 + 200 > 875
+    assert not m.admit(3, [6, 5], workers=2, key="k")  # the same sample, still waiting
+    assert m.held_back == 1
+    assert m.admit(3, [6], workers=2, key="k")  # 800 <= 875
+
+
+class Uneven:
+    """Sample 0 holds ``big`` MiB at its peak, the others ``small``; each takes ``seconds`` and
+    returns when it ran (``time.monotonic``: one clock for all processes on Linux)."""
+
+    def __init__(self, n: int = 6, big: int = 160, small: int = 60, seconds: float = 0.12):
+        self.n, self.big, self.small, self.seconds = n, big, small, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        t0 = time.monotonic()
+        a = np.ones((self.big if i == 0 else self.small) * MiB, np.uint8)  # touched
+        time.sleep(self.seconds * (2.5 if i == 0 else 1))
+        del a
+        return {"i": i, "span": np.array([t0, time.monotonic()])}
+
+
+def _runs(loader, epochs: int) -> list[tuple[int, int, float, float]]:
+    runs = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        for b in loader:
+            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
+                runs.append((e, i, t0, t1))
+    return runs
+
+
+def _overlaps(runs, who: int, after_epoch: int) -> list:
+    mine = [r for r in runs if r[1] == who and r[0] >= after_epoch]
+    return [(a, b) for a in mine for b in runs if b[1] != who and b[2] < a[3] and a[2] < b[3]]
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_a_large_sample_runs_without_a_large_one_beside_it_once_measured(aware):
+    """Sample 0 (160 MiB) and the others (60 MiB): 160 + 60 is over the budget
+    (1.25 * 160 MiB), 60 + 60 under. From the second epoch on (the first measured it),
+    sample 0 overlaps no other sample; without memory_aware it does (the test can fail)."""
+    with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False,
+                memory_aware=aware) as loader:
+        runs = _runs(loader, 4)
+        snap = loader.snapshot()
+    assert sorted(i for e, i, *_ in runs if e == 3) == list(range(6))
+    bad = _overlaps(runs, 0, after_epoch=1)
+    if not aware:
+        assert bad and snap.samples_held_for_memory_total == 0
+        assert snap.memory_budget_bytes == 0
+        return
+    assert bad == []
+    assert snap.samples_held_for_memory_total >= 3  # once an epoch at least (epochs 1-3)
+    # the exported budget: 1.25 x sample 0's measured peak (160 MiB and the worker's own)
+    assert MARGIN * 150 * MiB <= snap.memory_budget_bytes <= MARGIN * 180 * MiB
+
+
+def test_samples_alike_never_wait():
+    with Loader(Uneven(big=60), batch_size=2, workers=2, seed=0, autotune=False) as loader:
+        runs = _runs(loader, 3)
+        snap = loader.snapshot()
+    assert snap.samples_held_for_memory_total == 0
+    assert MARGIN * 2 * 55 * MiB <= snap.memory_budget_bytes <= MARGIN * 2 * 70 * MiB
+    assert len(runs) == 18
