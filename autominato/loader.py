@@ -289,8 +289,9 @@ class Loader:
             a sample starts at once when no other is in flight; samples under 10 ms and
             iterable datasets are not measured; thread workers and Ray actors are not held
             back. Cost: a worker idles while a large sample runs without room beside it
-            (KiTS19, 2 workers: peak memory 811 -> 665 MiB, throughput -5% to -15%; see
-            ``autominato.pipeline.memory``). Counted in ``samples_held_for_memory_total``.
+            (KiTS19 bench, 2 workers: peak memory 1.03-1.16x -> 0.92-0.95x the DataLoader's,
+            throughput 1.66x -> 1.49x its, medians; docs/memory.md). Counted in
+            ``samples_held_for_memory_total``.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
