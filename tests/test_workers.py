@@ -716,3 +716,33 @@ def test_the_resident_anonymous_memory_leaves_out_shared_pages():
         del block
     finally:
         heap.close()
+
+
+class DrawOnly:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return np.array([float(i), random.random(), np.random.rand(), torch.rand(()).item()])
+
+
+def test_an_index_drawn_twice_in_an_epoch_draws_anew_from_the_global_generators():
+    """A ``WeightedRandomSampler(replacement=True)`` repeats indices: each repeat draws anew, as
+    under the DataLoader's per-worker streams, and the draws still repeat with the seed
+    (review 46: per-sample seeds from (seed, epoch, index) made the repeats copies)."""
+    from torch.utils.data import WeightedRandomSampler
+
+    def run() -> list:
+        s = WeightedRandomSampler([1.0] * 8, 64, replacement=True,
+                                  generator=torch.Generator().manual_seed(0))
+        with Loader(DrawOnly(), batch_size=8, sampler=s, workers=2, seed=0, in_order=True,
+                    autotune=False) as loader:
+            return torch.cat(list(loader)).tolist()
+
+    rows = run()
+    by_index: dict[int, list] = {}
+    for row in rows:
+        by_index.setdefault(int(row[0]), []).append(tuple(row[1:]))
+    assert any(len(v) > 1 for v in by_index.values())
+    assert all(len(set(v)) == len(v) for v in by_index.values())
+    assert run() == rows

@@ -22,6 +22,8 @@ nothing is held back. Samples sent in chunks (under 10 ms each) are not measured
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 #: Headroom of the budget over ``max(largest, workers * median)``: samples alike in size vary
@@ -33,12 +35,13 @@ MARGIN = 1.25
 #: keeps none and is never held back.
 MAX_INDICES = 1 << 24
 
-#: Median recomputed after this many new figures (an O(n) pass over the figures known).
-MEDIAN_EVERY = 16
-
-
 class SampleMemory:
     """The last measured peak memory of each index, and the admission rule (module docstring).
+
+    The figures are kept per index (a float32 array) and, for the budget, in a sorted list,
+    so that the largest and the median are those of the current figures (an index measured
+    again replaces its figure: a first run that paid for a worker's lazy set-up does not set
+    the budget for good) at ``O(log k)`` plus a ``k``-pointer move per figure.
 
     Args:
         n: the dataset's length (``None``: an iterable dataset; nothing is kept).
@@ -49,29 +52,37 @@ class SampleMemory:
         self.margin = float(margin)
         self._n = n if n is not None and 0 < n <= MAX_INDICES else 0
         self._peaks: np.ndarray | None = None  # float32 bytes per index, 0 unknown
-        self._largest = 0.0
-        self._median = 0.0
-        self._since = 0
+        self._sorted: list[float] = []  # the current figures, ascending
         self.held_back = 0  # times a sample waited for memory (counted once per sample)
         self._waiting: object = None
 
     @property
     def known(self) -> bool:
-        return self._largest > 0
+        return bool(self._sorted)
+
+    @property
+    def largest(self) -> float:
+        return self._sorted[-1] if self._sorted else 0.0
+
+    @property
+    def median(self) -> float:
+        k = len(self._sorted)
+        if not k:
+            return 0.0
+        return self._sorted[k // 2] if k % 2 else 0.5 * (self._sorted[k // 2 - 1] + self._sorted[k // 2])
 
     def learn(self, index: int, peak_bytes: int) -> None:
-        """Record ``index``'s peak (bytes; 0: not measured, ignored)."""
+        """Record ``index``'s peak (bytes; 0: not measured, ignored), replacing its last."""
         if peak_bytes <= 0 or not 0 <= index < self._n:
             return
         if self._peaks is None:
             self._peaks = np.zeros(self._n, np.float32)
+        old = float(self._peaks[index])
         self._peaks[index] = peak_bytes
-        self._largest = max(self._largest, float(peak_bytes))
-        self._since += 1
-        if self._median == 0.0 or self._since >= MEDIAN_EVERY:
-            self._since = 0
-            known = self._peaks[self._peaks > 0]
-            self._median = float(np.median(known))
+        new = float(self._peaks[index])  # (as stored: float32)
+        if old > 0:
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        bisect.insort(self._sorted, new)
 
     def estimate(self, index: int) -> float:
         """``index``'s last peak, else the median (bytes; 0 before any figure)."""
@@ -79,17 +90,18 @@ class SampleMemory:
             v = float(self._peaks[index])
             if v > 0:
                 return v
-        return self._median
+        return self.median
 
     def budget(self, workers: int) -> float:
         """Bytes of working sets that may be in flight together (0: no figure yet)."""
-        return self.margin * max(self._largest, max(1, workers) * self._median)
+        return self.margin * max(self.largest, max(1, workers) * self.median)
 
-    def admit(self, index: int, in_flight: list[int], workers: int, key: object = None) -> bool:
-        """Whether sample ``index`` may start beside the samples ``in_flight`` (indices)."""
+    def admit(self, index: int, in_flight: list[float], workers: int, key: object = None) -> bool:
+        """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
+        (bytes, see :meth:`estimate`)."""
         if not in_flight or not self.known:
             return True
-        need = self.estimate(index) + sum(self.estimate(i) for i in in_flight)
+        need = self.estimate(index) + sum(in_flight)
         if need <= self.budget(workers):
             return True
         if key is not None and key != self._waiting:

@@ -201,8 +201,9 @@ class SampleActor:
             return ("fatal", self.failed)
         return os.getpid(), self.node_id, self.ip
 
-    def run(self, index: int, epoch: int, sample: Any = None) -> tuple:
-        """Read (unless ``sample`` is given) and transform sample ``index``.
+    def run(self, index: int, epoch: int, sample: Any = None, position: int | None = None) -> tuple:
+        """Read (unless ``sample`` is given) and transform sample ``index`` (``position``: its
+        place in the epoch's order, see :func:`~autominato.pipeline.worker.serve_sample`).
 
         Returns:
             ``("ok", descriptor, buffer, read_s, transform_s, pack_s)``, ``buffer`` a ``uint8``
@@ -210,7 +211,8 @@ class SampleActor:
         """
         spec = self.spec
         try:
-            sample, read_s, transform_s = serve_sample(spec, index, epoch, sample is None, sample)
+            sample, read_s, transform_s = serve_sample(spec, index, epoch, sample is None, sample,
+                                                       position)
             t = time.perf_counter()
             buf = np.empty(packed_nbytes(sample), np.uint8)
             desc, _ = pack(sample, buf)
@@ -342,7 +344,8 @@ class RayExecutor:
         for _ in range(replace):
             self._start()
         for a, key, item in sends:
-            ref = a.handle.run.remote(*item)
+            position = key[1] if type(key) is tuple and len(key) > 1 and type(key[1]) is int else None
+            ref = a.handle.run.remote(*item, position=position)
             ref.future().add_done_callback(lambda f, a=a, key=key: self._done(a, key, f))
         if time.monotonic() >= self._next_capacity:
             self._refresh_capacity()

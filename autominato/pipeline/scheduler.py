@@ -253,6 +253,7 @@ class Pipeline:
         try:
             self.sample_stages: list[Stage] = compose(self)
             self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
+            self._in_flight_est: dict[tuple, float] = {}  # admitted key -> its estimate
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -694,18 +695,27 @@ class Pipeline:
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
                 _SLOT_LATER)
 
-    def _index_of(self, key: tuple) -> int | None:
-        run = self.runs.get(key[0])
-        if run is None or isinstance(run.epoch, Stream) or type(key[1]) is not int:
-            return None
-        return run.epoch.order[key[1]]
-
     def _admit(self, key: tuple, item: Any) -> bool:
-        """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`)."""
-        if not self.memory.known or type(item) is not tuple or len(item) != 6:
+        """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`).
+
+        Samples sent in chunks (under ``CHUNK_BUDGET_S`` each) are not held back: they are not
+        measured, and up to ``workers * chunk`` of them are in flight by design. The samples
+        in flight are the workers' (those of a run that ended too), each at the estimate it
+        was admitted with."""
+        if not self.memory.known or self.procs.chunk > 1 or type(item) is not tuple or len(item) != 6:
             return True
-        in_flight = [i for i in map(self._index_of, self.procs.held_keys()) if i is not None]
-        return self.memory.admit(item[0], in_flight, self.procs.size, key)
+        est = self._in_flight_est
+        median = self.memory.median
+        held = list(self.procs.held_keys())
+        if len(est) > 4 * len(held) + 16:  # (keys answered: dropped in _result; a safety net)
+            keep = set(held)
+            for k in [k for k in est if k not in keep]:
+                del est[k]
+        if not self.memory.admit(item[0], [est.get(k, median) for k in held],
+                                 self.procs.size, key):
+            return False
+        est[key] = self.memory.estimate(item[0])
+        return True
 
     def _give_slot(self, key: tuple, item: Any) -> Any:
         """``prepare`` of the process workers' stage: a task leaving for a worker takes its
@@ -759,12 +769,14 @@ class Pipeline:
         stage.finished(r)
         gen, pos, attempt = r.key
         run = self.runs.get(gen)
+        if self._memory_aware:
+            self._in_flight_est.pop(r.key, None)
         slots = self.held.pop(r.key, ())
         row = self.rows.take(r.key)  # the batch row (or slot) its sample claimed (rows.py)
         if row is not None:  # a claiming task was given no output slot
             slots = (slots[0] if slots else None, row)
         if r.ok:
-            if r.peak_bytes and run is not None:
+            if r.peak_bytes and run is not None and self._memory_aware:
                 self.memory.learn(run.epoch.order[pos], r.peak_bytes)
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)

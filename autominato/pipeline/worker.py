@@ -7,9 +7,10 @@ alone (``numpy.random.SeedSequence`` entropy).
 Global generators. A worker process (or Ray actor) seeds Python's ``random``, NumPy's legacy
 global generator and torch's default generator from ``(seed, worker id)`` before
 ``worker_init_fn``, as the DataLoader seeds each of its workers, and again from
-``(seed, epoch, index)`` before each sample (:func:`seed_globals`, 8 us), for a dataset's
-``__getitem__`` or a transform that draws from them: a sample's draws are then reproducible
-whichever worker ran it. The DataLoader's per-worker seeds suffice there because it gives each
+``(seed, epoch, index, position)`` before each sample (``position``: its place in the
+epoch's order; :func:`seed_globals`, 8 us), for a dataset's ``__getitem__`` or a transform
+that draws from them: a sample's draws are then reproducible whichever worker ran it, and an
+index a sampler draws twice in one epoch draws anew. The DataLoader's per-worker seeds suffice there because it gives each
 worker a fixed share of the batches; here any worker may take any sample (trial 44: draws in
 ``__getitem__`` differed between runs with the same seed when only a ``transform`` got
 per-sample seeds). Thread workers (``worker_kind="thread"``, ``workers=0``) run in the
@@ -193,12 +194,25 @@ class PeakMeter:
     that file (another OS, a restricted ``/proc``) :meth:`start` returns ``None``."""
 
     def __init__(self) -> None:
+        fds: list[int] = []
         try:
-            self._clear: int | None = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
-            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-            self._status: int | None = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+            for name, mode in (("clear_refs", os.O_WRONLY), ("statm", os.O_RDONLY),
+                               ("status", os.O_RDONLY)):
+                fds.append(os.open(f"/proc/self/{name}", mode | os.O_CLOEXEC))
         except OSError:
-            self._clear = self._statm = self._status = None
+            for fd in fds:
+                os.close(fd)
+            fds = []
+        self._clear, self._statm, self._status = fds or (None, None, None)
+
+    def close(self) -> None:
+        for fd in (self._clear, self._statm, self._status):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._clear = self._statm = self._status = None
 
     def start(self) -> int | None:
         """Reset the high-water mark; returns the resident bytes now (the task's base)."""
@@ -229,6 +243,8 @@ _meter: tuple[int, PeakMeter] | None = None
 def _peak_meter() -> PeakMeter:
     global _meter
     if _meter is None or _meter[0] != os.getpid():  # (a fork's /proc/self is another's)
+        if _meter is not None:
+            _meter[1].close()  # the parent's descriptors, inherited
         _meter = (os.getpid(), PeakMeter())
     return _meter[1]
 
@@ -572,16 +588,23 @@ class Streams:
 
 
 def serve_sample(
-    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None
+    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None,
+    position: int | None = None,
 ) -> tuple[Any, float, float]:
     """:func:`run_sample` as a worker process (or a Ray actor) runs it: the global generators
-    are first seeded from ``(seed, epoch, index)`` (:func:`seed_globals`), so that a sample's
-    result does not depend on which process ran it.
+    are first seeded from ``(seed, epoch, index, position)`` (:func:`seed_globals`;
+    ``position``: the sample's place in the epoch's order), so that a sample's result does not
+    depend on which process ran it, and an index that a sampler draws twice in an epoch
+    (``WeightedRandomSampler(replacement=True)``) draws anew each time, as under the
+    DataLoader's per-worker streams (review 46).
 
     Returns:
         ``(sample, read_seconds, transform_seconds)``.
     """
-    seed_globals(spec.seed, epoch, index)
+    if position is None:
+        seed_globals(spec.seed, epoch, index)
+    else:
+        seed_globals(spec.seed, epoch, index, position)
     return run_sample(spec, index, epoch, read, sample)
 
 
@@ -766,7 +789,8 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
         if in_slot is not None or in_desc is not None:
             buf = cache.get(*in_slot) if in_slot is not None else None
             sample = unpack(in_desc, buf)
-        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample)
+        position = pos[1] if type(pos) is tuple and len(pos) > 1 and type(pos[1]) is int else None
+        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample, position)
         t = time.perf_counter()
         prep = prepare(sample)  # taken apart once, whichever way it travels
         del sample
