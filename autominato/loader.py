@@ -283,12 +283,12 @@ class Loader:
         memory_aware: process workers measure each sample's peak memory (the resident
             set's high-water mark, Linux), and a sample whose working set would not fit
             beside those in flight waits for them: at most ``1.25 * max(the largest sample's
-            peak, workers * the median's)`` in flight, so that a sample several times the
-            median never runs beside other large ones (the loader's peak is then about the
-            largest sample's alone, or all workers' on typical ones). First in, first out;
-            a sample starts at once when no other is in flight; samples under 10 ms and
-            iterable datasets are not measured; thread workers and Ray actors are not held
-            back. Cost: a worker idles while a large sample runs without room beside it
+            peak, workers * the upper quartile's)`` in flight, so that an outlier several
+            times the upper quartile never runs beside other large ones (the loader's peak is
+            then about the largest sample's alone, or all workers' on the upper quartile).
+            First in, first out; a sample starts at once when no other is in flight; samples
+            under 10 ms, iterable datasets and ``fuse_read=False`` are not measured; thread
+            workers and Ray actors are not held back. Cost: a worker idles while a large sample runs without room beside it
             (KiTS19 bench, 2 workers: peak memory 1.03-1.16x -> 0.92-0.95x the DataLoader's,
             throughput 1.66x -> 1.49x its, medians; docs/memory.md). Counted in
             ``samples_held_for_memory_total``.
@@ -1050,7 +1050,7 @@ class Loader:
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
             samples_held_for_memory_total=count["memory_held"],
-            memory_budget_bytes=p.memory_budget_bytes if p else 0.0,
+            sample_memory_budget_bytes=p.sample_memory_budget_bytes if p else 0.0,
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
         )

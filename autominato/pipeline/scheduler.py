@@ -258,7 +258,8 @@ class Pipeline:
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
-                    if cfg.memory_aware and not cfg.iterable:
+                    # (fuse_read=False: __getitem__ runs in the read threads, unmeasured)
+                    if cfg.memory_aware and not cfg.iterable and cfg.fuse_read:
                         st.admit = self._admit
                         self._memory_aware = True
             # Process workers write finished samples into batch rows (see rows.py) where the
@@ -426,7 +427,7 @@ class Pipeline:
         return self.memory.held_back
 
     @property
-    def memory_budget_bytes(self) -> float:
+    def sample_memory_budget_bytes(self) -> float:
         """Bytes of samples' working sets that may be in flight together now; 0 while no
         sample was measured or the dispatch is not memory-aware."""
         if not self._memory_aware or not self.memory.known:

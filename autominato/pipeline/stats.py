@@ -166,7 +166,7 @@ class LoaderSnapshot:
             (a sample's under ``on_error="raise"``, or a batch's that could not be made).
         samples_held_for_memory_total: samples that waited before they started because their
             working set would not fit beside those in flight (``memory_aware``).
-        memory_budget_bytes: working-set bytes that may be in flight together now
+        sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
@@ -195,7 +195,7 @@ class LoaderSnapshot:
     errors_raised_total: int = 0
     samples_lost_total: int = 0
     samples_held_for_memory_total: int = 0
-    memory_budget_bytes: float = 0.0
+    sample_memory_budget_bytes: float = 0.0
 
     @property
     def idle_ratio(self) -> float:

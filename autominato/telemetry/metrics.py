@@ -184,10 +184,10 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "measured at their last run) would not fit beside the samples in flight.",
         (),
     ),
-    "autominato_memory_budget_bytes": (
+    "autominato_sample_memory_budget_bytes": (
         "gauge",
         "Working-set bytes of samples that may be in flight together: 1.25 x max(the largest "
-        "sample's peak, workers x the median's); 0 before a sample was measured.",
+        "sample's peak, workers x the upper quartile's); 0 before a sample was measured.",
         (),
     ),
     "autominato_worker_restarts_total": (
