@@ -37,6 +37,8 @@ autominato-drain       ``autominato.Loader(prefetch_next_epoch=False)``: default
 autominato-in-order    ``autominato.Loader(in_order=True)``, controller on: the DataLoader's batches
                        (sampler order, reproducible), against the ``dataloader`` arm like for
                        like (opt-in: not in :data:`DEFAULT_ARMS`)
+autominato-memory-off  ``autominato.Loader(memory_aware=False)``, controller on: no sample held
+                       back for memory (docs/memory.md), the trade in one run (opt-in)
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -65,12 +67,14 @@ ARM_NAMES = (
     "autominato-ray",
     "autominato-drain",
     "autominato-in-order",
+    "autominato-memory-off",
 )
 
 #: The arms run when none are named: ``autominato-ray`` needs Ray (``autominato[ray]``) and
 #: starts a Ray instance, so it runs when asked for; ``autominato-in-order`` when asked for
 #: (one run more per repeat otherwise).
-DEFAULT_ARMS = tuple(a for a in ARM_NAMES if a not in ("autominato-ray", "autominato-in-order"))
+DEFAULT_ARMS = tuple(a for a in ARM_NAMES
+                     if a not in ("autominato-ray", "autominato-in-order", "autominato-memory-off"))
 
 Built = tuple[Iterable[Any], Callable[[], None]]
 
@@ -138,6 +142,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
         ),
         "autominato-in-order": Arm(
             "autominato-in-order", "autominato", {"autotune": True, "in_order": True}
+        ),
+        "autominato-memory-off": Arm(
+            "autominato-memory-off", "autominato", {"autotune": True, "memory_aware": False}
         ),
     }
 
