@@ -1080,13 +1080,15 @@ class Pipeline:
             samples = [c.sample for _, _, c in items]
             if self.cfg.collate_fn is not None:
                 batch = self.cfg.collate_fn(samples)  # samples own their arrays (see _output)
-                released = self._release_items(items)
+                self._release_items(items)
+                released = True
                 if self.cfg.pin_memory or self.cfg.cuda:
                     batch = pin(batch)
             else:
                 batch = collate(samples, pool)
                 del samples
-                released = self._release_items(items)
+                self._release_items(items)
+                released = True
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
             if not released:  # (pin failed after the release: a slot goes back once)
                 self._release_items(items)
@@ -1096,10 +1098,9 @@ class Pipeline:
         return Result("batch", key, (batch, indices, positions),
                       service_s=time.perf_counter() - t0, nbytes=batch_nbytes(batch))
 
-    def _release_items(self, items: tuple) -> bool:
+    def _release_items(self, items: tuple) -> None:
         for _, _, c in items:
             self._free(c.slots)
-        return True
 
     def _transfer(self, key: Any, job: tuple) -> Result:
         """Transfer stage function (its own thread): start the host-to-device copy on a side
