@@ -10,7 +10,7 @@ flight, its own included, fit in the budget
     budget = margin * max(the largest sample's peak, workers * the upper quartile's peak)
 
 or if nothing else is in flight (so every sample starts, however large). The rule is for
-outliers: when samples are alike, or large samples are a quarter of the dataset or more, the
+outliers: when samples are alike, or large samples are more than a quarter of the dataset, the
 budget holds ``workers`` of the large ones and nothing waits (holding them apart would idle
 workers on a large part of every epoch: trial 47 measured 1.4x the DataLoader's time with 8
 of 20 samples at 300 MB and the median as the typical figure); a sample above the upper

@@ -316,8 +316,8 @@ def _mix(*values: int) -> int:
 
 def seed_globals(*key: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global generator and torch's default generator
-    from ``key``: ``(seed, epoch, index)`` for one sample, or ``(seed, worker_id)`` once per
-    worker (see the module docstring).
+    from ``key``: ``(seed, epoch, index, position)`` for one sample, or ``(seed, worker_id)``
+    once per worker (see the module docstring).
 
     Only for worker processes: in the training process it would reseed the user's own
     generators."""
