@@ -150,20 +150,21 @@ def _overlaps(runs, who: int, after_epoch: int) -> list:
 @pytest.mark.parametrize("aware", [True, False])
 def test_a_large_sample_runs_without_a_large_one_beside_it_once_measured(aware):
     """Sample 0 (160 MiB) and the others (60 MiB): 160 + 60 is over the budget
-    (1.25 * 160 MiB), 60 + 60 under. From the second epoch on (the first measured it),
-    sample 0 overlaps no other sample; without memory_aware it does (the test can fail)."""
+    (1.25 * 160 MiB), 60 + 60 under. Once measured (from the third epoch on, whatever the
+    timing), sample 0 overlaps no other sample; without memory_aware it does."""
     with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False,
                 memory_aware=aware) as loader:
         runs = _runs(loader, 4)
         snap = loader.snapshot()
     assert sorted(i for e, i, *_ in runs if e == 3) == list(range(6))
-    bad = _overlaps(runs, 0, after_epoch=1)
+    # (epoch 1's sample 0 may start while epoch 0's, not measured yet, still runs)
+    bad = _overlaps(runs, 0, after_epoch=2)
     if not aware:
         assert bad and snap.samples_held_for_memory_total == 0
         assert snap.sample_memory_budget_bytes == 0
         return
     assert bad == []
-    assert snap.samples_held_for_memory_total >= 3  # once an epoch at least (epochs 1-3)
+    assert snap.samples_held_for_memory_total >= 2  # once an epoch at least (epochs 2-3)
     # the exported budget: 1.25 x sample 0's measured peak (160 MiB and the worker's own)
     assert MARGIN * 150 * MiB <= snap.sample_memory_budget_bytes <= MARGIN * 180 * MiB
 
@@ -193,7 +194,10 @@ def test_fast_samples_are_never_held_back():
     with Loader(Fast(), batch_size=64, workers=2, seed=0, autotune=False) as loader:
         for _ in range(2):
             assert sum(len(b) for b in loader) == 3000
-        assert loader.snapshot().samples_held_for_memory_total == 0
+        snap = loader.snapshot()
+        # no figure is learned from them (the first replies, sent one per message before the
+        # executor knew they were fast, were: they then held some back, now and then)
+        assert snap.samples_held_for_memory_total == 0 and snap.sample_memory_budget_bytes == 0
 
 
 def test_a_separate_read_stage_is_not_measured_and_says_so():

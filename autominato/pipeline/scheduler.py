@@ -52,7 +52,7 @@ from autominato.pipeline.epoch import (
     Skip,
 )
 from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
-from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
+from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
@@ -253,7 +253,7 @@ class Pipeline:
         try:
             self.sample_stages: list[Stage] = compose(self)
             self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
-            self._in_flight_est: dict[tuple, float] = {}  # admitted key -> its estimate
+            self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -701,21 +701,23 @@ class Pipeline:
 
         Samples sent in chunks (under ``CHUNK_BUDGET_S`` each) are not held back: they are not
         measured, and up to ``workers * chunk`` of them are in flight by design. The samples
-        in flight are the workers' (those of a run that ended too), each at the estimate it
-        was admitted with."""
-        if not self.memory.known or self.procs.chunk > 1 or type(item) is not tuple or len(item) != 6:
+        in flight are the workers' (those of a run that ended too), each at its index's
+        current estimate (a figure that arrives while it runs counts at once)."""
+        if type(item) is not tuple or len(item) != 6:
             return True
-        est = self._in_flight_est
-        median = self.memory.median
-        held = list(self.procs.held_keys())
-        if len(est) > 4 * len(held) + 16:  # (keys answered: dropped in _result; a safety net)
-            keep = set(held)
-            for k in [k for k in est if k not in keep]:
-                del est[k]
-        if not self.memory.admit(item[0], [est.get(k, median) for k in held],
-                                 self.procs.size, key):
-            return False
-        est[key] = self.memory.estimate(item[0])
+        index = self._in_flight
+        if self.memory.known and self.procs.chunk == 1:
+            held = list(self.procs.held_keys())
+            if len(index) > 4 * len(held) + 16:  # (answered: dropped in _result; a safety net)
+                keep = set(held)
+                for k in [k for k in index if k not in keep]:
+                    del index[k]
+            est = self.memory.estimate
+            median = self.memory.median
+            in_flight = [est(index[k]) if k in index else median for k in held]
+            if not self.memory.admit(item[0], in_flight, self.procs.size, key):
+                return False
+        index[key] = item[0]
         return True
 
     def _give_slot(self, key: tuple, item: Any) -> Any:
@@ -771,13 +773,16 @@ class Pipeline:
         gen, pos, attempt = r.key
         run = self.runs.get(gen)
         if self._memory_aware:
-            self._in_flight_est.pop(r.key, None)
+            self._in_flight.pop(r.key, None)
         slots = self.held.pop(r.key, ())
         row = self.rows.take(r.key)  # the batch row (or slot) its sample claimed (rows.py)
         if row is not None:  # a claiming task was given no output slot
             slots = (slots[0] if slots else None, row)
         if r.ok:
-            if r.peak_bytes and run is not None and self._memory_aware:
+            if (r.peak_bytes and run is not None and self._memory_aware
+                    and r.service_s + r.read_s >= CHUNK_BUDGET_S):
+                # (a sample faster than that is one of those sent in chunks once the executor
+                # has measured them: neither held back nor a figure of the rule)
                 self.memory.learn(run.epoch.order[pos], r.peak_bytes)
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)
