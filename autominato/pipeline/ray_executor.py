@@ -52,6 +52,7 @@ from autominato.pipeline.stats import NodeSnapshot
 from autominato.pipeline.worker import (
     WorkSpec,
     limit_threads,
+    position_of,
     sample_path,
     seed_globals,
     serve_sample,
@@ -344,8 +345,7 @@ class RayExecutor:
         for _ in range(replace):
             self._start()
         for a, key, item in sends:
-            position = key[1] if type(key) is tuple and len(key) > 1 and type(key[1]) is int else None
-            ref = a.handle.run.remote(*item, position=position)
+            ref = a.handle.run.remote(*item, position=position_of(key))
             ref.future().add_done_callback(lambda f, a=a, key=key: self._done(a, key, f))
         if time.monotonic() >= self._next_capacity:
             self._refresh_capacity()

@@ -587,6 +587,14 @@ class Streams:
                     pass
 
 
+def position_of(key: Any) -> int | None:
+    """The sample's place in its epoch's order from a task key ``(gen, pos, attempt)``, or
+    ``None`` for a key of another shape (see :func:`serve_sample`)."""
+    if type(key) is tuple and len(key) > 1 and type(key[1]) is int:
+        return key[1]
+    return None
+
+
 def serve_sample(
     spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None,
     position: int | None = None,
@@ -789,8 +797,8 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
         if in_slot is not None or in_desc is not None:
             buf = cache.get(*in_slot) if in_slot is not None else None
             sample = unpack(in_desc, buf)
-        position = pos[1] if type(pos) is tuple and len(pos) > 1 and type(pos[1]) is int else None
-        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample, position)
+        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample,
+                                                   position_of(pos))
         t = time.perf_counter()
         prep = prepare(sample)  # taken apart once, whichever way it travels
         del sample
