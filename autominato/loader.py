@@ -1352,7 +1352,8 @@ class _SyncIterator:
         L = self.L
         (task,) = self.ep.take(1)
         try:
-            sample, read_s, transform_s = run_sample(self.spec, task.index, self.epoch, read=True)
+            sample, read_s, transform_s = run_sample(self.spec, task.index, self.epoch, read=True,
+                                                     draw=task.draw)
         except Exception as e:  # noqa: BLE001 - through on_error, as with workers
             report = ErrorReport.capture(e, task.index, sample_path(L.dataset, task.index),
                                          "the training loop's thread (num_workers=0)")

@@ -511,3 +511,13 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
         assert delivered == sorted(delivered)
         if ep.drop_last:
             assert all(p > max(delivered, default=-1) for p in dropped)
+
+
+def test_occurrences_count_each_index_in_position_order():
+    from autominato.pipeline.epoch import occurrences
+
+    assert occurrences([4, 1, 2]) is None and occurrences([]) is None and occurrences([7]) is None
+    assert occurrences([5, 3, 5, 5, 3]).tolist() == [0, 0, 1, 2, 1]
+    assert occurrences([-1, 2, -1]).tolist() == [0, 0, 1]  # a sampler's negative indices
+    ep = Epoch([2, 2, 0, 2], batch_size=2)
+    assert [(t.index, t.draw) for t in ep.take(4)] == [(2, 0), (2, 1), (0, 0), (2, 2)]

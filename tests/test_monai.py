@@ -165,3 +165,24 @@ def test_each_worker_thread_gets_its_own_randomizables_and_shares_the_data():
     reseed_parts(other.dataset_parts, 5, 1, 2, 0)
     assert all(p.R is s for p, s in zip(mine.dataset_parts, states, strict=True))
     assert [p.R.randint(1 << 30) for p in mine.dataset_parts] == [p.R.randint(1 << 30) for p in other.dataset_parts]
+
+
+def test_an_index_the_sampler_repeats_gets_a_crop_of_its_own_each_time():
+    """``WeightedRandomSampler(replacement=True)`` oversamples: each repeat of an index is
+    cropped anew, as the DataLoader's workers draw anew from their streams (before, the
+    reseeding key was (seed, epoch, index) only and every repeat was a copy)."""
+    order = [3, 5, 3, 3, 1, 5, 3, 0]
+
+    def epoch(**kw) -> list:
+        with Loader(Volumes(), batch_size=2, sampler=order, transform=pipeline(), seed=4,
+                    in_order=True, autotune=False, **kw) as loader:
+            return [(i, img.copy()) for b in loader
+                    for i, img in zip(b["index"].tolist(), torch.as_tensor(b["image"]).numpy(),
+                                      strict=True)]
+
+    got = epoch(workers=2)
+    assert [i for i, _ in got] == order
+    threes = [signature(3, img) for i, img in got if i == 3]
+    assert len(set(threes)) >= 3, threes  # (the old key: one crop; 343 origins x flips here)
+    for other in (epoch(workers=0), epoch(workers=2, worker_kind="thread")):
+        assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, other, strict=True))

@@ -130,20 +130,26 @@ def test_an_actor_sigkilled_mid_epoch_loses_and_repeats_nothing():
 
 
 def test_every_sample_equals_process_workers_bit_for_bit():
+    """Transform generator and global generators alike, repeats of an index included (each
+    repeat draws anew: ``sample_rng``'s ``draw``)."""
+    order = [int(i) for i in np.random.default_rng(11).permutation(24)] + [5, 0, 5]
     got = {}
     for kind in ("process", "ray"):
-        with Loader(Indexed(24), 5, shuffle=True, seed=11, transform=augment, worker_kind=kind,
-                    workers=2, autotune=False) as loader:
+        with Loader(Indexed(24), 5, sampler=order, seed=11, transform=augment, worker_kind=kind,
+                    workers=2, autotune=False, in_order=True) as loader:
             loader.set_epoch(3)
-            got[kind] = {}
+            got[kind] = []
             for b in loader:
                 for row, leg, i in zip(b["x"], b["legacy"], b["i"].tolist(), strict=True):
-                    got[kind][i] = (row.numpy().copy(), leg.numpy().copy())
-    assert got["ray"].keys() == got["process"].keys() == set(range(24))
-    for i, (x, leg) in got["process"].items():
-        np.testing.assert_array_equal(got["ray"][i][0], x, err_msg=f"index {i}")
-        np.testing.assert_array_equal(got["ray"][i][1], leg, err_msg=f"index {i}")
-    assert not np.array_equal(got["ray"][0][0], np.zeros((4, 5), np.float32))  # really noisy
+                    got[kind].append((i, row.numpy().copy(), leg.numpy().copy()))
+    assert [i for i, _, _ in got["ray"]] == [i for i, _, _ in got["process"]] == order
+    for (i, x, leg), (_, rx, rleg) in zip(got["process"], got["ray"], strict=True):
+        np.testing.assert_array_equal(rx, x, err_msg=f"index {i}")
+        np.testing.assert_array_equal(rleg, leg, err_msg=f"index {i}")
+    fives = [x for i, x, _ in got["ray"] if i == 5]
+    assert len(fives) == 3 and not np.array_equal(fives[0], fives[1])
+    assert not np.array_equal(fives[1], fives[2])
+    assert not np.array_equal(got["ray"][0][1], np.zeros((4, 5), np.float32))  # really noisy
 
 
 def test_raising_workers_mid_epoch_grows_the_actor_count():

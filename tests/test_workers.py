@@ -29,7 +29,7 @@ from autominato import Loader
 from autominato.pipeline import worker as worker_module
 from autominato.pipeline.executor import ProcessWorkers
 from autominato.pipeline.shm import leftover_segments
-from autominato.pipeline.worker import WorkSpec
+from autominato.pipeline.worker import WorkSpec, sample_rng
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -724,6 +724,34 @@ class DrawOnly:
 
     def __getitem__(self, i: int):
         return np.array([float(i), random.random(), np.random.rand(), torch.rand(()).item()])
+
+
+def draw_after(sample, rng):
+    return np.append(sample, rng.integers(1 << 40))
+
+
+@pytest.mark.parametrize("kind", ["none", "thread", "process", "read-threads"])
+def test_an_index_drawn_twice_in_an_epoch_gets_a_transform_generator_of_its_own(kind):
+    """``transform(sample, rng)``: each repeat of an index in an epoch gets its own generator,
+    ``sample_rng(seed, epoch, index, k)`` for the k-th repeat, the same whichever worker kind
+    ran it; a first occurrence keeps ``sample_rng(seed, epoch, index)`` (before, every repeat
+    got that one: the same augmentation)."""
+    order = [1, 2, 1, 3, 1, 0, 2, 4]
+    kw = {"none": dict(workers=0), "thread": dict(workers=2, worker_kind="thread"),
+          "process": dict(workers=2),
+          "read-threads": dict(workers=2, fuse_read=False)}[kind]
+    with Loader(DrawOnly(), batch_size=2, sampler=order, transform=draw_after, seed=9,
+                in_order=True, autotune=False, **kw) as loader:
+        loader.set_epoch(2)
+        rows = torch.cat(list(loader)).tolist()
+    assert [int(r[0]) for r in rows] == order
+    seen: dict[int, int] = {}
+    for r in rows:
+        i = int(r[0])
+        k = seen[i] = seen.get(i, -1) + 1
+        assert int(r[-1]) == int(sample_rng(9, 2, i, k).integers(1 << 40)), (i, k)
+    assert int(rows[0][-1]) == int(sample_rng(9, 2, 1).integers(1 << 40))
+    assert len({int(r[-1]) for r in rows if int(r[0]) == 1}) == 3
 
 
 def test_an_index_drawn_twice_in_an_epoch_draws_anew_from_the_global_generators():

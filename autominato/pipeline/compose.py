@@ -83,26 +83,26 @@ def compose(p: Pipeline) -> list[Stage]:
         return Stage(name, executor, p._hook(name), capacity)
 
     def read_and_transform(key: tuple, item: tuple) -> Result:
-        index, epoch = item
+        index, epoch, draw = item
         try:
-            sample, read_s, transform_s = run_sample(spec, index, epoch, read=True)
+            sample, read_s, transform_s = run_sample(spec, index, epoch, read=True, draw=draw)
         except BaseException as e:  # noqa: BLE001
             return _failed("transform", key, e, index, spec)
         return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
                       nbytes=packed_nbytes(sample))
 
     def read(key: tuple, item: tuple) -> Result:
-        index, epoch = item  # the epoch seeds a dataset's own random transforms
+        index, epoch, draw = item  # they seed a dataset's own random transforms
         try:
-            sample, read_s, _ = run_sample(plain, index, epoch, read=True)
+            sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
         return Result("read", key, sample, service_s=read_s, nbytes=packed_nbytes(sample))
 
     def read_packed(key: tuple, item: tuple) -> Result:
-        index, epoch = item
+        index, epoch, draw = item
         try:
-            sample, read_s, _ = run_sample(plain, index, epoch, read=True)
+            sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)
             t = time.perf_counter()
             nbytes = packed_nbytes(sample)
             slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
@@ -117,9 +117,10 @@ def compose(p: Pipeline) -> list[Stage]:
                       service_s=read_s + time.perf_counter() - t, nbytes=nbytes)
 
     def transform(key: tuple, item: tuple) -> Result:
-        index, epoch, sample = item
+        index, epoch, draw, sample = item
         try:
-            sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample)
+            sample, _, transform_s = run_sample(spec, index, epoch, read=False, sample=sample,
+                                                draw=draw)
         except BaseException as e:  # noqa: BLE001
             return _failed("transform", key, e, index, spec)
         return Result("transform", key, sample, service_s=transform_s, nbytes=packed_nbytes(sample))

@@ -58,16 +58,47 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+_UNSET = object()
+
+
+def occurrences(order: Sequence[int]) -> np.ndarray | None:
+    """For each position of ``order`` (dataset indices), which occurrence of its index it is,
+    counted from 0 in position order (``[5, 3, 5, 5] -> [0, 0, 1, 2]``), int64 of
+    ``len(order)``; ``None`` when no index repeats (every sampler but one that draws with
+    replacement, or pads a shard), found with one ``bincount`` (a few ms for a million)."""
+    o = np.asarray(order, dtype=np.int64)
+    if o.size < 2:
+        return None
+    if int(o.min()) >= 0:
+        if int(np.bincount(o).max()) < 2:
+            return None
+    elif np.unique(o).size == o.size:  # (negative indices, as a sampler may give them)
+        return None
+    by_index = np.argsort(o, kind="stable")  # equal indices together, in position order
+    s = o[by_index]
+    rank = np.arange(o.size)
+    start = np.where(np.concatenate(([True], s[1:] != s[:-1])), rank, 0)
+    np.maximum.accumulate(start, out=start)  # each run's first rank
+    occ = np.empty(o.size, np.int64)
+    occ[by_index] = rank - start
+    return occ
+
+
 # -- events (in) ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class Task:
-    """A position handed to the pipeline: ``index = order[pos]``; ``attempt`` counts from 0."""
+    """A position handed to the pipeline: ``index = order[pos]``; ``attempt`` counts from 0;
+    ``draw``: which occurrence of ``index`` in the order this position is, counted from 0
+    (:func:`occurrences`; it seeds a repeat's augmentation anew)."""
 
     pos: int
     index: int
     attempt: int
+    draw: int = 0
 
 
 @dataclass(slots=True)
@@ -200,8 +231,10 @@ class Epoch:
     stragglers: int = 0
     failed: bool = False
     ended: bool = False
+    _draws: Any = None  # occurrences(order), computed by draw()
 
     def __post_init__(self) -> None:
+        self._draws = _UNSET
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         self.done = tuple(self.done)  # read again by others (rows.RowAllocator.open)
@@ -327,8 +360,16 @@ class Epoch:
                 attempt = self._attempt[pos] = 0
             else:
                 break
-            tasks.append(Task(pos, int(self.order[pos]), attempt))
+            tasks.append(Task(pos, int(self.order[pos]), attempt, self.draw(pos)))
         return tasks
+
+    def draw(self, pos: int) -> int:
+        """Which occurrence of its index position ``pos`` is in the order, counted from 0
+        (:func:`occurrences`, computed at the first call)."""
+        draws = self._draws
+        if draws is _UNSET:
+            draws = self._draws = occurrences(self.order)
+        return 0 if draws is None else int(draws[pos])
 
     def on(self, event: Event) -> list[Decision]:
         """Apply one event; returns the decisions it causes, in the order to carry them out."""

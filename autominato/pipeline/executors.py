@@ -86,8 +86,8 @@ def _guarded(name: str, fn: Callable[[Any, Any], Result], key: Any, item: Any) -
 class ProcessExecutor:
     """Worker processes (:class:`ProcessWorkers`) running :func:`worker.process_main`.
 
-    An item is the task message without its key: ``(index, epoch, read, in_slot, in_desc,
-    out_slot)``. Items are sent in *chunks*: up to :attr:`chunk` items per worker in one
+    An item is the task message without its key: ``(index, epoch, draw, read, in_slot,
+    in_desc, out_slot)``. Items are sent in *chunks*: up to :attr:`chunk` items per worker in one
     message, answered in one message (the worker sends early every ``worker.FLUSH_S``).
     :attr:`chunk` follows the measured time per item (:data:`CHUNK_BUDGET_S` of work per
     message at most), so that samples that take microseconds cost one pipe round trip per

@@ -52,7 +52,6 @@ from autominato.pipeline.stats import NodeSnapshot
 from autominato.pipeline.worker import (
     WorkSpec,
     limit_threads,
-    position_of,
     sample_path,
     seed_globals,
     serve_sample,
@@ -202,9 +201,9 @@ class SampleActor:
             return ("fatal", self.failed)
         return os.getpid(), self.node_id, self.ip
 
-    def run(self, index: int, epoch: int, sample: Any = None, position: int | None = None) -> tuple:
-        """Read (unless ``sample`` is given) and transform sample ``index`` (``position``: its
-        place in the epoch's order, see :func:`~autominato.pipeline.worker.serve_sample`).
+    def run(self, index: int, epoch: int, draw: int = 0, sample: Any = None) -> tuple:
+        """Read (unless ``sample`` is given) and transform sample ``index`` (``draw``: see
+        :func:`~autominato.pipeline.worker.serve_sample`).
 
         Returns:
             ``("ok", descriptor, buffer, read_s, transform_s, pack_s)``, ``buffer`` a ``uint8``
@@ -213,7 +212,7 @@ class SampleActor:
         spec = self.spec
         try:
             sample, read_s, transform_s = serve_sample(spec, index, epoch, sample is None, sample,
-                                                       position)
+                                                       draw)
             t = time.perf_counter()
             buf = np.empty(packed_nbytes(sample), np.uint8)
             desc, _ = pack(sample, buf)
@@ -345,7 +344,7 @@ class RayExecutor:
         for _ in range(replace):
             self._start()
         for a, key, item in sends:
-            ref = a.handle.run.remote(*item, position=position_of(key))
+            ref = a.handle.run.remote(*item)
             ref.future().add_done_callback(lambda f, a=a, key=key: self._done(a, key, f))
         if time.monotonic() >= self._next_capacity:
             self._refresh_capacity()

@@ -629,7 +629,7 @@ class Pipeline:
             run.taken += sum(1 for t in tasks if t.attempt == 0)  # a re-dispatch is no new sample
             for t in tasks:
                 key = (run.gen, t.pos, t.attempt)
-                first.put(key, self._first_item(run, t.index, key))
+                first.put(key, self._first_item(run, t.index, key, t.draw))
         for st in stages:
             st.pump()
             self.stats[st.name].busy = st.executor.busy
@@ -681,18 +681,23 @@ class Pipeline:
                     st.executor.resize(self._want(st))  # workers that could not start: again
         self._decide(run, run.epoch.start())
 
-    def _first_item(self, run: Run, index: int, key: tuple) -> Any:
+    def _first_item(self, run: Run, index: int, key: tuple, draw: int) -> Any:
+        """The first stage's item: ``(index, epoch, draw)`` for threads and Ray actors
+        (``draw``: see :func:`~autominato.pipeline.worker.sample_rng`), a process worker's
+        task (:meth:`_proc_item`)."""
         if self.procs is not None and self.sample_stages[0].executor is self.procs:
-            return self._proc_item(index, run.epoch_no, key, read=True)
-        return (index, run.epoch_no)
+            return self._proc_item(index, run.epoch_no, draw, key, read=True)
+        return (index, run.epoch_no, draw)
 
-    def _proc_item(self, index: int, epoch: int, key: tuple, read: bool,
+    def _proc_item(self, index: int, epoch: int, draw: int, key: tuple, read: bool,
                    in_slot: Any = None, in_desc: Any = None) -> tuple:
-        """A process worker's task; its output slot is taken when it leaves the queue
-        (:meth:`_give_slot`), so a queued task holds no memory and learns the output size
-        of the samples finished meanwhile (the first of an epoch would else all go without)."""
+        """A process worker's task (``(index, epoch, draw, read, in_slot, in_desc,
+        out_slot)``, see :func:`~autominato.pipeline.worker.process_main`); its output slot is
+        taken when it leaves the queue (:meth:`_give_slot`), so a queued task holds no memory
+        and learns the output size of the samples finished meanwhile (the first of an epoch
+        would else all go without)."""
         self.held[key] = (in_slot, None)
-        return (index, epoch, read,
+        return (index, epoch, draw, read,
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
                 _SLOT_LATER)
 
@@ -703,7 +708,7 @@ class Pipeline:
         measured, and up to ``workers * chunk`` of them are in flight by design. The samples
         in flight are the workers' (those of a run that ended too), each at its index's
         current estimate (a figure that arrives while it runs counts at once)."""
-        if type(item) is not tuple or len(item) != 6:
+        if type(item) is not tuple or len(item) != 7:
             return True
         index = self._in_flight
         if self.memory.known and self.procs.chunk == 1:
@@ -723,18 +728,18 @@ class Pipeline:
     def _give_slot(self, key: tuple, item: Any) -> Any:
         """``prepare`` of the process workers' stage: a task leaving for a worker takes its
         output slot (one that fits the largest output seen, or none: a memory file then)."""
-        if type(item) is not tuple or len(item) != 6 or item[5] is not _SLOT_LATER:
+        if type(item) is not tuple or len(item) != 7 or item[6] is not _SLOT_LATER:
             return item  # a pull, or a task of another kind
         if (self.rows.active(key[0]) and self.sample_stages[-1].executor is self.procs
                 and self.procs.chunk == 1):
             # It claims a batch row when its sample is done: one round trip, worth it for
             # samples that go one per message (10 ms or more, see executors.CHUNK_BUDGET_S);
             # faster ones keep their chunks' one message each way.
-            return (*item[:5], CLAIM)
+            return (*item[:6], CLAIM)
         out = self.slots.acquire(self.out_estimate) if use_slot(self.out_estimate) else None
         in_slot, _ = self.held.get(key, (None, None))
         self.held[key] = (in_slot, out)
-        return (*item[:5], (out.name, out.size) if out is not None else None)
+        return (*item[:6], (out.name, out.size) if out is not None else None)
 
     def _pump_batches(self) -> None:
         """Start the next batch whose run has room for it in its output (``depth``); the
@@ -794,7 +799,8 @@ class Pipeline:
             if not last:
                 index = run.epoch.order[pos]
                 nxt = self.sample_stages[self.sample_stages.index(stage) + 1]
-                nxt.put(r.key, self._next_item(index, run.epoch_no, r.key, value))
+                nxt.put(r.key, self._next_item(index, run.epoch_no, run.epoch.draw(pos), r.key,
+                                               value))
                 return
             carried = Carried(value, slots)
             decisions = run.epoch.on(Completed(pos, attempt, carried))
@@ -925,11 +931,11 @@ class Pipeline:
             self.out_estimate = int(nbytes * 1.05)
         self.sample_bytes += (nbytes - self.sample_bytes) * 0.1 if self.sample_bytes else nbytes
 
-    def _next_item(self, index: int, epoch: int, key: tuple, value: Any) -> Any:
+    def _next_item(self, index: int, epoch: int, draw: int, key: tuple, value: Any) -> Any:
         if isinstance(value, Packed):  # read threads -> transform processes, through a slot
-            return self._proc_item(index, epoch, key, read=False, in_slot=value.slot,
+            return self._proc_item(index, epoch, draw, key, read=False, in_slot=value.slot,
                                    in_desc=value.desc)
-        return (index, epoch, value)
+        return (index, epoch, draw, value)
 
     def _free(self, slots: tuple) -> None:
         for s in slots:

@@ -2,15 +2,17 @@
 
 The same :func:`run_sample` serves thread workers and process workers, so a sample's result
 does not depend on where it ran: its random generator is seeded from ``(seed, epoch, index)``
-alone (``numpy.random.SeedSequence`` entropy).
+alone (``numpy.random.SeedSequence`` entropy), and for an index that the sampler repeats in
+the epoch, from its ``draw`` too (which occurrence it is: :func:`sample_rng`), so that each
+repeat gets an augmentation of its own.
 
 Global generators. A worker process (or Ray actor) seeds Python's ``random``, NumPy's legacy
 global generator and torch's default generator from ``(seed, worker id)`` before
 ``worker_init_fn``, as the DataLoader seeds each of its workers, and again from
-``(seed, epoch, index, position)`` before each sample (``position``: its place in the
-epoch's order; :func:`seed_globals`, 8 us), for a dataset's ``__getitem__`` or a transform
-that draws from them: a sample's draws are then reproducible whichever worker ran it, and an
-index a sampler draws twice in one epoch draws anew. The DataLoader's per-worker seeds suffice there because it gives each
+``(seed, epoch, index)`` (and ``draw``) before each sample (:func:`seed_globals`, 8 us), for
+a dataset's ``__getitem__`` or a transform that draws from them: a sample's draws are then
+reproducible whichever worker ran it, and an index a sampler draws twice in one epoch draws
+anew. The DataLoader's per-worker seeds suffice there because it gives each
 worker a fixed share of the batches; here any worker may take any sample (trial 44: draws in
 ``__getitem__`` differed between runs with the same seed when only a ``transform`` got
 per-sample seeds). Thread workers (``worker_kind="thread"``, ``workers=0``) run in the
@@ -20,7 +22,7 @@ thread would repeat the training loop's own draws and race with them.
 Random state of library transforms. MONAI's ``Randomizable`` transforms (in the ``transform``
 or inside the dataset, as ``monai.data.Dataset(data, transform=Compose([...]))``) draw from
 a ``RandomState`` of their own; before a sample's read and its transform, each is reseeded
-from ``(seed, epoch, index)`` (:func:`reseed_parts`; found once per worker by
+from ``(seed, epoch, index)`` and ``draw`` (:func:`reseed_parts`; found once per worker by
 :mod:`autominato.pipeline.random_state`), in thread and process workers alike, so that a
 crop depends on the sample, not on the worker, and the same seed gives it bit for bit with
 any worker count.
@@ -287,18 +289,26 @@ class WorkSpec:
 Index = int | tuple[int, int]
 
 
-def _seed_sequence(seed: int, epoch: int, index: Index) -> np.random.SeedSequence:
-    rest = list(index) if isinstance(index, tuple) else [index]
-    return np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, *rest])
+def _key(index: Index, draw: int) -> tuple[int, ...]:
+    """``index`` (a stream's ``(worker id, k)`` unpacked), then ``draw`` when it is not 0."""
+    rest = index if isinstance(index, tuple) else (index,)
+    return (*rest, draw) if draw else rest
 
 
-def sample_rng(seed: int, epoch: int, index: Index) -> np.random.Generator:
+def sample_rng(seed: int, epoch: int, index: Index, draw: int = 0) -> np.random.Generator:
     """The generator of one sample's augmentation: ``default_rng(SeedSequence([seed, epoch, index]))``;
     for an iterable dataset ``index`` is ``(worker id, k)`` (the k-th sample that worker's
     shard yielded): ``SeedSequence([seed, epoch, worker id, k])``.
 
+    ``draw``: which occurrence of ``index`` in the epoch's order this is, counted from 0
+    (:func:`autominato.pipeline.epoch.occurrences`); a sampler that repeats an index in an
+    epoch (``WeightedRandomSampler(replacement=True)``) gets a new augmentation for each
+    repeat, ``SeedSequence([seed, epoch, index, draw])``, as the DataLoader's workers draw
+    anew from their streams; the first occurrence's generator is the one above.
+
     Touches no global generator (see :func:`seed_globals` for worker processes)."""
-    return np.random.default_rng(_seed_sequence(seed, epoch, index))
+    return np.random.default_rng(
+        np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, *_key(index, draw)]))
 
 
 def _mix(*values: int) -> int:
@@ -316,7 +326,8 @@ def _mix(*values: int) -> int:
 
 def seed_globals(*key: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global generator and torch's default generator
-    from ``key``: ``(seed, epoch, index, position)`` for one sample, or ``(seed, worker_id)``
+    from ``key``: ``(seed, epoch, index)`` for one sample (``draw`` appended for a repeat,
+    see :func:`sample_rng`), or ``(seed, worker_id)``
     once per worker (see the module docstring).
 
     Only for worker processes: in the training process it would reseed the user's own
@@ -347,9 +358,10 @@ def sample_path(dataset: Any, index: int) -> str | None:
 
 
 def run_sample(
-    spec: WorkSpec, index: Index, epoch: int, read: bool, sample: Any = None
+    spec: WorkSpec, index: Index, epoch: int, read: bool, sample: Any = None, draw: int = 0
 ) -> tuple[Any, float, float]:
-    """Read (when ``read``) and transform one sample (``index``: see :func:`sample_rng`).
+    """Read (when ``read``) and transform one sample (``index`` and ``draw``: see
+    :func:`sample_rng`).
 
     Returns:
         ``(sample, read_seconds, transform_seconds)``.
@@ -357,23 +369,25 @@ def run_sample(
     t0 = time.perf_counter()
     own = random_state.plan(spec)  # this thread's dataset and transform, and their Randomizables
     if read:
-        reseed_parts(own.dataset_parts, spec.seed, epoch, index, 0)
+        reseed_parts(own.dataset_parts, spec.seed, epoch, index, 0, draw)
         sample = own.dataset[index]
     t1 = time.perf_counter()
     if spec.transform is not None:
-        reseed_parts(own.transform_parts, spec.seed, epoch, index, 1)
+        reseed_parts(own.transform_parts, spec.seed, epoch, index, 1, draw)
         if spec.transform_takes_rng:
-            sample = own.transform(sample, sample_rng(spec.seed, epoch, index))
+            sample = own.transform(sample, sample_rng(spec.seed, epoch, index, draw))
         else:
             sample = own.transform(sample)
     return sample, t1 - t0, time.perf_counter() - t1
 
 
-def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int) -> None:
+def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int,
+                 draw: int = 0) -> None:
     """Seed the ``RandomState`` of each MONAI ``Randomizable`` in ``parts`` (found by
     :func:`autominato.pipeline.random_state.plan`) with ``_mix(seed, epoch, index, group) + i``
-    (mod 2**32), ``i`` its place in ``parts`` and ``group`` 0 for the dataset's, 1 for the
-    transform's. Consecutive seeds for the parts, as MONAI's ``set_rnd`` gives them; MT19937's
+    (mod 2**32; ``_mix(seed, epoch, index, draw, group)`` for a repeat, ``draw`` as in
+    :func:`sample_rng`), ``i`` its place in ``parts`` and ``group`` 0 for the dataset's, 1 for
+    the transform's. Consecutive seeds for the parts, as MONAI's ``set_rnd`` gives them; MT19937's
     seeding (Matsumoto and Nishimura's ``init_genrand``) decorrelates neighbouring seeds.
 
     In place (``RandomState.seed``), not ``set_random_state(seed=...)``, which first builds a
@@ -381,8 +395,7 @@ def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int) -
     tens of microseconds per sample where ``Compose.set_random_state`` takes milliseconds
     (measured on a loaded 2-core machine)."""
     if parts:
-        rest = index if isinstance(index, tuple) else (index,)  # (worker id, k): a stream's
-        base = _mix(seed, epoch, *rest, group)
+        base = _mix(seed, epoch, *_key(index, draw), group)  # (worker id, k): a stream's
         for i, part in enumerate(parts):
             part.R.seed((base + i) & 0xFFFFFFFF)
 
@@ -587,33 +600,21 @@ class Streams:
                     pass
 
 
-def position_of(key: Any) -> int | None:
-    """The sample's place in its epoch's order from a task key ``(gen, pos, attempt)``, or
-    ``None`` for a key of another shape (see :func:`serve_sample`)."""
-    if type(key) is tuple and len(key) > 1 and type(key[1]) is int:
-        return key[1]
-    return None
-
-
 def serve_sample(
-    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None,
-    position: int | None = None,
+    spec: WorkSpec, index: int, epoch: int, read: bool, sample: Any = None, draw: int = 0,
 ) -> tuple[Any, float, float]:
     """:func:`run_sample` as a worker process (or a Ray actor) runs it: the global generators
-    are first seeded from ``(seed, epoch, index, position)`` (:func:`seed_globals`;
-    ``position``: the sample's place in the epoch's order), so that a sample's result does not
-    depend on which process ran it, and an index that a sampler draws twice in an epoch
+    are first seeded from ``(seed, epoch, index)``, with ``draw`` appended for a repeat
+    (:func:`seed_globals`; ``draw`` as in :func:`sample_rng`), so that a sample's result does
+    not depend on which process ran it, and an index that a sampler draws twice in an epoch
     (``WeightedRandomSampler(replacement=True)``) draws anew each time, as under the
     DataLoader's per-worker streams (review 46).
 
     Returns:
         ``(sample, read_seconds, transform_seconds)``.
     """
-    if position is None:
-        seed_globals(spec.seed, epoch, index)
-    else:
-        seed_globals(spec.seed, epoch, index, position)
-    return run_sample(spec, index, epoch, read, sample)
+    seed_globals(spec.seed, epoch, *_key(index, draw))
+    return run_sample(spec, index, epoch, read, sample, draw)
 
 
 #: Variables that BLAS / OpenMP libraries read when they load (OpenBLAS, MKL, BLIS, Apple
@@ -672,7 +673,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     (cap intra-op threads at ``n``: the worker count changed), ``("dataset", bytes)`` (a new
     copy of the dataset, ``persistent_workers=False``: ``worker_init_fn`` runs again, as in a
     DataLoader's fresh worker), ``("many", [task, ...])``, each task
-    ``(key, index, epoch, read, in_slot, in_desc, out_slot)`` where a slot is ``(name, size)``
+    ``(key, index, epoch, draw, read, in_slot, in_desc, out_slot)`` (``draw``: see
+    :func:`sample_rng`) where a slot is ``(name, size)``
     or ``None``, and ``out_slot`` may be ``rows.CLAIM``: the finished sample (16 KiB or more)
     asks for a batch row, ``("claim", key, signature)``, answered ``("row", name, size,
     offsets)``, ``("slot", name, size)`` or ``("norow",)`` before any other message is served
@@ -790,15 +792,14 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
     ``claim(key, signature)``: asks the loader for a batch row (``out_slot`` is
     ``rows.CLAIM``; see :mod:`autominato.pipeline.rows`). With ``meter``, the reply's last
     field is the task's peak memory (bytes, :class:`PeakMeter`), else 0."""
-    pos, index, epoch, read, in_slot, in_desc, out_slot = msg
+    pos, index, epoch, draw, read, in_slot, in_desc, out_slot = msg
     base = meter.start() if meter is not None else None
     try:
         sample = None
         if in_slot is not None or in_desc is not None:
             buf = cache.get(*in_slot) if in_slot is not None else None
             sample = unpack(in_desc, buf)
-        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample,
-                                                   position_of(pos))
+        sample, read_s, transform_s = serve_sample(spec, index, epoch, read, sample, draw)
         t = time.perf_counter()
         prep = prepare(sample)  # taken apart once, whichever way it travels
         del sample
