@@ -684,3 +684,28 @@ def test_a_forked_tree_sampler_that_died_says_so_and_is_reaped():
         os.waitpid(pid, os.WNOHANG)  # reaped: no zombie left
     with pytest.raises(RuntimeError):
         s.stop()  # a second stop closes nothing twice
+
+
+def test_every_autominato_arm_builds_its_loader_with_its_settings():
+    """Each setting an arm shows in the report reaches the Loader (the memory-off arm's
+    memory_aware=False did not: the arm ran memory-aware like the default one)."""
+    from autominato.bench.arms import build, default_arms
+    from autominato.bench.workload import Workload
+
+    wl = Workload("settings", list(range(4)), _draw, batch_size=2, step_s=0.0, seed=3)
+    arms = default_arms(Context(cores=CORES))
+    checks = {"memory_aware": lambda L: L._cfg.memory_aware, "in_order": lambda L: L.in_order,
+              "prefetch_next_epoch": lambda L: L.prefetch_next_epoch,
+              "autotune": lambda L: L.controller is not None}
+    seen = set()
+    for arm in arms.values():
+        if arm.kind != "autominato" or "worker_kind" in arm.params:
+            continue  # (the Ray arm starts Ray)
+        loader, close = build(arm, wl, Context(cores=CORES))
+        try:
+            for name, value in arm.params.items():
+                assert checks[name](loader) == value, (arm.name, name)
+                seen.add(name)
+        finally:
+            close()
+    assert seen == set(checks)

@@ -377,13 +377,9 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     }
     if p.get("config"):
         kwargs["config"] = p["config"]
-    for name in ("worker_kind", "workers"):
-        if name in p:
-            kwargs[name] = p[name]
-    if "prefetch_next_epoch" in p:
-        kwargs["prefetch_next_epoch"] = bool(p["prefetch_next_epoch"])
-    if "in_order" in p:
-        kwargs["in_order"] = bool(p["in_order"])
+    # Every other setting of the arm is a Loader argument (a list of names let
+    # autominato-memory-off's memory_aware=False drop silently: that arm ran with it on).
+    kwargs.update({k: v for k, v in p.items() if k not in ("autotune", "config")})
     if ctx.device == "cuda":
         kwargs["device"] = "cuda"
     loader = Loader(wl.indexed_dataset(), **kwargs)
