@@ -184,9 +184,10 @@ class Loader:
         drop_last: drop the last short batch (the same indices the DataLoader drops); with
             ``on_error="skip"`` no batch is ever short.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
-            ``(seed, epoch, index)``, or a plain ``transform(sample)``. MONAI
+            ``(seed, epoch, index)`` (and, for an index the sampler repeats in the epoch, its
+            occurrence: ``worker.sample_rng``), or a plain ``transform(sample)``. MONAI
             ``Randomizable`` transforms in it or in the dataset are reseeded per sample from
-            ``(seed, epoch, index)`` (see ``docs/monai.md``).
+            the same key (see ``docs/monai.md``).
         seed: base seed of shuffling and augmentation. ``None``: drawn from torch's default
             generator (as the DataLoader does), except that with several ranks the shuffle
             uses seed 0, ``DistributedSampler``'s default, so that every rank draws the same
@@ -216,7 +217,8 @@ class Loader:
             the ``config`` file's, else ``False``, completion order, where a slow sample joins
             a later batch of the same epoch.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
-            ``(seed, epoch, index)``, or a plain ``transform(sample)``.
+            ``(seed, epoch, index)`` (and a repeat's occurrence, ``worker.sample_rng``), or a
+            plain ``transform(sample)``.
         seed: base seed of shuffling and augmentation. ``None``: drawn from ``generator``, else
             from torch's default generator (as the DataLoader does), except that with several
             ranks the shuffle uses seed 0, ``DistributedSampler``'s default, so that every
@@ -791,7 +793,13 @@ class Loader:
             self._last_pass_epoch = self._epoch
             self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
                                         is DistributedSampler else None)
-            run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order())
+            # The Loader's own orders (RandomSampler's, SequentialSampler's) and a
+            # DistributedSampler's (its padding repeats an index on another rank only) hold
+            # each index once: their repeats are not looked for.
+            unique = self.batch_sampler is None and (
+                self._sampler is None or type(self._sampler) is DistributedSampler)
+            run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
+                                 unique=unique)
             return _EpochIterator(self, pipeline, run, progress)
 
     def state_dict(self) -> dict[str, Any]:

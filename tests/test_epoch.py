@@ -519,5 +519,8 @@ def test_occurrences_count_each_index_in_position_order():
     assert occurrences([4, 1, 2]) is None and occurrences([]) is None and occurrences([7]) is None
     assert occurrences([5, 3, 5, 5, 3]).tolist() == [0, 0, 1, 2, 1]
     assert occurrences([-1, 2, -1]).tolist() == [0, 0, 1]  # a sampler's negative indices
+    assert occurrences([10**12, 3, 10**12]).tolist() == [0, 0, 1]  # far apart: sorted, no bincount
+    assert occurrences([10**12, 3]) is None
+    assert Epoch([2, 2], batch_size=2, unique=True).draw(1) == 0  # the caller said so
     ep = Epoch([2, 2, 0, 2], batch_size=2)
     assert [(t.index, t.draw) for t in ep.take(4)] == [(2, 0), (2, 1), (0, 0), (2, 2)]

@@ -258,10 +258,10 @@ def test_resize_returns_at_once_and_new_workers_report_ready_later(start_method)
         assert took < 0.1, f"resize(+2) took {took * 1000:.0f} ms"  # before: 1.5-2.5 s
         assert pw.size == 3 and len(pw.idle()) == 1  # the new ones are not usable yet
         await_ready(pw, events, n=2)
-        # Each worker serves a chunk of one sample: (key, index, epoch, read, in_slot, in_desc,
+        # Each worker serves a chunk of one sample: (key, index, epoch, draw, read, in_slot, in_desc,
         # out_slot); the reply is ("many", [("ok", key, ...)]).
         for i, w in enumerate(pw.idle()):
-            pw.send(w, [(0, i)], ("many", [((0, i), i, 0, True, None, None, None)]))
+            pw.send(w, [(0, i)], ("many", [((0, i), i, 0, 0, True, None, None, None)]))
         oks = wait_for(events, lambda ev: ev[0] == "proc" and ev[2][0] == "many", n=3)
         assert all(ev[2][1][0][0] == "ok" for ev in oks)
         assert sorted(ev[2][1][0][1] for ev in oks) == [(0, 0), (0, 1), (0, 2)]
@@ -295,7 +295,7 @@ def test_when_the_fork_server_dies_workers_keep_serving_and_failed_starts_are_de
         while not pw._zygote.gone and time.monotonic() < deadline:
             time.sleep(0.01)
         assert psutil.pid_exists(pid)  # an orphan now, still connected to the loader
-        pw.send(w, [(0, 0)], ("many", [((0, 0), 3, 0, True, None, None, None)]))
+        pw.send(w, [(0, 0)], ("many", [((0, 0), 3, 0, 0, True, None, None, None)]))
         (ok,) = wait_for(events, lambda ev: ev[0] == "proc" and ev[2][0] == "many"
                          and ev[2][1][0][0] == "ok")
         pw.task_done(w)

@@ -7,7 +7,8 @@ forked workers start from the same state, so the k-th sample of every worker get
 crop, and a sample's augmentation depends on the worker that ran it and on the worker count.
 :func:`plan` finds these objects once per worker (thread or process) so that
 :func:`autominato.pipeline.worker.run_sample` can reseed them before each sample from
-``(seed, epoch, index)``.
+``(seed, epoch, index)`` (and the occurrence of an index the sampler repeats: see
+:func:`autominato.pipeline.worker.sample_rng`).
 
 The walk follows attributes (``__dict__``), lists, tuples and dicts, as MONAI's own
 ``monai.data.utils.set_rnd`` walks a dataset for its ``worker_init_fn``, and goes on inside a

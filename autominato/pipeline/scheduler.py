@@ -297,10 +297,13 @@ class Pipeline:
 
     # -- any thread -------------------------------------------------------------------------
     def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None,
-              done: Sequence[int] = (), nxt: tuple[Sequence[int], int] | None = None) -> Run:
+              done: Sequence[int] = (), nxt: tuple[Sequence[int], int] | None = None,
+              unique: bool = False) -> Run:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
         ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``);
-        ``done``: positions delivered before a checkpoint (see ``Epoch.done``).
+        ``done``: positions delivered before a checkpoint (see ``Epoch.done``); ``unique``:
+        no index repeats in ``order`` nor in ``nxt``'s (``Epoch.unique``: their repeats
+        are not looked for).
 
         The speculative run of the previous call is adopted when it has this ``epoch`` and
         this ``order`` (and did not fail), else discarded. ``nxt``: ``(order, epoch)`` of the
@@ -318,10 +321,10 @@ class Pipeline:
             cfg = self.cfg
             ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
                        skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
-                       done=done)
+                       done=done, unique=unique)
             run = self._start(epoch, ep)
         if nxt is not None:
-            spec = self._new_run(*nxt)
+            spec = self._new_run(*nxt, unique=unique)
             spec.speculative = True
             spec.pred = run
             self.pending = spec
@@ -361,11 +364,11 @@ class Pipeline:
         self.events.put(("start", run, payload))
         return run
 
-    def _new_run(self, order: Sequence[int], epoch: int) -> Run:
+    def _new_run(self, order: Sequence[int], epoch: int, unique: bool = False) -> Run:
         self._gen += 1
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries)
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, unique=unique)
         return Run(self._gen, epoch, ep)
 
     def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
