@@ -291,9 +291,9 @@ class Loader:
             First in, first out; a sample starts at once when no other is in flight; samples
             under 10 ms, iterable datasets and ``fuse_read=False`` are not measured; thread
             workers and Ray actors are not held back. Cost: a worker idles while a large
-            sample runs without room beside it (KiTS19 bench at MLPerf's per-rank size, 2
-            workers: peak memory 1130 -> 1034 MiB, throughput 1.46x -> 1.43x the
-            DataLoader's; docs/memory.md). Counted in ``samples_held_for_memory_total``.
+            sample runs without room beside it (KiTS19 bench, 8 cases, 2 workers: median
+            peak 740 -> 699 MiB, throughput 1.53x -> 1.44x the DataLoader's; 6-8% of the
+            throughput at both sizes measured, docs/memory.md). Counted in ``samples_held_for_memory_total``.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
