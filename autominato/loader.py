@@ -769,15 +769,20 @@ class Loader:
             samplers = resume.sampler_states(self)
             order, groups = self._order(self._epoch)
             try:
-                done = (resume.resumed_positions(pending, len(order), self._epoch)
+                done = (resume.resumed_positions(pending, order, self._epoch, self.rank)
                         if pending is not None else [])
             except ValueError:
                 # The checkpoint stays pending: a later pass must not start the epoch afresh
                 # and deliver again what was delivered before it (review 45).
                 self._resume, self._resumed = pending, None
                 raise
+            # A user's sampler may not rebuild the same order on resume: its fingerprint is
+            # saved with a mid-epoch state and checked (the Loader's own order follows from
+            # the seeds and shape that load_state_dict checks).
+            user_order = self._sampler is not None or self.batch_sampler is not None
             progress = resume.Progress(self._epoch, len(order), done,
-                                       pending["batches"] if done else 0, samplers)
+                                       pending["batches"] if done else 0, samplers,
+                                       resume.order_digest(order) if user_order else None)
             self._progress = progress
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch, progress)
@@ -812,7 +817,8 @@ class Loader:
             the training loop (sorted ``[start, stop)`` ranges) and the batches yielded, the
             seeds, the epoch's shape (batch size, rank, world size, dataset length, shuffle,
             drop_last), ``in_order``, the ``state_dict()`` of a sampler or batch sampler that
-            has one (as the epoch began), and the knob values. Before any iteration: the
+            has one (as the epoch began), a fingerprint of the order a user's sampler gave
+            the epoch, and the knob values. Before any iteration: the
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
         An iterable dataset's position in its stream is its own: in the middle of its epoch
@@ -840,7 +846,9 @@ class Loader:
                 world size, rank, dataset length, ``shuffle``, ``drop_last`` or (when this
                 Loader's seed was given) seed; the message names the mismatch. The next
                 iteration raises ``ValueError`` if the epoch's order has another length than
-                at the checkpoint (a sampler that is not deterministic for its epoch).
+                at the checkpoint, or (made by a user's sampler) other indices: a sampler that
+                is not deterministic for its epoch, such as a ``WeightedRandomSampler`` whose
+                generator no ``set_epoch`` reseeds (see ``docs/resume.md``).
         """
         self._set_ranks()  # the rank the state is checked against (torch.distributed's now)
         state = resume.check(self, state_dict)

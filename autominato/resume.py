@@ -17,8 +17,9 @@ so ``torch.save`` / ``pickle`` / ``json`` store it beside the model's.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,13 @@ class Progress:
         done: positions delivered before (a resumed epoch).
         batches: batches yielded before (a resumed epoch).
         samplers: ``state_dict()`` of the stateful samplers as the epoch started.
+        digest: :func:`order_digest` of the epoch's order when a sampler of the user's made
+            it (``None``: the Loader's own order, rebuilt from the checked seeds and shape).
     """
 
     def __init__(self, epoch: int, size: int | None, done: Iterable[int] = (), batches: int = 0,
-                 samplers: dict | None = None) -> None:
+                 samplers: dict | None = None, digest: str | None = None) -> None:
+        self.digest = digest
         self.epoch = epoch
         self.size = size
         self.delivered = None if size is None else np.zeros(size, dtype=bool)
@@ -93,6 +97,13 @@ def from_ranges(ranges: Any, size: int) -> list[int]:
                              f"epoch's {size} positions")
         out.extend(range(start, stop))
     return out
+
+
+def order_digest(order: Sequence[int]) -> str:
+    """A fingerprint of an epoch's order (dataset indices in order): BLAKE2b-64 of the int64
+    indices, hex. A resumed epoch whose sampler gives another order is found by it."""
+    data = np.asarray(order, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def sampler_states(loader: Any) -> dict[str, Any]:
@@ -178,11 +189,13 @@ def build(loader: Any) -> dict[str, Any]:
         "samplers": sampler_states(loader),
         "knobs": loader.knobs.as_dict(),
         "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
+        "order_digest": None,  # a user sampler's mid-epoch order (see resumed_positions)
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
+        state["order_digest"] = pending.get("order_digest")
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
@@ -194,6 +207,7 @@ def build(loader: Any) -> dict[str, Any]:
                      delivered=to_ranges(p.delivered), batches=p.batches)
         if not ended:  # the epoch is redone from its order: the samplers as it began
             state["samplers"] = p.samplers
+            state["order_digest"] = p.digest
     return state
 
 
@@ -259,17 +273,36 @@ def _same_on_every_rank(state: dict[str, Any]) -> bool:
             or bool(state["in_order"]))
 
 
-def resumed_positions(state: dict[str, Any], size: int, epoch: int) -> list[int]:
-    """The positions a resumed epoch of ``size`` positions starts with.
+def resumed_positions(state: dict[str, Any], order: Sequence[int], epoch: int,
+                      rank: int | None = None) -> list[int]:
+    """The positions a resumed epoch over ``order`` (its dataset indices) starts with.
+
+    ``rank``: this Loader's; the order's fingerprint (``order_digest``, saved for a user's
+    sampler) is checked only on the rank that saved the state (an in-order state, written by
+    rank 0, is loaded on every rank, each with an order of its own).
 
     Raises:
-        ValueError: the epoch's order has another length than at the checkpoint (a sampler
-            that is not deterministic for its epoch, or another dataset).
+        ValueError: the epoch's order has another length, or other indices, than at the
+            checkpoint (a sampler that is not deterministic for its epoch, such as a
+            ``WeightedRandomSampler`` whose generator is not reseeded per epoch, or another
+            dataset): the positions saved would name other samples.
     """
+    size = len(order)
     if state["epoch_size"] is None:
         return []
     if state["epoch_size"] != size:
         raise ValueError(f"resuming epoch {epoch}: its order has {size} positions, it had "
                          f"{state['epoch_size']} at the checkpoint (the sampler must give the "
                          "same order for an epoch)")
+    digest = state.get("order_digest")
+    if digest is not None and (rank is None or rank == state["rank"]) and order_digest(order) != digest:
+        raise ValueError(
+            f"resuming epoch {epoch}: the sampler gave another order than at the checkpoint, "
+            "so the positions delivered before it would name other samples. A sampler must "
+            "give the same order for an epoch when rebuilt: seed it from the epoch (a "
+            "set_epoch(epoch) method, as DistributedSampler's, which Loader.set_epoch and "
+            "Lightning call) or give it state_dict() / load_state_dict(). "
+            "WeightedRandomSampler has neither: subclass it with a set_epoch that reseeds its "
+            "generator (self.generator = torch.Generator().manual_seed(seed + epoch)), or "
+            "resume from the start of the epoch (a checkpoint between epochs)")
     return from_ranges(state["delivered"], size)

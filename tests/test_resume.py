@@ -379,6 +379,50 @@ def test_a_sampler_that_changes_its_length_is_caught_at_the_resume():
             iter(loader)
 
 
+def _weighted(reseeded: bool):
+    """An oversampling sampler: a plain WeightedRandomSampler draws each epoch from one
+    generator (a new one in a new process replays epoch 0's order); the subclass reseeds it
+    per epoch (the workaround the error names)."""
+
+    class Reseeded(torch.utils.data.WeightedRandomSampler):
+        def set_epoch(self, epoch: int) -> None:
+            self.generator = torch.Generator().manual_seed(1000 + epoch)
+
+    cls = Reseeded if reseeded else torch.utils.data.WeightedRandomSampler
+    return cls([10.0, 10.0] + [1.0] * (N - 2), 24, replacement=True,
+               generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("reseeded", [False, True], ids=["plain", "reseeded"])
+def test_a_sampler_that_gives_another_order_on_resume_is_caught(reseeded):
+    """Trial 50: resuming epoch 2 of a plain WeightedRandomSampler in a new Loader delivered
+    positions 8-23 of epoch 0's order, silently; its order's fingerprint now catches it, and a
+    sampler that rebuilds its epoch's order resumes exactly."""
+
+    def run(loader, epochs=3, stop=None):
+        for e in range(epochs):
+            loader.set_epoch(e)
+            if e == epochs - 1 and stop is not None:
+                it = iter(loader)
+                return [next(it)[:, 0].tolist() for _ in range(stop)], loader.state_dict()
+            got = [b[:, 0].tolist() for b in loader]
+        return got, None
+
+    with make(shuffle=None, sampler=_weighted(reseeded), in_order=True) as loader:
+        whole, _ = run(loader)
+    with make(shuffle=None, sampler=_weighted(reseeded), in_order=True) as loader:
+        head, state = run(loader, stop=2)
+    assert head == whole[:2]
+    with make(shuffle=None, sampler=_weighted(reseeded), in_order=True) as loader:
+        loader.load_state_dict(state)
+        if not reseeded:
+            for _ in range(2):  # and the checkpoint stays pending
+                with pytest.raises(ValueError, match="another order than at the checkpoint"):
+                    iter(loader)
+            return
+        assert head + [b[:, 0].tolist() for b in loader] == whole
+
+
 class IterableWithLength(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return N
