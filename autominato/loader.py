@@ -769,7 +769,8 @@ class Loader:
             samplers = resume.sampler_states(self)
             order, groups = self._order(self._epoch)
             try:
-                done = (resume.resumed_positions(pending, order, self._epoch, self.rank)
+                done = (resume.resumed_positions(pending, order, self._epoch,
+                                                 self._order_rank())
                         if pending is not None else [])
             except ValueError:
                 # The checkpoint stays pending: a later pass must not start the epoch afresh
@@ -782,7 +783,7 @@ class Loader:
             user_order = self._sampler is not None or self.batch_sampler is not None
             progress = resume.Progress(self._epoch, len(order), done,
                                        pending["batches"] if done else 0, samplers,
-                                       resume.order_digest(order) if user_order else None)
+                                       order if user_order else None, self._order_rank())
             self._progress = progress
             if self.knobs.workers == 0:
                 return _SyncIterator(self, order, groups, self._epoch, progress)
@@ -911,6 +912,16 @@ class Loader:
         log_skip(index, path, error, self._sync_skip_logged)
         if self._on_skip is not None:
             self._on_skip(index, path, error)
+
+    def _order_rank(self) -> int:
+        """The rank whose share the epoch's order is: a user sampler's own ``rank`` (a
+        ``DistributedSampler`` given its rank under Horovod or torch-XLA, where the Loader,
+        without ``torch.distributed``, is rank 0), else the Loader's."""
+        for s in (self._sampler, getattr(self.batch_sampler, "sampler", None)):
+            r = getattr(s, "rank", None)
+            if isinstance(r, int):
+                return r
+        return self.rank
 
     def _next_epoch_order(self) -> tuple[list[int], int] | None:
         """``(order, epoch)`` of the pass expected after this one, or ``None`` when it cannot

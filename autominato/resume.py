@@ -41,13 +41,18 @@ class Progress:
         done: positions delivered before (a resumed epoch).
         batches: batches yielded before (a resumed epoch).
         samplers: ``state_dict()`` of the stateful samplers as the epoch started.
-        digest: :func:`order_digest` of the epoch's order when a sampler of the user's made
-            it (``None``: the Loader's own order, rebuilt from the checked seeds and shape).
+        order: the epoch's order when a sampler of the user's made it (``None``: the
+            Loader's own order, rebuilt from the checked seeds and shape), for :attr:`digest`.
+        order_rank: the rank whose share ``order`` is (the sampler's own ``rank`` when it
+            has one: a ``DistributedSampler`` given its rank while the Loader has none).
     """
 
     def __init__(self, epoch: int, size: int | None, done: Iterable[int] = (), batches: int = 0,
-                 samplers: dict | None = None, digest: str | None = None) -> None:
-        self.digest = digest
+                 samplers: dict | None = None, order: Sequence[int] | None = None,
+                 order_rank: int = 0) -> None:
+        self._order = order
+        self._digest: str | None = None
+        self.order_rank = order_rank
         self.epoch = epoch
         self.size = size
         self.delivered = None if size is None else np.zeros(size, dtype=bool)
@@ -59,6 +64,14 @@ class Progress:
         # An iterable's pass: whether every batch of the epoch has been delivered already
         # (set by the Loader; see build).
         self.drained: Callable[[], bool] = lambda: False
+
+    @property
+    def digest(self) -> str | None:
+        """:func:`order_digest` of the user sampler's order (computed at the first call: only
+        a checkpoint needs it), else ``None``."""
+        if self._digest is None and self._order is not None:
+            self._digest = order_digest(self._order)
+        return self._digest
 
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
@@ -190,12 +203,14 @@ def build(loader: Any) -> dict[str, Any]:
         "knobs": loader.knobs.as_dict(),
         "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
         "order_digest": None,  # a user sampler's mid-epoch order (see resumed_positions)
+        "order_rank": None,  # the rank whose order it is
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
         state["order_digest"] = pending.get("order_digest")
+        state["order_rank"] = pending.get("order_rank")
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
@@ -207,7 +222,9 @@ def build(loader: Any) -> dict[str, Any]:
                      delivered=to_ranges(p.delivered), batches=p.batches)
         if not ended:  # the epoch is redone from its order: the samplers as it began
             state["samplers"] = p.samplers
-            state["order_digest"] = p.digest
+            if p.delivered.any():  # (nothing delivered: the epoch restarts exactly anyway)
+                state["order_digest"] = p.digest
+                state["order_rank"] = p.order_rank if p.digest is not None else None
     return state
 
 
@@ -277,9 +294,10 @@ def resumed_positions(state: dict[str, Any], order: Sequence[int], epoch: int,
                       rank: int | None = None) -> list[int]:
     """The positions a resumed epoch over ``order`` (its dataset indices) starts with.
 
-    ``rank``: this Loader's; the order's fingerprint (``order_digest``, saved for a user's
-    sampler) is checked only on the rank that saved the state (an in-order state, written by
-    rank 0, is loaded on every rank, each with an order of its own).
+    ``rank``: the rank whose share ``order`` is (see ``Progress.order_rank``); the order's
+    fingerprint (``order_digest``, saved for a user's sampler) is checked only on the rank
+    that saved the state (an in-order state, written by rank 0, is loaded on every rank, each
+    with an order of its own: there a sampler that changed its order goes unnoticed).
 
     Raises:
         ValueError: the epoch's order has another length, or other indices, than at the
@@ -295,14 +313,16 @@ def resumed_positions(state: dict[str, Any], order: Sequence[int], epoch: int,
                          f"{state['epoch_size']} at the checkpoint (the sampler must give the "
                          "same order for an epoch)")
     digest = state.get("order_digest")
-    if digest is not None and (rank is None or rank == state["rank"]) and order_digest(order) != digest:
+    saved_rank = state.get("order_rank", state["rank"])
+    if digest is not None and (rank is None or rank == saved_rank) and order_digest(order) != digest:
         raise ValueError(
             f"resuming epoch {epoch}: the sampler gave another order than at the checkpoint, "
             "so the positions delivered before it would name other samples. A sampler must "
             "give the same order for an epoch when rebuilt: seed it from the epoch (a "
             "set_epoch(epoch) method, as DistributedSampler's, which Loader.set_epoch and "
-            "Lightning call) or give it state_dict() / load_state_dict(). "
-            "WeightedRandomSampler has neither: subclass it with a set_epoch that reseeds its "
-            "generator (self.generator = torch.Generator().manual_seed(seed + epoch)), or "
-            "resume from the start of the epoch (a checkpoint between epochs)")
+            "Lightning call, and seeded for epoch 0 when built) or give it state_dict() / "
+            "load_state_dict(). WeightedRandomSampler has neither: subclass it with a "
+            "set_epoch that reseeds its generator, called from __init__ too (see "
+            "docs/resume.md), or resume from the start of an epoch (a checkpoint between "
+            "epochs)")
     return from_ranges(state["delivered"], size)

@@ -423,6 +423,35 @@ def test_a_sampler_that_gives_another_order_on_resume_is_caught(reseeded):
         assert head + [b[:, 0].tolist() for b in loader] == whole
 
 
+def test_the_order_check_spares_a_state_with_nothing_delivered_and_other_ranks_orders():
+    """Review 51: a checkpoint before the first batch names no sample (the epoch restarts
+    exactly); a DistributedSampler given its rank (Horovod, torch-XLA: the Loader is rank 0)
+    loads rank 0's in-order state with an order of its own."""
+    with make(shuffle=None, sampler=_weighted(False), in_order=True) as loader:
+        loader.set_epoch(1)
+        iter(loader)
+        state = loader.state_dict()
+    assert state["order_digest"] is None
+    with make(shuffle=None, sampler=_weighted(False), in_order=True) as loader:
+        loader.load_state_dict(state)
+        assert len([b for b in loader]) == 6  # 24 positions, batches of 4
+
+    def shard(rank):
+        return torch.utils.data.DistributedSampler(RowDataset(), num_replicas=2, rank=rank,
+                                                   shuffle=True, seed=3)
+
+    with make(shuffle=None, sampler=shard(0), in_order=True) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    assert state["order_digest"] is not None and state["order_rank"] == 0
+    with make(shuffle=None, sampler=shard(1), in_order=True) as loader:
+        whole = [b[:, 0].tolist() for b in loader]
+    with make(shuffle=None, sampler=shard(1), in_order=True) as loader:
+        loader.load_state_dict(state)
+        assert [b[:, 0].tolist() for b in loader] == whole[1:]
+
+
 class IterableWithLength(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return N
