@@ -72,6 +72,22 @@ def test_the_budget_holds_a_large_sample_back_from_large_ones_and_not_from_small
     assert m.admit(0, [est(i) for i in range(1, 6)], workers=8)  # 900
 
 
+def test_a_sample_overtakes_the_one_held_back_only_if_it_leaves_it_room():
+    m = SampleMemory(8)
+    for i in range(1, 8):
+        m.learn(i, 100)
+    m.learn(0, 400)  # budget 500
+    est = m.estimate
+    assert not m.admit(0, [est(1), est(2)], workers=2, key="0")  # 600: 0 waits
+    # 3 fits now (300) and 0 fits beside it once 1 and 2 are done (500)
+    assert m.admit(3, [est(1), est(2)], workers=2, ahead=(est(0), 0.0))
+    # a second one would not leave 0 its room (400 + 100 + 100), though it fits now
+    assert not m.admit(4, [est(1)], workers=2, ahead=(est(0), est(3)))
+    assert m.admit(4, [est(1)], workers=2, ahead=(est(5), est(3)))  # a typical one waits
+    assert not m.admit(4, [est(0), est(1)], workers=2, ahead=(est(2), 0.0))  # 600 now
+    assert m.held_back == 1  # an overtaker refused is not a sample held back
+
+
 def test_large_samples_that_are_common_are_not_held_apart():
     """Trial 47: 8 of 20 samples at 300 MB, the rest 60 MB: with the median as the typical
     figure two large ones never ran together (1.4x the DataLoader's time). They are the upper
@@ -167,6 +183,50 @@ def test_a_large_sample_runs_without_a_large_one_beside_it_once_measured(aware):
     assert snap.samples_held_for_memory_total >= 2  # once an epoch at least (epochs 2-3)
     # the exported budget: 1.25 x sample 0's measured peak (160 MiB and the worker's own)
     assert MARGIN * 150 * MiB <= snap.sample_memory_budget_bytes <= MARGIN * 180 * MiB
+
+
+class Sized:
+    """Sample ``i`` holds ``mib[i]`` MiB at its peak for ``seconds[i]`` (a spans log as
+    :class:`Uneven`)."""
+
+    def __init__(self, mib: list[int], seconds: list[float]):
+        self.mib, self.seconds = mib, seconds
+
+    def __len__(self) -> int:
+        return len(self.mib)
+
+    def __getitem__(self, i: int):
+        t0 = time.monotonic()
+        a = np.ones(self.mib[i] * MiB, np.uint8)  # touched
+        time.sleep(self.seconds[i])
+        del a
+        return {"i": i, "span": np.array([t0, time.monotonic()])}
+
+
+def test_small_samples_overtake_one_held_back_and_leave_it_room():
+    """Sample 0 (240 MiB) and the medium ones (120) do not fit together in the budget
+    (1.25 * 240 = 300 MiB), a small one (16) fits beside 0 and beside a medium one. In the
+    order 0, 1, 4, 5, ... sample 1 waits while 0 runs: the small 4 overtakes it on the idle
+    worker (before, first in, first out left that worker idle until 0 finished), and 1 starts
+    as soon as 0 ends, never after a sample that overtook it and ended (it kept its room)."""
+    mib = [240, 120, 120, 120, 16, 16, 16, 16]
+    seconds = [0.45, 0.12, 0.12, 0.12, 0.1, 0.1, 0.1, 0.1]
+    order = [0, 1, 4, 5, 2, 6, 3, 7]
+    with Loader(Sized(mib, seconds), batch_size=2, sampler=order, workers=2, seed=0,
+                autotune=False) as loader:
+        runs = _runs(loader, 5)
+        snap = loader.snapshot()
+    for e in range(5):
+        assert sorted(i for ep, i, *_ in runs if ep == e) == list(range(8))
+    assert snap.samples_held_for_memory_total >= 3
+    span = {(e, i): (t0, t1) for e, i, t0, t1 in runs}
+    for e in range(2, 5):  # measured (epoch 1's may start before epoch 0's figures are in)
+        (b0, b1), (m0, _), (s0, _) = span[e, 0], span[e, 1], span[e, 4]
+        assert m0 >= b1 - 0.02, f"epoch {e}: the medium 1 ran beside the large 0"
+        assert b0 - 0.02 <= s0 < m0, f"epoch {e}: the small 4 did not overtake the held 1"
+        assert m0 - b1 < 0.08, f"epoch {e}: 1 started {m0 - b1:.3f} s after 0 ended"
+    # the rule still holds: 0 never beside a medium sample once measured
+    assert [(a, b) for a, b in _overlaps(runs, 0, after_epoch=2) if b[1] in (1, 2, 3)] == []
 
 
 def test_samples_alike_never_wait():

@@ -16,8 +16,12 @@ workers on a large part of every epoch: trial 47 measured 1.4x the DataLoader's 
 of 20 samples at 300 MB and the median as the typical figure); a sample above the upper
 quartile, several times it, runs beside small samples only, so the peak is about what the
 largest sample alone, or all workers on the upper quartile, needs. Dispatch stays first in,
-first out: a sample held back is not overtaken (a large sample that later ones overtook would
-wait for the epoch's end and become its straggler).
+first out, except that a later sample may overtake the one held back when it fits now *and*
+leaves room for it: the held sample's estimate plus those of the samples that overtook it and
+are still in flight fit in the budget, so it starts as soon as the samples it waited for have
+finished, as it would have without them (a large sample that small ones overtook without that
+bound would wait for the epoch's end and become its straggler). Only the first sample waits:
+a second one that does not fit stops the scan, so at most one sample is overtaken at a time.
 
 An index not measured yet is estimated at the median; until a sample has been measured
 nothing is held back. Samples sent in chunks (under 10 ms each) are not measured. The figure
@@ -107,13 +111,26 @@ class SampleMemory:
         """Bytes of working sets that may be in flight together (0: no figure yet)."""
         return self.margin * max(self.largest, max(1, workers) * self.upper_quartile)
 
-    def admit(self, index: int, in_flight: list[float], workers: int, key: object = None) -> bool:
+    def admit(self, index: int, in_flight: list[float], workers: int, key: object = None,
+              ahead: tuple[float, float] | None = None) -> bool:
         """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
-        (bytes, see :meth:`estimate`)."""
+        (bytes, see :meth:`estimate`).
+
+        Args:
+            key: the sample's task key: a wait is counted once per key (``held_back``).
+            ahead: ``None`` for the first sample in line; for a later one, which would
+                overtake the first (held back), ``(the held sample's estimate, the sum of the
+                estimates of the samples in flight that overtook it)``, bytes: it may start
+                only if the held one still fits beside them and it (module docstring).
+        """
         if not in_flight or not self.known:
             return True
-        need = self.estimate(index) + sum(in_flight)
-        if need <= self.budget(workers):
+        est = self.estimate(index)
+        budget = self.budget(workers)
+        fits = est + sum(in_flight) <= budget
+        if ahead is not None:
+            return fits and ahead[0] + ahead[1] + est <= budget
+        if fits:
             return True
         if key is not None and key != self._waiting:
             self._waiting = key

@@ -254,6 +254,10 @@ class Pipeline:
             self.sample_stages: list[Stage] = compose(self)
             self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
             self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
+            # the first queued sample held back for memory, and the keys that overtook it
+            self._held_key: tuple | None = None
+            self._overtook: set[tuple] = set()
+            self._admit_stage: Stage | None = None
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -261,6 +265,7 @@ class Pipeline:
                     # (fuse_read=False: __getitem__ runs in the read threads, unmeasured)
                     if cfg.memory_aware and not cfg.iterable and cfg.fuse_read:
                         st.admit = self._admit
+                        self._admit_stage = st
                         self._memory_aware = True
             # Process workers write finished samples into batch rows (see rows.py) where the
             # default collate stacks them and no pinned copy follows.
@@ -704,13 +709,15 @@ class Pipeline:
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
                 _SLOT_LATER)
 
-    def _admit(self, key: tuple, item: Any) -> bool:
+    def _admit(self, key: tuple, item: Any, overtaking: bool = False) -> bool:
         """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`).
 
         Samples sent in chunks (under ``CHUNK_BUDGET_S`` each) are not held back: they are not
         measured, and up to ``workers * chunk`` of them are in flight by design. The samples
         in flight are the workers' (those of a run that ended too), each at its index's
-        current estimate (a figure that arrives while it runs counts at once)."""
+        current estimate (a figure that arrives while it runs counts at once). A sample that
+        would overtake the one held back (``overtaking``) must leave room for it beside the
+        others that overtook it and are still in flight."""
         if type(item) is not tuple or len(item) != 7:
             return True
         index = self._in_flight
@@ -720,13 +727,37 @@ class Pipeline:
                 keep = set(held)
                 for k in [k for k in index if k not in keep]:
                     del index[k]
+                self._overtook &= keep
             est = self.memory.estimate
             median = self.memory.median
             in_flight = [est(index[k]) if k in index else median for k in held]
-            if not self.memory.admit(item[0], in_flight, self.procs.size, key):
+            ahead = None
+            if overtaking:
+                waiting = self._in_queue_index(self._held_key)
+                if waiting is None:
+                    return False  # (the sample held back is gone: no overtaking without it)
+                ahead = (est(waiting), sum(est(index[k]) if k in index else median
+                                           for k in self._overtook))
+            if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead):
+                if not overtaking and key != self._held_key:
+                    self._held_key = key
+                    self._overtook.clear()
                 return False
+            if overtaking:
+                self._overtook.add(key)
+            elif key == self._held_key:
+                self._held_key = None
+                self._overtook.clear()
         index[key] = item[0]
         return True
+
+    def _in_queue_index(self, key: tuple | None) -> int | None:
+        """The dataset index of the first queued item of the process workers' stage if its
+        key is ``key`` (the sample held back), else ``None``."""
+        st = self._admit_stage
+        if key is None or st is None or not st.queue or st.queue[0][0] != key:
+            return None
+        return st.queue[0][1][0]
 
     def _give_slot(self, key: tuple, item: Any) -> Any:
         """``prepare`` of the process workers' stage: a task leaving for a worker takes its
@@ -782,6 +813,7 @@ class Pipeline:
         run = self.runs.get(gen)
         if self._memory_aware:
             self._in_flight.pop(r.key, None)
+            self._overtook.discard(r.key)
         slots = self.held.pop(r.key, ())
         row = self.rows.take(r.key)  # the batch row (or slot) its sample claimed (rows.py)
         if row is not None:  # a claiming task was given no output slot

@@ -106,9 +106,11 @@ class Stage:
         capacity: the queue's capacity (a callable: it follows a live knob).
         prepare: ``prepare(key, item) -> item``, called as an item leaves the queue for a
             worker (process workers take their output slot then, not while queued).
-        admit: ``admit(key, item) -> bool``: whether the queue's first item may leave for a
-            free worker now (see :mod:`autominato.pipeline.memory`); while it says no, no item
-            leaves (first in, first out).
+        admit: ``admit(key, item, overtaking) -> bool``: whether a queued item may leave for
+            a free worker now (see :mod:`autominato.pipeline.memory`). The first item is asked
+            with ``overtaking=False``; while it is refused, the next ones are asked in turn with
+            ``overtaking=True`` (they would start before it), until one is refused: so at most
+            the first item is overtaken, and only by items ``admit`` lets pass it.
 
     Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
     """
@@ -139,11 +141,17 @@ class Stage:
         n = min(len(self.queue), ex.free())
         if most is not None:
             n = min(n, most)
-        for _ in range(n):
-            key, item, t = self.queue[0]
-            if self.admit is not None and not self.admit(key, item):
-                break
-            self.queue.popleft()
+        q = self.queue
+        i = 0  # 1 while the first item waits: the next ones may overtake it (see admit)
+        while n > 0 and i < len(q):
+            key, item, t = q[i]
+            if self.admit is not None and not self.admit(key, item, i > 0):
+                if i:
+                    break
+                i = 1
+                continue
+            del q[i]
+            n -= 1
             self._waits[key] = time.monotonic() - t
             ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()
