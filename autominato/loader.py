@@ -143,7 +143,7 @@ class _one:
 #: The pipeline's counters that go on across the pipeline load_state_dict rebuilds
 #: (Loader._retired; attribute names of :class:`~autominato.pipeline.scheduler.Pipeline`).
 _PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_discarded",
-                      "memory_held")
+                      "memory_held", "memory_wait_s")
 
 
 class Loader:
@@ -1077,6 +1077,7 @@ class Loader:
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
             samples_held_for_memory_total=count["memory_held"],
+            memory_wait_seconds_total=count["memory_wait_s"],
             sample_memory_budget_bytes=p.sample_memory_budget_bytes if p else 0.0,
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,

@@ -56,6 +56,7 @@ LOADER_METRICS = {
     "autominato_knob_value",
     "autominato_controller_decisions_total",
     "autominato_pool_bytes",
+    "autominato_memory_wait_seconds_total",
 }
 NVML_METRICS = {
     "autominato_gpu_utilization_ratio",
@@ -182,6 +183,7 @@ def test_each_required_view_is_on_the_dashboard():
     assert "changes(autominato_knob_value" in model["annotations"]["list"][0]["expr"]
     assert "autominato_stragglers_total" in exprs["Stragglers, skips, losses, restarts"]
     assert "autominato_samples_lost_total" in exprs["Stragglers, skips, losses, restarts"]
+    assert "rate(autominato_memory_wait_seconds_total" in exprs["Workers idle for memory"]
     # The GPU row holds exactly the panels that read NVML / DCGM metrics.
     gpu = {t for t, e in exprs.items() if _metric_names(e) & (NVML_METRICS | DCGM_METRICS)}
     assert gpu == set(dash.gpu_panel_titles()) == {"GPU utilisation", "GPU memory used", "PCIe bandwidth"}

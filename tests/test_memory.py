@@ -229,6 +229,43 @@ def test_small_samples_overtake_one_held_back_and_leave_it_room():
     assert [(a, b) for a, b in _overlaps(runs, 0, after_epoch=2) if b[1] in (1, 2, 3)] == []
 
 
+def _alone(runs, lo: float, hi: float) -> float:
+    """Seconds within ``[lo, hi]`` during which exactly one sample of ``runs`` ran."""
+    edges = sorted({lo, hi, *(t for r in runs for t in r[2:] if lo < t < hi)})
+    return sum(b - a for a, b in zip(edges, edges[1:], strict=False)
+               if sum(1 for r in runs if r[2] <= a and b <= r[3]) == 1)
+
+
+def test_the_workers_idle_time_for_memory_is_measured_true():
+    """Sample 0 (240 MiB, 0.45 s) fits beside no other (120 MiB each; budget 300 MiB): while
+    it runs alone the other worker idles with samples queued, and while a medium sample
+    runs 0 waits with a worker free. The exported seconds are that idle time: at least the
+    time 0 ran alone in the measured epochs, at most the time any sample ran alone."""
+    from tests.test_telemetry_metrics import scrape
+
+    mib = [240] + [120] * 7
+    seconds = [0.45] + [0.12] * 7
+    with Loader(Sized(mib, seconds), batch_size=2, workers=2, seed=0, autotune=False,
+                metrics_port=0) as loader:
+        runs = _runs(loader, 5)
+        snap = loader.snapshot()
+        fams = scrape(loader._telemetry.url)
+    waited = snap.memory_wait_seconds_total
+    exported = [v for n, _, v in fams["autominato_memory_wait_seconds"]["samples"]
+                if n.endswith("_total")]
+    assert exported and exported[0] == pytest.approx(waited, abs=0.05)  # (read a little later)
+    zero_alone = sum(_alone(runs, t0, t1) for e, i, t0, t1 in runs if i == 0 and e >= 2)
+    start, end = min(r[2] for r in runs), max(r[3] for r in runs)
+    assert zero_alone >= 3 * 0.3  # the setting works: 0 ran alone most of its 0.45 s
+    assert zero_alone - 0.1 <= waited <= _alone(runs, start, end) + 0.1
+    # the Data Monitor report says it, with the same figures
+    from autominato.telemetry.monitor import diagnose, format_report
+
+    text = format_report(diagnose([snap]), width=400)
+    assert (f"{snap.samples_held_for_memory_total} samples waited for room in the memory "
+            f"budget, free workers idling {waited:.1f} s") in text
+
+
 def test_samples_alike_never_wait():
     with Loader(Uneven(big=60), batch_size=2, workers=2, seed=0, autotune=False) as loader:
         runs = _runs(loader, 3)

@@ -435,6 +435,13 @@ class Pipeline:
         return self.memory.held_back
 
     @property
+    def memory_wait_s(self) -> float:
+        """Worker-seconds (summed over workers) that free workers waited because the next
+        samples did not fit in the memory budget (see :meth:`Stage.held_idle_s`), seconds."""
+        st = self._admit_stage
+        return st.held_idle_s() if st is not None else 0.0
+
+    @property
     def sample_memory_budget_bytes(self) -> float:
         """Bytes of samples' working sets that may be in flight together now; 0 while no
         sample was measured or the dispatch is not memory-aware."""

@@ -127,6 +127,16 @@ class Stage:
         self.admit = admit
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
+        # free workers left idle by ``admit`` at the last pump, since when, and the worker-
+        # seconds summed before it (one tuple: read by other threads, see held_idle_s)
+        self._held_idle: tuple[int, float, float] = (0, 0.0, 0.0)
+
+    def held_idle_s(self) -> float:
+        """Worker-seconds that free workers waited because ``admit`` held the queued items
+        back (summed over workers, up to now), seconds. Measured at each :meth:`pump`: the
+        free workers left when the scan ended on a refusal count from then until the next."""
+        n, since, total = self._held_idle
+        return total + (n * (time.monotonic() - since) if n else 0.0)
 
     def room(self) -> int:
         """Items that may be put now: free workers plus free queue places."""
@@ -143,9 +153,11 @@ class Stage:
             n = min(n, most)
         q = self.queue
         i = 0  # 1 while the first item waits: the next ones may overtake it (see admit)
+        refused = False
         while n > 0 and i < len(q):
             key, item, t = q[i]
             if self.admit is not None and not self.admit(key, item, i > 0):
+                refused = True
                 if i:
                     break
                 i = 1
@@ -155,6 +167,10 @@ class Stage:
             self._waits[key] = time.monotonic() - t
             ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()
+        if self.admit is not None and (refused or self._held_idle[0]):
+            total = self.held_idle_s()  # up to now, at the last pump's count
+            idle = min(ex.free(), len(q)) if refused else 0
+            self._held_idle = (idle, time.monotonic(), total)
 
     def finished(self, r: Result, count: bool = True) -> None:
         """Account for one result of this stage (call before acting on it); ``count=False``

@@ -168,6 +168,9 @@ class LoaderSnapshot:
             working set would not fit beside those in flight (``memory_aware``).
         sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
+        memory_wait_seconds_total: seconds that free workers waited, summed over workers,
+            because the samples queued for them did not fit in that budget: the throughput
+            ``memory_aware`` costs (see docs/memory.md).
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
             for a batch that could not be made, its samples.
@@ -196,6 +199,7 @@ class LoaderSnapshot:
     samples_lost_total: int = 0
     samples_held_for_memory_total: int = 0
     sample_memory_budget_bytes: float = 0.0
+    memory_wait_seconds_total: float = 0.0
 
     @property
     def idle_ratio(self) -> float:

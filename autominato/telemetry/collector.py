@@ -150,6 +150,7 @@ def _add_samples(
     put("autominato_speculative_samples_discarded_total", s.speculative_discarded_total)
     put("autominato_samples_held_for_memory_total", s.samples_held_for_memory_total)
     put("autominato_sample_memory_budget_bytes", s.sample_memory_budget_bytes)
+    put("autominato_memory_wait_seconds_total", s.memory_wait_seconds_total)
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

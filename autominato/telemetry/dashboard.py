@@ -380,6 +380,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 (Query(f"autominato_pool_bytes{{{LOADER}}}", "rank {{rank}}"),),
                 "Bytes held by the buffer pool (shared-memory slots and batch buffers).",
             ),
+            PanelSpec(
+                "Workers idle for memory", "timeseries", "short",
+                (
+                    Query(
+                        "sum by (rank) (rate(autominato_memory_wait_seconds_total{"
+                        + LOADER
+                        + "}[$__rate_interval]))",
+                        "rank {{rank}}",
+                    ),
+                ),
+                "Mean number of free workers that waited because the samples queued for "
+                "them did not fit in the memory budget (memory-aware dispatch, "
+                "docs/memory.md): the throughput it costs; memory_aware=False gives it back "
+                "at the cost of the peak memory.",
+            ),
         ),
     ),
     (

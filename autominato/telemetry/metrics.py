@@ -190,6 +190,12 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "sample's peak, workers x the upper quartile's); 0 before a sample was measured.",
         (),
     ),
+    "autominato_memory_wait_seconds_total": (
+        "counter",
+        "Seconds that free workers waited, summed over workers, because the samples queued "
+        "for them did not fit in the memory budget (memory-aware dispatch).",
+        (),
+    ),
     "autominato_worker_restarts_total": (
         "counter",
         "Worker processes replaced after dying or hanging.",

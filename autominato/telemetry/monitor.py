@@ -152,6 +152,9 @@ class Diagnosis:
         skipped, errors, lost: since the loader started, samples skipped
             (``on_error="skip"``), errors raised in the training loop after which the epoch
             went on, and the samples those errors cost (see ``LoaderSnapshot``).
+        memory_held, memory_wait_s: since the loader started, samples that waited for
+            memory-aware dispatch and the seconds free workers idled for it, summed over
+            workers (``samples_held_for_memory_total``, ``memory_wait_seconds_total``).
     """
 
     kind: str
@@ -169,6 +172,8 @@ class Diagnosis:
     skipped: int = 0
     errors: int = 0
     lost: int = 0
+    memory_held: int = 0
+    memory_wait_s: float = 0.0
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
@@ -369,6 +374,8 @@ def diagnose(
         skipped=last.skipped_total,
         errors=last.errors_raised_total,
         lost=last.samples_lost_total,
+        memory_held=last.samples_held_for_memory_total,
+        memory_wait_s=last.memory_wait_seconds_total,
     )
     if basis.batches == 0:
         return Diagnosis(
@@ -562,6 +569,13 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
                      f"{_count(diagnosis.errors, 'error')} the training loop caught")
     if parts:
         console.print("not delivered since the start: " + ", ".join(parts), soft_wrap=True)
+    if diagnosis.memory_held:
+        console.print(
+            f"memory-aware dispatch since the start: {_count(diagnosis.memory_held, 'sample')} "
+            f"waited for room in the memory budget, free workers idling "
+            f"{diagnosis.memory_wait_s:.1f} s (summed over workers) meanwhile; "
+            "memory_aware=False gives that time back at the cost of the peak memory",
+            soft_wrap=True)
     if diagnosis.nodes:
         remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
         for col in ("node", "actors", "samples", "MiB moved", "service ms", "round trip ms"):
