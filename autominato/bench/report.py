@@ -33,6 +33,7 @@ METRICS = (
     "next_epoch_wait_s",
     "idle_ratio",
     "p99_wait_s",
+    "memory_wait_s",
     "cpu_s",
     "step_s",
     "peak_memory_bytes",

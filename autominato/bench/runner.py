@@ -74,7 +74,9 @@ class RunRecord:
     of every epoch after the first (NaN with one); ``floor_s``: the median measured floor
     (reads' CPU + transforms); ``floor_transform_s``: the median floor of the transforms
     alone; ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
-    step time.
+    step time; ``memory_wait_s``: an autominato loader's ``memory_wait_seconds_total`` at the
+    end of the run (seconds free workers waited for memory-aware dispatch, summed over
+    workers; NaN for other loaders).
     """
 
     workload: str
@@ -100,6 +102,7 @@ class RunRecord:
     next_epoch_wait_s: float = float("nan")
     idle_ratio: float = float("nan")
     p99_wait_s: float = float("nan")
+    memory_wait_s: float = float("nan")
     cpu_s: float = float("nan")
     peak_memory_bytes: float = float("nan")
     start_memory_bytes: float = float("nan")
@@ -166,7 +169,14 @@ def execute(spec: RunSpec) -> dict[str, Any]:
             samplers.append(kind(spec.sampler_interval).start())
             if spec.nvml:
                 samplers.append(NvmlSampler().start())
-        c, close = consume(lambda: build(spec.arm, spec.workload, spec.ctx), step, spec.epochs)
+        built: list[Any] = []
+
+        def _build() -> Any:
+            b = build(spec.arm, spec.workload, spec.ctx)
+            built.append(b[0])
+            return b
+
+        c, close = consume(_build, step, spec.epochs)
     except BaseException:
         _stop_all(samplers, quiet=True)  # the run's exception is the one to see
         raise
@@ -175,11 +185,14 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     except BaseException:
         close()
         raise
+    nan = float("nan")
+    snapshot = getattr(built[0], "snapshot", None) if built else None
+    memory_wait = (getattr(snapshot(), "memory_wait_seconds_total", nan)
+                   if callable(snapshot) else nan)
     if not inproc:
         # Let the parent's sampler see the tree once after the span, before workers leave.
         time.sleep(3 * spec.sampler_interval)
     close()
-    nan = float("nan")
     return {
         "indices": c.indices,
         "epoch_ends": c.epoch_ends,
@@ -191,6 +204,7 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         "first_batch_s": c.busy[0][0] if c.busy else nan,
         "idle_ratio": c.idle_ratio,
         "p99_wait_s": c.p99_wait_s,
+        "memory_wait_s": memory_wait,
         "span_start": c.span_start,
         "span_end": c.span_end,
         "cpu_s": usage.cpu_s if usage else nan,
@@ -426,6 +440,7 @@ def _record(
         next_epoch_wait_s=float(r.get("next_epoch_wait_s", float("nan"))),
         idle_ratio=float(r["idle_ratio"]),
         p99_wait_s=float(r["p99_wait_s"]),
+        memory_wait_s=float(r.get("memory_wait_s", float("nan"))),
         cpu_s=float(r["cpu_s"]),
         peak_memory_bytes=float(r["peak_memory_bytes"]),
         start_memory_bytes=float(r["start_memory_bytes"]),
@@ -544,6 +559,8 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             opts.log(
                 f"[{wl.name}] {arm.name} #{rep}: {rec.wall_s:.2f} s "
                 f"(x{rec.ratio_to_limit:.2f} limit), idle {rec.idle_ratio:.1%}"
+                + (f", workers waited {rec.memory_wait_s:.2f} s for memory"
+                   if rec.memory_wait_s > 0 else "")
                 + ("" if rec.ok else f" -- {rec.status}")
             )
     if floors:
