@@ -288,12 +288,15 @@ class Loader:
             peak, workers * the upper quartile's)`` in flight, so that an outlier several
             times the upper quartile never runs beside other large ones (the loader's peak is
             then about the largest sample's alone, or all workers' on the upper quartile).
-            First in, first out; a sample starts at once when no other is in flight; samples
+            A later sample overtakes one that waits only if it fits and leaves it its room
+            (docs/memory.md); a sample starts at once when no other is in flight; samples
             under 10 ms, iterable datasets and ``fuse_read=False`` are not measured; thread
             workers and Ray actors are not held back. Cost: a worker idles while a large
             sample runs without room beside it (KiTS19 bench, 8 cases, 2 workers: median
             peak 740 -> 699 MiB, throughput 1.53x -> 1.44x the DataLoader's; 6-8% of the
-            throughput at both sizes measured, docs/memory.md). Counted in ``samples_held_for_memory_total``.
+            throughput at both sizes measured, docs/memory.md). Counted in
+            ``samples_held_for_memory_total``; the workers' idle time in
+            ``memory_wait_seconds_total``.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 

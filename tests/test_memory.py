@@ -83,7 +83,7 @@ def test_a_sample_overtakes_the_one_held_back_only_if_it_leaves_it_room():
     assert m.admit(3, [est(1), est(2)], workers=2, ahead=(est(0), 0.0))
     # a second one would not leave 0 its room (400 + 100 + 100), though it fits now
     assert not m.admit(4, [est(1)], workers=2, ahead=(est(0), est(3)))
-    assert m.admit(4, [est(1)], workers=2, ahead=(est(5), est(3)))  # a typical one waits
+    assert m.admit(4, [est(1)], workers=2, ahead=(est(5), est(3)))  # 300: room for a typical one
     assert not m.admit(4, [est(0), est(1)], workers=2, ahead=(est(2), 0.0))  # 600 now
     assert m.held_back == 1  # an overtaker refused is not a sample held back
 

@@ -17,11 +17,16 @@ of 20 samples at 300 MB and the median as the typical figure); a sample above th
 quartile, several times it, runs beside small samples only, so the peak is about what the
 largest sample alone, or all workers on the upper quartile, needs. Dispatch stays first in,
 first out, except that a later sample may overtake the one held back when it fits now *and*
-leaves room for it: the held sample's estimate plus those of the samples that overtook it and
-are still in flight fit in the budget, so it starts as soon as the samples it waited for have
-finished, as it would have without them (a large sample that small ones overtook without that
-bound would wait for the epoch's end and become its straggler). Only the first sample waits:
-a second one that does not fit stops the scan, so at most one sample is overtaken at a time.
+leaves room for it: the held sample's estimate, plus what may still run of the samples it
+waited for at the moment it could first have started without the overtakers (all of them if
+it fits beside them, else all but the smallest: any part it fits beside is a proper part),
+plus the samples that overtook it and still run, plus the newcomer, fit in the budget. So it
+starts no later than it would have without them (a large sample that small ones overtook
+without that bound would wait for the epoch's end and become its straggler), as long as the
+figures and the worker count stay as they were when the overtakers started (a budget that
+shrinks meanwhile can make it wait for them too; no new one overtakes it then). Only the
+first sample waits: a second one that does not pass stops the scan, so at most one sample is
+overtaken at a time.
 
 An index not measured yet is estimated at the median; until a sample has been measured
 nothing is held back. Samples sent in chunks (under 10 ms each) are not measured. The figure
@@ -119,9 +124,11 @@ class SampleMemory:
         Args:
             key: the sample's task key: a wait is counted once per key (``held_back``).
             ahead: ``None`` for the first sample in line; for a later one, which would
-                overtake the first (held back), ``(the held sample's estimate, the sum of the
-                estimates of the samples in flight that overtook it)``, bytes: it may start
-                only if the held one still fits beside them and it (module docstring).
+                overtake the first (held back), ``(bytes the held sample needs free: its
+                estimate plus what may still run of the samples it waited for when it could
+                first start; the sum of the estimates of the samples in flight that overtook
+                it)``: the newcomer may start only if it fits now and leaves that room
+                (module docstring).
         """
         if not in_flight or not self.known:
             return True

@@ -723,8 +723,11 @@ class Pipeline:
         measured, and up to ``workers * chunk`` of them are in flight by design. The samples
         in flight are the workers' (those of a run that ended too), each at its index's
         current estimate (a figure that arrives while it runs counts at once). A sample that
-        would overtake the one held back (``overtaking``) must leave room for it beside the
-        others that overtook it and are still in flight."""
+        would overtake the one held back (``overtaking``) must leave it room: its figure, plus
+        what may still run of the samples it waited for when it could first start without
+        the overtakers (all of them if it fits beside them now, else all but the smallest:
+        any part of them that it fits beside is a proper part), plus the samples that
+        overtook it and still run, plus the newcomer, within the budget."""
         if type(item) is not tuple or len(item) != 7:
             return True
         index = self._in_flight
@@ -743,8 +746,15 @@ class Pipeline:
                 waiting = self._in_queue_index(self._held_key)
                 if waiting is None:
                     return False  # (the sample held back is gone: no overtaking without it)
-                ahead = (est(waiting), sum(est(index[k]) if k in index else median
-                                           for k in self._overtook))
+                held_est = est(waiting)
+                mine = [est(index[k]) if k in index else median for k in held
+                        if k not in self._overtook]  # the samples it waited for
+                over = sum(est(index[k]) if k in index else median for k in held
+                           if k in self._overtook)
+                need = sum(mine)
+                if mine and held_est + need > self.memory.budget(self.procs.size):
+                    need -= min(mine)
+                ahead = (held_est + need, over)
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead):
                 if not overtaking and key != self._held_key:
                     self._held_key = key

@@ -118,7 +118,7 @@ class Stage:
     def __init__(self, name: str, executor: Executor, hook: StatsHook,
                  capacity: Callable[[], int],
                  prepare: Callable[[Any, Any], Any] | None = None,
-                 admit: Callable[[Any, Any], bool] | None = None) -> None:
+                 admit: Callable[[Any, Any, bool], bool] | None = None) -> None:
         self.name = name
         self.executor = executor
         self.hook = hook
