@@ -245,15 +245,16 @@ def test_the_workers_idle_time_for_memory_is_measured_true():
 
     mib = [240] + [120] * 7
     seconds = [0.45] + [0.12] * 7
+    # (no next epoch started early: after the last epoch nothing waits, the figure stays put)
     with Loader(Sized(mib, seconds), batch_size=2, workers=2, seed=0, autotune=False,
-                metrics_port=0) as loader:
+                metrics_port=0, prefetch_next_epoch=False) as loader:
         runs = _runs(loader, 5)
         snap = loader.snapshot()
         fams = scrape(loader._telemetry.url)
     waited = snap.memory_wait_seconds_total
     exported = [v for n, _, v in fams["autominato_memory_wait_seconds"]["samples"]
                 if n.endswith("_total")]
-    assert exported and exported[0] == pytest.approx(waited, abs=0.05)  # (read a little later)
+    assert exported and waited <= exported[0] <= waited + 0.06  # (a pass later at most)
     zero_alone = sum(_alone(runs, t0, t1) for e, i, t0, t1 in runs if i == 0 and e >= 2)
     start, end = min(r[2] for r in runs), max(r[3] for r in runs)
     assert zero_alone >= 3 * 0.3  # the setting works: 0 ran alone most of its 0.45 s

@@ -5,6 +5,7 @@ who overtakes the sample held back, and when that sample starts, are exact (revi
 from __future__ import annotations
 
 import heapq
+import types
 
 from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
@@ -58,9 +59,23 @@ class Dispatch:
             self.stage.put((0, pos, 0), (index, 0, 0, True, None, None, _SLOT_LATER))
 
     def replay(self, seconds: list[float]) -> dict[int, float]:
-        """Start times (simulated seconds) of every queued index, run to the end."""
-        now, events, start = 0.0, [], {}
+        """Start times (simulated seconds) of every queued index, run to the end; the
+        stage reads the simulated clock meanwhile."""
+        import autominato.pipeline.stage as stage_module
+
+        clock = types.SimpleNamespace(now=0.0)
+        real, stage_module.time = stage_module.time, types.SimpleNamespace(
+            monotonic=lambda: clock.now)
+        try:
+            return self._replay(seconds, clock)
+        finally:
+            stage_module.time = real
+
+    def _replay(self, seconds: list[float], clock: types.SimpleNamespace) -> dict[int, float]:
+        events: list = []
+        start: dict[int, float] = {}
         while True:
+            now = clock.now
             before = set(self.procs.running)
             self.stage.pump()
             for key in set(self.procs.running) - before:
@@ -69,7 +84,7 @@ class Dispatch:
                 heapq.heappush(events, (now + seconds[index], key))
             if not events:
                 return start
-            now, key = heapq.heappop(events)
+            clock.now, key = heapq.heappop(events)
             del self.procs.running[key]
             self._in_flight.pop(key, None)  # as Pipeline._result does
             self._overtook.discard(key)
@@ -155,3 +170,23 @@ def test_samples_that_overtook_count_as_such_not_as_samples_waited_for():
     now = _starts(mib, seconds, list(range(8)), 5)
     assert now[3] == now[4] == 0.0
     assert now[5] >= 1.0 and now[2] == 1.0
+
+
+def test_the_idle_worker_seconds_are_those_of_the_replay():
+    """Two workers: 0 runs 0-0.45 s, 4 and 5 overtake the held 1 (0-0.2 s), then 2 stops
+    the scan: one worker idles 0.2-0.45 s for memory, 0.25 worker-s (first in, first out:
+    0.45). Three workers with two queued samples, 1 held beside 0: one idle worker counts,
+    not two (the other has nothing queued). The figure stays put once the pumps stop."""
+    mib = [240, 120, 120, 120, 16, 16, 16, 16]
+    seconds = [0.45, 0.12, 0.12, 0.12, 0.1, 0.1, 0.1, 0.1]
+    order = [0, 1, 4, 5, 2, 6, 3, 7]
+    for fifo, idle in ((False, 0.25), (True, 0.45)):
+        d = Dispatch(mib, 2, fifo)
+        d.put(order)
+        d.replay(seconds)
+        assert abs(d.stage.held_idle_s() - idle) < 1e-9, fifo
+    d = Dispatch([240, 120] + [16] * 6, 3)  # budget 1.25 * 240: 1 waits beside 0
+    d.put([0, 1])
+    d.replay(seconds)
+    assert abs(d.stage.held_idle_s() - 0.45) < 1e-9
+    assert d.stage.held_idle_s() == d.stage.held_idle_s()  # (real clock again: no drift)

@@ -198,3 +198,20 @@ def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monk
         assert loader.controller.budget.cores == 16
         assert loader.telemetry.monitor.budget is not None
         assert loader.telemetry.monitor.budget.cores == loader.controller.budget.cores
+
+
+@pytest.mark.parametrize(("kind", "hint"), [("cpu", True), ("sync", True), ("io", True),
+                                            ("consumer", False), ("none", False)])
+def test_the_memory_line_suggests_turning_it_off_only_when_the_loader_is_the_bottleneck(kind, hint):
+    """Review 53: beside 'consumer bound' the report said memory_aware=False gives the idle
+    worker time back; workers idle for memory cost nothing while the training loop sets the
+    pace."""
+    from autominato.telemetry.monitor import Diagnosis, format_report
+
+    d = Diagnosis(kind, None, "summary", "suggestion", (), 0.1, 0.5, memory_held=3,
+                  memory_wait_s=1.25)
+    text = format_report(d, width=400)
+    assert ("3 samples waited for room in the memory budget, free workers idling 1.2 s "
+            "(summed over workers)") in text
+    assert ("memory_aware=False may give part of it back" in text) is hint
+    assert "memory-aware" not in format_report(Diagnosis(kind, None, "s", "s", (), 0.1, 0.5))

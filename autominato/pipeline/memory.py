@@ -23,8 +23,9 @@ it fits beside them, else all but the smallest: any part it fits beside is a pro
 plus the samples that overtook it and still run, plus the newcomer, fit in the budget. So it
 starts no later than it would have without them (a large sample that small ones overtook
 without that bound would wait for the epoch's end and become its straggler), as long as the
-figures and the worker count stay as they were when the overtakers started (a budget that
-shrinks meanwhile can make it wait for them too; no new one overtakes it then). Only the
+figures and the worker count stay as they were when the overtakers started and no worker
+dies with a sample it waited for (a budget that shrinks meanwhile can make it wait for them
+too, as can a replacement worker that is still starting; no new one overtakes it then). Only the
 first sample waits: a second one that does not pass stops the scan, so at most one sample is
 overtaken at a time.
 

@@ -436,8 +436,9 @@ class Pipeline:
 
     @property
     def memory_wait_s(self) -> float:
-        """Worker-seconds (summed over workers) that free workers waited because the next
-        samples did not fit in the memory budget (see :meth:`Stage.held_idle_s`), seconds."""
+        """Worker-seconds (summed over workers) that free workers waited because the queued
+        samples did not fit in the memory budget, up to the scheduler's last pass (see
+        :meth:`Stage.held_idle_s`), seconds."""
         st = self._admit_stage
         return st.held_idle_s() if st is not None else 0.0
 

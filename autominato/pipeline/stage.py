@@ -127,16 +127,17 @@ class Stage:
         self.admit = admit
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
-        # free workers left idle by ``admit`` at the last pump, since when, and the worker-
-        # seconds summed before it (one tuple: read by other threads, see held_idle_s)
+        # free workers left idle by ``admit`` at the last pump, its time, and the worker-
+        # seconds summed up to it (one tuple, replaced whole: read by other threads)
         self._held_idle: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def held_idle_s(self) -> float:
         """Worker-seconds that free workers waited because ``admit`` held the queued items
-        back (summed over workers, up to now), seconds. Measured at each :meth:`pump`: the
-        free workers left when the scan ended on a refusal count from then until the next."""
-        n, since, total = self._held_idle
-        return total + (n * (time.monotonic() - since) if n else 0.0)
+        back (summed over workers), seconds, up to the last :meth:`pump`: the free workers
+        left when a scan ends on a refusal (at most as many as items queued) count from then
+        until the next pump (the scheduler pumps at least every 50 ms). Never decreases, and
+        stays put once the pumps stop (a closed pipeline)."""
+        return self._held_idle[2]
 
     def room(self) -> int:
         """Items that may be put now: free workers plus free queue places."""
@@ -168,9 +169,10 @@ class Stage:
             ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()
         if self.admit is not None and (refused or self._held_idle[0]):
-            total = self.held_idle_s()  # up to now, at the last pump's count
+            n, since, total = self._held_idle
+            now = time.monotonic()
             idle = min(ex.free(), len(q)) if refused else 0
-            self._held_idle = (idle, time.monotonic(), total)
+            self._held_idle = (idle, now, total + n * (now - since))
 
     def finished(self, r: Result, count: bool = True) -> None:
         """Account for one result of this stage (call before acting on it); ``count=False``

@@ -169,8 +169,9 @@ class LoaderSnapshot:
         sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
         memory_wait_seconds_total: seconds that free workers waited, summed over workers,
-            because the samples queued for them did not fit in that budget: the throughput
-            ``memory_aware`` costs (see docs/memory.md).
+            because the samples queued for them did not fit in that budget, seconds: idle
+            worker time, the most ``memory_aware`` can cost (a cost only where the loader is
+            the bottleneck; see docs/memory.md).
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
             for a batch that could not be made, its samples.

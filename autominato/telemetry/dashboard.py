@@ -392,8 +392,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 ),
                 "Mean number of free workers that waited because the samples queued for "
                 "them did not fit in the memory budget (memory-aware dispatch, "
-                "docs/memory.md): the throughput it costs; memory_aware=False gives it back "
-                "at the cost of the peak memory.",
+                "docs/memory.md). Idle worker time, not lost throughput: a cost only where "
+                "the loader is the bottleneck (training loop idle), where memory_aware=False "
+                "may give part of it back at the cost of the peak memory.",
             ),
         ),
     ),

@@ -193,7 +193,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_memory_wait_seconds_total": (
         "counter",
         "Seconds that free workers waited, summed over workers, because the samples queued "
-        "for them did not fit in the memory budget (memory-aware dispatch).",
+        "for them did not fit in the memory budget (memory-aware dispatch): idle worker "
+        "time, a throughput cost only where the loader is the bottleneck.",
         (),
     ),
     "autominato_worker_restarts_total": (

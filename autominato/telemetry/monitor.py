@@ -570,11 +570,14 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
     if parts:
         console.print("not delivered since the start: " + ", ".join(parts), soft_wrap=True)
     if diagnosis.memory_held:
+        # Idle worker time costs throughput only where the loader is the bottleneck.
+        hint = ("; with the loader the bottleneck, memory_aware=False may give part of it "
+                "back, at the cost of the peak memory"
+                if diagnosis.kind in ("cpu", "io", "sync") else "")
         console.print(
             f"memory-aware dispatch since the start: {_count(diagnosis.memory_held, 'sample')} "
             f"waited for room in the memory budget, free workers idling "
-            f"{diagnosis.memory_wait_s:.1f} s (summed over workers) meanwhile; "
-            "memory_aware=False gives that time back at the cost of the peak memory",
+            f"{diagnosis.memory_wait_s:.1f} s (summed over workers) meanwhile{hint}",
             soft_wrap=True)
     if diagnosis.nodes:
         remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
