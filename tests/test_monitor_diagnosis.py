@@ -444,3 +444,32 @@ def test_the_report_says_what_was_not_delivered_and_only_then():
                                  samples_lost_total=1)])
     assert ("not delivered since the start: 1 sample lost with 1 error the training loop "
             "caught\n") in format_report(d)
+
+
+def _holding(hist: list[LoaderSnapshot], waited: float = 4.0) -> list[LoaderSnapshot]:
+    """``hist`` with memory-aware dispatch holding samples: ``waited`` worker-seconds more
+    idle for memory in the last snapshot than in the one before."""
+    return [replace(s, samples_held_for_memory_total=5 + i,
+                    memory_wait_seconds_total=1.0 + i * waited) for i, s in enumerate(hist)]
+
+
+def test_advice_of_more_workers_or_a_separate_read_says_what_it_does_to_memory_aware_dispatch(
+        monkeypatch):
+    """Trial 54: the report advised workers 2 -> 8 and fuse_read=False while memory-aware
+    dispatch held samples; more workers raise its budget (measured outliers then ran in
+    pairs) and a separate read stage turns it off. The advice says so, and the memory line
+    gives the window's idle share: 4 worker-s over 2 workers x 10 s = 20%."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    d = diagnose(_holding(with_cpu(fused_history(), cores_used=0.5)))
+    assert d.kind == "io"
+    assert "fuse_read=False, which turns memory-aware dispatch off" in d.suggestion
+    assert "more workers raise its budget" in d.suggestion
+    assert d.memory_wait_s == pytest.approx(4.0) and d.memory_wait_share == pytest.approx(0.2)
+    assert "idled 4.0 s for it in the window (20% of the workers' time)" in format_report(
+        d, width=400)
+    d = diagnose(_holding(history(step_s=0.010, wait_s=0.040, transform_s=0.025)))
+    assert d.kind == "cpu" and "workers 2 -> 8" in d.suggestion
+    assert "more workers raise its budget" in d.suggestion
+    # nothing held: the advice as before
+    d = diagnose(with_cpu(fused_history(), cores_used=0.5))
+    assert "memory-aware" not in d.suggestion and "fuse_read=False)" in d.suggestion

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -211,7 +212,10 @@ def test_the_memory_line_suggests_turning_it_off_only_when_the_loader_is_the_bot
     d = Diagnosis(kind, None, "summary", "suggestion", (), 0.1, 0.5, memory_held=3,
                   memory_wait_s=1.25)
     text = format_report(d, width=400)
-    assert ("3 samples waited for room in the memory budget, free workers idling 1.2 s "
-            "(summed over workers)") in text
+    assert ("3 samples waited for room in the memory budget since the start; free workers "
+            "idled 1.2 s for it since the start (summed over workers)") in text
     assert ("memory_aware=False may give part of it back" in text) is hint
+    # over a window of known length, the share of the workers' time (trial 54)
+    text = format_report(replace(d, window_s=5.0, memory_wait_share=0.125), width=400)
+    assert "idled 1.2 s for it in the window (12% of the workers' time)" in text
     assert "memory-aware" not in format_report(Diagnosis(kind, None, "s", "s", (), 0.1, 0.5))

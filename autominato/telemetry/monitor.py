@@ -152,9 +152,13 @@ class Diagnosis:
         skipped, errors, lost: since the loader started, samples skipped
             (``on_error="skip"``), errors raised in the training loop after which the epoch
             went on, and the samples those errors cost (see ``LoaderSnapshot``).
-        memory_held, memory_wait_s: since the loader started, samples that waited for
-            memory-aware dispatch and the seconds free workers idled for it, summed over
-            workers (``samples_held_for_memory_total``, ``memory_wait_seconds_total``).
+        memory_held: since the loader started, samples that waited for memory-aware
+            dispatch (``samples_held_for_memory_total``).
+        memory_wait_s: over the diagnosis's window (since the start when ``window_s`` is
+            NaN), seconds free workers idled for it, summed over workers (the growth of
+            ``memory_wait_seconds_total``).
+        memory_wait_share: ``memory_wait_s`` over the workers' time in the window (workers
+            x window seconds), 0..1; NaN when the window's length is unknown.
     """
 
     kind: str
@@ -174,6 +178,16 @@ class Diagnosis:
     lost: int = 0
     memory_held: int = 0
     memory_wait_s: float = 0.0
+    memory_wait_share: float = math.nan
+
+
+def _memory_wait(prev: LoaderSnapshot | None, last: LoaderSnapshot) -> dict[str, float]:
+    """``memory_wait_s`` and ``memory_wait_share`` of :class:`Diagnosis` between two
+    snapshots (``prev=None``: since the start, share unknown)."""
+    waited = last.memory_wait_seconds_total - (prev.memory_wait_seconds_total if prev else 0.0)
+    worker_s = last.knobs.get("workers", 0) * (last.time - prev.time) if prev else 0.0
+    return {"memory_wait_s": waited,
+            "memory_wait_share": waited / worker_s if worker_s > 0 else math.nan}
 
 
 def _items_per_batch(snap: LoaderSnapshot, stage: StageSnapshot) -> float:
@@ -375,7 +389,7 @@ def diagnose(
         errors=last.errors_raised_total,
         lost=last.samples_lost_total,
         memory_held=last.samples_held_for_memory_total,
-        memory_wait_s=last.memory_wait_seconds_total,
+        **_memory_wait(history[-2] if len(history) > 1 and cur.batches else None, last),
     )
     if basis.batches == 0:
         return Diagnosis(
@@ -437,6 +451,11 @@ def _needed(current: int, share: float) -> int:
     return max(current + 1, math.ceil(current * share / WARN_FRACTION))
 
 
+#: Appended to a suggestion of more workers while memory-aware dispatch holds samples.
+_MORE_WORKERS_MEMORY = (" (memory-aware dispatch holds samples back: more workers raise its "
+                        "budget, workers x the upper quartile's figure, and the peak memory)")
+
+
 def _bottleneck(
     stage: str,
     share: float,
@@ -470,7 +489,11 @@ def _bottleneck(
         else:
             advice = f"more readers ({knob} {n} -> {need}), or {storage}"
         if fused:
-            advice += "; or a separate read stage in threads (fuse_read=False)"
+            advice += "; or a separate read stage in threads (fuse_read=False"
+            advice += (", which turns memory-aware dispatch off: its reads are not measured)"
+                       if last.samples_held_for_memory_total else ")")
+        if knob == "workers":
+            advice += _MORE_WORKERS_MEMORY if last.samples_held_for_memory_total else ""
         what = "reading and transforming" if fused else "reading"
         return (
             "io",
@@ -490,6 +513,8 @@ def _bottleneck(
             if stage == "transform" and n < cap
             else f"no spare cores ({budget.cores} usable)"
         )
+        if stage == "transform" and n < cap and last.samples_held_for_memory_total:
+            more += _MORE_WORKERS_MEMORY
         return (
             "cpu",
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
@@ -573,11 +598,15 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         # Idle worker time costs throughput only where the loader is the bottleneck.
         hint = ("; with the loader the bottleneck, memory_aware=False may give part of it "
                 "back, at the cost of the peak memory"
-                if diagnosis.kind in ("cpu", "io", "sync") else "")
+                if diagnosis.kind in ("cpu", "io", "sync") and diagnosis.memory_wait_s > 0
+                else "")
+        share = diagnosis.memory_wait_share
+        when = (f"in the window ({share:.0%} of the workers' time)" if math.isfinite(share)
+                else "since the start")
         console.print(
-            f"memory-aware dispatch since the start: {_count(diagnosis.memory_held, 'sample')} "
-            f"waited for room in the memory budget, free workers idling "
-            f"{diagnosis.memory_wait_s:.1f} s (summed over workers) meanwhile{hint}",
+            f"memory-aware dispatch: {_count(diagnosis.memory_held, 'sample')} waited for "
+            f"room in the memory budget since the start; free workers idled "
+            f"{diagnosis.memory_wait_s:.1f} s for it {when} (summed over workers){hint}",
             soft_wrap=True)
     if diagnosis.nodes:
         remote = Table(title="remote transform workers (Ray)", title_justify="left", expand=False)
