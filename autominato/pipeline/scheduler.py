@@ -741,21 +741,20 @@ class Pipeline:
                 self._overtook &= keep
             est = self.memory.estimate
             median = self.memory.median
-            in_flight = [est(index[k]) if k in index else median for k in held]
+            ests = {k: est(index[k]) if k in index else median for k in held}
+            in_flight = list(ests.values())
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
                 if waiting is None:
                     return False  # (the sample held back is gone: no overtaking without it)
                 held_est = est(waiting)
-                mine = [est(index[k]) if k in index else median for k in held
-                        if k not in self._overtook]  # the samples it waited for
-                over = sum(est(index[k]) if k in index else median for k in held
-                           if k in self._overtook)
+                over = self._overtook
+                mine = [e for k, e in ests.items() if k not in over]  # the samples it waited for
                 need = sum(mine)
                 if mine and held_est + need > self.memory.budget(self.procs.size):
                     need -= min(mine)
-                ahead = (held_est + need, over)
+                ahead = (held_est + need, sum(e for k, e in ests.items() if k in over))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead):
                 if not overtaking and key != self._held_key:
                     self._held_key = key

@@ -169,10 +169,10 @@ class Stage:
             ex.submit(key, item if self.prepare is None else self.prepare(key, item))
         ex.flush()
         if self.admit is not None and (refused or self._held_idle[0]):
-            n, since, total = self._held_idle
+            idle_before, since, total = self._held_idle
             now = time.monotonic()
             idle = min(ex.free(), len(q)) if refused else 0
-            self._held_idle = (idle, now, total + n * (now - since))
+            self._held_idle = (idle, now, total + idle_before * (now - since))
 
     def finished(self, r: Result, count: bool = True) -> None:
         """Account for one result of this stage (call before acting on it); ``count=False``

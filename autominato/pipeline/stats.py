@@ -169,7 +169,7 @@ class LoaderSnapshot:
         sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
         memory_wait_seconds_total: seconds that free workers waited, summed over workers,
-            because the samples queued for them did not fit in that budget, seconds: idle
+            because the samples queued for them did not fit in that budget: idle
             worker time, the most ``memory_aware`` can cost (a cost only where the loader is
             the bottleneck; see docs/memory.md).
         samples_lost_total: samples not delivered because of those errors: the failing sample,
