@@ -587,6 +587,9 @@ class Loader:
         self._counts_lock = threading.Lock()
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
+        # memory-aware dispatch's figures (SampleMemory.saved) for the next pipeline: from a
+        # loaded state, or from a pipeline that load_state_dict closed
+        self._memory_figures: list[int] | None = None
         self._resumed: dict | None = None  # the state the most recent pass resumed
         self._restart_warned: Any = None  # the pass whose iterable restart was told
         self._sync_skip_logged: set[int] = set()
@@ -822,7 +825,10 @@ class Loader:
             seeds, the epoch's shape (batch size, rank, world size, dataset length, shuffle,
             drop_last), ``in_order``, the ``state_dict()`` of a sampler or batch sampler that
             has one (as the epoch began), a fingerprint of the order a user's sampler gave
-            the epoch, and the knob values. Before any iteration: the
+            the epoch, the knob values, and memory-aware dispatch's figures
+            (``sample_memory``: peak bytes per index, 0 unknown, for datasets of up to
+            65536 indices, else ``None``; a resumed run then holds outliers apart from its
+            first epoch, see docs/memory.md). Before any iteration: the
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
         An iterable dataset's position in its stream is its own: in the middle of its epoch
@@ -864,10 +870,16 @@ class Loader:
                     p = self._pipeline
                     self.knobs.unsubscribe(p.knobs_changed)
                     p.close()
+                    self._memory_figures = p.memory.saved()
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts
                         self._pipeline = None
                         for name in _PIPELINE_COUNTERS:
                             self._retired[name] += getattr(p, name)  # (counters never go back)
+            if state.get("sample_memory") is not None:
+                self._memory_figures = list(state["sample_memory"])
+                if self._pipeline is not None and not self._pipeline.memory.known:
+                    # (one that measured samples keeps its own, current figures)
+                    self._pipeline.restore_memory(self._memory_figures)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -960,6 +972,7 @@ class Loader:
                     loader._on_skip(index, path, exc)
 
             self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
+            self._pipeline.restore_memory(self._memory_figures)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
 

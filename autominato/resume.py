@@ -204,6 +204,10 @@ def build(loader: Any) -> dict[str, Any]:
         "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
         "order_digest": None,  # a user sampler's mid-epoch order (see resumed_positions)
         "order_rank": None,  # the rank whose order it is
+        # memory-aware dispatch's figures (peak bytes per index), so a resumed run holds its
+        # outliers apart from its first epoch
+        "sample_memory": (loader._pipeline.memory.saved() if loader._pipeline is not None
+                          else None) or loader._memory_figures,
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume

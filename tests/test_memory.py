@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from autominato import Loader
-from autominato.pipeline.memory import MARGIN, SampleMemory
+from autominato.pipeline.memory import MARGIN, MAX_SAVED, SampleMemory
 
 MiB = 1 << 20
 
@@ -314,3 +314,47 @@ def test_a_separate_read_stage_is_not_measured_and_says_so():
         _runs(loader, 2)
         snap = loader.snapshot()
     assert snap.samples_held_for_memory_total == 0 and snap.sample_memory_budget_bytes == 0
+
+
+def test_a_resumed_loader_holds_the_outlier_apart_from_its_first_epoch():
+    """Trial 54: the figures were not saved, so a resumed run (a new Loader) let measured
+    outliers run together again in its first epoch. ``state_dict()`` carries them and a new
+    Loader that loads it holds sample 0 apart at once; a state without them (an older one)
+    still loads."""
+    with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False) as first:
+        _runs(first, 2)
+        state = first.state_dict()
+    figures = state["sample_memory"]
+    assert len(figures) == 6 and all(f > 0 for f in figures)
+    assert 150 * MiB <= figures[0] <= 180 * MiB and all(f < 80 * MiB for f in figures[1:])
+    with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(0)  # (the epochs are numbered anew: what counts is a new Loader)
+        runs = [(0, i, t0, t1) for b in resumed
+                for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True)]
+        snap = resumed.snapshot()
+    assert sorted(r[1] for r in runs) == list(range(6))
+    assert _overlaps(runs, 0, after_epoch=0) == []
+    assert snap.samples_held_for_memory_total >= 1
+    old = {k: v for k, v in state.items() if k != "sample_memory"}
+    with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False) as older:
+        older.load_state_dict(old)
+        assert older.state_dict()["sample_memory"] is None
+
+
+def test_saved_figures_restore_the_unknown_indices_only():
+    m = SampleMemory(4)
+    assert m.saved() is None  # nothing measured
+    m.learn(1, 300)
+    m.learn(2, 100)
+    assert m.saved() == [0, 300, 100, 0]
+    fresh = SampleMemory(4)
+    fresh.learn(2, 120)  # measured here: kept
+    fresh.restore([50, 300, 100, 0])
+    assert [fresh.estimate(i) for i in range(3)] == [50, 300, 120]
+    assert fresh.largest == 300 and fresh.median == 120
+    fresh.restore([1, 2, 3])  # another dataset's length: ignored
+    assert fresh.estimate(0) == 50
+    big = SampleMemory(MAX_SAVED + 1)
+    big.learn(0, 10)
+    assert big.saved() is None  # too many indices to carry in a state

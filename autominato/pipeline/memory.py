@@ -50,6 +50,10 @@ MARGIN = 1.25
 #: keeps none and is never held back.
 MAX_INDICES = 1 << 24
 
+#: Indices of a dataset whose figures ``Loader.state_dict()`` carries (a list of ints, JSON-
+#: friendly; a larger dataset's state carries none and a resumed run measures them again).
+MAX_SAVED = 1 << 16
+
 class SampleMemory:
     """The last measured peak memory of each index, and the admission rule (module docstring).
 
@@ -98,6 +102,26 @@ class SampleMemory:
         if old > 0:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         bisect.insort(self._sorted, new)
+
+    def saved(self) -> list[int] | None:
+        """The figures as ``Loader.state_dict()`` keeps them: bytes per index (0 unknown),
+        ``None`` when there are none or more than :data:`MAX_SAVED` indices."""
+        peaks = self._peaks
+        if peaks is None or not 0 < self._n <= MAX_SAVED:
+            return None
+        return [int(v) for v in peaks]
+
+    def restore(self, figures: list[int] | None) -> None:
+        """Take the figures of :meth:`saved` for the indices not measured here yet (a list
+        of another length, another dataset's, is ignored). Call before the workers run."""
+        if figures is None or len(figures) != self._n or not self._n:
+            return
+        given = np.asarray(figures, np.float32)
+        if self._peaks is None:
+            self._peaks = np.zeros(self._n, np.float32)
+        fill = (self._peaks == 0) & (given > 0)
+        self._peaks[fill] = given[fill]
+        self._sorted = sorted(float(v) for v in self._peaks[self._peaks > 0])
 
     def estimate(self, index: int) -> float:
         """``index``'s last peak, else the median (bytes; 0 before any figure)."""

@@ -434,6 +434,13 @@ class Pipeline:
         """Samples that waited for memory before they started (see :mod:`.memory`)."""
         return self.memory.held_back
 
+    def restore_memory(self, figures: list[int] | None) -> None:
+        """Take memory-aware dispatch's figures of a saved state (``SampleMemory.saved``) for
+        the indices not measured here. Call while no sample runs: before the first run, or
+        between iterations (the scheduler thread learns figures only from results)."""
+        if figures is not None and self._memory_aware:
+            self.memory.restore(figures)
+
     @property
     def memory_wait_s(self) -> float:
         """Worker-seconds (summed over workers) that free workers waited because the queued
