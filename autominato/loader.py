@@ -34,6 +34,7 @@ from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
 from autominato.pipeline.errors import ErrorReport, log_skip
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
+from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.sampler import epoch_order
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
@@ -827,8 +828,10 @@ class Loader:
             has one (as the epoch began), a fingerprint of the order a user's sampler gave
             the epoch, the knob values, and memory-aware dispatch's figures
             (``sample_memory``: peak bytes per index, 0 unknown, for datasets of up to
-            65536 indices, else ``None``; a resumed run then holds outliers apart from its
-            first epoch, see docs/memory.md). Before any iteration: the
+            65536 indices; ``None`` when nothing was measured, as without memory-aware
+            dispatch, and for larger datasets; a loaded state's figures are passed on; a
+            resumed memory-aware run then holds outliers apart from its first epoch, see
+            docs/memory.md). Before any iteration: the
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
         An iterable dataset's position in its stream is its own: in the middle of its epoch
@@ -876,10 +879,11 @@ class Loader:
                         for name in _PIPELINE_COUNTERS:
                             self._retired[name] += getattr(p, name)  # (counters never go back)
             if state.get("sample_memory") is not None:
-                self._memory_figures = list(state["sample_memory"])
-                if self._pipeline is not None and not self._pipeline.memory.known:
-                    # (one that measured samples keeps its own, current figures)
-                    self._pipeline.restore_memory(self._memory_figures)
+                given = list(state["sample_memory"])
+                # figures measured here win; the state's fill the indices not measured
+                self._memory_figures = SampleMemory.merge(self._memory_figures, given)
+                if self._pipeline is not None:
+                    self._pipeline.restore_memory(given)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None

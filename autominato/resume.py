@@ -252,6 +252,12 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
                if k not in state]
     if missing:
         raise ValueError(f"load_state_dict: the state lacks {', '.join(missing)}")
+    figures = state.get("sample_memory")
+    if figures is not None and not (
+            isinstance(figures, list) and len(figures) == state["dataset_len"]
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in figures)):
+        raise ValueError("load_state_dict: the state's sample_memory is not a list of "
+                         f"{state['dataset_len']} non-negative ints (peak bytes per index)")
     mine = {"batch_size": loader._batch, "world_size": loader.world_size,
             "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
     for key in _SHAPE:

@@ -358,3 +358,46 @@ def test_saved_figures_restore_the_unknown_indices_only():
     big = SampleMemory(MAX_SAVED + 1)
     big.learn(0, 10)
     assert big.saved() is None  # too many indices to carry in a state
+
+
+def test_restoring_figures_while_samples_are_learned_keeps_them_consistent():
+    """Review 55: restore (training thread) against learn (scheduler thread) raised
+    IndexError in the scheduler (26 of 200 trials) or left the sorted figures wrong."""
+    import threading
+
+    n = 4096
+    for _ in range(20):
+        m = SampleMemory(n)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def learn(m=m, stop=stop, errors=errors) -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    m.learn(i % n, 1000 + i % 7)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+                    return
+                i += 1
+
+        t = threading.Thread(target=learn)
+        t.start()
+        m.restore([500] * n)
+        stop.set()
+        t.join()
+        assert errors == []
+        peaks = m._peaks
+        assert m._sorted == sorted(float(v) for v in peaks[peaks > 0])
+
+
+def test_a_state_with_malformed_figures_is_refused_before_anything_changes():
+    with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False) as loader:
+        _runs(loader, 1)
+        state = loader.state_dict()
+    bad = dict(state, sample_memory=["x"] * 6)
+    with Loader(Uneven(), batch_size=2, workers=2, autotune=False) as other:
+        seed = other.seed
+        with pytest.raises(ValueError, match="sample_memory is not a list of 6"):
+            other.load_state_dict(bad)
+        assert other.seed == seed

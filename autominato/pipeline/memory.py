@@ -38,6 +38,7 @@ zoom) is not predicted.
 from __future__ import annotations
 
 import bisect
+import threading
 
 import numpy as np
 
@@ -74,6 +75,8 @@ class SampleMemory:
         self._sorted: list[float] = []  # the current figures, ascending
         self.held_back = 0  # times a sample waited for memory (counted once per sample)
         self._waiting: object = None
+        # learn (the scheduler thread) against restore / saved (the training thread)
+        self._lock = threading.Lock()
 
     @property
     def known(self) -> bool:
@@ -94,34 +97,45 @@ class SampleMemory:
         """Record ``index``'s peak (bytes; 0: not measured, ignored), replacing its last."""
         if peak_bytes <= 0 or not 0 <= index < self._n:
             return
-        if self._peaks is None:
-            self._peaks = np.zeros(self._n, np.float32)
-        old = float(self._peaks[index])
-        self._peaks[index] = peak_bytes
-        new = float(self._peaks[index])  # (as stored: float32)
-        if old > 0:
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        bisect.insort(self._sorted, new)
+        with self._lock:
+            if self._peaks is None:
+                self._peaks = np.zeros(self._n, np.float32)
+            old = float(self._peaks[index])
+            self._peaks[index] = peak_bytes
+            new = float(self._peaks[index])  # (as stored: float32)
+            if old > 0:
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
+            bisect.insort(self._sorted, new)
 
     def saved(self) -> list[int] | None:
         """The figures as ``Loader.state_dict()`` keeps them: bytes per index (0 unknown),
         ``None`` when there are none or more than :data:`MAX_SAVED` indices."""
-        peaks = self._peaks
-        if peaks is None or not 0 < self._n <= MAX_SAVED:
-            return None
-        return [int(v) for v in peaks]
+        with self._lock:
+            peaks = self._peaks
+            if peaks is None or not 0 < self._n <= MAX_SAVED:
+                return None
+            return peaks.astype(np.int64).tolist()
 
     def restore(self, figures: list[int] | None) -> None:
         """Take the figures of :meth:`saved` for the indices not measured here yet (a list
-        of another length, another dataset's, is ignored). Call before the workers run."""
+        of another length, another dataset's, is ignored). Safe while samples run."""
         if figures is None or len(figures) != self._n or not self._n:
             return
         given = np.asarray(figures, np.float32)
-        if self._peaks is None:
-            self._peaks = np.zeros(self._n, np.float32)
-        fill = (self._peaks == 0) & (given > 0)
-        self._peaks[fill] = given[fill]
-        self._sorted = sorted(float(v) for v in self._peaks[self._peaks > 0])
+        with self._lock:
+            peaks = (np.zeros(self._n, np.float32) if self._peaks is None
+                     else self._peaks.copy())
+            fill = (peaks == 0) & (given > 0)
+            peaks[fill] = given[fill]
+            self._sorted = np.sort(peaks[peaks > 0]).astype(float).tolist()
+            self._peaks = peaks
+
+    @staticmethod
+    def merge(own: list[int] | None, given: list[int] | None) -> list[int] | None:
+        """Figures of :meth:`saved`: ``own`` where it has one, else ``given``'s."""
+        if own is None or given is None or len(own) != len(given):
+            return given if given is not None else own
+        return [o if o > 0 else g for o, g in zip(own, given, strict=True)]
 
     def estimate(self, index: int) -> float:
         """``index``'s last peak, else the median (bytes; 0 before any figure)."""

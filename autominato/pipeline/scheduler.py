@@ -436,8 +436,7 @@ class Pipeline:
 
     def restore_memory(self, figures: list[int] | None) -> None:
         """Take memory-aware dispatch's figures of a saved state (``SampleMemory.saved``) for
-        the indices not measured here. Call while no sample runs: before the first run, or
-        between iterations (the scheduler thread learns figures only from results)."""
+        the indices not measured here (thread-safe: samples may run)."""
         if figures is not None and self._memory_aware:
             self.memory.restore(figures)
 
