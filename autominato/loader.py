@@ -873,7 +873,8 @@ class Loader:
                     p = self._pipeline
                     self.knobs.unsubscribe(p.knobs_changed)
                     p.close()
-                    self._memory_figures = p.memory.saved()
+                    # (its figures, else those it was given: memory_aware=False measures none)
+                    self._memory_figures = p.memory.saved() or self._memory_figures
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts
                         self._pipeline = None
                         for name in _PIPELINE_COUNTERS:
