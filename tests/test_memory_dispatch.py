@@ -4,96 +4,26 @@ who overtakes the sample held back, and when that sample starts, are exact (revi
 
 from __future__ import annotations
 
-import heapq
 import types
 
-from autominato.pipeline.memory import SampleMemory
-from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
-from autominato.pipeline.stage import Stage
+import pytest
+
+from autominato.bench.replay import Dispatch, replay
+from autominato.pipeline.scheduler import _SLOT_LATER
 
 MiB = 1 << 20
 
 
-class FakeWorkers:
-    """The process executor as ``_admit`` and ``Stage`` see it: ``size`` workers, one
-    sample each."""
-
-    chunk = 1
-
-    def __init__(self, workers: int) -> None:
-        self.size = workers
-        self.running: dict = {}
-
-    def held_keys(self):
-        return iter(list(self.running))
-
-    def free(self) -> int:
-        return self.size - len(self.running)
-
-    def submit(self, key, item) -> None:
-        self.running[key] = item
-
-    def flush(self) -> None:
-        pass
-
-
-class Dispatch:
-    """The scheduler's state that ``_admit`` reads, with its methods."""
-
-    _admit = Pipeline._admit
-    _in_queue_index = Pipeline._in_queue_index
-
-    def __init__(self, mib: list[int], workers: int, fifo: bool = False) -> None:
-        self.memory = SampleMemory(len(mib))
-        for i, f in enumerate(mib):
-            self.memory.learn(i, f * MiB)
-        self.procs = FakeWorkers(workers)
-        self._in_flight, self._held_key, self._overtook = {}, None, set()
-        # fifo: the rule before overtaking (every later sample refused while the first waits)
-        admit = (lambda k, it, over=False: not over and self._admit(k, it)) if fifo else self._admit
-        self.stage = Stage("transform", self.procs, lambda *a: None, lambda: 100, admit=admit)
-        self._admit_stage = self.stage
-
-    def put(self, order: list[int]) -> None:
-        for pos, index in enumerate(order):
-            self.stage.put((0, pos, 0), (index, 0, 0, True, None, None, _SLOT_LATER))
-
-    def replay(self, seconds: list[float]) -> dict[int, float]:
-        """Start times (simulated seconds) of every queued index, run to the end; the
-        stage reads the simulated clock meanwhile."""
-        import autominato.pipeline.stage as stage_module
-
-        clock = types.SimpleNamespace(now=0.0)
-        real, stage_module.time = stage_module.time, types.SimpleNamespace(
-            monotonic=lambda: clock.now)
-        try:
-            return self._replay(seconds, clock)
-        finally:
-            stage_module.time = real
-
-    def _replay(self, seconds: list[float], clock: types.SimpleNamespace) -> dict[int, float]:
-        events: list = []
-        start: dict[int, float] = {}
-        while True:
-            now = clock.now
-            before = set(self.procs.running)
-            self.stage.pump()
-            for key in set(self.procs.running) - before:
-                index = self.procs.running[key][0]
-                start[index] = now
-                heapq.heappush(events, (now + seconds[index], key))
-            if not events:
-                return start
-            clock.now, key = heapq.heappop(events)
-            del self.procs.running[key]
-            self._in_flight.pop(key, None)  # as Pipeline._result does
-            self._overtook.discard(key)
+def _run(mib, seconds, order, workers, rule="scan"):
+    """Replay ``order`` with every figure known from the start."""
+    return replay([(i, seconds[i], mib[i] * MiB) for i in order], workers, rule=rule,
+                  figures=[m * MiB for m in mib], learn=False)
 
 
 def _starts(mib, seconds, order, workers, fifo=False):
-    d = Dispatch(mib, workers, fifo)
-    d.put(order)
-    return d.replay(seconds)
+    """Start time of each index."""
+    r = _run(mib, seconds, order, workers, "fifo" if fifo else "scan")
+    return {i: t for i, t in zip(order, r.starts, strict=True)}
 
 
 def test_overtakers_never_start_the_held_sample_later_than_first_in_first_out():
@@ -139,20 +69,23 @@ def test_overtakers_in_flight_take_the_held_samples_room():
     assert now[4] >= 1.0  # refused at 0.0 by the room the first overtaker took
 
 
-def test_the_scan_stops_at_the_second_sample_refused():
-    """The medium 2 behind the held 1 does not fit beside 0: the small 6 behind it does not
-    overtake both (at most one sample is overtaken at a time)."""
+def test_the_scan_goes_past_a_second_sample_refused():
+    """The medium 2 behind the held 1 does not fit beside 0: the small 6 and 7 behind it
+    overtake both (a scan that stopped at 2 idled the free worker 0.2-0.45 s), and 1 and 2
+    still start as 0 ends, as they did without them."""
     mib = [240, 120, 120, 120, 16, 16, 16, 16]
     seconds = [0.45, 0.12, 0.12, 0.12, 0.1, 0.1, 0.1, 0.1]
     now = _starts(mib, seconds, [0, 1, 4, 5, 2, 6, 3, 7], 2)
-    assert now[6] >= now[1] == 0.45
+    assert [now[4], now[5], now[6], now[7]] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert now[1] == now[2] == 0.45 and now[3] >= 0.45
 
 
 def test_no_overtaking_once_the_held_sample_left_the_queue():
     """A sample held back and then dropped from the queue (its epoch discarded): nothing
     overtakes a sample that is not there, and the next first in line is judged afresh."""
-    d = Dispatch([240, 120, 16, 16], workers=2)
-    d.put([0, 1, 2])
+    d = Dispatch([m * MiB for m in (240, 120, 16, 16)], workers=2)
+    for pos, index in enumerate([0, 1, 2]):
+        d.put((0, pos, 0), index)
     d.stage.pump()
     assert list(d.procs.running) == [(0, 0, 0), (0, 2, 0)]  # 0, and 2 overtook 1
     d.stage.drop(lambda key: key != (0, 1, 0))  # 1 leaves the queue
@@ -173,20 +106,65 @@ def test_samples_that_overtook_count_as_such_not_as_samples_waited_for():
 
 
 def test_the_idle_worker_seconds_are_those_of_the_replay():
-    """Two workers: 0 runs 0-0.45 s, 4 and 5 overtake the held 1 (0-0.2 s), then 2 stops
-    the scan: one worker idles 0.2-0.45 s for memory, 0.25 worker-s (first in, first out:
-    0.45). Three workers with two queued samples, 1 held beside 0: one idle worker counts,
+    """Two workers: 0 runs 0-0.45 s, 4, 5, 6 and 7 overtake the held 1 and the medium 2
+    and 3 (0-0.4 s): one worker idles 0.4-0.45 s for memory, 0.05 worker-s (first in, first
+    out: 0.45). Three workers with two queued samples, 1 held beside 0: one idle worker counts,
     not two (the other has nothing queued). The figure stays put once the pumps stop."""
     mib = [240, 120, 120, 120, 16, 16, 16, 16]
     seconds = [0.45, 0.12, 0.12, 0.12, 0.1, 0.1, 0.1, 0.1]
     order = [0, 1, 4, 5, 2, 6, 3, 7]
-    for fifo, idle in ((False, 0.25), (True, 0.45)):
-        d = Dispatch(mib, 2, fifo)
-        d.put(order)
-        d.replay(seconds)
-        assert abs(d.stage.held_idle_s() - idle) < 1e-9, fifo
-    d = Dispatch([240, 120] + [16] * 6, 3)  # budget 1.25 * 240: 1 waits beside 0
-    d.put([0, 1])
-    d.replay(seconds)
-    assert abs(d.stage.held_idle_s() - 0.45) < 1e-9
+    for rule, idle in (("scan", 0.05), ("stop", 0.25), ("fifo", 0.45)):
+        assert _run(mib, seconds, order, 2, rule).held_idle_s == pytest.approx(idle), rule
+    d = Dispatch([m * MiB for m in [240, 120] + [16] * 6], 3)  # budget 1.25 * 240: 1 waits
+    d.put((0, 0, 0), 0)
+    d.put((0, 1, 0), 1)
+    import autominato.pipeline.stage as stage_module
+    real, stage_module.time = stage_module.time, types.SimpleNamespace(monotonic=lambda: 0.0)
+    try:
+        d.stage.pump()  # 0 starts, 1 waits: one idle worker counts from 0.0 s, not two
+        stage_module.time = types.SimpleNamespace(monotonic=lambda: 0.45)
+        d.ended((0, 0, 0))
+        d.stage.pump()
+    finally:
+        stage_module.time = real
+    assert list(d.procs.running) == [(0, 1, 0)]
+    assert d.stage.held_idle_s() == pytest.approx(0.45)
     assert d.stage.held_idle_s() == d.stage.held_idle_s()  # (real clock again: no drift)
+
+
+def test_the_replays_training_loop_bounds_the_wall_time_and_the_window():
+    """Four 0.1 s samples on two workers, batches of 2, a 1 s step: the loop takes the first
+    batch at 0.1 s and the second at 1.1 s, ending at 2.1 s. On four workers a window of 2
+    samples starts the second pair when the loop takes the first (0.1 s), a window of 3 the
+    third sample at once and only the fourth then."""
+    samples = [(i, 0.1, MiB) for i in range(4)]
+    r = replay(samples, 2, rule="off", batch_size=2, step_s=1.0)
+    assert r.makespan_s == pytest.approx(2.1)
+    r = replay(samples, 4, rule="off", batch_size=2, step_s=1.0, in_flight=2)
+    assert r.starts == pytest.approx([0.0, 0.0, 0.1, 0.1])
+    r = replay(samples, 4, rule="off", batch_size=2, step_s=1.0, in_flight=3)
+    assert r.starts == pytest.approx([0.0, 0.0, 0.0, 0.1])
+    assert replay(samples, 2, rule="off").makespan_s == pytest.approx(0.2)  # no loop
+    with pytest.raises(ValueError, match="rule"):
+        replay(samples, 2, rule="lifo")
+
+
+def _allocates(mib, rng):
+    import numpy as np
+
+    a = np.ones(mib << 20, np.uint8)  # touched: resident
+    return a[:1]
+
+
+def test_measure_reads_each_samples_time_and_peak():
+    from autominato.bench.replay import measure
+    from autominato.bench.workload import Workload
+
+    wl = Workload("alloc", [32, 8], _allocates, batch_size=2, step_s=0.0)
+    runs = measure(wl, 2)
+    assert [(e, i) for e, i, _, _ in runs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(s > 0 for _, _, s, _ in runs)
+    peaks = {i: p for _, i, _, p in runs}
+    if peaks[0] == 0:
+        pytest.skip("no /proc/self/clear_refs here")
+    assert 30 * MiB <= peaks[0] < 40 * MiB and 6 * MiB <= peaks[1] < 16 * MiB

@@ -108,9 +108,13 @@ class Stage:
             worker (process workers take their output slot then, not while queued).
         admit: ``admit(key, item, overtaking) -> bool``: whether a queued item may leave for
             a free worker now (see :mod:`autominato.pipeline.memory`). The first item is asked
-            with ``overtaking=False``; while it is refused, the next ones are asked in turn with
-            ``overtaking=True`` (they would start before it), until one is refused: so at most
-            the first item is overtaken, and only by items ``admit`` lets pass it.
+            with ``overtaking=False``; while it is refused, each later one is asked in turn,
+            while workers are free, with ``overtaking=True`` (it would start before the first,
+            and before any refused between them): those ``admit`` lets pass start, the others
+            keep their place in the queue.
+        max_refusals: stop a scan at this many refusals (``None``: scan the whole queue;
+            2 replays the rule before the whole queue was scanned, see
+            :mod:`autominato.bench.replay`).
 
     Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
     """
@@ -118,13 +122,15 @@ class Stage:
     def __init__(self, name: str, executor: Executor, hook: StatsHook,
                  capacity: Callable[[], int],
                  prepare: Callable[[Any, Any], Any] | None = None,
-                 admit: Callable[[Any, Any, bool], bool] | None = None) -> None:
+                 admit: Callable[[Any, Any, bool], bool] | None = None,
+                 max_refusals: int | None = None) -> None:
         self.name = name
         self.executor = executor
         self.hook = hook
         self.capacity = capacity
         self.prepare = prepare
         self.admit = admit
+        self.max_refusals = max_refusals
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
         # free workers left idle by ``admit`` at the last pump, its time, and the worker-
@@ -153,15 +159,15 @@ class Stage:
         if most is not None:
             n = min(n, most)
         q = self.queue
-        i = 0  # 1 while the first item waits: the next ones may overtake it (see admit)
+        i = 0  # items refused so far: they keep their place, later ones may overtake them
         refused = False
         while n > 0 and i < len(q):
             key, item, t = q[i]
             if self.admit is not None and not self.admit(key, item, i > 0):
                 refused = True
-                if i:
+                i += 1
+                if i == self.max_refusals:
                     break
-                i = 1
                 continue
             del q[i]
             n -= 1

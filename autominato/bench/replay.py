@@ -1,0 +1,222 @@
+"""Memory-aware dispatch replayed on a simulated clock, to weigh its rule without noise.
+
+A wall-clock benchmark on a shared 2-core machine swings by 10-30% between runs, more than
+the differences between dispatch rules. The replay runs the loader's own code that decides
+which sample starts (``Stage.pump``, ``Pipeline._admit``, ``SampleMemory``) over fake workers
+and a simulated clock, with each sample's measured duration and peak memory, so that two rules
+compare on the same samples exactly: the makespan (seconds until the last sample ends), the
+worker-seconds idle while a sample was held back for memory, and the largest sum of the peaks
+of the samples running together.
+
+What it leaves out: transport and collation, the read stage (read and transform run in the
+worker, as with the default ``fuse_read=True``), contention between workers (each sample
+takes its serial duration), epochs (a batch may take samples of two), and the controller
+(fixed workers). The training loop is a fixed step per batch, or none (samples taken as they
+finish: a run the loader bounds).
+
+Used by ``scripts/replay_memory.py`` and the tests of the admission rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autominato.pipeline.memory import SampleMemory
+from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
+from autominato.pipeline.stage import Stage
+
+#: The rules :func:`replay` compares: ``off`` (``memory_aware=False``), ``fifo`` (a sample
+#: held back holds back every later one), ``stop`` (later ones overtake it until a second
+#: refusal stops the scan: the rule before the whole queue was scanned), ``scan`` (the rule).
+RULES = ("off", "fifo", "stop", "scan")
+
+
+class FakeWorkers:
+    """The process executor as ``Pipeline._admit`` and :class:`Stage` see it: ``size``
+    workers, one sample each (``running``: key -> task)."""
+
+    chunk = 1
+
+    def __init__(self, workers: int) -> None:
+        self.size = workers
+        self.running: dict[Any, Any] = {}
+
+    def held_keys(self) -> Any:
+        return iter(list(self.running))
+
+    def free(self) -> int:
+        return self.size - len(self.running)
+
+    def submit(self, key: Any, item: Any) -> None:
+        self.running[key] = item
+
+    def flush(self) -> None:
+        pass
+
+
+class Dispatch:
+    """The scheduler's state that ``Pipeline._admit`` reads, with its methods, in front of
+    :class:`FakeWorkers`.
+
+    Args:
+        figures: peak bytes per dataset index known before the first sample (0: unknown).
+        workers: the workers.
+        rule: one of :data:`RULES`.
+    """
+
+    _admit = Pipeline._admit
+    _in_queue_index = Pipeline._in_queue_index
+
+    def __init__(self, figures: Sequence[float], workers: int, rule: str = "scan") -> None:
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.memory = SampleMemory(len(figures))
+        for i, f in enumerate(figures):
+            self.memory.learn(i, int(f))
+        self.procs = FakeWorkers(workers)
+        self._in_flight: dict = {}
+        self._held_key = None
+        self._overtook: set = set()
+        admit: Callable[..., bool] | None = self._admit
+        if rule == "off":
+            admit = None
+        elif rule == "fifo":
+            admit = lambda k, it, over=False: not over and self._admit(k, it)  # noqa: E731
+        self.stage = Stage("transform", self.procs, lambda *a: None, lambda: 1 << 30,
+                           admit=admit, max_refusals=2 if rule == "stop" else None)
+        self._admit_stage = self.stage
+
+    def put(self, key: tuple, index: int) -> None:
+        """Queue dataset index ``index`` as a process worker's task under ``key``."""
+        self.stage.put(key, (index, 0, 0, True, None, None, _SLOT_LATER))
+
+    def ended(self, key: tuple) -> None:
+        """The sample under ``key`` ended (what ``Pipeline._result`` does for admission)."""
+        del self.procs.running[key]
+        self._in_flight.pop(key, None)
+        self._overtook.discard(key)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What :func:`replay` saw.
+
+    Attributes:
+        makespan_s: simulated seconds until the last sample ended, or with a training loop
+            until its last step ended.
+        held_idle_s: worker-seconds idle while queued samples were held back for memory
+            (``Stage.held_idle_s``, the figure ``autominato_memory_wait_seconds_total`` exports).
+        peak_bytes: the largest sum of the peaks of samples running together.
+        starts: simulated start time of each sample, in the order given.
+    """
+
+    makespan_s: float
+    held_idle_s: float
+    peak_bytes: float
+    starts: list[float]
+
+
+def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: str = "scan",
+           in_flight: int | None = None, figures: Sequence[float] | None = None,
+           n_indices: int | None = None,
+           learn: bool = True, batch_size: int = 1, step_s: float = 0.0) -> Replay:
+    """Dispatch ``samples`` (``(dataset index, seconds, peak bytes)``, in the sampler's
+    order) to ``workers`` on a simulated clock under ``rule``.
+
+    Args:
+        in_flight: samples taken and not yet consumed at most (the Loader's ``pool_size``
+            window: queued, running, or done and waiting for the training loop; ``None``: all
+            queued from the start).
+        figures: peak bytes per index known before the first sample (a resumed run);
+            ``None``: none (a fresh run's first epoch is unprotected).
+        n_indices: the dataset's length (default: the largest index + 1).
+        learn: each sample's peak becomes its index's figure when it ends, as the workers
+            report it.
+        batch_size, step_s: the training loop takes ``batch_size`` finished samples (in
+            completion order, epochs not told apart) as soon as they are there and it has
+            finished its last step, and steps ``step_s`` seconds; the samples leave the
+            window when it takes them. ``step_s=0``: taken as they finish.
+
+    Raises:
+        ValueError: an unknown rule, or ``workers < 1``.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    n = n_indices if n_indices is not None else 1 + max((s[0] for s in samples), default=0)
+    d = Dispatch(figures if figures is not None else [0.0] * n, workers, rule)
+    clock = types.SimpleNamespace(now=0.0)
+    starts = [0.0] * len(samples)
+    events: list[tuple[float, int, tuple | None]] = []  # (time, pos, key); key None: a step ends
+    cap = len(samples) if in_flight is None else max(1, in_flight)
+    fed = peak = done = consumed = 0
+    loop_free = True
+    end = 0.0
+    import autominato.pipeline.stage as stage_module
+
+    real, stage_module.time = stage_module.time, types.SimpleNamespace(  # type: ignore[assignment]
+        monotonic=lambda: clock.now)
+    try:
+        while True:
+            if loop_free and (done - consumed >= batch_size
+                              or (done == len(samples) and done > consumed)):
+                consumed = min(done, consumed + batch_size)
+                if step_s > 0:
+                    loop_free = False
+                    heapq.heappush(events, (clock.now + step_s, -1, None))
+                end = clock.now + step_s
+            while fed < len(samples) and fed - consumed < cap:
+                d.put((0, fed, 0), samples[fed][0])
+                fed += 1
+            before = set(d.procs.running)
+            d.stage.pump()
+            for key in set(d.procs.running) - before:
+                pos = key[1]
+                starts[pos] = clock.now
+                heapq.heappush(events, (clock.now + samples[pos][1], pos, key))
+            peak = max(peak, sum(samples[k[1]][2] for k in d.procs.running))
+            if not events:
+                break
+            clock.now, pos, key = heapq.heappop(events)
+            if key is None:
+                loop_free = True
+                continue
+            d.ended(key)
+            done += 1
+            if learn:
+                d.memory.learn(samples[pos][0], int(samples[pos][2]))
+    finally:
+        stage_module.time = real  # type: ignore[assignment]
+    return Replay(max(clock.now, end), d.stage.held_idle_s(), peak, starts)
+
+
+def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
+    """Run every sample of ``epochs`` epochs serially in this process, read and transform
+    (``workload``: a :class:`~autominato.bench.workload.Workload`), and time each and measure
+    its peak memory as a worker does (:class:`~autominato.pipeline.worker.PeakMeter`):
+    ``(epoch, index, seconds, peak bytes)``, in ``0 .. n - 1`` order per epoch. One sample is
+    run first and not counted (imports, first-call costs)."""
+    from autominato.bench.workload import SampleFn
+    from autominato.pipeline.worker import PeakMeter
+
+    fn = SampleFn(workload)
+    fn(0)
+    meter = PeakMeter()
+    out = []
+    try:
+        for e in range(epochs):
+            for i in range(len(fn)):
+                base = meter.start()
+                t0 = time.perf_counter()
+                fn((e, i))
+                out.append((e, i, time.perf_counter() - t0, float(meter.peak(base))))
+    finally:
+        meter.close()
+    return out
+
+
+__all__ = ["RULES", "Dispatch", "FakeWorkers", "Replay", "measure", "replay"]

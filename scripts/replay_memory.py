@@ -1,0 +1,79 @@
+"""Weigh memory-aware dispatch's rules on a workload's measured samples, without noise.
+
+Measures every sample of ``--epochs`` epochs of the KiTS19 bench workload serially (seconds
+and peak memory each, as a worker measures it), then replays dispatch to ``--workers`` on a
+simulated clock under each rule of ``autominato.bench.replay.RULES`` (the loader's own
+admission code) in ``--orders`` sampler orders, and prints each rule's wall time against the
+rule ``off`` (no sample held back; the time until the training loop's last step ends), the
+worker-seconds idle for memory and the largest sum of the peaks running together. What the
+replay leaves out: see ``autominato/bench/replay.py``.
+
+    python scripts/replay_memory.py --labels ../shared/kits19/labels --cases 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from autominato.bench.kits19 import kits19_workload
+from autominato.bench.replay import RULES, measure, replay
+
+MiB = 1 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--labels", default=None, help="KiTS19 label folder (default: demo masks)")
+    ap.add_argument("--cases", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="samples queued or running at most (default: the Loader's pool_size, "
+                         "2 * batch + workers + 2)")
+    ap.add_argument("--orders", type=int, default=6,
+                    help="sampler orders: 0 .. n-1, then shuffles (seeded)")
+    ap.add_argument("--step", type=float, default=None,
+                    help="seconds of the training loop's step per batch (default: the "
+                         "bench's balanced step, mean serial seconds per batch / workers; "
+                         "0: none, a run the loader bounds)")
+    a = ap.parse_args()
+    wl = kits19_workload(labels=a.labels, cases=a.cases, log=lambda s: None)
+    in_flight = a.in_flight or 2 * wl.batch_size + a.workers + 2
+    print(f"measuring {a.epochs} epochs of {len(wl)} samples serially ...", flush=True)
+    runs = measure(wl, a.epochs)
+    n = len(wl)
+    peaks = [max(p for _, i, _, p in runs if i == k) / MiB for k in range(n)]
+    secs = [statistics.median(s for _, i, s, _ in runs if i == k) for k in range(n)]
+    print("index peak MiB (largest of the epochs):", [round(p) for p in peaks])
+    print("index median seconds:", [round(s, 2) for s in secs])
+    step = (a.step if a.step is not None
+            else statistics.mean(s for _, _, s, _ in runs) * wl.batch_size / a.workers)
+    print(f"replay: {a.workers} workers, {in_flight} samples in flight, a step of "
+          f"{step * 1e3:.0f} ms per batch of {wl.batch_size}, figures learnt as samples end "
+          "(the first epoch unprotected)")
+    ratios: dict[str, list[float]] = {r: [] for r in RULES}
+    for o in range(a.orders):
+        samples = []
+        for e in range(a.epochs):
+            order = list(range(n)) if o == 0 else list(np.random.default_rng((o, e)).permutation(n))
+            by = {i: (s, p) for ee, i, s, p in runs if ee == e}
+            samples += [(int(i), *by[int(i)]) for i in order]
+        kw = dict(in_flight=in_flight, n_indices=n, batch_size=wl.batch_size, step_s=step)
+        base = replay(samples, a.workers, rule="off", **kw)
+        cells = []
+        for rule in RULES:
+            r = replay(samples, a.workers, rule=rule, **kw)
+            ratios[rule].append(r.makespan_s / base.makespan_s)
+            cells.append(f"{rule} x{r.makespan_s / base.makespan_s:.3f} idle {r.held_idle_s:.2f} s "
+                         f"peak {r.peak_bytes / MiB:.0f} MiB")
+        print(f"order {o}: off {base.makespan_s:.2f} s peak {base.peak_bytes / MiB:.0f} MiB | "
+              + " | ".join(cells[1:]))
+    print("mean wall time against off: "
+          + ", ".join(f"{r} x{statistics.mean(v):.3f}" for r, v in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
