@@ -168,3 +168,17 @@ def test_measure_reads_each_samples_time_and_peak():
     if peaks[0] == 0:
         pytest.skip("no /proc/self/clear_refs here")
     assert 30 * MiB <= peaks[0] < 40 * MiB and 6 * MiB <= peaks[1] < 16 * MiB
+
+
+def test_a_scan_asks_at_most_scan_refusals_refused_samples():
+    """Each ask costs O(workers): a pump passes at most SCAN_REFUSALS refused samples. The
+    small last sample overtakes 1 + 14 medium ones (all refused beside 0, 0.45 s) at once,
+    not 1 + 15: it then starts last, behind them (0.45 + 8 x 0.12 s)."""
+    from autominato.pipeline.memory import SCAN_REFUSALS
+
+    assert SCAN_REFUSALS == 16
+    for medium, small_start in ((14, 0.0), (15, 0.45 + 8 * 0.12)):
+        mib = [240] + [120] * (1 + medium) + [16]
+        seconds = [0.45] + [0.12] * (1 + medium) + [0.1]
+        now = _starts(mib, seconds, list(range(len(mib))), 2)
+        assert now[len(mib) - 1] == pytest.approx(small_start), medium

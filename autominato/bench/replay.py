@@ -26,13 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autominato.pipeline.memory import SampleMemory
+from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
 from autominato.pipeline.stage import Stage
 
 #: The rules :func:`replay` compares: ``off`` (``memory_aware=False``), ``fifo`` (a sample
 #: held back holds back every later one), ``stop`` (later ones overtake it until a second
-#: refusal stops the scan: the rule before the whole queue was scanned), ``scan`` (the rule).
+#: refusal stops the scan: the rule before the whole queue was scanned), ``scan`` (the rule:
+#: :data:`~autominato.pipeline.memory.SCAN_REFUSALS`).
 RULES = ("off", "fifo", "stop", "scan")
 
 
@@ -88,7 +89,7 @@ class Dispatch:
         elif rule == "fifo":
             admit = lambda k, it, over=False: not over and self._admit(k, it)  # noqa: E731
         self.stage = Stage("transform", self.procs, lambda *a: None, lambda: 1 << 30,
-                           admit=admit, max_refusals=2 if rule == "stop" else None)
+                           admit=admit, max_refusals=2 if rule == "stop" else SCAN_REFUSALS)
         self._admit_stage = self.stage
 
     def put(self, key: tuple, index: int) -> None:

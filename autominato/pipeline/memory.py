@@ -28,7 +28,8 @@ dies with a sample it waited for (a budget that shrinks meanwhile can make it wa
 too, as can a replacement worker that is still starting; no new one overtakes it then). Only the
 first sample is guaranteed its room: a later one refused (it does not fit now, or would take
 the first one's room) keeps its place and the scan goes on behind it, so a small sample
-overtakes it too, and it is guaranteed its room once it is first in line. A scan that stopped
+overtakes it too, and it is guaranteed its room once it is first in line (up to
+:data:`SCAN_REFUSALS` refused samples are passed in one scan). A scan that stopped
 at the second refusal left a worker idle whenever a typical sample stood between the held
 outlier and a small one (``autominato.bench.replay`` weighs the two rules).
 
@@ -49,6 +50,12 @@ import numpy as np
 #: by their augmentation (a crop's foreground search runs on 40% of KiTS19's samples); 1.25
 #: keeps two typical samples from waiting on each other.
 MARGIN = 1.25
+
+#: Queued samples refused at which a scan for overtakers stops: each ask costs
+#: ``O(workers)`` (the estimates in flight), so a pump with free workers asks at most this
+#: many more than it starts. The default window (``pool_size = 2 * batch + workers + 2``)
+#: queues fewer, so the whole queue is scanned there.
+SCAN_REFUSALS = 16
 
 #: Indices of a map-style dataset whose figures are kept (4 bytes each); a larger dataset
 #: keeps none and is never held back.

@@ -54,7 +54,7 @@ from autominato.pipeline.epoch import (
 from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
 from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
-from autominato.pipeline.memory import SampleMemory
+from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
@@ -265,6 +265,7 @@ class Pipeline:
                     # (fuse_read=False: __getitem__ runs in the read threads, unmeasured)
                     if cfg.memory_aware and not cfg.iterable and cfg.fuse_read:
                         st.admit = self._admit
+                        st.max_refusals = SCAN_REFUSALS
                         self._admit_stage = st
                         self._memory_aware = True
             # Process workers write finished samples into batch rows (see rows.py) where the

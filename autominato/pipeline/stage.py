@@ -113,8 +113,7 @@ class Stage:
             and before any refused between them): those ``admit`` lets pass start, the others
             keep their place in the queue.
         max_refusals: stop a scan at this many refusals (``None``: scan the whole queue;
-            2 replays the rule before the whole queue was scanned, see
-            :mod:`autominato.bench.replay`).
+            the scheduler sets :data:`~autominato.pipeline.memory.SCAN_REFUSALS`).
 
     Only the scheduler thread calls :meth:`put`, :meth:`pump` and :meth:`finished`.
     """
