@@ -294,7 +294,7 @@ class Loader:
             under 10 ms, iterable datasets and ``fuse_read=False`` are not measured; thread
             workers and Ray actors are not held back. Cost: a worker idles while a large
             sample runs without room beside it (KiTS19 bench, 8 cases, 2 workers: median
-            peak 825 -> 746 MiB, throughput 1.71x -> 1.59x the DataLoader's; 3.5-7% of the
+            peak 825 -> 686 MiB, throughput 1.47x -> 1.39x the DataLoader's; 3.5-7% of the
             throughput at the two sizes measured, docs/memory.md). Counted in
             ``samples_held_for_memory_total``; the workers' idle time in
             ``memory_wait_seconds_total``.
