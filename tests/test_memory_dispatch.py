@@ -78,6 +78,8 @@ def test_the_scan_goes_past_a_second_sample_refused():
     now = _starts(mib, seconds, [0, 1, 4, 5, 2, 6, 3, 7], 2)
     assert [now[4], now[5], now[6], now[7]] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     assert now[1] == now[2] == 0.45 and now[3] >= 0.45
+    # the three that waited count, not only the first in line (trial 57: 4 of 6 counted)
+    assert _run(mib, seconds, [0, 1, 4, 5, 2, 6, 3, 7], 2).held_back == 3
 
 
 def test_no_overtaking_once_the_held_sample_left_the_queue():

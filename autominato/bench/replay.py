@@ -114,12 +114,14 @@ class Replay:
             (``Stage.held_idle_s``, the figure ``autominato_memory_wait_seconds_total`` exports).
         peak_bytes: the largest sum of the peaks of samples running together.
         starts: simulated start time of each sample, in the order given.
+        held_back: samples that waited for memory (``samples_held_for_memory_total``).
     """
 
     makespan_s: float
     held_idle_s: float
     peak_bytes: float
     starts: list[float]
+    held_back: int = 0
 
 
 def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: str = "scan",
@@ -192,7 +194,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
                 d.memory.learn(samples[pos][0], int(samples[pos][2]))
     finally:
         stage_module.time = real  # type: ignore[assignment]
-    return Replay(max(clock.now, end), d.stage.held_idle_s(), peak, starts)
+    return Replay(max(clock.now, end), d.stage.held_idle_s(), peak, starts, d.memory.held_back)
 
 
 def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
@@ -200,9 +202,12 @@ def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
     (``workload``: a :class:`~autominato.bench.workload.Workload`), and time each and measure
     its peak memory as a worker does (:class:`~autominato.pipeline.worker.PeakMeter`):
     ``(epoch, index, seconds, peak bytes)``, in ``0 .. n - 1`` order per epoch. One sample is
-    run first and not counted (imports, first-call costs)."""
+    run first and not counted (imports, first-call costs). The free heap is given back before
+    each sample (glibc's ``malloc_trim``), so that a small sample after a large one is
+    measured by its own working set, not by the pages the large one left (a worker gives
+    them back only after its heap grew by ``worker.HEAP_SLACK_BYTES``)."""
     from autominato.bench.workload import SampleFn
-    from autominato.pipeline.worker import PeakMeter
+    from autominato.pipeline.worker import PeakMeter, give_back_free_heap
 
     fn = SampleFn(workload)
     fn(0)
@@ -211,6 +216,7 @@ def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
     try:
         for e in range(epochs):
             for i in range(len(fn)):
+                give_back_free_heap()
                 base = meter.start()
                 t0 = time.perf_counter()
                 fn((e, i))

@@ -83,8 +83,8 @@ class SampleMemory:
         self._n = n if n is not None and 0 < n <= MAX_INDICES else 0
         self._peaks: np.ndarray | None = None  # float32 bytes per index, 0 unknown
         self._sorted: list[float] = []  # the current figures, ascending
-        self.held_back = 0  # times a sample waited for memory (counted once per sample)
-        self._waiting: object = None
+        self.held_back = 0  # samples that waited for memory (counted once each)
+        self._waited: set = set()  # keys refused that have not started since
         # learn (the scheduler thread) against restore / saved (the training thread)
         self._lock = threading.Lock()
 
@@ -171,7 +171,8 @@ class SampleMemory:
         (bytes, see :meth:`estimate`).
 
         Args:
-            key: the sample's task key: a wait is counted once per key (``held_back``).
+            key: the sample's task key: a wait is counted once per key (``held_back``),
+                first in line or refused as an overtaker.
             ahead: ``None`` for the first sample in line; for a later one, which would
                 overtake the first (held back), ``(bytes the held sample needs free: its
                 estimate plus what may still run of the samples it waited for when it could
@@ -180,15 +181,21 @@ class SampleMemory:
                 (module docstring).
         """
         if not in_flight or not self.known:
+            ok = True
+        else:
+            est = self.estimate(index)
+            budget = self.budget(workers)
+            ok = est + sum(in_flight) <= budget
+            if ahead is not None:
+                ok = ok and ahead[0] + ahead[1] + est <= budget
+        waited = self._waited
+        if ok:
+            if waited:
+                waited.discard(key)
             return True
-        est = self.estimate(index)
-        budget = self.budget(workers)
-        fits = est + sum(in_flight) <= budget
-        if ahead is not None:
-            return fits and ahead[0] + ahead[1] + est <= budget
-        if fits:
-            return True
-        if key is not None and key != self._waiting:
-            self._waiting = key
+        if key is not None and key not in waited:
+            if len(waited) >= 4096:  # (keys of discarded epochs never start: a bound)
+                waited.clear()
+            waited.add(key)
             self.held_back += 1
         return False
