@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--in-flight", type=int, default=None,
-                    help="samples queued or running at most (default: the Loader's pool_size, "
+                    help="samples taken and not yet taken by the training loop at most "
+                         "(queued, running or finished; default: the Loader's pool_size, "
                          "2 * batch + workers + 2)")
     ap.add_argument("--orders", type=int, default=6,
                     help="sampler orders: 0 .. n-1, then shuffles (seeded)")
@@ -47,7 +48,8 @@ def main() -> None:
                          "0: none, a run the loader bounds)")
     a = ap.parse_args()
     wl = kits19_workload(labels=a.labels, cases=a.cases, log=lambda s: None)
-    in_flight = a.in_flight or 2 * wl.batch_size + a.workers + 2
+    in_flight = (a.in_flight if a.in_flight is not None
+                 else 2 * wl.batch_size + a.workers + 2)
     print(f"measuring {a.epochs} epochs of {len(wl)} samples serially ...", flush=True)
     runs = measure(wl, a.epochs)
     n = len(wl)

@@ -401,3 +401,14 @@ def test_a_state_with_malformed_figures_is_refused_before_anything_changes():
         with pytest.raises(ValueError, match="sample_memory is not a list of 6"):
             other.load_state_dict(bad)
         assert other.seed == seed
+
+
+def test_the_loaders_scan_for_overtakers_is_capped():
+    """Review 56: only the replay set the cap; the loader's own stage must too."""
+    from autominato.pipeline.memory import SCAN_REFUSALS
+
+    with Loader(Uneven(n=4, big=8, small=8, seconds=0.0), batch_size=2, workers=2, seed=0,
+                autotune=False) as loader:
+        next(iter(loader))
+        st = loader._pipeline._admit_stage
+        assert st is not None and st.max_refusals == SCAN_REFUSALS

@@ -44,8 +44,8 @@ def test_overtakers_never_start_the_held_sample_later_than_first_in_first_out():
 
 def test_small_samples_overtake_and_count_while_they_run():
     """Two workers: 0 (240 MiB) runs, 1 (120) waits (budget 300); the small 4 and 5 (16)
-    overtake it one after the other, the medium 2 behind them stops the scan; 1 starts as 0
-    ends. Under first in, first out the free worker idled until then."""
+    overtake it one after the other (then 6 and 7, past the medium 2); 1 starts as 0 ends.
+    Under first in, first out the free worker idled until then."""
     mib = [240, 120, 120, 120, 16, 16, 16, 16]
     seconds = [0.45, 0.12, 0.12, 0.12, 0.1, 0.1, 0.1, 0.1]
     order = [0, 1, 4, 5, 2, 6, 3, 7]
@@ -147,6 +147,12 @@ def test_the_replays_training_loop_bounds_the_wall_time_and_the_window():
     r = replay(samples, 4, rule="off", batch_size=2, step_s=1.0, in_flight=3)
     assert r.starts == pytest.approx([0.0, 0.0, 0.0, 0.1])
     assert replay(samples, 2, rule="off").makespan_s == pytest.approx(0.2)  # no loop
+    # a finished sample the loop has not taken counts in the window (review 56): batches of
+    # 1 every second, a window of 2: the fourth starts when the loop takes the second
+    r = replay(samples, 4, rule="off", batch_size=1, step_s=1.0, in_flight=2)
+    assert r.starts == pytest.approx([0.0, 0.0, 0.1, 1.1])
+    with pytest.raises(ValueError, match="in_flight"):
+        replay(samples, 2, rule="off", batch_size=4, step_s=1.0, in_flight=2)
     with pytest.raises(ValueError, match="rule"):
         replay(samples, 2, rule="lifo")
 

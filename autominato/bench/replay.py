@@ -14,7 +14,11 @@ takes its serial duration), epochs (a batch may take samples of two), and the co
 (fixed workers). The training loop is a fixed step per batch, or none (samples taken as they
 finish: a run the loader bounds).
 
-Used by ``scripts/replay_memory.py`` and the tests of the admission rule.
+It patches ``autominato.pipeline.stage.time`` while it runs: never replay beside a live
+Loader in the same process. Used by ``scripts/replay_memory.py`` and the tests of the
+admission rule. Its figures are those of one measurement of the samples: a noisy machine
+moves the measured seconds (up to 5x between two runs of the script in review 56), so
+compare rules on the same measurement, as the script does.
 """
 
 from __future__ import annotations
@@ -143,13 +147,16 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
         batch_size, step_s: the training loop takes ``batch_size`` finished samples (in
             completion order, epochs not told apart) as soon as they are there and it has
             finished its last step, and steps ``step_s`` seconds; the samples leave the
-            window when it takes them. ``step_s=0``: taken as they finish.
+            window when it takes them. ``step_s=0``: each batch is taken as it fills.
 
     Raises:
-        ValueError: an unknown rule, or ``workers < 1``.
+        ValueError: an unknown rule, ``workers < 1``, or ``in_flight < batch_size`` (no batch
+            could fill: the Loader keeps ``pool_size >= batch_size``).
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if in_flight is not None and in_flight < batch_size:
+        raise ValueError(f"in_flight ({in_flight}) must be >= batch_size ({batch_size})")
     n = n_indices if n_indices is not None else 1 + max((s[0] for s in samples), default=0)
     d = Dispatch(figures if figures is not None else [0.0] * n, workers, rule)
     clock = types.SimpleNamespace(now=0.0)
@@ -194,6 +201,8 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
                 d.memory.learn(samples[pos][0], int(samples[pos][2]))
     finally:
         stage_module.time = real  # type: ignore[assignment]
+    if done != len(samples):  # (a rule that never admits a sample: a defect of the rule)
+        raise RuntimeError(f"replay stalled after {done} of {len(samples)} samples")
     return Replay(max(clock.now, end), d.stage.held_idle_s(), peak, starts, d.memory.held_back)
 
 

@@ -139,7 +139,7 @@ class Stage:
     def held_idle_s(self) -> float:
         """Worker-seconds that free workers waited because ``admit`` held the queued items
         back (summed over workers), seconds, up to the last :meth:`pump`: the free workers
-        left when a scan ends on a refusal (at most as many as items queued) count from then
+        left after a scan that refused an item (at most as many as items queued) count from then
         until the next pump (the scheduler pumps at least every 50 ms). Never decreases, and
         stays put once the pumps stop (a closed pipeline)."""
         return self._held_idle[2]
@@ -165,7 +165,7 @@ class Stage:
             if self.admit is not None and not self.admit(key, item, i > 0):
                 refused = True
                 i += 1
-                if i == self.max_refusals:
+                if self.max_refusals is not None and i >= self.max_refusals:
                     break
                 continue
             del q[i]
