@@ -87,6 +87,7 @@ class Dispatch:
         self._in_flight: dict = {}
         self._held_key = None
         self._overtook: set = set()
+        self._scan_ests: tuple[int, dict] = (0, {})
         admit: Callable[..., bool] | None = self._admit
         if rule == "off":
             admit = None

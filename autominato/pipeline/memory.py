@@ -52,9 +52,9 @@ import numpy as np
 MARGIN = 1.25
 
 #: Queued samples refused at which a scan for overtakers stops: each ask costs
-#: ``O(workers)`` (the estimates in flight: review 56 measured 0.4-1.3 ms a pump with 8-64
-#: workers, against 0.05-0.3 ms when the scan stopped at the second refusal), so a pump with
-#: free workers asks at most this many more than it starts. While samples wait, the queue
+#: ``O(workers)`` (the sums over the samples in flight; their estimates are computed once a
+#: pump: 16 refusals cost 80-200 us a pump with 8-64 workers, 150-570 us when each ask
+#: recomputed them), so a pump with free workers asks at most this many more than it starts. While samples wait, the queue
 #: fills to about ``pool_size - running`` (``2 * batch + workers + 2`` by default), so the
 #: whole queue is scanned for small batches (up to 6 with 2 workers) and its first 16
 #: refused samples beyond.

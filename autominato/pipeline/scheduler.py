@@ -258,6 +258,7 @@ class Pipeline:
             self._held_key: tuple | None = None
             self._overtook: set[tuple] = set()
             self._admit_stage: Stage | None = None
+            self._scan_ests: tuple[int, dict] = (0, {})  # (Stage.scans, key -> estimate)
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -740,15 +741,22 @@ class Pipeline:
             return True
         index = self._in_flight
         if self.memory.known and self.procs.chunk == 1:
-            held = list(self.procs.held_keys())
-            if len(index) > 4 * len(held) + 16:  # (answered: dropped in _result; a safety net)
-                keep = set(held)
-                for k in [k for k in index if k not in keep]:
-                    del index[k]
-                self._overtook &= keep
             est = self.memory.estimate
-            median = self.memory.median
-            ests = {k: est(index[k]) if k in index else median for k in held}
+            scans = self._admit_stage.scans if self._admit_stage is not None else 0
+            if scans % 2 and self._scan_ests[0] == scans:
+                # asked again in the same pump: the workers' items are those of the last ask
+                # plus the ones admitted since (added below), so their estimates are kept
+                ests = self._scan_ests[1]
+            else:
+                held = list(self.procs.held_keys())
+                if len(index) > 4 * len(held) + 16:  # (answered: dropped in _result; a net)
+                    keep = set(held)
+                    for k in [k for k in index if k not in keep]:
+                        del index[k]
+                    self._overtook &= keep
+                median = self.memory.median
+                ests = {k: est(index[k]) if k in index else median for k in held}
+                self._scan_ests = (scans, ests)
             in_flight = list(ests.values())
             ahead = None
             if overtaking:
@@ -772,6 +780,7 @@ class Pipeline:
             elif key == self._held_key:
                 self._held_key = None
                 self._overtook.clear()
+            ests[key] = est(item[0])  # (it is the workers' now: in held_keys at the next ask)
         index[key] = item[0]
         return True
 

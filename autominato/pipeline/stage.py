@@ -130,6 +130,9 @@ class Stage:
         self.prepare = prepare
         self.admit = admit
         self.max_refusals = max_refusals
+        #: odd while :meth:`pump` runs, a new number each pump: ``admit`` may keep what it
+        #: computed for one pump (nothing else changes the workers' items meanwhile)
+        self.scans = 0
         self.queue: deque = deque()
         self._waits: dict[Any, float] = {}
         # free workers left idle by ``admit`` at the last pump, its time, and the worker-
@@ -160,18 +163,22 @@ class Stage:
         q = self.queue
         i = 0  # items refused so far: they keep their place, later ones may overtake them
         refused = False
-        while n > 0 and i < len(q):
-            key, item, t = q[i]
-            if self.admit is not None and not self.admit(key, item, i > 0):
-                refused = True
-                i += 1
-                if self.max_refusals is not None and i >= self.max_refusals:
-                    break
-                continue
-            del q[i]
-            n -= 1
-            self._waits[key] = time.monotonic() - t
-            ex.submit(key, item if self.prepare is None else self.prepare(key, item))
+        self.scans += 1
+        try:
+            while n > 0 and i < len(q):
+                key, item, t = q[i]
+                if self.admit is not None and not self.admit(key, item, i > 0):
+                    refused = True
+                    i += 1
+                    if self.max_refusals is not None and i >= self.max_refusals:
+                        break
+                    continue
+                del q[i]
+                n -= 1
+                self._waits[key] = time.monotonic() - t
+                ex.submit(key, item if self.prepare is None else self.prepare(key, item))
+        finally:
+            self.scans += 1
         ex.flush()
         if self.admit is not None and (refused or self._held_idle[0]):
             idle_before, since, total = self._held_idle
