@@ -190,3 +190,48 @@ def test_a_scan_asks_at_most_scan_refusals_refused_samples():
         seconds = [0.45] + [0.12] * (1 + medium) + [0.1]
         now = _starts(mib, seconds, list(range(len(mib))), 2)
         assert now[len(mib) - 1] == pytest.approx(small_start), medium
+
+
+class _EveryAskAfresh:
+    """The stage as ``_admit`` sees it, outside any pump: it recomputes the in-flight
+    estimates at every ask instead of once a pump."""
+
+    scans = 0
+
+    def __init__(self, stage):
+        self.__dict__["_stage"] = stage
+
+    def __getattr__(self, name):
+        return getattr(self._stage, name)
+
+
+def test_estimates_kept_for_a_pump_decide_as_recomputed_ones(monkeypatch):
+    """The estimates in flight are computed once a pump, samples admitted during it added:
+    200 random replays start every sample at the same time as with estimates recomputed at
+    every ask (review 56's pump cost)."""
+    import random
+
+    import autominato.bench.replay as replay_module
+
+    init = replay_module.Dispatch.__init__
+
+    def afresh(self, *a, **k):
+        init(self, *a, **k)
+        self._admit_stage = _EveryAskAfresh(self.stage)
+
+    for seed in range(200):
+        rnd = random.Random(seed)
+        n, workers = rnd.randint(4, 40), rnd.randint(2, 8)
+        mib = [rnd.choice([rnd.randint(5, 60), rnd.randint(60, 200), rnd.randint(200, 600)])
+               for _ in range(n)]
+        order = list(range(n))
+        rnd.shuffle(order)
+        samples = [(i, rnd.choice([0.1, 0.5, 1.0, 3.0]), mib[i] * MiB) for i in order]
+        kw = dict(n_indices=n, in_flight=rnd.choice([None, workers + 4]))
+        if seed % 2:  # figures known from the start: a pump admits several at once
+            kw.update(figures=[m * MiB for m in mib], learn=False)
+        monkeypatch.setattr(replay_module.Dispatch, "__init__", init)
+        kept = replay(samples, workers, **kw)
+        monkeypatch.setattr(replay_module.Dispatch, "__init__", afresh)
+        fresh = replay(samples, workers, **kw)
+        assert (kept.starts, kept.held_back) == (fresh.starts, fresh.held_back), seed
