@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autominato.pipeline import stage as stage_module
 from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
 from autominato.pipeline.stage import Stage
@@ -163,12 +164,10 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     clock = types.SimpleNamespace(now=0.0)
     starts = [0.0] * len(samples)
     events: list[tuple[float, int, tuple | None]] = []  # (time, pos, key); key None: a step ends
-    cap = len(samples) if in_flight is None else max(1, in_flight)
+    cap = len(samples) if in_flight is None else in_flight
     fed = peak = done = consumed = 0
     loop_free = True
     end = 0.0
-    import autominato.pipeline.stage as stage_module
-
     real, stage_module.time = stage_module.time, types.SimpleNamespace(  # type: ignore[assignment]
         monotonic=lambda: clock.now)
     try:

@@ -54,10 +54,10 @@ MARGIN = 1.25
 #: Queued samples refused at which a scan for overtakers stops: each ask costs
 #: ``O(workers)`` (the sums over the samples in flight; their estimates are computed once a
 #: pump: 16 refusals cost 80-200 us a pump with 8-64 workers, 150-570 us when each ask
-#: recomputed them), so a pump with free workers asks at most this many more than it starts. While samples wait, the queue
-#: fills to about ``pool_size - running`` (``2 * batch + workers + 2`` by default), so the
-#: whole queue is scanned for small batches (up to 6 with 2 workers) and its first 16
-#: refused samples beyond.
+#: recomputed them), so a pump with free workers asks at most this many more than it
+#: starts. While samples wait, the queue fills to about ``pool_size - running``
+#: (``2 * batch + workers + 2`` by default), so the whole queue is scanned for small batches
+#: (up to 6 with 2 workers), and its first 16 refused samples beyond.
 SCAN_REFUSALS = 16
 
 #: Indices of a map-style dataset whose figures are kept (4 bytes each); a larger dataset
