@@ -235,3 +235,27 @@ def test_estimates_kept_for_a_pump_decide_as_recomputed_ones(monkeypatch):
         monkeypatch.setattr(replay_module.Dispatch, "__init__", afresh)
         fresh = replay(samples, workers, **kw)
         assert (kept.starts, kept.held_back) == (fresh.starts, fresh.held_back), seed
+
+
+def test_figures_restored_during_a_pump_count_at_the_next_ask():
+    """Review 58: a restore (the training thread's load_state_dict) between two asks of one
+    pump gives the running sample A its figure (600 MiB, it ran at the 100 MiB median): the
+    next ask must see it (budget 750: A and one 100 MiB sample fit, not two), not the
+    estimates kept since the pump began."""
+    figs = [0, 0, 100 * MiB, 100 * MiB, 100 * MiB]
+    d = Dispatch(figs, 4)
+    d.put((0, 0, 0), 0)
+    d.stage.pump()  # A (index 0) runs at the median
+    asks, admit = [0], d.stage.admit
+
+    def restoring(key, item, overtaking=False):
+        asks[0] += 1
+        if asks[0] == 2:
+            d.memory.restore([600 * MiB, 0, 100 * MiB, 100 * MiB, 100 * MiB])
+        return admit(key, item, overtaking)
+
+    d.stage.admit = restoring
+    d.put((0, 1, 0), 2)
+    d.put((0, 2, 0), 3)
+    d.stage.pump()
+    assert sorted(k[1] for k in d.procs.running) == [0, 1]

@@ -88,7 +88,7 @@ class Dispatch:
         self._in_flight: dict = {}
         self._held_key = None
         self._overtook: set = set()
-        self._scan_ests: tuple[int, dict] = (0, {})
+        self._scan_ests: tuple[tuple[int, int], dict] = ((0, 0), {})
         admit: Callable[..., bool] | None = self._admit
         if rule == "off":
             admit = None

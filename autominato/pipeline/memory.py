@@ -90,6 +90,9 @@ class SampleMemory:
         self._waited: set = set()  # keys refused that have not started since
         # learn (the scheduler thread) against restore / saved (the training thread)
         self._lock = threading.Lock()
+        #: changes whenever a figure does (learn, restore): estimates kept across asks are
+        #: stale once it moved
+        self.version = 0
 
     @property
     def known(self) -> bool:
@@ -119,6 +122,7 @@ class SampleMemory:
             if old > 0:
                 del self._sorted[bisect.bisect_left(self._sorted, old)]
             bisect.insort(self._sorted, new)
+            self.version += 1
 
     def saved(self) -> list[int] | None:
         """The figures as ``Loader.state_dict()`` keeps them: bytes per index (0 unknown),
@@ -142,6 +146,7 @@ class SampleMemory:
             peaks[fill] = given[fill]
             self._sorted = np.sort(peaks[peaks > 0]).astype(float).tolist()
             self._peaks = peaks
+            self.version += 1
 
     @staticmethod
     def merge(own: list[int] | None, given: list[int] | None) -> list[int] | None:

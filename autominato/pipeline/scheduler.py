@@ -258,7 +258,8 @@ class Pipeline:
             self._held_key: tuple | None = None
             self._overtook: set[tuple] = set()
             self._admit_stage: Stage | None = None
-            self._scan_ests: tuple[int, dict] = (0, {})  # (Stage.scans, key -> estimate)
+            # ((Stage.scans, SampleMemory.version), key -> estimate): see _admit
+            self._scan_ests: tuple[tuple[int, int], dict] = ((0, 0), {})
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -743,8 +744,10 @@ class Pipeline:
         if self.memory.known and self.procs.chunk == 1:
             est = self.memory.estimate
             scans = self._admit_stage.scans if self._admit_stage is not None else 0
-            if scans % 2 and self._scan_ests[0] == scans:
-                # asked again in the same pump: the workers' items are those of the last ask
+            stamp = (scans, self.memory.version)
+            if scans % 2 and self._scan_ests[0] == stamp:
+                # asked again in the same pump with the same figures (a restore from the
+                # training thread moves them): the workers' items are those of the last ask
                 # plus the ones admitted since (added below), so their estimates are kept
                 ests = self._scan_ests[1]
             else:
@@ -756,7 +759,7 @@ class Pipeline:
                     self._overtook &= keep
                 median = self.memory.median
                 ests = {k: est(index[k]) if k in index else median for k in held}
-                self._scan_ests = (scans, ests)
+                self._scan_ests = (stamp, ests)
             in_flight = list(ests.values())
             ahead = None
             if overtaking:
