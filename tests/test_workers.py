@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import queue
 import random
 import signal
@@ -662,6 +663,30 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     assert "cannot rebuild this dataset here" in out["broken"], out["broken"]
     assert out["late"][0] in ("nested", "fresh") and out["late"][1] == list(range(8))
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")
+
+
+def test_a_zygote_that_exits_with_a_request_unread_is_still_heard():
+    """A zygote that cannot unpickle the spec says why and exits; a start request the loader
+    sent meanwhile stays unread in its queue, and Linux then reports ECONNRESET on the
+    loader's end once, before the message still queued there. Taking that error for the end
+    lost the reason: the training loop saw "1 transform worker processes in a row died
+    before they were ready" instead of the dataset's error (1 run in ~150 of the second
+    loader's test under load)."""
+    import socket
+
+    from autominato.pipeline.spawn import Zygote
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = Zygote.__new__(Zygote)
+    z.ctrl, z.gone = ours, False
+    try:
+        ours.send(pickle.dumps(("start", 0, 1)))  # the request it never reads
+        theirs.send(pickle.dumps(("fatal", "cannot rebuild this dataset here")))
+        theirs.close()
+        assert z.receive() == [("fatal", "cannot rebuild this dataset here")]
+        assert z.gone
+    finally:
+        ours.close()
 
 
 def test_the_heap_is_given_back_after_a_task_once_it_grew_by_the_slack(monkeypatch):

@@ -302,11 +302,22 @@ class Zygote:
     def receive(self) -> list[tuple]:
         """Messages waiting from the zygote (never blocks); sets :attr:`gone` at its end."""
         out = []
+        reset = False
         while not self.gone:
             try:
                 data = self.ctrl.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
+            except ConnectionResetError:
+                if reset:
+                    data = b""
+                else:
+                    # It exited with a request of ours unread: Linux reports that (once)
+                    # before the messages it sent last, which are still queued: its
+                    # ("fatal", why) among them (af_unix sets the peer's ECONNRESET, and
+                    # a SEQPACKET read returns the socket's error first)
+                    reset = True
+                    continue
             except OSError:
                 data = b""
             if not data:
