@@ -671,7 +671,7 @@ def test_a_zygote_that_exits_with_a_request_unread_is_still_heard():
     loader's end once, before the message still queued there. Taking that error for the end
     lost the reason: the training loop saw "1 transform worker processes in a row died
     before they were ready" instead of the dataset's error (the second loader's test failed
-    so once in 179 runs of its script on a loaded machine)."""
+    this way once in 179 runs of its script on a loaded machine)."""
     import socket
 
     from autominato.pipeline.spawn import Zygote

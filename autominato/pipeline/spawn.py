@@ -312,10 +312,12 @@ class Zygote:
                 if reset:
                     data = b""
                 else:
-                    # It exited with a request of ours unread: Linux reports that (once)
-                    # before the messages it sent last, which are still queued: its
-                    # ("fatal", why) among them (af_unix sets the peer's ECONNRESET, and
-                    # a SEQPACKET read returns the socket's error first)
+                    # It exited with a message of ours unread (a start request, say):
+                    # Linux reports that once, to this read or to a send, before the
+                    # messages it sent last, which are still queued, its ("fatal", why)
+                    # among them (net/unix/af_unix.c unix_release_sock sets the peer's
+                    # ECONNRESET; net/core/datagram.c __skb_try_recv_datagram returns
+                    # sock_error(), which clears it, before the queue)
                     reset = True
                     continue
             except OSError:
