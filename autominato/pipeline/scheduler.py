@@ -743,7 +743,7 @@ class Pipeline:
         index = self._in_flight
         if self.memory.known and self.procs.chunk == 1:
             est = self.memory.estimate
-            scans = self._admit_stage.scans if self._admit_stage is not None else 0
+            scans = self._admit_stage.scans  # (_admit is that stage's admit)
             stamp = (scans, self.memory.version)
             if scans % 2 and self._scan_ests[0] == stamp:
                 # asked again in the same pump with the same figures (a restore from the

@@ -309,9 +309,7 @@ class Zygote:
             except BlockingIOError:
                 break
             except ConnectionResetError:
-                if reset:
-                    data = b""
-                else:
+                if not reset:
                     # It exited with a message of ours unread (a start request, say):
                     # Linux reports that once, to this read or to a send, before the
                     # messages it sent last, which are still queued, its ("fatal", why)
@@ -320,6 +318,7 @@ class Zygote:
                     # sock_error(), which clears it, before the queue)
                     reset = True
                     continue
+                data = b""
             except OSError:
                 data = b""
             if not data:
