@@ -1287,9 +1287,14 @@ class _EpochIterator:
         L._delivered(now, wait, len(indices), id(self))
         return batch
 
-    def _poll_h2d(self) -> None:
+    def _poll_h2d(self, wait: bool = False) -> None:
+        """Count the host-to-device copies of delivered batches that have finished (with
+        ``wait``, all of them, waiting for the last: the epoch's end, so that its last
+        batches are counted too) and let their pinned host buffers go."""
         keep = []
         for e0, e1, nbytes, host in self._pending_h2d:
+            if wait:
+                e1.synchronize()
             if e1.query():
                 seconds = e0.elapsed_time(e1) / 1000.0
                 self.L._h2d_bytes += nbytes
@@ -1302,6 +1307,8 @@ class _EpochIterator:
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            if self._pending_h2d:
+                self._poll_h2d(wait=True)
             self.pipeline.stop(self.run)
 
     def stop(self) -> None:

@@ -316,6 +316,58 @@ def test_a_failing_transfer_raises_in_the_training_loop_instead_of_hanging(monke
                 pass
 
 
+class _Event:
+    """A CUDA event as ``_EpochIterator`` reads it: its copy is done at the second query
+    (a copy still running when the training loop first looks), or once synchronized."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+        self.synced = False
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.synced or self.queries > 1
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return 2.0  # ms
+
+
+def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(monkeypatch):
+    """A copy still running when the training loop takes its batch is counted once it ends;
+    at the epoch's end the loader waits for the last ones instead of dropping them."""
+    from autominato.pipeline import scheduler as S
+    from autominato.pipeline.collate import batch_nbytes
+    from autominato.pipeline.stage import Result
+
+    def transfer(self, key, job):
+        _, payload = job
+        if isinstance(payload, S._Final):
+            return Result("transfer", key, payload)
+        batch, indices, positions = payload
+        return Result("transfer", key, (batch, indices, positions,
+                                        (_Event(), _Event(), batch_nbytes(batch), batch)))
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            pass
+
+    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
+    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    with Loader(Tensors(22), 4, workers=1, worker_kind="thread", autotune=False,
+                collate_fn=torch.stack) as L:
+        L.device = torch.device("cpu")  # (current_stream's argument only)
+        for epoch in range(2):
+            nbytes = sum(b.numel() * b.element_size() for b in L)
+            assert nbytes == 22 * 4 * 4
+            snap = L.snapshot()
+            assert snap.h2d_bytes_total == (epoch + 1) * nbytes
+            assert snap.h2d_seconds_total == pytest.approx((epoch + 1) * 6 * 0.002)
+
+
 def test_a_collate_error_always_reaches_the_training_loop():
     def coll(samples):
         if any(int(s[0]) == 13 for s in samples):
