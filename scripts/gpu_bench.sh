@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu_bench.sh OUT
 #
+# (On a GPU machine that cannot reach a package index: scripts/device_prepare.sh here, then
+# scripts/device_check.sh there, which installs the carried wheels, runs tests/test_cuda.py
+# and calls this script.)
+#
 # Run from the repository root with the project installed in the current python
 # (pip install -e ".[bench,gpu]"). Nothing is downloaded: a missing peer (torchdata, spdl) or
 # nvidia-ml-py is installed only from a local wheel folder (WHEELS=dir), else the bench reports
