@@ -623,6 +623,18 @@ class Loader:
             self._controller = Controller(me, config=cfg,
                                           cores=cores if worker_kind == "ray" else None)
             self._controller.start()
+        self._initialized = True
+
+    #: Attributes fixed once the Loader is built (DataLoader's list and error): the epoch's
+    #: order, the batches, the workers' dataset and the pipeline are made from them.
+    _FIXED = frozenset(("dataset", "batch_size", "batch_sampler", "sampler", "drop_last",
+                        "persistent_workers"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and self.__dict__.get("_initialized", False):
+            raise ValueError(f"{name} attribute should not be set after "
+                             f"{type(self).__name__} is initialized")
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ DataLoader API
     def __len__(self) -> int:
@@ -733,87 +745,106 @@ class Loader:
             rank=self.rank, world_size=self.world_size, batch_size=self._batch, drop_last=self.drop_last,
         ), None
 
+    #: What ``__iter__`` moves before its pass starts, put back when the start raises.
+    _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
+                    "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
+                    "_last_sampler_epoch")
+
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         with self._lock:
-            prev = self._progress
-            # A resumed pass that ended delivered its epoch's batches before the checkpoint,
-            # maybe all of them (a checkpoint after the last batch): it was an epoch too.
-            ended_resumed = prev is not None and prev.finished and prev.batches > 0
-            was_epoch = self._batches > self._batches_at_iter or ended_resumed
-            if self._started and not self._epoch_set and was_epoch:
-                # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
-                # loop sets the epoch itself; from then on, as with DistributedSampler, the
-                # epoch is the one set (a peek with next(iter(loader)) does not advance it).
-                # A pass that delivered no batch is not an epoch (RandomSampler draws its
-                # permutation at the first batch): Lightning calls iter() once to check the
-                # loader, then again for epoch 0, and only then set_epoch(0).
-                self._epoch += 1
-            self._batches_at_iter = self._batches
-            self._started = True
-            self._end_step()
-            self._set_ranks()
-            if self._iterable:
-                progress = self._progress = resume.Progress(self._epoch, None)
-                if self.knobs.workers == 0:
-                    # One stream in the loop's thread: len() batches are all there is (a
-                    # dataset whose __len__ is true), as DataLoader's single-process iterator.
-                    progress.drained = lambda: True
-                    return _SyncStreamIterator(self, self._epoch, progress)
-                pipeline = self._ensure_pipeline()
-                run = pipeline.start_stream(self._epoch)
-                progress.drained = functools.partial(_run_drained, run)
-                return _EpochIterator(self, pipeline, run, progress)
-            pending, self._resume = self._resume, None
-            if (pending is None and not was_epoch and self._resumed is not None
-                    and prev is not None and prev.epoch == self._epoch and not prev.finished):
-                pending = self._resumed  # the resumed pass delivered no batch: resume again
-            self._resumed = pending
-            if pending is not None:
-                for name, sd in pending["samplers"].items():
-                    getattr(self, name).load_state_dict(sd)
-            samplers = resume.sampler_states(self)
-            order, groups = self._order(self._epoch)
+            # A pass that cannot start (a scheduler that failed, a dataset that no longer
+            # pickles, a checkpoint that does not match) leaves the loader as it was: else
+            # the epoch would move on and state_dict() describe a pass that never ran, and a
+            # checkpoint taken then would skip the rest of the interrupted epoch.
+            saved = [getattr(self, name) for name in self._PASS_FIELDS]
             try:
-                done = (resume.resumed_positions(pending, order, self._epoch,
-                                                 self._order_rank())
-                        if pending is not None else [])
-            except ValueError:
-                # The checkpoint stays pending: a later pass must not start the epoch afresh
-                # and deliver again what was delivered before it (review 45).
-                self._resume, self._resumed = pending, None
+                return self._start_pass()
+            except BaseException:
+                for name, value in zip(self._PASS_FIELDS, saved, strict=True):
+                    setattr(self, name, value)
                 raise
-            # A user's sampler may not rebuild the same order on resume: its fingerprint is
-            # saved with a mid-epoch state and checked (the Loader's own order follows from
-            # the seeds and shape that load_state_dict checks).
-            user_order = self._sampler is not None or self.batch_sampler is not None
-            progress = resume.Progress(self._epoch, len(order), done,
-                                       pending["batches"] if done else 0, samplers,
-                                       order if user_order else None, self._order_rank())
-            self._progress = progress
+
+    def _start_pass(self) -> Iterator[Any]:
+        """``__iter__``'s work, under ``self._lock``."""
+        prev = self._progress
+        # A resumed pass that ended delivered its epoch's batches before the checkpoint,
+        # maybe all of them (a checkpoint after the last batch): it was an epoch too.
+        ended_resumed = prev is not None and prev.finished and prev.batches > 0
+        was_epoch = self._batches > self._batches_at_iter or ended_resumed
+        if self._started and not self._epoch_set and was_epoch:
+            # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
+            # loop sets the epoch itself; from then on, as with DistributedSampler, the
+            # epoch is the one set (a peek with next(iter(loader)) does not advance it).
+            # A pass that delivered no batch is not an epoch (RandomSampler draws its
+            # permutation at the first batch): Lightning calls iter() once to check the
+            # loader, then again for epoch 0, and only then set_epoch(0).
+            self._epoch += 1
+        self._batches_at_iter = self._batches
+        self._started = True
+        self._end_step()
+        self._set_ranks()
+        if self._iterable:
+            progress = self._progress = resume.Progress(self._epoch, None)
             if self.knobs.workers == 0:
-                return _SyncIterator(self, order, groups, self._epoch, progress)
+                # One stream in the loop's thread: len() batches are all there is (a
+                # dataset whose __len__ is true), as DataLoader's single-process iterator.
+                progress.drained = lambda: True
+                return _SyncStreamIterator(self, self._epoch, progress)
             pipeline = self._ensure_pipeline()
-            if self._last_pass_epoch is not None and was_epoch:
-                # (after a pass that was no epoch, Lightning's check, the step is kept)
-                step = self._epoch - self._last_pass_epoch
-                self._epoch_step = step if step in (0, 1) else 1
-                if self._last_sampler_epoch is not None:
-                    # (a DistributedSampler whose epoch the loop sets itself: its own step)
-                    step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
-                    self._sampler_epoch_step = step if step in (0, 1) else 1
-            self._last_pass_epoch = self._epoch
-            self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
-                                        is DistributedSampler else None)
-            # The Loader's own orders (RandomSampler's, SequentialSampler's) and a
-            # DistributedSampler's (its padding repeats an index on another rank only) hold
-            # each index once: their repeats are not looked for.
-            unique = self.batch_sampler is None and (
-                self._sampler is None or type(self._sampler) is DistributedSampler)
-            run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
-                                 unique=unique)
+            run = pipeline.start_stream(self._epoch)
+            progress.drained = functools.partial(_run_drained, run)
             return _EpochIterator(self, pipeline, run, progress)
+        pending, self._resume = self._resume, None
+        if (pending is None and not was_epoch and self._resumed is not None
+                and prev is not None and prev.epoch == self._epoch and not prev.finished):
+            pending = self._resumed  # the resumed pass delivered no batch: resume again
+        self._resumed = pending
+        if pending is not None:
+            for name, sd in pending["samplers"].items():
+                getattr(self, name).load_state_dict(sd)
+        samplers = resume.sampler_states(self)
+        order, groups = self._order(self._epoch)
+        try:
+            done = (resume.resumed_positions(pending, order, self._epoch,
+                                             self._order_rank())
+                    if pending is not None else [])
+        except ValueError:
+            # The checkpoint stays pending: a later pass must not start the epoch afresh
+            # and deliver again what was delivered before it (review 45).
+            self._resume, self._resumed = pending, None
+            raise
+        # A user's sampler may not rebuild the same order on resume: its fingerprint is
+        # saved with a mid-epoch state and checked (the Loader's own order follows from
+        # the seeds and shape that load_state_dict checks).
+        user_order = self._sampler is not None or self.batch_sampler is not None
+        progress = resume.Progress(self._epoch, len(order), done,
+                                   pending["batches"] if done else 0, samplers,
+                                   order if user_order else None, self._order_rank())
+        self._progress = progress
+        if self.knobs.workers == 0:
+            return _SyncIterator(self, order, groups, self._epoch, progress)
+        pipeline = self._ensure_pipeline()
+        if self._last_pass_epoch is not None and was_epoch:
+            # (after a pass that was no epoch, Lightning's check, the step is kept)
+            step = self._epoch - self._last_pass_epoch
+            self._epoch_step = step if step in (0, 1) else 1
+            if self._last_sampler_epoch is not None:
+                # (a DistributedSampler whose epoch the loop sets itself: its own step)
+                step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
+                self._sampler_epoch_step = step if step in (0, 1) else 1
+        self._last_pass_epoch = self._epoch
+        self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
+                                    is DistributedSampler else None)
+        # The Loader's own orders (RandomSampler's, SequentialSampler's) and a
+        # DistributedSampler's (its padding repeats an index on another rank only) hold
+        # each index once: their repeats are not looked for.
+        unique = self.batch_sampler is None and (
+            self._sampler is None or type(self._sampler) is DistributedSampler)
+        run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
+                             unique=unique)
+        return _EpochIterator(self, pipeline, run, progress)
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the most recent iterator, to resume its epoch in a new process
@@ -872,7 +903,12 @@ class Loader:
                 if self._pipeline is not None:  # its workers hold the drawn seed
                     p = self._pipeline
                     self.knobs.unsubscribe(p.knobs_changed)
-                    p.close()
+                    # A live iterator cannot go on (its workers hold the old seed): it raises
+                    # rather than end as if its epoch were complete.
+                    p.close(RuntimeError(
+                        "load_state_dict() took the state's seed while an iterator of this "
+                        "Loader was live: that iterator's epoch was stopped; start a new pass "
+                        "(iter(loader)) to resume from the state"))
                     # (its figures, else those it was given: memory_aware=False measures none)
                     self._memory_figures = p.memory.saved() or self._memory_figures
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts

@@ -441,3 +441,21 @@ def test_a_kept_error_does_not_keep_its_run():
             time.sleep(0.02)
         assert kept is not None
         assert [r for r in pipeline.runs.values() if not r.speculative] == []
+
+
+def test_what_makes_the_epochs_cannot_be_set_after_init_as_with_dataloader():
+    ds = Indexed(10)
+    for name, value in [("batch_size", 2), ("sampler", [0, 1, 2]), ("drop_last", True),
+                        ("dataset", Indexed(4)), ("batch_sampler", None),
+                        ("persistent_workers", True)]:
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after "
+                                             "DataLoader is initialized"):
+            setattr(DataLoader(ds, 4), name, value)
+        with Loader(ds, 4, num_workers=1, autotune=False) as L:
+            with pytest.raises(ValueError, match=f"{name} attribute should not be set after "
+                                                 "Loader is initialized"):
+                setattr(L, name, value)
+            assert [len(b) for b in L] == [4, 4, 2]  # nothing half applied
+    with Loader(ds, 4, num_workers=1, autotune=False) as L:
+        L.num_workers = 2  # a knob, not part of the epoch's shape: settable
+        assert L.num_workers == 2

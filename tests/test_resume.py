@@ -784,3 +784,61 @@ def test_a_samples_error_loses_its_samples_for_a_resume_too(workers, in_order):
     assert sorted(got + rest) == sorted(set(range(12)) - lost)
     if in_order:
         assert got + rest == [0, 1, 2, 6, 7, 8, 9, 10, 11]
+
+
+class _Pickles:
+    """Sample i is i; ``hold`` can be set to something that does not pickle."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.hold = n, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.float32(i)
+
+
+def test_a_pass_that_cannot_start_leaves_the_checkpoint_of_the_pass_before():
+    """``persistent_workers=False`` sends the dataset again at each pass; a dataset that no
+    longer pickles fails that pass's start. The loader stays where it was: its state is the
+    interrupted epoch's, and a resume from it delivers the rest of that epoch."""
+    ds = _Pickles(12)
+    L = Loader(ds, batch_size=3, num_workers=1, persistent_workers=False, seed=1,
+               autotune=False)
+    with L:
+        list(L)
+        it = iter(L)
+        got = [next(it), next(it)]
+        before = L.state_dict()
+        assert before["epoch"] == 1 and not before["finished"]
+        del it
+        ds.hold = threading.Lock()  # pickles with neither pickle nor cloudpickle
+        with pytest.raises(Exception, match="(?i)pickle|lock"):
+            iter(L)
+        assert L.state_dict() == before
+        ds.hold = None
+        again = list(L)  # a new pass, as after any dropped iterator: the next epoch, whole
+        assert L.state_dict()["epoch"] == 2
+        assert sorted(float(v) for b in again for v in b) == [float(i) for i in range(12)]
+    with Loader(_Pickles(12), batch_size=3, num_workers=1, seed=1, autotune=False) as M:
+        M.load_state_dict(before)
+        rest = list(M)
+    assert sorted(float(v) for b in got + rest for v in b) == [float(i) for i in range(12)]
+
+
+def test_a_state_that_replaces_the_seed_stops_a_live_iterator_with_an_error():
+    """A Loader that drew its seed takes the state's, which its running workers do not hold:
+    an iterator live at that moment raises instead of ending as if its epoch were complete."""
+    with Loader(_Pickles(12), batch_size=3, num_workers=1, seed=9, autotune=False) as other:
+        list(other)
+        state = other.state_dict()
+    with Loader(_Pickles(12), batch_size=3, num_workers=1, autotune=False) as L:
+        list(L)
+        it = iter(L)
+        next(it)
+        L.load_state_dict(state)
+        with pytest.raises(RuntimeError, match="load_state_dict"):
+            list(it)
+        assert L.seed == 9
+        assert sorted(float(v) for b in L for v in b) == [float(i) for i in range(12)]

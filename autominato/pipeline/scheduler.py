@@ -474,8 +474,9 @@ class Pipeline:
         (one that gave them back after ``shm.DECAY_S`` idle seconds is not counted)."""
         return self.slots.resident_bytes() + self.batch_pool.resident_bytes()
 
-    def close(self) -> None:
-        """Stop every thread and worker and unlink the shared memory. Idempotent."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop every thread and worker and unlink the shared memory. Idempotent. A live
+        iterator then ends (``StopIteration``), or with ``error`` raises it."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -486,7 +487,7 @@ class Pipeline:
             if st is not None:
                 st.executor.stop()
         for run in list(self.runs.values()):
-            run.finish(None)
+            run.finish(None if error is None else ("error", error))
         self.runs.clear()
         self.batch_pool.clear()
         self.slots.close()
