@@ -909,6 +909,8 @@ class Loader:
                         "load_state_dict() took the state's seed while an iterator of this "
                         "Loader was live: that iterator's epoch was stopped; start a new pass "
                         "(iter(loader)) to resume from the state"))
+                    if p.pending is not None:  # the next epoch of the old seed's order
+                        p.speculative_discarded += p.pending.taken
                     # (its figures, else those it was given: memory_aware=False measures none)
                     self._memory_figures = p.memory.saved() or self._memory_figures
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts

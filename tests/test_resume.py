@@ -842,3 +842,13 @@ def test_a_state_that_replaces_the_seed_stops_a_live_iterator_with_an_error():
             list(it)
         assert L.seed == 9
         assert sorted(float(v) for b in L for v in b) == [float(i) for i in range(12)]
+
+
+def test_the_next_epochs_prefetch_dropped_by_a_new_seed_is_counted_as_discarded():
+    with Loader(_Pickles(12), batch_size=3, num_workers=1, seed=9, autotune=False) as other:
+        state = other.state_dict()
+    with Loader(_Pickles(12), batch_size=3, num_workers=1, autotune=False) as L:
+        list(L)  # the next epoch's samples start while this one's tail finishes
+        assert L.snapshot().speculative_discarded_total == 0
+        L.load_state_dict(state)  # the drawn seed's next epoch is not the state's
+        assert L.snapshot().speculative_discarded_total > 0
