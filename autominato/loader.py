@@ -451,12 +451,12 @@ class Loader:
                                      f"option, but got {name}={value!r} (the dataset orders and "
                                      "shards itself, as with DataLoader)")
             try:
-                self._n = len(dataset)
+                self._n_iterable: int | None = len(dataset)
             except TypeError:  # no __len__, or one that refuses (as IterableDataset's)
-                self._n = None
+                self._n_iterable = None
         else:
             try:
-                self._n = len(dataset)
+                len(dataset)
             except TypeError as e:
                 raise ValueError("dataset must be map-style (define __len__ and __getitem__) or "
                                  "iterable (a torch.utils.data.IterableDataset, or define __iter__)"
@@ -637,6 +637,15 @@ class Loader:
         super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ DataLoader API
+    @property
+    def _n(self) -> int | None:
+        """The dataset's length: a map-style dataset's read again each time, as the
+        DataLoader's samplers do at each pass (a dataset that grows or shrinks between
+        epochs); an iterable dataset's as it was when the Loader was built, or ``None``."""
+        if self._iterable:
+            return self._n_iterable
+        return len(self.dataset)
+
     def __len__(self) -> int:
         """Batches per epoch on this rank (an upper bound when ``on_error="skip"`` drops some).
 
@@ -760,11 +769,20 @@ class Loader:
             # checkpoint taken then would skip the rest of the interrupted epoch.
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             try:
-                return self._start_pass()
+                it = self._start_pass()
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
                 raise
+            self._last_iter = weakref.ref(it)
+            return it
+
+    def _pass_live(self) -> bool:
+        """The last pass's iterator is still held and has not ended (``zip(loader, loader)``;
+        not Lightning's check pass, whose iterator is dropped at once)."""
+        ref = self.__dict__.get("_last_iter")
+        it = ref() if ref is not None else None
+        return it is not None and not it._done
 
     def _start_pass(self) -> Iterator[Any]:
         """``__iter__``'s work, under ``self._lock``."""
@@ -773,13 +791,15 @@ class Loader:
         # maybe all of them (a checkpoint after the last batch): it was an epoch too.
         ended_resumed = prev is not None and prev.finished and prev.batches > 0
         was_epoch = self._batches > self._batches_at_iter or ended_resumed
-        if self._started and not self._epoch_set and was_epoch:
+        if self._started and not self._epoch_set and (was_epoch or self._pass_live()):
             # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
             # loop sets the epoch itself; from then on, as with DistributedSampler, the
             # epoch is the one set (a peek with next(iter(loader)) does not advance it).
             # A pass that delivered no batch is not an epoch (RandomSampler draws its
             # permutation at the first batch): Lightning calls iter() once to check the
-            # loader, then again for epoch 0, and only then set_epoch(0).
+            # loader, then again for epoch 0, and only then set_epoch(0). A pass begun
+            # while the last one is live is a new epoch too: each of zip(loader, loader)'s
+            # sides draws its own permutation from RandomSampler.
             self._epoch += 1
         self._batches_at_iter = self._batches
         self._started = True

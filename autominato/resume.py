@@ -156,6 +156,14 @@ def _warn_restart(text: str) -> None:
     warnings.warn(text, IterableRestartWarning, stacklevel=4)
 
 
+def _figures(loader: Any) -> list[int] | None:
+    """Memory-aware dispatch's figures for the state: one per index of the dataset as it is
+    now (``None`` when the dataset changed length since they were measured)."""
+    figures = ((loader._pipeline.memory.saved() if loader._pipeline is not None else None)
+               or loader._memory_figures)
+    return figures if figures is not None and len(figures) == loader._n else None
+
+
 def build(loader: Any) -> dict[str, Any]:
     """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
     p: Progress | None = loader._progress
@@ -206,8 +214,7 @@ def build(loader: Any) -> dict[str, Any]:
         "order_rank": None,  # the rank whose order it is
         # memory-aware dispatch's figures (peak bytes per index), so a resumed run holds its
         # outliers apart from its first epoch
-        "sample_memory": (loader._pipeline.memory.saved() if loader._pipeline is not None
-                          else None) or loader._memory_figures,
+        "sample_memory": _figures(loader),
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
 
@@ -459,3 +460,72 @@ def test_what_makes_the_epochs_cannot_be_set_after_init_as_with_dataloader():
     with Loader(ds, 4, num_workers=1, autotune=False) as L:
         L.num_workers = 2  # a knob, not part of the epoch's shape: settable
         assert L.num_workers == 2
+
+
+class Resizable:
+    """Sample i is items[i]; ``items`` may be replaced between epochs."""
+
+    def __init__(self, n: int) -> None:
+        self.items = list(range(n))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return np.full(1, self.items[i], np.int64)
+
+
+@pytest.mark.parametrize("kw", [dict(num_workers=0),
+                                dict(num_workers=2, worker_kind="thread"),
+                                dict(num_workers=1, persistent_workers=False)])
+def test_a_dataset_that_shrinks_or_grows_between_epochs_is_read_as_it_is(kw):
+    """DataLoader's samplers take len(dataset) at each pass; so does the Loader's order."""
+    seen = {}
+    for make in (DataLoader, Loader):
+        ds = Resizable(6)
+        args = {k: v for k, v in kw.items() if k != "worker_kind"} if make is DataLoader else kw
+        extra = {} if make is DataLoader else dict(autotune=False, seed=0)
+        loader = make(ds, batch_size=2, shuffle=True, **args, **extra)
+        got = [sorted(int(x) for b in loader for x in b)]
+        ds.items = ds.items[:4]
+        got.append((len(loader), sorted(int(x) for b in loader for x in b)))
+        ds.items = list(range(8))
+        got.append((len(loader), sorted(int(x) for b in loader for x in b)))
+        seen[make] = got
+        if make is Loader:
+            loader.close()
+    assert seen[Loader] == seen[DataLoader] == [
+        list(range(6)), (2, list(range(4))), (4, list(range(8)))]
+
+
+def test_workers_that_keep_an_older_copy_of_a_grown_dataset_say_so():
+    ds = Resizable(6)
+    with Loader(ds, batch_size=2, num_workers=1, autotune=False) as L:  # persistent workers
+        list(L)
+        ds.items = list(range(8))
+        with pytest.raises(IndexError) as info:
+            list(L)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    if sys.version_info >= (3, 11):
+        assert "the dataset has 8 samples now, the workers' copy 6" in notes
+        assert "persistent_workers=False" in notes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_live_iterators_draw_their_own_shuffle_as_with_random_sampler(workers):
+    """Each of ``zip(loader, loader)``'s sides is a pass of its own, so a new epoch (a new
+    permutation and augmentation), as each iter() over RandomSampler draws anew; after
+    ``set_epoch(e)`` both are epoch ``e`` (DistributedSampler's)."""
+    with Loader(Indexed(16), 4, shuffle=True, seed=1, num_workers=workers, in_order=True,
+                autotune=False) as L:
+        def sides():
+            pairs = list(zip(L, L, strict=True))
+            return ([i for p in pairs for i in p[k][:, 0].tolist()] for k in (0, 1))
+
+        first, second = sides()
+        assert sorted(first) == sorted(second) == list(range(16))
+        assert first != second
+        assert L.epoch == 1
+        L.set_epoch(3)
+        a, b = sides()
+        assert a == b and sorted(a) == list(range(16))

@@ -852,3 +852,22 @@ def test_the_next_epochs_prefetch_dropped_by_a_new_seed_is_counted_as_discarded(
         assert L.snapshot().speculative_discarded_total == 0
         L.load_state_dict(state)  # the drawn seed's next epoch is not the state's
         assert L.snapshot().speculative_discarded_total > 0
+
+
+def test_a_state_after_the_dataset_changed_length_drops_the_older_memory_figures():
+    class Resizable(_Pickles):
+        def __len__(self) -> int:
+            return self.n
+
+    ds = Resizable(6)
+    with Loader(ds, batch_size=3, num_workers=0, seed=1, autotune=False) as L:
+        state = L.state_dict()
+        state["sample_memory"] = [1000] * 6  # figures of the 6 samples measured
+        L.load_state_dict(state)
+        assert L.state_dict()["sample_memory"] == [1000] * 6
+        ds.n = 8
+        grown = L.state_dict()
+    assert grown["dataset_len"] == 8 and grown["sample_memory"] is None
+    with Loader(Resizable(8), batch_size=3, num_workers=0, seed=1, autotune=False) as M:
+        M.load_state_dict(grown)
+        assert sorted(float(v) for b in M for v in b) == [float(i) for i in range(8)]

@@ -707,6 +707,21 @@ class Pipeline:
                     st.executor.resize(self._want(st))  # workers that could not start: again
         self._decide(run, run.epoch.start())
 
+    def _note_stale_copy(self, err: BaseException) -> None:
+        """An ``IndexError`` of a process worker whose copy of the dataset is older than the
+        dataset's length now (``persistent_workers=True`` keeps the copy it got at start):
+        say so, and how to give the workers the dataset as it is."""
+        try:
+            now = len(self.spec.dataset)
+        except Exception:  # noqa: BLE001 - only a hint
+            return
+        if now != self.cfg.dataset_len:
+            err.add_note(f"[autominato] the dataset has {now} samples now, the workers' copy "
+                         f"{self.cfg.dataset_len}: persistent_workers=True keeps the copy the "
+                         "workers got when the Loader was built; pass persistent_workers=False "
+                         "for a dataset that changes between epochs (they then get it again "
+                         "when it changed)")
+
     def _first_item(self, run: Run, index: int, key: tuple, draw: int) -> Any:
         """The first stage's item: ``(index, epoch, draw)`` for threads and Ray actors
         (``draw``: see :func:`~autominato.pipeline.worker.sample_rng`), a process worker's
@@ -896,6 +911,9 @@ class Pipeline:
         note = None
         if r.lost and not r.timed_out and not r.requeue and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
             note = f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried"
+        if (isinstance(r.error, IndexError) and not r.lost and self.cfg.persistent_workers
+                and self.procs is not None and hasattr(r.error, "add_note")):
+            self._note_stale_copy(r.error)
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
