@@ -35,7 +35,7 @@ from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise
 from autominato.pipeline.errors import ErrorReport, log_skip
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.memory import SampleMemory
-from autominato.pipeline.sampler import epoch_order
+from autominato.pipeline.sampler import epoch_order, read_sampler
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
 from autominato.pipeline.shm import shm_free_bytes
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageStats
@@ -747,7 +747,8 @@ class Loader:
         """The epoch's dataset indices in sampler order, and the sizes of the batch
         sampler's batches (``None`` without one)."""
         if self.batch_sampler is not None:
-            batches = [[int(i) for i in b] for b in self.batch_sampler]
+            batches = read_sampler(self.batch_sampler, self._n, "batch_sampler",
+                                   lambda b: [int(i) for i in b])
             return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self._sampler,

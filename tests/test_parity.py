@@ -529,3 +529,34 @@ def test_two_live_iterators_draw_their_own_shuffle_as_with_random_sampler(worker
         L.set_epoch(3)
         a, b = sides()
         assert a == b and sorted(a) == list(range(16))
+
+
+class Endless(torch.utils.data.Sampler):
+    """detectron2's TrainingSampler's shape: permutations forever, no __len__."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        while True:
+            yield from torch.randperm(self.n, generator=g).tolist()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_endless_sampler_is_refused_by_name_instead_of_filling_the_memory(workers, monkeypatch):
+    from autominato.pipeline import sampler as S
+
+    monkeypatch.setattr(S, "MAX_ORDER", 1000)  # (the bound's size does not change the rule)
+    with Loader(Indexed(5), 2, sampler=Endless(5), num_workers=workers, autotune=False) as L:
+        with pytest.raises(ValueError, match=r"the sampler \(Endless\) gave more than 1000 "
+                                             "indices in one pass.*endless sampler"):
+            next(iter(L))
+    batches = BatchSampler(Endless(5), 2, drop_last=False)
+    with Loader(Indexed(5), batch_sampler=batches, num_workers=workers, autotune=False) as L:
+        with pytest.raises(ValueError, match="the batch_sampler .* gave more than 1000 batches"):
+            next(iter(L))
+    # a sampler without a length that ends is read whole, as long as it is
+    with Loader(Indexed(5), 2, sampler=(i % 5 for i in range(999)), num_workers=workers,
+                autotune=False) as L:
+        assert sum(len(b) for b in L) == 999

@@ -8,10 +8,54 @@ the DataLoader's ``BatchSampler`` would leave in its last, short batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
+
+#: Indices (or batches, of a ``batch_sampler``) read from a user's sampler in one pass at
+#: most, unless its ``len()`` says more: ``max(MAX_ORDER_PER_SAMPLE * len(dataset),
+#: MAX_ORDER)``. A pass takes its whole order when it starts, so a sampler that never ends
+#: (detectron2's ``TrainingSampler``, a ``while True`` generator) would fill the memory
+#: forever; past the bound it is refused with an error instead. 2**20 ints are about 36 MB of
+#: Python list and 0.1-0.3 s to read.
+MAX_ORDER = 1 << 20
+MAX_ORDER_PER_SAMPLE = 16
+
+
+def read_sampler(sampler: Any, n: int, name: str = "sampler",
+                 item: Any = int) -> list:
+    """``[item(x) for x in sampler]``, refusing a sampler that does not end.
+
+    Args:
+        sampler: a sampler or batch sampler (an iterable; its ``len()``, if any, raises the
+            bound).
+        n: the dataset's length.
+        name: the argument's name in the error.
+        item: applied to each element (``int``; a batch sampler's: a list of ints).
+
+    Raises:
+        ValueError: the sampler gave more than ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER,
+            2 * len(sampler))`` elements in one pass (it never ends, as an infinite
+            sampler).
+    """
+    cap = max(MAX_ORDER_PER_SAMPLE * max(n, 1), MAX_ORDER)
+    try:
+        cap = max(cap, 2 * len(sampler))
+    except TypeError:
+        pass
+    out = [item(x) for x in itertools.islice(sampler, cap + 1)]
+    if len(out) > cap:
+        raise ValueError(
+            f"the {name} ({type(sampler).__name__}) gave more than {cap} "
+            f"{'batches' if name == 'batch_sampler' else 'indices'} in one pass over a dataset "
+            f"of {n}: an endless {name} is not supported. autominato takes each epoch's order "
+            "when its pass starts (see docs/parity.md); give one whose iteration ends at the "
+            "epoch's end (for step-based training, the steps between two evaluations), or "
+            "call iter(loader) again for each such span")
+    return out
 
 
 def epoch_order(
@@ -42,7 +86,7 @@ def epoch_order(
         The list of indices (repeats allowed when the sampler repeats).
     """
     if sampler is not None:
-        order = [int(i) for i in sampler]
+        order = read_sampler(sampler, n)
     elif world_size > 1:
         ds = DistributedSampler(
             range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
