@@ -361,8 +361,12 @@ class ProcessWorkers:
             except Exception as e:
                 raise ValueError(
                     f"the dataset and transform must be picklable to run in worker processes "
-                    f"({type(e).__name__}: {e}); use worker_kind='thread' or workers=0, or build "
-                    "the Loader before any thread starts so that its workers fork"
+                    f"({type(e).__name__}: {e}). This process runs threads (another Loader's, "
+                    "say), so its workers start from a clean process that gets them pickled. "
+                    "Use start_method='fork' (multiprocessing_context='fork': the DataLoader's "
+                    "way on Linux) to fork them from this process as it is, which hangs if a "
+                    "thread holds a lock they need (see the Loader's start_method); or worker_kind='thread', "
+                    "or workers=0; or build this Loader before any thread starts"
                 ) from e
         return self._payload
 
