@@ -185,12 +185,26 @@ def test_an_idle_batch_buffer_gives_its_pages_back_after_the_decay_time_and_is_r
 
 
 def test_arrays_collated_as_a_list_are_copies_not_views_of_the_slot_they_came_in():
-    # A field whose first value is None (or a string) is collated as a list; its arrays came
-    # as views into a shared-memory slot that is reused once the batch is made.
+    # A field whose first value is a string is collated as a list (default_collate's rule);
+    # its arrays came as views into a shared-memory slot that is reused once the batch is made.
     slot = np.arange(8, dtype=np.float32)
-    out = collate([{"m": None}, {"m": slot[:4]}])
+    out = collate([{"m": "a"}, {"m": slot[:4]}])
     slot[:] = -1  # the slot is written by its next sample
-    assert out["m"][0] is None and out["m"][1].tolist() == [0, 1, 2, 3]
+    assert out["m"][0] == "a" and out["m"][1].tolist() == [0, 1, 2, 3]
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize("samples", [[None, None], [{"k": None}, {"k": None}], [_Opaque()] * 2],
+                         ids=["none", "none-in-a-dict", "an-object"])
+def test_none_and_unknown_objects_raise_default_collates_type_error(samples):
+    with pytest.raises(TypeError) as theirs:
+        default_collate(samples)
+    with pytest.raises(TypeError) as ours:
+        collate(samples)
+    assert str(ours.value) == str(theirs.value)
 
 
 @pytest.mark.parametrize("value", [np.array(["a", "bc"]), np.array([b"ab"]),

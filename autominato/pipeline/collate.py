@@ -245,7 +245,8 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         CollateError: (a ``RuntimeError``, as ``default_collate``'s, and a ``ValueError``)
             arrays of one field differ in shape or dtype across samples (the message gives the
             field's shapes), or sequences in length.
-        TypeError: a NumPy array of strings or Python objects, as ``default_collate``.
+        TypeError: a NumPy array of strings or Python objects, ``None`` or another type that
+            ``default_collate`` refuses, as ``default_collate``.
     """
     first = samples[0]
     if isinstance(first, torch.Tensor):
@@ -259,7 +260,7 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         return _stack_tensors([_as_tensor(s) for s in samples], pool)
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
         return torch.as_tensor(np.asarray(samples))
-    if isinstance(first, (str, bytes)) or first is None:
+    if isinstance(first, (str, bytes)):
         # Arrays among them may be views into a slot that is reused once the batch is made.
         # A tuple for a field of tuple samples, a list for a dict's, as default_collate.
         out = [map_leaves(s, _owned, is_array) for s in samples]
@@ -274,7 +275,9 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             raise CollateError("cannot collate samples: sequences of different lengths in one batch")
         # A list for tuple samples too, as torch's default_collate returns.
         return [collate(f, pool) for f in zip(*samples, strict=True)]
-    return list(samples)
+    # Anything else (None, an object of the user's): default_collate's own rule, a function
+    # registered in its collate_fn_map or its TypeError, as with the DataLoader.
+    return default_collate(list(samples))
 
 
 def _owned(x: Any) -> Any:
