@@ -770,20 +770,11 @@ class Loader:
             # checkpoint taken then would skip the rest of the interrupted epoch.
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             try:
-                it = self._start_pass()
+                return self._start_pass()
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
                 raise
-            self._last_iter = weakref.ref(it)
-            return it
-
-    def _pass_live(self) -> bool:
-        """The last pass's iterator is still held and has not ended (``zip(loader, loader)``;
-        not Lightning's check pass, whose iterator is dropped at once)."""
-        ref = self.__dict__.get("_last_iter")
-        it = ref() if ref is not None else None
-        return it is not None and not it._done
 
     def _start_pass(self) -> Iterator[Any]:
         """``__iter__``'s work, under ``self._lock``."""
@@ -792,15 +783,16 @@ class Loader:
         # maybe all of them (a checkpoint after the last batch): it was an epoch too.
         ended_resumed = prev is not None and prev.finished and prev.batches > 0
         was_epoch = self._batches > self._batches_at_iter or ended_resumed
-        if self._started and not self._epoch_set and (was_epoch or self._pass_live()):
+        if self._started and not self._epoch_set and was_epoch:
             # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
             # loop sets the epoch itself; from then on, as with DistributedSampler, the
             # epoch is the one set (a peek with next(iter(loader)) does not advance it).
             # A pass that delivered no batch is not an epoch (RandomSampler draws its
             # permutation at the first batch): Lightning calls iter() once to check the
-            # loader, then again for epoch 0, and only then set_epoch(0). A pass begun
-            # while the last one is live is a new epoch too: each of zip(loader, loader)'s
-            # sides draws its own permutation from RandomSampler.
+            # loader, then again for epoch 0, and only then set_epoch(0). So a pass begun
+            # before the last one delivered a batch is the same epoch, also when that one is
+            # still held: Lightning starts a pass it never uses before each reloaded epoch
+            # (review 62), which cannot be told from zip(loader, loader)'s two passes.
             self._epoch += 1
         self._batches_at_iter = self._batches
         self._started = True

@@ -10,6 +10,7 @@ import re
 import warnings
 
 import lightning as L
+import pytest
 import torch
 
 from autominato import Loader
@@ -79,6 +80,37 @@ def test_lightning_fit_of_a_few_steps_follows_lightning_epochs_even_when_reloadi
         assert set(indices[:4]) == set(epoch_order(8, epoch=e, seed=11, shuffle=True)[:4])
     # (the three epochs' first batches differ, so a Loader stuck at epoch 0 would fail above)
     assert len({frozenset(epoch_order(8, epoch=e, seed=11, shuffle=True)[:4]) for e in range(3)}) == 3
+
+
+class SameLoader(Linear):
+    """Returns one Loader at every reload, over a sampler that has no set_epoch."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.loader = Loader(Points(), batch_size=4, workers=workers, autotune=False,
+                             sampler=torch.utils.data.RandomSampler(Points()))
+        self.loaders.append(self.loader)
+
+    def train_dataloader(self):
+        return self.loader
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loader_reloaded_each_epoch_over_a_plain_sampler_counts_lightnings_epochs(workers):
+    """At each reloaded epoch Lightning starts a pass it never uses before the one it runs
+    (review 62): the pass it runs is its epoch, not the one after."""
+    model = SameLoader(workers)
+    trainer = L.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    try:
+        trainer.fit(model)
+    finally:
+        model.loader.close()
+    pairs = sorted({(lightning, ours) for lightning, ours, _ in model.seen})
+    assert pairs == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    for e in range(4):
+        assert sorted(i for le, _, ix in model.seen if le == e for i in ix) == list(range(8))
 
 
 def test_loader_sampler_set_epoch_is_the_loaders():

@@ -511,26 +511,6 @@ def test_workers_that_keep_an_older_copy_of_a_grown_dataset_say_so():
         assert "persistent_workers=False" in notes
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_two_live_iterators_draw_their_own_shuffle_as_with_random_sampler(workers):
-    """Each of ``zip(loader, loader)``'s sides is a pass of its own, so a new epoch (a new
-    permutation and augmentation), as each iter() over RandomSampler draws anew; after
-    ``set_epoch(e)`` both are epoch ``e`` (DistributedSampler's)."""
-    with Loader(Indexed(16), 4, shuffle=True, seed=1, num_workers=workers, in_order=True,
-                autotune=False) as L:
-        def sides():
-            pairs = list(zip(L, L, strict=True))
-            return ([i for p in pairs for i in p[k][:, 0].tolist()] for k in (0, 1))
-
-        first, second = sides()
-        assert sorted(first) == sorted(second) == list(range(16))
-        assert first != second
-        assert L.epoch == 1
-        L.set_epoch(3)
-        a, b = sides()
-        assert a == b and sorted(a) == list(range(16))
-
-
 class Endless(torch.utils.data.Sampler):
     """detectron2's TrainingSampler's shape: permutations forever, no __len__."""
 
