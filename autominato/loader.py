@@ -748,7 +748,7 @@ class Loader:
         sampler's batches (``None`` without one)."""
         if self.batch_sampler is not None:
             batches = read_sampler(self.batch_sampler, self._n, "batch_sampler",
-                                   lambda b: [int(i) for i in b])
+                                   batches=True)
             return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self._sampler,

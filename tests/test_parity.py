@@ -534,7 +534,7 @@ def test_an_endless_sampler_is_refused_by_name_instead_of_filling_the_memory(wor
             next(iter(L))
     batches = BatchSampler(Endless(5), 2, drop_last=False)
     with Loader(Indexed(5), batch_sampler=batches, num_workers=workers, autotune=False) as L:
-        with pytest.raises(ValueError, match="the batch_sampler .* gave more than 1000 batches"):
+        with pytest.raises(ValueError, match="the batch_sampler .* gave more than 1000 indices"):
             next(iter(L))
     # a sampler without a length that ends is read whole, as long as it is
     with Loader(Indexed(5), 2, sampler=(i % 5 for i in range(999)), num_workers=workers,

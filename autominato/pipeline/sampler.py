@@ -8,15 +8,14 @@ the DataLoader's ``BatchSampler`` would leave in its last, short batch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils.data import DistributedSampler
 
-#: Indices (or batches, of a ``batch_sampler``) read from a user's sampler in one pass at
-#: most, unless its ``len()`` says more: ``max(MAX_ORDER_PER_SAMPLE * len(dataset),
+#: Indices (those of a ``batch_sampler``'s batches too) read from a user's sampler in one pass
+#: at most, unless its ``len()`` says more: ``max(MAX_ORDER_PER_SAMPLE * len(dataset),
 #: MAX_ORDER)``. A pass takes its whole order when it starts, so a sampler that never ends
 #: (detectron2's ``TrainingSampler``, a ``while True`` generator) would fill the memory
 #: forever; past the bound it is refused with an error instead. 2**20 ints are about 36 MB of
@@ -25,36 +24,44 @@ MAX_ORDER = 1 << 20
 MAX_ORDER_PER_SAMPLE = 16
 
 
-def read_sampler(sampler: Any, n: int, name: str = "sampler",
-                 item: Any = int) -> list:
-    """``[item(x) for x in sampler]``, refusing a sampler that does not end.
+def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = False) -> list:
+    """The indices of one pass over ``sampler`` (with ``batches``, a batch sampler's batches,
+    each a list of ints), refusing a sampler that does not end.
 
     Args:
         sampler: a sampler or batch sampler (an iterable; its ``len()``, if any, raises the
             bound).
         n: the dataset's length.
         name: the argument's name in the error.
-        item: applied to each element (``int``; a batch sampler's: a list of ints).
+        batches: ``sampler`` yields batches (lists of indices).
 
     Raises:
-        ValueError: the sampler gave more than ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER,
-            2 * len(sampler))`` elements in one pass (it never ends, as an infinite
-            sampler).
+        ValueError: the pass gave more than ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER,
+            2 * len(sampler))`` indices (a batch sampler's: counted in its batches) before
+            it ended: an endless sampler.
     """
     cap = max(MAX_ORDER_PER_SAMPLE * max(n, 1), MAX_ORDER)
     try:
-        cap = max(cap, 2 * len(sampler))
-    except TypeError:
+        cap = max(cap, 2 * int(len(sampler)))
+    except Exception:  # noqa: BLE001 - no length (or one that refuses): the bound as it is
         pass
-    out = [item(x) for x in itertools.islice(sampler, cap + 1)]
-    if len(out) > cap:
-        raise ValueError(
-            f"the {name} ({type(sampler).__name__}) gave more than {cap} "
-            f"{'batches' if name == 'batch_sampler' else 'indices'} in one pass over a dataset "
-            f"of {n}: an endless {name} is not supported. autominato takes each epoch's order "
-            "when its pass starts (see docs/parity.md); give one whose iteration ends at the "
-            "epoch's end (for step-based training, the steps between two evaluations), or "
-            "call iter(loader) again for each such span")
+    out: list = []
+    read = 0
+    for x in sampler:
+        if batches:
+            x = [int(i) for i in x]
+            read += len(x)
+        else:
+            x = int(x)
+            read += 1
+        if read > cap:
+            raise ValueError(
+                f"the {name} ({type(sampler).__name__}) gave more than {cap} indices in one "
+                f"pass over a dataset of {n}: an endless {name} is not supported. autominato "
+                "takes each epoch's order when its pass starts (see docs/parity.md); give one "
+                "whose iteration ends at the epoch's end (for step-based training, the steps "
+                "between two evaluations), or call iter(loader) again for each such span")
+        out.append(x)
     return out
 
 
