@@ -9,6 +9,7 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import threading
@@ -918,10 +919,7 @@ class Loader:
                     self.knobs.unsubscribe(p.knobs_changed)
                     # A live iterator cannot go on (its workers hold the old seed): it raises
                     # rather than end as if its epoch were complete.
-                    p.close(RuntimeError(
-                        "load_state_dict() took the state's seed while an iterator of this "
-                        "Loader was live: that iterator's epoch was stopped; start a new pass "
-                        "(iter(loader)) to resume from the state"))
+                    p.close(RuntimeError(_SEED_REPLACED))
                     if p.pending is not None:  # the next epoch of the old seed's order
                         p.speculative_discarded += p.pending.taken
                     # (its figures, else those it was given: memory_aware=False measures none)
@@ -1027,7 +1025,9 @@ class Loader:
                 if loader is not None and loader._on_skip is not None:
                     loader._on_skip(index, path, exc)
 
-            self._pipeline = Pipeline(self._cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
+            # (the dataset's length now: what the workers' copy and the memory figures hold)
+            cfg = dataclasses.replace(self._cfg, dataset_len=self._n)
+            self._pipeline = Pipeline(cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
             self._pipeline.restore_memory(self._memory_figures)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
@@ -1355,12 +1355,18 @@ class _EpochIterator:
                 keep.append((e0, e1, nbytes, host))
         self._pending_h2d = keep
 
-    def _finish(self) -> None:
+    def _finish(self, count_copies: bool = True) -> None:
+        """End the pass: the pipeline frees what it holds for it; with ``count_copies``, the
+        last batches' host-to-device copies are waited for and counted (not from
+        ``__del__``, which may run in any thread, inside a CUDA graph capture too)."""
         if not self._done:
             self._done = True
-            if self._pending_h2d:
-                self._poll_h2d(wait=True)
-            self.pipeline.stop(self.run)
+            try:
+                if self._pending_h2d and count_copies:
+                    self._poll_h2d(wait=True)
+            finally:
+                self._pending_h2d = []
+                self.pipeline.stop(self.run)
 
     def stop(self) -> None:
         """Abandon the epoch: what the pipeline holds for it is freed."""
@@ -1369,7 +1375,7 @@ class _EpochIterator:
     def __del__(self) -> None:
         try:
             self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
-            self._finish()
+            self._finish(count_copies=False)
         except Exception:
             pass
 
@@ -1393,6 +1399,12 @@ def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
             run.cv.wait(left)
 
 
+#: A live iterator's error once ``load_state_dict`` replaced the Loader's seeds under it.
+_SEED_REPLACED = ("load_state_dict() took the state's seed while an iterator of this Loader was "
+                  "live: that iterator's epoch was stopped; start a new pass (iter(loader)) to "
+                  "resume from the state")
+
+
 class _SyncIterator:
     """One epoch with no worker (``num_workers=0``): each batch is loaded in the training
     loop's thread when it is asked for, as the DataLoader's single-process iterator does.
@@ -1405,6 +1417,7 @@ class _SyncIterator:
         self.L = loader
         self.epoch = epoch
         self.spec = loader._work_spec()
+        self.seeds = (loader.seed, loader.shuffle_seed)  # a load_state_dict may replace them
         self.progress = progress
         self.ep = Epoch(order, loader._batch, drop_last=loader.drop_last, in_order=True,
                         skip_errors=loader.on_error == "skip", max_tries=1, groups=groups,
@@ -1424,6 +1437,9 @@ class _SyncIterator:
         L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
         if self._done or L._closed:
             raise StopIteration
+        if self.seeds != (L.seed, L.shuffle_seed):
+            self._done = True
+            raise RuntimeError(_SEED_REPLACED)
         while True:
             while self.todo:
                 d = self.todo.popleft()

@@ -159,9 +159,12 @@ def _warn_restart(text: str) -> None:
 def _figures(loader: Any) -> list[int] | None:
     """Memory-aware dispatch's figures for the state: one per index of the dataset as it is
     now (``None`` when the dataset changed length since they were measured)."""
-    figures = ((loader._pipeline.memory.saved() if loader._pipeline is not None else None)
-               or loader._memory_figures)
-    return figures if figures is not None and len(figures) == loader._n else None
+    n = loader._n
+    for figures in (loader._pipeline.memory.saved() if loader._pipeline is not None else None,
+                    loader._memory_figures):
+        if figures is not None and len(figures) == n:
+            return figures
+    return None
 
 
 def build(loader: Any) -> dict[str, Any]:

@@ -368,6 +368,53 @@ def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(mo
             assert snap.h2d_seconds_total == pytest.approx((epoch + 1) * 6 * 0.002)
 
 
+def test_a_copy_wait_that_fails_still_frees_the_pass_and_a_dropped_pass_makes_no_cuda_call(
+        monkeypatch):
+    """A sticky CUDA error surfaces from the wait for the last copies, and the pass is freed
+    all the same; an iterator dropped by the loop (``__del__``, any thread) waits for none."""
+    from autominato.pipeline import scheduler as S
+    from autominato.pipeline.collate import batch_nbytes
+    from autominato.pipeline.stage import Result
+
+    class Broken(_Event):
+        def query(self) -> bool:
+            return False  # never seen done: only the wait at the end would count it
+
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def transfer(self, key, job):
+        _, payload = job
+        if isinstance(payload, S._Final):
+            return Result("transfer", key, payload)
+        batch, indices, positions = payload
+        return Result("transfer", key, (batch, indices, positions,
+                                        (Broken(), Broken(), batch_nbytes(batch), batch)))
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            pass
+
+    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
+    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
+                collate_fn=torch.stack) as L:
+        L.device = torch.device("cpu")
+        it = iter(L)
+        next(it), next(it)
+        run = it.run
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            it.stop()
+        assert run.stopped and it._pending_h2d == []
+        it = iter(L)
+        next(it)
+        run = it.run
+        del it  # __del__: no wait, so no error, and the pass is freed
+        gc.collect()
+        assert run.stopped
+
+
 def test_a_collate_error_always_reaches_the_training_loop():
     def coll(samples):
         if any(int(s[0]) == 13 for s in samples):

@@ -844,6 +844,20 @@ def test_a_state_that_replaces_the_seed_stops_a_live_iterator_with_an_error():
         assert sorted(float(v) for b in L for v in b) == [float(i) for i in range(12)]
 
 
+def test_a_state_that_replaces_the_seed_stops_a_live_iterator_without_workers_too():
+    with Loader(_Pickles(12), batch_size=3, num_workers=0, seed=9, autotune=False) as other:
+        state = other.state_dict()
+    with Loader(_Pickles(12), batch_size=3, num_workers=0, autotune=False) as L:
+        it = iter(L)
+        next(it)
+        L.load_state_dict(state)
+        with pytest.raises(RuntimeError, match="load_state_dict"):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+        assert sorted(float(v) for b in L for v in b) == [float(i) for i in range(12)]
+
+
 def test_the_next_epochs_prefetch_dropped_by_a_new_seed_is_counted_as_discarded():
     with Loader(_Pickles(12), batch_size=3, num_workers=1, seed=9, autotune=False) as other:
         state = other.state_dict()
@@ -871,3 +885,29 @@ def test_a_state_after_the_dataset_changed_length_drops_the_older_memory_figures
     with Loader(Resizable(8), batch_size=3, num_workers=0, seed=1, autotune=False) as M:
         M.load_state_dict(grown)
         assert sorted(float(v) for b in M for v in b) == [float(i) for i in range(8)]
+
+
+def test_workers_rebuilt_with_a_grown_dataset_name_the_length_of_their_copy():
+    class Resizable(_Pickles):
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int):
+            if i >= self.n:
+                raise IndexError(f"index {i} of {self.n}")
+            return np.float32(i)
+
+    ds = Resizable(6)
+    with Loader(Resizable(8), batch_size=3, num_workers=1, seed=9, autotune=False) as other:
+        state = other.state_dict()
+    with Loader(ds, batch_size=3, num_workers=1, autotune=False) as L:
+        list(L)
+        ds.n = 8
+        L.load_state_dict(state)  # another seed: the workers are started again, with 8
+        assert sorted(float(v) for b in L for v in b) == [float(i) for i in range(8)]
+        ds.n = 10
+        with pytest.raises(IndexError) as info:
+            list(L)
+    if sys.version_info >= (3, 11):
+        assert "the dataset has 10 samples now, the workers' copy 8" in "\n".join(
+            info.value.__notes__)

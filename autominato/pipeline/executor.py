@@ -323,6 +323,7 @@ class ProcessWorkers:
 
         self.spec = spec
         self.post = post
+        self.start_method = start_method
         self.kind = zygote_kind(start_method)
         #: The worker count that new workers are told (``WorkerInfo.num_workers``).
         self.target = initial
@@ -359,14 +360,22 @@ class ProcessWorkers:
             try:
                 self._payload = cloudpickle.dumps(self.spec)
             except Exception as e:
+                if self.start_method in ("spawn", "forkserver"):
+                    why = (f"start_method={self.start_method!r} starts them from a new "
+                           "interpreter, which gets them pickled")
+                    ways = "start_method='fork' to fork them from this process as it is"
+                else:
+                    why = ("this process runs threads (another Loader's, say), so its workers "
+                           "start from a clean process that gets them pickled")
+                    ways = ("start_method='fork' (multiprocessing_context='fork', as the "
+                            "DataLoader's on Linux up to Python 3.13) to fork them from this "
+                            "process as it is, which hangs if a thread holds a lock they need "
+                            "(see the Loader's start_method); or build this Loader before any "
+                            "thread starts")
                 raise ValueError(
                     f"the dataset and transform must be picklable to run in worker processes "
-                    f"({type(e).__name__}: {e}). This process runs threads (another Loader's, "
-                    "say), so its workers start from a clean process that gets them pickled. "
-                    "Use start_method='fork' (multiprocessing_context='fork': the DataLoader's "
-                    "way on Linux) to fork them from this process as it is, which hangs if a "
-                    "thread holds a lock they need (see the Loader's start_method); or worker_kind='thread', "
-                    "or workers=0; or build this Loader before any thread starts"
+                    f"({type(e).__name__}: {e}): {why}. Use {ways}; or worker_kind='thread', "
+                    "or workers=0"
                 ) from e
         return self._payload
 
