@@ -1520,6 +1520,7 @@ class _SyncStreamIterator(_SyncIterator):
         self.L = loader
         self.epoch = epoch
         self.spec = loader._work_spec()
+        self.seeds = (loader.seed, loader.shuffle_seed)
         self.progress = progress
         self.ep = Stream(1, loader._batch, drop_last=loader.drop_last, in_order=True,
                          skip_errors=loader.on_error == "skip", max_pull=1)
