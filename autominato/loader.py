@@ -592,6 +592,7 @@ class Loader:
         # memory-aware dispatch's figures (SampleMemory.saved) for the next pipeline: from a
         # loaded state, or from a pipeline that load_state_dict closed
         self._memory_figures: list[int] | None = None
+        self._seeds_taken = 0  # times load_state_dict replaced the drawn seeds
         self._resumed: dict | None = None  # the state the most recent pass resumed
         self._restart_warned: Any = None  # the pass whose iterable restart was told
         self._sync_skip_logged: set[int] = set()
@@ -914,6 +915,7 @@ class Loader:
             if (state["seed"], state["shuffle_seed"]) != (self.seed, self.shuffle_seed):
                 # This Loader drew its seeds (resume.check refuses a given one): take the state's.
                 self.seed, self.shuffle_seed = int(state["seed"]), int(state["shuffle_seed"])
+                self._seeds_taken += 1  # live iterators of the old seeds stop (_SEED_REPLACED)
                 if self._pipeline is not None:  # its workers hold the drawn seed
                     p = self._pipeline
                     self.knobs.unsubscribe(p.knobs_changed)
@@ -1417,7 +1419,7 @@ class _SyncIterator:
         self.L = loader
         self.epoch = epoch
         self.spec = loader._work_spec()
-        self.seeds = (loader.seed, loader.shuffle_seed)  # a load_state_dict may replace them
+        self.seeds = loader._seeds_taken  # a load_state_dict may replace the seeds
         self.progress = progress
         self.ep = Epoch(order, loader._batch, drop_last=loader.drop_last, in_order=True,
                         skip_errors=loader.on_error == "skip", max_tries=1, groups=groups,
@@ -1437,7 +1439,7 @@ class _SyncIterator:
         L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
         if self._done or L._closed:
             raise StopIteration
-        if self.seeds != (L.seed, L.shuffle_seed):
+        if self.seeds != L._seeds_taken:
             self._done = True
             raise RuntimeError(_SEED_REPLACED)
         while True:
@@ -1520,7 +1522,7 @@ class _SyncStreamIterator(_SyncIterator):
         self.L = loader
         self.epoch = epoch
         self.spec = loader._work_spec()
-        self.seeds = (loader.seed, loader.shuffle_seed)
+        self.seeds = loader._seeds_taken
         self.progress = progress
         self.ep = Stream(1, loader._batch, drop_last=loader.drop_last, in_order=True,
                          skip_errors=loader.on_error == "skip", max_pull=1)

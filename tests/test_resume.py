@@ -911,3 +911,19 @@ def test_workers_rebuilt_with_a_grown_dataset_name_the_length_of_their_copy():
     if sys.version_info >= (3, 11):
         assert "the dataset has 10 samples now, the workers' copy 8" in "\n".join(
             info.value.__notes__)
+
+
+def test_a_process_group_that_starts_under_a_live_pass_does_not_stop_it(monkeypatch):
+    """Only a seed that load_state_dict takes stops a live pass: the shuffle seed that a
+    late process group sets (len(loader) reads the ranks again) leaves it running."""
+    with Loader(_Pickles(12), batch_size=3, num_workers=0, autotune=False) as L:
+        it = iter(L)
+        first = next(it)
+        dist = torch.distributed
+        monkeypatch.setattr(dist, "is_available", lambda: True)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+        assert len(L) == 2 and L.shuffle_seed == 0  # rank 0 of 2 now
+        rest = list(it)  # the pass goes on as it began
+    assert sorted(float(v) for b in [first, *rest] for v in b) == [float(i) for i in range(12)]
