@@ -593,6 +593,10 @@ class Loader:
         # loaded state, or from a pipeline that load_state_dict closed
         self._memory_figures: list[int] | None = None
         self._seeds_taken = 0  # times load_state_dict replaced the drawn seeds
+        # Host-to-device copies of dropped iterators still to count, whose pinned host batches
+        # must live until their copies end (else the pool refills them under the copy):
+        # appended from __del__ (any thread: a deque, no lock), polled by the training loop.
+        self._orphan_h2d: deque = deque()
         self._resumed: dict | None = None  # the state the most recent pass resumed
         self._restart_warned: Any = None  # the pass whose iterable restart was told
         self._sync_skip_logged: set[int] = set()
@@ -1070,10 +1074,20 @@ class Loader:
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
+        self._close(wait_copies=True)
+
+    def _close(self, wait_copies: bool) -> None:
         if self._closed:
             return
         self._end_step()
         self._closed = True
+        if wait_copies and self._orphan_h2d:
+            try:
+                self._poll_orphan_h2d(wait=True)
+            except Exception as e:  # noqa: BLE001 - a CUDA error: the loop has had it already
+                log.warning("host-to-device copies of dropped iterators could not be waited "
+                            "for at close (%s): not counted", e)
+                self._orphan_h2d.clear()
         if self._controller is not None:
             self._controller.stop()
         if self._telemetry is not None:
@@ -1089,9 +1103,26 @@ class Loader:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait_copies=False)  # (no CUDA call in a finalizer)
         except Exception:
             pass
+
+    def _poll_orphan_h2d(self, wait: bool = False) -> None:
+        """Count the copies of dropped iterators that have ended (with ``wait``: all, waiting)
+        and let their pinned host batches go; the others stay."""
+        dq = self._orphan_h2d
+        for _ in range(len(dq)):
+            item = dq.popleft()
+            e0, e1, nbytes, host = item
+            if wait:
+                e1.synchronize()
+            if e1.query():
+                seconds = e0.elapsed_time(e1) / 1000.0
+                self._h2d_bytes += nbytes
+                self._h2d_seconds += seconds
+                self.stage_stats["transfer"].record(seconds, 0.0, nbytes)
+            else:
+                dq.append(item)
 
     @property
     def telemetry(self) -> Any:
@@ -1272,6 +1303,8 @@ class _EpochIterator:
         if self._done:
             raise StopIteration
         self._poll_h2d()
+        if self.L._orphan_h2d:
+            self.L._poll_orphan_h2d()
         run = self.run
         limit = self.L.timeout
         item = None
@@ -1358,16 +1391,20 @@ class _EpochIterator:
         self._pending_h2d = keep
 
     def _finish(self, count_copies: bool = True) -> None:
-        """End the pass: the pipeline frees what it holds for it; with ``count_copies``, the
-        last batches' host-to-device copies are waited for and counted (not from
-        ``__del__``, which may run in any thread, inside a CUDA graph capture too)."""
+        """End the pass: the pipeline frees what it holds for it. With ``count_copies``, the
+        last batches' host-to-device copies are waited for and counted; without (``__del__``,
+        which may run in any thread, inside a CUDA graph capture too, and makes no CUDA
+        call) they go to the Loader, which keeps their pinned host batches until they end
+        and counts them at the training loop's next ``next()`` or at ``close()``."""
         if not self._done:
             self._done = True
             try:
                 if self._pending_h2d and count_copies:
                     self._poll_h2d(wait=True)
             finally:
-                self._pending_h2d = []
+                if self._pending_h2d:
+                    self.L._orphan_h2d.extend(self._pending_h2d)  # (left by a failed wait too)
+                    self._pending_h2d = []
                 self.pipeline.stop(self.run)
 
     def stop(self) -> None:

@@ -376,11 +376,14 @@ def test_a_copy_wait_that_fails_still_frees_the_pass_and_a_dropped_pass_makes_no
     from autominato.pipeline.collate import batch_nbytes
     from autominato.pipeline.stage import Result
 
+    waits = [0]
+
     class Broken(_Event):
         def query(self) -> bool:
             return False  # never seen done: only the wait at the end would count it
 
         def synchronize(self) -> None:
+            waits[0] += 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def transfer(self, key, job):
@@ -410,9 +413,65 @@ def test_a_copy_wait_that_fails_still_frees_the_pass_and_a_dropped_pass_makes_no
         it = iter(L)
         next(it)
         run = it.run
+        before = waits[0]
         del it  # __del__: no wait, so no error, and the pass is freed
         gc.collect()
-        assert run.stopped
+        assert run.stopped and waits[0] == before
+        # its copy waits at the Loader, with its host batch, until it ends or close()
+        assert len(L._orphan_h2d) >= 1
+
+
+def test_a_dropped_iterators_copies_keep_their_host_batches_until_they_end(monkeypatch):
+    """``__del__`` makes no CUDA call, so it cannot wait for its last copies: their host
+    batches (pooled, pinned) go to the Loader, which lets them go and counts the copies once
+    their events say they ended (review 63: dropping them let the pool refill a buffer that
+    a copy still read)."""
+    from autominato.pipeline import scheduler as S
+    from autominato.pipeline.collate import batch_nbytes
+    from autominato.pipeline.stage import Result
+
+    made: list = []
+
+    class Running(_Event):
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    def transfer(self, key, job):
+        _, payload = job
+        if isinstance(payload, S._Final):
+            return Result("transfer", key, payload)
+        batch, indices, positions = payload
+        e1 = Running()
+        made.append((e1, weakref.ref(batch)))
+        # (what the loop gets is the copy, not the host batch the copy reads)
+        return Result("transfer", key, (batch.clone(), indices, positions,
+                                        (Running(), e1, batch_nbytes(batch), batch)))
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            pass
+
+    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
+    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
+                collate_fn=torch.stack) as L:
+        L.device = torch.device("cpu")
+        it = iter(L)
+        kept = next(it)  # the loop keeps its batch and drops the iterator (a break)
+        del it
+        gc.collect()
+        e1, host = made[0]
+        assert host() is not None  # its copy still runs: its host batch is held
+        nbytes = kept.numel() * kept.element_size()
+        assert L.snapshot().h2d_bytes_total == 0
+        e1.done = True
+        next(iter(L))  # the training loop's next next() counts it and lets it go
+        gc.collect()
+        assert host() is None
+        assert L.snapshot().h2d_bytes_total >= nbytes
 
 
 def test_a_collate_error_always_reaches_the_training_loop():

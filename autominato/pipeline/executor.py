@@ -325,6 +325,7 @@ class ProcessWorkers:
         self.post = post
         self.start_method = start_method
         self.kind = zygote_kind(start_method)
+        self._replaced = False  # a forked zygote ended and a new interpreter took over
         #: The worker count that new workers are told (``WorkerInfo.num_workers``).
         self.target = initial
         #: The dataset cloudpickled, sent to every new worker in place of the spec's (set by
@@ -360,7 +361,12 @@ class ProcessWorkers:
             try:
                 self._payload = cloudpickle.dumps(self.spec)
             except Exception as e:
-                if self.start_method in ("spawn", "forkserver"):
+                if self._replaced:
+                    why = ("this Loader's fork server ended (killed, or broken), and the "
+                           "workers started after it come from a new interpreter, which gets "
+                           "them pickled")
+                    ways = "a picklable dataset and transform"
+                elif self.start_method in ("spawn", "forkserver"):
                     why = (f"start_method={self.start_method!r} starts them from a new "
                            "interpreter, which gets them pickled")
                     ways = "start_method='fork' to fork them from this process as it is"
@@ -397,6 +403,7 @@ class ProcessWorkers:
         z = self._zygote
         if z is None or z.gone or z.broken:
             # Never fork this process again (threads run now): a new interpreter takes over.
+            self._replaced = self._replaced or (z is not None and self.kind in ("fork", "nested"))
             z = self._zygote = None
             z = self._zygote = self._new_zygote("spawn" if self.kind == "spawn" else "fresh")
         return z
