@@ -841,6 +841,7 @@ class Loader:
         progress = resume.Progress(self._epoch, len(order), done,
                                    pending["batches"] if done else 0, samplers,
                                    order if user_order else None, self._order_rank())
+        progress.dataset_len = self._n
         self._progress = progress
         if self.knobs.workers == 0:
             return _SyncIterator(self, order, groups, self._epoch, progress)

@@ -64,6 +64,8 @@ class Progress:
         # An iterable's pass: whether every batch of the epoch has been delivered already
         # (set by the Loader; see build).
         self.drained: Callable[[], bool] = lambda: False
+        #: the dataset's length when the pass made its order (set by the Loader; map-style)
+        self.dataset_len: int | None = None
 
     @property
     def digest(self) -> str | None:
@@ -156,10 +158,9 @@ def _warn_restart(text: str) -> None:
     warnings.warn(text, IterableRestartWarning, stacklevel=4)
 
 
-def _figures(loader: Any) -> list[int] | None:
-    """Memory-aware dispatch's figures for the state: one per index of the dataset as it is
-    now (``None`` when the dataset changed length since they were measured)."""
-    n = loader._n
+def _figures(loader: Any, n: int | None) -> list[int] | None:
+    """Memory-aware dispatch's figures for the state: one per index of a dataset of ``n``
+    (``None`` when the dataset changed length since they were measured)."""
     for figures in (loader._pipeline.memory.saved() if loader._pipeline is not None else None,
                     loader._memory_figures):
         if figures is not None and len(figures) == n:
@@ -217,12 +218,14 @@ def build(loader: Any) -> dict[str, Any]:
         "order_rank": None,  # the rank whose order it is
         # memory-aware dispatch's figures (peak bytes per index), so a resumed run holds its
         # outliers apart from its first epoch
-        "sample_memory": _figures(loader),
+        "sample_memory": None,  # (below: for the state's dataset_len)
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
+        if pending["epoch_size"] is not None:  # its positions are of its dataset's length
+            state["dataset_len"] = pending["dataset_len"]
         state["order_digest"] = pending.get("order_digest")
         state["order_rank"] = pending.get("order_rank")
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
@@ -234,11 +237,15 @@ def build(loader: Any) -> dict[str, Any]:
         ended = p.finished or bool(p.delivered.size and p.delivered.all())
         state.update(epoch=p.epoch, finished=ended, epoch_size=p.size,
                      delivered=to_ranges(p.delivered), batches=p.batches)
+        if not ended and p.dataset_len is not None:
+            # the length its order was made for (the dataset may have changed since)
+            state["dataset_len"] = p.dataset_len
         if not ended:  # the epoch is redone from its order: the samplers as it began
             state["samplers"] = p.samplers
             if p.delivered.any():  # (nothing delivered: the epoch restarts exactly anyway)
                 state["order_digest"] = p.digest
                 state["order_rank"] = p.order_rank if p.digest is not None else None
+    state["sample_memory"] = _figures(loader, state["dataset_len"])
     return state
 
 
@@ -270,7 +277,13 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
                          f"{state['dataset_len']} non-negative ints (peak bytes per index)")
     mine = {"batch_size": loader._batch, "world_size": loader.world_size,
             "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
+    # A state that names no positions (an ended epoch, or one not begun) starts the next
+    # epoch from its beginning: a dataset that changed length since (bad cases filtered out)
+    # is taken as it is.
+    positions = state["epoch_size"] is not None and not state["finished"]
     for key in _SHAPE:
+        if key == "dataset_len" and not positions:
+            continue
         if state[key] != mine[key]:
             raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, "
                              f"this Loader has {key}={mine[key]!r}")

@@ -927,3 +927,41 @@ def test_a_process_group_that_starts_under_a_live_pass_does_not_stop_it(monkeypa
         assert len(L) == 2 and L.shuffle_seed == 0  # rank 0 of 2 now
         rest = list(it)  # the pass goes on as it began
     assert sorted(float(v) for b in [first, *rest] for v in b) == [float(i) for i in range(12)]
+
+
+class _Sized(_Pickles):
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return i
+
+
+def test_a_mid_epoch_state_after_the_dataset_grew_resumes_the_epoch_it_began():
+    ds = _Sized(20)
+    with Loader(ds, batch_size=4, shuffle=True, num_workers=0, seed=0, autotune=False) as L:
+        it = iter(L)
+        got = [next(it), next(it)]
+        ds.n = 24  # samples added in the middle of the epoch (active learning)
+        state = L.state_dict()
+    assert state["dataset_len"] == 20 and state["epoch_size"] == 20
+    with Loader(_Sized(20), batch_size=4, shuffle=True, num_workers=0, seed=0,
+                autotune=False) as M:
+        M.load_state_dict(state)
+        rest = list(M)
+    assert sorted(int(v) for b in got + rest for v in b) == list(range(20))
+
+
+def test_a_state_between_epochs_takes_a_dataset_of_another_length():
+    with Loader(_Sized(20), batch_size=4, num_workers=0, seed=0, autotune=False) as L:
+        before = L.state_dict()  # not begun
+        list(L)
+        ended = L.state_dict()  # an ended epoch
+    for state in (before, ended):
+        with Loader(_Sized(10), batch_size=4, num_workers=0, seed=0, autotune=False) as M:
+            M.load_state_dict(state)  # bad cases filtered out since
+            assert sorted(int(v) for b in M for v in b) == list(range(10))
+    mid = dict(ended, finished=False, delivered=[[0, 8]], batches=2, epoch_size=20)
+    with Loader(_Sized(10), batch_size=4, num_workers=0, seed=0, autotune=False) as M:
+        with pytest.raises(ValueError, match="dataset_len=20"):
+            M.load_state_dict(mid)  # positions of another epoch's order: refused by name
