@@ -307,8 +307,10 @@ class Loader:
         TypeError: an argument of the wrong type or one Loader does not take (the message
             names it and, for a DataLoader argument with no meaning here, what to use).
 
-    Iterators are independent, as the DataLoader's: ``zip(loader, loader)`` gives
-    ``len(loader)`` pairs, each side a whole epoch.
+    Live iterators each deliver a whole epoch, as the DataLoader's: ``zip(loader, loader)``
+    gives ``len(loader)`` pairs. Unlike the DataLoader's RandomSampler, a pass begun before
+    the last one delivered a batch is the same epoch (so zip's two sides share an order and
+    augmentation; see docs/parity.md).
     """
 
     def __init__(
@@ -636,10 +638,20 @@ class Loader:
     _FIXED = frozenset(("dataset", "batch_size", "batch_sampler", "sampler", "drop_last",
                         "persistent_workers"))
 
+    #: DataLoader attributes that the DataLoader applies at the next ``iter()`` but that the
+    #: Loader's pipeline is built from: setting them is refused rather than ignored.
+    _BUILT = frozenset(("collate_fn", "in_order", "pin_memory", "pin_memory_device",
+                        "worker_init_fn", "multiprocessing_context", "generator"))
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._FIXED and self.__dict__.get("_initialized", False):
-            raise ValueError(f"{name} attribute should not be set after "
-                             f"{type(self).__name__} is initialized")
+        if self.__dict__.get("_initialized", False):
+            if name in self._FIXED:
+                raise ValueError(f"{name} attribute should not be set after "
+                                 f"{type(self).__name__} is initialized")
+            if name in self._BUILT:
+                raise ValueError(f"{name} cannot be set after the Loader is built: its workers "
+                                 "and pipeline are made from it (the DataLoader would apply it "
+                                 "at the next iter()); build a new Loader with it")
         super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ DataLoader API
@@ -682,12 +694,28 @@ class Loader:
 
     @num_workers.setter
     def num_workers(self, n: int) -> None:
-        self.knobs.workers = _check_int("num_workers", n, 0)
+        self._set_knob("workers", "num_workers", _check_int("num_workers", n, 0))
 
     @property
     def prefetch_factor(self) -> int:
-        """Batches prepared ahead now (the ``depth`` knob)."""
+        """Batches prepared ahead now (the ``depth`` knob); setting it sets the knob."""
         return self.knobs.depth
+
+    @prefetch_factor.setter
+    def prefetch_factor(self, n: int) -> None:
+        self._set_knob("depth", "prefetch_factor", _check_int("prefetch_factor", n, 1))
+
+    def _set_knob(self, knob: str, name: str, value: int) -> None:
+        """Set ``knob`` as the user's ``name``; a value outside its bounds is refused by name
+        rather than clamped (``num_workers=0`` is a Loader without workers: build one)."""
+        lo, hi = self.knobs.bounds(knob)
+        if not lo <= value <= hi:
+            why = (" (whether a Loader has workers at all is fixed when it is built: "
+                   "num_workers=0 loads in the training loop's thread; build a new Loader to "
+                   "switch)"
+                   if knob == "workers" and 0 in (value, lo) else "")
+            raise ValueError(f"{name}={value} is outside this Loader's bounds [{lo}, {hi}]{why}")
+        self.knobs.set(knob, value)
 
     def _samples_per_epoch(self) -> int:
         self._set_ranks()
@@ -1478,7 +1506,7 @@ class _SyncIterator:
         if self._done or L._closed:
             raise StopIteration
         if self.seeds != L._seeds_taken:
-            self._done = True
+            self.stop()  # (an iterable dataset's stream is closed too)
             raise RuntimeError(_SEED_REPLACED)
         while True:
             while self.todo:

@@ -458,8 +458,16 @@ def test_what_makes_the_epochs_cannot_be_set_after_init_as_with_dataloader():
                 setattr(L, name, value)
             assert [len(b) for b in L] == [4, 4, 2]  # nothing half applied
     with Loader(ds, 4, num_workers=1, autotune=False) as L:
-        L.num_workers = 2  # a knob, not part of the epoch's shape: settable
-        assert L.num_workers == 2
+        L.num_workers = 2  # knobs, not part of the epoch's shape: settable
+        L.prefetch_factor = 3
+        assert (L.num_workers, L.prefetch_factor) == (2, 3)
+        with pytest.raises(ValueError, match=r"num_workers=0 is outside this Loader's bounds"):
+            L.num_workers = 0  # (a Loader without workers is another Loader, not a clamp)
+        for name, value in [("collate_fn", list), ("in_order", True), ("pin_memory", True),
+                            ("worker_init_fn", print), ("generator", torch.Generator())]:
+            with pytest.raises(ValueError, match=f"{name} cannot be set after the Loader"):
+                setattr(L, name, value)  # the DataLoader applies it later; never ignored
+        assert [len(b) for b in L] == [4, 4, 2] and L.num_workers == 2
 
 
 class Resizable:
@@ -540,3 +548,20 @@ def test_an_endless_sampler_is_refused_by_name_instead_of_filling_the_memory(wor
     with Loader(Indexed(5), 2, sampler=(i % 5 for i in range(999)), num_workers=workers,
                 autotune=False) as L:
         assert sum(len(b) for b in L) == 999
+
+
+def test_a_long_finite_batch_sampler_with_a_length_is_read_whole(monkeypatch):
+    """maskrcnn-benchmark's IterationBasedBatchSampler: many batches, an honest len()."""
+    from autominato.pipeline import sampler as S
+
+    monkeypatch.setattr(S, "MAX_ORDER", 1000)
+
+    class Iterations:
+        def __len__(self) -> int:
+            return 600
+
+        def __iter__(self):
+            return ([i % 5, (i + 1) % 5] for i in range(600))  # 1200 indices
+
+    with Loader(Indexed(5), batch_sampler=Iterations(), num_workers=0, autotune=False) as L:
+        assert len(L) == 600 and sum(1 for _ in L) == 600

@@ -381,7 +381,7 @@ class ProcessWorkers:
                 raise ValueError(
                     f"the dataset and transform must be picklable to run in worker processes "
                     f"({type(e).__name__}: {e}): {why}. Use {ways}; or worker_kind='thread', "
-                    "or workers=0"
+                    "or num_workers=0"
                 ) from e
         return self._payload
 

@@ -8,6 +8,7 @@ the DataLoader's ``BatchSampler`` would leave in its last, short batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,32 +38,38 @@ def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = Fa
 
     Raises:
         ValueError: the pass gave more than ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER,
-            2 * len(sampler))`` indices (a batch sampler's: counted in its batches) before
-            it ended: an endless sampler.
+            2 * len(sampler))`` indices before it ended (a batch sampler: more than
+            ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER)`` indices in its batches and more than
+            ``2 * len(batch_sampler)`` batches): an endless sampler.
     """
-    cap = max(MAX_ORDER_PER_SAMPLE * max(n, 1), MAX_ORDER)
+    cap = max(MAX_ORDER_PER_SAMPLE * max(n, 1), MAX_ORDER)  # indices
     try:
-        cap = max(cap, 2 * int(len(sampler)))
+        items = 2 * int(len(sampler))  # what its length allows: indices, or batches
     except Exception:  # noqa: BLE001 - no length (or one that refuses): the bound as it is
-        pass
-    out: list = []
-    read = 0
-    for x in sampler:
-        if batches:
-            x = [int(i) for i in x]
-            read += len(x)
+        items = 0
+    if not batches:
+        cap = max(cap, items)
+        out = list(map(int, itertools.islice(sampler, cap + 1)))
+        if len(out) <= cap:
+            return out
+    else:
+        out = []
+        read = 0
+        for b in sampler:
+            b = [int(i) for i in b]
+            read += len(b)
+            out.append(b)
+            if read > cap and len(out) > items:  # past both bounds
+                break
         else:
-            x = int(x)
-            read += 1
-        if read > cap:
-            raise ValueError(
-                f"the {name} ({type(sampler).__name__}) gave more than {cap} indices in one "
-                f"pass over a dataset of {n}: an endless {name} is not supported. autominato "
-                "takes each epoch's order when its pass starts (see docs/parity.md); give one "
-                "whose iteration ends at the epoch's end (for step-based training, the steps "
-                "between two evaluations), or call iter(loader) again for each such span")
-        out.append(x)
-    return out
+            return out
+    what = f"{cap} indices" + (f" and {items} batches" if batches and items else "")
+    raise ValueError(
+        f"the {name} ({type(sampler).__name__}) gave more than {what} in one pass over a "
+        f"dataset of {n}: an endless {name} is not supported. autominato takes each epoch's "
+        "order when its pass starts (see docs/parity.md); give one whose iteration ends at "
+        "the epoch's end (for step-based training, the steps between two evaluations), or "
+        "call iter(loader) again for each such span")
 
 
 def epoch_order(

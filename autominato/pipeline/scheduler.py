@@ -718,7 +718,7 @@ class Pipeline:
         if now != self.cfg.dataset_len:
             err.add_note(f"[autominato] the dataset has {now} samples now, the workers' copy "
                          f"{self.cfg.dataset_len}: persistent_workers=True keeps the copy the "
-                         "workers got when the Loader was built; pass persistent_workers=False "
+                         "workers got when they started; pass persistent_workers=False "
                          "for a dataset that changes between epochs (they then get it again "
                          "when it changed)")
 
