@@ -799,3 +799,54 @@ def test_an_index_drawn_twice_in_an_epoch_draws_anew_from_the_global_generators(
     assert any(len(v) > 1 for v in by_index.values())
     assert all(len(set(v)) == len(v) for v in by_index.values())
     assert run() == rows
+
+
+SCRIPT_CLASSES = """
+import dataclasses, json, sys, threading, time
+from typing import NamedTuple
+import torch
+from autominato import Loader
+
+if sys.argv[1] == "thread":  # wandb's, TensorBoard's: workers then start from a new interpreter
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+
+class Pair(NamedTuple):
+    img: torch.Tensor
+    label: int
+
+@dataclasses.dataclass
+class Rec:
+    x: int
+
+class Pairs:
+    def __len__(self): return 4
+    def __getitem__(self, i): return Pair(torch.ones(2) * i, i)
+
+class Recs:
+    def __len__(self): return 4
+    def __getitem__(self, i): return Rec(i)
+
+# "second": the validation Loader, forked from the training Loader's zygote
+first = Loader(Pairs(), 2, num_workers=1, autotune=False) if sys.argv[1] == "second" else None
+with Loader(Pairs(), 2, num_workers=2, autotune=False) as L:
+    pairs = list(L)
+with Loader(Recs(), 2, num_workers=2, collate_fn=list, autotune=False) as L:
+    recs = [r for b in L for r in b]
+print("RESULT " + json.dumps({
+    "pairs": all(type(b) is Pair for b in pairs),
+    "labels": sorted(int(v) for b in pairs for v in b.label),
+    "recs": all(type(r) is Rec for r in recs), "xs": sorted(r.x for r in recs)}))
+if first is not None:
+    first.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["thread", "second"])
+def test_samples_of_the_scripts_own_classes_come_back_from_workers_not_forked_from_it(
+        tmp_path, mode):
+    """A NamedTuple or dataclass defined in the training script, returned by __getitem__: the
+    DataLoader's forked workers send it back by reference to __main__; a worker started from
+    a new interpreter (a thread already ran) or from another Loader's zygote now has the
+    script's classes in its __main__ too (trial 64: PicklingError before)."""
+    out = result_of(run_script(SCRIPT_CLASSES, tmp_path, mode))
+    assert out == {"pairs": True, "labels": [0, 1, 2, 3], "recs": True, "xs": [0, 1, 2, 3]}

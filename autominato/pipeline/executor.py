@@ -13,6 +13,7 @@ so the scheduler sees a single stream of events:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -358,8 +359,12 @@ class ProcessWorkers:
         if self._payload is None:
             import cloudpickle
 
+            from autominato.pipeline.worker import main_classes
+
             try:
-                self._payload = cloudpickle.dumps(self.spec)
+                # (with the script's classes: a sample of one travels back by reference)
+                self._payload = cloudpickle.dumps(
+                    dataclasses.replace(self.spec, main_classes=main_classes()))
             except Exception as e:
                 if self._replaced:
                     why = ("this Loader's fork server ended (killed, or broken), and the "

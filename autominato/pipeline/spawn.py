@@ -477,6 +477,9 @@ def _bootstrap(ctrl: socket.socket, boot_fd: int) -> int | None:
                 import cloudpickle
 
                 spec = cloudpickle.load(boot)
+                from autominato.pipeline.worker import install_main_classes
+
+                install_main_classes(spec)
             except BaseException as e:  # noqa: BLE001 - reported to the training loop
                 from autominato.pipeline.errors import ErrorReport
 

@@ -71,11 +71,12 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -282,6 +283,43 @@ class WorkSpec:
     seed: int
     threads_per_worker: int = 1
     worker_init_fn: Callable[[int], None] | None = None
+    #: The training script's classes (``__main__``'s), pickled with the spec for a worker
+    #: that does not fork from the training process: see :func:`main_classes`.
+    main_classes: dict = field(default_factory=dict)
+
+
+def main_classes() -> dict[str, type]:
+    """The classes the training script defines (``__main__``'s) that cloudpickle can pickle.
+
+    A worker in another interpreter (or forked from another Loader's zygote) gets the
+    dataset cloudpickled, and with it the script's classes *by value*; a sample of such a
+    class (a ``NamedTuple``, a dataclass) then travels back by *reference*,
+    ``__main__.Name``, which that worker's ``__main__`` lacks or holds as another object.
+    Sent with the spec and put into the worker's ``__main__`` (:func:`install_main_classes`),
+    they make that reference resolve there, to the class the sample has, and in the training
+    process to the script's own class, as with the DataLoader's forked workers.
+    """
+    import cloudpickle
+
+    main = sys.modules.get("__main__")
+    out: dict[str, type] = {}
+    for name, value in list(vars(main).items()) if main is not None else ():
+        if isinstance(value, type) and getattr(value, "__module__", None) == "__main__":
+            try:
+                cloudpickle.dumps(value)
+            except Exception:  # noqa: BLE001 - one the worker then cannot have: as before
+                continue
+            out[name] = value
+    return out
+
+
+def install_main_classes(spec: WorkSpec) -> None:
+    """Put ``spec.main_classes`` into this process's ``__main__`` (see :func:`main_classes`)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return
+    for name, cls in spec.main_classes.items():
+        setattr(main, name, cls)
 
 
 #: A sample's index: its dataset index, or for an iterable dataset ``(worker id, k)``, the k-th
@@ -704,6 +742,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
                 import cloudpickle
 
                 spec = cloudpickle.loads(spec)
+                install_main_classes(spec)
             limit_threads(spec.threads_per_worker if threads is None else threads)
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
