@@ -288,8 +288,13 @@ class WorkSpec:
     main_classes: dict = field(default_factory=dict)
 
 
+#: Largest pickle of one of the training script's classes sent to workers (bytes).
+MAIN_CLASS_MAX_BYTES = 64 << 10
+
+
 def main_classes() -> dict[str, type]:
-    """The classes the training script defines (``__main__``'s) that cloudpickle can pickle.
+    """The classes the training script defines (``__main__``'s) that cloudpickle can pickle
+    in :data:`MAIN_CLASS_MAX_BYTES` or less.
 
     A worker in another interpreter (or forked from another Loader's zygote) gets the
     dataset cloudpickled, and with it the script's classes *by value*; a sample of such a
@@ -306,10 +311,13 @@ def main_classes() -> dict[str, type]:
     for name, value in list(vars(main).items()) if main is not None else ():
         if isinstance(value, type) and getattr(value, "__module__", None) == "__main__":
             try:
-                cloudpickle.dumps(value)
+                size = len(cloudpickle.dumps(value))
             except Exception:  # noqa: BLE001 - one the worker then cannot have: as before
                 continue
-            out[name] = value
+            # (by value a class brings the globals its methods read: a model class may bring
+            # its weights; a sample's type pickles to a few KiB)
+            if size <= MAIN_CLASS_MAX_BYTES:
+                out[name] = value
     return out
 
 
