@@ -565,3 +565,16 @@ def test_a_long_finite_batch_sampler_with_a_length_is_read_whole(monkeypatch):
 
     with Loader(Indexed(5), batch_sampler=Iterations(), num_workers=0, autotune=False) as L:
         assert len(L) == 600 and sum(1 for _ in L) == 600
+
+
+def test_a_sampler_of_keys_that_are_not_integer_indices_is_refused_by_name():
+    """The DataLoader passes any key to __getitem__; autominato's orders, seeds and memory
+    figures are per integer index: a string or float key is refused, never cast."""
+    for keys in (["a", "b"], [0, 1.0]):
+        with Loader(Indexed(3), 2, sampler=keys, num_workers=0, autotune=False) as L:
+            with pytest.raises(TypeError, match=r"the sampler \(list\) gave a key that is not "
+                                                "an integer index"):
+                list(L)
+    with Loader(Indexed(3), 2, sampler=[np.int64(2), torch.tensor(0), 1], num_workers=0,
+                autotune=False) as L:
+        assert firsts(L) == [[2, 0], [1]]  # NumPy and 0-d tensor integers are indices

@@ -9,6 +9,7 @@ the DataLoader's ``BatchSampler`` would leave in its last, short batch.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +24,19 @@ from torch.utils.data import DistributedSampler
 #: Python list and 0.1-0.3 s to read.
 MAX_ORDER = 1 << 20
 MAX_ORDER_PER_SAMPLE = 16
+
+
+class _NotAnIndex(TypeError):
+    pass
+
+
+def _index(x: Any) -> int:
+    """``x`` as an index (``operator.index``: ints, NumPy integers, integer 0-d tensors; not
+    floats or strings, which the DataLoader would pass to ``__getitem__`` as they are)."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise _NotAnIndex(f"{x!r}, a {type(x).__name__}") from None
 
 
 def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = False) -> list:
@@ -47,22 +61,28 @@ def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = Fa
         items = 2 * int(len(sampler))  # what its length allows: indices, or batches
     except Exception:  # noqa: BLE001 - no length (or one that refuses): the bound as it is
         items = 0
-    if not batches:
-        cap = max(cap, items)
-        out = list(map(int, itertools.islice(sampler, cap + 1)))
-        if len(out) <= cap:
-            return out
-    else:
-        out = []
-        read = 0
-        for b in sampler:
-            b = [int(i) for i in b]
-            read += len(b)
-            out.append(b)
-            if read > cap and len(out) > items:  # past both bounds
-                break
+    try:
+        if not batches:
+            cap = max(cap, items)
+            out = list(map(_index, itertools.islice(sampler, cap + 1)))
+            if len(out) <= cap:
+                return out
         else:
-            return out
+            out = []
+            read = 0
+            for b in sampler:
+                b = list(map(_index, b))
+                read += len(b)
+                out.append(b)
+                if read > cap and len(out) > items:  # past both bounds
+                    break
+            else:
+                return out
+    except _NotAnIndex as e:
+        raise TypeError(
+            f"the {name} ({type(sampler).__name__}) gave a key that is not an integer index "
+            f"({e.args[0]}): autominato's map-style datasets take integer indices (its orders, seeds "
+            "and memory figures are per index); map other keys to indices in the dataset") from e
     what = f"{cap} indices" + (f" and {items} batches" if batches and items else "")
     raise ValueError(
         f"the {name} ({type(sampler).__name__}) gave more than {what} in one pass over a "
