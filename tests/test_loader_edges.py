@@ -335,9 +335,11 @@ class _Event:
         return 2.0  # ms
 
 
-def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(monkeypatch):
-    """A copy still running when the training loop takes its batch is counted once it ends;
-    at the epoch's end the loader waits for the last ones instead of dropping them."""
+def _fake_copies(monkeypatch, event: type, *, clone: bool = False, made: list | None = None):
+    """The transfer stage on the CPU as the CUDA copy looks to the training loop: a batch's
+    copy is the batch itself (with ``clone``, a clone, so that the host batch is only the
+    copy's), its events ``event()``; ``made`` gets ``(end event, weakref to the host batch)``
+    per batch. Set ``L.device = torch.device("cpu")`` (current_stream's argument only)."""
     from autominato.pipeline import scheduler as S
     from autominato.pipeline.collate import batch_nbytes
     from autominato.pipeline.stage import Result
@@ -347,8 +349,12 @@ def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(mo
         if isinstance(payload, S._Final):
             return Result("transfer", key, payload)
         batch, indices, positions = payload
-        return Result("transfer", key, (batch, indices, positions,
-                                        (_Event(), _Event(), batch_nbytes(batch), batch)))
+        e0, e1 = event(), event()
+        if made is not None:
+            made.append((e1, weakref.ref(batch)))
+        out = batch.clone() if clone else batch
+        return Result("transfer", key, (out, indices, positions,
+                                        (e0, e1, batch_nbytes(batch), batch)))
 
     class Stream:
         def wait_event(self, event) -> None:
@@ -357,6 +363,12 @@ def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(mo
     monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
     monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+
+def test_every_copied_batch_is_counted_in_h2d_bytes_total_the_epochs_last_too(monkeypatch):
+    """A copy still running when the training loop takes its batch is counted once it ends;
+    at the epoch's end the loader waits for the last ones instead of dropping them."""
+    _fake_copies(monkeypatch, _Event)
     with Loader(Tensors(22), 4, workers=1, worker_kind="thread", autotune=False,
                 collate_fn=torch.stack) as L:
         L.device = torch.device("cpu")  # (current_stream's argument only)
@@ -372,10 +384,6 @@ def test_a_copy_wait_that_fails_still_frees_the_pass_and_a_dropped_pass_makes_no
         monkeypatch):
     """A sticky CUDA error surfaces from the wait for the last copies, and the pass is freed
     all the same; an iterator dropped by the loop (``__del__``, any thread) waits for none."""
-    from autominato.pipeline import scheduler as S
-    from autominato.pipeline.collate import batch_nbytes
-    from autominato.pipeline.stage import Result
-
     waits = [0]
 
     class Broken(_Event):
@@ -386,21 +394,7 @@ def test_a_copy_wait_that_fails_still_frees_the_pass_and_a_dropped_pass_makes_no
             waits[0] += 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    def transfer(self, key, job):
-        _, payload = job
-        if isinstance(payload, S._Final):
-            return Result("transfer", key, payload)
-        batch, indices, positions = payload
-        return Result("transfer", key, (batch, indices, positions,
-                                        (Broken(), Broken(), batch_nbytes(batch), batch)))
-
-    class Stream:
-        def wait_event(self, event) -> None:
-            pass
-
-    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
-    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    _fake_copies(monkeypatch, Broken)
     with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
                 collate_fn=torch.stack) as L:
         L.device = torch.device("cpu")
@@ -426,10 +420,6 @@ def test_a_dropped_iterators_copies_keep_their_host_batches_until_they_end(monke
     batches (pooled, pinned) go to the Loader, which lets them go and counts the copies once
     their events say they ended (review 63: dropping them let the pool refill a buffer that
     a copy still read)."""
-    from autominato.pipeline import scheduler as S
-    from autominato.pipeline.collate import batch_nbytes
-    from autominato.pipeline.stage import Result
-
     made: list = []
 
     class Running(_Event):
@@ -438,24 +428,7 @@ def test_a_dropped_iterators_copies_keep_their_host_batches_until_they_end(monke
         def query(self) -> bool:
             return self.done
 
-    def transfer(self, key, job):
-        _, payload = job
-        if isinstance(payload, S._Final):
-            return Result("transfer", key, payload)
-        batch, indices, positions = payload
-        e1 = Running()
-        made.append((e1, weakref.ref(batch)))
-        # (what the loop gets is the copy, not the host batch the copy reads)
-        return Result("transfer", key, (batch.clone(), indices, positions,
-                                        (Running(), e1, batch_nbytes(batch), batch)))
-
-    class Stream:
-        def wait_event(self, event) -> None:
-            pass
-
-    monkeypatch.setattr(S.PipelineConfig, "cuda", property(lambda self: True))
-    monkeypatch.setattr(S.Pipeline, "_transfer", transfer)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    _fake_copies(monkeypatch, Running, clone=True, made=made)
     with Loader(Tensors(40), 4, workers=1, worker_kind="thread", autotune=False,
                 collate_fn=torch.stack) as L:
         L.device = torch.device("cpu")
