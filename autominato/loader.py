@@ -853,15 +853,11 @@ class Loader:
                 getattr(self, name).load_state_dict(sd)
         samplers = resume.sampler_states(self)
         order, groups = self._order(self._epoch)
-        try:
-            done = (resume.resumed_positions(pending, order, self._epoch,
-                                             self._order_rank())
-                    if pending is not None else [])
-        except ValueError:
-            # The checkpoint stays pending: a later pass must not start the epoch afresh
-            # and deliver again what was delivered before it (review 45).
-            self._resume, self._resumed = pending, None
-            raise
+        # (a checkpoint that does not match raises here and stays pending, __iter__ puts the
+        # fields back: a later pass must not start the epoch afresh and deliver again what
+        # was delivered before it, review 45)
+        done = (resume.resumed_positions(pending, order, self._epoch, self._order_rank())
+                if pending is not None else [])
         # A user's sampler may not rebuild the same order on resume: its fingerprint is
         # saved with a mid-epoch state and checked (the Loader's own order follows from
         # the seeds and shape that load_state_dict checks).
