@@ -641,7 +641,7 @@ class Loader:
     #: DataLoader attributes that the DataLoader applies at the next ``iter()`` but that the
     #: Loader's pipeline is built from: setting them is refused rather than ignored.
     _BUILT = frozenset(("collate_fn", "in_order", "pin_memory", "pin_memory_device",
-                        "worker_init_fn", "multiprocessing_context", "generator"))
+                        "multiprocessing_context", "generator"))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_initialized", False):
@@ -652,6 +652,12 @@ class Loader:
                 raise ValueError(f"{name} cannot be set after the Loader is built: its workers "
                                  "and pipeline are made from it (the DataLoader would apply it "
                                  "at the next iter()); build a new Loader with it")
+            if name == "worker_init_fn" and value is not self.__dict__.get(name):
+                # Lightning's seed_everything(workers=True) sets its seeding function here
+                # after the loader is built: the Loader's workers seed themselves
+                # (worker.seed_globals), so the function is kept but not run.
+                log.info("worker_init_fn set after the Loader was built is not run (its "
+                         "workers already started, and seed themselves): pass it to Loader()")
         super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ DataLoader API
@@ -1137,7 +1143,10 @@ class Loader:
         and let their pinned host batches go; the others stay."""
         dq = self._orphan_h2d
         for _ in range(len(dq)):
-            item = dq.popleft()
+            try:
+                item = dq.popleft()
+            except IndexError:  # another thread's poll took the rest
+                break
             e0, e1, nbytes, host = item
             if wait:
                 e1.synchronize()
@@ -1428,7 +1437,8 @@ class _EpochIterator:
                     self._poll_h2d(wait=True)
             finally:
                 if self._pending_h2d:
-                    self.L._orphan_h2d.extend(self._pending_h2d)  # (left by a failed wait too)
+                    if not self.L._closed:  # (after close() nothing would poll them)
+                        self.L._orphan_h2d.extend(self._pending_h2d)  # a failed wait's too
                     self._pending_h2d = []
                 self.pipeline.stop(self.run)
 

@@ -308,3 +308,23 @@ def test_a_sized_iterables_end_of_epoch_checkpoints_are_ended_epochs(tmp_path):
     (state,) = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"][
         "combined_loader"]
     assert state["finished"] and state["epoch"] == 1 and not state["restarted"]
+
+
+def test_seed_everything_with_workers_sets_its_worker_init_fn_and_the_fit_runs(monkeypatch):
+    """Lightning's seed_everything(workers=True) sets dataloader.worker_init_fn after the
+    loader is built (PL_SEED_WORKERS): accepted, not run (the Loader seeds its workers)."""
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    L.seed_everything(0, workers=True)
+    model = Linear()
+    loader = Loader(Points(), batch_size=4, num_workers=1, autotune=False)
+    model.loaders.append(loader)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(model, loader)
+    finally:
+        loader.close()
+        monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    assert trainer.global_step == 2 and loader.worker_init_fn is not None
+    assert sorted(i for _, _, ix in model.seen for i in ix) == list(range(8))
