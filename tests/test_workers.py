@@ -826,10 +826,23 @@ class Recs:
     def __len__(self): return 4
     def __getitem__(self, i): return Rec(i)
 
+class Handle:  # a global that cannot be rebuilt elsewhere (a file since deleted, say)
+    def __reduce__(self): return (open, ("/nonexistent/autominato-test",))
+
+HANDLE = Handle()
+
+class Logger:  # a class of the script that the datasets never use, reading that global
+    def write(self, s): return HANDLE
+
 # "second": the validation Loader, forked from the training Loader's zygote
 first = Loader(Pairs(), 2, num_workers=1, autotune=False) if sys.argv[1] == "second" else None
-with Loader(Pairs(), 2, num_workers=2, autotune=False) as L:
+# "resend": the dataset changes between epochs and is sent again to forked workers
+kw = {"persistent_workers": False} if sys.argv[1] == "resend" else {}
+with Loader(Pairs(), 2, num_workers=2, autotune=False, **kw) as L:
     pairs = list(L)
+    if sys.argv[1] == "resend":
+        L.dataset.changed = True
+        pairs = list(L)
 with Loader(Recs(), 2, num_workers=2, collate_fn=list, autotune=False) as L:
     recs = [r for b in L for r in b]
 print("RESULT " + json.dumps({
@@ -841,12 +854,14 @@ if first is not None:
 """
 
 
-@pytest.mark.parametrize("mode", ["thread", "second"])
+@pytest.mark.parametrize("mode", ["thread", "second", "resend"])
 def test_samples_of_the_scripts_own_classes_come_back_from_workers_not_forked_from_it(
         tmp_path, mode):
     """A NamedTuple or dataclass defined in the training script, returned by __getitem__: the
     DataLoader's forked workers send it back by reference to __main__; a worker started from
-    a new interpreter (a thread already ran) or from another Loader's zygote now has the
-    script's classes in its __main__ too (trial 64: PicklingError before)."""
+    a new interpreter (a thread already ran), from another Loader's zygote, or given the
+    dataset again (persistent_workers=False) now has those classes in its __main__ too (trial
+    64, review 65: PicklingError before). Only the classes the dataset reaches go: the
+    script's Logger, whose global cannot be rebuilt in a worker, breaks nothing."""
     out = result_of(run_script(SCRIPT_CLASSES, tmp_path, mode))
     assert out == {"pairs": True, "labels": [0, 1, 2, 3], "recs": True, "xs": [0, 1, 2, 3]}

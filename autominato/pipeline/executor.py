@@ -13,7 +13,6 @@ so the scheduler sees a single stream of events:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -357,14 +356,11 @@ class ProcessWorkers:
     # -- zygotes -------------------------------------------------------------------------
     def _pickled(self) -> bytes:
         if self._payload is None:
-            import cloudpickle
 
-            from autominato.pipeline.worker import main_classes
+            from autominato.pipeline.worker import dumps_for_worker
 
             try:
-                # (with the script's classes: a sample of one travels back by reference)
-                self._payload = cloudpickle.dumps(
-                    dataclasses.replace(self.spec, main_classes=main_classes()))
+                self._payload = dumps_for_worker(self.spec)
             except Exception as e:
                 if self._replaced:
                     why = ("this Loader's fork server ended (killed, or broken), and the "

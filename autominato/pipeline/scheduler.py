@@ -403,10 +403,10 @@ class Pipeline:
             or any(hasattr(st.executor, "reload") for st in self.sample_stages))
 
     def _pickled_dataset(self) -> bytes:
-        import cloudpickle
+        from autominato.pipeline.worker import dumps_for_worker
 
         try:
-            return cloudpickle.dumps(self.spec.dataset)
+            return dumps_for_worker(self.spec.dataset)
         except Exception as e:
             raise ValueError(
                 f"persistent_workers=False sends the dataset to the workers at every epoch, so it "

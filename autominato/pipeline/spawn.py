@@ -474,12 +474,10 @@ def _bootstrap(ctrl: socket.socket, boot_fd: int) -> int | None:
             spec: Any = boot.read()  # each spawned worker unpickles its own copy
         else:
             try:
-                import cloudpickle
 
-                spec = cloudpickle.load(boot)
-                from autominato.pipeline.worker import install_main_classes
+                from autominato.pipeline.worker import loads_for_worker
 
-                install_main_classes(spec)
+                spec = loads_for_worker(boot)
             except BaseException as e:  # noqa: BLE001 - reported to the training loop
                 from autominato.pipeline.errors import ErrorReport
 

@@ -76,7 +76,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -283,51 +283,61 @@ class WorkSpec:
     seed: int
     threads_per_worker: int = 1
     worker_init_fn: Callable[[int], None] | None = None
-    #: The training script's classes (``__main__``'s), pickled with the spec for a worker
-    #: that does not fork from the training process: see :func:`main_classes`.
-    main_classes: dict = field(default_factory=dict)
 
 
-#: Largest pickle of one of the training script's classes sent to workers (bytes).
-MAIN_CLASS_MAX_BYTES = 64 << 10
+def dumps_for_worker(obj: Any) -> bytes:
+    """``obj`` cloudpickled for a worker that does not fork from the training process as it
+    is now (a new interpreter, another Loader's zygote, a dataset sent again), followed in the
+    same stream by the training script's classes that this pickle carried by value.
 
-
-def main_classes() -> dict[str, type]:
-    """The classes the training script defines (``__main__``'s) that cloudpickle can pickle
-    in :data:`MAIN_CLASS_MAX_BYTES` or less.
-
-    A worker in another interpreter (or forked from another Loader's zygote) gets the
-    dataset cloudpickled, and with it the script's classes *by value*; a sample of such a
-    class (a ``NamedTuple``, a dataclass) then travels back by *reference*,
-    ``__main__.Name``, which that worker's ``__main__`` lacks or holds as another object.
-    Sent with the spec and put into the worker's ``__main__`` (:func:`install_main_classes`),
-    they make that reference resolve there, to the class the sample has, and in the training
-    process to the script's own class, as with the DataLoader's forked workers.
+    cloudpickle sends the script's (``__main__``'s) classes by value, so a worker rebuilds
+    them, while a sample of one (a ``NamedTuple``, a dataclass) travels back by *reference*,
+    ``__main__.Name``, which that worker's ``__main__`` lacks or holds as another object (the
+    DataLoader's forked workers have the script's own). :func:`loads_for_worker` puts those
+    classes into the worker's ``__main__``, so the reference resolves there, to the class the
+    sample has, and in the training process to the script's class. Only classes the object
+    itself reaches are sent (recorded as the pickler meets them: nothing is pickled twice,
+    and a class the dataset never uses is neither pickled nor unpickled), and the same memo
+    makes them the very objects the dataset's pickle rebuilds.
     """
+    import io
+
     import cloudpickle
 
     main = sys.modules.get("__main__")
-    out: dict[str, type] = {}
-    for name, value in list(vars(main).items()) if main is not None else ():
-        if isinstance(value, type) and getattr(value, "__module__", None) == "__main__":
-            try:
-                size = len(cloudpickle.dumps(value))
-            except Exception:  # noqa: BLE001 - one the worker then cannot have: as before
-                continue
-            # (by value a class brings the globals its methods read: a model class may bring
-            # its weights; a sample's type pickles to a few KiB)
-            if size <= MAIN_CLASS_MAX_BYTES:
-                out[name] = value
-    return out
+    found: dict[str, type] = {}
+
+    class Recording(cloudpickle.Pickler):
+        def reducer_override(self, o: Any) -> Any:
+            if isinstance(o, type) and getattr(o, "__module__", None) == "__main__":
+                name = o.__qualname__
+                if "." not in name and getattr(main, name, None) is o:
+                    found[name] = o
+            return super().reducer_override(o)
+
+    buf = io.BytesIO()
+    pickler = Recording(buf, protocol=cloudpickle.DEFAULT_PROTOCOL)
+    pickler.dump(obj)
+    pickler.dump(found)
+    return buf.getvalue()
 
 
-def install_main_classes(spec: WorkSpec) -> None:
-    """Put ``spec.main_classes`` into this process's ``__main__`` (see :func:`main_classes`)."""
+def loads_for_worker(data: bytes | Any) -> Any:
+    """The object of :func:`dumps_for_worker` (``data``: its bytes, or a file positioned at
+    them), after putting the script's classes it carried into this process's ``__main__``."""
+    import io
+    import pickle
+
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = io.BytesIO(data)
+    unpickler = pickle.Unpickler(data)
+    obj = unpickler.load()
+    classes = unpickler.load()
     main = sys.modules.get("__main__")
-    if main is None:
-        return
-    for name, cls in spec.main_classes.items():
-        setattr(main, name, cls)
+    if main is not None:
+        for name, cls in classes.items():
+            setattr(main, name, cls)
+    return obj
 
 
 #: A sample's index: its dataset index, or for an iterable dataset ``(worker id, k)``, the k-th
@@ -747,10 +757,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     try:
         try:
             if isinstance(spec, (bytes, bytearray)):
-                import cloudpickle
 
-                spec = cloudpickle.loads(spec)
-                install_main_classes(spec)
+                spec = loads_for_worker(spec)
             limit_threads(spec.threads_per_worker if threads is None else threads)
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
@@ -820,9 +828,7 @@ def _take_dataset(spec: WorkSpec, payload: bytes | None) -> None:
     spec's. The caller drops ``payload`` before it runs ``worker_init_fn`` (:func:`start_worker`),
     so that the pickled bytes (as large as an in-memory dataset) are not held beside the copy."""
     if payload is not None:
-        import cloudpickle
-
-        spec.dataset = cloudpickle.loads(payload)
+        spec.dataset = loads_for_worker(payload)
 
 
 #: A worker given several samples in one message replies for all of them in one message, but
