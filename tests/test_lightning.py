@@ -55,12 +55,17 @@ class Linear(L.LightningModule):
         return loader
 
 
+def quiet_trainer(**kw) -> L.Trainer:
+    """A one-device CPU Trainer that logs, checkpoints and prints nothing (``kw`` adds to it)."""
+    base = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**base, **kw})
+
+
 def test_lightning_fit_of_a_few_steps_follows_lightning_epochs_even_when_reloading_loaders():
     model = Linear()
     weight = model.lin.weight.detach().clone()
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    trainer = quiet_trainer(max_steps=6, reload_dataloaders_every_n_epochs=1)
     try:
         trainer.fit(model)
     finally:
@@ -100,9 +105,7 @@ def test_a_loader_reloaded_each_epoch_over_a_plain_sampler_counts_lightnings_epo
     """At each reloaded epoch Lightning starts a pass it never uses before the one it runs
     (review 62): the pass it runs is its epoch, not the one after."""
     model = SameLoader(workers)
-    trainer = L.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    trainer = quiet_trainer(max_epochs=4, reload_dataloaders_every_n_epochs=1)
     try:
         trainer.fit(model)
     finally:
@@ -318,9 +321,7 @@ def test_seed_everything_with_workers_sets_its_worker_init_fn_and_the_fit_runs(m
     model = Linear()
     loader = Loader(Points(), batch_size=4, num_workers=1, autotune=False)
     model.loaders.append(loader)
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = quiet_trainer(max_epochs=1)
     try:
         trainer.fit(model, loader)
     finally:
