@@ -965,10 +965,14 @@ class Loader:
                         self._pipeline = None
                         for name in _PIPELINE_COUNTERS:
                             self._retired[name] += getattr(p, name)  # (counters never go back)
-            if state.get("sample_memory") is not None:
+            n = self._n
+            if state.get("sample_memory") is not None and len(state["sample_memory"]) == n:
                 given = list(state["sample_memory"])
-                # figures measured here win; the state's fill the indices not measured
-                self._memory_figures = SampleMemory.merge(self._memory_figures, given)
+                # figures measured here win; the state's fill the indices not measured (those
+                # of a dataset of another length, an ended epoch's state, are not taken)
+                own = self._memory_figures
+                self._memory_figures = SampleMemory.merge(
+                    own if own is not None and len(own) == n else None, given)
                 if self._pipeline is not None:
                     self._pipeline.restore_memory(given)
             self._epoch = int(state["epoch"])

@@ -277,10 +277,11 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
                          f"{state['dataset_len']} non-negative ints (peak bytes per index)")
     mine = {"batch_size": loader._batch, "world_size": loader.world_size,
             "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
-    # A state that names no positions (an ended epoch, or one not begun) starts the next
-    # epoch from its beginning: a dataset that changed length since (bad cases filtered out)
-    # is taken as it is.
-    positions = state["epoch_size"] is not None and not state["finished"]
+    # A state that names no positions (an ended epoch, one not begun, or one begun that
+    # delivered nothing) starts its epoch from the beginning: a dataset that changed length
+    # since (bad cases filtered out) is taken as it is.
+    positions = (state["epoch_size"] is not None and not state["finished"]
+                 and bool(state["delivered"]))
     for key in _SHAPE:
         if key == "dataset_len" and not positions:
             continue
@@ -339,8 +340,8 @@ def resumed_positions(state: dict[str, Any], order: Sequence[int], epoch: int,
             dataset): the positions saved would name other samples.
     """
     size = len(order)
-    if state["epoch_size"] is None:
-        return []
+    if state["epoch_size"] is None or not state["delivered"]:
+        return []  # (nothing delivered: the epoch starts from its beginning, whatever its size)
     if state["epoch_size"] != size:
         raise ValueError(f"resuming epoch {epoch}: its order has {size} positions, it had "
                          f"{state['epoch_size']} at the checkpoint (the sampler must give the "

@@ -965,3 +965,16 @@ def test_a_state_between_epochs_takes_a_dataset_of_another_length():
     with Loader(_Sized(10), batch_size=4, num_workers=0, seed=0, autotune=False) as M:
         with pytest.raises(ValueError, match="dataset_len=20"):
             M.load_state_dict(mid)  # positions of another epoch's order: refused by name
+
+
+def test_a_state_begun_with_nothing_delivered_takes_a_dataset_of_another_length():
+    with Loader(_Sized(20), batch_size=4, num_workers=0, seed=0, autotune=False) as L:
+        it = iter(L)  # begun (Lightning's check pass, say), nothing delivered
+        state = L.state_dict()
+        del it
+    state["sample_memory"] = [1000] * 20  # figures of the 20 samples
+    assert state["epoch_size"] == 20 and not state["delivered"]
+    with Loader(_Sized(10), batch_size=4, num_workers=0, seed=0, autotune=False) as M:
+        M.load_state_dict(state)
+        assert sorted(int(v) for b in M for v in b) == list(range(10))
+        assert M.state_dict()["sample_memory"] is None  # the 20 figures are not this dataset's
