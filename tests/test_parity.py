@@ -422,7 +422,9 @@ def test_errors_wait_for_the_consumer_as_batches_do():
         (run,) = [r for r in loader._pipeline.runs.values() if not r.speculative]
         assert run.taken <= loader.knobs.pool_size + 2 * loader.knobs.depth + 2
         got, errors = drain(it)
-        assert [b for b in got if b != "error"] == [[2]] and len(errors) == 397
+        # (the good sample the first batch did not take: 2, or 0 or 1 when it finished last)
+        rest = sorted({0, 1, 2} - set(first))
+        assert [b for b in got if b != "error"] == [rest] and len(errors) == 397
 
 
 def test_a_kept_error_does_not_keep_its_run():
