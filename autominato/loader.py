@@ -1151,16 +1151,23 @@ class Loader:
                 item = dq.popleft()
             except IndexError:  # another thread's poll took the rest
                 break
-            e0, e1, nbytes, host = item
-            if wait:
-                e1.synchronize()
-            if e1.query():
-                seconds = e0.elapsed_time(e1) / 1000.0
-                self._h2d_bytes += nbytes
-                self._h2d_seconds += seconds
-                self.stage_stats["transfer"].record(seconds, 0.0, nbytes)
-            else:
+            if not self._count_copy(item, wait):
                 dq.append(item)
+
+    def _count_copy(self, copy: tuple, wait: bool = False) -> bool:
+        """Count one host-to-device copy ``(start event, end event, bytes, host batch)`` in
+        ``h2d_bytes_total`` / ``h2d_seconds_total`` (seconds from its CUDA events) if it has
+        ended (with ``wait``: once it has); False while it still runs."""
+        e0, e1, nbytes, _ = copy
+        if wait:
+            e1.synchronize()
+        if not e1.query():
+            return False
+        seconds = e0.elapsed_time(e1) / 1000.0
+        self._h2d_bytes += nbytes
+        self._h2d_seconds += seconds
+        self.stage_stats["transfer"].record(seconds, 0.0, nbytes)
+        return True
 
     @property
     def telemetry(self) -> Any:
@@ -1415,18 +1422,7 @@ class _EpochIterator:
         """Count the host-to-device copies of delivered batches that have finished (with
         ``wait``, all of them, waiting for the last: the epoch's end, so that its last
         batches are counted too) and let their pinned host buffers go."""
-        keep = []
-        for e0, e1, nbytes, host in self._pending_h2d:
-            if wait:
-                e1.synchronize()
-            if e1.query():
-                seconds = e0.elapsed_time(e1) / 1000.0
-                self.L._h2d_bytes += nbytes
-                self.L._h2d_seconds += seconds
-                self.L.stage_stats["transfer"].record(seconds, 0.0, nbytes)
-            else:
-                keep.append((e0, e1, nbytes, host))
-        self._pending_h2d = keep
+        self._pending_h2d = [c for c in self._pending_h2d if not self.L._count_copy(c, wait)]
 
     def _finish(self, count_copies: bool = True) -> None:
         """End the pass: the pipeline frees what it holds for it. With ``count_copies``, the
