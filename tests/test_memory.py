@@ -300,9 +300,11 @@ def test_fast_samples_are_never_held_back():
         for _ in range(2):
             assert sum(len(b) for b in loader) == 3000
         snap = loader.snapshot()
-        # no figure is learned from them (the first replies, sent one per message before the
-        # executor knew they were fast, were: they then held some back, now and then)
-        assert snap.samples_held_for_memory_total == 0 and snap.sample_memory_budget_bytes == 0
+        # none is held back (the first replies, sent one per message before the executor knew
+        # they were fast, were measured and then held some back, now and then). A figure may
+        # be learned all the same: a sample that a loaded machine slowed past the 10 ms
+        # chunk budget is measured by design (seen once in a clean-clone CI, budget 11 MB)
+        assert snap.samples_held_for_memory_total == 0
 
 
 def test_a_separate_read_stage_is_not_measured_and_says_so():
