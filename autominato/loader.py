@@ -535,8 +535,9 @@ class Loader:
             log.warning("the configuration asks for %d workers, more than this machine's bound "
                         "of %d (%d usable cores); using %d", values["workers"],
                         bounds["workers"][1], cores, bounds["workers"][1])
-        elif values["workers"] > bounds["workers"][1]:
-            bounds["workers"] = (bounds["workers"][0], values["workers"])  # the user's explicit choice
+        for name in knobs:  # the user's explicit choice raises the bound the controller keeps
+            if name != "workers" or values["workers"] > 0:
+                bounds[name] = (bounds[name][0], max(bounds[name][1], values[name]))
         bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
@@ -712,9 +713,14 @@ class Loader:
         self._set_knob("depth", "prefetch_factor", _check_int("prefetch_factor", n, 1))
 
     def _set_knob(self, knob: str, name: str, value: int) -> None:
-        """Set ``knob`` as the user's ``name``; a value outside its bounds is refused by name
-        rather than clamped (``num_workers=0`` is a Loader without workers: build one)."""
+        """Set ``knob`` as the user's ``name``. A value above its upper bound raises the bound
+        (the user's explicit choice, as in the constructor: the DataLoader takes any
+        ``prefetch_factor``); one below the lower bound is refused by name rather than clamped
+        (``num_workers=0`` is a Loader without workers: build one)."""
         lo, hi = self.knobs.bounds(knob)
+        if value > hi and not (knob == "workers" and hi == 0):
+            self.knobs.set_bounds(knob, lo, value)
+            hi = value
         if not lo <= value <= hi:
             why = (" (whether a Loader has workers at all is fixed when it is built: "
                    "num_workers=0 loads in the training loop's thread; build a new Loader to "

@@ -472,6 +472,19 @@ def test_what_makes_the_epochs_cannot_be_set_after_init_as_with_dataloader():
         assert [len(b) for b in L] == [4, 4, 2] and L.num_workers == 2
 
 
+def test_prefetch_factor_above_the_default_bound_is_taken_as_given():
+    """The DataLoader takes any prefetch_factor; a value above the depth knob's default upper
+    bound (32) was clamped by the constructor and refused by the setter."""
+    ds = Indexed(10)
+    with Loader(ds, 2, num_workers=1, prefetch_factor=100, autotune=False) as L:
+        assert L.prefetch_factor == 100 and L.knobs.bounds("depth")[1] == 100
+        L.prefetch_factor = 200
+        assert L.prefetch_factor == 200 and L.knobs.bounds("depth") == (1, 200)
+        assert sorted(int(r[0]) for b in L for r in b) == list(range(10))
+    with Loader(ds, 2, num_workers=1, pool_size=300, autotune=False) as L:
+        assert L.knobs.pool_size == 300
+
+
 class Resizable:
     """Sample i is items[i]; ``items`` may be replaced between epochs."""
 
