@@ -680,6 +680,66 @@ def test_resume_with_a_distributed_sampler_cuts_the_rest_from_the_same_epoch():
     assert part + rest == full
 
 
+class Drawn:
+    """Sample i is ``(i, a draw of the sample's generator)``."""
+
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _draw(i: int, rng: np.random.Generator) -> tuple[int, int]:
+    return i, int(rng.integers(1 << 30))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_epoch_a_training_loop_sets_on_its_distributed_sampler_is_the_loaders(workers):
+    # From a new user's trial (20): a job restarted at epoch 3 runs
+    # ``for epoch in range(3, n): sampler.set_epoch(epoch)``; the Loader counted its own
+    # passes (0, 1, ...), so its mid-epoch checkpoint said epoch 0 and no Loader could resume
+    # it (the sampler's order is epoch 3's), and the augmentations repeated epoch 0's.
+    from torch.utils.data import DistributedSampler
+
+    ds = Drawn()
+
+    def make():
+        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True)
+        return s, Loader(ds, 3, sampler=s, transform=_draw, seed=7, num_workers=workers,
+                         autotune=False)
+
+    def pairs(batches):
+        return sorted((int(i), int(d)) for b in batches for i, d in zip(*b, strict=True))
+
+    s, L = make()
+    with L:
+        L.set_epoch(3)  # the Loader's own epoch 3: the reference
+        want = pairs(L)
+    s, L = make()
+    with L:
+        s.set_epoch(3)
+        it = iter(L)
+        part = [next(it) for _ in range(2)]
+        state = L.state_dict()
+        del it
+    assert state["epoch"] == 3
+    s, L = make()
+    with L:
+        L.load_state_dict(state)
+        s.set_epoch(state["epoch"])  # the restarted loop sets it again
+        rest = list(L)
+        assert L.epoch == 3
+        s.set_epoch(4)
+        nxt = pairs(L)
+        assert L.epoch == 4
+    assert pairs(part + rest) == want
+    s, L = make()
+    with L:
+        L.set_epoch(4)
+        assert nxt == pairs(L)
+
+
 @pytest.mark.parametrize("set_epoch", [False, True])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers, set_epoch):
