@@ -521,6 +521,35 @@ def test_the_floor_is_the_reads_cpu_and_the_transforms_in_cores_processes():
     assert floor.s - floor.transform_s < 2 * 8 * 0.03 / CORES * 2
 
 
+class LoggedRead:
+    """A dataset that appends each index it reads to the file ``log``."""
+
+    def __init__(self, n: int, log: str) -> None:
+        self.n, self.log = n, log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.0}
+
+
+def test_the_floor_takes_each_epoch_in_the_arms_order(tmp_path):
+    # Review 67: the floor ran every epoch in index order while every arm took the shuffled
+    # order, so its greedy makespan put the long samples elsewhere than the arms did.
+    from autominato.pipeline.sampler import epoch_order
+
+    log = tmp_path / "reads.txt"
+    wl = replace(tiny(9, cost_s=0.0), dataset=LoggedRead(9, str(log)), shuffle=True, seed=3)
+    measure_floor(wl, 1, epochs=3)  # one process: its reads are the dispatch order
+    reads = [int(x) for x in log.read_text().split()]
+    want = [int(i) for e in range(3) for i in epoch_order(9, epoch=e, seed=3, shuffle=True)]
+    assert want != list(range(9)) * 3
+    assert reads[1:] == want  # (reads[0]: the warm-up sample before the timing)
+
+
 def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_path):
     wl = tiny(8, cost_s=0.02, step_s=0.001)
     res = run_workload(wl, options(tmp_path, arms=["dataloader", "autominato"], repeats=2))

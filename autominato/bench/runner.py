@@ -12,7 +12,7 @@ For each workload the runner
 4. measures the *floor* once per repeat, before that repeat's arms: the reads' CPU and the
    transforms of every sample of every epoch in ``cores`` warm processes with nothing else
    running
-   (:func:`~autominato.bench.workload.measure_floor`), what no loader can beat. Each run's
+   (:func:`~autominato.bench.workload.measure_floor`), in the arms' order. Each run's
    ``ratio_to_floor`` is its wall time over ``max(median floor, its consumer's step time)``.
 
 Every run yields a :class:`RunRecord`; an arm that cannot run yields one record whose status

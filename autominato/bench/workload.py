@@ -487,7 +487,7 @@ def makespan(durations: Sequence[float], workers: int) -> float:
 
 @dataclass(frozen=True)
 class Floor:
-    """What no loader can beat (:func:`measure_floor`), seconds.
+    """The work alone, scheduled as the loaders dispatch it (:func:`measure_floor`), seconds.
 
     Attributes:
         s: the floor: the makespan of every sample's read CPU-seconds + transform seconds.
@@ -500,17 +500,23 @@ class Floor:
 
 def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     """Seconds that the work of every sample of ``epochs`` epochs takes in ``cores``
-    processes with nothing else running: what no loader can beat.
+    processes with nothing else running, taken in the arms' order.
 
     ``cores`` warm processes (``spawn``ed, threads capped at one each as the loaders' workers
-    are, one sample run before the timing starts) each take the next ``(epoch, index)`` as
+    are, one sample run before the timing starts) each take the next ``(epoch, index)``, each
+    epoch in the order every arm takes it (:func:`~autominato.pipeline.sampler.epoch_order`
+    with the workload's seed and shuffle, as :class:`EpochIndices`), as
     soon as they are free, read it and transform it, so the durations carry the contention
     of ``cores`` samples at once (memory bandwidth, caches). A sample's duration is its
     read's CPU-seconds plus its transform's seconds: a loader can hide a read's waits
     (storage latency) behind other samples' transforms, not the CPU the read spends (a copy
     out of the page cache, a decode: KiTS19's read of a whole case is ~50 ms of it). The
     floor is the :func:`makespan` of those durations in dispatch order on ``cores`` workers:
-    no batching, collation, transport to the training loop or consumer.
+    no batching, collation, transport to the training loop or consumer. It bounds a loader
+    that starts the samples in the epoch's order, as every arm does; one that started the
+    long samples first could finish a little sooner (greedy list scheduling is within
+    ``2 - 1/cores`` of the best order, Graham 1966; the CPU-sum limit, :func:`physical_limit`,
+    bounds any order).
 
     Raises:
         ValueError: ``cores < 1``.
@@ -525,7 +531,13 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(cores + 1)
     payload = cloudpickle.dumps(SampleFn(workload))
-    tasks = [(e, i) for e in range(epochs) for i in range(len(workload))]
+    from autominato.pipeline.sampler import epoch_order
+
+    # each epoch in the order the arms take it (EpochIndices, Loader(shuffle, seed)): the
+    # makespan of greedy dispatch depends on where the long samples fall
+    tasks = [(e, int(i)) for e in range(epochs)
+             for i in epoch_order(len(workload), epoch=e, seed=workload.seed,
+                                  shuffle=workload.shuffle)]
     threads = threads_per_worker(cores, cores)
     with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
         barrier.wait()
