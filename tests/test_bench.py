@@ -743,3 +743,29 @@ def test_every_autominato_arm_builds_its_loader_with_its_settings():
         finally:
             close()
     assert seen == set(checks)
+
+
+def _row(arm: str, sps: float, status: str = "ok", runs: int = 3, floor: float = 1.1,
+         mem: float = 100.0, first: float = 0.5) -> dict:
+    return {"workload": "w", "arm": arm, "status": status, "runs": runs,
+            "samples_per_s_median": sps, "ratio_to_floor_median": floor,
+            "peak_memory_bytes_median": mem * 2**20, "first_batch_s_median": first}
+
+
+def test_the_goals_compare_with_the_fastest_peer_and_say_why_one_is_absent():
+    from autominato.bench.report import goals
+
+    # Review 67: the plain DataLoader was no peer, so the best-peer goal compared with a
+    # slower arm; an arm that ran and failed every run was "arm missing".
+    rows = [_row("dataloader", 20.0), _row("torchdata", 18.0), _row("autominato", 23.0),
+            _row("spdl", math.nan, status="error: boom", runs=0)]
+    got = {g: (met, text) for g, met, text in goals(rows, "w")}
+    assert got["samples/s >= 1.1x best peer"] == (True, "1.15x dataloader")
+    assert got["samples/s >= 1.3x dataloader"] == (False, "1.15x")
+    rows = [_row("dataloader", 20.0, status="error: boom", runs=0),
+            _row("autominato", 23.0, status="ok (1 of 3)", runs=1)]
+    got = {g: (met, text) for g, met, text in goals(rows, "w")}
+    assert got["samples/s >= 1.3x dataloader"] == (None, "dataloader: error: boom")
+    assert got["wall <= 1.15x max(floor, steps)"] == (True, "1.10x (autominato 1 of 3 runs)")
+    assert goals([_row("autominato", 23.0)], "w")[0] == (
+        "samples/s >= 1.3x dataloader", None, "dataloader did not run")
