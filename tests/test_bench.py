@@ -608,13 +608,35 @@ def test_a_shuffled_bench_gives_every_arm_the_loaders_order_for_each_epoch():
 
 
 def test_ranks_keep_rank_zeros_share_of_each_epoch():
+    from torch.utils.data import DistributedSampler
+
     wl = tiny(20)
     mine = wl.shard(8)
-    assert len(mine) == 3 and mine.name == f"{wl.name}-rank0of8"
-    assert [mine.dataset[i]["image"][0, 0] for i in range(3)] == [0, 8, 16]
+    assert len(mine) == 3 and mine.n_batches == 2 and mine.name == f"{wl.name}-rank0of8"
+    assert [mine.epoch_indices(e) for e in range(2)] == [[0, 8, 16]] * 2
     assert wl.shard(1) is wl
     with pytest.raises(ValueError, match="ranks must be in"):
         wl.shard(21)
+    # Review 67: shuffled, rank 0 gets another share each epoch, DistributedSampler's (the
+    # bench kept samples 0, 8, 16 and only reordered them)
+    mine = replace(wl, shuffle=True, seed=3).shard(8)
+    want = []
+    for e in range(3):
+        ds = DistributedSampler(range(20), num_replicas=8, rank=0, shuffle=True, seed=3)
+        ds.set_epoch(e)
+        want.append(list(ds))
+    assert [mine.epoch_indices(e) for e in range(3)] == want and want[0] != want[1]
+    assert sorted(mine.subset(2).epoch_indices(0)) == [0, 1]  # a probe: one rank
+
+
+def test_every_arm_takes_rank_zeros_share_of_each_epoch(tmp_path):
+    wl = replace(tiny(12, step_s=0.001), shuffle=True, seed=5).shard(3)
+    res = run_workload(wl, options(tmp_path, arms=["dataloader", "torchdata", "autominato"],
+                                   epochs=3))
+    assert len(res.records) == 3
+    for r in res.records:
+        assert r.ok, (r.arm, r.status)  # each epoch's samples checked against the share
+        assert r.samples == 3 * 4
 
 
 def test_checking_that_the_ray_arm_can_run_starts_no_ray_in_the_bench_process(monkeypatch):

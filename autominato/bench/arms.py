@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autominato.bench.workload import EpochIndices, SampleFn, Workload, sample_rng
-from autominato.pipeline.sampler import epoch_order
 
 #: Arm names in the order the report lists them.
 ARM_NAMES = (
@@ -252,7 +251,7 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         dl = DataLoader(
             SampleFn(wl),
             batch_size=wl.batch_size,
-            sampler=EpochIndices(len(wl), wl.seed, wl.shuffle),
+            sampler=EpochIndices(len(wl.dataset), wl.seed, wl.shuffle, wl.world_size),
             num_workers=workers,
             pin_memory=bool(p.get("pin_memory", True)),
             prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
@@ -272,7 +271,8 @@ def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     import torchdata.nodes as tn
     from torch.utils.data import default_collate
 
-    node: Any = tn.SamplerWrapper(EpochIndices(len(wl), wl.seed, wl.shuffle))
+    node: Any = tn.SamplerWrapper(EpochIndices(len(wl.dataset), wl.seed, wl.shuffle,
+                                                 wl.world_size))
     mapper = tn.ParallelMapper(
         node,
         map_fn=SampleFn(wl),
@@ -341,8 +341,7 @@ class _SpdlEpochs:
         self.epoch += 1
         self.pipeline = (
             PipelineBuilder()
-            .add_source(epoch_order(len(self.wl), epoch=self.epoch, seed=self.wl.seed,
-                                    shuffle=self.wl.shuffle))
+            .add_source(self.wl.epoch_indices(self.epoch))
             .pipe(_SpdlRead(self.wl), concurrency=rc)
             .pipe(_SpdlTransform(self.wl, self.epoch), concurrency=self.tc, executor=self.executor)
             .aggregate(self.wl.batch_size, drop_last=False)
@@ -375,6 +374,8 @@ def _autominato(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         "seed": wl.seed,
         "autotune": bool(p.get("autotune", True)),
     }
+    if wl.world_size > 1:  # rank 0's share of each epoch, as DistributedSampler's
+        kwargs.update(rank=0, world_size=wl.world_size)
     if p.get("config"):
         kwargs["config"] = p["config"]
     # Every other setting of the arm is a Loader argument (a list of names let

@@ -416,6 +416,9 @@ def _record(
             status = (f"wrong: epoch {e} delivered {len(got)} samples ({len(set(got))} "
                       f"distinct) of {n}")
             break
+        if wl.world_size > 1 and sorted(got) != sorted(wl.epoch_indices(e)):
+            status = f"wrong: epoch {e} delivered other samples than rank 0's share"
+            break
     if len(ends) * n != samples:
         status = f"wrong: delivered {samples} samples in {len(ends)} epochs of {n}"
     wall = float(r["wall_s"])

@@ -255,25 +255,28 @@ class EpochIndices:
     the one autominato draws for it: the arms do the same work, epoch by epoch.
     """
 
-    def __init__(self, n: int, seed: int = 0, shuffle: bool = False) -> None:
+    def __init__(self, n: int, seed: int = 0, shuffle: bool = False,
+                 world_size: int = 1) -> None:
         self.n = n
         self.seed = seed
         self.shuffle = shuffle
+        self.world_size = world_size
         self.next_epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.next_epoch = int(epoch)
 
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.world_size)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         e = self.next_epoch
         self.next_epoch = e + 1
         from autominato.pipeline.sampler import epoch_order
 
-        order = epoch_order(self.n, epoch=e, seed=self.seed, shuffle=self.shuffle)
-        return ((e, i) for i in order)
+        order = epoch_order(self.n, epoch=e, seed=self.seed, shuffle=self.shuffle,
+                            rank=0, world_size=self.world_size)
+        return ((e, int(i)) for i in order)
 
 
 @dataclass
@@ -298,6 +301,9 @@ class Workload:
             ``0 .. n - 1``. With a fixed order, an in-order DataLoader gives each worker the
             same samples every epoch, so its workers' memory peaks (and costs) differ by
             which samples they always get.
+        world_size: ranks that split each epoch; the workload is rank 0's share
+            (:meth:`shard`): ``DistributedSampler(num_replicas=world_size, rank=0,
+            shuffle=shuffle, seed=seed)``'s indices of each epoch.
     """
 
     name: str
@@ -311,14 +317,26 @@ class Workload:
     step_factor: float = 1.0
     cleanup: list[str] = field(default_factory=list)
     shuffle: bool = False
+    world_size: int = 1
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        """Samples in one epoch: the dataset's, or rank 0's share of them."""
+        return -(-len(self.dataset) // self.world_size)
 
     @property
     def n_batches(self) -> int:
         """Batches in one epoch (the last one may be partial: ``drop_last=False``)."""
-        return -(-len(self.dataset) // self.batch_size)
+        return -(-len(self) // self.batch_size)
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """Dataset indices of ``epoch`` in the order every arm takes them: ``0 .. n - 1``,
+        the shuffle of ``Loader(shuffle=True, seed=seed)``, and with ``world_size > 1``
+        rank 0's share as ``DistributedSampler`` draws it."""
+        from autominato.pipeline.sampler import epoch_order
+
+        return [int(i) for i in epoch_order(len(self.dataset), epoch=epoch, seed=self.seed,
+                                            shuffle=self.shuffle, rank=0,
+                                            world_size=self.world_size)]
 
     def indexed_dataset(self) -> IndexedDataset:
         return IndexedDataset(self.dataset)
@@ -327,14 +345,18 @@ class Workload:
         return IndexedTransform(self.transform)
 
     def subset(self, n: int) -> Workload:
-        """The same workload on its first ``n`` samples (for short probe runs)."""
-        keep = range(min(n, len(self.dataset)))
-        return replace(self, name=self.name, dataset=_Subset(self.dataset, keep), cleanup=[])
+        """The same workload on the first ``n`` samples of its epoch 0 (for short probe runs),
+        as one rank."""
+        keep = self.epoch_indices(0)[:n] if self.world_size > 1 else range(min(n, len(self)))
+        return replace(self, name=self.name, dataset=_Subset(self.dataset, keep), cleanup=[],
+                       world_size=1)
 
     def shard(self, ranks: int) -> Workload:
-        """Rank 0's share of each epoch when ``ranks`` processes split it: samples
-        ``0, ranks, 2 * ranks, ...`` (``DistributedSampler`` without shuffling or padding), so
-        ``ceil(len / ranks)`` per epoch: MLPerf 3D-UNet's 168 cases over 8 GPUs give 21.
+        """Rank 0's share of each epoch when ``ranks`` processes split it, as
+        ``DistributedSampler(num_replicas=ranks, rank=0, seed=seed)`` draws it: with
+        ``shuffle`` another ``ceil(len / ranks)`` of the samples each epoch (a permutation
+        of all of them seeded with ``seed + epoch``, every ``ranks``-th), else samples
+        ``0, ranks, 2 * ranks, ...``; MLPerf 3D-UNet's 168 cases over 8 GPUs give 21 per epoch.
 
         Raises:
             ValueError: ``ranks`` is not in ``[1, len(workload)]``.
@@ -344,10 +366,9 @@ class Workload:
                              f"epoch), got {ranks}")
         if ranks == 1:
             return self
-        keep = range(0, len(self.dataset), ranks)
-        return replace(self, name=f"{self.name}-rank0of{ranks}",
-                       dataset=_Subset(self.dataset, keep),
-                       description=f"{self.description}; rank 0 of {ranks}: {len(keep)} samples "
+        n = -(-len(self.dataset) // ranks)
+        return replace(self, name=f"{self.name}-rank0of{ranks}", world_size=ranks,
+                       description=f"{self.description}; rank 0 of {ranks}: {n} samples "
                        "per epoch")
 
     def remove_files(self) -> None:
@@ -422,7 +443,8 @@ def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = No
     fn = SampleFn(workload)
     for i in range(min(warmup, len(fn))):
         fn(i)
-    tasks = [(e, i) for e in range(max(1, epochs)) for i in range(len(fn))]
+    tasks = [(e, i) for e in range(max(1, epochs)) for i in workload.epoch_indices(e)]
+    n_samples = len(tasks)
     if samples is not None and samples < len(tasks):
         k = max(1, samples)
         tasks = [tasks[j * len(tasks) // k] for j in range(k)]
@@ -432,7 +454,7 @@ def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = No
         fn(task)
         cpu[j] = time.process_time() - c0
         wall[j] = time.perf_counter() - w0
-    return SerialCost(cpu, wall, len(fn) * max(1, epochs))
+    return SerialCost(cpu, wall, n_samples)
 
 
 _floor_fn: Any = None
@@ -504,8 +526,7 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
 
     ``cores`` warm processes (``spawn``ed, threads capped at one each as the loaders' workers
     are, one sample run before the timing starts) each take the next ``(epoch, index)``, each
-    epoch in the order every arm takes it (:func:`~autominato.pipeline.sampler.epoch_order`
-    with the workload's seed and shuffle, as :class:`EpochIndices`), as
+    epoch in the order every arm takes it (:meth:`Workload.epoch_indices`), as
     soon as they are free, read it and transform it, so the durations carry the contention
     of ``cores`` samples at once (memory bandwidth, caches). A sample's duration is its
     read's CPU-seconds plus its transform's seconds: a loader can hide a read's waits
@@ -531,13 +552,9 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(cores + 1)
     payload = cloudpickle.dumps(SampleFn(workload))
-    from autominato.pipeline.sampler import epoch_order
-
     # each epoch in the order the arms take it (EpochIndices, Loader(shuffle, seed)): the
     # makespan of greedy dispatch depends on where the long samples fall
-    tasks = [(e, int(i)) for e in range(epochs)
-             for i in epoch_order(len(workload), epoch=e, seed=workload.seed,
-                                  shuffle=workload.shuffle)]
+    tasks = [(e, i) for e in range(epochs) for i in workload.epoch_indices(e)]
     threads = threads_per_worker(cores, cores)
     with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
         barrier.wait()
