@@ -263,10 +263,18 @@ def test_usage_between_cuts_a_span_out_of_the_samples():
     s = TreeSampler()
     # (monotonic s, CPU-seconds so far, footprint bytes): samples every 0.1 s.
     s.series = [(0.0, 0.0, 100), (0.1, 0.2, 300), (0.2, 0.5, 900), (0.3, 0.6, 200), (0.4, 0.9, 50)]
-    u = s.usage_between(0.15, 0.25)  # widened to the samples at 0.1 and 0.3
-    assert u.cpu_s == pytest.approx(0.4) and u.peak_memory_bytes == 900
-    assert u.start_memory_bytes == 300 and u.samples == 3
+    u = s.usage_between(0.15, 0.25)
+    # CPU interpolated at 0.15 (0.35) and 0.25 (0.55): not widened to the samples at 0.1 and
+    # 0.3 (0.4: a loader's work just before and after the span, review 67)
+    assert u.cpu_s == pytest.approx(0.2) and u.peak_memory_bytes == 900
+    assert u.start_memory_bytes == 300 and u.samples == 1
     assert s.usage_between(-1.0, 9.0).cpu_s == pytest.approx(0.9)
+    u = s.usage_between(0.05, 0.35)  # the peaks sampled inside the span only
+    assert u.cpu_s == pytest.approx(0.75 - 0.1) and u.peak_memory_bytes == 900
+    u = s.usage_between(0.22, 0.28)  # no sample inside: the two around it
+    assert u.peak_memory_bytes == 900 and u.cpu_s == pytest.approx(0.06)
+    u = s.usage_between(0.25, 0.4)
+    assert u.peak_memory_bytes == 200  # (900 at 0.2 is before the span)
 
 
 def test_interleaving_puts_every_arm_in_every_position():

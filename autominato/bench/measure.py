@@ -117,17 +117,34 @@ class TreeSampler:
         return self.usage_between(self.series[0][0], self.series[-1][0])
 
     def usage_between(self, t0: float, t1: float) -> TreeUsage:
-        """Usage over ``[t0, t1]`` (``time.monotonic()`` seconds), from the last sample at or
-        before ``t0`` to the first at or after ``t1`` (so at most one interval wider)."""
-        times = [row[0] for row in self.series]
+        """Usage over ``[t0, t1]`` (``time.monotonic()`` seconds).
+
+        CPU-seconds: the cumulative CPU time interpolated linearly at ``t0`` and ``t1``
+        between the samples around each (review 67: taking the samples outside the span
+        added up to an interval of start-up before it and of a loader's prefetch after it).
+        Peak memory: the largest footprint sampled inside the span (the samples around it
+        when none is); start memory: the last sample at or before ``t0``."""
+        series = self.series
+        times = [row[0] for row in series]
+
+        def cpu_at(t: float) -> float:
+            j = bisect.bisect_left(times, t)
+            if j <= 0:
+                return series[0][1]
+            if j >= len(times):
+                return series[-1][1]
+            (ta, ca, _), (tb, cb, _) = series[j - 1], series[j]
+            return cb if tb <= ta else ca + (cb - ca) * (t - ta) / (tb - ta)
+
         i = max(0, bisect.bisect_right(times, t0) - 1)
         j = min(len(times) - 1, bisect.bisect_left(times, t1))
-        rows = self.series[i : j + 1]
+        rows = series[i : j + 1]
+        inside = [r for r in rows if t0 <= r[0] <= t1] or rows
         return TreeUsage(
-            cpu_s=rows[-1][1] - rows[0][1],
-            peak_memory_bytes=int(max(r[2] for r in rows)),
+            cpu_s=cpu_at(t1) - cpu_at(t0),
+            peak_memory_bytes=int(max(r[2] for r in inside)),
             start_memory_bytes=int(rows[0][2]),
-            samples=len(rows),
+            samples=len(inside),
         )
 
 
