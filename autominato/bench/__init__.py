@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``autominato bench [options]`` runs the loaders benchmark; ``autominato bench controller
     [its options]`` runs :mod:`autominato.bench.controller` (its options follow the word).
     """
+    parser.epilog = ("Without SUITE, the loaders benchmark runs. The table's columns and the "
+                     "goals are explained in docs/bench.md (Figures).")
     from autominato.bench.arms import ARM_NAMES, DEFAULT_ARMS
     from autominato.bench.workload import COST_DISTRIBUTIONS, SCENARIOS
 

@@ -81,7 +81,7 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "status": status,
             "detail": recs[0].detail,
             "runs": len(good),
-            "epochs": recs[0].epochs,
+            "epochs": (good or recs)[0].epochs,
             "limit_s": recs[0].limit_s,
             "floor_s": recs[0].floor_s,
             "floor_transform_s": recs[0].floor_transform_s,
@@ -213,6 +213,17 @@ def print_table(
     console.print(t)
     for note in notes:
         console.print(note, highlight=False, markup=False)
+    console.print(LEGEND, highlight=False, markup=False)
+
+
+#: Printed under every table: what the columns are (docs/bench.md, "Figures", says more).
+LEGEND = (
+    "  medians of the repeats [min-max]; x limit = wall / max(serial CPU-s / cores, steps); "
+    "x floor = wall / max(floor, the run's step time); next-epoch wait: mean wait for each "
+    "later epoch's first batch; idle %: the share of wall time not stepping; p99 wait: of "
+    "next() per batch; CPU-s: the process tree's; peak mem: the tree's PSS (shared memory as "
+    "the machine's gain where that is more), sampled every 0.2 s (docs/bench.md, Figures)"
+)
 
 
 #: The peers ``autominato`` must beat by 10 % (issue 14): the best of them in the same run
