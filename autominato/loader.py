@@ -579,8 +579,6 @@ class Loader:
         self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
         self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
         self._last_sampler_epoch: int | None = None
-        #: the user's sampler's epoch at the last pass (see _loop_sampler_epoch)
-        self._seen_sampler_epoch: int | None = None
         self._last_pass_epoch: int | None = None
         self._started = False
         self._batches_at_iter = 0
@@ -756,19 +754,6 @@ class Loader:
             self._resume = None
         self._set_sampler_epochs()
 
-    def _loop_sampler_epoch(self) -> int | None:
-        """The ``epoch`` of the user's sampler, batch sampler or the batch sampler's sampler,
-        the first with a ``set_epoch`` method and an integer ``epoch`` attribute (a
-        ``DistributedSampler``, Lightning's wrappers of it), else ``None``."""
-        for sampler in (self._sampler, self.batch_sampler,
-                        getattr(self.batch_sampler, "sampler", None)):
-            if sampler is None or not callable(getattr(sampler, "set_epoch", None)):
-                continue
-            epoch = getattr(sampler, "epoch", None)
-            if isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool):
-                return int(epoch)
-        return None
-
     def _set_sampler_epochs(self) -> None:
         """``set_epoch(self.epoch)`` on the user's sampler, batch sampler and the batch
         sampler's sampler, those that have it (as ``DistributedSampler.set_epoch``)."""
@@ -819,7 +804,7 @@ class Loader:
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
-                    "_last_sampler_epoch", "_seen_sampler_epoch")
+                    "_last_sampler_epoch")
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -844,13 +829,7 @@ class Loader:
         # maybe all of them (a checkpoint after the last batch): it was an epoch too.
         ended_resumed = prev is not None and prev.finished and prev.batches > 0
         was_epoch = self._batches > self._batches_at_iter or ended_resumed
-        loop_epoch = None if self._epoch_set else self._loop_sampler_epoch()
-        if loop_epoch is not None and loop_epoch != self._seen_sampler_epoch:
-            # The training loop sets its sampler's epoch itself (DDP's habit: a job restarted
-            # at epoch k runs sampler.set_epoch(k), k, k + 1, ...): that is the pass's epoch,
-            # for the augmentation seeds and the checkpoint, as the order is the sampler's.
-            self._epoch = loop_epoch
-        elif self._started and not self._epoch_set and was_epoch:
+        if self._started and not self._epoch_set and was_epoch:
             # Like DataLoader's RandomSampler: a new shuffle each pass, until the training
             # loop sets the epoch itself; from then on, as with DistributedSampler, the
             # epoch is the one set (a peek with next(iter(loader)) does not advance it).
@@ -861,7 +840,6 @@ class Loader:
             # still held: Lightning starts a pass it never uses before each reloaded epoch
             # (review 62), which cannot be told from zip(loader, loader)'s two passes.
             self._epoch += 1
-        self._seen_sampler_epoch = loop_epoch
         self._batches_at_iter = self._batches
         self._started = True
         self._end_step()
@@ -886,6 +864,7 @@ class Loader:
             for name, sd in pending["samplers"].items():
                 getattr(self, name).load_state_dict(sd)
         samplers = resume.sampler_states(self)
+        sampler_epochs = resume.sampler_epochs(self)
         order, groups = self._order(self._epoch)
         # (a checkpoint that does not match raises here and stays pending, __iter__ puts the
         # fields back: a later pass must not start the epoch afresh and deliver again what
@@ -900,6 +879,7 @@ class Loader:
                                    pending["batches"] if done else 0, samplers,
                                    order if user_order else None, self._order_rank())
         progress.dataset_len = self._n
+        progress.sampler_epochs = sampler_epochs
         self._progress = progress
         if self.knobs.workers == 0:
             return _SyncIterator(self, order, groups, self._epoch, progress)
@@ -1012,12 +992,16 @@ class Loader:
             if state["finished"]:
                 self._epoch += 1
             self._started = False
-            self._seen_sampler_epoch = None  # (set to the state's epoch just below)
             self._batches_at_iter = self._batches
             self._resume = None if state["finished"] or self._iterable else state
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
             self._set_sampler_epochs()
+            if not self._epoch_set:
+                # A training loop that sets its samplers' epochs itself (DDP's habit, from
+                # any epoch: a job restarted at epoch 3) has its own count: each sampler
+                # takes the epoch it had when the state's epoch began.
+                resume.restore_sampler_epochs(self, state.get("sampler_epochs"))
             if state["finished"]:
                 for name, sd in state["samplers"].items():
                     getattr(self, name).load_state_dict(sd)

@@ -66,6 +66,8 @@ class Progress:
         self.drained: Callable[[], bool] = lambda: False
         #: the dataset's length when the pass made its order (set by the Loader; map-style)
         self.dataset_len: int | None = None
+        #: :func:`sampler_epochs` as the epoch began (set by the Loader; map-style)
+        self.sampler_epochs: dict[str, int] = {}
 
     @property
     def digest(self) -> str | None:
@@ -119,6 +121,43 @@ def order_digest(order: Sequence[int]) -> str:
     indices, hex. A resumed epoch whose sampler gives another order is found by it."""
     data = np.asarray(order, dtype=np.int64).tobytes()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+#: Where a Loader's user samplers are, by the names a state gives them.
+_SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("batch_sampler",),
+                  "batch_sampler.sampler": ("batch_sampler", "sampler")}
+
+
+def _sampler_at(loader: Any, name: str) -> Any:
+    obj = loader
+    for attr in _SAMPLER_PATHS[name]:
+        obj = getattr(obj, attr, None)
+    return obj
+
+
+def sampler_epochs(loader: Any) -> dict[str, int]:
+    """The ``epoch`` of each of the user's samplers (the sampler, the batch sampler and its
+    sampler) that has ``set_epoch`` and an integer ``epoch`` (``DistributedSampler``), by
+    name: a training loop that sets them itself counts its epochs, which may not be the
+    Loader's (a job restarted at epoch 3 sets 3 on its first pass)."""
+    out = {}
+    for name in _SAMPLER_PATHS:
+        obj = _sampler_at(loader, name)
+        epoch = getattr(obj, "epoch", None)
+        if (obj is not None and callable(getattr(obj, "set_epoch", None))
+                and isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool)):
+            out[name] = int(epoch)
+    return out
+
+
+def restore_sampler_epochs(loader: Any, epochs: Any) -> None:
+    """``set_epoch`` on each of the loader's samplers named in ``epochs`` (a state's
+    ``sampler_epochs``, see :func:`sampler_epochs`; ``None`` in a state of an earlier
+    autominato: nothing is done)."""
+    for name, epoch in (epochs or {}).items():
+        obj = _sampler_at(loader, name)
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(int(epoch))
 
 
 def sampler_states(loader: Any) -> dict[str, Any]:
@@ -212,6 +251,8 @@ def build(loader: Any) -> dict[str, Any]:
         "drop_last": bool(loader.drop_last),
         "in_order": bool(loader.in_order),
         "samplers": sampler_states(loader),
+        # the epochs the training loop set on its samplers itself (see sampler_epochs)
+        "sampler_epochs": sampler_epochs(loader),
         "knobs": loader.knobs.as_dict(),
         "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
         "order_digest": None,  # a user sampler's mid-epoch order (see resumed_positions)
@@ -228,6 +269,7 @@ def build(loader: Any) -> dict[str, Any]:
             state["dataset_len"] = pending["dataset_len"]
         state["order_digest"] = pending.get("order_digest")
         state["order_rank"] = pending.get("order_rank")
+        state["sampler_epochs"] = pending.get("sampler_epochs") or state["sampler_epochs"]
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
@@ -242,6 +284,7 @@ def build(loader: Any) -> dict[str, Any]:
             state["dataset_len"] = p.dataset_len
         if not ended:  # the epoch is redone from its order: the samplers as it began
             state["samplers"] = p.samplers
+            state["sampler_epochs"] = p.sampler_epochs
             if p.delivered.any():  # (nothing delivered: the epoch restarts exactly anyway)
                 state["order_digest"] = p.digest
                 state["order_rank"] = p.order_rank if p.digest is not None else None
@@ -309,6 +352,13 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             "come again)")
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
+    epochs = state.get("sampler_epochs")
+    if epochs is not None and not (
+            isinstance(epochs, dict) and all(
+                k in _SAMPLER_PATHS and isinstance(v, int) and not isinstance(v, bool)
+                for k, v in epochs.items())):
+        raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
+                         f"{', '.join(_SAMPLER_PATHS)} to int epochs")
     for name in state["samplers"]:
         obj = getattr(loader, name, None) if name in ("sampler", "batch_sampler") else None
         if not hasattr(obj, "load_state_dict"):

@@ -694,50 +694,83 @@ def _draw(i: int, rng: np.random.Generator) -> tuple[int, int]:
     return i, int(rng.integers(1 << 30))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_the_epoch_a_training_loop_sets_on_its_distributed_sampler_is_the_loaders(workers):
-    # From a new user's trial (20): a job restarted at epoch 3 runs
-    # ``for epoch in range(3, n): sampler.set_epoch(epoch)``; the Loader counted its own
-    # passes (0, 1, ...), so its mid-epoch checkpoint said epoch 0 and no Loader could resume
-    # it (the sampler's order is epoch 3's), and the augmentations repeated epoch 0's.
+def _sharded(workers: int):
     from torch.utils.data import DistributedSampler
 
-    ds = Drawn()
+    s = DistributedSampler(Drawn(), num_replicas=2, rank=1, shuffle=True)
+    return s, Loader(Drawn(), 3, sampler=s, transform=_draw, seed=7, num_workers=workers,
+                     autotune=False)
 
-    def make():
-        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True)
-        return s, Loader(ds, 3, sampler=s, transform=_draw, seed=7, num_workers=workers,
-                         autotune=False)
 
-    def pairs(batches):
-        return sorted((int(i), int(d)) for b in batches for i, d in zip(*b, strict=True))
+def _pairs(batches) -> list[tuple[int, int]]:
+    return sorted((int(i), int(d)) for b in batches for i, d in zip(*b, strict=True))
 
-    s, L = make()
-    with L:
-        L.set_epoch(3)  # the Loader's own epoch 3: the reference
-        want = pairs(L)
-    s, L = make()
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_epoch_the_loop_sets_itself_is_resumed(workers):
+    # From a new user's trial (20): a job restarted at epoch 3 runs
+    # ``for epoch in range(3, n): sampler.set_epoch(epoch)``; the state held the Loader's
+    # epoch (its pass count, 0) and load_state_dict set the sampler to it, so the rest of the
+    # epoch came from epoch 0's order: "the sampler gave another order", no resume.
+    s, L = _sharded(workers)
     with L:
         s.set_epoch(3)
+        want = _pairs(L)  # the uninterrupted pass
+    for again in (False, True):
+        s, L = _sharded(workers)
+        with L:
+            s.set_epoch(3)
+            it = iter(L)
+            part = [next(it) for _ in range(2)]
+            state = L.state_dict()
+            del it
+        assert state["sampler_epochs"] == {"sampler": 3}
+        s, L = _sharded(workers)
+        with L:
+            L.load_state_dict(state)
+            assert s.epoch == 3
+            if again:
+                s.set_epoch(3)  # the restarted loop sets it again
+            rest = list(L)
+        assert _pairs(part + rest) == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_passes_between_a_loops_set_epoch_calls_are_epochs_of_their_own(workers):
+    # Review 68 of a first fix that took the sampler's epoch as the Loader's: a second pass
+    # in the same sampler epoch (an evaluation pass over the training loader) drew the same
+    # augmentation as the next epoch. Each pass draws anew, as the DataLoader's workers do.
+    s, L = _sharded(workers)
+    with L:
+        draws = []
+        for e in range(2):
+            s.set_epoch(e)
+            for _ in range(2):
+                draws.append({d for _, d in _pairs(L)})
+        assert L.epoch == 3
+    assert all(not (x & y) for i, x in enumerate(draws) for y in draws[i + 1:])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_epoch_the_loop_never_sets_is_resumed(workers):
+    # Review 68: the loop never sets its DistributedSampler's epoch (0 throughout, the same
+    # order every pass, as with the DataLoader) while the Loader's passes count 0, 1, 2: a
+    # checkpoint in pass 2 set the sampler to epoch 2 at the resume, another order.
+    s, L = _sharded(workers)
+    with L:
+        list(L), list(L)
         it = iter(L)
         part = [next(it) for _ in range(2)]
         state = L.state_dict()
-        del it
-    assert state["epoch"] == 3
-    s, L = make()
+        rest_here = list(it)
+    s, L = _sharded(workers)
     with L:
         L.load_state_dict(state)
-        s.set_epoch(state["epoch"])  # the restarted loop sets it again
         rest = list(L)
-        assert L.epoch == 3
-        s.set_epoch(4)
-        nxt = pairs(L)
-        assert L.epoch == 4
-    assert pairs(part + rest) == want
-    s, L = make()
-    with L:
-        L.set_epoch(4)
-        assert nxt == pairs(L)
+        assert s.epoch == 0 and L.epoch == 2
+        share = sorted(s)
+    assert _pairs(rest) == _pairs(rest_here)
+    assert sorted(i for i, _ in _pairs(part + rest)) == share  # each index of the share once
 
 
 @pytest.mark.parametrize("set_epoch", [False, True])
