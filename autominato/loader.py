@@ -535,6 +535,7 @@ class Loader:
             log.warning("the configuration asks for %d workers, more than this machine's bound "
                         "of %d (%d usable cores); using %d", values["workers"],
                         bounds["workers"][1], cores, bounds["workers"][1])
+        self._base_bounds = dict(bounds)  # before the user's choices raise them (_set_knob)
         for name in knobs:  # the user's explicit choice raises the bound the controller keeps
             if name != "workers" or values["workers"] > 0:
                 bounds[name] = (bounds[name][0], max(bounds[name][1], values[name]))
@@ -718,9 +719,13 @@ class Loader:
         ``prefetch_factor``); one below the lower bound is refused by name rather than clamped
         (``num_workers=0`` is a Loader without workers: build one)."""
         lo, hi = self.knobs.bounds(knob)
-        if value > hi and not (knob == "workers" and hi == 0):
-            self.knobs.set_bounds(knob, lo, value)
-            hi = value
+        if not (knob == "workers" and hi == 0):
+            # the bound is the default's, or the user's value above it (a bound raised by an
+            # earlier value falls back: prefetch_factor=200, then 4, keeps the controller at 32)
+            base = max(self._base_bounds[knob][1], lo)
+            if max(base, value) != hi:
+                hi = max(base, value)
+                self.knobs.set_bounds(knob, lo, hi)
         if not lo <= value <= hi:
             why = (" (whether a Loader has workers at all is fixed when it is built: "
                    "num_workers=0 loads in the training loop's thread; build a new Loader to "

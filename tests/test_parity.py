@@ -480,6 +480,9 @@ def test_prefetch_factor_above_the_default_bound_is_taken_as_given():
         assert L.prefetch_factor == 100 and L.knobs.bounds("depth")[1] == 100
         L.prefetch_factor = 200
         assert L.prefetch_factor == 200 and L.knobs.bounds("depth") == (1, 200)
+        L.prefetch_factor = 4  # the raised bound falls back (review 68): the controller's 32
+        assert L.prefetch_factor == 4 and L.knobs.bounds("depth") == (1, 32)
+        L.prefetch_factor = 100
         assert sorted(int(r[0]) for b in L for r in b) == list(range(10))
     with Loader(ds, 2, num_workers=1, pool_size=300, autotune=False) as L:
         assert L.knobs.pool_size == 300
