@@ -535,10 +535,12 @@ class Loader:
             log.warning("the configuration asks for %d workers, more than this machine's bound "
                         "of %d (%d usable cores); using %d", values["workers"],
                         bounds["workers"][1], cores, bounds["workers"][1])
-        self._base_bounds = dict(bounds)  # before the user's choices raise them (_set_knob)
+        #: knobs whose upper bound a user's value raised: the bound it raised (see _set_knob)
+        self._raised: dict[str, int] = {}
         for name in knobs:  # the user's explicit choice raises the bound the controller keeps
-            if name != "workers" or values["workers"] > 0:
-                bounds[name] = (bounds[name][0], max(bounds[name][1], values[name]))
+            if (name != "workers" or values["workers"] > 0) and values[name] > bounds[name][1]:
+                self._raised[name] = bounds[name][1]
+                bounds[name] = (bounds[name][0], values[name])
         bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
@@ -719,13 +721,15 @@ class Loader:
         ``prefetch_factor``); one below the lower bound is refused by name rather than clamped
         (``num_workers=0`` is a Loader without workers: build one)."""
         lo, hi = self.knobs.bounds(knob)
-        if not (knob == "workers" and hi == 0):
-            # the bound is the default's, or the user's value above it (a bound raised by an
-            # earlier value falls back: prefetch_factor=200, then 4, keeps the controller at 32)
-            base = max(self._base_bounds[knob][1], lo)
-            if max(base, value) != hi:
-                hi = max(base, value)
-                self.knobs.set_bounds(knob, lo, hi)
+        if value > hi and not (knob == "workers" and hi == 0):
+            self._raised.setdefault(knob, hi)
+            hi = value
+            self.knobs.set_bounds(knob, lo, hi)
+        elif knob in self._raised and value <= self._raised[knob]:
+            # a bound an earlier value raised falls back (prefetch_factor=200, then 4: the
+            # controller is kept at 32 again); bounds set otherwise are left alone
+            hi = max(lo, self._raised.pop(knob))
+            self.knobs.set_bounds(knob, lo, hi)
         if not lo <= value <= hi:
             why = (" (whether a Loader has workers at all is fixed when it is built: "
                    "num_workers=0 loads in the training loop's thread; build a new Loader to "
@@ -1002,10 +1006,12 @@ class Loader:
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
             self._set_sampler_epochs()
-            if not self._epoch_set:
-                # A training loop that sets its samplers' epochs itself (DDP's habit, from
-                # any epoch: a job restarted at epoch 3) has its own count: each sampler
-                # takes the epoch it had when the state's epoch began.
+            if not state["finished"]:
+                # The epoch to resume was ordered with the samplers' own epochs, which a loop
+                # that sets them itself counts (DDP's habit, from any epoch: a job restarted
+                # at epoch 3, or never set): each takes the one it had as the epoch began. An
+                # ended epoch's are not: the next epoch is the Loader's next, as above
+                # (Lightning's resumed fit calls iter() before it sets the sampler's epoch).
                 resume.restore_sampler_epochs(self, state.get("sampler_epochs"))
             if state["finished"]:
                 for name, sd in state["samplers"].items():

@@ -269,7 +269,8 @@ def build(loader: Any) -> dict[str, Any]:
             state["dataset_len"] = pending["dataset_len"]
         state["order_digest"] = pending.get("order_digest")
         state["order_rank"] = pending.get("order_rank")
-        state["sampler_epochs"] = pending.get("sampler_epochs") or state["sampler_epochs"]
+        if pending.get("sampler_epochs") is not None:
+            state["sampler_epochs"] = pending["sampler_epochs"]
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
@@ -355,7 +356,8 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     epochs = state.get("sampler_epochs")
     if epochs is not None and not (
             isinstance(epochs, dict) and all(
-                k in _SAMPLER_PATHS and isinstance(v, int) and not isinstance(v, bool)
+                k in _SAMPLER_PATHS and isinstance(v, (int, np.integer))
+                and not isinstance(v, bool)
                 for k, v in epochs.items())):
         raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
                          f"{', '.join(_SAMPLER_PATHS)} to int epochs")

@@ -486,6 +486,13 @@ def test_prefetch_factor_above_the_default_bound_is_taken_as_given():
         assert sorted(int(r[0]) for b in L for r in b) == list(range(10))
     with Loader(ds, 2, num_workers=1, pool_size=300, autotune=False) as L:
         assert L.knobs.pool_size == 300
+    with Loader(ds, 2, num_workers=1, autotune=False) as L:
+        L.knobs.set_bounds("depth", 1, 8)  # narrowed otherwise (a tuned configuration's)
+        L.prefetch_factor = 6  # within it: the bound stays (review 69)
+        assert L.knobs.bounds("depth") == (1, 8)
+        L.prefetch_factor = 12
+        L.prefetch_factor = 3
+        assert L.knobs.bounds("depth") == (1, 8)
 
 
 class Resizable:

@@ -773,6 +773,52 @@ def test_a_sampler_epoch_the_loop_never_sets_is_resumed(workers):
     assert sorted(i for i, _ in _pairs(part + rest)) == share  # each index of the share once
 
 
+def test_an_ended_epochs_state_gives_the_samplers_the_next_epoch_and_a_mid_epoch_its_own():
+    # Review 69: (a) restoring an ended epoch's sampler epochs ran the next epoch in the old
+    # epoch's order under Lightning, which calls iter() before it sets the sampler's epoch;
+    # (b) a loop that calls Loader.set_epoch and sampler.set_epoch with other numbers (a job
+    # restarted at sampler epoch 3) must get the sampler's back for a mid-epoch resume.
+    from torch.utils.data import DistributedSampler
+
+    ds = list(range(16))
+
+    def mk():
+        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True)
+        return s, Loader(ds, 2, sampler=s, num_workers=0, autotune=False)
+
+    def share(e):
+        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True)
+        s.set_epoch(e)
+        return sorted(s)
+
+    s, L = mk()
+    with L:
+        s.set_epoch(0)
+        list(L)
+        state = L.state_dict()
+    s, L = mk()
+    with L:
+        L.load_state_dict(state)
+        it = iter(L)  # Lightning's order: iter(), then the sampler's set_epoch
+        s.set_epoch(1)
+        assert sorted(int(i) for b in it for i in b) == share(1) != share(0)
+    s, L = mk()
+    with L:
+        L.set_epoch(0)
+        s.set_epoch(3)
+        it = iter(L)
+        part = [int(i) for i in next(it)]
+        state = L.state_dict()
+        del it
+    s, L = mk()
+    with L:
+        L.set_epoch(0)
+        s.set_epoch(3)
+        L.load_state_dict(state)
+        assert s.epoch == 3
+        assert sorted(part + [int(i) for b in L for i in b]) == share(3)
+
+
 @pytest.mark.parametrize("set_epoch", [False, True])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_checkpoint_after_the_last_batch_resumes_at_the_next_epoch(workers, set_epoch):
