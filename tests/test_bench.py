@@ -405,6 +405,10 @@ def test_tuned_configs_are_given_per_workload_or_for_all(tmp_path):
         _tuned_configs([f"nope={a}"], names)
     with pytest.raises(ValueError, match="no such file"):
         _tuned_configs([str(tmp_path / "missing.yaml")], names)
+    # --ranks renames the workload; its own name still names it (review 67)
+    assert _tuned_configs([f"kits19={b}"], ["kits19-rank0of8"]) == {"kits19-rank0of8": str(b)}
+    assert _tuned_configs([f"kits19-rank0of8={b}"], ["kits19-rank0of8"]) == {
+        "kits19-rank0of8": str(b)}
 
 
 def test_a_hung_run_times_out_and_its_process_group_is_killed(monkeypatch):
@@ -581,6 +585,22 @@ def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
     res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], log=said.append))
     assert res.records[0].ratio_to_floor < 1
     assert any("below it" in m and "not to be trusted" in m for m in said), said
+
+
+def test_floors_far_apart_say_that_the_machines_speed_moved(tmp_path, monkeypatch):
+    # Review 67: one high floor (a loaded spell) moved every ratio without a word.
+    import autominato.bench.runner as runner
+    from autominato.bench.workload import Floor
+
+    for floors, said_so in (([0.1, 0.2], True), ([0.1, 0.12], False)):
+        it = iter(floors)
+        monkeypatch.setattr(runner, "measure_floor",
+                            lambda wl, cores, epochs, it=it: Floor(next(it), 0.05))
+        said: list[str] = []
+        res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], repeats=2,
+                                            log=said.append))
+        assert res.floor_s == floors
+        assert any("speed moved" in m for m in said) == said_so, said
 
 
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
