@@ -819,3 +819,11 @@ def test_the_goals_compare_with_the_fastest_peer_and_say_why_one_is_absent():
     assert got["wall <= 1.15x max(floor, steps)"] == (True, "1.10x (autominato 1 of 3 runs)")
     assert goals([_row("autominato", 23.0)], "w")[0] == (
         "samples/s >= 1.3x dataloader", None, "dataloader did not run")
+    # memory and first batch show how far the runs spread (trial 66: a 1% verdict alone)
+    a, dl = _row("autominato", 23.0, mem=731), _row("dataloader", 20.0, mem=726)
+    a.update(peak_memory_bytes_min=699 * 2**20, peak_memory_bytes_max=776 * 2**20,
+             first_batch_s_min=0.1, first_batch_s_max=0.9)
+    dl.update(peak_memory_bytes_min=720 * 2**20, peak_memory_bytes_max=787 * 2**20)
+    got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
+    assert got["peak memory <= dataloader"] == (False, "731 [699-776] vs 726 [720-787] MiB")
+    assert got["first batch <= dataloader"] == (True, "0.50 [0.10-0.90] vs 0.50 s")

@@ -291,18 +291,29 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         "peak memory <= dataloader",
         [a, dl],
         lambda: a["peak_memory_bytes_median"] <= dl["peak_memory_bytes_median"],
-        lambda: (
-            f"{a['peak_memory_bytes_median'] / 2**20:.0f} vs "
-            f"{dl['peak_memory_bytes_median'] / 2**20:.0f} MiB"
-        ),
+        lambda: f"{_mib(a)} vs {_mib(dl)} MiB",
     )
     add(
         "first batch <= dataloader",
         [a, dl],
         lambda: a["first_batch_s_median"] <= dl["first_batch_s_median"],
-        lambda: f"{a['first_batch_s_median']:.2f} vs {dl['first_batch_s_median']:.2f} s",
+        lambda: f"{_span(a, 'first_batch_s')} vs {_span(dl, 'first_batch_s')} s",
     )
     return out
+
+
+def _span(row: dict[str, Any], metric: str, scale: float = 1.0, fmt: str = ".2f") -> str:
+    """``median [min-max]`` of ``metric`` over the row's runs (the median alone for one run):
+    a goal decided by medians a few percent apart shows how far the runs spread."""
+    med, lo, hi = (row.get(f"{metric}_{k}", math.nan) for k in ("median", "min", "max"))
+    text = f"{med / scale:{fmt}}"
+    if row.get("runs", 1) > 1 and not (math.isnan(lo) or math.isnan(hi)):
+        text += f" [{lo / scale:{fmt}}-{hi / scale:{fmt}}]"
+    return text
+
+
+def _mib(row: dict[str, Any]) -> str:
+    return _span(row, "peak_memory_bytes", 2**20, ".0f")
 
 
 def _median_run(records: Sequence[RunRecord]) -> RunRecord:
