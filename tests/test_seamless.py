@@ -249,3 +249,30 @@ def test_a_check_pass_that_delivers_no_batch_does_not_make_the_epoch_look_repeat
             assert {epoch_of(i, d, range(4)) for idx, ds in got for i, d in zip(idx, ds, strict=True)} == {e}
         p = L._pipeline
         assert p.speculative_adopted == 2
+
+
+def test_an_interrupt_while_a_pass_starts_leaves_no_run_without_an_iterator(monkeypatch):
+    # Ctrl-C while iter() builds the next epoch's speculative run (after it adopted this
+    # epoch's): the adopted run had no iterator and kept its samples and batches until close().
+    from autominato.pipeline import scheduler
+
+    orig, calls = scheduler.Pipeline._new_run, []
+
+    def new_run(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(scheduler.Pipeline, "_new_run", new_run)
+    with Loader(StragglerTail(24), 4, shuffle=True, seed=SEED, num_workers=2,
+                autotune=False) as L:
+        assert sorted(int(i) for b in L for i in b["index"]) == list(range(24))
+        with pytest.raises(KeyboardInterrupt):
+            iter(L)  # adopts epoch 1's speculative run, then fails on epoch 2's
+        deadline = time.monotonic() + 10
+        while L._pipeline.runs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not L._pipeline.runs
+        for _ in range(2):  # and the next passes deliver each sample once
+            assert sorted(int(i) for b in L for i in b["index"]) == list(range(24))

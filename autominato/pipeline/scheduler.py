@@ -325,18 +325,31 @@ class Pipeline:
         epoch and one copy per worker when it changed."""
         self._check_open()
         run = self._adopt(order, epoch, groups is None and not len(done))
-        if run is None:
-            cfg = self.cfg
-            ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                       skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, groups=groups,
-                       done=done, unique=unique)
-            run = self._start(epoch, ep)
-        if nxt is not None:
-            spec = self._new_run(*nxt, unique=unique)
-            spec.speculative = True
-            spec.pred = run
-            self.pending = spec
-            self.events.put(("speculate", spec))
+        spec = None
+        try:
+            if run is None:
+                cfg = self.cfg
+                ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last,
+                           in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
+                           max_tries=cfg.max_tries, groups=groups, done=done, unique=unique)
+                run = self._start(epoch, ep)
+            if nxt is not None:
+                spec = self._new_run(*nxt, unique=unique)
+                spec.speculative = True
+                spec.pred = run
+                self.pending = spec
+                self.events.put(("speculate", spec))
+        except BaseException:
+            # (a KeyboardInterrupt while the next epoch's order is built, say) no iterator
+            # will hold the run adopted or started: free what it holds now, not at close()
+            if run is not None:
+                self.stop(run)
+            if spec is not None:  # (the scheduler may not have it yet: a discard is safe)
+                if self.pending is spec:
+                    self.pending = None
+                spec.stopped = True
+                self.events.put(("discard", spec))
+            raise
         return run
 
     def start_stream(self, epoch: int) -> Run:
