@@ -766,10 +766,7 @@ class Loader:
     def _set_sampler_epochs(self) -> None:
         """``set_epoch(self.epoch)`` on the user's sampler, batch sampler and the batch
         sampler's sampler, those that have it (as ``DistributedSampler.set_epoch``)."""
-        for sampler in (self._sampler, self.batch_sampler,
-                        getattr(self.batch_sampler, "sampler", None)):
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self._epoch)
+        resume.set_sampler_epochs(self, dict.fromkeys(resume.SAMPLER_PATHS, self._epoch))
 
     @property
     def epoch(self) -> int:
@@ -1012,8 +1009,9 @@ class Loader:
                 # at epoch 3, or never set): each takes the one it had as the epoch began. An
                 # ended epoch's are not: the next epoch is the Loader's next, as above
                 # (Lightning's resumed fit calls iter() before it sets the sampler's epoch).
-                resume.restore_sampler_epochs(self, state.get("sampler_epochs"))
-            if state["finished"]:
+                # (None: a state of an earlier autominato)
+                resume.set_sampler_epochs(self, state.get("sampler_epochs") or {})
+            else:
                 for name, sd in state["samplers"].items():
                     getattr(self, name).load_state_dict(sd)
         for name, value in state["knobs"].items():

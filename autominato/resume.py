@@ -124,13 +124,13 @@ def order_digest(order: Sequence[int]) -> str:
 
 
 #: Where a Loader's user samplers are, by the names a state gives them.
-_SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("batch_sampler",),
+SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("batch_sampler",),
                   "batch_sampler.sampler": ("batch_sampler", "sampler")}
 
 
 def _sampler_at(loader: Any, name: str) -> Any:
     obj = loader
-    for attr in _SAMPLER_PATHS[name]:
+    for attr in SAMPLER_PATHS[name]:
         obj = getattr(obj, attr, None)
     return obj
 
@@ -141,7 +141,7 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
     name: a training loop that sets them itself counts its epochs, which may not be the
     Loader's (a job restarted at epoch 3 sets 3 on its first pass)."""
     out = {}
-    for name in _SAMPLER_PATHS:
+    for name in SAMPLER_PATHS:
         obj = _sampler_at(loader, name)
         epoch = getattr(obj, "epoch", None)
         if (obj is not None and callable(getattr(obj, "set_epoch", None))
@@ -150,11 +150,10 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
     return out
 
 
-def restore_sampler_epochs(loader: Any, epochs: Any) -> None:
-    """``set_epoch`` on each of the loader's samplers named in ``epochs`` (a state's
-    ``sampler_epochs``, see :func:`sampler_epochs`; ``None`` in a state of an earlier
-    autominato: nothing is done)."""
-    for name, epoch in (epochs or {}).items():
+def set_sampler_epochs(loader: Any, epochs: dict[str, int]) -> None:
+    """``set_epoch`` on each of the loader's samplers named in ``epochs`` (names of
+    :data:`SAMPLER_PATHS`, as a state's ``sampler_epochs``) that has one."""
+    for name, epoch in epochs.items():
         obj = _sampler_at(loader, name)
         if obj is not None and callable(getattr(obj, "set_epoch", None)):
             obj.set_epoch(int(epoch))
@@ -356,11 +355,11 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     epochs = state.get("sampler_epochs")
     if epochs is not None and not (
             isinstance(epochs, dict) and all(
-                k in _SAMPLER_PATHS and isinstance(v, (int, np.integer))
+                k in SAMPLER_PATHS and isinstance(v, (int, np.integer))
                 and not isinstance(v, bool)
                 for k, v in epochs.items())):
         raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
-                         f"{', '.join(_SAMPLER_PATHS)} to int epochs")
+                         f"{', '.join(SAMPLER_PATHS)} to int epochs")
     for name in state["samplers"]:
         obj = getattr(loader, name, None) if name in ("sampler", "batch_sampler") else None
         if not hasattr(obj, "load_state_dict"):

@@ -293,13 +293,15 @@ def _tuned_configs(specs: list[str], workloads: list[str]) -> dict[str, str]:
     Raises:
         ValueError: an unknown workload name or a missing file.
     """
+    from autominato.bench.workload import RANK_SUFFIX
+
     out: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = "", spec
         # a workload --ranks renamed (kits19-rank0of8) answers to its own name too
-        named = [w for w in workloads if name in (w, w.split("-rank0of")[0])]
+        named = [w for w in workloads if name in (w, w.split(RANK_SUFFIX)[0])]
         if name and not named:
             raise ValueError(f"{spec}: no workload {name!r} in this run ({', '.join(workloads)})")
         if not Path(path).is_file():

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.bench.workload import EpochIndices, SampleFn, Workload, sample_rng
+from autominato.bench.workload import SampleFn, Workload, sample_rng
 
 #: Arm names in the order the report lists them.
 ARM_NAMES = (
@@ -251,7 +251,7 @@ def _dataloader(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
         dl = DataLoader(
             SampleFn(wl),
             batch_size=wl.batch_size,
-            sampler=EpochIndices(len(wl.dataset), wl.seed, wl.shuffle, wl.world_size),
+            sampler=wl.epoch_sampler(),
             num_workers=workers,
             pin_memory=bool(p.get("pin_memory", True)),
             prefetch_factor=int(p["prefetch_factor"]) if workers > 0 else None,
@@ -271,8 +271,7 @@ def _torchdata(p: dict[str, Any], wl: Workload, ctx: Context) -> Built:
     import torchdata.nodes as tn
     from torch.utils.data import default_collate
 
-    node: Any = tn.SamplerWrapper(EpochIndices(len(wl.dataset), wl.seed, wl.shuffle,
-                                                 wl.world_size))
+    node: Any = tn.SamplerWrapper(wl.epoch_sampler())
     mapper = tn.ParallelMapper(
         node,
         map_fn=SampleFn(wl),

@@ -279,6 +279,10 @@ class EpochIndices:
         return ((e, int(i)) for i in order)
 
 
+#: What :meth:`Workload.shard` appends to a workload's name, before the rank count.
+RANK_SUFFIX = "-rank0of"
+
+
 @dataclass
 class Workload:
     """Everything an arm needs to run one epoch of the benchmark.
@@ -338,6 +342,11 @@ class Workload:
                                             shuffle=self.shuffle, rank=0,
                                             world_size=self.world_size)]
 
+    def epoch_sampler(self) -> EpochIndices:
+        """The peers' sampler: ``(epoch, index)`` pairs of :meth:`epoch_indices`, epoch by
+        epoch (:class:`EpochIndices`)."""
+        return EpochIndices(len(self.dataset), self.seed, self.shuffle, self.world_size)
+
     def indexed_dataset(self) -> IndexedDataset:
         return IndexedDataset(self.dataset)
 
@@ -367,7 +376,7 @@ class Workload:
         if ranks == 1:
             return self
         n = -(-len(self.dataset) // ranks)
-        return replace(self, name=f"{self.name}-rank0of{ranks}", world_size=ranks,
+        return replace(self, name=f"{self.name}{RANK_SUFFIX}{ranks}", world_size=ranks,
                        description=f"{self.description}; rank 0 of {ranks}: {n} samples "
                        "per epoch")
 
