@@ -626,6 +626,11 @@ SECOND_LOADER = """
         def __setstate__(self, state):
             raise RuntimeError("cannot rebuild this dataset here")
 
+    from autominato.pipeline.spawn import can_fork_now
+
+    deadline = time.monotonic() + 10  # the closed loaders' threads end (later on a busy machine)
+    while not can_fork_now() and time.monotonic() < deadline:
+        time.sleep(0.05)
     a = Loader(Rows(), 2, workers=1, autotune=False)  # forked: this process is quiet again
     next(iter(a))
     try:
