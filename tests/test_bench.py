@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import os
@@ -601,6 +602,58 @@ def test_floors_far_apart_say_that_the_machines_speed_moved(tmp_path, monkeypatc
                                             log=said.append))
         assert res.floor_s == floors
         assert any("speed moved" in m for m in said) == said_so, said
+
+
+def test_a_step_calibrated_to_the_floor_is_the_first_floor_over_the_runs_batches(
+        tmp_path, monkeypatch):
+    # Session 20: the step came from one serial measurement, which read 1.3-1.45x what the
+    # parallel floors implied; every run was then bound by the steps. kits19 now calibrates
+    # it to the first floor, which is also repeat 0's floor (measured once, not twice).
+    import autominato.bench.runner as runner
+    from autominato.bench.workload import Floor
+
+    floors = iter([1.2, 1.5])
+    calls: list[float] = []
+
+    def fake_floor(wl, cores, epochs):
+        calls.append(next(floors))
+        return Floor(calls[-1], calls[-1] / 2)
+
+    monkeypatch.setattr(runner, "measure_floor", fake_floor)
+    said: list[str] = []
+    wl = replace(tiny(8, cost_s=0.002, step_s=None), step_basis="floor", step_factor=0.5)
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], repeats=2, epochs=3,
+                                   log=said.append))
+    assert res.floor_s == [1.2, 1.5] == calls
+    assert res.step_s == pytest.approx(0.5 * 1.2 / (3 * wl.n_batches))
+    assert res.step_origin == f"floor #0 / {3 * wl.n_batches} batches x 0.5"
+    rec = res.records[0]
+    assert rec.ok, rec.status
+    assert rec.step_s == pytest.approx(3 * wl.n_batches * res.step_s, rel=0.05)
+    assert any("floor #0 / 12 batches" in m for m in said), said
+
+    # without a floor it is calibrated to the serial CPU, as the other bases
+    said.clear()
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], floor=False, log=said.append))
+    cpu = run_workload(replace(wl, step_basis="cpu"),
+                       options(tmp_path, arms=["dataloader"], floor=False))
+    assert res.floor_s == [] and res.step_origin.startswith("serial CPU-s per batch")
+    assert res.step_s == pytest.approx(cpu.step_s, rel=0.5)  # two serial measurements
+    assert res.step_s < 0.01  # 2 ms transforms, not 1.2 s floors
+    assert any("--no-floor" in m for m in said), said
+
+
+def test_the_bench_cli_chooses_the_step_basis():
+    from autominato.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--step-basis", "cpu"]).step_basis == "cpu"
+    assert parser.parse_args([]).step_basis is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step-basis", "median"])
+    with pytest.raises(ValueError, match="step_basis 'median'"):
+        tiny(4, step_basis="median")
 
 
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):

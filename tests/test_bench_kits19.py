@@ -59,6 +59,7 @@ def test_kits19_workload_crops_the_scaled_patch_from_every_case(tmp_path):
     data = write_cases(tmp_path / "prepared", [(40, 36, 36), (34, 48, 40)])
     wl = kits19_workload(data=data, samples=6, scale=0.25, step_s=0.005)
     assert len(wl) == 6 and wl.batch_size == 2 and wl.n_batches == 3
+    assert wl.step_basis == "floor"  # a step not given is calibrated to the floor
     fn = SampleFn(wl)
     for i in range(6):
         index, (image, label) = fn(i)

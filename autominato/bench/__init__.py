@@ -126,8 +126,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="simulated step time per batch (default: calibrated to the mean "
-        "per-batch CPU cost / usable cores)",
+        help="simulated step time per batch (default: calibrated, see --step-basis)",
+    )
+    g.add_argument(
+        "--step-basis",
+        choices=["floor", "cpu", "wall"],
+        default=None,
+        help="what the simulated step is calibrated to: floor = the first floor measured / "
+        "the run's batches (the cores' output in parallel; kits19's default), cpu = serial "
+        "CPU-s per batch / usable cores (the synthetic scenarios' default, and kits19's "
+        "before 2026-12), wall = serial wall s per batch / usable cores (io_bound's)",
     )
     g.add_argument(
         "--step-factor",
@@ -388,6 +396,8 @@ def run(args: argparse.Namespace) -> int:
             workloads.append(_synthetic(args, scenario))
     if args.shuffle:
         workloads = [replace(wl, shuffle=True) for wl in workloads]
+    if args.step_basis is not None:
+        workloads = [replace(wl, step_basis=args.step_basis) for wl in workloads]
     try:
         tuned = _tuned_configs(args.tuned_config or [], [wl.name for wl in workloads])
     except ValueError as e:

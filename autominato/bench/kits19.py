@@ -154,6 +154,7 @@ def kits19_workload(
     batch_size: int = MLPERF_BATCH,
     step_s: float | None = None,
     step_factor: float = 1.0,
+    step_basis: str = "floor",
     patch_multiple: int = 16,
     seed: int = 0,
     cache: Path | None = None,
@@ -168,6 +169,8 @@ def kits19_workload(
         samples: samples per epoch (default: one per case).
         scale: shrinks the prepared volumes and the patch (``patch_for(scale)``).
         step_s: simulated step seconds (``None``: calibrated by the runner).
+        step_basis: what the runner calibrates the step to (default the floor: the cores'
+            output in parallel; see :func:`~autominato.bench.workload.calibrate_step`).
 
     Raises:
         FileNotFoundError: no prepared cases and no labels.
@@ -197,5 +200,6 @@ def kits19_workload(
             f"{len(dataset)} samples of {n_cases} cases ({kind}, scale {scale:g}), "
             f"MLPerf transforms, patch {patch}^3"
         ),
+        step_basis=step_basis,
         step_factor=step_factor,
     )

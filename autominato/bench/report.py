@@ -160,7 +160,8 @@ def print_table(
     console = console or make_console()
     wl = result.workload
     title = (
-        f"{wl.name}: {wl.description}; batch {wl.batch_size}, step {result.step_s * 1e3:.1f} ms, "
+        f"{wl.name}: {wl.description}; batch {wl.batch_size}, step {result.step_s * 1e3:.1f} ms"
+        + (f" ({result.step_origin})" if result.step_origin else "") + ", "
         f"limit {result.limit_s:.2f} s"
         + (f", floor {float(np.median(result.floor_s)):.2f} s (median of {len(result.floor_s)}, "
            "reads' CPU + transforms"

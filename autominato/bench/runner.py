@@ -51,6 +51,7 @@ from autominato.bench.arms import unavailable as arm_unavailable
 from autominato.bench.measure import ForkedTreeSampler, NvmlSampler, TreeSampler, consume
 from autominato.bench.step import make_step, unet_step
 from autominato.bench.workload import (
+    Floor,
     SampleFn,
     SerialCost,
     Workload,
@@ -388,9 +389,11 @@ class WorkloadResult:
     best_grid: dict[str, Any] | None = None
     floor_s: list[float] = field(default_factory=list)
     floor_transform_s: list[float] = field(default_factory=list)
+    step_origin: str = ""
 
 
-def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[str, Any], float]:
+def _step_spec(wl: Workload, opts: Options, serial: SerialCost,
+               floor: Floor | None = None) -> tuple[dict[str, Any], float]:
     if opts.step == "unet":
         import torch
 
@@ -403,8 +406,22 @@ def _step_spec(wl: Workload, opts: Options, serial: SerialCost) -> tuple[dict[st
         del step
         torch.cuda.empty_cache()  # the runs build their own model in their own process
         return {"kind": "unet", "model": opts.unet_model, "image_shape": shape}, step_s
-    step_s = wl.step_s if wl.step_s is not None else calibrate_step(wl, serial, opts.ctx.cores)
+    step_s = (wl.step_s if wl.step_s is not None
+              else calibrate_step(wl, serial, opts.ctx.cores, floor, opts.epochs))
     return {"kind": "sleep", "step_s": step_s}, step_s
+
+
+def step_origin(wl: Workload, opts: Options, floor: Floor | None) -> str:
+    """How the run's step was set, in words, for the log and the table's title."""
+    if opts.step == "unet":
+        return "the real step, timed"
+    if wl.step_s is not None:
+        return "given"
+    factor = f" x {wl.step_factor:g}" if wl.step_factor != 1 else ""
+    if wl.step_basis == "floor" and floor is not None:
+        return f"floor #0 / {opts.epochs * wl.n_batches} batches{factor}"
+    per = "wall s" if wl.step_basis == "wall" else "CPU-s"
+    return f"serial {per} per batch / {opts.ctx.cores} cores{factor}"
 
 
 def _record(
@@ -514,12 +531,21 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     opts.log(f"[{wl.name}] {wl.description}; measuring the work serially ...")
     E = opts.epochs
     serial = measure_serial(wl, samples=opts.serial_samples, epochs=E)
-    step, step_s = _step_spec(wl, opts, serial)
+    first_floor: Floor | None = None
+    if opts.step == "sleep" and wl.step_s is None and wl.step_basis == "floor":
+        if opts.floor:
+            # the step is calibrated to it; it is also repeat 0's floor
+            first_floor = measure_floor(wl, cores, E)
+        else:
+            opts.log(f"[{wl.name}] --no-floor: the step is calibrated to the serial CPU "
+                     "instead of the floor")
+    step, step_s = _step_spec(wl, opts, serial, first_floor)
+    origin = step_origin(wl, opts, first_floor)
     limit = physical_limit(serial, E * wl.n_batches, step_s, cores)
     est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
     opts.log(
         f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est} / {cores} cores, "
-        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms"
+        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms ({origin})"
         + (f" x {E} epochs" if E > 1 else "") + f" -> limit {limit:.2f} s"
     )
     timeout_s = opts.timeout_s if opts.timeout_s is not None else 10 * limit + 120
@@ -544,7 +570,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     transform_floors: list[float] = []
     for rep in range(opts.repeats):
         if opts.floor and runnable:
-            f = measure_floor(wl, cores, E)
+            f = first_floor if rep == 0 and first_floor is not None else measure_floor(wl, cores, E)
             floors.append(f.s)
             transform_floors.append(f.transform_s)
             opts.log(f"[{wl.name}] floor #{rep}: {f.s:.2f} s ({cores} processes, reads' CPU + "
@@ -591,4 +617,4 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                         "(other jobs), so this run's ratios are not to be trusted"
                     )
     return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors,
-                          floor_transform_s=transform_floors)
+                          floor_transform_s=transform_floors, step_origin=origin)

@@ -295,9 +295,11 @@ class Workload:
         step_s: simulated accelerator step time per batch, seconds (``None`` until calibrated).
         seed: augmentation seed (see :func:`sample_rng`).
         description: one line for reports (sizes, costs, step).
-        step_basis: what ``calibrate`` divides by the cores: ``cpu`` (serial CPU-seconds per
-            batch, the issue's rule) or ``wall`` (serial wall seconds per batch, read latency
-            included; for I/O-bound scenarios).
+        step_basis: what the simulated step is calibrated to (:func:`calibrate_step`):
+            ``floor`` (the first floor measured, per batch: the cores' output in parallel, as
+            the loaders meet it), ``cpu`` (serial CPU-seconds per batch / cores) or ``wall``
+            (serial wall seconds per batch / cores, read latency included; for I/O-bound
+            scenarios).
         step_factor: multiplies the calibrated step.
         cleanup: folders to delete when the benchmark ends (on-disk synthetic samples).
         shuffle: every arm takes each epoch's samples in the same random order
@@ -572,13 +574,30 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
                  transform_s=makespan([t for _, t in parts], cores))
 
 
-def calibrate_step(workload: Workload, serial: SerialCost, cores: int) -> float:
-    """The simulated step time that balances the loader's work against the accelerator.
+#: The values of :attr:`Workload.step_basis`.
+STEP_BASES = ("floor", "cpu", "wall")
 
-    ``step_factor * mean per-batch cost / cores`` where the cost is serial CPU-seconds
-    (``step_basis="cpu"``, the issue's rule) or serial wall seconds (``"wall"``), seconds.
+
+def calibrate_step(workload: Workload, serial: SerialCost, cores: int,
+                   floor: Floor | None = None, epochs: int = 1) -> float:
+    """The simulated step time that balances the loader's work against the accelerator,
+    seconds per batch.
+
+    ``step_basis="floor"``: ``step_factor * floor.s / (epochs * batches per epoch)``, the
+    floor of ``epochs`` epochs (:func:`measure_floor`) spread over their batches: the steps
+    then take as long as the cores take to read and transform the samples in parallel, which
+    is what a loader meets. Without a floor (``--no-floor``) it falls back to ``"cpu"``.
+    ``"cpu"``: ``step_factor * mean serial CPU-seconds per batch / cores``: the serial
+    measurement does not see what running ``cores`` processes at once costs (memory bandwidth,
+    page faults: KiTS19's floor CPU was 1.13x the serial CPU on the 2-core machine) nor
+    shares their conditions (a loaded spell during it moved it 1.3-1.45x from the floors in
+    session 20), so it decides by chance whether a run is bound by the steps or by the CPUs.
+    ``"wall"``: the same with serial wall seconds (read latency included).
     """
-    per_sample = serial.cpu_s if workload.step_basis == "cpu" else serial.wall_s
+    if workload.step_basis == "floor" and floor is not None:
+        batches = max(1, epochs * workload.n_batches)
+        return float(workload.step_factor * floor.s / batches)
+    per_sample = serial.wall_s if workload.step_basis == "wall" else serial.cpu_s
     return float(workload.step_factor * per_sample.mean() * workload.batch_size / cores)
 
 
@@ -665,8 +684,9 @@ def synthetic_workload(
             f"samples ({samples}), batch_size ({batch_size}) and sample_mb ({sample_mb}) "
             "must be positive"
         )
-    if params["step_basis"] not in ("cpu", "wall"):
-        raise ValueError(f"step_basis {params['step_basis']!r}: expected 'cpu' or 'wall'")
+    if params["step_basis"] not in STEP_BASES:
+        raise ValueError(f"step_basis {params['step_basis']!r}: expected one of "
+                         f"{', '.join(map(repr, STEP_BASES))}")
     costs = draw_costs(
         samples,
         params["cost_dist"],
