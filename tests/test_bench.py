@@ -880,3 +880,32 @@ def test_the_goals_compare_with_the_fastest_peer_and_say_why_one_is_absent():
     got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
     assert got["peak memory <= dataloader"] == (False, "731 [699-776] vs 726 [720-787] MiB")
     assert got["first batch <= dataloader"] == (True, "0.50 [0.10-0.90] vs 0.50 s")
+
+
+def test_the_goals_say_when_they_rest_on_too_few_runs_or_peers():
+    # Trial 71: with --arms dataloader autominato --repeats 1 the verdicts looked final, and
+    # "1.1x best peer" repeated the DataLoader's ratio (it flipped between two invocations).
+    from autominato.bench.report import goal_caveats, goals
+
+    rows = [_row("dataloader", 20.0, runs=1), _row("autominato", 30.0, runs=1)]
+    got = {g: (met, text) for g, met, text in goals(rows, "w")}
+    assert got["samples/s >= 1.1x best peer"] == (
+        True, "1.50x dataloader (the only peer run: no other peer to lead)")
+    assert goal_caveats(rows, "w") == [
+        "autominato and dataloader ran 1 time: a verdict needs at least 3 interleaved "
+        "repeats (--repeats) on a quiet machine (docs/bench.md)"]
+    rows = [_row("dataloader", 20.0), _row("torchdata", 18.0), _row("autominato", 23.0)]
+    assert goal_caveats(rows, "w") == []
+    assert dict((g, t) for g, _, t in goals(rows, "w"))[
+        "samples/s >= 1.1x best peer"] == "1.15x dataloader"
+
+
+def test_the_dataloader_arms_say_they_keep_their_workers():
+    # Trial 71: the line under the table left out persistent_workers=True, which the arm sets.
+    from autominato.bench.arms import default_arms
+
+    arms = default_arms(Context(cores=2))
+    assert arms["dataloader"].describe() == (
+        "num_workers=2 prefetch_factor=2 pin_memory=True in_order=True persistent_workers=True")
+    assert "persistent" not in arms["torchdata"].describe()
+    assert "persistent" not in Arm("x", "dataloader", {"num_workers": 0}).describe()

@@ -258,6 +258,8 @@ def test_report_table_lists_every_figure_and_the_diagnosis():
         "status",
     ):
         assert name in text
+    # trial 71: the load time per sample was shown twice, as "load time" and "load latency"
+    assert "load time" not in text and text.count("load latency") == 1
     assert "50.00 ms" in text  # the read latency
     assert "diagnosis: I/O bound (read)" in text
     assert "suggestion: faster storage" in text

@@ -65,6 +65,10 @@ def test_tune_keeps_the_default_when_every_trial_is_within_noise(monkeypatch, se
     cfg = load_config(result.config_path)
     assert cfg["knobs"]["workers"] == result.baseline_knobs["workers"]
     assert cfg["study"]["kept_default"] is True
+    # trial 71: the written idle ratio is the default's; the best trial's is named as such
+    assert cfg["study"]["idle_ratio"] == round(result.confirmation.default_mean, 4)
+    assert cfg["study"]["best_trial"] == result.best.number
+    assert cfg["study"]["best_trial_idle_ratio"] == round(result.best.value, 4) < 0.40
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "kept the DEFAULT configuration" in out
     assert "PLACEHOLDER step_time 0.3 s" in out and "training step: sleep 0.3 s" in out
@@ -146,6 +150,10 @@ def test_a_best_that_cannot_be_measured_again_is_not_written(monkeypatch, setup,
     cfg = load_config(result.config_path)
     assert cfg["knobs"]["workers"] == result.baseline_knobs["workers"] == 2
     assert cfg["study"]["kept_default"] is True
+    # trial 71: the written idle ratio is the default's; the best trial's is named as such
+    assert cfg["study"]["idle_ratio"] == round(result.confirmation.default_mean, 4)
+    assert cfg["study"]["best_trial"] == result.best.number
+    assert cfg["study"]["best_trial_idle_ratio"] == round(result.best.value, 4) < 0.40
     out = " ".join(capsys.readouterr().out.split())
     assert "kept the DEFAULT configuration, the best trial could not be measured again" in out
 

@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         return int(controller.run(args) or 0)
 
     from autominato.bench.arms import Context
-    from autominato.bench.report import goals, make_console
+    from autominato.bench.report import goal_caveats, goals, make_console
     from autominato.bench.runner import Options
     from autominato.pipeline.knobs import usable_cores
 
@@ -438,6 +438,8 @@ def run(args: argparse.Namespace) -> int:
         for goal, met, fig in goals(res["rows"], r.workload.name):
             mark = "n/a" if met is None else ("met" if met else "NOT met")
             console.print(f"  {goal:32s} {mark:8s} {fig}")
+        for line in goal_caveats(res["rows"], r.workload.name):
+            console.print(f"  ({line})")
         failed |= any(
             not x.ok and not x.status.startswith(("missing", "not given")) for x in r.records
         )

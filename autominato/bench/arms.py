@@ -104,7 +104,12 @@ class Arm:
     params: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.params.items())
+        """The settings, as the report lists them under the table (with what the arm sets
+        without a parameter: the DataLoader's ``persistent_workers``, see ``_dataloader``)."""
+        text = " ".join(f"{k}={v}" for k, v in self.params.items())
+        if self.kind == "dataloader" and int(self.params.get("num_workers", 0)) > 0:
+            text += " persistent_workers=True"
+        return text
 
 
 def default_arms(ctx: Context) -> dict[str, Arm]:

@@ -242,7 +242,8 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
     Returns:
         ``(goal, met, figures)`` per goal; ``met`` is ``None`` when an arm it needs did not
         run (``figures`` says so) or none of its runs succeeded (``figures`` gives its
-        status). Figures resting on fewer than all of an arm's runs say ``k of n runs``.
+        status). Figures resting on fewer than all of an arm's runs say ``k of n runs``;
+        the best-peer figure says when the plain DataLoader was the only peer run.
     """
     mine = [r for r in rows if r["workload"] == workload]
     by = {r["arm"]: r for r in mine if r["runs"] > 0}
@@ -275,7 +276,8 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         "samples/s >= 1.1x best peer",
         [a, best],
         lambda: a[sps] >= 1.1 * best[sps],
-        lambda: f"{a[sps] / best[sps]:.2f}x {best['arm']}",
+        lambda: f"{a[sps] / best[sps]:.2f}x {best['arm']}" + (
+            "" if len(peers) > 1 else " (the only peer run: no other peer to lead)"),
         ("autominato", "any peer (" + ", ".join(PEERS) + ")"),
     )
     if a is not None and math.isnan(a["ratio_to_floor_median"]):
@@ -301,6 +303,20 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         lambda: f"{_span(a, 'first_batch_s')} vs {_span(dl, 'first_batch_s')} s",
     )
     return out
+
+
+def goal_caveats(rows: Sequence[dict[str, Any]], workload: str) -> list[str]:
+    """What the goals' verdicts cannot bear on ``workload``: fewer than 3 runs of an arm a
+    goal compares (one run on a 2-core machine moved the ratio to the DataLoader from 1.28x
+    to 2.00x between two identical invocations; repeats are interleaved, their medians and
+    spreads shown)."""
+    runs = {r["arm"]: int(r["runs"]) for r in rows if r["workload"] == workload}
+    few = sorted(a for a in ("autominato", "dataloader") if 0 < runs.get(a, 0) < 3)
+    if not few:
+        return []
+    least = min(runs[a] for a in few)
+    return [f"{' and '.join(few)} ran {least} time{'s' * (least > 1)}: a verdict needs at "
+            "least 3 interleaved repeats (--repeats) on a quiet machine (docs/bench.md)"]
 
 
 def _span(row: dict[str, Any], metric: str, scale: float = 1.0, fmt: str = ".2f") -> str:

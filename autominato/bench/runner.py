@@ -3,7 +3,9 @@
 For each workload the runner
 
 1. measures the epoch's work serially (:func:`~autominato.bench.workload.measure_serial`),
-   calibrates the simulated step if none was given, and computes the physical limit;
+   calibrates the simulated step if none was given (to the first floor, step 4, measured
+   here for it and kept as repeat 0's, when the workload's ``step_basis`` is ``"floor"``;
+   see :func:`~autominato.bench.workload.calibrate_step`), and computes the physical limit;
 2. picks ``dataloader-best`` by probing a small grid on part of the epoch (not timed);
 3. runs every available arm ``repeats`` times, interleaved (repeat ``r`` starts at arm
    ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
@@ -543,10 +545,11 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     origin = step_origin(wl, opts, first_floor)
     limit = physical_limit(serial, E * wl.n_batches, step_s, cores)
     est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
+    per = f"{E} epochs x {wl.n_batches} steps" if E > 1 else f"{wl.n_batches} steps"
     opts.log(
-        f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est} / {cores} cores, "
-        f"{wl.n_batches} steps x {step_s * 1e3:.1f} ms ({origin})"
-        + (f" x {E} epochs" if E > 1 else "") + f" -> limit {limit:.2f} s"
+        f"[{wl.name}] serial CPU {serial.cpu_total_s:.2f} s{est}"
+        + (f" for the {E} epochs" if E > 1 else "")
+        + f" / {cores} cores; {per} x {step_s * 1e3:.1f} ms ({origin}) -> limit {limit:.2f} s"
     )
     timeout_s = opts.timeout_s if opts.timeout_s is not None else 10 * limit + 120
     arms = default_arms(opts.ctx)

@@ -273,11 +273,11 @@ def _row(
 
 
 def _ms_rows(cur: Rates, run: Rates, last: LoaderSnapshot) -> list[Row]:
-    """Per-stage times as MegEngine's monitor shows them: load, transform (per sample),
-    collate, host-to-device copy and queue wait (per batch), seconds."""
+    """Per-stage times as MegEngine's monitor shows them: transform (per sample), collate,
+    host-to-device copy and queue wait (per batch), seconds. The load time per sample is the
+    ``load latency`` row, with its threshold (:func:`diagnose`), not a second row here."""
     rows = []
     for name, label, unit in (
-        ("read", "load time", "s/sample"),
         ("transform", "transform time", "s/sample"),
         ("batch", "collate time", "s/batch"),
     ):

@@ -397,6 +397,8 @@ def run_study(
         provenance = {
             "name": name,
             "best_trial": best.number,
+            "best_trial_idle_ratio": round(float(best.value), 4),
+            # of the configuration written: the best trial's, or the default's (below)
             "idle_ratio": round(float(best.value), 4),
             "baseline_idle_ratio": round(base.idle_ratio, 4) if base else None,
             "trials_complete": len(completed(trials)),
