@@ -43,8 +43,9 @@ def main() -> None:
     ap.add_argument("--orders", type=int, default=6,
                     help="sampler orders: 0 .. n-1, then shuffles (seeded)")
     ap.add_argument("--step", type=float, default=None,
-                    help="seconds of the training loop's step per batch (default: the "
-                         "bench's balanced step, mean serial seconds per batch / workers; "
+                    help="seconds of the training loop's step per batch (default: mean "
+                         "serial seconds per batch / workers, the bench's balanced step "
+                         "before it was calibrated to the floor; "
                          "0: none, a run the loader bounds)")
     a = ap.parse_args()
     wl = kits19_workload(labels=a.labels, cases=a.cases, log=lambda s: None)

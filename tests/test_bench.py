@@ -99,7 +99,7 @@ def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
     assert "config=" in recs["autominato-tuned"].detail
     assert (
         recs["dataloader-best"].detail
-        == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False"
+        == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False persistent_workers=True"
     )
 
 
@@ -134,6 +134,8 @@ def test_csv_columns_are_stable(all_arms):
         "ratio_to_limit",
         "epochs",
         "step_s",
+        "step_batch_s",
+        "step_origin",
         "floor_s",
         "floor_transform_s",
         "ratio_to_floor",
@@ -177,6 +179,8 @@ def test_csv_columns_are_stable(all_arms):
         "limit_s",
         "floor_s",
         "floor_transform_s",
+        "step_batch_s",
+        "step_origin",
         *stats,
         "speedup_vs_dataloader",
     ]
@@ -588,6 +592,22 @@ def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
     assert any("below it" in m and "not to be trusted" in m for m in said), said
 
 
+def test_a_run_below_the_limit_says_the_serial_measurement_read_high(tmp_path, monkeypatch):
+    # Review 70: with the step calibrated to the floor, a serial measurement taken in a slow
+    # spell sets the limit above what the loaders reach, and x limit fell below 1 unflagged.
+    import autominato.bench.runner as runner
+    from autominato.bench.workload import SerialCost
+
+    monkeypatch.setattr(runner, "measure_serial", lambda wl, samples=None, epochs=1: SerialCost(
+        np.full(len(wl), 25.0), np.full(len(wl), 25.0), len(wl)))
+    said: list[str] = []
+    res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], floor=False,
+                                        log=said.append))
+    assert res.limit_s == pytest.approx(4 * 25.0 / CORES) and res.records[0].ratio_to_limit < 1
+    assert any("below the limit" in m and "serial CPU measurement read high" in m
+               for m in said), said
+
+
 def test_floors_far_apart_say_that_the_machines_speed_moved(tmp_path, monkeypatch):
     # Review 67: one high floor (a loaded spell) moved every ratio without a word.
     import autominato.bench.runner as runner
@@ -643,17 +663,53 @@ def test_a_step_calibrated_to_the_floor_is_the_first_floor_over_the_runs_batches
     assert any("--no-floor" in m for m in said), said
 
 
-def test_the_bench_cli_chooses_the_step_basis():
-    from autominato.bench import add_arguments
+def test_the_bench_cli_sets_kits19s_step_basis_and_leaves_the_scenarios_own(
+        tmp_path, monkeypatch):
+    # Review 70: --step-basis replaced every workload's basis; a floor (reads' CPU only) on
+    # io_bound cut its step 7x. It is kits19's; the synthetic scenarios keep theirs.
+    import autominato.bench as bench
 
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(["--step-basis", "cpu"]).step_basis == "cpu"
-    assert parser.parse_args([]).step_basis is None
+    bench.add_arguments(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--step-basis", "median"])
-    with pytest.raises(ValueError, match="step_basis 'median'"):
-        tiny(4, step_basis="median")
+        parser.parse_args(["--step-basis", "wall"])
+    jobs: list = []
+
+    def fake_run_bench(js, out, console):
+        jobs.extend(js)
+        return {"results": [], "rows": [], "runs": "r", "summary": "s", "plots": []}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    common = ["--workload", "kits19", "synthetic", "--scenario", "io_bound", "cpu_bound",
+              "--cases", "2", "--scale", "0.25", "--cache", str(tmp_path), "--unet", "off",
+              "--out", str(tmp_path / "out")]
+    got = {}
+    for basis in (None, "cpu", "floor"):
+        jobs.clear()
+        extra = [] if basis is None else ["--step-basis", basis]
+        assert bench.run(parser.parse_args(common + extra)) == 0
+        got[basis] = {wl.name.split("-")[0] if wl.name.startswith("kits19") else wl.name:
+                      wl.step_basis for wl, _ in jobs}
+    scen = {"synthetic-io_bound": "wall", "synthetic-cpu_bound": "cpu"}
+    assert got[None] == {"kits19": "floor", **scen}
+    assert got["cpu"] == {"kits19": "cpu", **scen}
+    assert got["floor"] == {"kits19": "floor", **scen}
+
+
+def test_the_table_title_says_how_the_step_was_set(tmp_path):
+    from rich.console import Console
+
+    from autominato.bench.report import print_table, summarise
+
+    res = run_workload(replace(tiny(4, step_s=None), step_basis="floor"),
+                       options(tmp_path, arms=["dataloader"]))
+    console = Console(record=True, width=400)
+    print_table(res, summarise(res.records), console)
+    title = console.export_text().splitlines()[0]
+    assert f"step {res.step_s * 1e3:.1f} ms (floor #0 / {res.workload.n_batches} batches)" \
+        in title, title
+    row = summarise(res.records)[0]
+    assert row["step_origin"] == res.step_origin and row["step_batch_s"] == res.step_s
 
 
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):

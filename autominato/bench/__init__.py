@@ -130,12 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--step-basis",
-        choices=["floor", "cpu", "wall"],
+        choices=["floor", "cpu"],
         default=None,
-        help="what the simulated step is calibrated to: floor = the first floor measured / "
-        "the run's batches (the cores' output in parallel; kits19's default), cpu = serial "
-        "CPU-s per batch / usable cores (the synthetic scenarios' default, and kits19's "
-        "before 2026-12), wall = serial wall s per batch / usable cores (io_bound's)",
+        help="kits19's step: calibrated to floor = the first floor measured / the run's "
+        "batches (the cores' output in parallel; the default), or cpu = serial CPU-s per "
+        "batch / usable cores (the former default; the synthetic scenarios keep their own "
+        "rule, cpu or io_bound's serial wall time). Ignored with --step or --unet",
     )
     g.add_argument(
         "--step-factor",
@@ -396,8 +396,9 @@ def run(args: argparse.Namespace) -> int:
             workloads.append(_synthetic(args, scenario))
     if args.shuffle:
         workloads = [replace(wl, shuffle=True) for wl in workloads]
-    if args.step_basis is not None:
-        workloads = [replace(wl, step_basis=args.step_basis) for wl in workloads]
+    if args.step_basis is not None:  # kits19's only: a floor ignores a read's latency
+        workloads = [replace(wl, step_basis=args.step_basis)
+                     if wl.name.startswith("kits19") else wl for wl in workloads]
     try:
         tuned = _tuned_configs(args.tuned_config or [], [wl.name for wl in workloads])
     except ValueError as e:

@@ -51,6 +51,8 @@ SUMMARY_COLUMNS = (
     "limit_s",
     "floor_s",
     "floor_transform_s",
+    "step_batch_s",
+    "step_origin",
     *(f"{m}_{s}" for m in METRICS for s in ("median", "min", "max")),
     "speedup_vs_dataloader",
 )
@@ -84,6 +86,8 @@ def summarise(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "epochs": (good or recs)[0].epochs,
             "limit_s": recs[0].limit_s,
             "floor_s": recs[0].floor_s,
+            "step_batch_s": recs[0].step_batch_s,
+            "step_origin": recs[0].step_origin,
             "floor_transform_s": recs[0].floor_transform_s,
         }
         for m in METRICS:

@@ -11,7 +11,8 @@ For each workload the runner
    ``r mod k``, so no arm always runs first or after the same neighbour), each run in a fresh
    Python process (``python -m autominato.bench.child``) so that no arm inherits another's
    warm pools, threads or heap; ``isolate=False`` runs them in this process (tests);
-4. measures the *floor* once per repeat, before that repeat's arms: the reads' CPU and the
+4. measures the *floor* once per repeat, before that repeat's arms (repeat 0's is the one
+   step 1 measured, before the grid of step 2, when the step is calibrated to it): the reads' CPU and the
    transforms of every sample of every epoch in ``cores`` warm processes with nothing else
    running
    (:func:`~autominato.bench.workload.measure_floor`), in the arms' order. Each run's
@@ -77,7 +78,9 @@ class RunRecord:
     of every epoch after the first (NaN with one); ``floor_s``: the median measured floor
     (reads' CPU + transforms); ``floor_transform_s``: the median floor of the transforms
     alone; ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
-    step time; ``memory_wait_s``: an autominato loader's ``memory_wait_seconds_total`` at the
+    step time; ``step_batch_s``: the step per batch the run was given (simulated, or the
+    real step's calibration), ``step_origin`` how it was set (``floor #0 / 66 batches``,
+    ``serial CPU-s per batch / 2 cores``, ``given``, ...); ``memory_wait_s``: an autominato loader's ``memory_wait_seconds_total`` at the
     end of the run (seconds free workers waited for memory-aware dispatch, summed over
     workers; NaN for other loaders).
     """
@@ -99,6 +102,8 @@ class RunRecord:
     ratio_to_limit: float = float("nan")
     epochs: int = 1
     step_s: float = float("nan")
+    step_batch_s: float = float("nan")
+    step_origin: str = ""
     floor_s: float = float("nan")
     floor_transform_s: float = float("nan")
     ratio_to_floor: float = float("nan")
@@ -357,7 +362,7 @@ class Options:
             :data:`SAMPLER_INTERVAL_S`).
         nvml: sample GPU utilisation and PCIe throughput.
         epochs: passes over the workload per run (a training loop's epochs, back to back).
-        floor: measure the floor once per repeat (see the module's step 4).
+        floor: measure the floor once per repeat (see the module's steps 1 and 4).
         timeout_s: per-run timeout; ``None``: 10 x the limit + 120 s.
         log: progress messages.
     """
@@ -392,6 +397,11 @@ class WorkloadResult:
     floor_s: list[float] = field(default_factory=list)
     floor_transform_s: list[float] = field(default_factory=list)
     step_origin: str = ""
+
+
+def _log_floor(opts: Options, wl: Workload, rep: int, f: Floor, why: str = "") -> None:
+    opts.log(f"[{wl.name}] floor #{rep}: {f.s:.2f} s ({opts.ctx.cores} processes, reads' CPU + "
+             f"transforms; the transforms alone {f.transform_s:.2f} s){why}")
 
 
 def _step_spec(wl: Workload, opts: Options, serial: SerialCost,
@@ -538,6 +548,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         if opts.floor:
             # the step is calibrated to it; it is also repeat 0's floor
             first_floor = measure_floor(wl, cores, E)
+            _log_floor(opts, wl, 0, first_floor, " (the step is calibrated to it)")
         else:
             opts.log(f"[{wl.name}] --no-floor: the step is calibrated to the serial CPU "
                      "instead of the floor")
@@ -573,11 +584,13 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     transform_floors: list[float] = []
     for rep in range(opts.repeats):
         if opts.floor and runnable:
-            f = first_floor if rep == 0 and first_floor is not None else measure_floor(wl, cores, E)
+            if rep == 0 and first_floor is not None:
+                f = first_floor  # logged when it was measured
+            else:
+                f = measure_floor(wl, cores, E)
+                _log_floor(opts, wl, rep, f)
             floors.append(f.s)
             transform_floors.append(f.transform_s)
-            opts.log(f"[{wl.name}] floor #{rep}: {f.s:.2f} s ({cores} processes, reads' CPU + "
-                     f"transforms; the transforms alone {f.transform_s:.2f} s)")
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)
@@ -600,6 +613,14 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                    if rec.memory_wait_s > 0 else "")
                 + ("" if rec.ok else f" -- {rec.status}")
             )
+    below = [r for r in records if r.ok and r.ratio_to_limit < 1.0]
+    if below:
+        opts.log(
+            f"[{wl.name}] {', '.join(sorted({r.arm for r in below}))}: below the limit "
+            f"({min(r.ratio_to_limit for r in below):.2f}x): the serial CPU measurement read "
+            "high (the machine was slower while it ran), so the x limit column is not to be "
+            "trusted; x floor is measured beside the arms"
+        )
     if floors:
         floor = float(np.median(floors))
         if len(floors) > 1 and max(floors) > FLOOR_SPREAD * min(floors):
@@ -619,5 +640,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                         "floor, below it: the machine was slower while the floor was measured "
                         "(other jobs), so this run's ratios are not to be trusted"
                     )
+    for rec in records:
+        rec.step_batch_s, rec.step_origin = step_s, origin
     return WorkloadResult(wl, serial, step_s, limit, records, floor_s=floors,
                           floor_transform_s=transform_floors, step_origin=origin)

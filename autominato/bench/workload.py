@@ -593,7 +593,13 @@ def calibrate_step(workload: Workload, serial: SerialCost, cores: int,
     shares their conditions (a loaded spell during it moved it 1.3-1.45x from the floors in
     session 20), so it decides by chance whether a run is bound by the steps or by the CPUs.
     ``"wall"``: the same with serial wall seconds (read latency included).
+
+    Raises:
+        ValueError: ``step_basis`` is none of :data:`STEP_BASES`.
     """
+    if workload.step_basis not in STEP_BASES:
+        raise ValueError(f"step_basis {workload.step_basis!r}: expected one of "
+                         f"{', '.join(map(repr, STEP_BASES))}")
     if workload.step_basis == "floor" and floor is not None:
         batches = max(1, epochs * workload.n_batches)
         return float(workload.step_factor * floor.s / batches)
