@@ -513,9 +513,9 @@ def choose_dataloader(
             r = run_once(spec, isolate=opts.isolate, timeout_s=timeout_s)
         except RunFailed as e:
             last_error = e.status
-            opts.log(f"  grid {Arm('', '', cfg).describe()}: {e.status}")
+            opts.log(f"  grid {Arm('', 'dataloader', cfg).describe()}: {e.status}")
             continue
-        opts.log(f"  grid {Arm('', '', cfg).describe()}: {r['wall_s']:.2f} s on {n} samples")
+        opts.log(f"  grid {Arm('', 'dataloader', cfg).describe()}: {r['wall_s']:.2f} s on {n} samples")
         if best is None or r["wall_s"] < best[0]:
             best = (r["wall_s"], cfg)
     if best is None:
@@ -617,9 +617,9 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     if below:
         opts.log(
             f"[{wl.name}] {', '.join(sorted({r.arm for r in below}))}: below the limit "
-            f"({min(r.ratio_to_limit for r in below):.2f}x): the serial CPU measurement read "
-            "high (the machine was slower while it ran), so the x limit column is not to be "
-            "trusted; x floor is measured beside the arms"
+            f"({min(r.ratio_to_limit for r in below):.2f}x): the limit was measured high (the "
+            "serial CPU measurement, or the real step's timing, in a slower spell), so the x "
+            "limit column is not to be trusted; x floor is measured beside the arms"
         )
     if floors:
         floor = float(np.median(floors))

@@ -590,8 +590,8 @@ def calibrate_step(workload: Workload, serial: SerialCost, cores: int,
     ``"cpu"``: ``step_factor * mean serial CPU-seconds per batch / cores``: the serial
     measurement does not see what running ``cores`` processes at once costs (memory bandwidth,
     page faults: KiTS19's floor CPU was 1.13x the serial CPU on the 2-core machine) nor
-    shares their conditions (a loaded spell during it moved it 1.3-1.45x from the floors in
-    session 20), so it decides by chance whether a run is bound by the steps or by the CPUs.
+    shares their conditions (a loaded spell during it once put it 1.3-1.45x above what that
+    run's floors implied), so it decides by chance whether a run is bound by the steps or by the CPUs.
     ``"wall"``: the same with serial wall seconds (read latency included).
 
     Raises:
