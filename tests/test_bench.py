@@ -986,3 +986,30 @@ def test_the_dataloader_arms_say_they_keep_their_workers():
         "num_workers=2 prefetch_factor=2 pin_memory=True in_order=True persistent_workers=True")
     assert "persistent" not in arms["torchdata"].describe()
     assert "persistent" not in Arm("x", "dataloader", {"num_workers": 0}).describe()
+
+
+def test_the_utilisation_plot_covers_each_run_to_its_end(all_arms, tmp_path, monkeypatch):
+    # Trial 71: the fill went through the bins' centres and stopped half a bin before the
+    # run's end marker (0.3 s of 6.6 s with 10 bins).
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import StepPatch
+
+    from autominato.bench.report import plot, summarise
+
+    res = all_arms[1]["results"][0]
+    figs: list = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    try:
+        plot(res, summarise(res.records), tmp_path)
+    finally:
+        monkeypatch.setattr(plt, "close", close)
+    axes = figs[-1].axes
+    assert len(axes) == len({r.arm for r in res.records if r.ok})
+    for ax in axes:
+        wall = ax.lines[0].get_xdata()[0]  # the end marker
+        (fill,) = [p for p in ax.patches if isinstance(p, StepPatch)]
+        assert fill.get_data().edges[0] == 0.0
+        assert fill.get_data().edges[-1] == pytest.approx(wall)
+    for fig in figs:
+        close(fig)

@@ -409,9 +409,13 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
     for ax, r in zip(axes[:, 0], mine, strict=True):
         run = _median_run([x for x in result.records if x.arm == r["arm"]])
         # Bins of about four steps: finer bins only show each step switching on and off.
-        t, u = utilisation_series(run.busy, run.wall_s, bins=max(10, min(60, run.batches // 4)))
+        bins = max(10, min(60, run.batches // 4))
+        _, u = utilisation_series(run.busy, run.wall_s, bins=bins)
         color = "tab:orange" if r["arm"].startswith("autominato") else "tab:blue"
-        ax.fill_between(t, u, step="mid", color=color, alpha=0.6)
+        # each bin over its own span, to the end of the run (a fill through the bin centres
+        # stopped half a bin before it; trial 71)
+        edges = np.linspace(0.0, max(run.wall_s, 1e-9), bins + 1)
+        ax.stairs(u, edges, fill=True, color=color, alpha=0.6)
         ax.axvline(run.wall_s, color="black", linewidth=0.8)
         ax.set_ylim(0, 1.05)
         ax.set_yticks([0, 1])
