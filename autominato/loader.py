@@ -286,7 +286,7 @@ class Loader:
             ``persistent_workers=False`` (the dataset may change between epochs).
         memory_aware: process workers measure each sample's peak memory (the resident
             set's high-water mark, Linux), and a sample whose working set would not fit
-            beside those in flight waits for them: at most ``1.25 * max(the largest sample's
+            beside those in flight waits for them: at most ``1.35 * max(the largest sample's
             peak, workers * the upper quartile's)`` in flight, so that an outlier several
             times the upper quartile never runs beside other large ones (the loader's peak is
             then about the largest sample's alone, or all workers' on the upper quartile).

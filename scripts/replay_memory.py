@@ -5,10 +5,13 @@ and peak memory each, as a worker measures it), then replays dispatch to ``--wor
 simulated clock under each rule of ``autominato.bench.replay.RULES`` (the loader's own
 admission code) in ``--orders`` sampler orders, and prints each rule's wall time against the
 rule ``off`` (no sample held back; the time until the training loop's last step ends), the
-worker-seconds idle for memory and the largest sum of the peaks running together. What the
-replay leaves out: see ``autominato/bench/replay.py``.
+worker-seconds idle for memory and the largest sum of the peaks running together. With
+``--margins``, the rule ``scan`` is replayed again at each budget headroom on the same
+measurement (``MARGIN`` of ``autominato/pipeline/memory.py``). What the replay leaves out:
+see ``autominato/bench/replay.py``.
 
-    python scripts/replay_memory.py --labels ../shared/kits19/labels --cases 8
+    python scripts/replay_memory.py --labels ../shared/kits19/labels --cases 8 --orders 20 \
+        --margins 1.25 1.35 1.45
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 
 from autominato.bench.kits19 import kits19_workload
 from autominato.bench.replay import RULES, measure, replay
+from autominato.pipeline.memory import MARGIN
 
 MiB = 1 << 20
 
@@ -47,6 +51,9 @@ def main() -> None:
                          "serial seconds per batch / workers, the bench's balanced step "
                          "before it was calibrated to the floor; "
                          "0: none, a run the loader bounds)")
+    ap.add_argument("--margins", type=float, nargs="*", default=[],
+                    help=f"budget headrooms to replay the rule scan at besides the loader's "
+                         f"{MARGIN:g}: mean wall time against off, median and largest peak")
     a = ap.parse_args()
     wl = kits19_workload(labels=a.labels, cases=a.cases, log=lambda s: None)
     in_flight = (a.in_flight if a.in_flight is not None
@@ -64,6 +71,8 @@ def main() -> None:
           f"{step * 1e3:.0f} ms per batch of {wl.batch_size}, figures learnt as samples end "
           "(the first epoch unprotected)")
     ratios: dict[str, list[float]] = {r: [] for r in RULES}
+    by_margin: dict[float, list[tuple[float, float]]] = {m: [] for m in a.margins}
+    off_peaks: list[float] = []
     for o in range(a.orders):
         samples = []
         for e in range(a.epochs):
@@ -72,6 +81,10 @@ def main() -> None:
             samples += [(int(i), *by[int(i)]) for i in order]
         kw = dict(in_flight=in_flight, n_indices=n, batch_size=wl.batch_size, step_s=step)
         base = replay(samples, a.workers, rule="off", **kw)
+        off_peaks.append(base.peak_bytes / MiB)
+        for m in a.margins:
+            r = replay(samples, a.workers, rule="scan", margin=m, **kw)
+            by_margin[m].append((r.makespan_s / base.makespan_s, r.peak_bytes / MiB))
         cells = []
         for rule in RULES:
             r = replay(samples, a.workers, rule=rule, **kw)
@@ -85,6 +98,13 @@ def main() -> None:
               "demo masks, pass --labels)")
     print("mean wall time against off: "
           + ", ".join(f"{r} x{statistics.mean(v):.3f}" for r, v in ratios.items()))
+    if a.margins:
+        print(f"off: peak median {statistics.median(off_peaks):.0f} MiB, largest "
+              f"{max(off_peaks):.0f}")
+    for m, v in by_margin.items():
+        peaks = [p for _, p in v]
+        print(f"scan at margin {m:g}: wall x{statistics.mean(w for w, _ in v):.3f} against off, "
+              f"peak median {statistics.median(peaks):.0f} MiB, largest {max(peaks):.0f}")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_large_samples_that_are_common_are_not_held_apart():
 
 
 def test_an_index_not_measured_is_estimated_at_the_median_and_waits_are_counted_once():
-    m = SampleMemory(8)
+    m = SampleMemory(8, margin=1.25)
     for i, v in enumerate((100, 100, 100, 700)):
         m.learn(i, v)
     assert m.estimate(6) == pytest.approx(100)  # median of 100, 100, 100, 700
@@ -414,3 +414,21 @@ def test_the_loaders_scan_for_overtakers_is_capped():
         next(iter(loader))
         st = loader._pipeline._admit_stage
         assert st is not None and st.max_refusals == SCAN_REFUSALS
+
+
+def test_the_largest_bench_case_runs_beside_the_small_ones():
+    """The 8-case KiTS19 bench's figures (MiB, measured by scripts/replay_memory.py): the
+    budget is the headroom x 2 x the upper quartile (199). At 1.25 (497 MiB) the largest case
+    (394) ran beside the smallest only (102), and the workers idled 0.7-1.5 s a run waiting
+    for room; at 1.35 (537 MiB) it runs beside the two smallest (102, 131), while it and a
+    typical one, or three at once, stay apart."""
+    figures = [166, 199, 211, 156, 394, 131, 102, 172]
+    for margin, beside_131 in ((1.25, False), (MARGIN, True)):
+        m = SampleMemory(8, margin=margin)
+        for i, v in enumerate(figures):
+            m.learn(i, v)
+        assert m.budget(2) == pytest.approx(margin * 2 * 199)
+        assert m.admit(4, [102], workers=2)
+        assert m.admit(4, [131], workers=2) is beside_131, margin
+        assert not m.admit(4, [156], workers=2)  # a typical sample: still apart
+        assert not m.admit(2, [199, 166], workers=2)  # three at once: over the budget

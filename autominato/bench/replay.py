@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autominato.pipeline import stage as stage_module
-from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
+from autominato.pipeline.memory import MARGIN, SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
 from autominato.pipeline.stage import Stage
 
@@ -73,15 +73,17 @@ class Dispatch:
         figures: peak bytes per dataset index known before the first sample (0: unknown).
         workers: the workers.
         rule: one of :data:`RULES`.
+        margin: the budget's headroom (:data:`~autominato.pipeline.memory.MARGIN`).
     """
 
     _admit = Pipeline._admit
     _in_queue_index = Pipeline._in_queue_index
 
-    def __init__(self, figures: Sequence[float], workers: int, rule: str = "scan") -> None:
+    def __init__(self, figures: Sequence[float], workers: int, rule: str = "scan",
+                 margin: float = MARGIN) -> None:
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.memory = SampleMemory(len(figures))
+        self.memory = SampleMemory(len(figures), margin)
         for i, f in enumerate(figures):
             self.memory.learn(i, int(f))
         self.procs = FakeWorkers(workers)
@@ -133,7 +135,8 @@ class Replay:
 def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: str = "scan",
            in_flight: int | None = None, figures: Sequence[float] | None = None,
            n_indices: int | None = None,
-           learn: bool = True, batch_size: int = 1, step_s: float = 0.0) -> Replay:
+           learn: bool = True, batch_size: int = 1, step_s: float = 0.0,
+           margin: float = MARGIN) -> Replay:
     """Dispatch ``samples`` (``(dataset index, seconds, peak bytes)``, in the sampler's
     order) to ``workers`` on a simulated clock under ``rule``.
 
@@ -150,6 +153,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
             completion order, epochs not told apart) as soon as they are there and it has
             finished its last step, and steps ``step_s`` seconds; the samples leave the
             window when it takes them. ``step_s=0``: each batch is taken as it fills.
+        margin: the budget's headroom (:data:`~autominato.pipeline.memory.MARGIN`).
 
     Raises:
         ValueError: an unknown rule, ``workers < 1``, or ``in_flight < batch_size`` (no batch
@@ -160,7 +164,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     if in_flight is not None and in_flight < batch_size:
         raise ValueError(f"in_flight ({in_flight}) must be >= batch_size ({batch_size})")
     n = n_indices if n_indices is not None else 1 + max((s[0] for s in samples), default=0)
-    d = Dispatch(figures if figures is not None else [0.0] * n, workers, rule)
+    d = Dispatch(figures if figures is not None else [0.0] * n, workers, rule, margin)
     clock = types.SimpleNamespace(now=0.0)
     starts = [0.0] * len(samples)
     events: list[tuple[float, int, tuple | None]] = []  # (time, pos, key); key None: a step ends

@@ -186,7 +186,7 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_sample_memory_budget_bytes": (
         "gauge",
-        "Working-set bytes of samples that may be in flight together: 1.25 x max(the largest "
+        "Working-set bytes of samples that may be in flight together: 1.35 x max(the largest "
         "sample's peak, workers x the upper quartile's); 0 before a sample was measured.",
         (),
     ),
