@@ -294,9 +294,10 @@ class Loader:
             (docs/memory.md); a sample starts at once when no other is in flight; samples
             under 10 ms, iterable datasets and ``fuse_read=False`` are not measured; thread
             workers and Ray actors are not held back. Cost: a worker idles while a large
-            sample runs without room beside it (KiTS19 bench, 8 cases, 2 workers: median
-            peak 825 -> 686 MiB, throughput 1.47x -> 1.39x the DataLoader's; 3.5-7% of the
-            throughput at the two sizes measured, docs/memory.md). Counted in
+            sample runs without room beside it (KiTS19 bench, 8 cases, 2 workers, at the
+            former headroom of 1.25: median peak 825 -> 686 MiB, throughput 1.47x -> 1.39x
+            the DataLoader's; 3.5-7% of the throughput at the two sizes measured; 1.35 now,
+            docs/memory.md). Counted in
             ``samples_held_for_memory_total``; the workers' idle time in
             ``memory_wait_seconds_total``.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);

@@ -52,8 +52,9 @@ def main() -> None:
                          "before it was calibrated to the floor; "
                          "0: none, a run the loader bounds)")
     ap.add_argument("--margins", type=float, nargs="*", default=[],
-                    help=f"budget headrooms to replay the rule scan at besides the loader's "
-                         f"{MARGIN:g}: mean wall time against off, median and largest peak")
+                    help=f"budget headrooms to replay the rule scan at (the rules above use "
+                         f"the loader's, {MARGIN:g}; give it here too to see its peaks): mean "
+                         "wall time against off, median and largest peak")
     a = ap.parse_args()
     wl = kits19_workload(labels=a.labels, cases=a.cases, log=lambda s: None)
     in_flight = (a.in_flight if a.in_flight is not None
