@@ -670,7 +670,7 @@ def test_a_step_calibrated_to_the_floor_is_the_first_floor_over_the_runs_batches
 
 
 def test_the_bench_cli_sets_kits19s_step_basis_and_leaves_the_scenarios_own(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     # Review 70: --step-basis replaced every workload's basis; a floor (reads' CPU only) on
     # io_bound cut its step 7x. It is kits19's; the synthetic scenarios keep theirs.
     import autominato.bench as bench
@@ -700,6 +700,16 @@ def test_the_bench_cli_sets_kits19s_step_basis_and_leaves_the_scenarios_own(
     assert got[None] == {"kits19": "floor", **scen}
     assert got["cpu"] == {"kits19": "cpu", **scen}
     assert got["floor"] == {"kits19": "floor", **scen}
+    # review 72: an option that cannot apply says so
+    capsys.readouterr()
+    synth = ["--workload", "synthetic", "--scenario", "cpu_bound", "--unet", "off", "--out",
+             str(tmp_path / "out2")]
+    assert bench.run(parser.parse_args(synth + ["--step-basis", "cpu"])) == 0
+    assert "--step-basis cpu is ignored: no kits19 workload runs" in capsys.readouterr().out
+    assert bench.run(parser.parse_args(common + ["--step-basis", "cpu", "--step", "0.1"])) == 0
+    assert "--step-basis cpu is ignored: --step gives the step" in capsys.readouterr().out
+    assert bench.run(parser.parse_args(common + ["--step-basis", "cpu"])) == 0
+    assert "ignored" not in capsys.readouterr().out
 
 
 def test_the_table_title_says_how_the_step_was_set(tmp_path):

@@ -399,6 +399,13 @@ def run(args: argparse.Namespace) -> int:
     if args.step_basis is not None:  # kits19's only: a floor ignores a read's latency
         workloads = [replace(wl, step_basis=args.step_basis)
                      if wl.name.startswith("kits19") else wl for wl in workloads]
+        why = ("--step gives the step" if args.step is not None
+               else "the real UNet step is timed (--unet)" if unet
+               else "no kits19 workload runs (the synthetic scenarios keep their own rule)"
+               if not any(wl.name.startswith("kits19") for wl in workloads) else None)
+        if why is not None:
+            console.print(f"--step-basis {args.step_basis} is ignored: {why}", highlight=False,
+                          markup=False)
     try:
         tuned = _tuned_configs(args.tuned_config or [], [wl.name for wl in workloads])
     except ValueError as e:
