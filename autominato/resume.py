@@ -128,6 +128,11 @@ SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("batch_sampler",),
                   "batch_sampler.sampler": ("batch_sampler", "sampler")}
 
 
+def _is_epoch(value: Any) -> bool:
+    """An integer epoch (Python or NumPy; not a bool), as ``DistributedSampler.epoch``."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _sampler_at(loader: Any, name: str) -> Any:
     obj = loader
     for attr in SAMPLER_PATHS[name]:
@@ -144,8 +149,7 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
     for name in SAMPLER_PATHS:
         obj = _sampler_at(loader, name)
         epoch = getattr(obj, "epoch", None)
-        if (obj is not None and callable(getattr(obj, "set_epoch", None))
-                and isinstance(epoch, (int, np.integer)) and not isinstance(epoch, bool)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)) and _is_epoch(epoch):
             out[name] = int(epoch)
     return out
 
@@ -353,11 +357,8 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
     epochs = state.get("sampler_epochs")
-    if epochs is not None and not (
-            isinstance(epochs, dict) and all(
-                k in SAMPLER_PATHS and isinstance(v, (int, np.integer))
-                and not isinstance(v, bool)
-                for k, v in epochs.items())):
+    if epochs is not None and not (isinstance(epochs, dict) and all(
+            k in SAMPLER_PATHS and _is_epoch(v) for k, v in epochs.items())):
         raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
                          f"{', '.join(SAMPLER_PATHS)} to int epochs")
     for name in state["samplers"]:

@@ -288,6 +288,11 @@ def _synthetic(args: argparse.Namespace, scenario: str) -> Any:
     )
 
 
+def _is_kits19(wl: Any) -> bool:
+    """A KiTS19 workload (``kits19``, or ``kits19-rank0ofR`` of ``--ranks``)."""
+    return wl.name.startswith("kits19")
+
+
 def _unet_divisor(model: str) -> int:
     """What every spatial size of the UNet's input must divide by (one halving per level)."""
     from autominato.models.unet3d import UNet3D
@@ -398,11 +403,11 @@ def run(args: argparse.Namespace) -> int:
         workloads = [replace(wl, shuffle=True) for wl in workloads]
     if args.step_basis is not None:  # kits19's only: a floor ignores a read's latency
         workloads = [replace(wl, step_basis=args.step_basis)
-                     if wl.name.startswith("kits19") else wl for wl in workloads]
+                     if _is_kits19(wl) else wl for wl in workloads]
         why = ("--step gives the step" if args.step is not None
                else "the real UNet step is timed (--unet)" if unet
                else "no kits19 workload runs (the synthetic scenarios keep their own rule)"
-               if not any(wl.name.startswith("kits19") for wl in workloads) else None)
+               if not any(map(_is_kits19, workloads)) else None)
         if why is not None:
             console.print(f"--step-basis {args.step_basis} is ignored: {why}", highlight=False,
                           markup=False)
@@ -430,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
             grid_fraction=args.grid_fraction,
             serial_samples=args.serial_samples,
             # The real step is for the KiTS19 volumes only: synthetic samples are not images.
-            step="unet" if unet and wl.name.startswith("kits19") else "sleep",
+            step="unet" if unet and _is_kits19(wl) else "sleep",
             unet_model=args.unet_model,
             nvml=args.nvml,
             epochs=args.epochs,

@@ -405,7 +405,9 @@ def _log_floor(opts: Options, wl: Workload, rep: int, f: Floor, why: str = "") -
 
 
 def _step_spec(wl: Workload, opts: Options, serial: SerialCost,
-               floor: Floor | None = None) -> tuple[dict[str, Any], float]:
+               floor: Floor | None = None) -> tuple[dict[str, Any], float, str]:
+    """The step the runs take (:func:`~autominato.bench.step.make_step`'s spec), its seconds
+    per batch, and how it was set, in words (the log, the table's title, ``step_origin``)."""
     if opts.step == "unet":
         import torch
 
@@ -417,23 +419,18 @@ def _step_spec(wl: Workload, opts: Options, serial: SerialCost,
         step_s = step.calibrate(shape)
         del step
         torch.cuda.empty_cache()  # the runs build their own model in their own process
-        return {"kind": "unet", "model": opts.unet_model, "image_shape": shape}, step_s
-    step_s = (wl.step_s if wl.step_s is not None
-              else calibrate_step(wl, serial, opts.ctx.cores, floor, opts.epochs))
-    return {"kind": "sleep", "step_s": step_s}, step_s
-
-
-def step_origin(wl: Workload, opts: Options, floor: Floor | None) -> str:
-    """How the run's step was set, in words, for the log and the table's title."""
-    if opts.step == "unet":
-        return "the real step, timed"
+        spec = {"kind": "unet", "model": opts.unet_model, "image_shape": shape}
+        return spec, step_s, "the real step, timed"
     if wl.step_s is not None:
-        return "given"
+        return {"kind": "sleep", "step_s": wl.step_s}, wl.step_s, "given"
+    step_s = calibrate_step(wl, serial, opts.ctx.cores, floor, opts.epochs)
     factor = f" x {wl.step_factor:g}" if wl.step_factor != 1 else ""
     if wl.step_basis == "floor" and floor is not None:
-        return f"floor #0 / {opts.epochs * wl.n_batches} batches{factor}"
-    per = "wall s" if wl.step_basis == "wall" else "CPU-s"
-    return f"serial {per} per batch / {opts.ctx.cores} cores{factor}"
+        origin = f"floor #0 / {opts.epochs * wl.n_batches} batches{factor}"
+    else:
+        per = "wall s" if wl.step_basis == "wall" else "CPU-s"
+        origin = f"serial {per} per batch / {opts.ctx.cores} cores{factor}"
+    return {"kind": "sleep", "step_s": step_s}, step_s, origin
 
 
 def _record(
@@ -552,8 +549,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
         else:
             opts.log(f"[{wl.name}] --no-floor: the step is calibrated to the serial CPU "
                      "instead of the floor")
-    step, step_s = _step_spec(wl, opts, serial, first_floor)
-    origin = step_origin(wl, opts, first_floor)
+    step, step_s, origin = _step_spec(wl, opts, serial, first_floor)
     limit = physical_limit(serial, E * wl.n_batches, step_s, cores)
     est = f" (estimated from {len(serial.cpu_s)} samples)" if serial.estimated else ""
     per = f"{E} epochs x {wl.n_batches} steps" if E > 1 else f"{wl.n_batches} steps"
