@@ -145,7 +145,7 @@ class _one:
 #: The pipeline's counters that go on across the pipeline load_state_dict rebuilds
 #: (Loader._retired; attribute names of :class:`~autominato.pipeline.scheduler.Pipeline`).
 _PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_discarded",
-                      "memory_held", "memory_wait_s")
+                      "memory_held", "memory_wait_s", "cold_starts")
 
 
 class Loader:
@@ -587,6 +587,13 @@ class Loader:
         self._started = False
         self._batches_at_iter = 0
         self._sync_skipped = 0
+        self._sync_cold_starts = 0  # passes with no worker (each loads from its start)
+        # The training loop between two passes (after StopIteration, or after it dropped a
+        # pass with its last step): since when (time.monotonic()), up to when a snapshot
+        # counted it (the total never goes back, as the step's), and the seconds before
+        self._away_since: float | None = None
+        self._away_seen: float | None = None
+        self._away_s = 0.0
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
         self._samples_lost = 0  # samples lost with them
         # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
@@ -857,6 +864,7 @@ class Loader:
                 # One stream in the loop's thread: len() batches are all there is (a
                 # dataset whose __len__ is true), as DataLoader's single-process iterator.
                 progress.drained = lambda: True
+                self._sync_cold_starts += 1
                 return _SyncStreamIterator(self, self._epoch, progress)
             pipeline = self._ensure_pipeline()
             run = pipeline.start_stream(self._epoch)
@@ -889,6 +897,7 @@ class Loader:
         progress.sampler_epochs = sampler_epochs
         self._progress = progress
         if self.knobs.workers == 0:
+            self._sync_cold_starts += 1
             return _SyncIterator(self, order, groups, self._epoch, progress)
         pipeline = self._ensure_pipeline()
         if self._last_pass_epoch is not None and was_epoch:
@@ -1108,16 +1117,17 @@ class Loader:
             self._step_open = opened
             self._step_seen = None
 
-    def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
+    def _end_step(self, now: float | None = None, owner: int | None = None) -> bool:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
         training loop asked for the next batch, started a new pass or closed the loader.
-        With ``owner``, only a step opened by that iterator (``id``) is closed."""
+        With ``owner``, only a step opened by that iterator (``id``) is closed. Returns
+        whether a step was closed."""
         # An iterator's __del__ may run this from whichever thread collects it: one lock makes
         # the step close once and the totals move with it
         with self._step_lock:
             opened = self._step_open
             if opened is None or (owner is not None and opened[3] != owner):
-                return
+                return False
             self._step_open = None
             returned, wait, samples, _ = opened
             end = time.monotonic() if now is None else now
@@ -1129,6 +1139,27 @@ class Loader:
             step = max(0.0, end - returned)
             self._consumer_busy += step
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
+        return True
+
+    def _left(self) -> None:
+        """The training loop left the pass (it ended with ``StopIteration``, or was dropped
+        with its last step): the time until it next asks for a batch (``_back``) is neither
+        step nor wait (a validation loop, a checkpoint) but time between epochs."""
+        with self._step_lock:
+            if self._away_since is None:
+                self._away_since = time.monotonic()
+                self._away_seen = None
+
+    def _back(self, now: float) -> None:
+        """The training loop asks for a batch at ``now``: the time since it left a pass
+        counts in ``between_epochs_seconds_total``."""
+        with self._step_lock:
+            since = self._away_since
+            if since is None:
+                return
+            end = now if self._away_seen is None else max(now, self._away_seen)
+            self._away_since = self._away_seen = None
+            self._away_s += max(0.0, end - since)
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
@@ -1230,6 +1261,10 @@ class Loader:
             if self._step_open is not None:
                 busy += max(0.0, now - self._step_open[0])
                 self._step_seen = now
+            away = self._away_s
+            if self._away_since is not None:
+                away += max(0.0, now - self._away_since)
+                self._away_seen = now
         return LoaderSnapshot(
             time=now,
             stages=stages,
@@ -1249,6 +1284,8 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
+            cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
+            between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],
             sample_memory_budget_bytes=p.sample_memory_budget_bytes if p else 0.0,
@@ -1368,7 +1405,9 @@ class _EpochIterator:
     def __next__(self) -> Any:
         t0 = time.monotonic()
         self.L._end_step(t0)
+        self.L._back(t0)
         if self._done:
+            self.L._left()
             raise StopIteration
         self._poll_h2d()
         if self.L._orphan_h2d:
@@ -1416,6 +1455,7 @@ class _EpochIterator:
                 self._finish()
                 if kind == "end":
                     self.progress.finished = True
+                    self.L._left()
                     raise StopIteration
             # Nor this iterator or its run: a kept error (a notebook's sys.last_value, a
             # debugger's post-mortem) would keep the run's window, slots and batches.
@@ -1471,7 +1511,8 @@ class _EpochIterator:
 
     def __del__(self) -> None:
         try:
-            self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+            if self.L._end_step(owner=id(self)):  # dropped by a ``break``: its last step ended
+                self.L._left()
             self._finish(count_copies=False)
         except Exception:
             pass
@@ -1532,7 +1573,9 @@ class _SyncIterator:
         t0 = time.monotonic()
         L = self.L
         L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
+        L._back(t0)
         if self._done or L._closed:
+            L._left()
             raise StopIteration
         if self.seeds != L._seeds_taken:
             self.stop()  # (an iterable dataset's stream is closed too)
@@ -1564,6 +1607,7 @@ class _SyncIterator:
                 elif isinstance(d, End):
                     self._done = True
                     self.progress.finished = True
+                    L._left()
                     raise StopIteration
             self._step()
 
@@ -1601,7 +1645,8 @@ class _SyncIterator:
 
     def __del__(self) -> None:
         try:
-            self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+            if self.L._end_step(owner=id(self)):  # dropped by a ``break``: its last step ended
+                self.L._left()
         except Exception:
             pass
 

@@ -16,10 +16,10 @@ BOUNDS = {"depth": (1, 16), "read_threads": (1, 16), "workers": (1, 16), "pool_s
 GROWS = {"transform_bound", "read_bound", "pool_bound", "starved"}
 
 
-def run(workload, knobs, steps=200, budget=None, bounds=BOUNDS, seed=0, on_step=None):
+def run(workload, knobs, steps=200, budget=None, bounds=BOUNDS, seed=0, on_step=None, dt=1.0):
     sim = SimulatedLoader(workload, knobs, seed=seed)
     budget = budget or Budget(cores=workload.cores)
-    return run_rule(StageBasedRule(), sim, bounds, budget, steps, on_step=on_step)
+    return run_rule(StageBasedRule(), sim, bounds, budget, steps, dt=dt, on_step=on_step)
 
 
 def tail_idle(trace, intervals=20):
@@ -216,8 +216,9 @@ def test_epoch_start_warm_up_does_not_trigger_a_change():
     wl = Workload(transform_s=0.05, step_s=0.1, cores=4)
     sim = SimulatedLoader(wl, dict(depth=2, read_threads=2, workers=3, pool_size=16))
     history = [sim.snapshot()] + [sim.step() for _ in range(20)]
-    # A new epoch whose first batches waited long for the pipeline to fill.
+    # A new epoch, not prefetched, whose first batches waited long for the pipeline to fill.
     sim.epoch = 1
+    sim.cold_starts += 1
     s = sim.step()
     history.append(replace(s, consumer_wait_seconds_total=s.consumer_wait_seconds_total + 5.0))
     rule = StageBasedRule()
@@ -226,6 +227,85 @@ def test_epoch_start_warm_up_does_not_trigger_a_change():
         decisions, state = rule.decide(history, BOUNDS, Budget(4), state)
         assert decisions == []
         history.append(sim.step())
+
+
+def test_a_prefetched_epoch_start_does_not_end_the_window():
+    # The same wait at the start of an epoch whose samples were prefetched is the loader's:
+    # the window spans the boundary and the rule acts on it (a cold start's is left out).
+    decided = []
+    for cold in (False, True):
+        wl = Workload(transform_s=0.05, step_s=0.1, cores=4)
+        sim = SimulatedLoader(wl, dict(depth=2, read_threads=2, workers=3, pool_size=16))
+        history = [sim.snapshot()] + [sim.step() for _ in range(20)]
+        sim.epoch = 1
+        sim.cold_starts += cold
+        s = sim.step()
+        history.append(replace(s, consumer_wait_seconds_total=s.consumer_wait_seconds_total + 5.0))
+        decisions, _ = StageBasedRule().decide(history, BOUNDS, Budget(4), StageBasedRule().initial_state())
+        decided.append(bool(decisions))
+    assert decided == [True, False]
+
+
+# MLPerf 3D-UNet's per-rank epoch: 21 samples, batch 2, 11 batches; 0.3 s steps make it
+# about 4 s (the controller looks every 1 s). The pool (4 slots for 16 workers) bounds the
+# rate, and the consumer idles a quarter of the time.
+SHORT = dict(transform_s=0.8, step_s=0.3, cores=16, cpu_bound=False, batch_size=2,
+             epoch_batches=11)
+
+
+def test_short_prefetched_epochs_are_tuned_across_their_boundaries():
+    trace = run(Workload(**SHORT), dict(depth=2, read_threads=2, workers=16, pool_size=4),
+                steps=400)
+    assert trace.history[-1].epoch > 30
+    assert trace.decisions and trace.decisions[0].reason == "pool_bound"
+    assert trace.knobs[-1]["pool_size"] > 4
+    assert tail_idle(trace) < 0.05
+    # The grow was judged (16 batches) and the idle workers shrunk, over 48 batches: windows
+    # of four epochs. Kept to one epoch, a window holds at most 7 batches after its warm-up.
+    assert any(d.reason == "over_provisioned" for d in trace.decisions[1:])
+    assert not any(d.reason == "revert" for d in trace.decisions)
+
+
+def test_short_epochs_that_start_cold_are_not_tuned_on_their_fill():
+    # A fed consumer whose every 11-batch epoch starts cold, with a 1 s fill: a window across
+    # the cold starts would read half the time idle and grow a knob that cannot help. Prefetched,
+    # the same epochs leave the consumer fed and nothing grows either.
+    for prefetched in (False, True):
+        wl = Workload(transform_s=0.01, step_s=0.1, cores=4, batch_size=2, epoch_batches=11,
+                      prefetched=prefetched)
+        trace = run(wl, dict(depth=2, read_threads=2, workers=2, pool_size=16), steps=400,
+                    dt=0.25)
+        assert trace.history[-1].cold_starts_total == (1 if prefetched else 1 + trace.history[-1].epoch)
+        assert trace.history[-1].epoch > 30
+        assert not [d for d in trace.decisions if d.reason in GROWS], prefetched
+    # (without the cold-start boundary the same history would grow a knob)
+    sim_cold = SimulatedLoader(Workload(transform_s=0.01, step_s=0.1, cores=4, batch_size=2,
+                                        epoch_batches=11, prefetched=False),
+                               dict(depth=2, read_threads=2, workers=2, pool_size=16))
+    cold = [sim_cold.snapshot()] + [sim_cold.step(0.25) for _ in range(60)]
+    blind = [replace(h, cold_starts_total=1) for h in cold]
+    rule = StageBasedRule()
+    grown, _ = rule.decide(blind, BOUNDS, Budget(4), rule.initial_state())
+    assert grown and grown[0].reason in GROWS
+    kept, _ = rule.decide(cold, BOUNDS, Budget(4), rule.initial_state())
+    assert not kept
+
+
+def test_a_long_pause_between_epochs_ends_the_window():
+    # A validation loop of 2 s after every 11 batches (about 0.5 s): the time between epochs
+    # would be most of a window spanning them, which then reads the workers idle: no window
+    # reaches back over a pause, and one epoch's 11 batches never judge a change.
+    trace = run(Workload(**SHORT, between_s=2.0), dict(depth=2, read_threads=2, workers=16,
+                pool_size=4), steps=400)
+    assert trace.history[-1].between_epochs_seconds_total > 60
+    assert all(d.reason != "revert" for d in trace.decisions)
+    rule = StageBasedRule()
+    for i in range(5, len(trace.history)):
+        fresh = rule._fresh(trace.history[: i + 1], -1.0)
+        if len(fresh) < 2:
+            continue
+        assert fresh[-1].between_epochs_seconds_total - fresh[0].between_epochs_seconds_total <= (
+            rule.max_between_share * (fresh[-1].time - fresh[0].time))
 
 
 def test_decide_is_pure():

@@ -276,3 +276,56 @@ def test_an_interrupt_while_a_pass_starts_leaves_no_run_without_an_iterator(monk
         assert not L._pipeline.runs
         for _ in range(2):  # and the next passes deliver each sample once
             assert sorted(int(i) for b in L for i in b["index"]) == list(range(24))
+
+
+def exported_of(loader) -> dict[str, float]:
+    col = SnapshotCollector()
+    col.add(1, "0", loader.snapshot)
+    return {s.name: s.value for m in col.collect() for s in m.samples}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cold_starts_count_the_epochs_that_were_not_prefetched(workers):
+    # Prefetched, only the first epoch starts cold; a set_epoch out of sequence discards the
+    # prefetched one (a cold start); without prefetching (or workers) every epoch does.
+    with Loader(StragglerTail(6), batch_size=2, seed=SEED, workers=workers,
+                autotune=False) as L:
+        for _ in range(3):
+            batches_of_any = list(L)
+            assert len(batches_of_any) == 3
+        L.set_epoch(9)
+        list(L)
+        want = 4 if workers == 0 else 2
+        assert L.snapshot().cold_starts_total == want
+        assert exported_of(L)["autominato_epoch_cold_starts_total"] == want
+    with Loader(StragglerTail(6), batch_size=2, seed=SEED, workers=2, autotune=False,
+                prefetch_next_epoch=False) as L:
+        for _ in range(3):
+            list(L)
+        assert L.snapshot().cold_starts_total == 3
+
+
+def test_time_between_epochs_is_counted_apart_from_steps_and_waits():
+    # The training loop sleeps 0.1 s a step and 0.5 s between epochs (a validation loop);
+    # after a break it also leaves the pass. Steps, waits and the time between epochs add up
+    # to the wall time, and the last is the 1.5 s of the three pauses.
+    with Loader(StragglerTail(6), batch_size=2, seed=SEED, workers=2, autotune=False) as L:
+        list(L)  # workers up, the first epoch's costs out of the measured span
+        t0 = time.monotonic()
+        s0 = L.snapshot()
+        for e in range(3):
+            for k, _ in enumerate(L):
+                time.sleep(0.1)
+                if e == 2 and k == 1:
+                    break  # the pass is dropped after its second step
+            time.sleep(0.5)
+        s1 = L.snapshot()
+        wall = time.monotonic() - t0
+        between = s1.between_epochs_seconds_total - s0.between_epochs_seconds_total
+        busy = s1.consumer_busy_seconds_total - s0.consumer_busy_seconds_total
+        wait = s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total
+        assert 1.5 <= between < 1.5 + 0.5, between
+        assert 0.8 <= busy < 0.8 + 0.5, busy  # 8 steps of 0.1 s
+        assert abs(wall - (between + busy + wait)) < 0.1, (wall, between, busy, wait)
+        assert exported_of(L)["autominato_between_epochs_seconds_total"] == pytest.approx(
+            L.snapshot().between_epochs_seconds_total, abs=0.05)

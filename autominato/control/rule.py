@@ -102,7 +102,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class Window:
-    """Figures measured between two snapshots ``a`` (older) and ``b`` of the same epoch.
+    """Figures measured between two snapshots ``a`` (older) and ``b`` (see
+    :meth:`StageBasedRule._fresh` for which two).
 
     Attributes:
         start / end: snapshot times, seconds (``time.monotonic()``).
@@ -319,10 +320,15 @@ class Rule(ABC):
 class StageBasedRule(Rule):
     """Find the bottleneck stage, change one knob, judge it over a window, keep or revert.
 
-    A window is a run of snapshots of the current epoch, all taken after the last change
-    under the same knobs (once new workers are up and past the epoch's first
-    ``warmup_batches``); it ends at the latest snapshot and reaches back no further than
-    needed to cover ``max_window_batches`` batches. Each call:
+    A window is a run of snapshots all taken after the last change under the same knobs
+    (once new workers are up), past the first ``warmup_batches`` after the latest cold start
+    (``cold_starts_total``: an epoch whose samples were not prefetched, the first included),
+    and with the training loop between epochs for at most ``max_between_share`` of its time;
+    it ends at the latest snapshot and reaches back no further than needed to cover
+    ``max_window_batches`` batches. It spans epochs whose samples were prefetched: with
+    short epochs (MLPerf 3D-UNet's 21 samples, 10 steps per rank) a window kept to one epoch
+    would never hold ``warmup_batches + min_batches``, and the rule would never act. Each
+    call:
 
     1. Memory: when the predicted memory exceeds the budget, shrink depth, then the pool
        (not below one slot per worker and read thread), then workers, then read threads, as
@@ -361,8 +367,9 @@ class StageBasedRule(Rule):
        then read threads), else a pool never more than half used, to twice its peak use
        (at most halving it).
 
-    Defaults: ``idle_high`` 5 % and ``idle_low`` 2 % bracket "near zero" with a dead band;
-    ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
+    Defaults: ``max_between_share`` 0.1 lets the time between epochs bias a window's
+    utilisation down by a tenth at most; ``idle_high`` 5 % and ``idle_low`` 2 % bracket
+    "near zero" with a dead band; ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
     bursts. They are this project's choices, checked on the synthetic workloads of
     ``tests/test_control_rule.py`` (:mod:`autominato.control.sim`).
     """
@@ -387,6 +394,7 @@ class StageBasedRule(Rule):
     max_backoff_batches: int = 4096
     settle_snapshots: int = 4
     warmup_batches: int = 4
+    max_between_share: float = 0.1
 
     def initial_state(self) -> RuleState:
         return RuleState()
@@ -394,20 +402,26 @@ class StageBasedRule(Rule):
     # -- window -------------------------------------------------------------------------
 
     def _fresh(self, history: Sequence[LoaderSnapshot], since: float) -> list[LoaderSnapshot]:
-        """The latest snapshots after ``since`` with the latest epoch and knobs, oldest first,
-        leaving out the epoch's first ``warmup_batches`` (the consumer waits while the
-        pipeline fills at the start of every epoch, whatever the knobs)."""
+        """The latest snapshots after ``since`` with the latest knobs, oldest first, across
+        the epochs since the latest cold start but leaving out its first ``warmup_batches``
+        (the consumer waits while the pipeline fills, whatever the knobs), and reaching back
+        no further than where the time between epochs would exceed ``max_between_share`` of
+        the window's (a validation loop: the workers idle once the prefetched samples are
+        done, which would read as spare capacity)."""
         b = history[-1]
         out: list[LoaderSnapshot] = []
-        epoch_start: int | None = 0 if history[0].batches_total == 0 else None
+        cold_at: int | None = 0 if history[0].batches_total == 0 else None
         for s in reversed(history):
-            if s.epoch != b.epoch:
-                epoch_start = s.batches_total
+            if s.cold_starts_total != b.cold_starts_total:
+                cold_at = s.batches_total
                 break
         for s in reversed(history):
-            if s.time <= since or s.epoch != b.epoch or s.knobs != b.knobs:
+            if s.time <= since or s.cold_starts_total != b.cold_starts_total or s.knobs != b.knobs:
                 break
-            if epoch_start is not None and s.batches_total < epoch_start + self.warmup_batches:
+            between = b.between_epochs_seconds_total - s.between_epochs_seconds_total
+            if between > self.max_between_share * (b.time - s.time):
+                break
+            if cold_at is not None and s.batches_total < cold_at + self.warmup_batches:
                 break
             out.append(s)
         return out[::-1]

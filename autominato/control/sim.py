@@ -12,7 +12,10 @@ discrete-event simulation:
 * the pool caps samples in flight, so by Little's law the rate is at most
   ``pool_size / (read latency + transform latency)``;
 * the consumer takes ``step_s`` per batch and waits ``max(0, batch / rate - step_s)`` for the
-  next, plus ``burst_s / depth`` when the producer is bursty (a deeper prefetch absorbs bursts).
+  next, plus ``burst_s / depth`` when the producer is bursty (a deeper prefetch absorbs bursts);
+* with ``epoch_batches``, an epoch ends every that many batches: the training loop then spends
+  ``between_s`` outside the loader, and an epoch that was not ``prefetched`` starts cold (the
+  consumer waits ``cold_wait_s`` while the pipeline fills).
 
 Use it to test a rule (``tests/test_control_rule.py``) or to try one on a workload before
 running it on a real job.
@@ -52,6 +55,11 @@ class Workload:
         worker_rss_bytes: private memory of one worker process, bytes.
         burst_s: extra consumer wait per batch at depth 1 from a bursty producer, seconds.
         noise: relative standard deviation of service and step times per interval.
+        epoch_batches: batches per epoch (0: one epoch that never ends).
+        prefetched: each later epoch's samples start before it does (the Loader's
+            ``prefetch_next_epoch``); else each starts cold.
+        between_s: seconds the training loop spends between two epochs (validation).
+        cold_wait_s: the consumer's extra wait at a cold start, seconds.
     """
 
     transform_s: float = 0.05
@@ -64,6 +72,10 @@ class Workload:
     worker_rss_bytes: float = 200e6
     burst_s: float = 0.0
     noise: float = 0.0
+    epoch_batches: int = 0
+    prefetched: bool = True
+    between_s: float = 0.0
+    cold_wait_s: float = 1.0
 
 
 class SimulatedLoader:
@@ -82,8 +94,10 @@ class SimulatedLoader:
         self.rng = np.random.default_rng(seed)
         self.time = 0.0
         self.epoch = 0
+        self.cold_starts = 1  # the first epoch's
         self._tot = dict.fromkeys(
-            ("batches", "wait", "busy", "t_items", "t_serv", "r_items", "r_serv", "cpu"), 0.0
+            ("batches", "wait", "busy", "t_items", "t_serv", "r_items", "r_serv", "cpu",
+             "between"), 0.0
         )
 
     def rate(self, knobs: Mapping[str, int] | None = None) -> tuple[float, float, float]:
@@ -124,6 +138,18 @@ class SimulatedLoader:
         batches = dt / (step + wait)
         samples = batches * w.batch_size
         tot = self._tot
+        extra = 0.0
+        if w.epoch_batches > 0:
+            ended = int((tot["batches"] + batches) // w.epoch_batches) - int(
+                tot["batches"] // w.epoch_batches)
+            for _ in range(ended):
+                self.epoch += 1
+                tot["between"] += w.between_s
+                extra += w.between_s
+                if not w.prefetched:
+                    self.cold_starts += 1
+                    tot["wait"] += w.cold_wait_s
+                    extra += w.cold_wait_s
         tot["batches"] += batches
         tot["wait"] += batches * wait
         tot["busy"] += batches * step
@@ -133,7 +159,7 @@ class SimulatedLoader:
         tot["r_serv"] += samples * r_s
         cpu_per_sample = w.transform_s if w.cpu_bound else 0.02 * w.transform_s
         tot["cpu"] += samples * cpu_per_sample + 0.05 * dt
-        self.time += dt
+        self.time += dt + extra
         return self.snapshot(samples / dt)
 
     def snapshot(self, rate: float = 0.0) -> LoaderSnapshot:
@@ -178,6 +204,8 @@ class SimulatedLoader:
             batches_total=int(tot["batches"]),
             samples_total=int(tot["batches"]) * w.batch_size,
             epoch=self.epoch,
+            cold_starts_total=self.cold_starts,
+            between_epochs_seconds_total=tot["between"],
             stragglers_total=0,
             skipped_total=0,
             worker_restarts_total=0,

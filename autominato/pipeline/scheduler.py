@@ -234,6 +234,9 @@ class Pipeline:
         self._waiting: list[Run] = []  # speculative runs whose predecessor still dispatches
         self.speculative_adopted = 0  # runs
         self.speculative_discarded = 0  # samples dispatched for a run that was discarded
+        # runs whose samples started only when their pass began (none adopted): the
+        # controller leaves their first batches out of its window (the pipeline fills)
+        self.cold_starts = 0
         self.held: dict[tuple, tuple] = {}  # key -> slots an attempt holds in a worker
         self.out_estimate = 0  # bytes of one transformed sample's arrays, learned
         self.sample_bytes = 0.0
@@ -333,6 +336,7 @@ class Pipeline:
                            in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
                            max_tries=cfg.max_tries, groups=groups, done=done, unique=unique)
                 run = self._start(epoch, ep)
+                self.cold_starts += 1
             if nxt is not None:
                 spec = self._new_run(*nxt, unique=unique)
                 spec.speculative = True
@@ -364,7 +368,9 @@ class Pipeline:
         ep = Stream(max(1, self.knobs.workers), cfg.batch_size, drop_last=cfg.drop_last,
                     in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
                     max_pull=cfg.batch_size if self.procs is not None else 1)
-        return self._start(epoch, ep)
+        run = self._start(epoch, ep)
+        self.cold_starts += 1
+        return run
 
     def _check_open(self) -> None:
         if self._stop.is_set():

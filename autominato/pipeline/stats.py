@@ -175,6 +175,13 @@ class LoaderSnapshot:
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
             for a batch that could not be made, its samples.
+        cold_starts_total: passes (epochs) whose samples started only when the pass began:
+            the first, every pass with ``prefetch_next_epoch=False`` or no worker, and one
+            whose prefetched samples were discarded. The consumer waits while the pipeline
+            fills after one; a pass that adopted its prefetched samples is not counted.
+        between_epochs_seconds_total: seconds the training loop spent between passes, from
+            a pass's end (``StopIteration``, or the pass dropped after its last step) to its
+            next request of a batch (a validation loop, a checkpoint): neither step nor wait.
     """
 
     time: float
@@ -198,6 +205,8 @@ class LoaderSnapshot:
     speculative_discarded_total: int = 0
     errors_raised_total: int = 0
     samples_lost_total: int = 0
+    cold_starts_total: int = 0
+    between_epochs_seconds_total: float = 0.0
     samples_held_for_memory_total: int = 0
     sample_memory_budget_bytes: float = 0.0
     memory_wait_seconds_total: float = 0.0

@@ -178,6 +178,20 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Samples started for a next epoch that the training loop did not ask for, discarded.",
         (),
     ),
+    "autominato_epoch_cold_starts_total": (
+        "counter",
+        "Epochs (passes) whose samples started only when the pass began: the first, and each "
+        "one not prefetched (prefetch_next_epoch=False, no worker, or prefetched samples "
+        "discarded). The training loop waits while the pipeline fills after each.",
+        (),
+    ),
+    "autominato_between_epochs_seconds_total": (
+        "counter",
+        "Seconds the training loop spent between epochs: from a pass's end (StopIteration, or "
+        "the pass dropped after its last step) to its next request of a batch (validation, "
+        "checkpoints); neither step nor wait.",
+        (),
+    ),
     "autominato_samples_held_for_memory_total": (
         "counter",
         "Samples that waited before they started because their working set (the peak memory "

@@ -182,6 +182,9 @@ def snapshot_from_samples(
         pool_bytes=int(g(samples, "autominato_pool_bytes", rank=rank)),
         speculative_discarded_total=int(
             g(samples, "autominato_speculative_samples_discarded_total", rank=rank)),
+        cold_starts_total=int(g(samples, "autominato_epoch_cold_starts_total", rank=rank)),
+        between_epochs_seconds_total=g(samples, "autominato_between_epochs_seconds_total",
+                                       rank=rank),
         samples_held_for_memory_total=int(
             g(samples, "autominato_samples_held_for_memory_total", rank=rank)),
         sample_memory_budget_bytes=g(samples, "autominato_sample_memory_budget_bytes", rank=rank),
