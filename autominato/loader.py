@@ -592,6 +592,7 @@ class Loader:
         # pass with its last step): since when (time.monotonic()), up to when a snapshot
         # counted it (the total never goes back, as the step's), and the seconds before
         self._away_since: float | None = None
+        self._latest_pass: int | None = None  # id() of the iterator __iter__ returned last
         self._away_seen: float | None = None
         self._away_s = 0.0
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
@@ -830,7 +831,9 @@ class Loader:
             # checkpoint taken then would skip the rest of the interrupted epoch.
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             try:
-                return self._start_pass()
+                it = self._start_pass()
+                self._latest_pass = id(it)
+                return it
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
@@ -1141,12 +1144,15 @@ class Loader:
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
         return True
 
-    def _left(self) -> None:
-        """The training loop left the pass (it ended with ``StopIteration``, or was dropped
-        with its last step): the time until it next asks for a batch (``_back``) is neither
-        step nor wait (a validation loop, a checkpoint) but time between epochs."""
+    def _left(self, owner: int) -> None:
+        """The training loop left the pass of iterator ``owner`` (``id``): it ended with
+        ``StopIteration`` or raised, or was dropped unfinished. The time until the loop next
+        asks for a batch (``_back``) is neither step nor wait (a validation loop, a
+        checkpoint) but time between epochs. Only for the latest pass, with no step open: an
+        older pass dropped later (Lightning's unused one, ``zip``'s other side) is no leave."""
         with self._step_lock:
-            if self._away_since is None:
+            if (self._away_since is None and self._step_open is None
+                    and owner == self._latest_pass):
                 self._away_since = time.monotonic()
                 self._away_seen = None
 
@@ -1169,6 +1175,7 @@ class Loader:
         if self._closed:
             return
         self._end_step()
+        self._back(time.monotonic())  # (the time after the last epoch ends with the loader)
         self._closed = True
         if wait_copies and self._orphan_h2d:
             try:
@@ -1407,7 +1414,7 @@ class _EpochIterator:
         self.L._end_step(t0)
         self.L._back(t0)
         if self._done:
-            self.L._left()
+            self.L._left(id(self))
             raise StopIteration
         self._poll_h2d()
         if self.L._orphan_h2d:
@@ -1421,6 +1428,7 @@ class _EpochIterator:
                 # start reached it): its failure ends the wait too.
                 if self.L._closed or run.closed or self.pipeline.fatal() is not None:
                     self._finish()
+                    self.L._left(id(self))
                     fatal = self.pipeline.fatal()
                     if fatal is not None:
                         raise RuntimeError("autominato's scheduler failed") from fatal
@@ -1437,6 +1445,7 @@ class _EpochIterator:
             # Raised with neither this iterator nor its run in a frame: a kept error (a
             # notebook's sys.last_value) would keep the run loading, and its window, slots
             # and batches, when the training loop drops the iterator (review 45).
+            self.L._left(id(self))
             del self, run
             # DataLoader's words; the epoch goes on (a later next() may succeed).
             raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
@@ -1455,8 +1464,9 @@ class _EpochIterator:
                 self._finish()
                 if kind == "end":
                     self.progress.finished = True
-                    self.L._left()
+                    self.L._left(id(self))
                     raise StopIteration
+            self.L._left(id(self))  # (the loop may ask again at once: the epoch goes on)
             # Nor this iterator or its run: a kept error (a notebook's sys.last_value, a
             # debugger's post-mortem) would keep the run's window, slots and batches.
             del self, run
@@ -1511,8 +1521,9 @@ class _EpochIterator:
 
     def __del__(self) -> None:
         try:
-            if self.L._end_step(owner=id(self)):  # dropped by a ``break``: its last step ended
-                self.L._left()
+            with self.L._step_lock:  # (one step: a pass begun in between keeps its own)
+                self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+                self.L._left(id(self))
             self._finish(count_copies=False)
         except Exception:
             pass
@@ -1574,8 +1585,15 @@ class _SyncIterator:
         L = self.L
         L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
         L._back(t0)
+        try:
+            return self._next(t0)
+        except BaseException:  # StopIteration or an error: the loop leaves until it asks again
+            L._left(id(self))
+            raise
+
+    def _next(self, t0: float) -> Any:
+        L = self.L
         if self._done or L._closed:
-            L._left()
             raise StopIteration
         if self.seeds != L._seeds_taken:
             self.stop()  # (an iterable dataset's stream is closed too)
@@ -1607,7 +1625,6 @@ class _SyncIterator:
                 elif isinstance(d, End):
                     self._done = True
                     self.progress.finished = True
-                    L._left()
                     raise StopIteration
             self._step()
 
@@ -1645,8 +1662,9 @@ class _SyncIterator:
 
     def __del__(self) -> None:
         try:
-            if self.L._end_step(owner=id(self)):  # dropped by a ``break``: its last step ended
-                self.L._left()
+            with self.L._step_lock:  # (one step: a pass begun in between keeps its own)
+                self.L._end_step(owner=id(self))  # dropped by a ``break``: its last step ended
+                self.L._left(id(self))
         except Exception:
             pass
 

@@ -329,3 +329,79 @@ def test_time_between_epochs_is_counted_apart_from_steps_and_waits():
         assert abs(wall - (between + busy + wait)) < 0.1, (wall, between, busy, wait)
         assert exported_of(L)["autominato_between_epochs_seconds_total"] == pytest.approx(
             L.snapshot().between_epochs_seconds_total, abs=0.05)
+
+
+class FailsAt:
+    """``{"index": i}``, except index ``bad``, which raises."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.bad:
+            raise ValueError(f"sample {i} is broken")
+        return {"index": np.int64(i)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_time_after_an_error_that_ends_the_epoch_is_time_between_epochs(workers):
+    # The training loop catches the error outside its for loop and validates for 0.4 s,
+    # twice: the 0.8 s is neither step nor wait but time between epochs.
+    with Loader(FailsAt(6, bad=5), batch_size=2, seed=SEED, workers=workers,
+                autotune=False, in_order=True) as L:
+        s0 = L.snapshot()
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="broken"):
+                for _ in L:
+                    time.sleep(0.05)
+            time.sleep(0.4)
+        s1 = L.snapshot()
+        wall = time.monotonic() - t0
+        between = s1.between_epochs_seconds_total - s0.between_epochs_seconds_total
+        busy = s1.consumer_busy_seconds_total - s0.consumer_busy_seconds_total
+        wait = s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total
+        assert 0.8 <= between < 0.8 + 0.4, between
+        assert abs(wall - (between + busy + wait)) < 0.1, (wall, between, busy, wait)
+
+
+def test_an_older_pass_dropped_later_is_no_leave():
+    # Lightning's habit: a pass it never uses, then the epoch's. The unused one, dropped
+    # from another thread while the epoch's first batch is awaited, is no leave: that wait
+    # must not count again as time between epochs.
+    with Loader(StragglerTail(4, tail=4, tail_s=0.5), batch_size=2, seed=SEED, workers=2,
+                autotune=False) as L:
+        unused = [iter(L)]
+        it = iter(L)
+        s0 = L.snapshot()
+        threading.Timer(0.1, unused.clear).start()
+        next(it)
+        next(it)
+        s1 = L.snapshot()
+        assert not unused
+        assert s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total > 0.4
+        assert s1.between_epochs_seconds_total - s0.between_epochs_seconds_total < 0.05
+
+
+def test_an_epoch_left_early_refills_and_counts_as_a_cold_start():
+    # A break after 2 of 20 batches (the window holds 6 samples: most of the epoch is never
+    # handed out): the next epoch's prefetched run waited behind the pass left early and
+    # starts empty when adopted: a cold start, as a discarded one.
+    with Loader(StragglerTail(40), batch_size=2, seed=SEED, workers=2, autotune=False,
+                pool_size=6) as L:
+        for _ in range(3):
+            for k, _ in enumerate(L):
+                if k == 1:
+                    break
+        assert L._pipeline.speculative_adopted == 2
+        assert L.snapshot().cold_starts_total == 3
+        list(L)  # whole from here: its prefetched run waited (a cold start) ...
+        assert L.snapshot().cold_starts_total == 4
+        spec = L._pipeline.pending
+        wait_for(lambda: spec.taken > 0, "the next epoch's prefetch")
+        list(L)  # ... and the next one's did not
+        assert L._pipeline.speculative_adopted == 4
+        assert L.snapshot().cold_starts_total == 4

@@ -121,10 +121,12 @@ class Window:
         demand: samples/s that would keep the consumer from ever waiting,
             ``batch_size / step_s``.
         util: per stage, mean fraction of its workers busy,
-            ``service seconds / (window seconds x workers)``.
+            ``service seconds / (active seconds x workers)``, at most 1: active seconds are
+            the window's less the training loop's time between epochs.
         service_s: per stage, mean service time per item in the window, seconds.
         workers: per stage, the concurrency the stage reported at ``b``.
-        cpu_cores: mean cores used by the loader's processes, or ``None`` when unknown.
+        cpu_cores: mean cores used by the loader's processes over the active seconds, or
+            ``None`` when unknown.
         in_flight_max: most samples seen holding pool slots (queued in or served by the
             read, transform and batch stages) at any snapshot of the window; when the stages
             do not report busy workers, the transform stage's mean busy workers are added.
@@ -219,7 +221,14 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
         into, other = (read, transform) if inline else (transform, read)
         stages[into.name] = replace(into, service_s=into.service_s + other.service_s)
         del stages[other.name]
-    util = {n: st.utilisation for n, st in stages.items()}
+    # The training loop's time between epochs (validation, checkpoints) is no time it asked
+    # for batches: once the samples prefetched for the next epoch are done, the workers idle
+    # there, which would read as spare capacity. Utilisation and CPU use are over the rest
+    # (the prefetch made in a pause then counts in a shorter time: a bias towards busy).
+    span = max(b.time - a.time, 1e-9)
+    away = max(0.0, b.between_epochs_seconds_total - a.between_epochs_seconds_total)
+    active = max(span - away, 1e-3 * span)
+    util = {n: min(1.0, st.utilisation * span / active) for n, st in stages.items()}
     service = {
         n: st.mean_service_s if st.items > 0 else b.stages[n].mean_service_s
         for n, st in stages.items()
@@ -236,6 +245,8 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
     per_interval = [w.wait_per_batch_s for w in intervals]
     idle_per_interval = [w.idle_ratio for w in intervals]
     cpu = cpu_cores_used(a, b)
+    if cpu is not None:
+        cpu *= span / active
     return Window(
         start=r.start,
         end=r.end,
@@ -322,13 +333,15 @@ class StageBasedRule(Rule):
 
     A window is a run of snapshots all taken after the last change under the same knobs
     (once new workers are up), past the first ``warmup_batches`` after the latest cold start
-    (``cold_starts_total``: an epoch whose samples were not prefetched, the first included),
-    and with the training loop between epochs for at most ``max_between_share`` of its time;
+    (``cold_starts_total``: an epoch whose samples were not prefetched, the first included);
     it ends at the latest snapshot and reaches back no further than needed to cover
-    ``max_window_batches`` batches. It spans epochs whose samples were prefetched: with
-    short epochs (MLPerf 3D-UNet's 21 samples, 10 steps per rank) a window kept to one epoch
-    would never hold ``warmup_batches + min_batches``, and the rule would never act. Each
-    call:
+    ``max_window_batches`` batches. It spans epochs whose samples were prefetched, and the
+    training loop's time between them (validation, checkpoints), which utilisation leaves
+    out (see :func:`measure`): with short epochs (MLPerf 3D-UNet's 21 samples per rank, 11
+    batches of 2) a window kept to one epoch would never hold ``warmup_batches +
+    min_batches``, and the rule would never act. With a cold start every epoch
+    (``prefetch_next_epoch=False``) it still needs epochs of ``warmup_batches +
+    min_batches`` batches. Each call:
 
     1. Memory: when the predicted memory exceeds the budget, shrink depth, then the pool
        (not below one slot per worker and read thread), then workers, then read threads, as
@@ -367,9 +380,8 @@ class StageBasedRule(Rule):
        then read threads), else a pool never more than half used, to twice its peak use
        (at most halving it).
 
-    Defaults: ``max_between_share`` 0.1 lets the time between epochs bias a window's
-    utilisation down by a tenth at most; ``idle_high`` 5 % and ``idle_low`` 2 % bracket
-    "near zero" with a dead band; ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
+    Defaults: ``idle_high`` 5 % and ``idle_low`` 2 % bracket "near zero" with a dead band;
+    ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
     bursts. They are this project's choices, checked on the synthetic workloads of
     ``tests/test_control_rule.py`` (:mod:`autominato.control.sim`).
     """
@@ -394,7 +406,6 @@ class StageBasedRule(Rule):
     max_backoff_batches: int = 4096
     settle_snapshots: int = 4
     warmup_batches: int = 4
-    max_between_share: float = 0.1
 
     def initial_state(self) -> RuleState:
         return RuleState()
@@ -404,10 +415,7 @@ class StageBasedRule(Rule):
     def _fresh(self, history: Sequence[LoaderSnapshot], since: float) -> list[LoaderSnapshot]:
         """The latest snapshots after ``since`` with the latest knobs, oldest first, across
         the epochs since the latest cold start but leaving out its first ``warmup_batches``
-        (the consumer waits while the pipeline fills, whatever the knobs), and reaching back
-        no further than where the time between epochs would exceed ``max_between_share`` of
-        the window's (a validation loop: the workers idle once the prefetched samples are
-        done, which would read as spare capacity)."""
+        (the consumer waits while the pipeline fills, whatever the knobs)."""
         b = history[-1]
         out: list[LoaderSnapshot] = []
         cold_at: int | None = 0 if history[0].batches_total == 0 else None
@@ -417,9 +425,6 @@ class StageBasedRule(Rule):
                 break
         for s in reversed(history):
             if s.time <= since or s.cold_starts_total != b.cold_starts_total or s.knobs != b.knobs:
-                break
-            between = b.between_epochs_seconds_total - s.between_epochs_seconds_total
-            if between > self.max_between_share * (b.time - s.time):
                 break
             if cold_at is not None and s.batches_total < cold_at + self.warmup_batches:
                 break

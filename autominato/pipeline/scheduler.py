@@ -234,8 +234,9 @@ class Pipeline:
         self._waiting: list[Run] = []  # speculative runs whose predecessor still dispatches
         self.speculative_adopted = 0  # runs
         self.speculative_discarded = 0  # samples dispatched for a run that was discarded
-        # runs whose samples started only when their pass began (none adopted): the
-        # controller leaves their first batches out of its window (the pipeline fills)
+        # runs whose samples started only when their pass began (none adopted, or one adopted
+        # before it took a sample: it waited behind a pass left early): the controller leaves
+        # their first batches out of its window (the pipeline fills). The caller's thread.
         self.cold_starts = 0
         self.held: dict[tuple, tuple] = {}  # key -> slots an attempt holds in a worker
         self.out_estimate = 0  # bytes of one transformed sample's arrays, learned
@@ -407,6 +408,8 @@ class Pipeline:
         if (adoptable and spec.epoch_no == epoch and not spec.stopped and not spec.failed()
                 and list(spec.epoch.order) == list(order)):
             self.speculative_adopted += 1
+            if spec.taken == 0:  # (its predecessor was left before it handed out every sample)
+                self.cold_starts += 1
             self.events.put(("adopt", spec))
             return spec
         spec.stopped = True

@@ -175,13 +175,16 @@ class LoaderSnapshot:
         samples_lost_total: samples not delivered because of those errors: the failing sample,
             and in order or with a batch sampler the rest of its batch (as the DataLoader's);
             for a batch that could not be made, its samples.
-        cold_starts_total: passes (epochs) whose samples started only when the pass began:
-            the first, every pass with ``prefetch_next_epoch=False`` or no worker, and one
-            whose prefetched samples were discarded. The consumer waits while the pipeline
-            fills after one; a pass that adopted its prefetched samples is not counted.
+        cold_starts_total: passes (epochs) whose samples started only when the pass began,
+            so the consumer waits while the pipeline fills: the first, every pass the loader
+            does not prefetch (``prefetch_next_epoch=False``, ``persistent_workers=False``,
+            no worker, a batch sampler, a sampler other than ``DistributedSampler``, an
+            iterable dataset, a resumed epoch), and a prefetched pass that was discarded or
+            adopted before it took a sample (the pass before it was left early).
         between_epochs_seconds_total: seconds the training loop spent between passes, from
-            a pass's end (``StopIteration``, or the pass dropped after its last step) to its
-            next request of a batch (a validation loop, a checkpoint): neither step nor wait.
+            a pass's end (``StopIteration``, an error raised, or the latest pass dropped
+            unfinished) to its next request of a batch or ``close()`` (a validation loop, a
+            checkpoint): neither step nor wait.
     """
 
     time: float

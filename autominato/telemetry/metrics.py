@@ -180,16 +180,17 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_epoch_cold_starts_total": (
         "counter",
-        "Epochs (passes) whose samples started only when the pass began: the first, and each "
-        "one not prefetched (prefetch_next_epoch=False, no worker, or prefetched samples "
-        "discarded). The training loop waits while the pipeline fills after each.",
+        "Epochs (passes) whose samples started only when the pass began, so that the training "
+        "loop waited while the pipeline filled: the first, every one the loader does not "
+        "prefetch (docs/controller.md lists them), and a prefetched one discarded or adopted "
+        "before it took a sample (the pass before it was left early).",
         (),
     ),
     "autominato_between_epochs_seconds_total": (
         "counter",
-        "Seconds the training loop spent between epochs: from a pass's end (StopIteration, or "
-        "the pass dropped after its last step) to its next request of a batch (validation, "
-        "checkpoints); neither step nor wait.",
+        "Seconds the training loop spent between epochs: from a pass's end (StopIteration, an "
+        "error raised, or the latest pass dropped unfinished) to its next request of a batch "
+        "or close() (validation, checkpoints); neither step nor wait.",
         (),
     ),
     "autominato_samples_held_for_memory_total": (
