@@ -135,6 +135,22 @@ def test_slow_consumer_means_the_loader_keeps_up():
     assert d.idle_ratio == pytest.approx(0.001 / 0.101)
 
 
+def test_a_consumer_bound_run_gets_fewer_workers_only_where_they_would_keep_up():
+    # Fused reads: read + transform on the same 2 workers. 1 + 20 ms x 4 samples / 2 = 42 ms
+    # of a 100 ms step: one worker would need 0.84 < 0.9, so one fewer would do.
+    d = diagnose(history(step_s=0.100, wait_s=0.001, read_s=0.001, transform_s=0.020,
+                         read_workers=0))
+    assert d.kind == "consumer"
+    assert "fewer workers would do" in d.suggestion and "0.84 with 1" in d.suggestion
+    # 45 ms per sample: 0.92 of the step with both workers (trial 75 saw 0.99 and was told
+    # fewer workers would do): one fewer would starve the training loop.
+    d = diagnose(history(step_s=0.100, wait_s=0.001, read_s=0.001, transform_s=0.045,
+                         read_workers=0))
+    assert d.kind == "consumer"
+    assert "fewer would make it the bottleneck" in d.suggestion
+    assert "fewer workers would do" not in d.suggestion
+
+
 def test_waiting_with_no_saturated_stage_is_synchronisation_bound():
     # Every stage needs at most half the step, yet a quarter of the time is idle: jitter.
     waits = (0.0, 0.0, 0.030) * 170  # one batch in three finds the queue empty

@@ -396,15 +396,6 @@ def diagnose(
             "none", None, "no batch delivered yet", "wait for the first batches", **base
         )
     knobs = last.knobs
-    if idle <= idle_threshold:
-        return Diagnosis(
-            "consumer",
-            None,
-            f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
-            f"its step of {step * 1e3:.1f} ms is the pace",
-            "nothing to change on the loader; if CPU is short, fewer workers would do",
-            **base,
-        )
     # One set of workers does both read and transform when fused, so their shares add up on
     # those workers, and the sum competes with the other stages (the table's
     # "read+transform share" row): read 0.6 + transform 0.6 is a saturated pair even beside
@@ -416,7 +407,31 @@ def diagnose(
         for n in pair:
             del candidates[n]
         candidates[lead] = sum(shares[n] for n in pair)
-    stage = max(candidates, key=candidates.__getitem__) if candidates else None
+    busiest = max(candidates, key=candidates.__getitem__) if candidates else None
+    if idle <= idle_threshold:
+        load = candidates.get(busiest, 0.0) if busiest else 0.0
+        name = "read+transform" if fused and busiest in pair else busiest
+        n = _effective_workers(last, busiest) if busiest in last.stages else 0
+        if n > 1 and load * n / (n - 1) < SATURATED:
+            advice = ("nothing to change on the loader; if CPU is short, fewer workers would "
+                      f"do (its busiest stage, {name}, needs {load:.2f} of each step with "
+                      f"{n}, {load * n / (n - 1):.2f} with {n - 1})")
+        elif busiest is not None:
+            # one worker fewer would leave the busiest stage saturated: the loop would wait
+            advice = (f"nothing to change on the loader; its busiest stage ({name}) needs "
+                      f"{load:.2f} of each step with {n} worker(s), so fewer would make it "
+                      "the bottleneck")
+        else:
+            advice = "nothing to change on the loader"
+        return Diagnosis(
+            "consumer",
+            None,
+            f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
+            f"its step of {step * 1e3:.1f} ms is the pace",
+            advice,
+            **base,
+        )
+    stage = busiest
     top = candidates.get(stage, 0.0) if stage else 0.0
     if stage in ("read", "transform") and fused:
         if top >= SATURATED:
