@@ -283,7 +283,9 @@ class Loader:
             more samples in flight than without it (the two epochs share the ``pool_size``
             window), plus up to ``depth`` assembled batches of the next epoch. The last
             epoch's speculation is wasted work (up to ``pool_size`` samples). Off with
-            ``persistent_workers=False`` (the dataset may change between epochs).
+            ``persistent_workers=False`` (the dataset may change between epochs). The
+            controller's windows span prefetched epochs only: with every epoch started cold
+            it acts only on epochs of 12 batches or more (docs/controller.md).
         memory_aware: process workers measure each sample's peak memory (the resident
             set's high-water mark, Linux), and a sample whose working set would not fit
             beside those in flight waits for them: at most ``1.35 * max(the largest sample's
