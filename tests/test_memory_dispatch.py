@@ -160,6 +160,20 @@ def test_the_replays_training_loop_bounds_the_wall_time_and_the_window():
         replay(samples, 2, rule="lifo")
 
 
+def test_the_replays_epochs_never_share_a_batch():
+    """Two epochs of three samples, batches of 2, a 0.5 s step: epoch 0's last batch is its
+    1 s straggler alone (taken at 1.1 s), although epoch 1's samples finished by 0.4 s (the
+    workers went on into it); then epoch 1's two batches: the loop ends at 2.6 s. As one
+    stream the loop would take two of epoch 1's samples at 0.6 s and end at 1.6 s."""
+    samples = [(0, 0.1, MiB), (1, 0.1, MiB), (2, 1.0, MiB)] + [(i, 0.1, MiB) for i in range(3)]
+    r = replay(samples, 2, rule="off", batch_size=2, step_s=0.5, epoch_sizes=[3, 3])
+    assert r.makespan_s == pytest.approx(2.6)
+    assert r.starts == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.3])
+    assert replay(samples, 2, rule="off", batch_size=2, step_s=0.5).makespan_s == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="epoch_sizes"):
+        replay(samples, 2, rule="off", epoch_sizes=[3, 2])
+
+
 def _allocates(mib, rng):
     import numpy as np
 

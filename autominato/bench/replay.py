@@ -10,8 +10,11 @@ of the samples running together.
 
 What it leaves out: transport and collation, the read stage (read and transform run in the
 worker, as with the default ``fuse_read=True``), contention between workers (each sample
-takes its serial duration), epochs (a batch may take samples of two), and the controller
-(fixed workers). The training loop is a fixed step per batch, or none (samples taken as they
+takes its serial duration), epochs unless ``epoch_sizes`` is given (then a batch never mixes
+two, and the next epoch's samples start in the shared window as the loader's prefetch
+does), and the controller (fixed workers). With no rule (``"off"``) and a training loop it
+is the wall time of a loader with no overhead at all: what the real one is measured against
+in ``scripts/ideal_loader.py``. The training loop is a fixed step per batch, or none (samples taken as they
 finish: a run the loader bounds).
 
 It patches ``autominato.pipeline.stage.time`` while it runs: never replay beside a live
@@ -136,7 +139,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
            in_flight: int | None = None, figures: Sequence[float] | None = None,
            n_indices: int | None = None,
            learn: bool = True, batch_size: int = 1, step_s: float = 0.0,
-           margin: float = MARGIN) -> Replay:
+           margin: float = MARGIN, epoch_sizes: Sequence[int] | None = None) -> Replay:
     """Dispatch ``samples`` (``(dataset index, seconds, peak bytes)``, in the sampler's
     order) to ``workers`` on a simulated clock under ``rule``.
 
@@ -154,15 +157,24 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
             finished its last step, and steps ``step_s`` seconds; the samples leave the
             window when it takes them. ``step_s=0``: each batch is taken as it fills.
         margin: the budget's headroom (:data:`~autominato.pipeline.memory.MARGIN`).
+        epoch_sizes: samples per epoch, in order (they sum to ``len(samples)``): the training
+            loop then takes each epoch's batches from that epoch's finished samples only, the
+            last one partial (``drop_last=False``), and starts the next epoch after it; the
+            workers go on into the next epoch within the window. ``None``: one stream.
 
     Raises:
-        ValueError: an unknown rule, ``workers < 1``, or ``in_flight < batch_size`` (no batch
-            could fill: the Loader keeps ``pool_size >= batch_size``).
+        ValueError: an unknown rule, ``workers < 1``, ``in_flight < batch_size`` (no batch
+            could fill: the Loader keeps ``pool_size >= batch_size``), or ``epoch_sizes``
+            that do not sum to ``len(samples)``.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if in_flight is not None and in_flight < batch_size:
         raise ValueError(f"in_flight ({in_flight}) must be >= batch_size ({batch_size})")
+    sizes = list(epoch_sizes) if epoch_sizes is not None else [len(samples)]
+    if sum(sizes) != len(samples) or any(n < 0 for n in sizes):
+        raise ValueError(f"epoch_sizes sum to {sum(sizes)}, not to the {len(samples)} samples")
+    epoch_of = [e for e, n in enumerate(sizes) for _ in range(n)]
     n = n_indices if n_indices is not None else 1 + max((s[0] for s in samples), default=0)
     d = Dispatch(figures if figures is not None else [0.0] * n, workers, rule, margin)
     clock = types.SimpleNamespace(now=0.0)
@@ -170,15 +182,21 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     events: list[tuple[float, int, tuple | None]] = []  # (time, pos, key); key None: a step ends
     cap = len(samples) if in_flight is None else in_flight
     fed = peak = done = consumed = 0
+    done_in = [0] * len(sizes)  # finished samples per epoch
+    taken_in = [0] * len(sizes)  # of them, taken by the training loop
+    ep = 0  # the epoch the training loop is in
     loop_free = True
     end = 0.0
     real, stage_module.time = stage_module.time, types.SimpleNamespace(  # type: ignore[assignment]
         monotonic=lambda: clock.now)
     try:
         while True:
-            if loop_free and (done - consumed >= batch_size
-                              or (done == len(samples) and done > consumed)):
-                consumed = min(done, consumed + batch_size)
+            while ep < len(sizes) and taken_in[ep] == sizes[ep]:
+                ep += 1
+            want = min(batch_size, sizes[ep] - taken_in[ep]) if ep < len(sizes) else 0
+            if loop_free and want and done_in[ep] - taken_in[ep] >= want:
+                taken_in[ep] += want
+                consumed += want
                 if step_s > 0:
                     loop_free = False
                     heapq.heappush(events, (clock.now + step_s, -1, None))
@@ -201,6 +219,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
                 continue
             d.ended(key)
             done += 1
+            done_in[epoch_of[pos]] += 1
             if learn:
                 d.memory.learn(samples[pos][0], int(samples[pos][2]))
     finally:
@@ -210,11 +229,15 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     return Replay(max(clock.now, end), d.stage.held_idle_s(), peak, starts, d.memory.held_back)
 
 
-def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
+def measure(workload: Any, epochs: int,
+            arms_order: bool = False) -> list[tuple[int, int, float, float]]:
     """Run every sample of ``epochs`` epochs serially in this process, read and transform
     (``workload``: a :class:`~autominato.bench.workload.Workload`), and time each and measure
     its peak memory as a worker does (:class:`~autominato.pipeline.worker.PeakMeter`):
-    ``(epoch, index, seconds, peak bytes)``, in ``0 .. n - 1`` order per epoch. One sample is
+    ``(epoch, index, seconds, peak bytes)``, in ``0 .. n - 1`` order per epoch, or with
+    ``arms_order`` in the order the bench's arms take each epoch
+    (:meth:`~autominato.bench.workload.Workload.epoch_indices`: a rank's share with
+    ``--ranks``). One sample is
     run first and not counted (imports, first-call costs). The free heap is given back before
     each sample (glibc's ``malloc_trim``), so that a small sample after a large one is
     measured by its own working set, not by the pages the large one left (a worker gives
@@ -228,12 +251,12 @@ def measure(workload: Any, epochs: int) -> list[tuple[int, int, float, float]]:
     out = []
     try:
         for e in range(epochs):
-            for i in range(len(fn)):
+            for i in (workload.epoch_indices(e) if arms_order else range(len(fn))):
                 give_back_free_heap()
                 base = meter.start()
                 t0 = time.perf_counter()
                 fn((e, i))
-                out.append((e, i, time.perf_counter() - t0, float(meter.peak(base))))
+                out.append((e, int(i), time.perf_counter() - t0, float(meter.peak(base))))
     finally:
         meter.close()
     return out
