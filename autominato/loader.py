@@ -594,7 +594,7 @@ class Loader:
         # pass with its last step): since when (time.monotonic()), up to when a snapshot
         # counted it (the total never goes back, as the step's), and the seconds before
         self._away_since: float | None = None
-        self._latest_pass: int | None = None  # id() of the iterator __iter__ returned last
+        self._live_passes: set[int] = set()  # id()s of iterators not ended nor dropped
         self._away_seen: float | None = None
         self._away_s = 0.0
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
@@ -834,7 +834,8 @@ class Loader:
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             try:
                 it = self._start_pass()
-                self._latest_pass = id(it)
+                with self._step_lock:
+                    self._live_passes.add(id(it))
                 return it
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
@@ -1147,14 +1148,16 @@ class Loader:
         return True
 
     def _left(self, owner: int) -> None:
-        """The training loop left the pass of iterator ``owner`` (``id``): it ended with
-        ``StopIteration`` or raised, or was dropped unfinished. The time until the loop next
-        asks for a batch (``_back``) is neither step nor wait (a validation loop, a
-        checkpoint) but time between epochs. Only for the latest pass, with no step open: an
-        older pass dropped later (Lightning's unused one, ``zip``'s other side) is no leave."""
+        """The pass of iterator ``owner`` (``id``) ended (``StopIteration``, an error that
+        ends it) or was dropped. When no other pass is live and no step open, the training
+        loop has left the loader: the time until it next asks for a batch (``_back``) is
+        neither step nor wait (a validation loop, a checkpoint) but time between epochs. A
+        pass dropped while another is live (Lightning's unused one, a peek inside the loop,
+        one side of ``zip``) is no leave."""
         with self._step_lock:
+            self._live_passes.discard(owner)
             if (self._away_since is None and self._step_open is None
-                    and owner == self._latest_pass):
+                    and not self._live_passes and not self._closed):
                 self._away_since = time.monotonic()
                 self._away_seen = None
 
@@ -1447,7 +1450,6 @@ class _EpochIterator:
             # Raised with neither this iterator nor its run in a frame: a kept error (a
             # notebook's sys.last_value) would keep the run loading, and its window, slots
             # and batches, when the training loop drops the iterator (review 45).
-            self.L._left(id(self))
             del self, run
             # DataLoader's words; the epoch goes on (a later next() may succeed).
             raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
@@ -1468,7 +1470,8 @@ class _EpochIterator:
                     self.progress.finished = True
                     self.L._left(id(self))
                     raise StopIteration
-            self.L._left(id(self))  # (the loop may ask again at once: the epoch goes on)
+            if kind != "raise":  # an error that ends the pass (a "raise" one: it goes on)
+                self.L._left(id(self))
             # Nor this iterator or its run: a kept error (a notebook's sys.last_value, a
             # debugger's post-mortem) would keep the run's window, slots and batches.
             del self, run
@@ -1589,8 +1592,9 @@ class _SyncIterator:
         L._back(t0)
         try:
             return self._next(t0)
-        except BaseException:  # StopIteration or an error: the loop leaves until it asks again
-            L._left(id(self))
+        except BaseException as e:
+            if isinstance(e, StopIteration) or self._done:  # the pass ended
+                L._left(id(self))
             raise
 
     def _next(self, t0: float) -> Any:

@@ -172,6 +172,12 @@ def test_the_replays_epochs_never_share_a_batch():
     assert replay(samples, 2, rule="off", batch_size=2, step_s=0.5).makespan_s == pytest.approx(1.6)
     with pytest.raises(ValueError, match="epoch_sizes"):
         replay(samples, 2, rule="off", epoch_sizes=[3, 2])
+    # With no step every batch that is there is taken at once (review 76): a 10 s straggler
+    # ends epoch 0, the next epoch's six finished samples leave the window together, and
+    # the window's seventh sample starts then, at 10 s.
+    samples = [(0, 10.0, MiB)] + [(i, 1.0, MiB) for i in range(7)]
+    r = replay(samples, 6, rule="off", in_flight=6, epoch_sizes=[1, 7])
+    assert r.starts[-1] == pytest.approx(10.0) and r.makespan_s == pytest.approx(11.0)
 
 
 def _allocates(mib, rng):

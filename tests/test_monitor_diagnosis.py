@@ -149,6 +149,12 @@ def test_a_consumer_bound_run_gets_fewer_workers_only_where_they_would_keep_up()
     assert d.kind == "consumer"
     assert "fewer would make it the bottleneck" in d.suggestion
     assert "fewer workers would do" not in d.suggestion
+    # The busiest stage is collation (one thread), the workers' needs 0.08: fewer would do
+    # (review 76: the advice had looked at the collate thread's count).
+    d = diagnose(history(step_s=0.100, wait_s=0.001, read_s=0.001, transform_s=0.003,
+                         collate_s=0.030, read_workers=0))
+    assert d.kind == "consumer" and max(d.shares, key=d.shares.get) == "batch"
+    assert "fewer workers would do" in d.suggestion
 
 
 def test_waiting_with_no_saturated_stage_is_synchronisation_bound():

@@ -191,10 +191,12 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
         monotonic=lambda: clock.now)
     try:
         while True:
-            while ep < len(sizes) and taken_in[ep] == sizes[ep]:
-                ep += 1
-            want = min(batch_size, sizes[ep] - taken_in[ep]) if ep < len(sizes) else 0
-            if loop_free and want and done_in[ep] - taken_in[ep] >= want:
+            while loop_free:  # (with no step, every batch that is there is taken now)
+                while ep < len(sizes) and taken_in[ep] == sizes[ep]:
+                    ep += 1
+                want = min(batch_size, sizes[ep] - taken_in[ep]) if ep < len(sizes) else 0
+                if not want or done_in[ep] - taken_in[ep] < want:
+                    break
                 taken_in[ep] += want
                 consumed += want
                 if step_s > 0:

@@ -26,6 +26,7 @@ import numpy as np
 from autominato.pipeline.stats import LoaderSnapshot
 from autominato.telemetry.cores import (
     CPU_BUSY,
+    CPU_OF_WORKERS_KEY,
     CPU_SATURATED,
     CPU_SECONDS_KEY,  # noqa: F401 - re-exported: the extra key the controller fills
     CoreBudget,
@@ -125,8 +126,9 @@ class Window:
             the window's less the training loop's time between epochs.
         service_s: per stage, mean service time per item in the window, seconds.
         workers: per stage, the concurrency the stage reported at ``b``.
-        cpu_cores: mean cores used by the loader's processes over the active seconds, or
-            ``None`` when unknown.
+        cpu_cores: mean cores used by the loader's processes, over the active seconds when
+            the figure is the worker processes' alone (this process's CPU would count the
+            validation loop's), or ``None`` when unknown.
         in_flight_max: most samples seen holding pool slots (queued in or served by the
             read, transform and batch stages) at any snapshot of the window; when the stages
             do not report busy workers, the transform stage's mean busy workers are added.
@@ -245,7 +247,8 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
     per_interval = [w.wait_per_batch_s for w in intervals]
     idle_per_interval = [w.idle_ratio for w in intervals]
     cpu = cpu_cores_used(a, b)
-    if cpu is not None:
+    if cpu is not None and b.extra.get(CPU_OF_WORKERS_KEY) == 1.0:
+        # (the worker processes' CPU alone: this process's would hold the validation loop's)
         cpu *= span / active
     return Window(
         start=r.start,

@@ -38,6 +38,7 @@ from autominato.control.rule import (
 )
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.telemetry.cores import CPU_OF_WORKERS_KEY
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ class SimulatedLoader:
             pool_bytes=int(buffered * w.sample_bytes),
             extra={
                 CPU_SECONDS_KEY: tot["cpu"],
+                CPU_OF_WORKERS_KEY: 1.0,  # the worker processes' CPU alone
                 WORKER_RSS_KEY: procs * w.worker_rss_bytes,
                 WORKER_COUNT_KEY: float(procs),
             },

@@ -409,18 +409,19 @@ def diagnose(
         candidates[lead] = sum(shares[n] for n in pair)
     busiest = max(candidates, key=candidates.__getitem__) if candidates else None
     if idle <= idle_threshold:
-        load = candidates.get(busiest, 0.0) if busiest else 0.0
-        name = "read+transform" if fused and busiest in pair else busiest
-        n = _effective_workers(last, busiest) if busiest in last.stages else 0
+        # "Fewer workers" is about the stage the workers knob drives (read+transform when
+        # fused, else the transform): one fewer must keep it below saturation.
+        n = knobs.get("workers", 0)
+        load = (sum(shares[m] for m in pair) if fused and pair and n > 0
+                else shares.get("transform", 0.0) if n > 0 else 0.0)
+        name = "read+transform" if fused and pair else "transform"
         if n > 1 and load * n / (n - 1) < SATURATED:
             advice = ("nothing to change on the loader; if CPU is short, fewer workers would "
-                      f"do (its busiest stage, {name}, needs {load:.2f} of each step with "
-                      f"{n}, {load * n / (n - 1):.2f} with {n - 1})")
-        elif busiest is not None:
-            # one worker fewer would leave the busiest stage saturated: the loop would wait
-            advice = (f"nothing to change on the loader; its busiest stage ({name}) needs "
-                      f"{load:.2f} of each step with {n} worker(s), so fewer would make it "
-                      "the bottleneck")
+                      f"do ({name} needs {load:.2f} of each step with {n} workers, "
+                      f"{load * n / (n - 1):.2f} with {n - 1})")
+        elif n > 0:
+            advice = (f"nothing to change on the loader; {name} needs {load:.2f} of each step "
+                      f"with {n} worker(s), so fewer would make it the bottleneck")
         else:
             advice = "nothing to change on the loader"
         return Diagnosis(
