@@ -181,10 +181,12 @@ class LoaderSnapshot:
             no worker, a batch sampler, a sampler other than ``DistributedSampler``, an
             iterable dataset, a resumed epoch), and a prefetched pass that was discarded or
             adopted before it took a sample (the pass before it was left early).
-        between_epochs_seconds_total: seconds the training loop spent between passes, from
-            a pass's end (``StopIteration``, an error raised, or the latest pass dropped
-            unfinished) to its next request of a batch or ``close()`` (a validation loop, a
-            checkpoint): neither step nor wait.
+        between_epochs_seconds_total: seconds the training loop spent between passes: from
+            the end of the last live pass (``StopIteration``, an error that ends it, or the
+            iterator dropped, e.g. after a ``break`` or an error caught outside the loop) to
+            its next request of a batch or ``close()`` (a validation loop, a checkpoint):
+            neither step nor wait. A pass kept alive after it stopped (an iterator or an error
+            the loop still holds) keeps this clock stopped.
     """
 
     time: float

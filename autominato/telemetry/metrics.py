@@ -188,9 +188,9 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_between_epochs_seconds_total": (
         "counter",
-        "Seconds the training loop spent between epochs: from a pass's end (StopIteration, an "
-        "error raised, or the latest pass dropped unfinished) to its next request of a batch "
-        "or close() (validation, checkpoints); neither step nor wait.",
+        "Seconds the training loop spent between epochs: from the end of its last live pass "
+        "(StopIteration, an error that ends it, the iterator dropped) to its next request of a "
+        "batch or close() (validation, checkpoints); neither step nor wait.",
         (),
     ),
     "autominato_samples_held_for_memory_total": (
