@@ -278,6 +278,13 @@ def test_an_interrupt_while_a_pass_starts_leaves_no_run_without_an_iterator(monk
             assert sorted(int(i) for b in L for i in b["index"]) == list(range(24))
 
 
+def consumer_time(s0, s1) -> tuple[float, float, float]:
+    """Seconds between epochs, stepping and waiting from snapshot ``s0`` to ``s1``."""
+    return (s1.between_epochs_seconds_total - s0.between_epochs_seconds_total,
+            s1.consumer_busy_seconds_total - s0.consumer_busy_seconds_total,
+            s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total)
+
+
 def exported_of(loader) -> dict[str, float]:
     col = SnapshotCollector()
     col.add(1, "0", loader.snapshot)
@@ -321,9 +328,7 @@ def test_time_between_epochs_is_counted_apart_from_steps_and_waits():
             time.sleep(0.5)
         s1 = L.snapshot()
         wall = time.monotonic() - t0
-        between = s1.between_epochs_seconds_total - s0.between_epochs_seconds_total
-        busy = s1.consumer_busy_seconds_total - s0.consumer_busy_seconds_total
-        wait = s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total
+        between, busy, wait = consumer_time(s0, s1)
         assert 1.5 <= between < 1.5 + 0.5, between
         assert 0.8 <= busy < 0.8 + 0.5, busy  # 8 steps of 0.1 s
         assert abs(wall - (between + busy + wait)) < 0.1, (wall, between, busy, wait)
@@ -361,9 +366,7 @@ def test_time_after_an_error_that_ends_the_epoch_is_time_between_epochs():
             time.sleep(0.4)
         s1 = L.snapshot()
         wall = time.monotonic() - t0
-        between = s1.between_epochs_seconds_total - s0.between_epochs_seconds_total
-        busy = s1.consumer_busy_seconds_total - s0.consumer_busy_seconds_total
-        wait = s1.consumer_wait_seconds_total - s0.consumer_wait_seconds_total
+        between, busy, wait = consumer_time(s0, s1)
         assert 0.8 <= between < 0.8 + 0.4, between
         assert abs(wall - (between + busy + wait)) < 0.1, (wall, between, busy, wait)
 
