@@ -590,13 +590,13 @@ class Loader:
         self._batches_at_iter = 0
         self._sync_skipped = 0
         self._sync_cold_starts = 0  # passes with no worker (each loads from its start)
-        # The training loop between two passes (after StopIteration, or after it dropped a
-        # pass with its last step): since when (time.monotonic()), up to when a snapshot
-        # counted it (the total never goes back, as the step's), and the seconds before
+        # The training loop outside every pass (see _left): since when (time.monotonic()),
+        # up to when a snapshot counted it (the total never goes back, as the step's), and
+        # the seconds before
         self._away_since: float | None = None
-        self._live_passes: set[int] = set()  # id()s of iterators not ended nor dropped
         self._away_seen: float | None = None
         self._away_s = 0.0
+        self._live_passes: set[int] = set()  # id()s of iterators not ended nor dropped
         self._errors_raised = 0  # errors raised in the training loop, the epoch going on
         self._samples_lost = 0  # samples lost with them
         # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
