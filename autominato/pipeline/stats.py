@@ -185,8 +185,8 @@ class LoaderSnapshot:
             the end of the last live pass (``StopIteration``, an error that ends it, or the
             iterator dropped, e.g. after a ``break`` or an error caught outside the loop) to
             its next request of a batch or ``close()`` (a validation loop, a checkpoint):
-            neither step nor wait. A pass kept alive after it stopped (an iterator or an error
-            the loop still holds) keeps this clock stopped.
+            neither step nor wait. A pass the loop still holds after it stopped (an iterator
+            kept in a variable; with no worker, an error it keeps) keeps this clock stopped.
     """
 
     time: float
