@@ -1123,17 +1123,16 @@ class Loader:
             self._step_open = opened
             self._step_seen = None
 
-    def _end_step(self, now: float | None = None, owner: int | None = None) -> bool:
+    def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
         training loop asked for the next batch, started a new pass or closed the loader.
-        With ``owner``, only a step opened by that iterator (``id``) is closed. Returns
-        whether a step was closed."""
+        With ``owner``, only a step opened by that iterator (``id``) is closed."""
         # An iterator's __del__ may run this from whichever thread collects it: one lock makes
         # the step close once and the totals move with it
         with self._step_lock:
             opened = self._step_open
             if opened is None or (owner is not None and opened[3] != owner):
-                return False
+                return
             self._step_open = None
             returned, wait, samples, _ = opened
             end = time.monotonic() if now is None else now
@@ -1145,7 +1144,6 @@ class Loader:
             step = max(0.0, end - returned)
             self._consumer_busy += step
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
-        return True
 
     def _left(self, owner: int) -> None:
         """The pass of iterator ``owner`` (``id``) ended (``StopIteration``, an error that

@@ -407,7 +407,6 @@ def diagnose(
         for n in pair:
             del candidates[n]
         candidates[lead] = sum(shares[n] for n in pair)
-    busiest = max(candidates, key=candidates.__getitem__) if candidates else None
     if idle <= idle_threshold:
         # "Fewer workers" is about the stage the workers knob drives (read+transform when
         # fused, else the transform): one fewer must keep it below saturation.
@@ -432,7 +431,7 @@ def diagnose(
             advice,
             **base,
         )
-    stage = busiest
+    stage = max(candidates, key=candidates.__getitem__) if candidates else None
     top = candidates.get(stage, 0.0) if stage else 0.0
     if stage in ("read", "transform") and fused:
         if top >= SATURATED:
