@@ -209,7 +209,8 @@ class Loader:
         prefetch_factor: batches prepared ahead of the training loop (the ``depth`` knob's
             start value; DataLoader counts them per worker, autominato for the loader).
         persistent_workers: keep the workers, and the dataset they hold, across epochs
-            (default ``True``, unlike the DataLoader). ``False``: the dataset is sent to the
+            (default (``None``): ``True``, unlike the DataLoader; ``True`` given with
+            ``num_workers=0`` raises ``ValueError``, as in DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
             are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
             to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
@@ -333,7 +334,7 @@ class Loader:
         generator: torch.Generator | None = None,
         *,
         prefetch_factor: int | None = None,
-        persistent_workers: bool = True,
+        persistent_workers: bool | None = None,
         pin_memory_device: str = "",
         in_order: bool | None = None,
         transform: Callable | None = None,
@@ -397,6 +398,8 @@ class Loader:
                 raise ValueError(f"prefetch_factor={prefetch_factor} and depth={knobs['depth']} "
                                  "name the same knob: give one")
             knobs["depth"] = prefetch_factor
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0 (as in DataLoader)")
         cfg = None
         if config is not None:
             from autominato.config import load_config
@@ -488,7 +491,7 @@ class Loader:
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
-        self.persistent_workers = bool(persistent_workers)
+        self.persistent_workers = True if persistent_workers is None else bool(persistent_workers)
         self.transform = transform
         self.in_order = in_order
         self._unbatched = unbatched

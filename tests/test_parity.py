@@ -81,6 +81,20 @@ def test_prefetch_factor_is_the_depth_knob_and_needs_workers():
         Loader(Indexed(4), 2, num_workers=0, prefetch_factor=2, autotune=False)
 
 
+def test_persistent_workers_given_without_workers_is_refused_as_by_dataloader():
+    # Trial 77: accepted, where DataLoader raises. The Loader's own default (persistent)
+    # stays silent with num_workers=0, and False is accepted there as by DataLoader.
+    with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
+        DataLoader(Indexed(4), 2, num_workers=0, persistent_workers=True)
+    with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
+        Loader(Indexed(4), 2, num_workers=0, persistent_workers=True, autotune=False)
+    for kwargs in ({}, {"persistent_workers": False}):
+        with Loader(Indexed(4), 2, num_workers=0, autotune=False, **kwargs) as L:
+            assert [len(b) for b in L] == [2, 2]
+    with Loader(Indexed(4), 2, num_workers=1, autotune=False) as L:
+        assert L.persistent_workers is True
+
+
 def test_timeout_fires_on_a_stuck_batch_and_zero_waits():
     with Loader(Indexed(4, slow={1: 3.0}), 2, num_workers=1, worker_kind="thread", timeout=0.5,
                 autotune=False, in_order=True) as L:

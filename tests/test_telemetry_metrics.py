@@ -25,6 +25,10 @@ from autominato.telemetry.metrics import COLLECTED, bounded_reason
 
 N, B = 22, 4  # 6 batches, the last one short; index 5 fails under on_error="skip"
 
+#: A loopback address of its own for a test whose exporter must be its alone: port 0 reuses
+#: the process's exporter on a host, such as the module fixture's on 127.0.0.1.
+OWN_HOST = "127.0.0.2"
+
 
 class Volumes:
     """``slow``: an index whose read takes 0.3 s, so later samples overtake it (a straggler)."""
@@ -443,14 +447,67 @@ def test_exporter_stops_when_its_last_loader_closes():
         worker_kind="thread",
         on_error="skip",
         metrics_port=0,
+        metrics_host=OWN_HOST,  # not the module fixture's server, which port 0 would reuse
         autotune=False,
     )
     port = loader._telemetry.port
-    assert scrape(f"http://127.0.0.1:{port}/metrics")
+    assert scrape(f"http://{OWN_HOST}:{port}/metrics")
     loader.close()
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
-        s.bind(("127.0.0.1", port))  # nothing listens there any more
+        s.bind((OWN_HOST, port))  # nothing listens there any more
+
+
+def test_two_loaders_on_port_zero_are_one_scrape_target(caplog):
+    # Trial 77: each opened its own port, and each port served both loaders' series, so a
+    # Prometheus scraping the two counted every series twice.
+    def make():
+        return Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip",
+                      metrics_port=0, metrics_host=OWN_HOST, autotune=False)
+
+    train = make()  # (the module fixture's server on 127.0.0.1 may have it warn: another host)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autominato.telemetry.exporter"):
+        val = make()
+    try:
+        assert val.telemetry.port == train.telemetry.port
+        assert "already serves" not in caplog.text
+        for _ in train:
+            pass
+        for _ in val:
+            pass
+        samples = scrape(train.telemetry.url)["autominato_samples"]["samples"]
+        ranks = {lab["rank"]: v for name, lab, v in samples if name == "autominato_samples_total"}
+        tr, vr = train.telemetry.rank, val.telemetry.rank  # (the module fixture's loader is "0")
+        assert tr != vr and ranks[tr] == ranks[vr] == N - 1  # index 5 is skipped
+        port = train.telemetry.port
+        train.close()  # the validation loader's series stay served
+        samples = scrape(f"http://{OWN_HOST}:{port}/metrics")["autominato_samples"]["samples"]
+        left = {lab["rank"] for name, lab, _ in samples if name == "autominato_samples_total"}
+        assert vr in left and tr not in left
+    finally:
+        train.close()
+        val.close()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((OWN_HOST, port))  # the last one closed it
+
+
+def test_a_second_explicit_port_warns_that_it_serves_the_same_series(caplog):
+    first = serve(0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="autominato.telemetry.exporter"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                free = s.getsockname()[1]
+            second = serve(free)
+        try:
+            assert second.port != first.port
+            assert f"already serves the same metrics on {first.url}" in caplog.text
+        finally:
+            second.close()
+    finally:
+        first.close()
 
 
 def test_port_in_use_gives_a_clear_error_or_a_free_port_when_asked(caplog):

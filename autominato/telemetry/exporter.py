@@ -2,7 +2,10 @@
 
 One server per ``(host, port)`` per process, shared by every loader that asks for it (two
 ranks in one process, a training and a validation loader) and shut down when the last user
-closes it. Binds to 127.0.0.1 unless told otherwise: the metrics carry no paths or sample
+closes it. Every server of a process serves the whole registry, so port 0 ("any free port")
+reuses the process's server on that host when it has one: two loaders built with
+``metrics_port=0`` are one scrape target, not two that each serve both loaders' series (a
+Prometheus scraping both would count every series twice). Binds to 127.0.0.1 unless told otherwise: the metrics carry no paths or sample
 indices but still describe the job, and a training node's ports are seldom meant to be public.
 """
 
@@ -69,7 +72,10 @@ def serve(
     """Serve the telemetry registry on ``http://host:port/metrics`` from a daemon thread.
 
     Args:
-        port: TCP port; 0 lets the OS pick a free one (read it back from ``.port``).
+        port: TCP port; 0: this process's exporter on ``host`` when there is one (it serves
+            the same registry), else a free port the OS picks (read it back from ``.port``).
+            A second port asked for explicitly gets a second server of the same series (a
+            warning says so: scrape one of them).
         host: address to bind; ``"0.0.0.0"`` widens it to every interface.
         free_if_busy: when ``port`` is taken, bind a free port instead of failing (logged at
             warning level with the port chosen).
@@ -84,9 +90,18 @@ def serve(
     """
     with _lock:
         existing = _servers.get((host, port))
+        if existing is None and port == 0:
+            existing = next((e for (h, _), e in _servers.items() if h == host), None)
         if existing is not None:
             existing._users += 1
             return existing
+        if _servers:
+            log.warning(
+                "metrics port %d: this process already serves the same metrics on %s; a "
+                "Prometheus scraping both counts every series twice (scrape one, or give every "
+                "loader the same metrics_port or 0)",
+                port, ", ".join(e.url for e in _servers.values()),
+            )
         try:
             server, thread = start_http_server(port, addr=host, registry=REGISTRY)
         except OSError as e:
