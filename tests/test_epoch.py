@@ -344,6 +344,43 @@ def test_an_epoch_resumed_after_its_last_batch_ends_at_once():
     assert Epoch([0, 1, 2], batch_size=2, done=[0, 1, 2]).start() == [End()]
 
 
+def test_slow_first_starts_the_slowest_of_the_window_after_the_first_batch():
+    cost = {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.9, 4: 0.1, 5: 0.5, 6: 2.0, 7: 0.1, 8: 0.1, 9: 0.1}
+    ep = Epoch(list(range(10)), batch_size=2, cost=cost.__getitem__, lookahead=4)
+    # The first batch in sampler order (a cold start's first batch is not held up); then the
+    # slowest of the next 4 positions each time, the earliest of equals.
+    assert [t.pos for t in ep.take(2)] == [0, 1]
+    assert [t.pos for t in ep.take(1)] == [3]  # of 2, 3, 4, 5
+    assert [t.pos for t in ep.take(1)] == [6]  # of 2, 4, 5, 6
+    assert [t.pos for t in ep.take(3)] == [5, 2, 4]
+    assert not ep.exhausted
+    assert [t.pos for t in ep.take(9)] == [7, 8, 9]
+    assert ep.exhausted
+    out = []
+    for pos in [0, 1, 3, 6, 5, 2, 4, 7, 8, 9]:
+        out += ep.on(Completed(pos, 0, pos))
+    assert sorted(i for b in batches(out) for i in b) == list(range(10))  # each once
+    assert isinstance(out[-1], End)
+
+
+@pytest.mark.parametrize("kwargs", [dict(in_order=True), dict(groups=[2, 2, 2, 2, 2]),
+                                    dict(lookahead=1), dict(cost=None)])
+def test_sampler_order_in_order_with_groups_or_without_costs(kwargs):
+    cost = {i: float(i) for i in range(10)}  # later = slower: slow first would reverse them
+    ep = Epoch(list(range(10)), batch_size=2, **{"cost": cost.__getitem__, "lookahead": 8,
+                                                 **kwargs})
+    assert [t.pos for t in ep.take(10)] == list(range(10))
+
+
+def test_slow_first_steps_over_done_positions_and_hands_back_its_lookahead_in_order():
+    cost = {i: float(i % 3) for i in range(8)}
+    ep = Epoch(list(range(8)), batch_size=1, cost=cost.__getitem__, lookahead=4, done=[2, 5])
+    assert [t.pos for t in ep.take(3)] == [0, 1, 4]  # 0 in order; the earliest of 1, 4 (slowest)
+    ep.lookahead = 0  # (the window shrank to one sample: sampler order again)
+    assert [t.pos for t in ep.take(9)] == [3, 6, 7]
+    assert ep.exhausted
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_interleavings_deliver_every_position_exactly_once(seed):
     """Thousands of random event orders: completions (also duplicates and late ones),
@@ -366,6 +403,11 @@ def test_random_interleavings_deliver_every_position_exactly_once(seed):
             skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3), groups=groups,
             done=done,
         )
+        if rng.random() < 0.5:  # slow first, with costs that may move while the epoch runs
+            costs = {i: rng.choice([0.0, 0.01, 0.5, 2.0]) for i in range(max(n, 1))}
+            ep.cost = lambda i, costs=costs, rng=rng: (costs[i] if rng.random() < 0.9
+                                                       else rng.random())
+            ep.lookahead = rng.randint(0, 10)
         _check_one_run(ep, rng)
 
 

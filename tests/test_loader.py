@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 import traceback
 
@@ -328,3 +329,39 @@ def test_custom_collate_and_dict_samples():
     with Loader(DictDS(10), 4, workers=1, in_order=True, collate_fn=lambda s: [d["name"] for d in s],
                 autotune=False) as loader:
         assert list(loader)[-1] == ["s8", "s9"]
+
+
+class _StartOrder:
+    """Records the order in which samples start (thread workers: one process); index ``slow``
+    takes 0.3 s, the others 20 ms."""
+
+    def __init__(self, n: int = 12, slow: int = 6) -> None:
+        self.n, self.slow, self.starts = n, slow, []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        with self._lock:
+            self.starts.append(i)
+        time.sleep(0.3 if i == self.slow else 0.02)
+        return np.full(3, i, np.float32)
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_sample_known_to_be_slow_starts_right_after_the_first_batch(in_order):
+    # Slow first (pipeline/costs.py): in completion order, once an index's time is known, the
+    # slowest of the window starts first after the epoch's first batch; the first epoch, and
+    # in order every epoch, go in sampler order. Each epoch still delivers every sample once.
+    ds = _StartOrder()
+    with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False, in_order=in_order,
+                prefetch_next_epoch=False) as L:
+        for epoch in range(3):
+            ds.starts.clear()
+            got = sorted(int(x) for b in L for x in b[:, 0])
+            assert got == list(range(12))
+            if epoch == 0 or in_order:
+                assert ds.starts == list(range(12))
+            else:
+                assert ds.starts[:3] == [0, 1, 6], (epoch, ds.starts)

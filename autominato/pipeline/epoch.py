@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +234,12 @@ class Epoch:
     ended: bool = False
     unique: bool = False  # the caller knows that no index repeats in ``order``
     _draws: Any = None  # occurrences(order)
+    #: Slow first (completion order, no ``groups``): a dataset index's predicted seconds (see
+    #: :meth:`take`); None: sampler order. Set by the scheduler, as is ``lookahead``.
+    cost: Callable[[int], float] | None = field(default=None, repr=False)
+    lookahead: int = 0  # positions :meth:`take` chooses among (the window, ``pool_size``)
+    _ahead: list = field(default_factory=list)  # positions past the cursor not handed out yet
+    _fresh: int = 0  # positions handed out for the first time
 
     def __post_init__(self) -> None:
         # Here, in the thread that builds the epoch (the training loop's), not at the first
@@ -328,7 +334,7 @@ class Epoch:
     def exhausted(self) -> bool:
         """Nothing left to :meth:`take` now: every position handed out, no re-dispatch due
         (a worker death later may still make one due)."""
-        return self._cursor >= len(self.order) and not self._redo
+        return self._cursor >= len(self.order) and not self._ahead and not self._redo
 
     def deaths(self, pos: int) -> int:
         """Workers that died holding ``pos`` so far."""
@@ -348,24 +354,59 @@ class Epoch:
         return self._maybe_end([])
 
     def take(self, n: int) -> list[Task]:
-        """Up to ``n`` positions to dispatch now: re-dispatches first, then fresh ones."""
+        """Up to ``n`` positions to dispatch now: re-dispatches first, then fresh ones.
+
+        Fresh positions go in sampler order, except in completion order without ``groups``
+        once the epoch's first batch is handed out and ``cost`` is set: then the position
+        whose index has the largest ``cost`` among the next ``lookahead`` ones goes first
+        (the earliest of equals), so a sample known to be slow starts before the faster ones
+        around it and finishes while they fill batches, instead of holding up the batches
+        or the epoch's end (longest processing time first, Graham 1969, within the window).
+        The order in which samples arrive changes; which samples an epoch delivers does not.
+        """
         tasks: list[Task] = []
         if self.finished:
             return tasks
+        slow_first = (self.cost is not None and self.lookahead > 1 and not self.in_order
+                      and self.groups is None)
         while len(tasks) < n:
             if self._redo:
                 pos = self._redo.popleft()
                 attempt = self._attempt[pos] = self._tries[pos]
-            elif self._cursor < len(self.order):
-                pos = self._cursor
-                self._cursor += 1
-                if self._prior[pos]:
-                    continue
-                attempt = self._attempt[pos] = 0
             else:
-                break
+                pos = self._next_fresh(slow_first and self._fresh >= self.batch_size)
+                if pos is None:
+                    break
+                self._fresh += 1
+                attempt = self._attempt[pos] = 0
             tasks.append(Task(pos, int(self.order[pos]), attempt, self.draw(pos)))
         return tasks
+
+    def _next_fresh(self, slow_first: bool) -> int | None:
+        """The next fresh position (see :meth:`take`), or None when none is left."""
+        ahead, prior, n = self._ahead, self._prior, len(self.order)
+        if not slow_first:
+            if ahead:  # (looked ahead before: the earliest of those is next in order)
+                return ahead.pop(0)
+            while self._cursor < n and prior[self._cursor]:
+                self._cursor += 1
+            if self._cursor >= n:
+                return None
+            self._cursor += 1
+            return self._cursor - 1
+        while len(ahead) < self.lookahead and self._cursor < n:
+            if not prior[self._cursor]:
+                ahead.append(self._cursor)
+            self._cursor += 1
+        if not ahead:
+            return None
+        cost, order = self.cost, self.order
+        best, top = 0, cost(int(order[ahead[0]]))
+        for i in range(1, len(ahead)):
+            c = cost(int(order[ahead[i]]))
+            if c > top:
+                best, top = i, c
+        return ahead.pop(best)
 
     def draw(self, pos: int) -> int:
         """Which occurrence of its index position ``pos`` is in the order, counted from 0

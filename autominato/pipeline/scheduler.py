@@ -40,6 +40,7 @@ from typing import Any
 from autominato.pipeline import cleanup
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, pin, to_device
 from autominato.pipeline.compose import Packed, compose
+from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import (
     Completed,
     Discard,
@@ -76,6 +77,12 @@ _SLOT_LATER = object()
 #: Seconds between two passes that let idle slots and batch buffers give their memory back
 #: (each looks at a few dozen objects at most).
 DECAY_TICK_S = 0.25
+
+#: Samples whose stages' seconds are summed at once (slow first, see ``costs.py``): those
+#: between a read stage and the last one, which the window bounds (``pool_size``); a key an
+#: aborted run left behind is dropped when its result comes, and past this many no more are
+#: kept (their time is then the last stage's).
+_SPENT_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,11 @@ class Pipeline:
         try:
             self.sample_stages: list[Stage] = compose(self)
             self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
+            # Slow first (costs.py): in completion order, a map-style dataset's epochs start
+            # the samples known to be slowest first within the window.
+            self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
+            self._slow_first = not cfg.in_order and not cfg.iterable
+            self._spent: dict[tuple, float] = {}  # key -> seconds of its stages done so far
             self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
             # the first queued sample held back for memory, and the keys that overtook it
             self._held_key: tuple | None = None
@@ -335,7 +347,8 @@ class Pipeline:
                 cfg = self.cfg
                 ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last,
                            in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
-                           max_tries=cfg.max_tries, groups=groups, done=done, unique=unique)
+                           max_tries=cfg.max_tries, groups=groups, done=done, unique=unique,
+                           cost=self.costs.estimate if self._slow_first else None)
                 run = self._start(epoch, ep)
                 self.cold_starts += 1
             if nxt is not None:
@@ -396,7 +409,8 @@ class Pipeline:
         self._gen += 1
         cfg = self.cfg
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
-                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, unique=unique)
+                   skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, unique=unique,
+                   cost=self.costs.estimate if self._slow_first else None)
         return Run(self._gen, epoch, ep)
 
     def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
@@ -673,6 +687,7 @@ class Pipeline:
                        *(s.room() for s in stages))
             if room <= 0:
                 continue
+            run.epoch.lookahead = pool  # (slow first: the window's positions to choose among)
             tasks = run.epoch.take(room)
             run.taken += sum(1 for t in tasks if t.attempt == 0)  # a re-dispatch is no new sample
             for t in tasks:
@@ -901,6 +916,14 @@ class Pipeline:
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)
             last = stage is self.sample_stages[-1]
+            if self._slow_first and run is not None:
+                # A sample's time is its stages' together (a read stage of threads, then the
+                # transform's workers): summed under its key until its last stage is done.
+                spent = self._spent.pop(r.key, 0.0) + r.service_s + r.read_s
+                if last:
+                    self.costs.learn(int(run.epoch.order[pos]), spent)
+                elif len(self._spent) < _SPENT_MAX:
+                    self._spent[r.key] = spent
             value, slots = self._output(stage, r, slots, last)
             if run is None or not run.epoch.is_current(pos, attempt) and not last:
                 self._free(slots)  # late (an abandoned thread's) or of an aborted run
@@ -925,6 +948,7 @@ class Pipeline:
             self._decide(run, decisions)
             return
         self._free(slots)
+        self._spent.pop(r.key, None)
         if type(row) is RowRef:
             self.rows.shift(gen, +1)  # a row that joins no batch (a no-op for an ended run)
         if run is None or run.epoch.finished:
