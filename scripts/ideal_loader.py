@@ -18,7 +18,9 @@ after the free heap was given back (as a worker does), in this moment's conditio
 runs, and the ratio at MLPerf size with the default window read 1.12 in one measurement and
 1.27-1.28 in two an hour later; at 8 cases it read 1.53, above the 1.08-1.28 the real loader
 reached in the bench that day. Compare windows and rules on one measurement, not the figure
-with a bench run.
+with a bench run. "+ slow first" is the Loader's default dispatch since December 2026 (memory-
+aware, and in completion order the slowest known sample of the window first: ``costs.py``);
+the two before it take each epoch's samples in sampler order.
 
     python scripts/ideal_loader.py --labels ../shared/kits19/labels --cases 42 --ranks 2
 """
@@ -66,8 +68,10 @@ def main() -> None:
                       epoch_sizes=sizes, n_indices=len(wl.dataset))
             off = replay(samples, a.workers, rule="off", **kw).makespan_s / limit
             scan = replay(samples, a.workers, rule="scan", **kw).makespan_s / limit
+            slow = replay(samples, a.workers, rule="scan", slow_first=True, **kw).makespan_s / limit
             mark = " (default)" if w == default else ""
-            cells.append(f"window {w or 'inf'}{mark}: x{off:.3f} (memory-aware x{scan:.3f})")
+            cells.append(f"window {w or 'inf'}{mark}: x{off:.3f} (memory-aware x{scan:.3f}, "
+                         f"+ slow first x{slow:.3f})")
         print(f"step {f:g} x balance ({step * 1e3:.0f} ms): " + " | ".join(cells))
 
 

@@ -282,3 +282,18 @@ def test_figures_restored_during_a_pump_count_at_the_next_ask():
     d.put((0, 2, 0), 3)
     d.stage.pump()
     assert sorted(k[1] for k in d.procs.running) == [0, 1]
+
+
+def test_the_replay_takes_the_slowest_known_sample_of_the_window_first_as_the_loader():
+    # Three epochs of indices 0-5; index 5 takes 1 s, the others 0.1 s. The samples of an
+    # epoch enter the window before index 5's first time is known (it ends at 1.2 s), so
+    # epochs 0 and 1 go in sampler order; in epoch 2, after its first batch, index 5 starts
+    # before the samples ahead of it, and the run ends sooner.
+    samples = [(i, 1.0 if i == 5 else 0.1, 1) for i in range(6)] * 3
+    kw = dict(in_flight=6, batch_size=1, epoch_sizes=[6, 6, 6], rule="off")
+    plain = replay(samples, 2, **kw)
+    slow = replay(samples, 2, slow_first=True, **kw)
+    assert slow.starts[:12] == plain.starts[:12]
+    assert slow.starts[12 + 5] < min(slow.starts[12 + 1:12 + 5])  # right after the first batch
+    assert plain.starts[12 + 5] > max(plain.starts[12:12 + 5])
+    assert slow.makespan_s < plain.makespan_s  # 2.5 s against 3.2 s

@@ -27,6 +27,7 @@ compare rules on the same measurement, as the script does.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autominato.pipeline import stage as stage_module
+from autominato.pipeline.costs import SampleCosts
+from autominato.pipeline.epoch import Epoch
 from autominato.pipeline.memory import MARGIN, SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
 from autominato.pipeline.stage import Stage
@@ -139,7 +142,8 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
            in_flight: int | None = None, figures: Sequence[float] | None = None,
            n_indices: int | None = None,
            learn: bool = True, batch_size: int = 1, step_s: float = 0.0,
-           margin: float = MARGIN, epoch_sizes: Sequence[int] | None = None) -> Replay:
+           margin: float = MARGIN, epoch_sizes: Sequence[int] | None = None,
+           slow_first: bool = False) -> Replay:
     """Dispatch ``samples`` (``(dataset index, seconds, peak bytes)``, in the sampler's
     order) to ``workers`` on a simulated clock under ``rule``.
 
@@ -161,6 +165,11 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
             loop then takes each epoch's batches from that epoch's finished samples only, the
             last one partial (``drop_last=False``), and starts the next epoch after it; the
             workers go on into the next epoch within the window. ``None``: one stream.
+        slow_first: the window takes each epoch's samples as the Loader's completion order
+            does (``epoch.Epoch.take`` with ``costs.SampleCosts``: after the epoch's first
+            batch, the one whose index took longest last time among the next ``in_flight``),
+            each sample's seconds becoming its index's when it ends; False: in the order
+            given.
 
     Raises:
         ValueError: an unknown rule, ``workers < 1``, ``in_flight < batch_size`` (no batch
@@ -182,6 +191,13 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     events: list[tuple[float, int, tuple | None]] = []  # (time, pos, key); key None: a step ends
     cap = len(samples) if in_flight is None else in_flight
     fed = peak = done = consumed = 0
+    # The order samples enter the window: as given, or each epoch's Epoch.take (slow first).
+    starts_of = [0, *itertools.accumulate(sizes)]
+    costs = SampleCosts(n)
+    epochs = [Epoch([samples[p][0] for p in range(starts_of[e], starts_of[e + 1])],
+                    batch_size, cost=costs.estimate if slow_first else None,
+                    lookahead=cap if in_flight is not None else len(samples))
+              for e in range(len(sizes))]
     done_in = [0] * len(sizes)  # finished samples per epoch
     taken_in = [0] * len(sizes)  # of them, taken by the training loop
     ep = 0  # the epoch the training loop is in
@@ -204,7 +220,9 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
                     heapq.heappush(events, (clock.now + step_s, -1, None))
                 end = clock.now + step_s
             while fed < len(samples) and fed - consumed < cap:
-                d.put((0, fed, 0), samples[fed][0])
+                e = epoch_of[fed]
+                pos = starts_of[e] + epochs[e].take(1)[0].pos
+                d.put((0, pos, 0), samples[pos][0])
                 fed += 1
             before = set(d.procs.running)
             d.stage.pump()
@@ -224,6 +242,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
             done_in[epoch_of[pos]] += 1
             if learn:
                 d.memory.learn(samples[pos][0], int(samples[pos][2]))
+            costs.learn(samples[pos][0], samples[pos][1])
     finally:
         stage_module.time = real  # type: ignore[assignment]
     if done != len(samples):  # (a rule that never admits a sample: a defect of the rule)
