@@ -209,8 +209,9 @@ class Loader:
         prefetch_factor: batches prepared ahead of the training loop (the ``depth`` knob's
             start value; DataLoader counts them per worker, autominato for the loader).
         persistent_workers: keep the workers, and the dataset they hold, across epochs
-            (default (``None``): ``True``, unlike the DataLoader; ``True`` given with
-            ``num_workers=0`` raises ``ValueError``, as in DataLoader). ``False``: the dataset is sent to the
+            (default (``None``): ``True``, unlike the DataLoader, and ``False`` with
+            ``num_workers=0``; ``True`` given with ``num_workers=0`` raises ``ValueError``, as
+            in DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
             are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
             to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
@@ -491,7 +492,9 @@ class Loader:
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
-        self.persistent_workers = True if persistent_workers is None else bool(persistent_workers)
+        # (the default: persistent, unlike the DataLoader, where there are workers to keep)
+        self.persistent_workers = (num_workers != 0 if persistent_workers is None
+                                   else bool(persistent_workers))
         self.transform = transform
         self.in_order = in_order
         self._unbatched = unbatched

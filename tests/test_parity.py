@@ -91,6 +91,7 @@ def test_persistent_workers_given_without_workers_is_refused_as_by_dataloader():
     for kwargs in ({}, {"persistent_workers": False}):
         with Loader(Indexed(4), 2, num_workers=0, autotune=False, **kwargs) as L:
             assert [len(b) for b in L] == [2, 2]
+            assert L.persistent_workers is False  # (trial 79: it read True, with no worker)
     with Loader(Indexed(4), 2, num_workers=1, autotune=False) as L:
         assert L.persistent_workers is True
 

@@ -437,3 +437,49 @@ def test_time_between_epochs_stops_at_close():
     del it  # dropped after close: no leave
     time.sleep(0.3)
     assert L.snapshot().between_epochs_seconds_total == s0.between_epochs_seconds_total
+
+
+class _BrokenUntil:
+    """Index 5 raises until ``flag`` exists (a file repaired on disk between epochs)."""
+
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        if i == 5 and not self.flag.exists():
+            raise KeyError(f"corrupt volume {i}")
+        time.sleep(0.01)
+        return np.full(2, i, np.float32)
+
+
+def _one_pass(it) -> tuple[list[int], list[BaseException]]:
+    got, errors = [], []
+    while True:
+        try:
+            got += [int(x) for x in next(it)[:, 0]]
+        except StopIteration:
+            return got, errors
+        except KeyError as e:
+            errors.append(e)
+
+
+def test_an_error_of_a_sample_loaded_ahead_says_so(tmp_path):
+    # Trial 79: a file repaired between epochs still failed in the next epoch, whose samples
+    # were read before the repair, and nothing said so.
+    flag = tmp_path / "repaired"
+    with Loader(_BrokenUntil(flag), 2, num_workers=2, worker_kind="thread",
+                autotune=False) as L:
+        got, errors = _one_pass(iter(L))
+        assert sorted(got) == [i for i in range(12) if i != 5] and len(errors) == 1
+        assert not any("loaded ahead" in n for n in getattr(errors[0], "__notes__", []))
+        time.sleep(0.5)  # the next epoch's samples are loaded meanwhile
+        flag.touch()
+        got, errors = _one_pass(iter(L))
+        assert len(errors) == 1
+        assert any("loaded ahead for epoch 1" in n and "prefetch_next_epoch=False" in n
+                   for n in errors[0].__notes__)
+        got, errors = _one_pass(iter(L))  # loaded after the repair
+        assert sorted(got) == list(range(12)) and not errors

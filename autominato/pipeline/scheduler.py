@@ -961,6 +961,12 @@ class Pipeline:
                 and self.procs is not None and hasattr(r.error, "add_note")):
             self._note_stale_copy(r.error)
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
+        if run.speculative and not r.lost and hasattr(err, "add_note"):
+            # (trial 79: a file repaired between epochs still failed, read before the repair)
+            err.add_note(f"[autominato] loaded ahead for epoch {run.epoch_no} while the epoch "
+                         "before it was finishing (prefetch_next_epoch=True), so before the "
+                         "training loop's code between the two epochs ran; "
+                         "prefetch_next_epoch=False loads each epoch when it starts")
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
         else:
