@@ -6,7 +6,8 @@ positions of the epoch's order it delivered to the training loop, the seeds, the
 epoch (rank, world size, batch size, ``drop_last``) and the live knobs. Positions, not dataset
 indices, are the unit (a sampler may repeat an index); they are stored as sorted half-open
 ranges ``[[start, stop], ...]``, a few numbers for an in-order checkpoint and few more in
-completion order, where the delivered positions are a prefix with holes (the samples in flight).
+completion order, where the delivered positions are a prefix with holes (the samples in flight,
+and the fast ones slow first put off: at most about two lookaheads, ``costs.py``).
 
 Samples in flight at the checkpoint (dispatched, not yet delivered) are simply done again after
 the resume; their augmentation is the same, being seeded by ``(seed, epoch, index)``.

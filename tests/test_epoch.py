@@ -566,3 +566,25 @@ def test_occurrences_count_each_index_in_position_order():
     assert Epoch([2, 2], batch_size=2, unique=True).draw(1) == 0  # the caller said so
     ep = Epoch([2, 2, 0, 2], batch_size=2)
     assert [(t.index, t.draw) for t in ep.take(4)] == [(2, 0), (2, 1), (0, 0), (2, 2)]
+
+
+def test_slow_first_hands_out_no_position_more_than_about_two_windows_late():
+    # Review 78: each choice took the costliest of a sliding window, so the cheap positions
+    # piled up and came only at the epoch's end (a loop that stops early got few of them).
+    n, L = 200, 4
+    ep = Epoch(list(range(n)), batch_size=1, cost=float, lookahead=L)  # later = costlier
+    taken = [t.pos for t in ep.take(n)]
+    assert sorted(taken) == list(range(n))
+    late = max(rank - pos for rank, pos in enumerate(taken))
+    assert late <= 2 * L + 1, late
+    assert taken[:2] != [0, 1] or taken[1:3] != [1, 2]  # (slow first did reorder them)
+
+
+def test_slow_first_counts_stragglers_by_the_order_taken_not_by_position():
+    # Review 78: "finished after a later-dispatched sample"; positions taken out of order and
+    # completed in that order are no stragglers.
+    ep = Epoch(list(range(12)), batch_size=2, cost=float, lookahead=6)
+    out = []
+    for t in ep.take(12):
+        out += ep.on(Completed(t.pos, t.attempt, t.pos))
+    assert len(batches(out)) == 6 and ep.stragglers == 0

@@ -361,7 +361,26 @@ def test_a_sample_known_to_be_slow_starts_right_after_the_first_batch(in_order):
             ds.starts.clear()
             got = sorted(int(x) for b in L for x in b[:, 0])
             assert got == list(range(12))
+            # (two threads take the samples in turn: neighbours may record in either order)
             if epoch == 0 or in_order:
-                assert ds.starts == list(range(12))
+                assert ds.starts.index(6) >= 5, (epoch, ds.starts)
             else:
-                assert ds.starts[:3] == [0, 1, 6], (epoch, ds.starts)
+                assert ds.starts.index(6) <= 2, (epoch, ds.starts)
+
+
+def _slow_transform(sample, rng):
+    time.sleep(0.03)  # (reads finish first and wait for it: samples sit between the stages)
+    return sample
+
+
+def test_passes_left_early_leave_no_stage_times_behind():
+    # Review 78: with a read stage (thread workers), the read times of samples whose run was
+    # ended between stages were kept forever, and past a bound no read time was learnt.
+    ds = _StartOrder(n=40, slow=-1)
+    with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False,
+                prefetch_next_epoch=False, transform=_slow_transform) as L:
+        for _ in range(20):
+            for _batch in L:
+                break
+        assert sorted(int(x) for b in L for x in b[:, 0]) == list(range(40))
+        assert L._pipeline._spent == {}  # (nothing is in flight after a whole epoch)

@@ -38,7 +38,7 @@ from autominato.pipeline import stage as stage_module
 from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import Epoch
 from autominato.pipeline.memory import MARGIN, SCAN_REFUSALS, SampleMemory
-from autominato.pipeline.scheduler import _SLOT_LATER, Pipeline
+from autominato.pipeline.scheduler import _SLOT_LATER, SLOW_FIRST_LOOKAHEAD, Pipeline
 from autominato.pipeline.stage import Stage
 
 #: The rules :func:`replay` compares: ``off`` (``memory_aware=False``), ``fifo`` (a sample
@@ -167,7 +167,8 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
             workers go on into the next epoch within the window. ``None``: one stream.
         slow_first: the window takes each epoch's samples as the Loader's completion order
             does (``epoch.Epoch.take`` with ``costs.SampleCosts``: after the epoch's first
-            batch, the one whose index took longest last time among the next ``in_flight``),
+            batch, the one whose index took longest last time among the next ``in_flight``,
+            at most ``scheduler.SLOW_FIRST_LOOKAHEAD``),
             each sample's seconds becoming its index's when it ends; False: in the order
             given.
 
@@ -196,7 +197,7 @@ def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: s
     costs = SampleCosts(n)
     epochs = [Epoch([samples[p][0] for p in range(starts_of[e], starts_of[e + 1])],
                     batch_size, cost=costs.estimate if slow_first else None,
-                    lookahead=cap if in_flight is not None else len(samples))
+                    lookahead=min(cap, SLOW_FIRST_LOOKAHEAD))
               for e in range(len(sizes))]
     done_in = [0] * len(sizes)  # finished samples per epoch
     taken_in = [0] * len(sizes)  # of them, taken by the training loop

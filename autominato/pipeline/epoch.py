@@ -240,6 +240,7 @@ class Epoch:
     lookahead: int = 0  # positions :meth:`take` chooses among (the window, ``pool_size``)
     _ahead: list = field(default_factory=list)  # positions past the cursor not handed out yet
     _fresh: int = 0  # positions handed out for the first time
+    _rank: Any = None  # slow first: pos -> its rank among the fresh positions handed out
 
     def __post_init__(self) -> None:
         # Here, in the thread that builds the epoch (the training loop's), not at the first
@@ -358,11 +359,14 @@ class Epoch:
 
         Fresh positions go in sampler order, except in completion order without ``groups``
         once the epoch's first batch is handed out and ``cost`` is set: then the position
-        whose index has the largest ``cost`` among the next ``lookahead`` ones goes first
-        (the earliest of equals), so a sample known to be slow starts before the faster ones
-        around it and finishes while they fill batches, instead of holding up the batches
-        or the epoch's end (longest processing time first, Graham 1969, within the window).
-        The order in which samples arrive changes; which samples an epoch delivers does not.
+        whose index has the largest ``cost`` among the next ``lookahead`` ones not handed
+        out goes first (the earliest of equals), so a sample known to be slow starts before
+        the faster ones around it and finishes while they fill batches, instead of holding
+        up the batches or the epoch's end (longest processing time first, Graham 1969). A
+        position passed over until the cursor is more than ``2 x lookahead`` past it goes
+        next, whatever its cost: no sample comes more than about that many places late, so
+        a loop that stops an epoch early still gets the fast samples in their share. The
+        order in which samples arrive changes; which samples an epoch delivers does not.
         """
         tasks: list[Task] = []
         if self.finished:
@@ -377,6 +381,11 @@ class Epoch:
                 pos = self._next_fresh(slow_first and self._fresh >= self.batch_size)
                 if pos is None:
                     break
+                if self._rank is not None:
+                    self._rank[pos] = self._fresh
+                elif slow_first:
+                    self._rank = np.arange(len(self.order), dtype=np.int64)
+                    self._rank[pos] = self._fresh
                 self._fresh += 1
                 attempt = self._attempt[pos] = 0
             tasks.append(Task(pos, int(self.order[pos]), attempt, self.draw(pos)))
@@ -400,6 +409,11 @@ class Epoch:
             self._cursor += 1
         if not ahead:
             return None
+        if self._cursor - ahead[0] > 2 * self.lookahead:
+            # Passed over long enough: a sample is handed out at most about 2 x lookahead
+            # places after its turn, so that a loop that stops early (max_steps) gets the
+            # fast samples in their share, not only at the epoch's end.
+            return ahead.pop(0)
         cost, order = self.cost, self.order
         best, top = 0, cost(int(order[ahead[0]]))
         for i in range(1, len(ahead)):
@@ -604,7 +618,13 @@ class Epoch:
 
     def _batch(self, group: list) -> Emit:
         k = self.batches
-        s = 0 if self.in_order or self.groups is not None else sum(1 for pos, _, _ in group if pos // self.batch_size < k)
+        if self.in_order or self.groups is not None:
+            s = 0
+        elif self._rank is None:
+            s = sum(1 for pos, _, _ in group if pos // self.batch_size < k)
+        else:  # (slow first: dispatched out of sampler order, so by the order taken)
+            rank = self._rank
+            s = sum(1 for pos, _, _ in group if rank[pos] // self.batch_size < k)
         self.stragglers += s
         self.batches += 1
         self._final += len(group)

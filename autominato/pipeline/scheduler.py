@@ -79,10 +79,16 @@ _SLOT_LATER = object()
 DECAY_TICK_S = 0.25
 
 #: Samples whose stages' seconds are summed at once (slow first, see ``costs.py``): those
-#: between a read stage and the last one, which the window bounds (``pool_size``); a key an
-#: aborted run left behind is dropped when its result comes, and past this many no more are
-#: kept (their time is then the last stage's).
+#: between a read stage and the last one, which the window bounds (``pool_size``); an ended
+#: run's go with it (``_end_run``), a failed sample's with its result. A net: past this many
+#: no more are kept (their time is then the last stage's).
 _SPENT_MAX = 4096
+
+#: Positions slow first chooses among (``epoch.Epoch.take``): the window (``pool_size``), at
+#: most this many, so that a take costs a few microseconds whatever the window (each choice
+#: reads every candidate's figure on the scheduler thread: 167 us a sample with a window of
+#: 520 measured in review 78).
+SLOW_FIRST_LOOKAHEAD = 16
 
 
 @dataclass(frozen=True)
@@ -687,7 +693,10 @@ class Pipeline:
                        *(s.room() for s in stages))
             if room <= 0:
                 continue
-            run.epoch.lookahead = pool  # (slow first: the window's positions to choose among)
+            # Slow first chooses among the window's next positions; not among samples sent
+            # in chunks (under CHUNK_BUDGET_S each: nothing to gain, only the choosing's cost).
+            run.epoch.lookahead = (min(pool, SLOW_FIRST_LOOKAHEAD)
+                                   if self.procs is None or self.procs.chunk == 1 else 0)
             tasks = run.epoch.take(room)
             run.taken += sum(1 for t in tasks if t.attempt == 0)  # a re-dispatch is no new sample
             for t in tasks:
@@ -916,11 +925,13 @@ class Pipeline:
             if r.read_s:
                 self.stats["read"].record(r.read_s, 0.0, 0)
             last = stage is self.sample_stages[-1]
-            if self._slow_first and run is not None:
+            if self._slow_first:
                 # A sample's time is its stages' together (a read stage of threads, then the
                 # transform's workers): summed under its key until its last stage is done.
                 spent = self._spent.pop(r.key, 0.0) + r.service_s + r.read_s
-                if last:
+                if run is None or not run.epoch.is_current(pos, attempt):
+                    pass  # late, or of an ended run: neither learnt nor kept
+                elif last:
                     self.costs.learn(int(run.epoch.order[pos]), spent)
                 elif len(self._spent) < _SPENT_MAX:
                     self._spent[r.key] = spent
@@ -1147,6 +1158,8 @@ class Pipeline:
             for key, _ in self.procs.forget(run.gen):
                 self._free(tuple(self.held.pop(key, ())))
         self._drop_streams(run)
+        if self._spent:  # (its samples between stages never end: their sums go)
+            self._spent = {k: v for k, v in self._spent.items() if k[0] != run.gen}
         run.finish(last)
 
     def _drop_streams(self, run: Run) -> None:
