@@ -399,7 +399,7 @@ class Loader:
                 raise ValueError(f"prefetch_factor={prefetch_factor} and depth={knobs['depth']} "
                                  "name the same knob: give one")
             knobs["depth"] = prefetch_factor
-        if persistent_workers and num_workers == 0:
+        if persistent_workers and knobs.get("workers", num_workers) == 0:
             raise ValueError("persistent_workers option needs num_workers > 0 (as in DataLoader)")
         cfg = None
         if config is not None:
@@ -493,8 +493,8 @@ class Loader:
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
         # (the default: persistent, unlike the DataLoader, where there are workers to keep)
-        self.persistent_workers = (num_workers != 0 if persistent_workers is None
-                                   else bool(persistent_workers))
+        self.persistent_workers = (knobs.get("workers", num_workers) != 0
+                                   if persistent_workers is None else bool(persistent_workers))
         self.transform = transform
         self.in_order = in_order
         self._unbatched = unbatched

@@ -92,6 +92,8 @@ def test_persistent_workers_given_without_workers_is_refused_as_by_dataloader():
         with Loader(Indexed(4), 2, num_workers=0, autotune=False, **kwargs) as L:
             assert [len(b) for b in L] == [2, 2]
             assert L.persistent_workers is False  # (trial 79: it read True, with no worker)
+    with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0"):
+        Loader(Indexed(4), 2, workers=0, persistent_workers=True, autotune=False)  # the knob
     with Loader(Indexed(4), 2, num_workers=1, autotune=False) as L:
         assert L.persistent_workers is True
 
