@@ -650,7 +650,8 @@ def test_a_step_calibrated_to_the_floor_is_the_first_floor_over_the_runs_batches
     assert res.step_origin == f"floor #0 / {3 * wl.n_batches} batches x 0.5"
     rec = res.records[0]
     assert rec.ok, rec.status
-    assert rec.step_s == pytest.approx(3 * wl.n_batches * res.step_s, rel=0.05)
+    # (sleeps run over on a loaded machine, never short: 0.66 s for 0.6 in one full run)
+    assert 0.95 <= rec.step_s / (3 * wl.n_batches * res.step_s) <= 1.5
     assert any("floor #0 / 12 batches" in m for m in said), said
     assert any(m.endswith("floor #0: 1.20 s (2 processes, reads' CPU + transforms; the "
                           "transforms alone 0.60 s) (the step is calibrated to it)")

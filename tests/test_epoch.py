@@ -588,3 +588,16 @@ def test_slow_first_counts_stragglers_by_the_order_taken_not_by_position():
     for t in ep.take(12):
         out += ep.on(Completed(t.pos, t.attempt, t.pos))
     assert len(batches(out)) == 6 and ep.stragglers == 0
+
+
+def test_a_resumed_slow_first_epoch_counts_no_straggler_for_samples_taken_and_done_in_order():
+    # Review 80: the ranks left out the positions delivered before the checkpoint, so every
+    # sample of a resumed epoch counted as a straggler (500 of 500).
+    ep = Epoch(list(range(1000)), batch_size=10, cost=lambda i: 1.0, lookahead=16,
+               done=range(500))
+    out = []
+    while not ep.finished:
+        for t in ep.take(8):
+            out += ep.on(Completed(t.pos, t.attempt, t.pos))
+    assert sum(len(b) for b in batches(out)) == 500 and ep.stragglers == 0
+    assert ep._rank == {}  # (each rank goes with its batch)

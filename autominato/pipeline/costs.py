@@ -41,6 +41,11 @@ class SampleCosts:
         self._sum = 0.0
         self._count = 0
 
+    @property
+    def kept(self) -> bool:
+        """Whether figures are kept at all (else every estimate is 0)."""
+        return self._s is not None
+
     def learn(self, index: int, seconds: float) -> None:
         """Record ``seconds`` as ``index``'s time (an index out of range is ignored)."""
         s = self._s

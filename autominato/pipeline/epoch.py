@@ -240,7 +240,9 @@ class Epoch:
     lookahead: int = 0  # positions :meth:`take` chooses among (the window, ``pool_size``)
     _ahead: list = field(default_factory=list)  # positions past the cursor not handed out yet
     _fresh: int = 0  # positions handed out for the first time
-    _rank: Any = None  # slow first: pos -> its rank among the fresh positions handed out
+    # slow first: pos -> its rank in the order taken (counting the ``done`` positions), for
+    # the positions it chose, from their take to their batch (so at most the window's)
+    _rank: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Here, in the thread that builds the epoch (the training loop's), not at the first
@@ -283,6 +285,7 @@ class Epoch:
                 self._final += 1
                 if self.groups is not None:
                     self._left[self._gid(pos)] -= 1
+        self._done_n = self._final  # positions final before the epoch ran
         if self.groups is not None:
             self._empty_groups()
         else:
@@ -378,14 +381,12 @@ class Epoch:
                 pos = self._redo.popleft()
                 attempt = self._attempt[pos] = self._tries[pos]
             else:
-                pos = self._next_fresh(slow_first and self._fresh >= self.batch_size)
+                chose = slow_first and self._fresh >= self.batch_size
+                pos = self._next_fresh(chose)
                 if pos is None:
                     break
-                if self._rank is not None:
-                    self._rank[pos] = self._fresh
-                elif slow_first:
-                    self._rank = np.arange(len(self.order), dtype=np.int64)
-                    self._rank[pos] = self._fresh
+                if chose:
+                    self._rank[pos] = self._fresh + self._done_n
                 self._fresh += 1
                 attempt = self._attempt[pos] = 0
             tasks.append(Task(pos, int(self.order[pos]), attempt, self.draw(pos)))
@@ -620,11 +621,9 @@ class Epoch:
         k = self.batches
         if self.in_order or self.groups is not None:
             s = 0
-        elif self._rank is None:
-            s = sum(1 for pos, _, _ in group if pos // self.batch_size < k)
-        else:  # (slow first: dispatched out of sampler order, so by the order taken)
-            rank = self._rank
-            s = sum(1 for pos, _, _ in group if rank[pos] // self.batch_size < k)
+        else:  # (slow first: a position it chose counts by the order it was taken in)
+            rank, B = self._rank, self.batch_size
+            s = sum(1 for pos, _, _ in group if rank.pop(pos, pos) // B < k)
         self.stragglers += s
         self.batches += 1
         self._final += len(group)

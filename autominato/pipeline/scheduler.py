@@ -273,7 +273,7 @@ class Pipeline:
             # Slow first (costs.py): in completion order, a map-style dataset's epochs start
             # the samples known to be slowest first within the window.
             self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
-            self._slow_first = not cfg.in_order and not cfg.iterable
+            self._slow_first = not cfg.in_order and not cfg.iterable and self.costs.kept
             self._spent: dict[tuple, float] = {}  # key -> seconds of its stages done so far
             self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
             # the first queued sample held back for memory, and the keys that overtook it
