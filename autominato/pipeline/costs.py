@@ -18,11 +18,11 @@ Replayed with ``scripts/ideal_loader.py`` (the Loader's own dispatch code, with
 KiTS19 bench's samples at MLPerf size (``--cases 42 --ranks 2``, 6 epochs, 2 workers, window
 8), wall time over max(floor, steps), memory-aware dispatch without and with slow first:
 1.335 -> 1.290 at the balanced step, 1.274 -> 1.229 at 0.9x it, 1.276 -> 1.235 at 1.1x; at 8
-cases (4 batches an epoch) 1.594 -> 1.586. On the real Loader at MLPerf size (a 0.15 s step,
-7 interleaved pairs of runs, sampler order forced by an estimate of 0), the training loop's
-waits had a median of 1.19 s with slow first against 2.67 s without, and the wall time 11.14
-s against 12.62 s (slow first lower in 4 of the 7 pairs: the 2-core machine's noise is of
-the same size; measured before the bound on how late a sample may come).
+cases (4 batches an epoch) 1.594 -> 1.586. On the real Loader at MLPerf size (sampler order
+forced by an estimate of 0, runs interleaved) the 2-core machine's noise was larger than the
+effect: at a 0.15 s step, 7 pairs, the training loop's waits had a median of 1.19 s with slow
+first against 2.67 s without (lower in 4 of the 7 pairs; before the bound on how late a sample
+may come); at 0.165 s, 4 pairs, 2.41 s against 1.76 s (lower in 1 of the 4).
 """
 
 from __future__ import annotations

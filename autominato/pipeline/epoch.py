@@ -203,6 +203,12 @@ class Epoch:
             ``batch_sampler``'s lists, flattened into ``order``), or ``None``.
         done: positions already final before this epoch runs (delivered before a
             checkpoint; see ``Loader.state_dict``). Repeats are ignored.
+        cost: slow first: a dataset index's predicted seconds (``costs.SampleCosts.
+            estimate``); None (the default): fresh positions go in sampler order. See
+            :meth:`take`.
+        lookahead: positions :meth:`take` chooses among with ``cost`` (the scheduler sets it
+            before each take: ``min(pool_size, SLOW_FIRST_LOOKAHEAD)``, 0 for chunked
+            samples); 0 or 1: sampler order.
 
     Raises:
         ValueError: ``batch_size < 1``, ``groups`` that do not sum to ``len(order)``, or a
@@ -234,10 +240,8 @@ class Epoch:
     ended: bool = False
     unique: bool = False  # the caller knows that no index repeats in ``order``
     _draws: Any = None  # occurrences(order)
-    #: Slow first (completion order, no ``groups``): a dataset index's predicted seconds (see
-    #: :meth:`take`); None: sampler order. Set by the scheduler, as is ``lookahead``.
-    cost: Callable[[int], float] | None = field(default=None, repr=False)
-    lookahead: int = 0  # positions :meth:`take` chooses among (the window, ``pool_size``)
+    cost: Callable[[int], float] | None = field(default=None, repr=False)  # (see Args)
+    lookahead: int = 0
     _ahead: list = field(default_factory=list)  # positions past the cursor not handed out yet
     _fresh: int = 0  # positions handed out for the first time
     # slow first: pos -> its rank in the order taken (counting the ``done`` positions), for

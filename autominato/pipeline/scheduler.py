@@ -928,13 +928,13 @@ class Pipeline:
             if self._slow_first:
                 # A sample's time is its stages' together (a read stage of threads, then the
                 # transform's workers): summed under its key until its last stage is done.
+                # (a late result, or an ended run's, is neither learnt nor kept)
                 spent = self._spent.pop(r.key, 0.0) + r.service_s + r.read_s
-                if run is None or not run.epoch.is_current(pos, attempt):
-                    pass  # late, or of an ended run: neither learnt nor kept
-                elif last:
-                    self.costs.learn(int(run.epoch.order[pos]), spent)
-                elif len(self._spent) < _SPENT_MAX:
-                    self._spent[r.key] = spent
+                if run is not None and run.epoch.is_current(pos, attempt):
+                    if last:
+                        self.costs.learn(int(run.epoch.order[pos]), spent)
+                    elif len(self._spent) < _SPENT_MAX:
+                        self._spent[r.key] = spent
             value, slots = self._output(stage, r, slots, last)
             if run is None or not run.epoch.is_current(pos, attempt) and not last:
                 self._free(slots)  # late (an abandoned thread's) or of an aborted run

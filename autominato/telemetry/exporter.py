@@ -5,8 +5,9 @@ ranks in one process, a training and a validation loader) and shut down when the
 closes it. Every server of a process serves the whole registry, so port 0 ("any free port")
 reuses the process's server on that host when it has one: two loaders built with
 ``metrics_port=0`` are one scrape target, not two that each serve both loaders' series (a
-Prometheus scraping both would count every series twice). Binds to 127.0.0.1 unless told otherwise: the metrics carry no paths or sample
-indices but still describe the job, and a training node's ports are seldom meant to be public.
+Prometheus scraping both would count every series twice). Binds to 127.0.0.1 unless told
+otherwise: the metrics carry no paths or sample indices but still describe the job, and a
+training node's ports are seldom meant to be public.
 """
 
 from __future__ import annotations
