@@ -694,9 +694,13 @@ class Pipeline:
             if room <= 0:
                 continue
             # Slow first chooses among the window's next positions; not among samples sent
-            # in chunks (under CHUNK_BUDGET_S each: nothing to gain, only the choosing's cost).
+            # in chunks (under CHUNK_BUDGET_S each: nothing to gain, only the choosing's cost),
+            # nor while memory-aware dispatch holds a sample back: the slow samples are mostly
+            # the large ones, and pulled forward they would take the queue places of the small
+            # ones that may overtake it (CI: a small sample started only after the held one).
             run.epoch.lookahead = (min(pool, SLOW_FIRST_LOOKAHEAD)
-                                   if self.procs is None or self.procs.chunk == 1 else 0)
+                                   if (self.procs is None or self.procs.chunk == 1)
+                                   and self._held_key is None else 0)
             tasks = run.epoch.take(room)
             run.taken += sum(1 for t in tasks if t.attempt == 0)  # a re-dispatch is no new sample
             for t in tasks:
