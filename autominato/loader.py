@@ -284,7 +284,9 @@ class Loader:
             the speculative work (counted in ``speculative_discarded_total``). Memory: no
             more samples in flight than without it (the two epochs share the ``pool_size``
             window), plus up to ``depth`` assembled batches of the next epoch. The last
-            epoch's speculation is wasted work (up to ``pool_size`` samples). Off with
+            epoch's speculation is wasted work (up to ``pool_size`` samples). A sample that
+            raised while loaded ahead is loaded again when its epoch begins (a file repaired
+            between epochs is read anew). Off with
             ``persistent_workers=False`` (the dataset may change between epochs). The
             controller's windows span prefetched epochs only: with every epoch started cold
             it acts only on epochs of 12 batches or more (docs/controller.md).

@@ -353,6 +353,10 @@ class Epoch:
         again (after a :class:`Failed` or :class:`Lost`: it failed for good)."""
         return pos not in self._attempt and pos not in self._tries
 
+    def attempts(self) -> list[tuple[int, int]]:
+        """``(pos, attempt)`` of the positions in flight."""
+        return list(self._attempt.items())
+
     def is_current(self, pos: int, attempt: int) -> bool:
         return self._attempt.get(pos) == attempt
 

@@ -181,6 +181,11 @@ class Run:
     taken: int = 0  # positions dispatched (once each: re-dispatches not counted)
     # While speculative, skips and stragglers wait to be logged and counted until adoption.
     deferred: list = field(default_factory=list)
+    # While speculative: (pos, attempt, error) of samples that raised, loaded again at
+    # adoption (after the training loop's code between the epochs ran: a file repaired there)
+    parked: list = field(default_factory=list)
+    # Once adopted: (pos, attempt) of the samples it had in flight then (loaded ahead too)
+    ahead: set = field(default_factory=set)
 
     def failed(self) -> bool:
         """Closed with an error as its final item."""
@@ -596,6 +601,10 @@ class Pipeline:
             for d in spec.deferred:
                 self._count(d)
             spec.deferred.clear()
+            for pos, attempt, err in spec.parked:  # (not counted against max_tries)
+                self._decide(spec, spec.epoch.on(Lost(pos, attempt, err, count=False)))
+            spec.parked.clear()
+            spec.ahead = set(spec.epoch.attempts())
             if spec in self._waiting:
                 self._activate(spec)
         elif kind == "discard":
@@ -949,6 +958,8 @@ class Pipeline:
                 nxt.put(r.key, self._next_item(index, run.epoch_no, run.epoch.draw(pos), r.key,
                                                value))
                 return
+            if run.ahead:
+                run.ahead.discard((pos, attempt))
             carried = Carried(value, slots)
             decisions = run.epoch.on(Completed(pos, attempt, carried))
             if self.rows.active(gen):
@@ -976,12 +987,17 @@ class Pipeline:
                 and self.procs is not None and hasattr(r.error, "add_note")):
             self._note_stale_copy(r.error)
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
-        if run.speculative and not r.lost and hasattr(err, "add_note"):
-            # (trial 79: a file repaired between epochs still failed, read before the repair)
-            err.add_note(f"[autominato] loaded ahead for epoch {run.epoch_no} while the epoch "
-                         "before it was finishing (prefetch_next_epoch=True), so before the "
-                         "training loop's code between the two epochs ran; "
-                         "prefetch_next_epoch=False loads each epoch when it starts")
+        if (not r.lost and run.epoch.is_current(pos, attempt)
+                and (run.speculative or (pos, attempt) in run.ahead)):
+            # Loaded ahead, before the training loop's code between the epochs ran: loaded
+            # again once the epoch is adopted, as the DataLoader would load it then (trial 79:
+            # a file repaired between epochs still failed, read before the repair).
+            if run.speculative:
+                run.parked.append((pos, attempt, err))
+            else:  # (it failed after the adoption: at once)
+                run.ahead.discard((pos, attempt))
+                self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
+            return
         if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
         else:
