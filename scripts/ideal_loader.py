@@ -10,7 +10,9 @@ free and the window has room, with no transport, collation, start-up or contenti
 apart in batches, the next one's samples started early. Its wall time over max(floor, steps)
 is what a loader with that window and nothing else would reach with those durations: at the
 balanced step, where the accelerator and the cores have equal work, the samples' spread alone
-leaves the accelerator idle at times.
+leaves the accelerator idle at times. "any loader >=" is the bound no loader can beat with
+those durations, whatever its order, window or look-ahead (``replay.any_loader_bound``: an
+epoch's last batch waits for every sample of that epoch and those before it).
 
 The figure is only as good as the durations: they are serial, in this process, each sample
 after the free heap was given back (as a worker does), in this moment's conditions. On the
@@ -30,7 +32,7 @@ from __future__ import annotations
 import argparse
 
 from autominato.bench.kits19 import kits19_workload
-from autominato.bench.replay import measure, replay
+from autominato.bench.replay import any_loader_bound, measure, replay
 from autominato.bench.workload import makespan
 
 
@@ -62,7 +64,9 @@ def main() -> None:
     for f in a.step_factor:
         step = f * floor / batches
         limit = max(floor, step * batches)
-        cells = []
+        per_epoch = [[s for e, _, s, _ in runs if e == k] for k in range(a.epochs)]
+        bound = any_loader_bound(per_epoch, a.workers, wl.batch_size, step) / limit
+        cells = [f"any loader >= x{bound:.3f}"]
         for w in a.windows:
             kw = dict(in_flight=w or None, batch_size=wl.batch_size, step_s=step,
                       epoch_sizes=sizes, n_indices=len(wl.dataset))

@@ -140,6 +140,8 @@ def test_csv_columns_are_stable(all_arms):
         "floor_s",
         "floor_transform_s",
         "ratio_to_floor",
+        "floor_bound_s",
+        "bound_to_floor",
         "next_epoch_wait_s",
         "idle_ratio",
         "p99_wait_s",
@@ -160,6 +162,7 @@ def test_csv_columns_are_stable(all_arms):
         "samples_per_s",
         "ratio_to_limit",
         "ratio_to_floor",
+        "bound_to_floor",
         "next_epoch_wait_s",
         "idle_ratio",
         "p99_wait_s",
@@ -180,6 +183,7 @@ def test_csv_columns_are_stable(all_arms):
         "limit_s",
         "floor_s",
         "floor_transform_s",
+        "floor_bound_s",
         "step_batch_s",
         "step_origin",
         *stats,
@@ -580,6 +584,38 @@ def test_the_floor_column_divides_each_wall_time_by_the_floor_or_the_steps(tmp_p
         assert r.ratio_to_floor == pytest.approx(r.wall_s / max(floor, r.step_s))
 
 
+def test_the_floor_keeps_each_epochs_sample_durations():
+    wl = tiny(6, cost_s=0.02)
+    floor = measure_floor(wl, CORES, epochs=3)
+    assert [len(e) for e in floor.epochs_s] == [6, 6, 6]
+    assert all(0.02 * 0.9 <= d < 0.5 for e in floor.epochs_s for d in e)
+    # the floor is their greedy makespan on the cores: never below their sum / cores
+    assert floor.s >= sum(map(sum, floor.epochs_s)) / CORES - 1e-9
+
+
+def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path, monkeypatch):
+    """Epochs of 4 samples (2 batches): epoch 0 holds a 2 s sample, the rest take 0.1 s, and
+    the step is 0.01 s. Epoch 0's last batch cannot come before 2 s, and it and the 4
+    batches of the next 2 epochs are then stepped: 2.05 s, against a floor (the greedy
+    makespan on 2 cores) of 2 s: no loader's x floor is below 1.025."""
+    import autominato.bench.runner as runner
+    from autominato.bench.replay import any_loader_bound
+    from autominato.bench.workload import Floor
+
+    durs = ((2.0, 0.1, 0.1, 0.1), (0.1,) * 4, (0.1,) * 4)
+    monkeypatch.setattr(runner, "measure_floor",
+                        lambda wl, cores, epochs: Floor(2.0, 1.9, durs[:epochs]))
+    said: list[str] = []
+    wl = tiny(4, cost_s=0.0, step_s=0.01)
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3, log=said.append))
+    rec = res.records[0]
+    assert rec.ok, rec.status
+    assert rec.floor_bound_s == pytest.approx(any_loader_bound(durs, CORES, 2, 0.01))
+    assert rec.floor_bound_s == pytest.approx(2.0 + 5 * 0.01)
+    assert rec.bound_to_floor == pytest.approx(2.05 / max(2.0, rec.step_s))
+    assert any("no loader can beat 2.05 s" in m for m in said), said
+
+
 def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
     """The floor is what no loader beats on a quiet machine: a run below it means the floor
     was measured while the machine was slower, and the log says so (trial 43)."""
@@ -953,6 +989,10 @@ def test_the_goals_compare_with_the_fastest_peer_and_say_why_one_is_absent():
     got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
     assert got["peak memory <= dataloader"] == (False, "731 [699-776] vs 726 [720-787] MiB")
     assert got["first batch <= dataloader"] == (True, "0.50 [0.10-0.90] vs 0.50 s")
+    a["bound_to_floor_median"] = 1.07  # what no loader beats (replay.any_loader_bound)
+    got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
+    assert got["wall <= 1.15x max(floor, steps)"] == (
+        True, "1.10x (no loader below 1.07x with the floor's samples)")
 
 
 def test_the_goals_say_when_they_rest_on_too_few_runs_or_peers():

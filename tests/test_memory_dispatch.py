@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from autominato.bench.replay import Dispatch, replay
+from autominato.bench.replay import Dispatch, any_loader_bound, replay
 from autominato.pipeline.scheduler import _SLOT_LATER
 
 MiB = 1 << 20
@@ -297,3 +297,42 @@ def test_the_replay_takes_the_slowest_known_sample_of_the_window_first_as_the_lo
     assert slow.starts[12 + 5] < min(slow.starts[12 + 1:12 + 5])  # right after the first batch
     assert plain.starts[12 + 5] > max(plain.starts[12:12 + 5])
     assert slow.makespan_s < plain.makespan_s  # 2.5 s against 3.2 s
+
+
+def test_no_loader_beats_the_bound_and_the_bound_is_reached_where_a_schedule_reaches_it():
+    """Epoch 0's 1 s straggler started at once (no loader can do better) is done at 1.0 s:
+    its batch, the second of four, and the two after it step 0.5 s each, 2.5 s. The replay
+    starts it after the two fast ones (sampler order): 2.6 s, above the bound."""
+    epochs = [[0.1, 0.1, 1.0], [0.1, 0.1, 0.1]]
+    assert any_loader_bound(epochs, 2, 2, 0.5) == pytest.approx(2.5)
+    samples = [(0, 0.1, MiB), (1, 0.1, MiB), (2, 1.0, MiB)] + [(i, 0.1, MiB) for i in range(3)]
+    assert replay(samples, 2, rule="off", batch_size=2, step_s=0.5,
+                  epoch_sizes=[3, 3]).makespan_s == pytest.approx(2.6)
+    # the straggler first in the order: the replay reaches the bound
+    first = [(2, 1.0, MiB), (0, 0.1, MiB), (1, 0.1, MiB)] + samples[3:]
+    assert replay(first, 2, rule="off", batch_size=2, step_s=0.5,
+                  epoch_sizes=[3, 3]).makespan_s == pytest.approx(2.5)
+    # the work bound: four 1 s samples on one worker, batches of 1, no step: 4 s
+    assert any_loader_bound([[1.0] * 4], 1, 1, 0.0) == pytest.approx(4.0)
+    # the first batch: 3 samples of 1 s on 2 workers, batches of 3, a 10 s step: 1.5 + 10
+    assert any_loader_bound([[1.0] * 3], 2, 3, 10.0) == pytest.approx(11.5)
+    with pytest.raises(ValueError, match="workers"):
+        any_loader_bound(epochs, 0, 2, 0.5)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_replay_is_never_below_the_bound(seed):
+    import random
+
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 4))]
+    secs = [[rng.choice([0.05, 0.1, 0.2, 1.5]) for _ in range(n)] for n in sizes]
+    samples = [(i, s, MiB) for e in secs for i, s in enumerate(e)]
+    workers, batch = rng.randint(1, 3), rng.randint(1, 3)
+    step = rng.choice([0.0, 0.1, 0.4])
+    bound = any_loader_bound(secs, workers, batch, step)
+    for window in (None, max(batch, 4)):
+        for rule, slow in (("off", False), ("scan", True)):
+            r = replay(samples, workers, rule=rule, slow_first=slow, batch_size=batch,
+                       step_s=step, in_flight=window, epoch_sizes=sizes)
+            assert r.makespan_s >= bound - 1e-9

@@ -138,6 +138,44 @@ class Replay:
     held_back: int = 0
 
 
+def any_loader_bound(epochs_s: Sequence[Sequence[float]], workers: int, batch_size: int,
+                     step_s: float) -> float:
+    """Seconds that no loader can beat: a lower bound on the wall time of a training loop
+    that steps ``step_s`` seconds per batch of ``batch_size`` (``drop_last=False``) over
+    epochs whose samples take ``epochs_s[e]`` seconds each on one of ``workers`` workers,
+    whatever the order, window or look-ahead (cross-epoch prefetch unbounded, no overhead).
+
+    The last batch of epoch ``e`` cannot be taken before every sample of epochs ``0..e`` is
+    done: not before ``max(their seconds / workers, the longest of them)`` (the two
+    classic makespan bounds, Graham 1969); the loop then still steps that batch and every
+    later one. The first batch cannot be taken before its ``batch_size`` samples are done:
+    not before the ``batch_size``-th shortest of epoch 0 (with ``batch_size > workers``, more).
+    The bound is the largest of these; the replay (:func:`replay`), a schedule, is never
+    below it.
+
+    Raises:
+        ValueError: ``workers < 1``, ``batch_size < 1`` or ``step_s < 0``.
+    """
+    if workers < 1 or batch_size < 1 or step_s < 0:
+        raise ValueError(f"workers and batch_size must be >= 1 and step_s >= 0, got "
+                         f"{workers}, {batch_size}, {step_s}")
+    per = [-(-len(e) // batch_size) for e in epochs_s]
+    total = sum(per)
+    best, work, longest, through = 0.0, 0.0, 0.0, 0
+    for secs, nb in zip(epochs_s, per):
+        if not nb:
+            continue
+        work += float(sum(secs))
+        longest = max(longest, float(max(secs)))
+        through += nb
+        best = max(best, max(work / workers, longest) + (total - through + 1) * step_s)
+    if total:
+        first = sorted(next(e for e in epochs_s if len(e)))[:batch_size]
+        ready = max(first[-1], sum(first) / min(workers, len(first)))
+        best = max(best, ready + total * step_s)
+    return best
+
+
 def replay(samples: Sequence[tuple[int, float, float]], workers: int, *, rule: str = "scan",
            in_flight: int | None = None, figures: Sequence[float] | None = None,
            n_indices: int | None = None,

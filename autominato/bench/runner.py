@@ -52,6 +52,7 @@ from autominato.bench.arms import (
 )
 from autominato.bench.arms import unavailable as arm_unavailable
 from autominato.bench.measure import ForkedTreeSampler, NvmlSampler, TreeSampler, consume
+from autominato.bench.replay import any_loader_bound
 from autominato.bench.step import make_step, unet_step
 from autominato.bench.workload import (
     Floor,
@@ -78,7 +79,11 @@ class RunRecord:
     of every epoch after the first (NaN with one); ``floor_s``: the median measured floor
     (reads' CPU + transforms); ``floor_transform_s``: the median floor of the transforms
     alone; ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
-    step time; ``step_batch_s``: the step per batch the run was given (simulated, or the
+    step time; ``floor_bound_s``: the wall time no loader can beat with the floor's samples
+    at this step, whatever its order or look-ahead (:func:`~autominato.bench.replay.
+    any_loader_bound` of each floor's per-epoch durations, median over the repeats);
+    ``bound_to_floor``: ``floor_bound_s / max(floor_s, step_s)``, the lowest ``ratio_to_floor``
+    any loader could reach in this run; ``step_batch_s``: the step per batch the run was given (simulated, or the
     real step's calibration), ``step_origin`` how it was set (``floor #0 / 66 batches``,
     ``serial CPU-s per batch / 2 cores``, ``given``, ...); ``memory_wait_s``: an autominato loader's ``memory_wait_seconds_total`` at the
     end of the run (seconds free workers waited for memory-aware dispatch, summed over
@@ -107,6 +112,8 @@ class RunRecord:
     floor_s: float = float("nan")
     floor_transform_s: float = float("nan")
     ratio_to_floor: float = float("nan")
+    floor_bound_s: float = float("nan")
+    bound_to_floor: float = float("nan")
     next_epoch_wait_s: float = float("nan")
     idle_ratio: float = float("nan")
     p99_wait_s: float = float("nan")
@@ -578,6 +585,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             runnable.append(arm)
     floors: list[float] = []
     transform_floors: list[float] = []
+    bounds: list[float] = []  # any_loader_bound of each floor's samples at this step
     for rep in range(opts.repeats):
         if opts.floor and runnable:
             if rep == 0 and first_floor is not None:
@@ -587,6 +595,8 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 _log_floor(opts, wl, rep, f)
             floors.append(f.s)
             transform_floors.append(f.transform_s)
+            if f.epochs_s:
+                bounds.append(any_loader_bound(f.epochs_s, cores, wl.batch_size, step_s))
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)
@@ -625,11 +635,19 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 f"(more than {FLOOR_SPREAD - 1:.0%} apart): the machine's speed moved during "
                 "this run, and with it every ratio; measure on a quieter machine"
             )
+        bound = float(np.median(bounds)) if bounds else float("nan")
+        if bounds:
+            opts.log(f"[{wl.name}] no loader can beat {bound:.2f} s with the floor's samples at "
+                     f"this step ({bound / max(floor, E * wl.n_batches * step_s):.2f}x the "
+                     "floor or the steps): an epoch's last batch waits for every sample of "
+                     "it and of the epochs before it")
         for rec in records:
             rec.floor_s = floor
             rec.floor_transform_s = float(np.median(transform_floors))
+            rec.floor_bound_s = bound
             if rec.ok:
                 rec.ratio_to_floor = rec.wall_s / max(floor, rec.step_s)
+                rec.bound_to_floor = bound / max(floor, rec.step_s)
                 if rec.ratio_to_floor < 1.0:
                     opts.log(
                         f"[{wl.name}] {rec.arm} #{rec.repeat}: {rec.ratio_to_floor:.2f}x the "

@@ -525,10 +525,13 @@ class Floor:
     Attributes:
         s: the floor: the makespan of every sample's read CPU-seconds + transform seconds.
         transform_s: the same makespan of the transforms alone (the reads left out).
+        epochs_s: each sample's read CPU-seconds + transform seconds, one tuple per epoch in
+            the arms' order (what :func:`~autominato.bench.replay.any_loader_bound` takes).
     """
 
     s: float
     transform_s: float
+    epochs_s: tuple[tuple[float, ...], ...] = ()
 
 
 def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
@@ -570,8 +573,12 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
         barrier.wait()
         parts = list(pool.imap(_floor_task, tasks, chunksize=1))
-    return Floor(s=makespan([r + t for r, t in parts], cores),
-                 transform_s=makespan([t for _, t in parts], cores))
+    both = [r + t for r, t in parts]
+    per: dict[int, list[float]] = {}
+    for (e, _), d in zip(tasks, both, strict=True):
+        per.setdefault(e, []).append(d)
+    return Floor(s=makespan(both, cores), transform_s=makespan([t for _, t in parts], cores),
+                 epochs_s=tuple(tuple(per.get(e, ())) for e in range(epochs)))
 
 
 #: The values of :attr:`Workload.step_basis`.
