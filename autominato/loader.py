@@ -537,6 +537,11 @@ class Loader:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
         values.update(start)
+        if values["workers"] == 0 and self.persistent_workers:  # (set by the file's knobs)
+            if persistent_workers:
+                raise ValueError("persistent_workers option needs num_workers > 0 (as in "
+                                 f"DataLoader); the configuration {config} sets workers: 0")
+            self.persistent_workers = False  # (the default: no workers to keep)
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:

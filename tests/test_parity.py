@@ -98,6 +98,20 @@ def test_persistent_workers_given_without_workers_is_refused_as_by_dataloader():
         assert L.persistent_workers is True
 
 
+def test_persistent_workers_with_a_configuration_of_no_workers(tmp_path):
+    from autominato.config import save_config
+
+    cfg = save_config({"knobs": {"workers": 0}, "loader": {}}, tmp_path / "tuned.yaml")
+    with pytest.raises(ValueError, match="persistent_workers option needs num_workers > 0.*"
+                                         "tuned.yaml sets workers: 0"):
+        Loader(Indexed(4), 2, config=cfg, persistent_workers=True, autotune=False)
+    with Loader(Indexed(4), 2, config=cfg, autotune=False) as L:
+        assert L.persistent_workers is False and [len(b) for b in L] == [2, 2]
+    with Loader(Indexed(4), 2, config=cfg, num_workers=1, persistent_workers=True,
+                autotune=False) as L:  # the argument wins over the file
+        assert L.persistent_workers is True and [len(b) for b in L] == [2, 2]
+
+
 def test_timeout_fires_on_a_stuck_batch_and_zero_waits():
     with Loader(Indexed(4, slow={1: 3.0}), 2, num_workers=1, worker_kind="thread", timeout=0.5,
                 autotune=False, in_order=True) as L:
