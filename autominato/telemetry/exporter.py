@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,19 @@ class Exporter:
 
 
 _lock = threading.Lock()
+# (the address bound, the port asked for or bound) -> its server
 _servers: dict[tuple[str, int], Exporter] = {}
+
+
+def _address(host: str) -> str:
+    """The address ``host`` binds (the first that ``getaddrinfo`` gives, as
+    ``prometheus_client.start_http_server`` takes it), so that ``localhost`` and ``127.0.0.1``
+    are one server; ``host`` itself when it does not resolve (the bind then says why)."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM,
+                                      flags=socket.AI_PASSIVE)[0][4][0])
+    except (OSError, UnicodeError):
+        return host
 
 
 def serve(
@@ -89,10 +102,11 @@ def serve(
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
         OSError: any other failure to bind (e.g. an address this machine does not have).
     """
+    addr = _address(host)
     with _lock:
-        existing = _servers.get((host, port))
+        existing = _servers.get((addr, port))
         if existing is None and port == 0:
-            existing = next((e for (h, _), e in _servers.items() if h == host), None)
+            existing = next((e for (h, _), e in _servers.items() if h == addr), None)
         if existing is not None:
             existing._users += 1
             return existing
@@ -123,6 +137,8 @@ def serve(
                 server.server_port,
             )
         exporter = Exporter(host, int(server.server_port), server, thread)
-        _servers[(host, exporter.port)] = exporter
+        _servers[(addr, exporter.port)] = exporter
+        if port:  # (a fallback port: the next caller of the busy one shares it)
+            _servers[(addr, port)] = exporter
         log.info("autominato metrics on %s", exporter.url)
         return exporter
