@@ -33,7 +33,7 @@ from autominato import resume
 from autominato.control import Controller
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
-from autominato.pipeline.errors import ErrorReport, log_skip
+from autominato.pipeline.errors import ErrorReport, log_skip, note_batch
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
 from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.sampler import epoch_order, read_sampler
@@ -284,9 +284,9 @@ class Loader:
             the speculative work (counted in ``speculative_discarded_total``). Memory: no
             more samples in flight than without it (the two epochs share the ``pool_size``
             window), plus up to ``depth`` assembled batches of the next epoch. The last
-            epoch's speculation is wasted work (up to ``pool_size`` samples). A sample that
-            raised while loaded ahead is loaded again when its epoch begins (a file repaired
-            between epochs is read anew). Off with
+            epoch's speculation is wasted work (up to ``pool_size`` samples). A sample whose
+            loading raised while loaded ahead is loaded again when its epoch begins; one that
+            loaded is kept (a dataset or files changed between epochs need ``False``). Off with
             ``persistent_workers=False`` (the dataset may change between epochs). The
             controller's windows span prefetched epochs only: with every epoch started cold
             it acts only on epochs of 12 batches or more (docs/controller.md).
@@ -1666,9 +1666,15 @@ class _SyncIterator:
         L = self.L
         t = time.perf_counter()
         samples = [sample for _, _, sample in items]
-        batch = L._cfg.collate_fn(samples) if L._cfg.collate_fn is not None else collate(samples)
-        if L._cfg.pin_memory or L._cfg.cuda:
-            batch = pin(batch)
+        try:
+            batch = (L._cfg.collate_fn(samples) if L._cfg.collate_fn is not None
+                     else collate(samples))
+            if L._cfg.pin_memory or L._cfg.cuda:
+                batch = pin(batch)
+        except Exception as e:
+            indices = [index for _, index, _ in items]
+            note_batch(e, indices, [sample_path(L.dataset, i) for i in indices])
+            raise
         if L._cfg.cuda:
             batch = to_device(batch, L.device)
         L.stage_stats["batch"].record(time.perf_counter() - t, 0.0, batch_nbytes(batch))

@@ -224,3 +224,31 @@ def test_numpy_arrays_of_strings_or_objects_raise_default_collates_type_error(va
     with pytest.raises(TypeError, match="found"):
         collate([{"k": value}, {"k": value}])
     assert collate([np.str_("a"), np.str_("b")]) == default_collate([np.str_("a"), np.str_("b")])
+
+
+class _OneOddShape:
+    """Index 3 loads with a wrong shape (no error until its batch collates); files i.npy."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return np.zeros(7 if i == 3 else 8, np.float32)
+
+    def sample_path(self, i: int) -> str:
+        return f"{i}.npy"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_that_fails_to_collate_names_its_samples(workers):
+    # Trial 82: a file that loaded with a wrong shape failed its batch, naming no sample.
+    from autominato import Loader
+
+    with Loader(_OneOddShape(), 4, num_workers=workers, in_order=True, autotune=False) as L:
+        it = iter(L)
+        with pytest.raises(RuntimeError, match="cannot stack") as info:
+            next(it)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "collating the batch of sample indices [0, 1, 2, 3]" in notes
+        assert "'3.npy'" in notes
+        assert next(it).shape == (4, 8)  # the next batch comes (as the DataLoader's)

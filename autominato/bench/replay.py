@@ -162,7 +162,7 @@ def any_loader_bound(epochs_s: Sequence[Sequence[float]], workers: int, batch_si
     per = [-(-len(e) // batch_size) for e in epochs_s]
     total = sum(per)
     best, work, longest, through = 0.0, 0.0, 0.0, 0
-    for secs, nb in zip(epochs_s, per):
+    for secs, nb in zip(epochs_s, per, strict=True):
         if not nb:
             continue
         work += float(sum(secs))

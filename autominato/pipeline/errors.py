@@ -158,6 +158,16 @@ class CollateError(RuntimeError, ValueError):
     """
 
 
+def note_batch(error: BaseException, indices: list, paths: list) -> None:
+    """Add to ``error`` (a collate function's, or a pin's) a note naming the batch's samples:
+    their dataset indices and, where the dataset tells them, files (trial 82: a file that
+    loaded with a wrong shape failed its batch, and the error named no sample)."""
+    if isinstance(error, Exception) and hasattr(error, "add_note"):
+        error.add_note(f"[autominato] collating the batch of sample indices "
+                       f"{[int(i) for i in indices]}"
+                       + (f" (files {paths})" if any(paths) else "") + " failed")
+
+
 class _RemoteTraceback(Exception):
     """Holds a worker's traceback text so that it prints under the re-raised exception."""
 

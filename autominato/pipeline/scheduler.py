@@ -52,7 +52,14 @@ from autominato.pipeline.epoch import (
     Raise,
     Skip,
 )
-from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied, describe, log_skip
+from autominato.pipeline.errors import (
+    SampleError,
+    SampleTimeout,
+    WorkerDied,
+    describe,
+    log_skip,
+    note_batch,
+)
 from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
@@ -1278,6 +1285,8 @@ class Pipeline:
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
             if not released:  # (pin failed after the release: a slot goes back once)
                 self._release_items(items)
+            indices = [index for _, index, _ in items]
+            note_batch(e, indices, [sample_path(self.spec.dataset, i) for i in indices])
             return Result("batch", key, [pos for pos, _, _ in items], ok=False, error=e)
         indices = [index for _, index, _ in items]
         positions = [pos for pos, _, _ in items]
