@@ -2,8 +2,9 @@
 
 Measures every sample of ``--epochs`` epochs of the KiTS19 bench workload serially, in the
 order the bench's arms take them (``--ranks``: rank 0's share, as ``autominato bench``). The
-floor is then their greedy makespan on ``--workers`` workers (the bench's floor, from serial
-durations); the step is ``--step-factor`` x floor / batches (the bench's balanced step). The
+floor is then their greedy makespan on ``--workers`` workers (the bench's formula applied to
+serial durations: the bench times its floor's samples in ``cores`` processes at once, where
+they take longer); the step is ``--step-factor`` x floor / batches (the bench's balanced step). The
 replay (``autominato/bench/replay.py``: the Loader's own dispatch code on a simulated clock,
 nothing else) runs the training loop against workers that take a sample the moment one is
 free and the window has room, with no transport, collation, start-up or contention, epochs
