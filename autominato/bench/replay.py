@@ -143,7 +143,10 @@ def any_loader_bound(epochs_s: Sequence[Sequence[float]], workers: int, batch_si
     """Seconds that no loader can beat: a lower bound on the wall time of a training loop
     that steps ``step_s`` seconds per batch of ``batch_size`` (``drop_last=False``) over
     epochs whose samples take ``epochs_s[e]`` seconds each on one of ``workers`` workers,
-    whatever the order, window or look-ahead (cross-epoch prefetch unbounded, no overhead).
+    whatever the order, window or look-ahead (cross-epoch prefetch unbounded, no overhead),
+    as long as every batch but an epoch's last is full (as the DataLoader's and the Loader's
+    are: a loader that stepped a short batch first could end sooner), and every step takes
+    ``step_s`` (the bench's real steps can be shorter than their calibration).
 
     The last batch of epoch ``e`` cannot be taken before every sample of epochs ``0..e`` is
     done: not before ``max(their seconds / workers, the longest of them)`` (the two
