@@ -285,7 +285,8 @@ class Loader:
             more samples in flight than without it (the two epochs share the ``pool_size``
             window), plus up to ``depth`` assembled batches of the next epoch. The last
             epoch's speculation is wasted work (up to ``pool_size`` samples). A sample whose
-            loading raised while loaded ahead is loaded again when its epoch begins; one that
+            loading raised (or timed out) while loaded ahead is loaded again when its epoch
+            begins; one that
             loaded is kept (a dataset or files changed between epochs need ``False``). Off with
             ``persistent_workers=False`` (the dataset may change between epochs). The
             controller's windows span prefetched epochs only: with every epoch started cold

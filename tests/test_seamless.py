@@ -535,3 +535,43 @@ def test_a_sample_loaded_ahead_that_fails_after_its_epoch_began_is_loaded_again(
         ds.gate.set()  # ... before that load fails
         got, errors = _one_pass(it)
         assert sorted(got) == list(range(12)) and not errors
+
+
+class _StalledUntil:
+    """Index 5 stalls (a hung mount) from its second load on, unless ``flag`` exists when its
+    load begins; each load of it adds a line to ``tries``."""
+
+    def __init__(self, flag: Path, tries: Path) -> None:
+        self.flag, self.tries = flag, tries
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        if i == 5:
+            with open(self.tries, "a") as f:
+                f.write("x\n")
+            if _lines(self.tries) >= 2 and not self.flag.exists():
+                time.sleep(30)
+        time.sleep(0.02)  # (not sent to the workers in chunks: a chunk's timeout is a death's)
+        return np.full(2, i, np.float32)
+
+
+def test_a_sample_that_timed_out_while_loaded_ahead_is_loaded_again_when_its_epoch_begins(
+        tmp_path):
+    # Review 81: a load ahead that timed out (a stalled mount, fixed between the epochs)
+    # was reported in the next epoch, as a raised one was before.
+    flag, tries = tmp_path / "repaired", tmp_path / "tries"
+    with Loader(_StalledUntil(flag, tries), 2, num_workers=2, sample_timeout=0.5,
+                on_error="skip", autotune=False) as L:
+        got, _ = _one_pass(iter(L))
+        assert sorted(got) == list(range(12))
+        deadline = time.monotonic() + 20
+        while _lines(tries) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # epoch 1's index 5 is loading ahead, and stalls
+        assert _lines(tries) == 2
+        time.sleep(0.1)
+        flag.touch()
+        got, _ = _one_pass(iter(L))
+        assert sorted(got) == list(range(12))
+        assert L.snapshot().skipped_total == 0 and _lines(tries) >= 3

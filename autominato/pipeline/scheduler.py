@@ -994,11 +994,12 @@ class Pipeline:
                 and self.procs is not None and hasattr(r.error, "add_note")):
             self._note_stale_copy(r.error)
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
-        if (not r.lost and run.epoch.is_current(pos, attempt)
+        if ((not r.lost or r.timed_out) and not r.requeue and run.epoch.is_current(pos, attempt)
                 and (run.speculative or (pos, attempt) in run.ahead)):
             # Loaded ahead, before the training loop's code between the epochs ran: loaded
             # again once the epoch is adopted, as the DataLoader would load it then (trial 79:
-            # a file repaired between epochs still failed, read before the repair).
+            # a file repaired between epochs still failed, read before the repair; review 81:
+            # so did a read that timed out, a stalled mount fixed between the epochs).
             if run.speculative:
                 run.parked.append((pos, attempt, err))
             else:  # (it failed after the adoption: at once)
