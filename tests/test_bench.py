@@ -604,9 +604,14 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
     from autominato.bench.replay import any_loader_bound
     from autominato.bench.workload import Floor
 
+    from autominato.bench.workload import SerialCost
+
     durs = ((2.0, 0.1, 0.1, 0.1), (0.1,) * 4, (0.1,) * 4)
     monkeypatch.setattr(runner, "measure_floor",
                         lambda wl, cores, epochs: Floor(0.01, 0.01, durs[:epochs]))
+    serial = np.full(12, 5.0)  # alone, each sample slower than two at once: the floor's count
+    monkeypatch.setattr(runner, "measure_serial", lambda wl, samples=None, epochs=1: SerialCost(
+        serial, serial, 12))
     said: list[str] = []
     wl = tiny(4, cost_s=0.0, step_s=0.01)
     res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3, log=said.append))
@@ -618,8 +623,14 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
     assert any("no loader could beat 2.05 s" in m for m in said), said
     # a run below it says the durations were timed in a slower spell (trial 82: silent)
     assert rec.wall_s < 2.05
-    assert any("below the 2.05 s that the floor's sample durations allow" in m
+    assert any("below the 2.05 s that the timed sample durations allow" in m
                for m in said), said
+    # the straggler alone took 1 s (trial 82: memory-aware dispatch runs a large sample
+    # alone, faster than the floor's two at once): the bound takes the least
+    serial[0] = 1.0
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3))
+    # (epoch 0's 1 s + 5 steps; the work of all 3 epochs, 2.1 s on 2 cores, + 1 step: 1.06)
+    assert res.records[0].floor_bound_s == pytest.approx(max(1.0 + 5 * 0.01, 2.1 / 2 + 0.01))
 
 
 def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
@@ -998,12 +1009,12 @@ def test_the_goals_compare_with_the_fastest_peer_and_say_why_one_is_absent():
     a["bound_to_floor_median"] = 1.07  # what no loader beats (replay.any_loader_bound)
     got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
     assert got["wall <= 1.15x max(floor, steps)"] == (
-        True, "1.10x (the sample durations the floor timed allow no loader below 1.07x)")
+        True, "1.10x (the timed sample durations allow no loader below 1.07x)")
     a["ratio_to_floor_median"], a["bound_to_floor_median"] = 1.3, 1.2
     got = {g: (met, text) for g, met, text in goals([a, dl], "w")}
     assert got["wall <= 1.15x max(floor, steps)"] == (False, (
-        "1.30x (the sample durations the floor timed allow no loader below 1.20x; out of "
-        "reach in this run)"))
+        "1.30x (the timed sample durations allow no loader below 1.20x; out of reach in "
+        "this run)"))
 
 
 def test_the_goals_say_when_they_rest_on_too_few_runs_or_peers():

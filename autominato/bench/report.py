@@ -176,7 +176,7 @@ def print_table(
               if result.floor_transform_s else "")
            + "; x floor = wall / max(floor, the run's total step time))"
            if result.floor_s else "")
-        + (f"; no loader below {bound:.2f} s with the sample durations the floor timed"
+        + (f"; no loader below {bound:.2f} s with the sample durations timed"
            if not math.isnan(bound := _bound(rows, wl.name)) else "")
     )
     t = Table(title=title, title_justify="left")
@@ -304,7 +304,7 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
             lambda: a["ratio_to_floor_median"] <= 1.15,
             lambda: f"{a['ratio_to_floor_median']:.2f}x" + (
                 "" if math.isnan(b := a.get("bound_to_floor_median", math.nan)) else
-                f" (the sample durations the floor timed allow no loader below {b:.2f}x"
+                f" (the timed sample durations allow no loader below {b:.2f}x"
                 + ("; out of reach in this run)" if b > 1.15 else ")")),
             ("autominato",),
         )
