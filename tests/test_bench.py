@@ -602,9 +602,7 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
     and below the bound, which the log calls untrustworthy.)"""
     import autominato.bench.runner as runner
     from autominato.bench.replay import any_loader_bound
-    from autominato.bench.workload import Floor
-
-    from autominato.bench.workload import SerialCost
+    from autominato.bench.workload import Floor, SerialCost
 
     durs = ((2.0, 0.1, 0.1, 0.1), (0.1,) * 4, (0.1,) * 4)
     monkeypatch.setattr(runner, "measure_floor",
