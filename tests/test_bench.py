@@ -629,6 +629,13 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
     res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3))
     # (epoch 0's 1 s + 5 steps; the work of all 3 epochs, 2.1 s on 2 cores, + 1 step: 1.06)
     assert res.records[0].floor_bound_s == pytest.approx(max(1.0 + 5 * 0.01, 2.1 / 2 + 0.01))
+    # and the least of the floors': a second floor timed the straggler at 0.5 s
+    serial[0] = 5.0
+    floors = iter([durs, ((0.5, 0.1, 0.1, 0.1), *durs[1:])])
+    monkeypatch.setattr(runner, "measure_floor",
+                        lambda wl, cores, epochs: Floor(0.01, 0.01, next(floors)))
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3, repeats=2))
+    assert res.records[0].floor_bound_s == pytest.approx((0.5 + 1.1) / 2 + 0.01)
 
 
 def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):

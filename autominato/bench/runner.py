@@ -81,8 +81,7 @@ class RunRecord:
     alone; ``ratio_to_floor``: ``wall_s / max(floor_s, step_s)`` where ``step_s`` is the run's total
     step time; ``floor_bound_s``: the wall time no loader can beat with the timed sample
     durations at this step, whatever its order or look-ahead (:func:`~autominato.bench.replay.
-    any_loader_bound` of each floor's per-epoch durations, each the least of the floor's and
-    the serial measurement's, median over the repeats);
+    any_loader_bound` of each sample's least time over the floors and the serial measurement);
     ``bound_to_floor``: ``floor_bound_s / max(floor_s, step_s)``, the lowest ``ratio_to_floor``
     any loader could reach in this run; ``step_batch_s``: the step per batch the run was given (simulated, or the
     real step's calibration), ``step_origin`` how it was set (``floor #0 / 66 batches``,
@@ -407,19 +406,26 @@ class WorkloadResult:
     step_origin: str = ""
 
 
-def _solo_or_less(epochs_s: tuple, serial: SerialCost) -> tuple:
-    """Each sample's duration as the floor timed it, or as the serial measurement did where
-    that is less: the floor times samples two (``cores``) at once, and a loader that runs a
-    long one alone (memory-aware dispatch) runs it faster, so the bound takes the least
-    credible time of each (trial 82: the 8-case runs beat a bound from the floor's times).
-    The floor's alone when the serial measurement is a subset (``--serial-samples``)."""
-    flat = [d for e in epochs_s for d in e]
-    if serial.estimated or len(serial.wall_s) != len(flat):
+def _least(epochs_s: tuple, other: tuple | SerialCost) -> tuple:
+    """Each sample's least duration: ``epochs_s``'s (per epoch, as :class:`Floor` times them)
+    or ``other``'s (another floor's, or the serial measurement's, flat in the same order),
+    whichever is less. A sample's time moved up to 20x between measurements on the 2-core VM
+    (a floor's first samples pay its processes' first page faults; two at once contend; a
+    loader that runs a long one alone runs it faster), and the bound, built on the longest
+    and the heaviest, would carry every such high reading (trial 82: the 8-case runs beat a
+    bound built on one floor's times). The serial measurement is skipped when it is a subset
+    (``--serial-samples``)."""
+    if isinstance(other, SerialCost):
+        if other.estimated:
+            return epochs_s
+        flat = [float(w) for w in other.wall_s]
+    else:
+        flat = [d for e in other for d in e]
+    if len(flat) != sum(map(len, epochs_s)):
         return epochs_s
     out, j = [], 0
     for e in epochs_s:
-        out.append(tuple(min(d, float(w)) for d, w in zip(e, serial.wall_s[j:j + len(e)],
-                                                          strict=True)))
+        out.append(tuple(min(d, w) for d, w in zip(e, flat[j:j + len(e)], strict=True)))
         j += len(e)
     return tuple(out)
 
@@ -603,7 +609,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             runnable.append(arm)
     floors: list[float] = []
     transform_floors: list[float] = []
-    bounds: list[float] = []  # any_loader_bound of each floor's samples at this step
+    timed: tuple = ()  # each sample's least duration timed so far (_least)
     for rep in range(opts.repeats):
         if opts.floor and runnable:
             if rep == 0 and first_floor is not None:
@@ -614,8 +620,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             floors.append(f.s)
             transform_floors.append(f.transform_s)
             if f.epochs_s:
-                bounds.append(any_loader_bound(_solo_or_less(f.epochs_s, serial), cores,
-                                               wl.batch_size, step_s))
+                timed = _least(timed or _least(f.epochs_s, serial), f.epochs_s)
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)
@@ -654,10 +659,11 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 f"(more than {FLOOR_SPREAD - 1:.0%} apart): the machine's speed moved during "
                 "this run, and with it every ratio; measure on a quieter machine"
             )
-        bound = float(np.median(bounds)) if bounds else float("nan")
-        if bounds:
+        bound = (any_loader_bound(timed, cores, wl.batch_size, step_s) if timed
+                 else float("nan"))
+        if timed:
             opts.log(f"[{wl.name}] with the sample durations timed (each the least of the "
-                     f"floor's and the serial one's), no loader could beat {bound:.2f} s at "
+                     f"floors' and the serial one), no loader could beat {bound:.2f} s at "
                      "this step ("
                      f"{bound / max(floor, E * wl.n_batches * step_s):.2f}x the floor or the "
                      "steps): an epoch's last batch waits for every sample of it and of the "
