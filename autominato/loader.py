@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -541,7 +542,9 @@ class Loader:
         if values["workers"] == 0 and self.persistent_workers:  # (set by the file's knobs)
             if persistent_workers:
                 raise ValueError("persistent_workers option needs num_workers > 0 (as in "
-                                 f"DataLoader); the configuration {config} sets workers: 0")
+                                 "DataLoader); the configuration"
+                                 + (f" {config}" if isinstance(config, (str, os.PathLike))
+                                    else "") + " sets workers: 0")
             self.persistent_workers = False  # (the default: no workers to keep)
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)

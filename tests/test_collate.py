@@ -252,3 +252,41 @@ def test_a_batch_that_fails_to_collate_names_its_samples(workers):
         assert "collating the batch of sample indices [0, 1, 2, 3]" in notes
         assert "'3.npy'" in notes
         assert next(it).shape == (4, 8)  # the next batch comes (as the DataLoader's)
+
+
+def test_a_collate_fn_raising_one_instance_again_gets_one_note():
+    # Review 83: a collate_fn that raises the same exception object each time gathered one
+    # note per failed batch.
+    from autominato import Loader
+
+    boom = ValueError("boom")
+
+    def collate_fn(samples):
+        raise boom
+
+    with Loader(_OneOddShape(), 4, num_workers=0, collate_fn=collate_fn, autotune=False) as L:
+        it = iter(L)
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                next(it)
+    assert [n for n in boom.__notes__ if "collating" in n] == [
+        "[autominato] collating the batch of sample indices [0, 1, 2, 3] (files "
+        "['0.npy', '1.npy', '2.npy', '3.npy']) failed"]
+
+
+def test_an_iterable_datasets_batch_that_fails_to_collate_names_no_index():
+    # Review 83: its samples have no index; the note named [-1, -1, -1, -1].
+    from torch.utils.data import IterableDataset
+
+    from autominato import Loader
+
+    class Odd(IterableDataset):
+        def __iter__(self):
+            for i in range(4):
+                yield np.zeros(7 if i == 3 else 8, np.float32)
+
+    with Loader(Odd(), 4, num_workers=0, autotune=False) as L:
+        with pytest.raises(RuntimeError, match="cannot stack") as info:
+            next(iter(L))
+    assert [n for n in info.value.__notes__ if "collating" in n] == [
+        "[autominato] collating a batch failed"]

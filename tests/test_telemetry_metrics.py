@@ -526,6 +526,9 @@ def test_port_in_use_gives_a_clear_error_or_a_free_port_when_asked(caplog):
             again = serve(taken, free_if_busy=True)  # (review 78: a second fallback server)
             assert again is exporter
             again.close()
+            # a caller who did not accept another port is not given it (review 83)
+            with pytest.raises(PortInUseError):
+                serve(taken)
         finally:
             exporter.close()
 

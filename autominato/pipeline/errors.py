@@ -162,7 +162,14 @@ def note_batch(error: BaseException, indices: list, paths: list) -> None:
     """Add to ``error`` (a collate function's, or a pin's) a note naming the batch's samples:
     their dataset indices and, where the dataset tells them, files (trial 82: a file that
     loaded with a wrong shape failed its batch, and the error named no sample)."""
-    if isinstance(error, Exception) and hasattr(error, "add_note"):
+    if not isinstance(error, Exception) or not hasattr(error, "add_note"):
+        return
+    notes = getattr(error, "__notes__", [])
+    if any(n.startswith("[autominato] collating") for n in notes):
+        return  # (one instance raised again: its first batch's note stays)
+    if any(int(i) < 0 for i in indices):  # an iterable dataset's: no index
+        error.add_note("[autominato] collating a batch failed")
+    else:
         error.add_note(f"[autominato] collating the batch of sample indices "
                        f"{[int(i) for i in indices]}"
                        + (f" (files {paths})" if any(paths) else "") + " failed")

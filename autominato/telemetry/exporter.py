@@ -105,6 +105,8 @@ def serve(
     addr = _address(host)
     with _lock:
         existing = _servers.get((addr, port))
+        if existing is not None and existing.port != port and not free_if_busy:
+            existing = None  # (a fallback's alias: only for callers who accept one)
         if existing is None and port == 0:
             existing = next((e for (h, _), e in _servers.items() if h == addr), None)
         if existing is not None:
@@ -115,7 +117,7 @@ def serve(
                 "metrics port %d: this process already serves the same metrics on %s; a "
                 "Prometheus scraping both counts every series twice (scrape one, or give every "
                 "loader the same metrics_port or 0)",
-                port, ", ".join(e.url for e in _servers.values()),
+                port, ", ".join(dict.fromkeys(e.url for e in _servers.values())),
             )
         try:
             server, thread = start_http_server(port, addr=host, registry=REGISTRY)
