@@ -449,12 +449,15 @@ class _BrokenUntil:
     def __len__(self) -> int:
         return 12
 
+    def _fail(self) -> None:
+        raise KeyError("corrupt volume 5")
+
     def __getitem__(self, i: int):
         if i == 5:
             with open(self.tries, "a") as f:
                 f.write("x\n")
             if not self.flag.exists():
-                raise KeyError(f"corrupt volume {i}")
+                self._fail()
         time.sleep(0.01)
         return np.full(2, i, np.float32)
 
@@ -537,24 +540,17 @@ def test_a_sample_loaded_ahead_that_fails_after_its_epoch_began_is_loaded_again(
         assert sorted(got) == list(range(12)) and not errors
 
 
-class _StalledUntil:
+class _StalledUntil(_BrokenUntil):
     """Index 5 stalls (a hung mount) from its second load on, unless ``flag`` exists when its
     load begins; each load of it adds a line to ``tries``."""
 
-    def __init__(self, flag: Path, tries: Path) -> None:
-        self.flag, self.tries = flag, tries
-
-    def __len__(self) -> int:
-        return 12
+    def _fail(self) -> None:
+        if _lines(self.tries) >= 2:
+            time.sleep(30)
 
     def __getitem__(self, i: int):
-        if i == 5:
-            with open(self.tries, "a") as f:
-                f.write("x\n")
-            if _lines(self.tries) >= 2 and not self.flag.exists():
-                time.sleep(30)
-        time.sleep(0.02)  # (not sent to the workers in chunks: a chunk's timeout is a death's)
-        return np.full(2, i, np.float32)
+        time.sleep(0.01)  # (20 ms: not sent in chunks, where a timeout is a worker's death)
+        return super().__getitem__(i)
 
 
 def test_a_sample_that_timed_out_while_loaded_ahead_is_loaded_again_when_its_epoch_begins(
