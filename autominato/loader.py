@@ -496,9 +496,6 @@ class Loader:
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
-        # (the default: persistent, unlike the DataLoader, where there are workers to keep)
-        self.persistent_workers = (knobs.get("workers", num_workers) != 0
-                                   if persistent_workers is None else bool(persistent_workers))
         self.transform = transform
         self.in_order = in_order
         self._unbatched = unbatched
@@ -539,13 +536,15 @@ class Loader:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
         values.update(start)
-        if values["workers"] == 0 and self.persistent_workers:  # (set by the file's knobs)
-            if persistent_workers:
-                raise ValueError("persistent_workers option needs num_workers > 0 (as in "
-                                 "DataLoader); the configuration"
-                                 + (f" {config}" if isinstance(config, (str, os.PathLike))
-                                    else "") + " sets workers: 0")
-            self.persistent_workers = False  # (the default: no workers to keep)
+        if persistent_workers and values["workers"] == 0:  # (the file's knobs: the
+            # arguments' were refused above, before any work)
+            raise ValueError("persistent_workers option needs num_workers > 0 (as in "
+                             "DataLoader); the configuration"
+                             + (f" {config}" if isinstance(config, (str, os.PathLike))
+                                else "") + " sets workers: 0")
+        # (the default: persistent, unlike the DataLoader, where there are workers to keep)
+        self.persistent_workers = (values["workers"] != 0 if persistent_workers is None
+                                   else bool(persistent_workers))
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:
@@ -1676,8 +1675,8 @@ class _SyncIterator:
             if L._cfg.pin_memory or L._cfg.cuda:
                 batch = pin(batch)
         except Exception as e:
-            indices = [index for _, index, _ in items]
-            note_batch(e, indices, [sample_path(L.dataset, i) for i in indices])
+            note_batch(e, [index for _, index, _ in items],
+                       functools.partial(sample_path, L.dataset))
             raise
         if L._cfg.cuda:
             batch = to_device(batch, L.device)

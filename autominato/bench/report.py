@@ -306,7 +306,7 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
                 "" if math.isnan(b := a.get("bound_to_floor_median", math.nan)) else
                 f" (the timed sample durations allow no loader below {b:.2f}x"
                 + ("; out of reach in this run)"
-                   if a["ratio_to_floor_median"] > 1.15 < b else ")")),
+                   if a["ratio_to_floor_median"] > 1.15 and b > 1.15 else ")")),
             ("autominato",),
         )
     add(

@@ -406,26 +406,21 @@ class WorkloadResult:
     step_origin: str = ""
 
 
-def _least(epochs_s: tuple, other: tuple | SerialCost) -> tuple:
-    """Each sample's least duration: ``epochs_s``'s (per epoch, as :class:`Floor` times them)
-    or ``other``'s (another floor's, or the serial measurement's, flat in the same order),
-    whichever is less. A sample's time moved up to 20x between measurements on the 2-core VM
-    (a floor's first samples pay its processes' first page faults; two at once contend; a
-    loader that runs a long one alone runs it faster), and the bound, built on the longest
-    and the heaviest, would carry every such high reading (trial 82: the 8-case runs beat a
-    bound built on one floor's times). The serial measurement is skipped when it is a subset
-    (``--serial-samples``)."""
-    if isinstance(other, SerialCost):
-        if other.estimated:
-            return epochs_s
-        flat = [float(w) for w in other.wall_s]
-    else:
-        flat = [d for e in other for d in e]
-    if len(flat) != sum(map(len, epochs_s)):
-        return epochs_s
+def _least(floors: Sequence[tuple], serial: SerialCost) -> tuple:
+    """Each sample's least duration over ``floors`` (each a :attr:`Floor.epochs_s`: per-epoch
+    tuples of seconds) and the serial measurement (flat, in the same order; left out when it
+    is a subset, ``--serial-samples``), shaped as ``floors[0]``. A sample's time moved up to
+    20x between measurements on the 2-core VM (a floor's first samples pay its processes'
+    first page faults; two at once contend; a loader that runs a long one alone runs it
+    faster), and the bound, built on the longest and the heaviest, would carry every such
+    high reading (trial 82: the 8-case runs beat a bound built on one floor's times)."""
+    flat = [[d for e in f for d in e] for f in floors]
+    if not serial.estimated:
+        flat.append([float(w) for w in serial.wall_s])
+    least = np.min([f for f in flat if len(f) == len(flat[0])], axis=0)
     out, j = [], 0
-    for e in epochs_s:
-        out.append(tuple(min(d, w) for d, w in zip(e, flat[j:j + len(e)], strict=True)))
+    for e in floors[0]:
+        out.append(tuple(float(x) for x in least[j:j + len(e)]))
         j += len(e)
     return tuple(out)
 
@@ -609,7 +604,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             runnable.append(arm)
     floors: list[float] = []
     transform_floors: list[float] = []
-    timed: tuple = ()  # each sample's least duration timed so far (_least)
+    timings: list[tuple] = []  # each floor's per-sample durations (Floor.epochs_s)
     for rep in range(opts.repeats):
         if opts.floor and runnable:
             if rep == 0 and first_floor is not None:
@@ -620,7 +615,7 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             floors.append(f.s)
             transform_floors.append(f.transform_s)
             if f.epochs_s:
-                timed = _least(timed or _least(f.epochs_s, serial), f.epochs_s)
+                timings.append(f.epochs_s)
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)
@@ -659,13 +654,15 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 f"(more than {FLOOR_SPREAD - 1:.0%} apart): the machine's speed moved during "
                 "this run, and with it every ratio; measure on a quieter machine"
             )
+        timed = _least(timings, serial) if timings else ()
+        nb = E * wl.n_batches
         bound = (any_loader_bound(timed, cores, wl.batch_size, step_s) if timed
                  else float("nan"))
         if timed:
             opts.log(f"[{wl.name}] with the sample durations timed (each the least of the "
                      "floors'" + ("" if serial.estimated else " and the serial measurement's")
                      + f"), no loader could beat {bound:.2f} s at this step ("
-                     f"{bound / max(floor, E * wl.n_batches * step_s):.2f}x the floor or the "
+                     f"{bound / max(floor, nb * step_s):.2f}x the floor or the "
                      "steps): an epoch's last batch waits for every sample of it and of the "
                      "epochs before it")
         for rec in records:
@@ -673,7 +670,6 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             rec.floor_transform_s = float(np.median(transform_floors))
             rec.floor_bound_s = bound
             if rec.ok:
-                nb = E * wl.n_batches
                 if timed and rec.step_s < nb * step_s:  # (a real step beat its calibration)
                     rec.floor_bound_s = any_loader_bound(timed, cores, wl.batch_size,
                                                          rec.step_s / nb)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -158,10 +159,12 @@ class CollateError(RuntimeError, ValueError):
     """
 
 
-def note_batch(error: BaseException, indices: list, paths: list) -> None:
+def note_batch(error: BaseException, indices: list,
+               path_of: Callable[[int], str | None]) -> None:
     """Add to ``error`` (a collate function's, or a pin's) a note naming the batch's samples:
-    their dataset indices and, where the dataset tells them, files (trial 82: a file that
-    loaded with a wrong shape failed its batch, and the error named no sample)."""
+    their dataset indices and, where ``path_of(index)`` tells them, files (trial 82: a file
+    that loaded with a wrong shape failed its batch, and the error named no sample). An
+    iterable dataset's samples (index -1) are not named."""
     if not isinstance(error, Exception) or not hasattr(error, "add_note"):
         return
     notes = getattr(error, "__notes__", [])
@@ -170,6 +173,7 @@ def note_batch(error: BaseException, indices: list, paths: list) -> None:
     if any(int(i) < 0 for i in indices):  # an iterable dataset's: no index
         error.add_note("[autominato] collating a batch failed")
     else:
+        paths = [path_of(int(i)) for i in indices]
         error.add_note(f"[autominato] collating the batch of sample indices "
                        f"{[int(i) for i in indices]}"
                        + (f" (files {paths})" if any(paths) else "") + " failed")

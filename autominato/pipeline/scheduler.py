@@ -27,6 +27,7 @@ statistics records it fills (:class:`~autominato.pipeline.stats.StageStats`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -1286,8 +1287,8 @@ class Pipeline:
         except BaseException as e:  # noqa: BLE001 - the training loop gets it
             if not released:  # (pin failed after the release: a slot goes back once)
                 self._release_items(items)
-            indices = [index for _, index, _ in items]
-            note_batch(e, indices, [sample_path(self.spec.dataset, i) for i in indices])
+            note_batch(e, [index for _, index, _ in items],
+                       functools.partial(sample_path, self.spec.dataset))
             return Result("batch", key, [pos for pos, _, _ in items], ok=False, error=e)
         indices = [index for _, index, _ in items]
         positions = [pos for pos, _, _ in items]
