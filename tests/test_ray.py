@@ -424,7 +424,7 @@ def test_a_retired_actor_no_node_placed_is_killed_after_the_grace(tmp_path, monk
     monkeypatch.setattr(ray_executor, "PLACEMENT_GRACE_S", 1.0)
     spec = WorkSpec(dataset=list(range(8)), transform=None, transform_takes_rng=False, seed=0,
                     worker_init_fn=SlowInit(str(tmp_path), 0.0))
-    ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=3,
+    ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=2,
                                   options={"num_cpus": 1}, copy=False, max_startup_deaths=3,
                                   on_fatal=lambda e: None)
     try:
@@ -433,6 +433,13 @@ def test_a_retired_actor_no_node_placed_is_killed_after_the_grace(tmp_path, monk
             assert time.monotonic() < deadline
             ex.flush()
             time.sleep(0.1)
+        # Slots 0 and 1 hold both CPUs; the third comes after them, so that it is the one not
+        # placed (started with three, Ray once placed slots 1 and 2 and left slot 0 waiting).
+        ex.resize(3)
+        for _ in range(5):
+            ex.flush()
+            time.sleep(0.1)
+        assert [a.ready for a in ex._actors.values() if a.slot == 2] == [False]
         ex.resize(2)  # the third, not placed, retires
         while len(ex._actors) > 2:
             assert time.monotonic() < deadline
