@@ -33,6 +33,7 @@ from autominato import resume
 # importing it (and the telemetry switch) there delayed the first batch by tens of ms.
 from autominato.control import Controller
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
+from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
 from autominato.pipeline.errors import ErrorReport, log_skip, note_batch
 from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
@@ -625,6 +626,7 @@ class Loader:
         # memory-aware dispatch's figures (SampleMemory.saved) for the next pipeline: from a
         # loaded state, or from a pipeline that load_state_dict closed
         self._memory_figures: list[int] | None = None
+        self._sample_seconds: list[float] | None = None  # slow first's (costs.py), likewise
         self._seeds_taken = 0  # times load_state_dict replaced the drawn seeds
         # Host-to-device copies of dropped iterators still to count, whose pinned host batches
         # must live until their copies end (else the pool refills them under the copy):
@@ -958,7 +960,9 @@ class Loader:
             65536 indices; ``None`` when nothing was measured, as without memory-aware
             dispatch, and for larger datasets; a loaded state's figures are passed on; a
             resumed memory-aware run then holds outliers apart from its first epoch, see
-            docs/memory.md). Before any iteration: the
+            docs/memory.md), and slow-first dispatch's (``sample_seconds``: each index's
+            last service time in seconds, 0 unknown, likewise; a resumed run's first epoch
+            then starts its slowest samples first). Before any iteration: the
             start of the next epoch. After an epoch ended: the next epoch, from its start.
 
         An iterable dataset's position in its stream is its own: in the middle of its epoch
@@ -1007,6 +1011,7 @@ class Loader:
                         p.speculative_discarded += p.pending.taken
                     # (its figures, else those it was given: memory_aware=False measures none)
                     self._memory_figures = p.memory.saved() or self._memory_figures
+                    self._sample_seconds = p.costs.saved() or self._sample_seconds
                     with self._counts_lock:  # snapshot() sees the pipeline or its counts
                         self._pipeline = None
                         for name in _PIPELINE_COUNTERS:
@@ -1021,6 +1026,13 @@ class Loader:
                     own if own is not None and len(own) == n else None, given)
                 if self._pipeline is not None:
                     self._pipeline.restore_memory(given)
+            if state.get("sample_seconds") is not None and len(state["sample_seconds"]) == n:
+                given_s = list(state["sample_seconds"])
+                own_s = self._sample_seconds
+                self._sample_seconds = SampleCosts.merge(
+                    own_s if own_s is not None and len(own_s) == n else None, given_s)
+                if self._pipeline is not None:
+                    self._pipeline.restore_costs(given_s)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -1124,6 +1136,7 @@ class Loader:
             cfg = dataclasses.replace(self._cfg, dataset_len=self._n)
             self._pipeline = Pipeline(cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
             self._pipeline.restore_memory(self._memory_figures)
+            self._pipeline.restore_costs(self._sample_seconds)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
 

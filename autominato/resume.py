@@ -19,6 +19,7 @@ so ``torch.save`` / ``pickle`` / ``json`` store it beside the model's.
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -211,6 +212,15 @@ def _figures(loader: Any, n: int | None) -> list[int] | None:
     return None
 
 
+def _seconds(loader: Any, n: int | None) -> list[float] | None:
+    """Slow-first dispatch's figures for the state, likewise (seconds per index)."""
+    for seconds in (loader._pipeline.costs.saved() if loader._pipeline is not None else None,
+                    loader._sample_seconds):
+        if seconds is not None and len(seconds) == n:
+            return seconds
+    return None
+
+
 def build(loader: Any) -> dict[str, Any]:
     """The state of ``loader``'s most recent iterator (see ``Loader.state_dict``)."""
     p: Progress | None = loader._progress
@@ -264,6 +274,9 @@ def build(loader: Any) -> dict[str, Any]:
         # memory-aware dispatch's figures (peak bytes per index), so a resumed run holds its
         # outliers apart from its first epoch
         "sample_memory": None,  # (below: for the state's dataset_len)
+        # slow-first dispatch's figures (seconds per index), so a resumed run's first epoch
+        # starts its slowest samples first
+        "sample_seconds": None,  # (below, likewise)
     }
     if loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
@@ -294,6 +307,7 @@ def build(loader: Any) -> dict[str, Any]:
                 state["order_digest"] = p.digest
                 state["order_rank"] = p.order_rank if p.digest is not None else None
     state["sample_memory"] = _figures(loader, state["dataset_len"])
+    state["sample_seconds"] = _seconds(loader, state["dataset_len"])
     return state
 
 
@@ -323,6 +337,13 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in figures)):
         raise ValueError("load_state_dict: the state's sample_memory is not a list of "
                          f"{state['dataset_len']} non-negative ints (peak bytes per index)")
+    seconds = state.get("sample_seconds")
+    if seconds is not None and not (
+            isinstance(seconds, list) and len(seconds) == state["dataset_len"]
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v >= 0 for v in seconds)):
+        raise ValueError("load_state_dict: the state's sample_seconds is not a list of "
+                         f"{state['dataset_len']} non-negative numbers (seconds per index)")
     mine = {"batch_size": loader._batch, "world_size": loader.world_size,
             "dataset_len": loader._n, "shuffle": loader.shuffle, "drop_last": bool(loader.drop_last)}
     # A state that names no positions (an ended epoch, one not begun, or one begun that

@@ -368,6 +368,37 @@ def test_a_sample_known_to_be_slow_starts_right_after_the_first_batch(in_order):
                 assert ds.starts.index(6) <= 2, (epoch, ds.starts)
 
 
+def test_a_resumed_run_starts_the_samples_known_to_be_slow_first_in_its_first_epoch():
+    # state_dict carries slow first's figures (sample_seconds): the fresh Loader that loads
+    # it starts the known-slow sample right after its first batch, as the Loader that measured
+    # it would have; without them its first epoch goes in sampler order.
+    ds = _StartOrder()
+    with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False, seed=0,
+                prefetch_next_epoch=False) as L:
+        assert sorted(int(x) for b in L for x in b[:, 0]) == list(range(12))
+        state = L.state_dict()
+    seconds = state["sample_seconds"]
+    assert len(seconds) == 12 and seconds[6] >= 0.29 and seconds[6] == max(seconds)
+    assert all(s >= 0.019 for s in seconds), seconds  # (each sample's sleep, at least)
+    for given, early in ((state, True), (dict(state, sample_seconds=None), False)):
+        ds.starts.clear()
+        with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False, seed=0,
+                    prefetch_next_epoch=False) as M:
+            M.load_state_dict(given)
+            assert sorted(int(x) for b in M for x in b[:, 0]) == list(range(12))
+            assert (ds.starts.index(6) <= 2) is early, ds.starts
+            # (its own figures of the epoch now; the state's are passed on until then)
+            assert M.state_dict()["sample_seconds"][6] > 0.25
+
+
+def test_a_state_with_bad_sample_seconds_is_refused_with_the_key_named():
+    with Loader(_StartOrder(n=4), 2, workers=0, autotune=False, seed=0) as L:
+        state = L.state_dict()
+        for bad in (["x"] * 4, [0.1] * 3, [float("nan")] * 4, [-1.0] * 4):
+            with pytest.raises(ValueError, match="sample_seconds is not a list of 4"):
+                L.load_state_dict(dict(state, sample_seconds=bad))
+
+
 def _slow_transform(sample, rng):
     time.sleep(0.03)  # (reads finish first and wait for it: samples sit between the stages)
     return sample

@@ -10,8 +10,9 @@ so that a cold start's first batch is not held up by the slow ones; no sample co
 about two lookaheads late). A sample's time is its index's last one (its stages' seconds
 together: read and transform), which a volume's size sets mostly and a random crop or flip
 partly. An index not measured yet counts at the mean of those measured (0 before any), so the
-first epoch goes in sampler order. Samples sent to workers in chunks (under 10 ms each) are
-not reordered.
+first epoch goes in sampler order, unless the figures came with a ``Loader.state_dict()``
+(``sample_seconds``: a resumed run's first epoch goes slow first too; the figures measured
+here win). Samples sent to workers in chunks (under 10 ms each) are not reordered.
 
 Replayed with ``scripts/ideal_loader.py`` (the Loader's own dispatch code, with
 ``epoch.Epoch.take``, on a simulated clock, nothing else) on one serial measurement of the
@@ -27,9 +28,11 @@ may come); at 0.165 s, 4 pairs, 2.41 s against 1.76 s (lower in 1 of the 4).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from autominato.pipeline.memory import MAX_INDICES
+from autominato.pipeline.memory import MAX_INDICES, MAX_SAVED
 
 
 class SampleCosts:
@@ -40,6 +43,9 @@ class SampleCosts:
         self._s = np.zeros(n, np.float32) if n and n <= MAX_INDICES else None
         self._sum = 0.0
         self._count = 0
+        # learn (the scheduler thread) against restore (a load_state_dict in the training
+        # process); estimate reads without it (an element, or a mean a figure behind)
+        self._lock = threading.Lock()
 
     @property
     def kept(self) -> bool:
@@ -51,13 +57,44 @@ class SampleCosts:
         s = self._s
         if s is None or not 0 <= index < len(s) or not seconds > 0:
             return
-        old = float(s[index])
-        if old > 0:
-            self._sum -= old
-        else:
-            self._count += 1
-        s[index] = seconds
-        self._sum += float(s[index])
+        with self._lock:
+            old = float(s[index])
+            if old > 0:
+                self._sum -= old
+            else:
+                self._count += 1
+            s[index] = seconds
+            self._sum += float(s[index])
+
+    def saved(self) -> list[float] | None:
+        """The figures as ``Loader.state_dict()`` keeps them (``sample_seconds``): seconds
+        per index, 0 unknown; ``None`` when none was measured or the dataset has more than
+        :data:`~autominato.pipeline.memory.MAX_SAVED` indices."""
+        s = self._s
+        if s is None or not self._count or len(s) > MAX_SAVED:
+            return None
+        with self._lock:
+            return s.astype(np.float64).round(6).tolist()
+
+    def restore(self, seconds: list[float] | None) -> None:
+        """Take the figures of :meth:`saved` for the indices not measured here yet (a list of
+        another length, another dataset's, is ignored). Safe while samples run."""
+        s = self._s
+        if s is None or seconds is None or len(seconds) != len(s):
+            return
+        given = np.asarray(seconds, np.float32)
+        with self._lock:
+            fill = (s == 0) & (given > 0)
+            s[fill] = given[fill]
+            self._count = int(np.count_nonzero(s))
+            self._sum = float(s.sum(dtype=np.float64))
+
+    @staticmethod
+    def merge(own: list[float] | None, given: list[float] | None) -> list[float] | None:
+        """Figures of :meth:`saved`: ``own`` where it has one, else ``given``'s."""
+        if own is None or given is None or len(own) != len(given):
+            return given if given is not None else own
+        return [o if o > 0 else g for o, g in zip(own, given, strict=True)]
 
     def estimate(self, index: int) -> float:
         """``index``'s last time, else the mean of the indices measured (seconds; 0 before

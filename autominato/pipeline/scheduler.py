@@ -498,6 +498,12 @@ class Pipeline:
         if figures is not None and self._memory_aware:
             self.memory.restore(figures)
 
+    def restore_costs(self, seconds: list[float] | None) -> None:
+        """Take slow-first dispatch's figures of a saved state (``SampleCosts.saved``) for the
+        indices not measured here (thread-safe: samples may run)."""
+        if seconds is not None and self._slow_first:
+            self.costs.restore(seconds)
+
     @property
     def memory_wait_s(self) -> float:
         """Worker-seconds (summed over workers) that free workers waited because the queued
