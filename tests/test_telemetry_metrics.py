@@ -550,6 +550,18 @@ def test_localhost_and_its_address_are_one_server():
         a.close()
 
 
+def test_an_empty_host_binds_every_interface_as_0000_and_is_one_server_with_it():
+    # As socketserver's "": prometheus_client cannot resolve it, and it was a key of its own.
+    a = serve(0, "")
+    try:
+        assert a.host == "0.0.0.0" and a._server.server_address[0] == "0.0.0.0"
+        b = serve(a.port, "0.0.0.0")
+        assert b is a
+        b.close()
+    finally:
+        a.close()
+
+
 def test_exporter_binds_loopback_by_default():
     exporter = serve(0)
     try:

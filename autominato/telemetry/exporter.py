@@ -90,7 +90,8 @@ def serve(
             the same registry), else a free port the OS picks (read it back from ``.port``).
             A second port asked for explicitly gets a second server of the same series (a
             warning says so: scrape one of them).
-        host: address to bind; ``"0.0.0.0"`` widens it to every interface.
+        host: address to bind; ``"0.0.0.0"`` (or ``""``, as in :mod:`socketserver`) widens
+            it to every interface.
         free_if_busy: when ``port`` is taken, bind a free port instead of failing (logged at
             warning level with the port chosen).
 
@@ -102,6 +103,7 @@ def serve(
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
         OSError: any other failure to bind (e.g. an address this machine does not have).
     """
+    host = host or "0.0.0.0"  # (prometheus_client cannot resolve "")
     addr = _address(host)
     with _lock:
         existing = _servers.get((addr, port))
