@@ -924,3 +924,28 @@ def test_workers_that_die_before_they_are_ready_raise_instead_of_respawning_fore
     assert left == "none"
     row(f"workers die on start-up ({on_error})", "WorkerDied after 2 in a row (was: respawned "
         "forever, training loop hung)", 0, 0, None, left)
+
+
+
+class _NoNotes(ValueError):
+    """An exception without ``add_note``, as every one before Python 3.11."""
+
+    @property
+    def add_note(self):
+        raise AttributeError("add_note")
+
+
+def test_without_exception_notes_the_sample_index_and_file_head_the_remote_traceback():
+    # Python 3.10 has no add_note: the index and file must still reach the printed traceback.
+    import pickle
+
+    from autominato.pipeline import errors
+
+    report = errors.ErrorReport.capture(_NoNotes("bad voxel"), 7, "/data/case_7.nii.gz",
+                                        "worker 1")
+    report = pickle.loads(pickle.dumps(report))  # (as it crosses from the worker)
+    exc = report.to_exception()
+    assert isinstance(exc, _NoNotes) and str(exc) == "bad voxel"
+    assert not getattr(exc, "__notes__", None)
+    cause = str(exc.__cause__)
+    assert "sample index 7 (file /data/case_7.nii.gz) failed in worker 1" in cause, cause

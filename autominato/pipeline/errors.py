@@ -278,7 +278,10 @@ class ErrorReport:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"[autominato] {self.where()}")
         if exc is not self.original:
-            exc.__cause__ = _RemoteTraceback(f"\n\nTraceback in {self.worker}:\n{self.traceback}")
+            # (before Python 3.11 no note: the sample's index and file head the cause)
+            head = (f"Traceback in {self.worker}" if hasattr(exc, "add_note")
+                    else f"[autominato] {self.where()}; traceback in {self.worker}")
+            exc.__cause__ = _RemoteTraceback(f"\n\n{head}:\n{self.traceback}")
         return with_original_type(exc)
 
 
