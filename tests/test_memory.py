@@ -285,6 +285,32 @@ def test_samples_alike_never_wait():
     assert len(runs) == 18
 
 
+class LargeOutputs:
+    """Samples alike whose output is the whole working set: 16 MiB returned, 40 ms each."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        time.sleep(0.04)
+        return np.full(4 << 20, i, np.float32)
+
+
+def test_samples_alike_with_large_outputs_never_wait_and_their_figures_agree():
+    # Audit 85: the figure was read after the output was written into its batch row, so a row
+    # this worker had not written before added its 16 MiB: figures of 16 and 32 MiB for alike
+    # samples, and a third of them held back (a worker idle at each) with 2 workers.
+    with Loader(LargeOutputs(), batch_size=4, workers=2, seed=0, autotune=False) as loader:
+        for e in range(3):
+            loader.set_epoch(e)
+            assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(24))
+        snap, figures = loader.snapshot(), loader.state_dict()["sample_memory"]
+    assert snap.samples_held_for_memory_total == 0
+    assert figures is not None and min(figures) > 0
+    assert max(figures) < 1.25 * min(figures), [round(f / MiB, 1) for f in figures]
+    assert max(figures) < 20 * MiB, max(figures) / MiB
+
+
 class Fast:
     """Samples alike that take well under 10 ms (they travel in chunks), 1 MiB touched each."""
 

@@ -856,6 +856,9 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
         t = time.perf_counter()
         prep = prepare(sample)  # taken apart once, whichever way it travels
         del sample
+        # The working set, read before packing: the output's shared pages (a slot or batch row
+        # this process had not written yet, a memory file) are the pool's, counted there.
+        peak = meter.peak(base) if meter is not None else 0
         need = prep.need
         buf = offsets = None
         if out_slot == CLAIM:
@@ -879,8 +882,7 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
             desc, need = pack_prepared(prep, None)
         del prep
         pack_s = time.perf_counter() - t
-        return ("ok", pos, desc, need, read_s, transform_s, pack_s,
-                meter.peak(base) if meter is not None else 0)
+        return ("ok", pos, desc, need, read_s, transform_s, pack_s, peak)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
         return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
 
