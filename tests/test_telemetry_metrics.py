@@ -736,3 +736,28 @@ def test_a_sampler_may_read_the_loaders_snapshot():
         t.join(20)
         assert out == [4]
     assert sampler.seen and sampler.seen[0] == 0
+
+
+class _SleepRead:
+    """Each sample's read sleeps 30 ms (a known read time)."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int):
+        time.sleep(0.03)
+        return np.full(8, i, np.float32)
+
+
+def test_a_separate_read_stage_counts_each_sample_once_at_its_read_time():
+    # Audit 85: with fuse_read=False the workers' results carried a read time of ~0 (the
+    # sample came read) that was recorded again: 40 reads of 20 samples, the mean halved.
+    from autominato import Loader
+
+    with Loader(_SleepRead(), 4, workers=2, fuse_read=False, read_threads=2, autotune=False,
+                seed=0) as loader:
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(20))
+        read = loader.snapshot().stages["read"]
+    assert read.items_total == 20
+    assert 0.6 <= read.service_seconds_total < 1.5
+    assert 0.03 <= read.mean_service_s < 0.075

@@ -420,14 +420,17 @@ def run_sample(
     :func:`sample_rng`).
 
     Returns:
-        ``(sample, read_seconds, transform_seconds)``.
+        ``(sample, read_seconds, transform_seconds)``; ``read_seconds`` is 0 when not
+        ``read``.
     """
     t0 = time.perf_counter()
     own = random_state.plan(spec)  # this thread's dataset and transform, and their Randomizables
     if read:
         reseed_parts(own.dataset_parts, spec.seed, epoch, index, 0, draw)
         sample = own.dataset[index]
-    t1 = time.perf_counter()
+    # (not read here: a read stage timed it, and read_seconds is 0, so that the read stage's
+    # figures count each sample once: audit 85)
+    t1 = time.perf_counter() if read else t0
     if spec.transform is not None:
         reseed_parts(own.transform_parts, spec.seed, epoch, index, 1, draw)
         if spec.transform_takes_rng:
