@@ -62,8 +62,8 @@ def scraped():
     port = free_port()
     # autotune=False: the test makes one decision itself, so the run is the same every time.
     loader = Loader(
-        Volumes(), batch_size=4, shuffle=True, transform=flip, seed=0, worker_kind="thread",
-        metrics_port=port, autotune=False, workers=1,
+        Volumes(), batch_size=4, shuffle=True, transform=flip, seed=0,
+        metrics_port=port, autotune=False, workers=1,  # (processes: the loader CPU panel)
     )
     try:
         with PrometheusServer([f"127.0.0.1:{port}"]) as prom:

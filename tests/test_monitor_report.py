@@ -150,6 +150,74 @@ def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys):
     assert "diagnosis: I/O bound (read)" in out
 
 
+class _Work:
+    """Each sample sleeps (``burn=False``) or burns ``seconds`` of CPU (``burn=True``)."""
+
+    def __init__(self, n: int, seconds: float, burn: bool) -> None:
+        self.n, self.seconds, self.burn = n, seconds, burn
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.burn:
+            t = time.thread_time()
+            while time.thread_time() - t < self.seconds:
+                pass
+        else:
+            time.sleep(self.seconds)
+        return np.full(4, i, np.float32)
+
+
+def _scrape_cpu(url: str) -> float:
+    from autominato.telemetry.remote import _get, _samples, fetch
+
+    return _get(_samples(fetch(url)), "autominato_loader_cpu_seconds_total", rank="0")
+
+
+@pytest.mark.parametrize("burn", [False, True])
+def test_the_loader_cpu_demand_exported_is_what_its_workers_spent(burn):
+    # 24 samples of 40 ms: burnt, the workers' CPU is at least 0.96 s; slept, it is about 0.
+    with Loader(_Work(24, 0.04, burn), 4, workers=2, autotune=False, seed=0,
+                metrics_port=0) as loader:
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(24))
+        cpu = _scrape_cpu(loader._telemetry.url)
+    if burn:
+        assert 0.9 * 24 * 0.04 <= cpu < 24 * 0.04 + 3.0, cpu
+    else:
+        assert 0 < cpu < 0.3 * 24 * 0.04, cpu
+
+
+@pytest.mark.parametrize("burn", [False, True])
+def test_autominato_monitor_tells_sleeping_workers_from_busy_ones(capsys, burn):
+    # Audit 85: without the loader's CPU use, the remote report called workers that only
+    # sleep (a slow disk) CPU bound, "no spare cores"; the in-process report said I/O bound.
+    stop = threading.Event()
+    loader = Loader(_Work(400, 0.05, burn), 4, workers=2, autotune=False, seed=0,
+                    memory_aware=False, metrics_port=0)
+
+    def train() -> None:
+        while not stop.is_set():
+            for _ in loader:
+                time.sleep(0.005)
+                if stop.is_set():
+                    return
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        time.sleep(0.5)
+        rc = cli_main(["monitor", f"127.0.0.1:{loader._telemetry.port}", "--interval", "2"])
+    finally:
+        stop.set()
+        trainer.join(timeout=30)
+        loader.close()
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "loader CPU demand" in out
+    assert ("diagnosis: CPU bound" if burn else "diagnosis: I/O bound") in out, out
+
+
 def test_autominato_monitor_says_when_the_exporter_is_unreachable(capsys):
     import socket
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot
-from autominato.telemetry.cores import reads_fused
+from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_SECONDS_KEY, reads_fused
 from autominato.telemetry.metrics import COLLECTED, REGISTRY, STAGES
 from autominato.telemetry.window import Ring
 
@@ -153,6 +153,10 @@ def _add_samples(
     put("autominato_samples_held_for_memory_total", s.samples_held_for_memory_total)
     put("autominato_sample_memory_budget_bytes", s.sample_memory_budget_bytes)
     put("autominato_memory_wait_seconds_total", s.memory_wait_seconds_total)
+    if s.extra.get(CPU_OF_WORKERS_KEY) == 1.0 and CPU_SECONDS_KEY in s.extra:
+        # (of worker processes only: the training process's CPU is not the loader's, and a
+        # counter must not switch basis)
+        put("autominato_loader_cpu_seconds_total", s.extra[CPU_SECONDS_KEY])
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

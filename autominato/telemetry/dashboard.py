@@ -140,6 +140,8 @@ STAGE_UTILISATION = (
 #: (panel, refId) of queries that have no series until a batch is copied to a CUDA device:
 #: the exporter's bandwidth gauge (a bandwidth of no copies is undefined).
 DEVICE_TARGETS = frozenset({("Host-to-device bandwidth", "A")})
+#: Panels of the worker processes' figures: no series with thread workers or ``workers=0``.
+WORKER_PROCESS_PANELS = frozenset({"Loader CPU demand"})
 _COUNT_THRESHOLDS = ((None, "green"), (1.0, "orange"))
 
 #: The dashboard, row by row. Titles are unique (tests and ``dashboards check`` name panels).
@@ -395,6 +397,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "docs/memory.md). Idle worker time, not lost throughput: a cost only where "
                 "the loader is the bottleneck (training loop idle), where memory_aware=False "
                 "may give part of it back at the cost of the peak memory.",
+            ),
+            PanelSpec(
+                "Loader CPU demand", "timeseries", "short",
+                (
+                    Query(
+                        "sum by (rank) (rate(autominato_loader_cpu_seconds_total{"
+                        + LOADER
+                        + "}[$__rate_interval]))",
+                        "cores rank {{rank}}",
+                    ),
+                ),
+                "Cores the loader's worker processes ran on or waited for (CPU time plus "
+                "run-queue wait): near the usable cores with the training loop idle, the "
+                "loader is CPU bound; well below them, its workers wait (storage, a remote "
+                "read). No series with thread workers.",
             ),
         ),
     ),

@@ -341,11 +341,13 @@ def _check(args: argparse.Namespace) -> int:
                 note = "  (no GPU metrics: expected without NVML / DCGM)"
             elif where in dash.DEVICE_TARGETS and not copied:
                 note = "  (no host-to-device copy: expected without a CUDA device)"
+            elif r.target.panel in dash.WORKER_PROCESS_PANELS:
+                note = "  (no worker process: expected with thread workers or workers=0)"
             else:
                 missing += 1
         print(f"{r.series:4d} series  {r.target.panel} [{r.target.ref_id}]{note}")
-    print(f"{len(results)} queries, {missing} without series (GPU panels, and device "
-          "queries while nothing was copied to a device, not counted)")
+    print(f"{len(results)} queries, {missing} without series (GPU panels, device queries "
+          "while nothing was copied to a device, and worker-process panels, not counted)")
     return 1 if missing else 0
 
 

@@ -30,7 +30,7 @@ from autominato.telemetry.metrics import (
     STAGES,
     bounded_reason,
 )
-from autominato.telemetry.monitor import DataMonitor, diagnose, format_report
+from autominato.telemetry.monitor import CpuSnapshots, DataMonitor, diagnose, format_report
 from autominato.telemetry.nvml import nvml_collector
 from autominato.telemetry.switch import (  # noqa: F401 (re-exported)
     DEFAULT_MONITOR_INTERVAL,
@@ -146,7 +146,9 @@ class TelemetryHandle:
         decision_hooks: list[Callable[[Any], None]] | None = getattr(loader, "decision_hooks", None)
         if decision_hooks is not None:
             decision_hooks.append(self._on_decision)
-        COLLECTOR.add(self._key, self.rank, loader.snapshot)
+        # (with the loader's CPU demand: exported, and weighed by every report's diagnosis)
+        self._snapshot = CpuSnapshots(loader.snapshot, getattr(loader, "worker_pids", None))
+        COLLECTOR.add(self._key, self.rank, self._snapshot)
         nvml_collector()
         self.exporter: Exporter | None = None
         self.monitor: DataMonitor | None = None
@@ -158,8 +160,7 @@ class TelemetryHandle:
             if monitor_interval is not None:
                 _ensure_report_visible()
                 self.monitor = DataMonitor(
-                    loader.snapshot, monitor_interval, rank=self.rank,
-                    worker_pids=getattr(loader, "worker_pids", None), budget=budget,
+                    self._snapshot, monitor_interval, rank=self.rank, budget=budget,
                 ).start()
         except BaseException:
             self.close()
@@ -247,7 +248,7 @@ class TelemetryHandle:
         if self.monitor is not None:
             return self.monitor.report(title)
         return format_report(
-            diagnose([self.loader.snapshot()]), title=title or f"Data Monitor (rank {self.rank})"
+            diagnose([self._snapshot()]), title=title or f"Data Monitor (rank {self.rank})"
         )
 
     def close(self) -> None:

@@ -217,6 +217,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Worker processes replaced after dying or hanging.",
         (),
     ),
+    "autominato_loader_cpu_seconds_total": (
+        "counter",
+        "CPU demand of the loader's worker processes: seconds they ran on a core plus seconds "
+        "they waited runnable for one (Linux run-queue wait), summed over workers; absent "
+        "without worker processes (thread workers share the training process).",
+        (),
+    ),
     "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),
     "autominato_pool_bytes": ("gauge", "Memory held by the buffer pool (slots and batch buffers that have their pages), bytes.", ()),
     "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),

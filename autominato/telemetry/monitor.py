@@ -638,6 +638,30 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
     return buf.getvalue().rstrip()
 
 
+class CpuSnapshots:
+    """``snapshot()`` with the loader's CPU demand in ``extra`` (:data:`CPU_SECONDS_KEY` and
+    its basis, :func:`~autominato.telemetry.cores.loader_cpu_extra`), read from the processes
+    ``worker_pids()`` names and this one (a :class:`ProcessMeter`). Thread-safe: the scrape
+    thread, the Data Monitor and a ``report()`` call may read at once. Without
+    ``worker_pids``, or when the snapshot carries the figure already (the controller's),
+    the snapshot as it is."""
+
+    def __init__(self, snapshot: Callable[[], LoaderSnapshot],
+                 worker_pids: Callable[[], list[int]] | None) -> None:
+        self._snapshot = snapshot
+        self._pids = worker_pids
+        self._meter = ProcessMeter() if worker_pids is not None else None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> LoaderSnapshot:
+        snap = self._snapshot()
+        if self._meter is None or self._pids is None or CPU_SECONDS_KEY in snap.extra:
+            return snap
+        with self._lock:
+            cpu = loader_cpu_extra(self._meter.read(self._pids()))
+        return replace(snap, extra={**snap.extra, **cpu})
+
+
 class DataMonitor:
     """A daemon thread that logs the Data Monitor report every ``interval`` seconds.
 
@@ -667,9 +691,7 @@ class DataMonitor:
     ) -> None:
         if not interval > 0:
             raise ValueError(f"monitor interval must be > 0 seconds, got {interval!r}")
-        self._loader_snapshot = snapshot
-        self._pids = worker_pids
-        self._meter = ProcessMeter() if worker_pids is not None else None
+        self._snapshot = CpuSnapshots(snapshot, worker_pids)
         self.budget = budget
         self.interval = float(interval)
         self.rank = rank
@@ -680,13 +702,6 @@ class DataMonitor:
             target=self._run, name=f"autominato-monitor-{rank}", daemon=True
         )
         self.reports = 0
-
-    def _snapshot(self) -> LoaderSnapshot:
-        snap = self._loader_snapshot()
-        if self._meter is None or self._pids is None or CPU_SECONDS_KEY in snap.extra:
-            return snap
-        cpu = loader_cpu_extra(self._meter.read(self._pids()))
-        return replace(snap, extra={**snap.extra, **cpu})
 
     def start(self) -> DataMonitor:
         self._thread.start()
