@@ -471,3 +471,36 @@ def test_a_worker_init_errors_original_type_pickles_and_spares_stop_iteration():
         assert str(back) == str(err) == "worker_init_fn(0) raised ..."  # no KeyError quotes
     for t in (StopIteration, SystemExit, KeyboardInterrupt):
         assert type(made(t)) is WorkerInitError
+
+
+class _Range(torch.utils.data.IterableDataset):
+    """torch's documentation example: ``range(start, end)``, sharded by ``_shard_by_info``."""
+
+    def __init__(self, start: int, end: int) -> None:
+        super().__init__()
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def _shard_by_info(worker_id: int) -> None:
+    # torch.utils.data.IterableDataset's docstring: each worker keeps its share of the range.
+    info = torch.utils.data.get_worker_info()
+    ds = info.dataset
+    per = -(-(ds.end - ds.start) // info.num_workers)
+    ds.start = ds.start + info.id * per
+    ds.end = min(ds.start + per, ds.end)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_worker_init_fn_that_shards_an_iterable_stays_exact_when_the_worker_count_changes(
+        persistent):
+    # Trial 84: the workers running kept the shares worker_init_fn gave them for the old count
+    # (16 items of 12 at 3 workers, 6 at 1); the controller may change the count too.
+    with Loader(_Range(0, 12), batch_size=4, num_workers=2, worker_init_fn=_shard_by_info,
+                persistent_workers=persistent, autotune=False) as loader:
+        for workers in (2, 3, 1, 2, 4):
+            loader.num_workers = workers
+            got = sorted(int(x) for b in loader for x in b)
+            assert got == list(range(12)), (workers, got)

@@ -227,6 +227,7 @@ class ProcWorker:
     task: Any = None  # the task the worker holds (one at a time)
     task_started: float = 0.0
     retiring: bool = False
+    stale: bool = False  # replaced by ProcessWorkers.renew: never serves again
     info: dict = field(default_factory=dict)
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
     dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
@@ -421,7 +422,8 @@ class ProcessWorkers:
         active = [w for w in list(self.workers.values()) if not w.retiring]
         # Workers retired while busy still run (and hold their ids): they serve on, lowest id
         # first, rather than new workers taking the same ids beside them.
-        for w in sorted((w for w in list(self.workers.values()) if w.retiring), key=lambda w: w.slot):
+        for w in sorted((w for w in list(self.workers.values()) if w.retiring and not w.stale),
+                        key=lambda w: w.slot):
             if len(active) >= n:
                 break
             w.retiring = False
@@ -444,6 +446,21 @@ class ProcessWorkers:
                 w.retiring = True
                 if w.task is None:
                     self._stop(w)
+
+    def renew(self, n: int) -> None:
+        """Replace every worker by ``n`` new ones (ids ``0 .. n-1``): a busy one finishes the
+        task it holds, then stops, and none serves again (:meth:`resize` would keep those that
+        fit). For an iterable dataset whose ``worker_init_fn`` shards it by
+        ``get_worker_info().num_workers`` (the torch documentation's example): a worker that
+        ran it for another count holds another share, and a new one runs it on the dataset as
+        the zygote holds it (or as sent: ``persistent_workers=False``)."""
+        for w in list(self.workers.values()):
+            w.stale = True
+            if not w.retiring:
+                w.retiring = True
+                if w.task is None:
+                    self._stop(w)
+        self.resize(n)
 
     def start_one(self) -> ProcWorker:
         """Ask the zygote for one more worker; returns at once (see the class docstring)."""

@@ -180,6 +180,15 @@ class ProcessExecutor:
         after a raised worker_init_fn error may start again."""
         self._hold = False
 
+    def renew(self, n: int) -> None:
+        """Replace every worker by ``n`` new ones (``ProcessWorkers.renew``)."""
+        if self._hold:  # (a raised worker_init_fn: the workers start again at new_pass)
+            self.resize(n)
+            return
+        self.want = n
+        self._startup_deaths = 0
+        self.pool.renew(n)
+
     def resize(self, n: int) -> None:
         self.want = n
         if self._hold and n >= self.pool.size:

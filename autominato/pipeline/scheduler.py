@@ -666,7 +666,7 @@ class Pipeline:
                              "epoch keeps the shards it started with (%d)", k.workers,
                              st.executor.size)
                 continue
-            st.executor.resize(self._want(st))
+            self._resize(st, self._want(st))
         self.slots.set_max_slots(2 * k.pool_size)
         self.batch_pool.max_per_key = k.depth + 3
         for run in self.runs.values():
@@ -754,7 +754,17 @@ class Pipeline:
         want = max((r.epoch.shards for r in self.runs.values()), default=self.knobs.workers)
         st = self.sample_stages[0]
         if st.executor.size != want:
-            st.executor.resize(want)
+            self._resize(st, want)
+
+    def _resize(self, st: Stage, n: int) -> None:
+        """``n`` workers for ``st``: an iterable dataset's with a ``worker_init_fn`` are all
+        new ones when the count changes (it may shard the dataset by ``num_workers``, as
+        torch's example does: those running ran it for another count; trial 84)."""
+        if (self.cfg.iterable and st.name == "transform" and self.spec.worker_init_fn is not None
+                and 0 < st.executor.size != n and hasattr(st.executor, "renew")):
+            st.executor.renew(n)
+        else:
+            st.executor.resize(n)
 
     def _activate(self, spec: Run) -> None:
         """A speculative run starts taking samples (its predecessor has handed out all its own)."""
