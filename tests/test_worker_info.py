@@ -504,3 +504,22 @@ def test_a_worker_init_fn_that_shards_an_iterable_stays_exact_when_the_worker_co
             loader.num_workers = workers
             got = sorted(int(x) for b in loader for x in b)
             assert got == list(range(12)), (workers, got)
+
+
+def _no_third_worker(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    if info.num_workers == 3 and info.id == 2:
+        raise RuntimeError("no third worker")
+    _shard_by_info(worker_id)
+
+
+def test_workers_that_survived_a_failed_worker_init_fn_are_renewed_for_the_new_count():
+    # Review 86: after worker 2 of 3 failed its worker_init_fn, the two survivors held their
+    # shares of 3; setting num_workers=2 (their number) kept them: 8 of 12 items each epoch.
+    with Loader(_Range(0, 12), batch_size=2, num_workers=3, worker_init_fn=_no_third_worker,
+                autotune=False) as loader:
+        with pytest.raises(WorkerInitError):
+            list(loader)
+        loader.num_workers = 2
+        for _ in range(2):
+            assert sorted(int(x) for b in loader for x in b) == list(range(12))

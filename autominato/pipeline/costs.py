@@ -82,7 +82,8 @@ class SampleCosts:
         s = self._s
         if s is None or seconds is None or len(seconds) != len(s):
             return
-        given = np.asarray(seconds, np.float32)
+        # (clipped: a float64 beyond float32's range would be inf here, and the mean nan)
+        given = np.clip(np.asarray(seconds, np.float64), 0.0, 1e9).astype(np.float32)
         with self._lock:
             fill = (s == 0) & (given > 0)
             s[fill] = given[fill]

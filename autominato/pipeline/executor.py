@@ -228,6 +228,7 @@ class ProcWorker:
     task_started: float = 0.0
     retiring: bool = False
     stale: bool = False  # replaced by ProcessWorkers.renew: never serves again
+    count: int = 0  # the num_workers its worker_init_fn was given (get_worker_info)
     info: dict = field(default_factory=dict)
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
     dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
@@ -447,6 +448,10 @@ class ProcessWorkers:
                 if w.task is None:
                     self._stop(w)
 
+    def counts(self) -> set[int]:
+        """The ``num_workers`` values the serving workers were started with."""
+        return {w.count for w in list(self.workers.values()) if not w.retiring}
+
     def renew(self, n: int) -> None:
         """Replace every worker by ``n`` new ones (ids ``0 .. n-1``): a busy one finishes the
         task it holds, then stops, and none serves again (:meth:`resize` would keep those that
@@ -489,7 +494,8 @@ class ProcessWorkers:
             finally:
                 child.close()  # before the first message: a worker that never starts ends it
             try:
-                parent.send(("init", w.slot, max(self.target, w.slot + 1), self.dataset))
+                w.count = max(self.target, w.slot + 1)
+                parent.send(("init", w.slot, w.count, self.dataset))
             except OSError:
                 pass  # it did not start: the zygote reports that
         except (OSError, ValueError) as e:

@@ -182,12 +182,16 @@ class ProcessExecutor:
 
     def renew(self, n: int) -> None:
         """Replace every worker by ``n`` new ones (``ProcessWorkers.renew``)."""
-        if self._hold:  # (a raised worker_init_fn: the workers start again at new_pass)
-            self.resize(n)
-            return
         self.want = n
+        if self._hold:  # (a raised worker_init_fn: the new ones start at the next pass)
+            self.pool.renew(0)
+            return
         self._startup_deaths = 0
         self.pool.renew(n)
+
+    def counts(self) -> set[int]:
+        """The ``num_workers`` values the serving workers were started with."""
+        return self.pool.counts()
 
     def resize(self, n: int) -> None:
         self.want = n

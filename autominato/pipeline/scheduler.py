@@ -749,19 +749,21 @@ class Pipeline:
             "stream", key, run.gen, pull.shard, ep.shards, run.epoch_no, pull.seq,
             [(s.name, s.size) if s is not None else None for s in slots]))
 
-    def _size_stream_workers(self) -> None:
-        """An iterable dataset: as many workers as the live runs have shards, else as the knob."""
+    def _size_stream_workers(self, beginning: Run | None = None) -> None:
+        """An iterable dataset: as many workers as the live runs have shards, else as the knob
+        (``beginning``: the run that begins now, which has no shard iterated yet)."""
         want = max((r.epoch.shards for r in self.runs.values()), default=self.knobs.workers)
         st = self.sample_stages[0]
-        if st.executor.size != want:
-            self._resize(st, want)
+        # (renewed only while no other run iterates shards: theirs would be lost)
+        self._resize(st, want, renew=all(r is beginning for r in self.runs.values()))
 
-    def _resize(self, st: Stage, n: int) -> None:
-        """``n`` workers for ``st``: an iterable dataset's with a ``worker_init_fn`` are all
-        new ones when the count changes (it may shard the dataset by ``num_workers``, as
-        torch's example does: those running ran it for another count; trial 84)."""
-        if (self.cfg.iterable and st.name == "transform" and self.spec.worker_init_fn is not None
-                and 0 < st.executor.size != n and hasattr(st.executor, "renew")):
+    def _resize(self, st: Stage, n: int, renew: bool = True) -> None:
+        """``n`` workers for ``st``. An iterable dataset's, with a ``worker_init_fn``, are all
+        new ones (``renew``) when any was started for another count: the function may shard
+        the dataset by ``num_workers``, as torch's example does (trial 84)."""
+        if (renew and self.cfg.iterable and st.name == "transform"
+                and self.spec.worker_init_fn is not None and st.executor.size
+                and hasattr(st.executor, "renew") and st.executor.counts() != {n}):
             st.executor.renew(n)
         else:
             st.executor.resize(n)
@@ -783,7 +785,7 @@ class Pipeline:
         for st in self.sample_stages:
             st.executor.new_pass()
         if self.cfg.iterable:
-            self._size_stream_workers()
+            self._size_stream_workers(run)
         else:
             for st in self.sample_stages:
                 if st.executor.size < self._want(st):

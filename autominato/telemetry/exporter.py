@@ -103,7 +103,8 @@ def serve(
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
         OSError: any other failure to bind (e.g. an address this machine does not have).
     """
-    host = host or "0.0.0.0"  # (prometheus_client cannot resolve "")
+    if host == "":  # (socketserver's every interface, which prometheus_client cannot resolve)
+        host = "0.0.0.0"
     addr = _address(host)
     with _lock:
         existing = _servers.get((addr, port))

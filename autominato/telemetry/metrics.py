@@ -220,7 +220,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_loader_cpu_seconds_total": (
         "counter",
         "CPU demand of the loader's worker processes: seconds they ran on a core plus seconds "
-        "they waited runnable for one (Linux run-queue wait), summed over workers; absent "
+        "they waited runnable for one (Linux run-queue wait), summed over workers, read at "
+        "each scrape (a worker that exited takes its CPU since the last read along); absent "
         "without worker processes (thread workers share the training process).",
         (),
     ),
