@@ -356,7 +356,10 @@ def test_a_resumed_loader_holds_the_outlier_apart_from_its_first_epoch():
         state = first.state_dict()
     figures = state["sample_memory"]
     assert len(figures) == 6 and all(f > 0 for f in figures)
-    assert 150 * MiB <= figures[0] <= 180 * MiB and all(f < 80 * MiB for f in figures[1:])
+    # (the others allocate 80 MiB: their figure is that plus the interpreter's few pages,
+    # 80 MiB + 16 KiB seen in CI)
+    assert 150 * MiB <= figures[0] <= 180 * MiB
+    assert all(60 * MiB <= f <= 100 * MiB for f in figures[1:]), figures
     with Loader(Uneven(), batch_size=2, workers=2, seed=0, autotune=False) as resumed:
         resumed.load_state_dict(state)
         resumed.set_epoch(0)  # (the epochs are numbered anew: what counts is a new Loader)
