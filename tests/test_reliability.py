@@ -620,18 +620,45 @@ def test_an_exception_that_cannot_be_pickled_arrives_readable():
             e = info.value
             assert e.sample_index == pos and e.sample_path == f"case_{pos:05d}.npy", kind
             assert "process" in e.worker, kind
-            if kind in ("local class", "lock attribute"):
+            if kind == "local class":
                 # Not rebuildable here: the original type's name, message and traceback arrive
                 # as text in a SampleError.
                 assert isinstance(e, SampleError), kind
                 assert f"sample index {pos}" in str(e) and f"case_{pos:05d}.npy" in str(e)
-                assert e.original_type.split(".")[-1] in ("LocalError", "HoldsALock")
+                assert e.original_type.split(".")[-1] == "LocalError"
                 assert "bad header" in str(e) and "__getitem__" in e.remote_traceback
+            elif kind == "lock attribute":
+                # Its attribute does not pickle: its type with its message, as the DataLoader
+                # rebuilds it (trial 84: a SampleError, which `except HoldsALock` missed).
+                assert type(e).__name__ == "HoldsALock" and isinstance(e, HoldsALock), kind
+                assert e.args == ("bad header",) and not hasattr(e, "lock")
+                assert "__getitem__" in str(e.__cause__)
             else:
                 # Rebuilt without calling __init__ (or __reduce__): the original type and args.
                 assert type(e).__name__ in ("ReduceFails", "StrFails"), kind
                 assert e.args == ("bad header",)
                 assert "__getitem__" in str(e.__cause__)
+
+
+class Exits(IndexDataset):
+    def __getitem__(self, i: int):
+        if i == 5:
+            sys.exit(0)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_sys_exit_in_a_sample_raises_a_sample_error_not_a_quiet_exit(kind):
+    """Trial 84: SystemExit(0) was re-raised in the training loop, which ended the training
+    process with status 0 and no traceback, as if it had succeeded (the DataLoader raises a
+    RuntimeError: its worker exited unexpectedly)."""
+    from autominato.pipeline.errors import SampleError
+
+    with Loader(Exits(8), 2, workers=2, worker_kind=kind, seed=0, autotune=False) as loader:
+        with pytest.raises(SampleError, match=r"sample index 5 .*SystemExit\(0\)") as info:
+            run_epoch(loader)
+    assert info.value.sample_index == 5 and info.value.original_type == "builtins.SystemExit"
+    assert "sys.exit" in info.value.remote_traceback
 
 
 def test_unpicklable_exceptions_are_skipped_like_any_other():

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -523,3 +524,42 @@ def test_workers_that_survived_a_failed_worker_init_fn_are_renewed_for_the_new_c
         loader.num_workers = 2
         for _ in range(2):
             assert sorted(int(x) for b in loader for x in b) == list(range(12))
+
+
+_AT_INIT: list[float] = []
+
+
+def _globals_at_init(worker_id: int) -> None:
+    """worker_init_fn: what the global generators hold when it runs (trial 84: the idiom of
+    PyTorch's reproducibility notes, ``np.random.seed(torch.initial_seed() % 2**32)``, needs
+    ``torch.initial_seed()`` to be ``get_worker_info().seed`` there)."""
+    import random
+
+    info = torch.utils.data.get_worker_info()
+    _AT_INIT[:] = [worker_id, info.seed % 2**32, torch.initial_seed() % 2**32, random.random(),
+                   float(np.random.random()), float(torch.rand(()))]
+
+
+class AtInit:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        time.sleep(0.05)  # (so that both workers serve samples)
+        return torch.tensor(_AT_INIT, dtype=torch.float64)
+
+
+def test_worker_init_fn_sees_the_global_generators_seeded_as_the_dataloader_seeds_them():
+    def run(cls, **kw):
+        with contextlib.ExitStack() as stack:
+            loader = cls(AtInit(), batch_size=1, num_workers=2, worker_init_fn=_globals_at_init,
+                         generator=torch.Generator().manual_seed(1234), **kw)
+            if cls is Loader:
+                stack.enter_context(loader)
+            return sorted({tuple(r) for b in loader for r in b.tolist()})
+
+    ours = run(Loader, autotune=False)
+    theirs = run(torch.utils.data.DataLoader)
+    assert len(theirs) == 2 and [r[0] for r in theirs] == [0, 1]
+    assert all(r[1] == r[2] for r in theirs)  # (what the idiom relies on)
+    assert ours == theirs

@@ -6,7 +6,9 @@ back as an :class:`ErrorReport` (always picklable), and re-raised in the trainin
 * when the original exception survives a pickle round trip, that same type and message is
   raised, with the worker's traceback as its ``__cause__`` (as :mod:`concurrent.futures` does)
   and a note naming the sample index, file and worker;
-* otherwise (a constructor with several required arguments, an unpicklable attribute) a
+* otherwise (a constructor with several required arguments, an unpicklable attribute), and
+  for an exception that is no ``Exception`` (``SystemExit`` from ``sys.exit`` in a sample,
+  which re-raised would end the training process with status 0, as if it had succeeded), a
   :class:`SampleError` carrying the original type name, message and traceback is raised.
 
 Either way the raised exception has the attributes ``sample_index``, ``sample_path`` and
@@ -220,7 +222,8 @@ class ErrorReport:
     @classmethod
     def capture(cls, exc: BaseException, index: int, path: str | None, worker: str) -> ErrorReport:
         """Describe ``exc`` (call inside the ``except`` block that caught it)."""
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        t = type(exc)
+        tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
         pickled: bytes | None
         try:
             pickled = pickle.dumps(exc)
@@ -228,18 +231,19 @@ class ErrorReport:
         except Exception:
             # Rebuild without calling __init__ (which may need other arguments than .args):
             # the class, .args and the attributes are enough for a readable original.
-            try:
-                t = type(exc)
-                pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, exc.args, vars(exc)))
-                _from_parts(pickle.loads(pickled))
-            except Exception:
-                pickled = None
-        try:
-            message = str(exc)
-        except Exception:
-            message = f"<{type(exc).__name__}: str() failed>"
-        t = type(exc)
-        return cls(index, path, worker, f"{t.__module__}.{t.__qualname__}", message, tb, pickled)
+            # Then, when an argument or attribute cannot be pickled (an open file, a lock), the
+            # type with its message alone, as the DataLoader rebuilds it (``exc_type(msg)``).
+            pickled = None
+            for parts in (lambda: (exc.args, vars(exc)), lambda: ((_message(exc),), {})):
+                try:
+                    args, attrs = parts()
+                    pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, args, attrs))
+                    _from_parts(pickle.loads(pickled))
+                    break
+                except Exception:
+                    pickled = None
+        return cls(index, path, worker, f"{t.__module__}.{t.__qualname__}", _message(exc), tb,
+                   pickled)
 
     def where(self) -> str:
         if self.index < 0:  # not a dataset index (worker_init_fn, an iterable's stream)
@@ -259,9 +263,20 @@ class ErrorReport:
                     exc = _from_parts(exc)
             except Exception:
                 exc = None
+        exit_like = exc is not None and not isinstance(exc, Exception)
+        if exit_like:
+            # SystemExit (sys.exit in a sample), GeneratorExit, a KeyboardInterrupt the sample
+            # raised itself: re-raised as such they would end the training process quietly, with
+            # sys.exit's status (0: as if it had succeeded). The DataLoader raises a
+            # RuntimeError there ("worker exited unexpectedly").
+            exc = None
         if exc is None:
+            what = (f"{self.type_name}: {self.message}" if not exit_like else
+                    f"{self.type_name}({self.message}) was raised (sys.exit in the sample's "
+                    "code?), which is raised here as a SampleError, not as itself, so that "
+                    "the training process does not end quietly")
             exc = SampleError(
-                f"{self.where()}: {self.type_name}: {self.message}",
+                f"{self.where()}: {what}",
                 sample_index=self.index,
                 sample_path=self.path,
                 worker=self.worker,
@@ -283,6 +298,13 @@ class ErrorReport:
                     else f"[autominato] {self.where()}; traceback in {self.worker}")
             exc.__cause__ = _RemoteTraceback(f"\n\n{head}:\n{self.traceback}")
         return with_original_type(exc)
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}: str() failed>"
 
 
 def _exception_class(module: str, qualname: str, found: object) -> type[BaseException]:

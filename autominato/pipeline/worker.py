@@ -7,8 +7,9 @@ the epoch, from its ``draw`` too (which occurrence it is: :func:`sample_rng`), s
 repeat gets an augmentation of its own.
 
 Global generators. A worker process (or Ray actor) seeds Python's ``random``, NumPy's legacy
-global generator and torch's default generator from ``(seed, worker id)`` before
-``worker_init_fn``, as the DataLoader seeds each of its workers, and again from
+global generator and torch's default generator before ``worker_init_fn`` exactly as the
+DataLoader seeds each of its workers (:func:`seed_worker`: ``torch.initial_seed()`` there is
+``get_worker_info().seed``), and again from
 ``(seed, epoch, index)`` (and ``draw``) before each sample (:func:`seed_globals`, 8 us), for
 a dataset's ``__getitem__`` or a transform that draws from them: a sample's draws are then
 reproducible whichever worker ran it, and an index a sampler draws twice in one epoch draws
@@ -383,8 +384,9 @@ def _mix(*values: int) -> int:
 def seed_globals(*key: int) -> None:
     """Seed Python's ``random``, NumPy's legacy global generator and torch's default generator
     from ``key``: ``(seed, epoch, index)`` for one sample (``draw`` appended for a repeat,
-    see :func:`sample_rng`), or ``(seed, worker_id)``
-    once per worker (see the module docstring).
+    see :func:`sample_rng`), or ``(seed, epoch, worker id, k)`` for the k-th sample of an
+    iterable dataset's shard (see the module docstring; before ``worker_init_fn``:
+    :func:`seed_worker`).
 
     Only for worker processes: in the training process it would reseed the user's own
     generators."""
@@ -400,6 +402,28 @@ def seed_globals(*key: int) -> None:
     torch.default_generator.manual_seed(s32)
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(s32)
+
+
+def seed_worker(base_seed: int, wid: int) -> None:
+    """Seed a worker process's global generators as the DataLoader's worker loop does
+    (``torch/utils/data/_utils/worker.py``): Python's ``random`` and torch's default generator
+    from ``base_seed + wid`` (so that ``torch.initial_seed()`` in ``worker_init_fn`` equals
+    ``get_worker_info().seed``, the idiom of PyTorch's reproducibility notes), NumPy's legacy
+    generator from torch's ``_generate_state(base_seed, wid)`` (4 x uint32).
+
+    Before ``worker_init_fn`` only: each sample reseeds them (:func:`seed_globals`)."""
+    seed = (base_seed + wid) & 0xFFFFFFFFFFFFFFFF
+    random.seed(seed)
+    try:
+        import torch
+        from torch.utils.data._utils.worker import _generate_state
+    except ImportError:  # pragma: no cover - torch is a dependency; an older layout
+        np.random.seed(_mix(base_seed, wid))
+        return
+    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: see seed_globals
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+    np.random.seed(_generate_state(base_seed & 0xFFFFFFFFFFFFFFFF, wid))
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
@@ -765,7 +789,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             limit_threads(spec.threads_per_worker if threads is None else threads)
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
-            seed_globals(spec.seed, wid)  # for worker_init_fn; per sample too (serve_sample)
+            seed_worker(spec.seed, wid)  # for worker_init_fn; per sample: seed_globals
             _take_dataset(spec, payload)
             del payload  # the pickled dataset: not kept through worker_init_fn or after
             start_worker(spec, wid, workers, worker, process=True)
