@@ -870,3 +870,43 @@ def test_samples_of_the_scripts_own_classes_come_back_from_workers_not_forked_fr
     script's Logger, whose global cannot be rebuilt in a worker, breaks nothing."""
     out = result_of(run_script(SCRIPT_CLASSES, tmp_path, mode))
     assert out == {"pairs": True, "labels": [0, 1, 2, 3], "recs": True, "xs": [0, 1, 2, 3]}
+
+
+class _Slowish:
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        time.sleep(0.004 * (i % 4))
+        return np.array([i])
+
+
+def test_a_worker_asked_to_stop_is_never_reported_as_a_death(monkeypatch, caplog):
+    """Trial 84: lowering the worker count now and then logged "transform worker 1 died (exit
+    code 0); replacing it": the stop was sent before the worker was struck off the list, and a
+    worker that exited before the scheduler thread ran again was a death. Here the thread is
+    held after each stop it sends (as a GIL switch may hold it)."""
+    from autominato.pipeline.executor import ProcWorker
+
+    send = ProcWorker.send
+
+    def held_after_stop(self, msg):
+        send(self, msg)
+        if msg is None:
+            time.sleep(0.3)  # the worker exits and its zygote says so meanwhile
+
+    monkeypatch.setattr(ProcWorker, "send", held_after_stop)
+    caplog.set_level("INFO", logger="autominato")
+    with Loader(_Slowish(), batch_size=4, workers=3, autotune=False, seed=0) as loader:
+        for e in range(3):
+            loader.set_epoch(e)
+            got = []
+            for k, b in enumerate(loader):
+                got += b.view(-1).tolist()
+                if k == 1:
+                    loader.num_workers = 1
+                if k == 6:
+                    loader.num_workers = 3
+            assert sorted(got) == list(range(48))
+        assert loader.snapshot().worker_restarts_total == 0
+    assert not [r.getMessage() for r in caplog.records if "died" in r.getMessage()]

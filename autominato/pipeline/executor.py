@@ -563,16 +563,16 @@ class ProcessWorkers:
             self._stop(w)
 
     def _stop(self, w: ProcWorker) -> None:
+        # Forgotten before it is told to end: the collector thread may see it exit before this
+        # thread runs again (a GIL switch is 5 ms), and a worker still listed was a death,
+        # "died (exit code 0); replacing it" (trial 84, lowering the worker count).
+        with self._lock:
+            self.workers.pop(w.wid, None)
+        w.proc.stop_deadline = time.monotonic() + 5.0  # then the collector SIGKILLs it
         try:
             w.send(None)
         except (BrokenPipeError, OSError):
             pass
-        w.proc.stop_deadline = time.monotonic() + 5.0  # then the collector SIGKILLs it
-        self._forget(w)
-
-    def _forget(self, w: ProcWorker) -> None:
-        with self._lock:
-            self.workers.pop(w.wid, None)
         self._wake()
         w.close_conn()
 
