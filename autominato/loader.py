@@ -581,6 +581,10 @@ class Loader:
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
+        # The next() under way: when it began, and the latest snapshot that counted it as wait
+        # (a training loop blocked in it, the first batch's too, is waiting now: review 85)
+        self._wait_since: float | None = None
+        self._wait_seen: float | None = None
         self._consumer_wait = 0.0
         # The step of the batch returned last: (return time, its wait, its samples, the id of
         # the iterator that returned it), closed by the training loop's next request (see
@@ -1146,6 +1150,7 @@ class Loader:
         ``owner``: ``id()`` of the iterator that returned it."""
         opened = (now, wait, samples, owner)
         with self._step_lock:
+            self._wait_since = self._wait_seen = None  # (``wait`` covers the whole next())
             self._consumer_wait += wait
             self._batches += 1
             self._samples += samples
@@ -1187,6 +1192,24 @@ class Loader:
                     and not self._live_passes and not self._closed):
                 self._away_since = time.monotonic()
                 self._away_seen = None
+
+    def _asking(self, now: float) -> None:
+        """The training loop entered ``next()`` at ``now``: until it returns, a snapshot
+        counts the time so far as wait (:meth:`_delivered` then records the whole wait)."""
+        with self._step_lock:
+            self._wait_since, self._wait_seen = now, None
+
+    def _unasked(self) -> None:
+        """The ``next()`` under way ended without a batch (the pass's end, an error, a
+        timeout): its time was wait all the same, recorded to its end."""
+        with self._step_lock:
+            since = self._wait_since
+            if since is None:
+                return
+            now = time.monotonic()
+            end = now if self._wait_seen is None else max(now, self._wait_seen)
+            self._wait_since = self._wait_seen = None
+            self._consumer_wait += max(0.0, end - since)
 
     def _back(self, now: float) -> None:
         """The training loop asks for a batch at ``now``: the time since it left a pass
@@ -1300,6 +1323,9 @@ class Loader:
             if self._step_open is not None:
                 busy += max(0.0, now - self._step_open[0])
                 self._step_seen = now
+            if self._wait_since is not None:  # blocked in next() now (the first batch too)
+                wait += max(0.0, now - self._wait_since)
+                self._wait_seen = now
             away = self._away_s
             if self._away_since is not None:
                 away += max(0.0, now - self._away_since)
@@ -1445,6 +1471,17 @@ class _EpochIterator:
         t0 = time.monotonic()
         self.L._end_step(t0)
         self.L._back(t0)
+        L = self.L
+        L._asking(t0)
+        try:
+            return self._next(t0)
+        except BaseException:
+            L._unasked()
+            # Neither this iterator in a frame of the traceback (see _next's errors)
+            del self
+            raise
+
+    def _next(self, t0: float) -> Any:
         if self._done:
             self.L._left(id(self))
             raise StopIteration
@@ -1617,9 +1654,11 @@ class _SyncIterator:
         L = self.L
         L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
         L._back(t0)
+        L._asking(t0)
         try:
             return self._next(t0)
         except BaseException as e:
+            L._unasked()
             if isinstance(e, StopIteration) or self._done:  # the pass ended
                 L._left(id(self))
             raise

@@ -763,3 +763,50 @@ def test_a_separate_read_stage_counts_each_sample_once_at_its_read_time():
     assert read.items_total == 20
     assert 0.6 <= read.service_seconds_total < 1.5
     assert 0.03 <= read.mean_service_s < 0.075
+
+
+class _Gated:
+    """Sample i waits for ``gate`` (set by the test) before it returns."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        self.gate.wait(30)
+        return np.array([i])
+
+
+def test_a_loop_blocked_in_next_counts_as_waiting_before_its_batch_arrives():
+    """Audit 85: the wait of a next() was counted only when its batch arrived, so a loop blocked
+    on its first batch (or on a straggler) read accelerator idle 0 on the gauge; the figure is
+    now the wait so far, and the whole wait once the batch is returned (never less)."""
+    from autominato.telemetry.collector import SlidingWindow
+
+    gate = threading.Event()
+    with Loader(_Gated(gate), 2, workers=0, worker_kind="thread", autotune=False,
+                seed=0) as loader:
+        it = iter(loader)
+        got = []
+        t = threading.Thread(target=lambda: got.append(next(it)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.4)
+        window = SlidingWindow(window_s=10.0)
+        snap = loader.snapshot()
+        blocked = snap.time - t0
+        assert 0.3 <= snap.consumer_wait_seconds_total <= blocked + 0.05
+        assert snap.batches_total == 0
+        assert window.update(snap)[0] == 1.0  # waiting, nothing else: idle all the time
+        time.sleep(0.2)
+        later = loader.snapshot().consumer_wait_seconds_total
+        assert later >= snap.consumer_wait_seconds_total + 0.15
+        gate.set()
+        t.join(10)
+        done = loader.snapshot()
+        assert got and done.batches_total == 1
+        assert later <= done.consumer_wait_seconds_total <= time.monotonic() - t0
+        list(it)  # the pass's end: the time in its last next() is wait too, never less
+        assert loader.snapshot().consumer_wait_seconds_total >= done.consumer_wait_seconds_total
