@@ -374,7 +374,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=port, default=None,
                         help="serve Prometheus metrics on this port (127.0.0.1)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="address the metrics endpoint binds (0.0.0.0 inside a container)")
+                        help="address the metrics endpoint binds (0.0.0.0 or \"\" for every "
+                        "interface, inside a container)")
     parser.add_argument("--monitor-interval", type=seconds, default=60.0,
                         help="seconds between Data Monitor reports in the log (0: only at the "
                         "end of the run)")
@@ -393,6 +394,8 @@ def _check_host(host: str) -> None:
     """Raises ValueError naming ``--metrics-host`` when it resolves to no address."""
     import socket
 
+    if host == "":  # every interface, as the exporter takes it (socketserver's convention)
+        return
     try:
         socket.getaddrinfo(host, None)
     except OSError as e:

@@ -203,3 +203,14 @@ def test_run_data_that_is_a_file_is_not_a_folder(tmp_path, capsys):
     f.write_text("x")
     assert cli_main(["run", "--data", str(f), "--steps", "1"]) == 2
     assert f"{f}: not a folder" in capsys.readouterr().err
+
+
+def test_an_empty_metrics_host_means_every_interface_as_in_the_loader():
+    # Review 86: the loader and the exporter take "" (socketserver's every interface), but the
+    # CLI refused it: getaddrinfo("") fails.
+    from autominato.train import _check_host
+
+    _check_host("")
+    _check_host("0.0.0.0")
+    with pytest.raises(ValueError, match="--metrics-host 999.1.1.1"):
+        _check_host("999.1.1.1")
