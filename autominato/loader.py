@@ -1148,25 +1148,34 @@ class Loader:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it."""
-        opened = (now, wait, samples, owner)
         with self._step_lock:
+            seen = self._wait_seen
+            if seen is not None and seen > now:
+                # ``now`` was read before the lock was taken, and a snapshot in between counted
+                # the wait further than that: the total must not go back
+                wait += seen - now
+                now = seen
             self._wait_since = self._wait_seen = None  # (``wait`` covers the whole next())
+            opened = (now, wait, samples, owner)
             self._consumer_wait += wait
             self._batches += 1
             self._samples += samples
             self._step_open = opened
             self._step_seen = None
 
-    def _end_step(self, now: float | None = None, owner: int | None = None) -> None:
+    def _end_step(self, now: float | None = None, owner: int | None = None) -> float:
         """Close the open consumer step at ``now`` (default: the present) and record it: the
         training loop asked for the next batch, started a new pass or closed the loader.
-        With ``owner``, only a step opened by that iterator (``id``) is closed."""
+        With ``owner``, only a step opened by that iterator (``id``) is closed.
+
+        Returns the instant the step ended (``now``, or later when a snapshot taken meanwhile
+        counted the step further): a wait that follows starts there, not counted twice."""
         # An iterator's __del__ may run this from whichever thread collects it: one lock makes
         # the step close once and the totals move with it
         with self._step_lock:
             opened = self._step_open
             if opened is None or (owner is not None and opened[3] != owner):
-                return
+                return time.monotonic() if now is None else now
             self._step_open = None
             returned, wait, samples, _ = opened
             end = time.monotonic() if now is None else now
@@ -1178,6 +1187,7 @@ class Loader:
             step = max(0.0, end - returned)
             self._consumer_busy += step
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
+        return end
 
     def _left(self, owner: int) -> None:
         """The pass of iterator ``owner`` (``id``) ended (``StopIteration``, an error that
@@ -1468,17 +1478,17 @@ class _EpochIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
-        t0 = time.monotonic()
-        self.L._end_step(t0)
-        self.L._back(t0)
         L = self.L
+        t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
+        L._back(t0)
         L._asking(t0)
         try:
             return self._next(t0)
         except BaseException:
             L._unasked()
-            # Neither this iterator in a frame of the traceback (see _next's errors)
-            del self
+            # Neither this iterator nor the loader in a frame of the traceback (see _next's
+            # errors): a kept error (sys.last_value) would keep the loader and its workers
+            del self, L
             raise
 
     def _next(self, t0: float) -> Any:
@@ -1650,9 +1660,8 @@ class _SyncIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
-        t0 = time.monotonic()
         L = self.L
-        L._end_step(t0)  # the step of the batch returned last (see _EpochIterator)
+        t0 = L._end_step(time.monotonic())  # the step of the batch returned last (as above)
         L._back(t0)
         L._asking(t0)
         try:
@@ -1661,6 +1670,7 @@ class _SyncIterator:
             L._unasked()
             if isinstance(e, StopIteration) or self._done:  # the pass ended
                 L._left(id(self))
+            del self, L, e  # (a kept error must not keep the loader: see _EpochIterator)
             raise
 
     def _next(self, t0: float) -> Any:

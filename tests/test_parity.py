@@ -477,6 +477,37 @@ def test_a_kept_error_does_not_keep_its_run():
         assert [r for r in pipeline.runs.values() if not r.speculative] == []
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_kept_error_does_not_keep_the_dropped_loader_or_its_workers(workers):
+    """Review 87: the frame of next() that counts the wait held the loader, so a kept error
+    kept the loader, its worker processes and shared memory after the training loop dropped
+    it. (With num_workers=0 the sample's own frames in the traceback hold the iterator, as the
+    DataLoader's do: no process or thread is kept there.)"""
+    import gc
+    import weakref
+
+    import psutil
+
+    loader = Loader(FailsAt(8, 3), 1, num_workers=workers, autotune=False, seed=0,
+                    in_order=True)
+    kept = None
+    try:
+        for _ in loader:
+            pass
+    except ValueError as e:
+        kept = e
+    assert kept is not None
+    pids, ref = loader.worker_pids(), weakref.ref(loader)
+    assert len(pids) == workers
+    del loader
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
 def test_what_makes_the_epochs_cannot_be_set_after_init_as_with_dataloader():
     ds = Indexed(10)
     for name, value in [("batch_size", 2), ("sampler", [0, 1, 2]), ("drop_last", True),

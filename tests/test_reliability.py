@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -976,3 +977,43 @@ def test_without_exception_notes_the_sample_index_and_file_head_the_remote_trace
     assert not getattr(exc, "__notes__", None)
     cause = str(exc.__cause__)
     assert "sample index 7 (file /data/case_7.nii.gz) failed in worker 1" in cause, cause
+
+
+class _StrNeedsAttr(Exception):
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f = f  # an open file: does not pickle
+
+    def __str__(self) -> str:
+        return f"cannot read {self.f.name}"
+
+
+def test_an_exception_rebuilt_without_its_attributes_must_still_print():
+    """Review 87: the fallback that keeps the type and message drops the attributes; an
+    exception whose __str__ reads one could not be printed. It arrives as a SampleError with
+    its message."""
+    from autominato.pipeline.errors import ErrorReport, SampleError
+
+    with open(os.devnull) as f:
+        try:
+            raise _StrNeedsAttr(f)
+        except _StrNeedsAttr as e:
+            report = ErrorReport.capture(e, 7, "case_7.npy", "worker 0 (pid 1)")
+    report = pickle.loads(pickle.dumps(report))  # as it crosses from a worker
+    e = report.to_exception()
+    assert isinstance(e, SampleError) and f"cannot read {os.devnull}" in str(e)
+    assert e.sample_index == 7
+
+
+@pytest.mark.parametrize("exc, hint", [(SystemExit(3), True), (KeyboardInterrupt(), False),
+                                       (GeneratorExit(), False)])
+def test_exceptions_that_are_no_exception_arrive_as_sample_errors(exc, hint):
+    from autominato.pipeline.errors import ErrorReport, SampleError
+
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001
+        report = pickle.loads(pickle.dumps(ErrorReport.capture(e, 2, None, "worker 1 (pid 1)")))
+    e = report.to_exception()
+    assert isinstance(e, SampleError) and type(exc).__name__ in str(e)
+    assert ("sys.exit" in str(e)) == hint

@@ -810,3 +810,20 @@ def test_a_loop_blocked_in_next_counts_as_waiting_before_its_batch_arrives():
         assert later <= done.consumer_wait_seconds_total <= time.monotonic() - t0
         list(it)  # the pass's end: the time in its last next() is wait too, never less
         assert loader.snapshot().consumer_wait_seconds_total >= done.consumer_wait_seconds_total
+
+
+def test_the_consumer_wait_never_goes_back_when_a_snapshot_falls_inside_a_delivery():
+    """Review 87: a snapshot taken between next() reading the time of its batch and recording
+    it counted the wait further than the record; the total then went back (Prometheus reads a
+    reset). The interleaving is forced here."""
+    with Loader(list(range(8)), batch_size=1, num_workers=0, autotune=False, seed=0) as loader:
+        t0 = time.monotonic()
+        loader._asking(t0)  # the training loop enters next()
+        time.sleep(0.05)
+        now = time.monotonic()  # next() reads the time of its batch ...
+        time.sleep(0.02)  # ... and a scrape runs before it records it
+        a = loader.snapshot().consumer_wait_seconds_total
+        loader._delivered(now, now - t0, 1, 1)
+        b = loader.snapshot().consumer_wait_seconds_total
+        assert b >= a >= 0.07
+        loader._end_step()

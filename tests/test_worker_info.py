@@ -563,3 +563,29 @@ def test_worker_init_fn_sees_the_global_generators_seeded_as_the_dataloader_seed
     assert len(theirs) == 2 and [r[0] for r in theirs] == [0, 1]
     assert all(r[1] == r[2] for r in theirs)  # (what the idiom relies on)
     assert ours == theirs
+
+
+def _record_seeds(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    info.dataset.rec = (info.seed, torch.initial_seed())
+
+
+class Recorded:
+    rec = None
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        return torch.tensor(self.rec)
+
+
+def test_worker_init_fn_run_again_for_a_new_dataset_is_seeded_as_the_first_time():
+    """Review 87: with persistent_workers=False the dataset sent anew runs worker_init_fn again,
+    but the generators held the last sample's seeds, so torch.initial_seed() there depended on
+    which samples that worker had served."""
+    with Loader(Recorded(), batch_size=None, num_workers=1, autotune=False, seed=7,
+                worker_init_fn=_record_seeds, persistent_workers=False) as loader:
+        for epoch in range(3):
+            loader.dataset.epoch = epoch  # (a new dataset for the workers each epoch)
+            assert [tuple(b.tolist()) for b in loader] == [(7, 7), (7, 7)], epoch

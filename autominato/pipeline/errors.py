@@ -238,7 +238,8 @@ class ErrorReport:
                 try:
                     args, attrs = parts()
                     pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, args, attrs))
-                    _from_parts(pickle.loads(pickled))
+                    # (and it must print: a __str__ that reads a dropped attribute would not)
+                    str(_from_parts(pickle.loads(pickled)))
                     break
                 except Exception:
                     pickled = None
@@ -271,10 +272,12 @@ class ErrorReport:
             # RuntimeError there ("worker exited unexpectedly").
             exc = None
         if exc is None:
+            hint = " (sys.exit in the sample's code?)" if self.type_name.endswith(
+                "SystemExit") else ""
             what = (f"{self.type_name}: {self.message}" if not exit_like else
-                    f"{self.type_name}({self.message}) was raised (sys.exit in the sample's "
-                    "code?), which is raised here as a SampleError, not as itself, so that "
-                    "the training process does not end quietly")
+                    f"{self.type_name}({self.message}) was raised{hint}, which is raised here "
+                    "as a SampleError, not as itself, so that the training process does not "
+                    "end quietly")
             exc = SampleError(
                 f"{self.where()}: {what}",
                 sample_index=self.index,

@@ -490,10 +490,13 @@ _local = threading.local()
 
 def make_info(spec: WorkSpec, wid: int, workers: int, thread: bool = False) -> Any:
     """torch's ``WorkerInfo`` of worker ``wid`` of ``workers``: ``seed`` is ``spec.seed + wid``
-    (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object this worker holds."""
+    modulo 2**64 (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object this
+    worker holds."""
     from torch.utils.data._utils.worker import WorkerInfo
 
-    return WorkerInfo(id=wid, num_workers=workers, seed=spec.seed + wid, dataset=spec.dataset,
+    # (64 bits, as torch.initial_seed() in the worker: a negative or huge seed wraps)
+    return WorkerInfo(id=wid, num_workers=workers, seed=(spec.seed + wid) & 0xFFFFFFFFFFFFFFFF,
+                      dataset=spec.dataset,
                       worker_method="thread" if thread else "multiprocessing")
 
 
@@ -832,6 +835,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             try:
                 _take_dataset(spec, payload)
                 del payload  # the pickled copy: not kept through worker_init_fn
+                seed_worker(spec.seed, wid)  # worker_init_fn runs again: seeded as the first time
                 start_worker(spec, wid, workers, worker, process=True)
             except BaseException as e:  # noqa: BLE001
                 try:
