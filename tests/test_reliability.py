@@ -1017,3 +1017,23 @@ def test_exceptions_that_are_no_exception_arrive_as_sample_errors(exc, hint):
     e = report.to_exception()
     assert isinstance(e, SampleError) and type(exc).__name__ in str(e)
     assert ("sys.exit" in str(e)) == hint
+
+
+class _Code(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"code {code}")  # the message is formatted from the argument
+        self.code = code
+
+
+def test_an_exception_that_formats_its_message_arrives_with_it_once():
+    """Trial 88: unpickling calls __init__(*args) again, so super().__init__(f"code {code}")
+    arrived as 'code code 5'. It is rebuilt without calling __init__ then."""
+    from autominato.pipeline.errors import ErrorReport
+
+    try:
+        raise _Code(5)
+    except _Code as e:
+        report = pickle.loads(pickle.dumps(ErrorReport.capture(e, 1, None, "worker 0 (pid 1)")))
+    e = report.to_exception()
+    assert isinstance(e, _Code) and str(e) == "code 5" and e.args == ("code 5",)
+    assert e.code == 5

@@ -227,7 +227,11 @@ class ErrorReport:
         pickled: bytes | None
         try:
             pickled = pickle.dumps(exc)
-            pickle.loads(pickled)  # a multi-argument constructor fails only on load
+            back = pickle.loads(pickled)  # a multi-argument constructor fails only on load
+            if _message(back) != _message(exc):
+                # Loading calls __init__(*args) again: a constructor that formats its message
+                # (super().__init__(f"code {code}")) formats it twice, "code code 5"
+                raise ValueError("the message changed through pickle")
         except Exception:
             # Rebuild without calling __init__ (which may need other arguments than .args):
             # the class, .args and the attributes are enough for a readable original.
