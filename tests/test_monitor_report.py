@@ -287,3 +287,10 @@ def test_the_memory_line_suggests_turning_it_off_only_when_the_loader_is_the_bot
     text = format_report(replace(d, window_s=5.0, memory_wait_share=0.125), width=400)
     assert "idled 1.2 s for it in the window (12% of the workers' time)" in text
     assert "memory-aware" not in format_report(Diagnosis(kind, None, "s", "s", (), 0.1, 0.5))
+    # Trial 88: one small sample held once, a few ms of wait: no line in every report; and no
+    # hint where the accelerator does not idle or the wait is a sliver of the workers' time
+    assert "memory-aware" not in format_report(replace(d, memory_held=1, memory_wait_s=0.004))
+    assert "memory_aware=False" not in format_report(replace(d, idle_ratio=0.0), width=400)
+    sliver = replace(d, window_s=60.0, memory_wait_share=0.01)
+    text = format_report(sliver, width=400)
+    assert "memory-aware dispatch" in text and "memory_aware=False" not in text

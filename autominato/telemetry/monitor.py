@@ -466,6 +466,14 @@ def _needed(current: int, share: float) -> int:
     return max(current + 1, math.ceil(current * share / WARN_FRACTION))
 
 
+#: The memory-aware dispatch line is printed when free workers idled this long for it in the
+#: report's window (summed over workers), seconds.
+MEMORY_WAIT_REPORTED_S = 0.1
+#: Its hint (``memory_aware=False``) needs that wait to be this share of the workers' time and
+#: the accelerator to idle this share of the window: below, turning it off gains nothing felt.
+MEMORY_WAIT_HINT_SHARE = 0.02
+MEMORY_WAIT_HINT_IDLE = 0.05
+
 #: Appended to a suggestion of more workers while memory-aware dispatch holds samples.
 _MORE_WORKERS_MEMORY = (" (memory-aware dispatch holds samples back: more workers raise its "
                         "budget, workers x the upper quartile's figure, and the peak memory)")
@@ -609,13 +617,19 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
                      f"{_count(diagnosis.errors, 'error')} the training loop caught")
     if parts:
         console.print("not delivered since the start: " + ", ".join(parts), soft_wrap=True)
-    if diagnosis.memory_held:
-        # Idle worker time costs throughput only where the loader is the bottleneck.
+    share = diagnosis.memory_wait_share
+    # (a wait of a few milliseconds, one tiny sample held once, is no news in every report)
+    felt = diagnosis.memory_wait_s >= MEMORY_WAIT_REPORTED_S
+    if diagnosis.memory_held and felt:
+        # Idle worker time costs throughput only where the loader is the bottleneck and the
+        # accelerator idles, and only as far as it is a share of the workers' time that counts
+        # (trial 88: the hint came beside "idle 0%", for one 16-byte sample held once).
+        costly = (share >= MEMORY_WAIT_HINT_SHARE if math.isfinite(share)
+                  else diagnosis.memory_wait_s >= 1.0)
         hint = ("; with the loader the bottleneck, memory_aware=False may give part of it "
                 "back, at the cost of the peak memory"
-                if diagnosis.kind in ("cpu", "io", "sync") and diagnosis.memory_wait_s > 0
-                else "")
-        share = diagnosis.memory_wait_share
+                if diagnosis.kind in ("cpu", "io", "sync") and costly
+                and diagnosis.idle_ratio >= MEMORY_WAIT_HINT_IDLE else "")
         when = (f"in the window ({share:.0%} of the workers' time)" if math.isfinite(share)
                 else "since the start")
         console.print(
