@@ -498,7 +498,7 @@ def test_a_kept_error_does_not_keep_the_dropped_loader_or_its_workers(workers):
         kept = e
     assert kept is not None
     pids, ref = loader.worker_pids(), weakref.ref(loader)
-    assert len(pids) == workers
+    assert 1 <= len(pids) <= workers  # (the error may come before every worker said ready)
     del loader
     gc.collect()
     assert ref() is None
