@@ -1037,3 +1037,39 @@ def test_an_exception_that_formats_its_message_arrives_with_it_once():
     e = report.to_exception()
     assert isinstance(e, _Code) and str(e) == "code 5" and e.args == ("code 5",)
     assert e.code == 5
+
+
+class _NoArgsOSError(OSError):
+    def __init__(self) -> None:  # loading calls it with (5, "cannot read"): fails
+        super().__init__(5, "cannot read")
+
+
+class _Owned(Exception):
+    def __init__(self, msg: str, owner) -> None:
+        super().__init__(msg)
+        self.owner = owner
+
+    def __reduce__(self):  # it says how it pickles: trusted, message and all
+        return (_Owned, (self.args[0], repr(self.owner)))
+
+    def __str__(self) -> str:
+        return f"{self.args[0]} [{self.owner!r}]"
+
+
+def test_rebuilt_exceptions_keep_what_their_builtin_base_derives_and_their_own_pickling():
+    """Review 89: rebuilt without __init__, an OSError lost errno and strerror; and a class with
+    its own __reduce__ whose message changed slightly through it arrived as a SampleError."""
+    from autominato.pipeline.errors import ErrorReport
+
+    def through(exc):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001
+            report = ErrorReport.capture(e, 1, None, "worker 0 (pid 1)")
+        return pickle.loads(pickle.dumps(report)).to_exception()
+
+    e = through(_NoArgsOSError())
+    assert isinstance(e, _NoArgsOSError) and (e.errno, e.strerror) == (5, "cannot read")
+    with open(os.devnull) as f:
+        e = through(_Owned("bad header", f))
+    assert isinstance(e, _Owned) and str(e).startswith("bad header [")

@@ -39,13 +39,13 @@ def write(tmp_path: Path, text: str, name: str = "space.yaml") -> Path:
 def test_default_space_searches_the_four_knobs_with_cores_resolved():
     space = load_space(cores=6)
     assert set(space.searched) == {"depth", "read_threads", "workers", "pool_size"}
-    assert space.searched["workers"] == IntDistribution(0, 6)
+    assert space.searched["workers"] == IntDistribution(1, 6)  # (0: no worker processes)
     assert space.searched["pool_size"].log is True
     # Trial 88: a tuned thread kind changed what worker_init_fn and get_worker_info() do and
     # the draws of the global generators, without a word: only a user's space searches it
     assert space.fixed == {"in_order": False, "worker_kind": "process"}  # (batch_size: null)
     assert space.trial["window_batches"] >= 1 and space.pruner["n_startup_trials"] >= 0
-    assert space.knob_bounds()["workers"] == (0, 6)
+    assert space.knob_bounds()["workers"] == (1, 6)
     assert "worker_kind" not in space.knob_bounds()
 
 
@@ -183,7 +183,7 @@ def test_best_config_round_trips_and_bounds_are_the_search_ranges(tmp_path):
     path = save_config(cfg, tmp_path / "loader.yaml")
     back = load_config(path)
     assert back["knobs"] == {"depth": 3, "read_threads": 2, "workers": 4, "pool_size": 12}
-    assert back["bounds"] == {"depth": (1, 8), "read_threads": (1, 4), "workers": (0, 4), "pool_size": (4, 64)}
+    assert back["bounds"] == {"depth": (1, 8), "read_threads": (1, 4), "workers": (1, 4), "pool_size": (4, 64)}
     assert back["loader"] == {"worker_kind": "thread", "in_order": False, "batch_size": 2}
     assert back["study"]["idle_ratio"] == 0.01
     json_back = load_config(save_config(cfg, tmp_path / "loader.json"))

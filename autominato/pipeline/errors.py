@@ -3,13 +3,20 @@
 An exception raised while reading or transforming a sample is caught where it happened, sent
 back as an :class:`ErrorReport` (always picklable), and re-raised in the training loop:
 
-* when the original exception survives a pickle round trip, that same type and message is
-  raised, with the worker's traceback as its ``__cause__`` (as :mod:`concurrent.futures` does)
-  and a note naming the sample index, file and worker;
-* otherwise (a constructor with several required arguments, an unpicklable attribute), and
-  for an exception that is no ``Exception`` (``SystemExit`` from ``sys.exit`` in a sample,
-  which re-raised would end the training process with status 0, as if it had succeeded), a
-  :class:`SampleError` carrying the original type name, message and traceback is raised.
+* when the original exception survives a pickle round trip with its message, that same type
+  and message is raised, with the worker's traceback as its ``__cause__`` (as
+  :mod:`concurrent.futures` does) and a note naming the sample index, file and worker;
+* otherwise (a constructor with several required arguments, or one that formats its message
+  from its argument, so that loading formats it twice) the same type is rebuilt without
+  calling its ``__init__``: its class, ``args`` and attributes (the builtin base's
+  ``__init__`` fills what C code derives from ``args``, as ``OSError.errno``); when an
+  argument or attribute does not pickle (an open file, a lock), its type with its message,
+  as the DataLoader rebuilds it;
+* when none of that can be rebuilt in the training process (a class defined in a function, a
+  ``__str__`` that needs a dropped attribute), and for an exception that is no ``Exception``
+  (``SystemExit`` from ``sys.exit`` in a sample, which re-raised would end the training
+  process with status 0, as if it had succeeded), a :class:`SampleError` carrying the
+  original type name, message and traceback is raised.
 
 Either way the raised exception has the attributes ``sample_index``, ``sample_path`` and
 ``worker``.
@@ -225,12 +232,15 @@ class ErrorReport:
         t = type(exc)
         tb = "".join(traceback.format_exception(t, exc, exc.__traceback__))
         pickled: bytes | None
+        whole: bytes | None = None  # it pickles and loads, its message changed or not
         try:
             pickled = pickle.dumps(exc)
             back = pickle.loads(pickled)  # a multi-argument constructor fails only on load
-            if _message(back) != _message(exc):
+            whole = pickled
+            if t.__reduce__ is BaseException.__reduce__ and _message(back) != _message(exc):
                 # Loading calls __init__(*args) again: a constructor that formats its message
-                # (super().__init__(f"code {code}")) formats it twice, "code code 5"
+                # (super().__init__(f"code {code}")) formats it twice, "code code 5". (A class
+                # that defines how it pickles is trusted with it.)
                 raise ValueError("the message changed through pickle")
         except Exception:
             # Rebuild without calling __init__ (which may need other arguments than .args):
@@ -246,7 +256,7 @@ class ErrorReport:
                     str(_from_parts(pickle.loads(pickled)))
                     break
                 except Exception:
-                    pickled = None
+                    pickled = whole  # (its own round trip, message and all, as a last resort)
         return cls(index, path, worker, f"{t.__module__}.{t.__qualname__}", _message(exc), tb,
                    pickled)
 
@@ -334,6 +344,14 @@ def _from_parts(parts: tuple) -> BaseException:
     _, module, qualname, args, attrs = parts
     cls = _exception_class(module, qualname, importlib.import_module(module))
     exc = cls.__new__(cls, *args)
+    # Not the class's __init__ (it may need other arguments, or format the message anew), but
+    # its builtin base's: fields that C code derives from the arguments (OSError's errno,
+    # strerror and filename, a UnicodeError's start and end) are set there.
+    base = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+    try:
+        base.__init__(exc, *args)
+    except Exception:  # noqa: BLE001 - arguments that base does not take: args alone
+        pass
     exc.args = args
     exc.__dict__.update(attrs)
     return exc

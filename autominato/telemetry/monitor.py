@@ -473,6 +473,8 @@ MEMORY_WAIT_REPORTED_S = 0.1
 #: the accelerator to idle this share of the window: below, turning it off gains nothing felt.
 MEMORY_WAIT_HINT_SHARE = 0.02
 MEMORY_WAIT_HINT_IDLE = 0.05
+#: ... or, when the window's length is unknown (since the start), this many seconds.
+MEMORY_WAIT_HINT_S = 1.0
 
 #: Appended to a suggestion of more workers while memory-aware dispatch holds samples.
 _MORE_WORKERS_MEMORY = (" (memory-aware dispatch holds samples back: more workers raise its "
@@ -625,7 +627,7 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         # accelerator idles, and only as far as it is a share of the workers' time that counts
         # (trial 88: the hint came beside "idle 0%", for one 16-byte sample held once).
         costly = (share >= MEMORY_WAIT_HINT_SHARE if math.isfinite(share)
-                  else diagnosis.memory_wait_s >= 1.0)
+                  else diagnosis.memory_wait_s >= MEMORY_WAIT_HINT_S)
         hint = ("; with the loader the bottleneck, memory_aware=False may give part of it "
                 "back, at the cost of the peak memory"
                 if diagnosis.kind in ("cpu", "io", "sync") and costly
