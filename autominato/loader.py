@@ -1203,12 +1203,6 @@ class Loader:
                 self._away_since = time.monotonic()
                 self._away_seen = None
 
-    def _asking(self, now: float) -> None:
-        """The training loop entered ``next()`` at ``now``: until it returns, a snapshot
-        counts the time so far as wait (:meth:`_delivered` then records the whole wait)."""
-        with self._step_lock:
-            self._wait_since, self._wait_seen = now, None
-
     def _unasked(self) -> None:
         """The ``next()`` under way ended without a batch (the pass's end, an error, a
         timeout): its time was wait all the same, recorded to its end."""
@@ -1221,10 +1215,14 @@ class Loader:
             self._wait_since = self._wait_seen = None
             self._consumer_wait += max(0.0, end - since)
 
-    def _back(self, now: float) -> None:
+    def _back(self, now: float, asking: bool = False) -> None:
         """The training loop asks for a batch at ``now``: the time since it left a pass
-        counts in ``between_epochs_seconds_total``."""
+        counts in ``between_epochs_seconds_total``. With ``asking`` (it entered ``next()``),
+        until that returns, a snapshot counts the time so far as wait (:meth:`_delivered`
+        then records the whole wait, :meth:`_unasked` the wait of one that gave no batch)."""
         with self._step_lock:
+            if asking:
+                self._wait_since, self._wait_seen = now, None
             since = self._away_since
             if since is None:
                 return
@@ -1480,8 +1478,7 @@ class _EpochIterator:
     def __next__(self) -> Any:
         L = self.L
         t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
-        L._back(t0)
-        L._asking(t0)
+        L._back(t0, asking=True)
         try:
             return self._next(t0)
         except BaseException:
@@ -1662,8 +1659,7 @@ class _SyncIterator:
     def __next__(self) -> Any:
         L = self.L
         t0 = L._end_step(time.monotonic())  # the step of the batch returned last (as above)
-        L._back(t0)
-        L._asking(t0)
+        L._back(t0, asking=True)
         try:
             return self._next(t0)
         except BaseException as e:

@@ -394,10 +394,10 @@ def _check_host(host: str) -> None:
     """Raises ValueError naming ``--metrics-host`` when it resolves to no address."""
     import socket
 
-    if host == "":  # every interface, as the exporter takes it (socketserver's convention)
-        return
+    from autominato.telemetry.exporter import bind_host
+
     try:
-        socket.getaddrinfo(host, None)
+        socket.getaddrinfo(bind_host(host), None)  # ("": every interface, as the exporter)
     except OSError as e:
         raise ValueError(f"--metrics-host {host}: not an address this machine can bind ({e})") from None
 

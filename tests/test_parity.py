@@ -458,16 +458,22 @@ def test_errors_wait_for_the_consumer_as_batches_do():
         assert [b for b in got if b != "error"] == [rest] and len(errors) == 397
 
 
+def kept_error(loader) -> ValueError | None:
+    """The error a loop over ``loader`` raised, kept as a notebook keeps ``sys.last_value``."""
+    try:
+        for _ in loader:
+            pass
+    except ValueError as e:
+        del loader  # (the error's traceback holds this frame: not the loader with it)
+        return e
+    return None
+
+
 def test_a_kept_error_does_not_keep_its_run():
     """A notebook keeps the last error (sys.last_value), a debugger its traceback: that must
     not keep the iterator's run, its window and slots."""
     with Loader(FailsAt(40, 4), 3, num_workers=2, autotune=False) as loader:
-        kept = None
-        try:
-            for _ in loader:
-                pass
-        except ValueError as e:
-            kept = e
+        kept = kept_error(loader)
         pipeline = loader._pipeline
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(not r.speculative
@@ -490,12 +496,7 @@ def test_a_kept_error_does_not_keep_the_dropped_loader_or_its_workers(workers):
 
     loader = Loader(FailsAt(8, 3), 1, num_workers=workers, autotune=False, seed=0,
                     in_order=True)
-    kept = None
-    try:
-        for _ in loader:
-            pass
-    except ValueError as e:
-        kept = e
+    kept = kept_error(loader)
     assert kept is not None
     pids, ref = loader.worker_pids(), weakref.ref(loader)
     assert 1 <= len(pids) <= workers  # (the error may come before every worker said ready)

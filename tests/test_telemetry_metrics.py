@@ -818,7 +818,7 @@ def test_the_consumer_wait_never_goes_back_when_a_snapshot_falls_inside_a_delive
     reset). The interleaving is forced here."""
     with Loader(list(range(8)), batch_size=1, num_workers=0, autotune=False, seed=0) as loader:
         t0 = time.monotonic()
-        loader._asking(t0)  # the training loop enters next()
+        loader._back(t0, asking=True)  # the training loop enters next()
         time.sleep(0.05)
         now = time.monotonic()  # next() reads the time of its batch ...
         time.sleep(0.02)  # ... and a scrape runs before it records it

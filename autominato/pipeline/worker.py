@@ -404,6 +404,12 @@ def seed_globals(*key: int) -> None:
         torch.cuda.manual_seed_all(s32)
 
 
+def worker_seed(base_seed: int, wid: int) -> int:
+    """Worker ``wid``'s seed, DataLoader's ``base_seed + worker_id`` modulo 2**64 (what
+    ``torch.initial_seed()`` returns there: a negative or huge ``base_seed`` wraps)."""
+    return (base_seed + wid) & 0xFFFFFFFFFFFFFFFF
+
+
 def seed_worker(base_seed: int, wid: int) -> None:
     """Seed a worker process's global generators as the DataLoader's worker loop does
     (``torch/utils/data/_utils/worker.py``): Python's ``random`` and torch's default generator
@@ -412,18 +418,19 @@ def seed_worker(base_seed: int, wid: int) -> None:
     generator from torch's ``_generate_state(base_seed, wid)`` (4 x uint32).
 
     Before ``worker_init_fn`` only: each sample reseeds them (:func:`seed_globals`)."""
-    seed = (base_seed + wid) & 0xFFFFFFFFFFFFFFFF
+    import torch
+
+    seed = worker_seed(base_seed, wid)
     random.seed(seed)
-    try:
-        import torch
-        from torch.utils.data._utils.worker import _generate_state
-    except ImportError:  # pragma: no cover - torch is a dependency; an older layout
-        np.random.seed(_mix(base_seed, wid))
-        return
     torch.default_generator.manual_seed(seed)  # not torch.manual_seed: see seed_globals
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
-    np.random.seed(_generate_state(base_seed & 0xFFFFFFFFFFFFFFFF, wid))
+    try:
+        from torch.utils.data._utils.worker import _generate_state  # (private to torch)
+    except ImportError:  # pragma: no cover - a torch that moved it: a seed of the same key
+        np.random.seed(_mix(base_seed, wid))
+    else:
+        np.random.seed(_generate_state(worker_seed(base_seed, 0), wid))
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
@@ -489,15 +496,13 @@ _local = threading.local()
 
 
 def make_info(spec: WorkSpec, wid: int, workers: int, thread: bool = False) -> Any:
-    """torch's ``WorkerInfo`` of worker ``wid`` of ``workers``: ``seed`` is ``spec.seed + wid``
-    modulo 2**64 (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object this
-    worker holds."""
+    """torch's ``WorkerInfo`` of worker ``wid`` of ``workers``: ``seed`` is
+    :func:`worker_seed` (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object
+    this worker holds."""
     from torch.utils.data._utils.worker import WorkerInfo
 
-    # (64 bits, as torch.initial_seed() in the worker: a negative or huge seed wraps)
-    return WorkerInfo(id=wid, num_workers=workers, seed=(spec.seed + wid) & 0xFFFFFFFFFFFFFFFF,
-                      dataset=spec.dataset,
-                      worker_method="thread" if thread else "multiprocessing")
+    return WorkerInfo(id=wid, num_workers=workers, seed=worker_seed(spec.seed, wid),
+                      dataset=spec.dataset, worker_method="thread" if thread else "multiprocessing")
 
 
 def set_worker_info(info: Any, process: bool) -> None:

@@ -69,6 +69,12 @@ _lock = threading.Lock()
 _servers: dict[tuple[str, int], Exporter] = {}
 
 
+def bind_host(host: str) -> str:
+    """``host`` as the exporter binds it: ``""`` (socketserver's every interface, which
+    prometheus_client cannot resolve) is ``"0.0.0.0"``; any other host is itself."""
+    return "0.0.0.0" if host == "" else host
+
+
 def _address(host: str) -> str:
     """The address ``host`` binds (the first that ``getaddrinfo`` gives, as
     ``prometheus_client.start_http_server`` takes it), so that ``localhost`` and ``127.0.0.1``
@@ -103,8 +109,7 @@ def serve(
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
         OSError: any other failure to bind (e.g. an address this machine does not have).
     """
-    if host == "":  # (socketserver's every interface, which prometheus_client cannot resolve)
-        host = "0.0.0.0"
+    host = bind_host(host)
     addr = _address(host)
     with _lock:
         existing = _servers.get((addr, port))

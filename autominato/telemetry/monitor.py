@@ -469,10 +469,10 @@ def _needed(current: int, share: float) -> int:
 #: The memory-aware dispatch line is printed when free workers idled this long for it in the
 #: report's window (summed over workers), seconds.
 MEMORY_WAIT_REPORTED_S = 0.1
-#: Its hint (``memory_aware=False``) needs that wait to be this share of the workers' time and
-#: the accelerator to idle this share of the window: below, turning it off gains nothing felt.
+#: Its hint (``memory_aware=False``) needs that wait to be this share of the workers' time
+#: (and the accelerator idle past :data:`IDLE_THRESHOLD`, the loader the bottleneck): below,
+#: turning it off gains nothing felt ...
 MEMORY_WAIT_HINT_SHARE = 0.02
-MEMORY_WAIT_HINT_IDLE = 0.05
 #: ... or, when the window's length is unknown (since the start), this many seconds.
 MEMORY_WAIT_HINT_S = 1.0
 
@@ -631,7 +631,7 @@ def format_report(diagnosis: Diagnosis, *, title: str = "Data Monitor", width: i
         hint = ("; with the loader the bottleneck, memory_aware=False may give part of it "
                 "back, at the cost of the peak memory"
                 if diagnosis.kind in ("cpu", "io", "sync") and costly
-                and diagnosis.idle_ratio >= MEMORY_WAIT_HINT_IDLE else "")
+                and diagnosis.idle_ratio >= IDLE_THRESHOLD else "")
         when = (f"in the window ({share:.0%} of the workers' time)" if math.isfinite(share)
                 else "since the start")
         console.print(
