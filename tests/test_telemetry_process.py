@@ -192,3 +192,85 @@ def test_a_process_that_does_not_exist_is_an_error():
     c.wait()
     with pytest.raises(psutil.NoSuchProcess):
         ProcessMeter(c.pid)
+
+
+def _counting_rollups(monkeypatch) -> list[int]:
+    """The pids whose ``smaps_rollup`` the meter reads, in order."""
+    import autominato.telemetry.process as process
+
+    calls: list[int] = []
+    real = process._pss
+
+    def counted(p):
+        calls.append(p.pid)
+        return real(p)
+
+    monkeypatch.setattr(process, "_pss", counted)
+    return calls
+
+
+def test_between_two_rollups_pss_grows_by_the_private_bytes_written(child, monkeypatch):
+    # The bench's sampler reads a process's smaps_rollup once a second and, in between, its
+    # last PSS plus the growth of its private memory: 64 MiB written between two readings
+    # show in PSS and in the footprint without a rollup.
+    rollups = _counting_rollups(monkeypatch)
+    meter = ProcessMeter(child.proc.pid, pss=True, pss_every=3600)
+    before = meter.read()
+    child.do("alloc", 64 * MiB)
+    after = meter.read()
+    assert rollups == [child.proc.pid]  # the first reading only
+    for field in ("pss_bytes", "footprint_bytes"):
+        grown = getattr(after, field) - getattr(before, field)
+        assert 60 * MiB <= grown <= 72 * MiB, (field, grown / MiB)
+    # and the estimate agrees with a rollup read now
+    fresh = ProcessMeter(child.proc.pid, pss=True).read()
+    assert abs(fresh.pss_bytes - after.pss_bytes) < 8 * MiB, (fresh.pss_bytes / MiB,
+                                                             after.pss_bytes / MiB)
+
+
+def test_rollups_are_read_one_process_per_reading_when_due(child, monkeypatch):
+    rollups = _counting_rollups(monkeypatch)
+    child.do("spawn", 0.0)  # the child and its own child: two processes
+    meter = ProcessMeter(child.proc.pid, children=True, pss=True, pss_every=0.3)
+    assert len(meter.read().processes) == 2 and len(rollups) == 2  # both: first seen
+    meter.read()
+    assert len(rollups) == 2  # neither is due
+    time.sleep(0.35)
+    meter.read()
+    meter.read()
+    meter.read()
+    # both were due; one a reading, the one read longest ago first, then neither
+    assert len(rollups) == 4 and set(rollups[2:]) == set(rollups[:2])
+
+
+def test_descendants_are_listed_every_tree_every_seconds_and_bring_their_cpu(child):
+    meter = ProcessMeter(child.proc.pid, children=True, tree_every=1.5)
+    meter.read()
+    t0 = time.monotonic()
+    child.do("spawn", 0.3)  # a grandchild that burned 0.3 s before the next reading
+    early = meter.read()
+    if time.monotonic() - t0 < 1.4:  # (a slow start-up may take the period)
+        assert [p.pid for p in early.processes] == [child.proc.pid]  # not listed yet
+    time.sleep(max(0.0, t0 + 1.55 - time.monotonic()))
+    tree = meter.read()
+    assert len(tree.workers) == 1 and tree.cpu_seconds_total >= 0.28  # its CPU since it began
+
+
+def test_a_negative_period_is_refused_by_name():
+    with pytest.raises(ValueError, match="pss_every"):
+        ProcessMeter(pss=True, pss_every=-1)
+    with pytest.raises(ValueError, match="tree_every"):
+        ProcessMeter(children=True, tree_every=-0.1)
+
+
+def test_the_bench_sampler_sees_a_peak_between_two_rollups(child, monkeypatch):
+    from autominato.bench.measure import TreeSampler
+
+    rollups = _counting_rollups(monkeypatch)
+    sampler = TreeSampler(0.05, pid=child.proc.pid).start()
+    time.sleep(0.1)
+    child.do("alloc", 64 * MiB)
+    time.sleep(0.2)
+    usage = sampler.stop()
+    assert rollups == [child.proc.pid]  # within PSS_EVERY_S of the first: no other rollup
+    assert 60 * MiB <= usage.peak_memory_bytes - usage.start_memory_bytes <= 72 * MiB

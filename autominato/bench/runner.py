@@ -142,13 +142,14 @@ RUN_COLUMNS = tuple(f.name for f in fields(RunRecord) if f.name != "busy")
 #: KiTS19 runs on this project's 2-core VM in one session spread 11%, 13%, 17%, 22% and 30%.
 FLOOR_SPREAD = 1.3
 
-#: Seconds between two readings of a run's process tree. A reading of PSS walks each
-#: process's page tables (``/proc/PID/smaps_rollup``): about 3 ms of the sampler's CPU per
-#: process on the 2-core machine (measured: 14.5 ms per reading of a 4-process loader). At
-#: 50 ms the sampler took 27% of a core from the machine the arms share, the more the more
-#: processes an arm has (autominato's loader 4, DataLoader's 3, SPDL's 1): every 0.2 s it
-#: takes ~1.5% of a core per process, at the price of missing memory peaks shorter than that.
-SAMPLER_INTERVAL_S = 0.2
+#: Seconds between two readings of a run's process tree. A reading of a process's PSS walks
+#: its page tables (``/proc/PID/smaps_rollup``: 5-11 ms for a KiTS19 loader's processes on
+#: the 2-core machine), so the sampler reads it once every ``TreeSampler.PSS_EVERY_S`` per
+#: process and, in between, adds the growth of the process's private memory (``statm``,
+#: microseconds). Measured against autominato's 4-process loader on KiTS19: reading every
+#: rollup every 0.2 s took 14.7% of a core (3.6 readings a second: each took longer than
+#: the interval), every 0.1 s with a rollup every 2 s takes 1.1% (9.8 readings a second).
+SAMPLER_INTERVAL_S = 0.1
 
 
 @dataclass
