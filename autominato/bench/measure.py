@@ -38,7 +38,8 @@ class TreeUsage:
 
     Attributes:
         cpu_s: user + system CPU-seconds spent during the span by the root and every process
-            seen in its tree (children seen only between two samples are missed).
+            seen in its tree (a child that lives only between two listings of the tree,
+            ``TreeSampler.TREE_EVERY_S``, is missed).
         peak_memory_bytes: highest footprint of the tree at any sample (``Reading.
             footprint_bytes`` of :mod:`autominato.telemetry.process`), bytes.
         start_memory_bytes: the footprint when sampling started, bytes (the baseline).
@@ -58,7 +59,8 @@ class TreeSampler:
     The readings come from the process meter (:class:`~autominato.telemetry.process.
     ProcessMeter` over the root and all its descendants, with PSS and the machine's shared
     memory): CPU time is that of every process seen in the tree since sampling started (a
-    child seen only between two samples is missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
+    child that lives only between two listings of the tree, :attr:`TREE_EVERY_S`, is
+    missed). Every sample is kept as ``(time.monotonic(), CPU-seconds so far,
     footprint bytes)``, so that :meth:`usage_between` can cut out a span that another process
     timed (CLOCK_MONOTONIC is system-wide on Linux).
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from autominato.bench.measure import utilisation_series
-from autominato.bench.runner import RUN_COLUMNS, RunRecord, WorkloadResult
+from autominato.bench.runner import RUN_COLUMNS, SAMPLER_INTERVAL_S, RunRecord, WorkloadResult
 
 #: Figures summarised over repeats (each gets ``_median``, ``_min``, ``_max`` columns).
 METRICS = (
@@ -238,7 +238,8 @@ LEGEND = (
     "x floor = wall / max(floor, the run's step time); next-epoch wait: mean wait for each "
     "later epoch's first batch; idle %: the share of wall time not stepping; p99 wait: of "
     "next() per batch; CPU-s: the process tree's; peak mem: the tree's PSS (shared memory as "
-    "the machine's gain where that is more), sampled every 0.2 s (docs/bench.md, Figures)"
+    f"the machine's gain where that is more), sampled every {SAMPLER_INTERVAL_S:g} s "
+    "(docs/bench.md, Figures)"
 )
 
 
