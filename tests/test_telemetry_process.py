@@ -48,6 +48,20 @@ for line in sys.stdin:
     elif cmd == "reap":  # the child of its own exits
         kid.kill()
         kid.wait()
+    elif cmd == "fork":  # this many forks that share every page held, and sleep
+        import os, signal
+        forks = []
+        for _ in range(int(arg)):
+            pid = os.fork()
+            if pid == 0:
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])
+                while True:
+                    time.sleep(60)
+            forks.append(pid)
+    elif cmd == "unfork":  # the forks exit
+        for pid in forks:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
     print("done", flush=True)
 """
 
@@ -210,7 +224,7 @@ def _counting_rollups(monkeypatch) -> list[int]:
 
 
 def test_between_two_rollups_pss_grows_by_the_private_bytes_written(child, monkeypatch):
-    # The bench's sampler reads a process's smaps_rollup once a second and, in between, its
+    # The bench's sampler reads a process's smaps_rollup every 2 s and, in between, its
     # last PSS plus the growth of its private memory: 64 MiB written between two readings
     # show in PSS and in the footprint without a rollup.
     rollups = _counting_rollups(monkeypatch)
@@ -237,10 +251,40 @@ def test_rollups_are_read_one_process_per_reading_when_due(child, monkeypatch):
     assert len(rollups) == 2  # neither is due
     time.sleep(0.35)
     meter.read()
+    assert len(rollups) == 3 and rollups[2] == rollups[0]  # both due: the one read first
     meter.read()
+    assert len(rollups) == 4 and rollups[3] == rollups[1]  # then the other
     meter.read()
-    # both were due; one a reading, the one read longest ago first, then neither
-    assert len(rollups) == 4 and set(rollups[2:]) == set(rollups[:2])
+    assert len(rollups) == 4  # neither
+    # the grandchild leaves: every rollup is read afresh (the pages it shared are split anew),
+    # and the child's keeps its turn afterwards (a gone process holds no place in the line)
+    child.do("reap", 0)
+    meter.read()
+    assert len(rollups) == 5 and rollups[4] == child.proc.pid
+    time.sleep(0.35)
+    meter.read()
+    assert len(rollups) == 6 and rollups[5] == child.proc.pid
+
+
+def test_a_fork_splits_the_shared_pages_anew_at_once(child):
+    # A fork shares every page the parent holds: the parent's PSS halves at once, which its
+    # private memory does not show (review 90: 552 MiB read for 309 until the next rollup).
+    child.do("alloc", 128 * MiB)
+    slow = ProcessMeter(child.proc.pid, children=True, pss=True, pss_every=3600)
+    exact = ProcessMeter(child.proc.pid, children=True, pss=True)
+    slow.read()
+    child.do("fork", 2)
+    forked, truth = slow.read(), exact.read()
+    assert len(forked.processes) == 3 and slow.full
+    assert abs(forked.footprint_bytes - truth.footprint_bytes) < 16 * MiB, (
+        forked.footprint_bytes / MiB, truth.footprint_bytes / MiB)
+    child.do("unfork", 0)
+    gone, truth = slow.read(), exact.read()
+    assert len(gone.processes) == 1 and slow.full
+    assert abs(gone.footprint_bytes - truth.footprint_bytes) < 16 * MiB
+    assert gone.footprint_bytes > 120 * MiB  # the child's 128 MiB, all its own again
+    slow.read()
+    assert not slow.full  # nothing changed: estimates
 
 
 def test_descendants_are_listed_every_tree_every_seconds_and_bring_their_cpu(child):
@@ -261,6 +305,8 @@ def test_a_negative_period_is_refused_by_name():
         ProcessMeter(pss=True, pss_every=-1)
     with pytest.raises(ValueError, match="tree_every"):
         ProcessMeter(children=True, tree_every=-0.1)
+    with pytest.raises(ValueError, match="pss_every"):
+        ProcessMeter(pss=True, pss_every=float("nan"))
 
 
 def test_the_bench_sampler_sees_a_peak_between_two_rollups(child, monkeypatch):

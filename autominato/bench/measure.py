@@ -70,9 +70,9 @@ class TreeSampler:
     """
 
     #: Seconds between two full PSS reads of one process (``ProcessMeter(pss_every=...)``;
-    #: in between, its last PSS plus the growth of its private memory, which misses only the
-    #: pages a process's copy-on-write breaks made private since). Reading every process's
-    #: ``smaps_rollup`` at every sample took 14.7% of a core at 0.2 s (see
+    #: in between, its last PSS plus the growth of its private memory; all of them again
+    #: when a process starts or exits; what that misses: the meter's doc). Reading every
+    #: process's ``smaps_rollup`` at every sample took 9.6-14.7% of a core at 0.2 s (see
     #: ``runner.SAMPLER_INTERVAL_S``) from the loaders measured, and no floor pays it.
     PSS_EVERY_S = 2.0
 
@@ -107,7 +107,8 @@ class TreeSampler:
         if os.getpid() not in self.meter.exclude:
             return 0
         now = time.monotonic()
-        if self._own is not None and now - self._own[0] < self.PSS_EVERY_S:
+        if (self._own is not None and now - self._own[0] < self.PSS_EVERY_S
+                and not self.meter.full):  # (a fork or exit in the tree splits pages anew)
             return self._own[1]
         try:
             mem = psutil.Process().memory_full_info()

@@ -83,7 +83,8 @@ class Reading:
             the root (cumulative in the same way).
         runqueue_seconds_total / worker_runqueue_seconds_total: seconds the same processes'
             threads waited on a run queue for a core, cumulative in the same way (0.0 where
-            ``/proc/PID/task/TID/schedstat`` is not readable: not Linux, or no schedstats).
+            ``/proc/PID/task/TID/schedstat`` is not readable: not Linux, or no schedstats;
+            and from a meter built with ``runqueue=False``).
         shmem_bytes: the processes' shared memory, bytes: their ``Pss_Shmem`` now, or their
             ``Pss_Shmem`` at the meter's first reading plus the shared memory the machine
             gained since (``Shmem`` of ``/proc/meminfo``), whichever is more (see the module
@@ -136,14 +137,18 @@ class ProcessMeter:
         children: also read every descendant of the root.
         pss: also read each process's PSS (see the module doc for its cost).
         pss_every: with ``pss``, seconds between two reads of one process's
-            ``smaps_rollup``, and at most one such read per :meth:`read` besides a process
-            seen for the first time; in between, its PSS is the last one read plus the growth
-            of its private (anonymous) memory since (``statm``, microseconds): new pages are
-            private, so the sum still counts a page once. 0 (the default) reads every
-            process's rollup at every :meth:`read`: 5-11 ms each for processes of 170-370 MB
-            on the 2-core machine (a walk of the page tables), which at the bench's 20
-            readings a second took 25% of a core from the loaders it measured (3.0 of 17.8
-            CPU-seconds, KiTS19, 42 cases, 6 epochs).
+            ``smaps_rollup``, at most one such read per :meth:`read`; in between, its PSS is
+            the last one read plus the growth of its private anonymous memory since
+            (``statm``: resident less file-backed and shared pages, microseconds). Every
+            rollup is read again at a reading where the processes that map memory changed
+            (one started, exited or became a zombie: the pages they shared are split anew).
+            Between two rollups it misses pages that copy-on-write made private (a fork's
+            child and parent writing to what they shared) and file pages newly mapped (a
+            spawned worker's imports); shared memory the footprint counts from the machine's
+            figure (:attr:`Reading.shmem_bytes`). 0 (the default) reads every process's
+            rollup at every :meth:`read`: 5-11 ms each for a KiTS19 loader's processes of
+            170-370 MB on the 2-core machine (a walk of the page tables), which took 9.6-14.7% of
+            a core from the loaders the bench measured when it read them every 0.2 s.
         tree_every: with ``children``, seconds between two listings of the root's
             descendants (a walk of every process on the machine, ~2 ms with 68); the processes
             already known are read at every :meth:`read`. A descendant is then first read up
@@ -162,7 +167,7 @@ class ProcessMeter:
                  pss_every: float = 0.0, tree_every: float = 0.0, runqueue: bool = True,
                  exclude: Iterable[int] = ()):
         for name, value in (("pss_every", pss_every), ("tree_every", tree_every)):
-            if value < 0:
+            if not value >= 0:  # (NaN too)
                 raise ValueError(f"{name} must be >= 0 seconds, got {value}")
         self.root = psutil.Process(pid)
         self.children = children
@@ -174,6 +179,10 @@ class ProcessMeter:
         self.runqueue = runqueue
         # (pid, start time) -> (time, PSS, Pss_Shmem, private bytes) of its last rollup
         self._rollups: dict[tuple[int, float], tuple[float, int, int | None, int]] = {}
+        self._mapping: frozenset[tuple[int, float]] = frozenset()  # the last reading's
+        #: Whether the last :meth:`read` read every process's rollup (``pss`` and: no
+        #: ``pss_every``, or the processes that map memory changed since the reading before).
+        self.full = False
         self.exclude = frozenset(exclude)
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
@@ -185,6 +194,8 @@ class ProcessMeter:
         p = self._procs.get(pid)
         if p is not None and p.is_running():
             return p  # the cached object keeps the start time that identifies the process
+        if found is not None and not found.is_running():
+            found = None  # listed before tree_every: its pid may be another process's now
         try:
             p = self._procs[pid] = found or psutil.Process(pid)
         except psutil.Error:
@@ -221,19 +232,34 @@ class ProcessMeter:
         """Read every process now; ``pids`` adds processes outside the root's tree."""
         t = time.monotonic()
         usages = []
-        read: set[tuple[int, float]] = set()
-        due = self._rollup_due(t) if self.pss else None
+        found = []
         for p in self._tree(pids):
             try:
                 with p.oneshot():
                     key = (p.pid, p.create_time())
                     times = p.cpu_times()
                     mem = p.memory_info()
-                    shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
-                    private = int(max(0, mem.rss - shared))
-                    rollup = self._pss_of(p, key, t, private, due) if self.pss else None
             except psutil.Error:
                 continue  # exited, a zombie, or not ours to read
+            found.append((p, key, times, mem))
+        # With pss_every, every rollup is read when the processes that map memory changed
+        # (one started, exited or became a zombie): the pages they shared with the others are
+        # shared by more or fewer processes now, which moves every sharer's PSS, and no
+        # process's private memory says so (a fork of a 300 MiB process into 4 counted its
+        # pages twice until the next rollup: 552 instead of 309 MiB; review 90).
+        mapping = frozenset(key for _, key, _, mem in found if mem.rss > 0)
+        self.full = self.pss and (self.pss_every <= 0 or mapping != self._mapping)
+        self._mapping = mapping
+        due = None if self.full or not self.pss else self._rollup_due(t)
+        read: set[tuple[int, float]] = set()
+        for p, key, times, mem in found:
+            shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
+            private = int(max(0, mem.rss - shared))
+            try:
+                rollup = (self._pss_of(p, key, t, private, self.full or key == due, mem.rss)
+                          if self.pss else None)
+            except psutil.Error:
+                continue
             read.add(key)
             cpu = times.user + times.system
             self._cpu[key] = cpu
@@ -280,19 +306,23 @@ class ProcessMeter:
         return key if now - when >= self.pss_every else None
 
     def _pss_of(self, p: psutil.Process, key: tuple[int, float], now: float, private: int,
-                due: tuple[int, float] | None) -> tuple[int | None, int | None]:
-        """``(PSS, Pss_Shmem)`` of ``p``: read (:func:`_pss`) every time without
-        ``pss_every``, else when first seen or ``due``, and in between the last one read plus
-        the growth of its private memory since (see the class doc).
+                fresh: bool, rss: int) -> tuple[int | None, int | None]:
+        """``(PSS, Pss_Shmem)`` of ``p``: read (:func:`_pss`) when ``fresh`` or first seen,
+        else the last one read plus the growth of its private memory since (see the class
+        doc); ``(0, 0)`` for a process that maps nothing (``rss`` 0: a zombie).
 
         Raises:
             psutil.Error: the process is gone or not ours to read.
         """
         last = self._rollups.get(key)
-        if self.pss_every <= 0 or last is None or key == due:
+        if rss <= 0 and last is not None:
+            return 0, 0
+        if fresh or last is None:
             pss, shmem_pss = _pss(p)
             if pss is not None and self.pss_every > 0:
                 self._rollups[key] = (now, pss, shmem_pss, private)
+            else:
+                self._rollups.pop(key, None)
             return pss, shmem_pss
         _, pss, shmem_pss, private0 = last
         return max(pss + private - private0, shmem_pss or 0), shmem_pss
