@@ -801,6 +801,26 @@ def test_the_table_title_says_how_the_step_was_set(tmp_path):
     assert row["step_origin"] == res.step_origin and row["step_batch_s"] == res.step_s
 
 
+def test_a_piped_table_keeps_its_headers_whole(tmp_path, capsys):
+    # Trial 91: piped into a file, the table's headers were cut ("x flo…", "vs dataload…")
+    # once the wall time showed its [min-max] spread.
+    from autominato.bench.report import print_table, summarise
+
+    res = run_workload(tiny(4), options(tmp_path, arms=["dataloader", "autominato"],
+                                        repeats=2))
+    rows = summarise(res.records)
+    for row in rows:  # the widest figures of a KiTS19 run
+        row.update(wall_s_median=17.02, wall_s_min=16.56, wall_s_max=117.55,
+                   peak_memory_bytes_median=2342 * 2**20, next_epoch_wait_s_median=0.585)
+    capsys.readouterr()
+    print_table(res, rows)
+    out = capsys.readouterr().out
+    for header in ("1st batch s", "samples/s", "x limit", "x floor", "next-epoch wait ms",
+                   "idle %", "p99 wait ms", "CPU-s", "peak mem MiB", "vs dataloader"):
+        assert header in out, (header, out)
+    assert "…" not in out
+
+
 def test_several_epochs_per_run_are_checked_epoch_by_epoch(tmp_path):
     wl = replace(tiny(6), shuffle=True)  # each epoch in its own random order, in every arm
     res = run_workload(wl, options(tmp_path, arms=["dataloader", "spdl", "torchdata",

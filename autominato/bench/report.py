@@ -145,12 +145,13 @@ def _fmt(
 
 
 def make_console() -> Any:
-    """A rich console at least 170 columns wide when writing to a file or pipe."""
+    """A rich console at least 220 columns wide when writing to a file or pipe (the table
+    with its [min-max] spreads takes ~200: at 170 its headers were cut, "x flo…", trial 91)."""
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 170)
+        console.width = max(console.width, 220)
     return console
 
 
@@ -174,7 +175,7 @@ def print_table(
            "reads' CPU + transforms"
            + (f"; the transforms alone {float(np.median(result.floor_transform_s)):.2f} s"
               if result.floor_transform_s else "")
-           + "; x floor = wall / max(floor, the run's total step time))"
+           + "; x floor = wall / max(floor, the run's steps at the step given))"
            if result.floor_s else "")
         + (f"; no loader below {bound:.2f} s with the sample durations timed"
            if not math.isnan(bound := _bound(rows, wl.name)) else "")
