@@ -175,7 +175,7 @@ def print_table(
            "reads' CPU + transforms"
            + (f"; the transforms alone {float(np.median(result.floor_transform_s)):.2f} s"
               if result.floor_transform_s else "")
-           + "; x floor = wall / max(floor, the run's steps at the step given))"
+           + "; x floor = wall / max(floor, the run's steps))"
            if result.floor_s else "")
         + (f"; no loader below {bound:.2f} s with the sample durations timed"
            if not math.isnan(bound := _bound(rows, wl.name)) else "")
@@ -236,7 +236,8 @@ def _bound(rows: Sequence[dict[str, Any]], workload: str) -> float:
 #: Printed under every table: what the columns are (docs/bench.md, "Figures", says more).
 LEGEND = (
     "  medians of the repeats [min-max]; x limit = wall / max(serial CPU-s / cores, steps); "
-    "x floor = wall / max(floor, the run's steps at the step given); next-epoch wait: mean wait for each "
+    "x floor = wall / max(floor, the run's steps: batches x the step given, or the real "
+    "step's measured time); next-epoch wait: mean wait for each "
     "later epoch's first batch; idle %: the share of wall time not stepping; p99 wait: of "
     "next() per batch; CPU-s: the process tree's; peak mem: the tree's PSS (shared memory as "
     f"the machine's gain where that is more), sampled every {SAMPLER_INTERVAL_S:g} s "
@@ -317,8 +318,9 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
                    if a["ratio_to_floor_median"] > 1.15 and b > 1.15 else ")")),
             ("autominato",),
         )
-    short = [r for r in (a, dl) if r is not None and r["wall_s_min"] < MIN_SAMPLED_SPAN_S]
-    if short:
+    short = [r for r in (a, dl) if r is not None
+             and r.get("wall_s_min", math.nan) < MIN_SAMPLED_SPAN_S]
+    if short and a is not None and dl is not None:
         out.append(("peak memory <= dataloader", None, (
             f"not judged: {', '.join(r['arm'] for r in short)} ran "
             f"{min(r['wall_s_min'] for r in short):.2f} s, under {MIN_SAMPLED_SPAN_S:g} s: "

@@ -177,8 +177,9 @@ class ProcessMeter:
         self._walked = -math.inf  # when the descendants were last listed (tree_every)
         self._kids: list[tuple[int, psutil.Process]] = []
         self.runqueue = runqueue
-        # (pid, start time) -> (time, PSS, Pss_Shmem, private bytes) of its last rollup
-        self._rollups: dict[tuple[int, float], tuple[float, int, int | None, int]] = {}
+        # (pid, start time) -> (time, PSS, Pss_Shmem, private bytes, shares pages) of its
+        # last rollup
+        self._rollups: dict[tuple[int, float], tuple[float, int, int | None, int, bool]] = {}
         self._mapping: frozenset[tuple[int, float]] = frozenset()  # the last reading's
         #: Whether the last :meth:`read` read every process's rollup (``pss`` and: no
         #: ``pss_every``, or the processes that map memory changed since the reading before).
@@ -195,7 +196,10 @@ class ProcessMeter:
         if p is not None and p.is_running():
             return p  # the cached object keeps the start time that identifies the process
         if found is not None and not found.is_running():
-            found = None  # listed before tree_every: its pid may be another process's now
+            # listed before tree_every, gone since: its pid may be another process's now,
+            # outside the tree (the next listing brings a new child of the tree)
+            self._procs.pop(pid, None)
+            return None
         try:
             p = self._procs[pid] = found or psutil.Process(pid)
         except psutil.Error:
@@ -242,13 +246,29 @@ class ProcessMeter:
             except psutil.Error:
                 continue  # exited, a zombie, or not ours to read
             found.append((p, key, times, mem))
-        # With pss_every, every rollup is read when the processes that map memory changed
-        # (one started, exited or became a zombie): the pages they shared with the others are
-        # shared by more or fewer processes now, which moves every sharer's PSS, and no
-        # process's private memory says so (a fork of a 300 MiB process into 4 counted its
-        # pages twice until the next rollup: 552 instead of 309 MiB; review 90).
+        # With pss_every, every rollup is read when a process that shares pages with others
+        # started, exited or became a zombie: those pages are shared by more or fewer
+        # processes now, which moves every sharer's PSS, and no process's private memory says
+        # so (a fork of a 300 MiB process into 4 counted its pages twice until the next
+        # rollup: 552 instead of 309 MiB; review 90). One that shares little (an exec'd
+        # helper: a few MiB of libraries) does not: re-reading every rollup at each of
+        # those gave back the sampler's cost (review 92).
         mapping = frozenset(key for _, key, _, mem in found if mem.rss > 0)
-        self.full = self.pss and (self.pss_every <= 0 or mapping != self._mapping)
+        first: dict[tuple[int, float], tuple[int | None, int | None] | psutil.Error] = {}
+        self.full = self.pss and self.pss_every <= 0
+        if self.pss and not self.full:
+            for p, key, _, mem in found:
+                if key in mapping and key not in self._rollups:  # first seen: read it now
+                    try:
+                        first[key] = _pss(p)
+                    except psutil.Error as e:
+                        first[key] = e
+                        continue
+                    pss = first[key][0]
+                    if key not in self._mapping and pss is not None and self._shares(mem.rss, pss):
+                        self.full = True
+            self.full = self.full or any(
+                self._rollups[k][4] for k in self._mapping - mapping if k in self._rollups)
         self._mapping = mapping
         due = None if self.full or not self.pss else self._rollup_due(t)
         read: set[tuple[int, float]] = set()
@@ -256,8 +276,8 @@ class ProcessMeter:
             shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
             private = int(max(0, mem.rss - shared))
             try:
-                rollup = (self._pss_of(p, key, t, private, self.full or key == due, mem.rss)
-                          if self.pss else None)
+                rollup = (self._pss_of(p, key, t, private, self.full or key == due, mem.rss,
+                                       first.get(key)) if self.pss else None)
             except psutil.Error:
                 continue
             read.add(key)
@@ -305,26 +325,41 @@ class ProcessMeter:
         key, (when, *_rest) = min(self._rollups.items(), key=lambda kv: kv[1][0])
         return key if now - when >= self.pss_every else None
 
+    #: Bytes of a process's resident set beyond its PSS (pages it shares with others) from
+    #: which its start or exit makes every rollup be read again (``pss_every``): a forked
+    #: worker shares the parent's heap (100+ MiB for a training process), an exec'd helper a
+    #: few MiB of libraries.
+    SHARED_BYTES = 8 << 20
+
+    def _shares(self, rss: int, pss: int) -> bool:
+        return rss - pss > self.SHARED_BYTES
+
     def _pss_of(self, p: psutil.Process, key: tuple[int, float], now: float, private: int,
-                fresh: bool, rss: int) -> tuple[int | None, int | None]:
-        """``(PSS, Pss_Shmem)`` of ``p``: read (:func:`_pss`) when ``fresh`` or first seen,
-        else the last one read plus the growth of its private memory since (see the class
-        doc); ``(0, 0)`` for a process that maps nothing (``rss`` 0: a zombie).
+                fresh: bool, rss: int,
+                got: tuple[int | None, int | None] | psutil.Error | None = None,
+                ) -> tuple[int | None, int | None]:
+        """``(PSS, Pss_Shmem)`` of ``p``: read (:func:`_pss`, or ``got`` when this reading
+        read it already) when ``fresh`` or first seen, else the last one read plus the growth
+        of its private memory since (see the class doc); ``(0, 0)`` for a process that maps
+        nothing (``rss`` 0: a zombie; out of the rotation of :meth:`_rollup_due`).
 
         Raises:
             psutil.Error: the process is gone or not ours to read.
         """
-        last = self._rollups.get(key)
-        if rss <= 0 and last is not None:
+        if rss <= 0:
+            self._rollups.pop(key, None)
             return 0, 0
-        if fresh or last is None:
-            pss, shmem_pss = _pss(p)
+        last = self._rollups.get(key)
+        if fresh or last is None or got is not None:
+            if isinstance(got, psutil.Error):
+                raise got
+            pss, shmem_pss = got if got is not None else _pss(p)
             if pss is not None and self.pss_every > 0:
-                self._rollups[key] = (now, pss, shmem_pss, private)
+                self._rollups[key] = (now, pss, shmem_pss, private, self._shares(rss, pss))
             else:
                 self._rollups.pop(key, None)
             return pss, shmem_pss
-        _, pss, shmem_pss, private0 = last
+        _, pss, shmem_pss, private0, _ = last
         return max(pss + private - private0, shmem_pss or 0), shmem_pss
 
 
