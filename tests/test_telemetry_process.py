@@ -53,14 +53,14 @@ for line in sys.stdin:
         while open(f"/proc/{kid.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)
     elif cmd == "fork":  # this many forks that share every page held, and sleep
-        import os, signal
-        forks = []
+        import os
+        forks, parent = [], os.getpid()
         for _ in range(int(arg)):
             pid = os.fork()
             if pid == 0:
-                signal.pthread_sigmask(signal.SIG_BLOCK, [])
-                while True:
-                    time.sleep(60)
+                while os.getppid() == parent:  # (until this child is gone: no orphan left)
+                    time.sleep(0.1)
+                os._exit(0)
             forks.append(pid)
     elif cmd == "unfork":  # the forks exit
         for pid in forks:
