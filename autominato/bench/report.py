@@ -318,9 +318,9 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
                    if a["ratio_to_floor_median"] > 1.15 and b > 1.15 else ")")),
             ("autominato",),
         )
-    short = [r for r in (a, dl) if r is not None
-             and r.get("wall_s_min", math.nan) < MIN_SAMPLED_SPAN_S]
-    if short and a is not None and dl is not None:
+    short = ([r for r in (a, dl) if r.get("wall_s_min", math.nan) < MIN_SAMPLED_SPAN_S]
+             if a is not None and dl is not None else [])  # (else add() says which did not run)
+    if short:
         out.append(("peak memory <= dataloader", None, (
             f"not judged: {', '.join(r['arm'] for r in short)} ran "
             f"{min(r['wall_s_min'] for r in short):.2f} s, under {MIN_SAMPLED_SPAN_S:g} s: "

@@ -346,6 +346,10 @@ def loads_for_worker(data: bytes | Any) -> Any:
 Index = int | tuple[int, int]
 
 
+#: 2**64 - 1: seeds and the mixer's arithmetic are unsigned 64-bit, as torch's.
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
 def _key(index: Index, draw: int) -> tuple[int, ...]:
     """``index`` (a stream's ``(worker id, k)`` unpacked), then ``draw`` when it is not 0."""
     rest = index if isinstance(index, tuple) else (index,)
@@ -365,7 +369,7 @@ def sample_rng(seed: int, epoch: int, index: Index, draw: int = 0) -> np.random.
 
     Touches no global generator (see :func:`seed_globals` for worker processes)."""
     return np.random.default_rng(
-        np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, *_key(index, draw)]))
+        np.random.SeedSequence([seed & _U64, epoch, *_key(index, draw)]))
 
 
 def _mix(*values: int) -> int:
@@ -374,9 +378,9 @@ def _mix(*values: int) -> int:
     ``SeedSequence.generate_state`` takes 10."""
     x = 0
     for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (v & _U64)) + 0x9E3779B97F4A7C15 & _U64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _U64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _U64
         x ^= x >> 31
     return x & 0xFFFFFFFF
 
@@ -407,7 +411,7 @@ def seed_globals(*key: int) -> None:
 def worker_seed(base_seed: int, wid: int) -> int:
     """Worker ``wid``'s seed, DataLoader's ``base_seed + worker_id`` modulo 2**64 (what
     ``torch.initial_seed()`` returns there: a negative or huge ``base_seed`` wraps)."""
-    return (base_seed + wid) & 0xFFFFFFFFFFFFFFFF
+    return (base_seed + wid) & _U64
 
 
 def seed_worker(base_seed: int, wid: int) -> None:
@@ -430,7 +434,7 @@ def seed_worker(base_seed: int, wid: int) -> None:
     except ImportError:  # pragma: no cover - a torch that moved it: a seed of the same key
         np.random.seed(_mix(base_seed, wid))
     else:
-        np.random.seed(_generate_state(worker_seed(base_seed, 0), wid))
+        np.random.seed(_generate_state(base_seed & _U64, wid))
 
 
 def sample_path(dataset: Any, index: int) -> str | None:

@@ -140,8 +140,9 @@ class ProcessMeter:
             ``smaps_rollup``, at most one such read per :meth:`read`; in between, its PSS is
             the last one read plus the growth of its private anonymous memory since
             (``statm``: resident less file-backed and shared pages, microseconds). Every
-            rollup is read again at a reading where the processes that map memory changed
-            (one started, exited or became a zombie: the pages they shared are split anew).
+            rollup is read again at a reading where a process that shares more than
+            :attr:`SHARED_BYTES` with others started, exited or became a zombie (the pages
+            it shared are split anew).
             Between two rollups it misses pages that copy-on-write made private (a fork's
             child and parent writing to what they shared) and file pages newly mapped (a
             spawned worker's imports); shared memory the footprint counts from the machine's
@@ -182,7 +183,8 @@ class ProcessMeter:
         self._rollups: dict[tuple[int, float], tuple[float, int, int | None, int, bool]] = {}
         self._mapping: frozenset[tuple[int, float]] = frozenset()  # the last reading's
         #: Whether the last :meth:`read` read every process's rollup (``pss`` and: no
-        #: ``pss_every``, or the processes that map memory changed since the reading before).
+        #: ``pss_every``, or a process sharing pages started or exited since the reading
+        #: before; see :meth:`_plan_rollups`).
         self.full = False
         self.exclude = frozenset(exclude)
         self._procs: dict[int, psutil.Process] = {}
@@ -245,39 +247,15 @@ class ProcessMeter:
                     mem = p.memory_info()
             except psutil.Error:
                 continue  # exited, a zombie, or not ours to read
-            found.append((p, key, times, mem))
-        # With pss_every, every rollup is read when a process that shares pages with others
-        # started, exited or became a zombie: those pages are shared by more or fewer
-        # processes now, which moves every sharer's PSS, and no process's private memory says
-        # so (a fork of a 300 MiB process into 4 counted its pages twice until the next
-        # rollup: 552 instead of 309 MiB; review 90). One that shares little (an exec'd
-        # helper: a few MiB of libraries) does not: re-reading every rollup at each of
-        # those gave back the sampler's cost (review 92).
-        mapping = frozenset(key for _, key, _, mem in found if mem.rss > 0)
-        first: dict[tuple[int, float], tuple[int | None, int | None] | psutil.Error] = {}
-        self.full = self.pss and self.pss_every <= 0
-        if self.pss and not self.full:
-            for p, key, _, mem in found:
-                if key in mapping and key not in self._rollups:  # first seen: read it now
-                    try:
-                        first[key] = _pss(p)
-                    except psutil.Error as e:
-                        first[key] = e
-                        continue
-                    pss = first[key][0]
-                    if key not in self._mapping and pss is not None and self._shares(mem.rss, pss):
-                        self.full = True
-            self.full = self.full or any(
-                self._rollups[k][4] for k in self._mapping - mapping if k in self._rollups)
-        self._mapping = mapping
-        due = None if self.full or not self.pss else self._rollup_due(t)
-        read: set[tuple[int, float]] = set()
-        for p, key, times, mem in found:
             shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
-            private = int(max(0, mem.rss - shared))
+            found.append((p, key, times, mem, int(max(0, mem.rss - shared))))
+        rolled: dict[tuple[int, float], tuple[int | None, int | None]] = {}  # read now
+        due = self._plan_rollups(found, t, rolled) if self.pss else None
+        read: set[tuple[int, float]] = set()
+        for p, key, times, mem, private in found:
             try:
-                rollup = (self._pss_of(p, key, t, private, self.full or key == due, mem.rss,
-                                       first.get(key)) if self.pss else None)
+                rollup = (self._pss_now(p, key, t, private, mem.rss, rolled, key == due)
+                          if self.pss else None)
             except psutil.Error:
                 continue
             read.add(key)
@@ -316,49 +294,78 @@ class ProcessMeter:
             t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited, shmem_bytes
         )
 
-
-    def _rollup_due(self, now: float) -> tuple[int, float] | None:
-        """The process whose rollup this reading reads besides new ones (``pss_every``): the
-        one read longest ago, once that is ``pss_every`` seconds; ``None``: none."""
-        if self.pss_every <= 0 or not self._rollups:
-            return None
-        key, (when, *_rest) = min(self._rollups.items(), key=lambda kv: kv[1][0])
-        return key if now - when >= self.pss_every else None
-
     #: Bytes of a process's resident set beyond its PSS (pages it shares with others) from
     #: which its start or exit makes every rollup be read again (``pss_every``): a forked
     #: worker shares the parent's heap (100+ MiB for a training process), an exec'd helper a
     #: few MiB of libraries.
     SHARED_BYTES = 8 << 20
 
-    def _shares(self, rss: int, pss: int) -> bool:
-        return rss - pss > self.SHARED_BYTES
+    def _plan_rollups(self, found: list, now: float,
+                      rolled: dict[tuple[int, float], tuple[int | None, int | None]],
+                      ) -> tuple[int, float] | None:
+        """Decide this reading's rollups (``pss``): sets :attr:`full`, reads those of processes
+        seen for the first time into ``rolled``, and returns the one process due besides them
+        (:attr:`full` or ``pss_every`` 0: ``None``, every rollup is read).
 
-    def _pss_of(self, p: psutil.Process, key: tuple[int, float], now: float, private: int,
-                fresh: bool, rss: int,
-                got: tuple[int | None, int | None] | psutil.Error | None = None,
-                ) -> tuple[int | None, int | None]:
-        """``(PSS, Pss_Shmem)`` of ``p``: read (:func:`_pss`, or ``got`` when this reading
-        read it already) when ``fresh`` or first seen, else the last one read plus the growth
-        of its private memory since (see the class doc); ``(0, 0)`` for a process that maps
-        nothing (``rss`` 0: a zombie; out of the rotation of :meth:`_rollup_due`).
+        Every rollup is read again when a process that shares pages with others started,
+        exited or became a zombie: those pages are split between more or fewer processes now,
+        which moves every sharer's PSS, and no process's private memory says so (a fork of a
+        300 MiB process into 4 counted its pages twice until the next rollup: 552 instead of
+        309 MiB; review 90). One that shares little (an exec'd helper: a few MiB of
+        libraries) does not: re-reading every rollup for each gave back the sampler's cost
+        (review 92)."""
+        mapping = frozenset(key for _, key, _, mem, _ in found if mem.rss > 0)
+        self.full = self.pss_every <= 0
+        if not self.full:
+            gone = self._mapping - mapping
+            self.full = any(self._rollups[k][4] for k in gone if k in self._rollups)
+            for p, key, _, mem, private in found:
+                if key in mapping and key not in self._rollups:  # first seen
+                    try:
+                        rolled[key] = self._read_rollup(p, key, now, private, mem.rss)
+                    except psutil.Error:
+                        continue  # gone: read (and skipped) again below
+                    if key not in self._mapping and key in self._rollups:
+                        self.full = self.full or self._rollups[key][4]
+        self._mapping = mapping
+        if self.full or not self._rollups:
+            return None
+        key, (when, *_rest) = min(self._rollups.items(), key=lambda kv: kv[1][0])
+        return key if now - when >= self.pss_every else None
+
+    def _read_rollup(self, p: psutil.Process, key: tuple[int, float], now: float, private: int,
+                     rss: int) -> tuple[int | None, int | None]:
+        """:func:`_pss` of ``p``, kept (with ``pss_every``) as the base of its estimates.
 
         Raises:
             psutil.Error: the process is gone or not ours to read.
         """
+        pss, shmem_pss = _pss(p)
+        if pss is not None and self.pss_every > 0:
+            self._rollups[key] = (now, pss, shmem_pss, private, rss - pss > self.SHARED_BYTES)
+        else:
+            self._rollups.pop(key, None)
+        return pss, shmem_pss
+
+    def _pss_now(self, p: psutil.Process, key: tuple[int, float], now: float, private: int,
+                 rss: int, rolled: dict[tuple[int, float], tuple[int | None, int | None]],
+                 due: bool) -> tuple[int | None, int | None]:
+        """``(PSS, Pss_Shmem)`` of ``p`` in bytes: the rollup read at this reading (``rolled``,
+        :attr:`full`, ``due``, or a process without a kept one), else the last one read plus
+        the growth of its private memory since (see the class doc); ``(0, 0)`` for a process
+        that maps nothing (``rss`` 0: a zombie), which leaves the rotation.
+
+        Raises:
+            psutil.Error: the process is gone or not ours to read.
+        """
+        if key in rolled:
+            return rolled[key]
         if rss <= 0:
             self._rollups.pop(key, None)
             return 0, 0
         last = self._rollups.get(key)
-        if fresh or last is None or got is not None:
-            if isinstance(got, psutil.Error):
-                raise got
-            pss, shmem_pss = got if got is not None else _pss(p)
-            if pss is not None and self.pss_every > 0:
-                self._rollups[key] = (now, pss, shmem_pss, private, self._shares(rss, pss))
-            else:
-                self._rollups.pop(key, None)
-            return pss, shmem_pss
+        if self.full or due or last is None:
+            return self._read_rollup(p, key, now, private, rss)
         _, pss, shmem_pss, private0, _ = last
         return max(pss + private - private0, shmem_pss or 0), shmem_pss
 
