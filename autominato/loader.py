@@ -1468,6 +1468,7 @@ class _EpochIterator:
         self.epoch = run.epoch_no
         self._done = False
         self._pending_h2d: list = []
+        self._asked = 0  # items asked for (the first one's wait is the pipeline's filling)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -1499,6 +1500,10 @@ class _EpochIterator:
         limit = self.L.timeout
         item = None
         with run.cv:
+            # It waits for this batch (not a run's first: the pipeline fills then): the
+            # loader is not ahead of the training loop (Pipeline.consumed).
+            waited = not run.out and self._asked > 0
+            self._asked += 1
             while not run.out:
                 # A failed scheduler may never have seen this run (it died before the run's
                 # start reached it): its failure ends the wait too.
@@ -1531,7 +1536,7 @@ class _EpochIterator:
             lost = item[2] if len(item) > 2 else None  # an error's: the positions lost with it
             del item  # no frame of this call keeps the error (its traceback holds this frame)
             if kind == "raise":  # a sample's or a batch's error: the epoch goes on, as DataLoader's
-                self.pipeline.consumed(run)
+                self.pipeline.consumed(run, waited)
                 self.L._lost_to_error(lost or ())
                 if lost:
                     self.progress.lose(lost)
@@ -1550,7 +1555,7 @@ class _EpochIterator:
                 raise err
             finally:
                 del err
-        self.pipeline.consumed(run)
+        self.pipeline.consumed(run, waited)
         _, batch, indices, h2d, positions = item
         self.progress.deliver(positions)
         if h2d is not None:
