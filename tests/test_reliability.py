@@ -484,9 +484,11 @@ def test_a_read_hanging_in_a_thread_times_out_and_a_new_thread_takes_over(worker
 # 4-5. Interrupts: Ctrl-C in the training loop, SIGTERM of the main process
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
     import numpy as np
     from autominato import Loader
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # see finish()
 
     class Slow:
         def __len__(self):
@@ -507,6 +509,19 @@ CHILD = textwrap.dedent("""
                 print("READY", *loader.worker_pids(), flush=True)
             time.sleep(0.01)  # the training step
 """)
+
+
+def finish(child: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """The child's stderr once it exited; one that has not within ``timeout_s`` dumps its
+    threads' stacks (SIGUSR1, faulthandler) into the failure before it is killed."""
+    try:
+        return child.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        os.killpg(child.pid, signal.SIGKILL)
+        err = child.communicate(timeout=30)[1]
+        raise AssertionError(f"the child did not exit within {timeout_s:g} s; its stacks:\n{err}")
 
 
 def run_child_until_ready(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
@@ -533,7 +548,7 @@ def test_ctrl_c_raises_one_keyboard_interrupt_and_leaves_no_worker_or_segment(tm
     os.killpg(child.pid, signal.SIGINT)
     survivors = wait_gone(pids, 5.0)
     t1 = time.monotonic()
-    _, err = child.communicate(timeout=60)
+    err = finish(child)
     assert child.returncode in (1, -signal.SIGINT), err
     assert err.count("KeyboardInterrupt") == 1, err
     assert "Error" not in err.replace("KeyboardInterrupt", ""), err  # nothing else went wrong
@@ -551,7 +566,7 @@ def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path)
     os.kill(child.pid, signal.SIGTERM)
     survivors = wait_gone(pids, 5.0)
     t1 = time.monotonic()
-    _, err = child.communicate(timeout=60)
+    err = finish(child)
     assert child.returncode == -signal.SIGTERM, err  # it still dies by SIGTERM, as asked
     assert not survivors, f"workers still alive 5 s after SIGTERM: {survivors}"
     segs = leftover_segments(child.pid)
