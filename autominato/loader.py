@@ -1468,7 +1468,8 @@ class _EpochIterator:
         self.epoch = run.epoch_no
         self._done = False
         self._pending_h2d: list = []
-        self._asked = 0  # items asked for (the first one's wait is the pipeline's filling)
+        self._asked = 0  # items asked for (a cold run's first wait is the pipeline's filling)
+        self._timed_out = False  # a wait timed out (timeout=) since the last item taken
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -1500,9 +1501,10 @@ class _EpochIterator:
         limit = self.L.timeout
         item = None
         with run.cv:
-            # It waits for this batch (not a run's first: the pipeline fills then): the
-            # loader is not ahead of the training loop (Pipeline.consumed).
-            waited = not run.out and self._asked > 0
+            # It waits for this batch (not a cold run's first: the pipeline fills then), or a
+            # wait of its timed out since the last batch: the loader is not ahead of the
+            # training loop (Pipeline.consumed).
+            waited = self._timed_out or (not run.out and (self._asked > 0 or run.warm))
             self._asked += 1
             while not run.out:
                 # A failed scheduler may never have seen this run (it died before the run's
@@ -1523,6 +1525,7 @@ class _EpochIterator:
             else:
                 item = run.out.popleft()
         if item is None:
+            self._timed_out = True
             # Raised with neither this iterator nor its run in a frame: a kept error (a
             # notebook's sys.last_value) would keep the run loading, and its window, slots
             # and batches, when the training loop drops the iterator (review 45).
@@ -1536,6 +1539,7 @@ class _EpochIterator:
             lost = item[2] if len(item) > 2 else None  # an error's: the positions lost with it
             del item  # no frame of this call keeps the error (its traceback holds this frame)
             if kind == "raise":  # a sample's or a batch's error: the epoch goes on, as DataLoader's
+                self._timed_out = False
                 self.pipeline.consumed(run, waited)
                 self.L._lost_to_error(lost or ())
                 if lost:
@@ -1555,8 +1559,9 @@ class _EpochIterator:
                 raise err
             finally:
                 del err
-        self.pipeline.consumed(run, waited)
+        self._timed_out = False
         _, batch, indices, h2d, positions = item
+        self.pipeline.consumed(run, waited, len(positions))
         self.progress.deliver(positions)
         if h2d is not None:
             from autominato.pipeline.collate import record_stream

@@ -41,34 +41,63 @@ class Counted:
         return np.int64(i)
 
 
-def loader(ds: Counted) -> Loader:
-    return Loader(ds, batch_size=BATCH, workers=WORKERS, worker_kind="thread",
-                  pool_size=POOL, depth=DEPTH, autotune=False)
+def loader(ds: Counted, **kw) -> Loader:
+    args = {"batch_size": BATCH, "workers": WORKERS, "worker_kind": "thread", "pool_size": POOL,
+            "depth": DEPTH, "autotune": False, **kw}
+    return Loader(ds, **args)
+
+
+#: Batches taken after the loop last waited before a count is judged: those started while the
+#: whole window was open (up to pool_size + depth batches) are taken by then.
+SETTLE = POOL // BATCH + DEPTH + 1
+
+
+def lead_counts(L: Loader, ds: Counted, epochs: int, step_s: float) -> tuple[list[int], int]:
+    """Samples started and not yet taken, after each batch taken while the rule held (the
+    loop had not waited for SETTLE batches), and the batches at which it had."""
+    ahead, taken, waited, calm = [], 0, 0, 0
+    for e in range(epochs):
+        L.set_epoch(e)
+        it = iter(L)
+        for b in it:
+            taken += len(b)
+            time.sleep(step_s)  # the loop's step; the samples take microseconds
+            if L._pipeline.consumer_waits:
+                waited, calm = waited + 1, 0  # (a stall of the machine: not judged)
+            else:
+                calm += 1
+                if calm > SETTLE:
+                    ahead.append(ds.started - taken)
+        time.sleep(0.05)
+        assert it.run.unconsumed == 0, "every batch collated was taken"
+    return ahead, waited
 
 
 def test_a_loop_slower_than_the_loader_has_at_most_pool_size_samples_started_ahead():
     ds = Counted(40)
-    ahead, taken, waited = [], 0, 0
-    with loader(ds) as L:
-        for e in range(3):  # the next epoch's samples start in this one's tail: counted too
-            L.set_epoch(e)
-            for b in L:
-                taken += len(b)
-                time.sleep(0.05)  # the loop's step; the samples take microseconds
-                if L._pipeline.consumer_waits:
-                    waited += 1  # (a loaded machine: the loop waited; not judged then)
-                else:
-                    ahead.append(ds.started - taken)
-    assert len(ahead) >= 40, f"the loop waited at {waited} of {waited + len(ahead)} batches"
-    # Without the rule: 8 in flight or waiting for a batch, plus 2 batches ready (12).
+    with loader(ds) as L:  # the next epoch's samples start in this one's tail: counted too
+        ahead, waited = lead_counts(L, ds, 3, 0.05)
+    assert len(ahead) >= 20, f"the loop waited at {waited} of 60 batches"
+    # Without the rule: 8 in flight or waiting for a batch, plus 2 batches ready (12), and
+    # the next epoch's 8 + 2 batches beside this epoch's last batches at its end (16).
     assert max(ahead) <= POOL, ahead
     assert max(ahead) >= POOL - BATCH, ahead  # the loader did keep ahead
+
+
+def test_a_batch_sampler_s_batches_count_as_their_samples():
+    ds = Counted(72)
+    groups = [list(range(k, k + 6)) for k in range(0, 72, 6)]
+    with loader(ds, batch_size=1, batch_sampler=groups) as L:
+        ahead, waited = lead_counts(L, ds, 2, 0.05)
+    assert len(ahead) >= 6, f"the loop waited at {waited} of 24 batches"
+    assert max(ahead) <= POOL, ahead  # without counting samples: 18
 
 
 def test_after_the_loop_waited_the_window_keeps_its_pool_size_beside_the_ready_batches():
     ds = Counted(120, slow=range(20, 30), slow_s=0.1)  # the loader falls behind: the loop waits
     ahead, taken = [], 0
-    with loader(ds) as L:
+    # (one epoch: without the next epoch's samples, which would start in its tail)
+    with loader(ds, prefetch_next_epoch=False) as L:
         for b in L:
             taken += len(b)
             time.sleep(0.05)

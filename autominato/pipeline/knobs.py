@@ -58,11 +58,12 @@ class Knobs:
     * ``workers``: transform workers (processes, or threads with ``worker_kind="thread"``);
       0 runs read and transform in the read threads of this process (no worker processes).
     * ``pool_size``: sample buffers (shared-memory slots) in flight at most; bounds the
-      samples being read, transformed or waiting for a batch. Once the training loop has
-      taken ``scheduler.LEAD_WAITS`` batches without waiting for one (the loader is ahead),
-      the batches ready for it count in it too, so that the loader then holds ``pool_size``
-      samples ahead of the loop (or ``(depth + 1) x batch_size``, if more) instead of
-      ``pool_size + depth x batch_size``.
+      samples being read, transformed or waiting for a batch. The samples of the batches
+      ready for the training loop (the next epoch's too) count in it as well, except within
+      ``scheduler.LEAD_WAITS`` batches after the loop last waited for one: while the loader
+      is ahead it holds ``pool_size`` samples ahead of the loop (or ``(depth + 1) x
+      batch_size``, if more) instead of ``pool_size + depth x batch_size``. One figure per
+      loader: any of its iterators' waits lifts it for all.
 
     Setting an attribute clamps the value to the knob's bounds and notifies the pipeline.
     """

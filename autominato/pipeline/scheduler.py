@@ -99,10 +99,11 @@ _SPENT_MAX = 4096
 SLOW_FIRST_LOOKAHEAD = 16
 
 #: Batches the training loop must take without waiting, after it last waited for one, before
-#: the batches ready for it count in the window again (``Pipeline._dispatch``): while it waits
-#: now and then (the loader is the bottleneck, or the two are balanced) the window keeps its
-#: whole ``pool_size`` beside them, to ride out stragglers; once it has not waited for this
-#: many, the loader is ahead and more lead is only memory. About three per-rank epochs of
+#: the batches ready for it count in the window again (``Pipeline._dispatch``; they do from
+#: the start until it first waits): while it waits now and then (the loader is the
+#: bottleneck, or the two are balanced) the window keeps its whole ``pool_size`` beside them,
+#: to ride out stragglers; once it has not waited for this many, the loader is ahead and more
+#: lead is only memory. About three per-rank epochs of
 #: MLPerf's 3D-UNet on 8 ranks (10 steps each); this project's choice: at 16, on the KiTS19
 #: bench with a step equal to the floor's, the rule held the window 41% of the batches.
 LEAD_WAITS = 32
@@ -191,6 +192,10 @@ class Run:
     cv: threading.Condition = field(default_factory=threading.Condition)
     uncollated: int = 0  # samples emitted to the batch stage, not yet collated
     batching: int = 0  # batches and errors (non-final items) in the batch / transfer stages
+    # Samples of its batches collated and not yet taken by the training loop (in the transfer
+    # stage or in ``out``); the scheduler thread's, told of takes by ``Pipeline.consumed``.
+    unconsumed: int = 0
+    warm: bool = False  # adopted with samples loaded ahead (its first batch should be ready)
     stopped: bool = False
     closed: bool = False  # nothing more will be put in ``out``
     speculative: bool = False  # started for an iterator that does not exist yet
@@ -203,12 +208,6 @@ class Run:
     parked: list = field(default_factory=list)
     # Once adopted: (pos, attempt) of the samples it had in flight then (loaded ahead too)
     ahead: set = field(default_factory=set)
-
-    def ready(self) -> int:
-        """Items of ``out`` the training loop has still to take, its final one not counted
-        (read without the lock by the scheduler thread: a moment's figure)."""
-        n = len(self.out)
-        return n - 1 if n and self.closed else n
 
     def failed(self) -> bool:
         """Closed with an error as its final item."""
@@ -462,6 +461,7 @@ class Pipeline:
             self.speculative_adopted += 1
             if spec.taken == 0:  # (its predecessor was left before it handed out every sample)
                 self.cold_starts += 1
+            spec.warm = spec.taken > 0
             self.events.put(("adopt", spec))
             return spec
         spec.stopped = True
@@ -492,10 +492,11 @@ class Pipeline:
         run.stopped = True
         self.events.put(("stop", run))
 
-    def consumed(self, run: Run, waited: bool = False) -> None:
-        """The training loop took an item of ``run``'s output; ``waited``: it had to wait for
-        it (the output was empty when asked, not counting a run's first batch)."""
-        self.events.put(("consumed", run, waited))
+    def consumed(self, run: Run, waited: bool = False, samples: int = 0) -> None:
+        """The training loop took an item of ``run``'s output: a batch of ``samples`` samples
+        (0: an error); ``waited``: it had to wait for it (the output was empty when asked,
+        other than for a cold run's first batch), or a wait of its timed out since."""
+        self.events.put(("consumed", run, waited, samples))
 
     def knobs_changed(self, *_: Any) -> None:
         self.events.put(("knobs",))
@@ -650,6 +651,7 @@ class Pipeline:
             self._end_run(spec, None)
             spec.finish(None)  # a run that had already ended holds its batches until now
         elif kind == "consumed":  # room in a run's output: the batch stage is pumped below
+            ev[1].unconsumed -= ev[3]
             if ev[2]:
                 self.consumer_waits = LEAD_WAITS
             elif self.consumer_waits:
@@ -731,16 +733,16 @@ class Pipeline:
                     self._pull(run, pull)
                 continue
             used = run.epoch.held + run.uncollated
-            ahead = run.ready()
+            ahead = run.unconsumed
             pred = run.pred
             if pred is not None:
-                ahead += pred.ready()  # (also once it ended: its last batches wait for the loop)
+                ahead += pred.unconsumed  # (also once it ended: its last batches wait for the loop)
                 if self.runs.get(pred.gen) is pred:
                     used += pred.epoch.held + pred.uncollated
             # A batch sampler's batch larger than pool_size would never complete, nor would
             # an epoch whose window filled behind a sample to re-dispatch (a knob shrank it).
             window = max(pool, run.epoch.min_window) - used
-            if ahead and self.consumer_waits == 0:
+            if ahead > 0 and self.consumer_waits == 0:
                 # The training loop is the bottleneck (it has not waited for a batch lately):
                 # the batches ready for it (this epoch's and the next's) count in the window,
                 # so that the samples held ahead of it are pool_size, not pool_size + depth x
@@ -748,7 +750,7 @@ class Pipeline:
                 # batches where that is more (a depth set beyond the pool is kept).
                 bs = run.epoch.batch_size
                 lead = max(pool, (self.knobs.depth + 1) * bs, run.epoch.min_window)
-                window = min(window, lead - ahead * bs - used)
+                window = min(window, lead - ahead - used)
             room = min(max(window, run.epoch.redo_due), *(s.room() for s in stages))
             if room <= 0:
                 continue
@@ -1263,6 +1265,7 @@ class Pipeline:
         payload = r.value
         final = isinstance(payload, _Final)
         stage.finished(r, count=not final)
+        n = 0  # the batch's samples
         if r.stage == "batch" and not final:
             n = self._collating.pop(r.key, 0)
             if run is not None:
@@ -1286,6 +1289,7 @@ class Pipeline:
                 return
             self._end_run(run, ("error", r.error))
             return
+        run.unconsumed += n  # (a batch collated) until the training loop takes it
         if r.stage == "batch" and self.transfer_stage is not None:
             self.transfer_stage.put(r.key, (run, payload))
             return
