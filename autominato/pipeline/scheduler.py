@@ -747,9 +747,9 @@ class Pipeline:
                 # the batches ready for it (this epoch's and the next's) count in the window,
                 # so that the samples held ahead of it are pool_size, not pool_size + depth x
                 # batch_size (DataLoader: prefetch_factor x num_workers batches); depth + 1
-                # batches where that is more (a depth set beyond the pool is kept).
-                bs = run.epoch.batch_size
-                lead = max(pool, (self.knobs.depth + 1) * bs, run.epoch.min_window)
+                # batches where that is more (a depth set beyond the pool is kept; a batch
+                # sampler's batches at its largest: min_window).
+                lead = max(pool, (self.knobs.depth + 1) * run.epoch.min_window)
                 window = min(window, lead - ahead - used)
             room = min(max(window, run.epoch.redo_due), *(s.room() for s in stages))
             if room <= 0:
