@@ -489,6 +489,12 @@ CHILD = textwrap.dedent("""
     from autominato import Loader
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # see finish()
+    # A process started with SIGINT ignored (inherited from the one that started it: once, the
+    # test process) keeps it ignored, and Ctrl-C does nothing: as a terminal's shell would,
+    # give it Python's handler, and say so; the loader must leave that handler in place.
+    INHERITED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if INHERITED:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class Slow:
         def __len__(self):
@@ -506,7 +512,9 @@ CHILD = textwrap.dedent("""
         loader = Loader(Slow(), 2, transform=slow, workers=2, autotune=False)
         for k, batch in enumerate(loader):
             if k == 2:
-                print("READY", *loader.worker_pids(), flush=True)
+                kept = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                print("READY", "inherited-ignore" if INHERITED else "-",
+                      "kept" if kept else "CHANGED", *loader.worker_pids(), flush=True)
             time.sleep(0.01)  # the training step
 """)
 
@@ -535,7 +543,9 @@ def run_child_until_ready(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     line = child.stdout.readline()
     assert line.startswith("READY"), child.communicate(timeout=60)
-    pids = [int(p) for p in line.split()[1:]]
+    _, inherited, kept, *pids = line.split()
+    assert kept == "kept", "the loader changed the training process's SIGINT handler"
+    pids = [int(p) for p in pids]
     assert len(pids) == 2 and alive(pids) == set(pids)
     assert leftover_segments(child.pid), "the scenario must have segments to clean up"
     return child, pids
