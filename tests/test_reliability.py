@@ -529,7 +529,8 @@ def finish(child: subprocess.Popen, timeout_s: float = 60.0) -> str:
         time.sleep(2.0)
         os.killpg(child.pid, signal.SIGKILL)
         err = child.communicate(timeout=30)[1]
-        raise AssertionError(f"the child did not exit within {timeout_s:g} s; its stacks:\n{err}")
+        raise AssertionError(
+            f"the child did not exit within {timeout_s:g} s; its stacks:\n{err}") from None
 
 
 def run_child_until_ready(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:

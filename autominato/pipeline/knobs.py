@@ -63,8 +63,7 @@ class Knobs:
       ``scheduler.LEAD_WAITS`` batches after the loop last waited for one: while the loader
       is ahead it holds ``pool_size`` samples ahead of the loop (or ``(depth + 1) x
       batch_size``, if more: a batch sampler's largest batch) instead of ``pool_size + depth x
-      batch_size``. One figure per
-      loader: any of its iterators' waits lifts it for all.
+      batch_size``. One figure per loader: any of its iterators' waits lifts it for all.
 
     Setting an attribute clamps the value to the knob's bounds and notifies the pipeline.
     """

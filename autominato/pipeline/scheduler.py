@@ -103,9 +103,9 @@ SLOW_FIRST_LOOKAHEAD = 16
 #: the start until it first waits): while it waits now and then (the loader is the
 #: bottleneck, or the two are balanced) the window keeps its whole ``pool_size`` beside them,
 #: to ride out stragglers; once it has not waited for this many, the loader is ahead and more
-#: lead is only memory. About three per-rank epochs of
-#: MLPerf's 3D-UNet on 8 ranks (10 steps each); this project's choice: at 16, on the KiTS19
-#: bench with a step equal to the floor's, the rule held the window 41% of the batches.
+#: lead is only memory. About three per-rank epochs of MLPerf's 3D-UNet on 8 ranks (10 steps
+#: each); this project's choice: at 16, on the KiTS19 bench with a step equal to the floor's,
+#: the rule held the window at 41% of the batches.
 LEAD_WAITS = 32
 
 
