@@ -13,6 +13,7 @@ recover, leftovers found).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
@@ -1099,3 +1100,41 @@ def test_rebuilt_exceptions_keep_what_their_builtin_base_derives_and_their_own_p
     with open(os.devnull) as f:
         e = through(_Owned("bad header", f))
     assert isinstance(e, _Owned) and str(e).startswith("bad header [")
+
+
+class _CaseMissing(OSError):
+    def __init__(self, path: str) -> None:  # loading calls it with (2, msg, path): fails
+        super().__init__(errno.ENOENT, f"cannot read {path}", path)
+
+
+class _NoCase(OSError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"no such case: {path}")  # formatted from the argument
+        self.path = path
+
+
+def test_an_oserror_subclass_keeps_its_filename_and_its_message_once():
+    """An OSError subclass rebuilt without __init__ lost ``filename`` (OSError keeps it out of
+    ``args``), and one that formats its message arrived formatted twice (OSError's own
+    ``__reduce__`` was trusted as the class's)."""
+    from autominato.pipeline.errors import ErrorReport
+
+    def through(exc):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001
+            report = ErrorReport.capture(e, 2, "/data/case_2.nii.gz", "worker 0 (pid 1)")
+        return pickle.loads(pickle.dumps(report)).to_exception()
+
+    original = _CaseMissing("/data/case_2.nii.gz")
+    e = through(_CaseMissing("/data/case_2.nii.gz"))
+    assert isinstance(e, _CaseMissing)
+    assert (e.errno, e.strerror, e.filename) == (errno.ENOENT, "cannot read /data/case_2.nii.gz",
+                                                 "/data/case_2.nii.gz")
+    assert str(e) == str(original) and e.args == original.args
+    e = through(_NoCase("/data/case_2.nii.gz"))
+    assert isinstance(e, _NoCase) and str(e) == "no such case: /data/case_2.nii.gz"
+    assert e.path == "/data/case_2.nii.gz"
+    e = through(FileNotFoundError(errno.ENOENT, "No such file", "/data/x.nii"))  # plain: as is
+    assert (type(e), e.filename, str(e)) == (FileNotFoundError, "/data/x.nii",
+                                             "[Errno 2] No such file: '/data/x.nii'")

@@ -9,7 +9,9 @@ back as an :class:`ErrorReport` (always picklable), and re-raised in the trainin
 * otherwise (a constructor with several required arguments, or one that formats its message
   from its argument, so that loading formats it twice) the same type is rebuilt without
   calling its ``__init__``: its class, ``args`` and attributes (the builtin base's
-  ``__init__`` fills what C code derives from ``args``, as ``OSError.errno``); when an
+  ``__init__`` fills what C code derives from ``args``, as ``OSError.errno``, and from the
+  ``filename`` an ``OSError`` keeps out of ``args``); a class pickled by a builtin base's
+  ``__reduce__`` (``OSError``'s too) is checked for its message like any other; when an
   argument or attribute does not pickle (an open file, a lock), its type with its message,
   as the DataLoader rebuilds it;
 * when none of that can be rebuilt in the training process (a class defined in a function, a
@@ -237,10 +239,11 @@ class ErrorReport:
             pickled = pickle.dumps(exc)
             back = pickle.loads(pickled)  # a multi-argument constructor fails only on load
             whole = pickled
-            if t.__reduce__ is BaseException.__reduce__ and _message(back) != _message(exc):
+            if _builtin_reduce(t) and _message(back) != _message(exc):
                 # Loading calls __init__(*args) again: a constructor that formats its message
                 # (super().__init__(f"code {code}")) formats it twice, "code code 5". (A class
-                # that defines how it pickles is trusted with it.)
+                # that defines how it pickles is trusted with it; a builtin base's, such as
+                # OSError's, is not the class's own.)
                 raise ValueError("the message changed through pickle")
         except Exception:
             # Rebuild without calling __init__ (which may need other arguments than .args):
@@ -251,7 +254,9 @@ class ErrorReport:
             for parts in (lambda: (exc.args, vars(exc)), lambda: ((_message(exc),), {})):
                 try:
                     args, attrs = parts()
-                    pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, args, attrs))
+                    init = _init_args(exc) if args is exc.args else args
+                    pickled = pickle.dumps(
+                        ("parts", t.__module__, t.__qualname__, args, attrs, init))
                     # (and it must print: a __str__ that reads a dropped attribute would not)
                     str(_from_parts(pickle.loads(pickled)))
                     break
@@ -338,18 +343,40 @@ def _exception_class(module: str, qualname: str, found: object) -> type[BaseExce
     return cls
 
 
+def _builtin_reduce(t: type) -> bool:
+    """Whether class ``t`` pickles by a builtin base's ``__reduce__`` (``BaseException``'s,
+    ``OSError``'s: its constructor called again with the arguments), not one of its own."""
+    owner = next((c for c in t.__mro__ if "__reduce__" in vars(c)), object)
+    return owner.__module__ == "builtins"
+
+
+def _init_args(exc: BaseException) -> tuple:
+    """The arguments ``exc``'s builtin base is built from: ``exc.args``, but an ``OSError``'s
+    with its ``filename`` (and ``filename2``), which it keeps out of ``args``: what the
+    builtin ``__reduce__`` gives, when the class pickles by it."""
+    if _builtin_reduce(type(exc)):
+        try:
+            reduced = exc.__reduce__()
+            if isinstance(reduced, tuple) and len(reduced) > 1 and isinstance(reduced[1], tuple):
+                return reduced[1]
+        except Exception:  # noqa: BLE001 - a broken exception: its args as they are
+            pass
+    return exc.args
+
+
 def _from_parts(parts: tuple) -> BaseException:
     import importlib
 
-    _, module, qualname, args, attrs = parts
+    _, module, qualname, args, attrs, *more = parts
+    init = more[0] if more else args  # (what the builtin base is built from: see _init_args)
     cls = _exception_class(module, qualname, importlib.import_module(module))
-    exc = cls.__new__(cls, *args)
+    exc = cls.__new__(cls, *init)
     # Not the class's __init__ (it may need other arguments, or format the message anew), but
     # its builtin base's: fields that C code derives from the arguments (OSError's errno,
     # strerror and filename, a UnicodeError's start and end) are set there.
     base = next(c for c in cls.__mro__ if c.__module__ == "builtins")
     try:
-        base.__init__(exc, *args)
+        base.__init__(exc, *init)
     except Exception:  # noqa: BLE001 - arguments that base does not take: args alone
         pass
     exc.args = args
