@@ -1138,3 +1138,36 @@ def test_an_oserror_subclass_keeps_its_filename_and_its_message_once():
     e = through(FileNotFoundError(errno.ENOENT, "No such file", "/data/x.nii"))  # plain: as is
     assert (type(e), e.filename, str(e)) == (FileNotFoundError, "/data/x.nii",
                                              "[Errno 2] No such file: '/data/x.nii'")
+
+
+class _ErrnoAfter(OSError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"bad {path}")
+        self.errno = errno.EIO  # a C field set by assignment
+
+
+class _MissingPlugin(ImportError):
+    def __init__(self, plugin: str) -> None:
+        super().__init__(f"plugin {plugin} missing", name=plugin, path=f"/plugins/{plugin}")
+
+
+def test_fields_builtin_exceptions_keep_in_c_cross_with_a_rebuilt_exception():
+    """Review 95: rebuilt without __init__, an OSError's errno set by assignment and an
+    ImportError's name and path (neither in args nor in vars) were lost; a filename that does
+    not pickle costs the filename only."""
+    from autominato.pipeline.errors import ErrorReport
+
+    def through(exc):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001
+            report = ErrorReport.capture(e, 2, None, "worker 0 (pid 1)")
+        return pickle.loads(pickle.dumps(report)).to_exception()
+
+    e = through(_ErrnoAfter("/data/c.nii"))
+    assert (type(e), str(e), e.errno) == (_ErrnoAfter, "bad /data/c.nii", errno.EIO)
+    e = through(_MissingPlugin("dicom"))
+    assert (str(e), e.name, e.path) == ("plugin dicom missing", "dicom", "/plugins/dicom")
+    e = through(FileNotFoundError(errno.ENOENT, "No such file", threading.Lock()))
+    assert (type(e), e.errno, e.strerror, e.filename) == (
+        FileNotFoundError, errno.ENOENT, "No such file", None)

@@ -251,12 +251,14 @@ class ErrorReport:
             # Then, when an argument or attribute cannot be pickled (an open file, a lock), the
             # type with its message alone, as the DataLoader rebuilds it (``exc_type(msg)``).
             pickled = None
-            for parts in (lambda: (exc.args, vars(exc)), lambda: ((_message(exc),), {})):
+            # First with what the builtin base keeps outside args and vars (an OSError's
+            # filename and errno, an ImportError's name), then without (a filename that does
+            # not pickle), then the message alone.
+            for parts in (lambda: (exc.args, vars(exc), _init_args(exc), _c_fields(exc)),
+                          lambda: (exc.args, vars(exc), exc.args, {}),
+                          lambda: ((_message(exc),), {}, (_message(exc),), {})):
                 try:
-                    args, attrs = parts()
-                    init = _init_args(exc) if args is exc.args else args
-                    pickled = pickle.dumps(
-                        ("parts", t.__module__, t.__qualname__, args, attrs, init))
+                    pickled = pickle.dumps(("parts", t.__module__, t.__qualname__, *parts()))
                     # (and it must print: a __str__ that reads a dropped attribute would not)
                     str(_from_parts(pickle.loads(pickled)))
                     break
@@ -364,11 +366,31 @@ def _init_args(exc: BaseException) -> tuple:
     return exc.args
 
 
+#: Fields builtin exceptions keep in C (data descriptors: neither in ``args`` nor in
+#: ``vars()``), by the builtin class that has them.
+_C_FIELDS = ((OSError, ("errno", "strerror", "filename", "filename2")),
+             (BlockingIOError, ("characters_written",)),
+             (ImportError, ("name", "path")))
+
+
+def _c_fields(exc: BaseException) -> dict:
+    """The :data:`_C_FIELDS` that ``exc`` has set (not ``None``), by name."""
+    fields = {}
+    for cls, names in _C_FIELDS:
+        if isinstance(exc, cls):
+            for name in names:
+                value = getattr(exc, name, None)  # (BlockingIOError's: AttributeError unset)
+                if value is not None:
+                    fields[name] = value
+    return fields
+
+
 def _from_parts(parts: tuple) -> BaseException:
     import importlib
 
     _, module, qualname, args, attrs, *more = parts
     init = more[0] if more else args  # (what the builtin base is built from: see _init_args)
+    fields = more[1] if len(more) > 1 else {}  # (see _c_fields)
     cls = _exception_class(module, qualname, importlib.import_module(module))
     exc = cls.__new__(cls, *init)
     # Not the class's __init__ (it may need other arguments, or format the message anew), but
@@ -379,6 +401,11 @@ def _from_parts(parts: tuple) -> BaseException:
         base.__init__(exc, *init)
     except Exception:  # noqa: BLE001 - arguments that base does not take: args alone
         pass
+    for name, value in fields.items():  # (set after __init__: the class may have set them so)
+        try:
+            setattr(exc, name, value)
+        except (AttributeError, TypeError):  # a subclass that made one read-only
+            pass
     exc.args = args
     exc.__dict__.update(attrs)
     return exc
