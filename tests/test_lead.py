@@ -62,7 +62,7 @@ def lead_counts(L: Loader, ds: Counted, epochs: int, step_s: float) -> tuple[lis
         for b in it:
             taken += len(b)
             time.sleep(step_s)  # the loop's step; the samples take microseconds
-            if L._pipeline.consumer_waits:
+            if L._pipeline.full_lead_left:
                 waited, calm = waited + 1, 0  # (a stall of the machine: not judged)
             else:
                 calm += 1
@@ -103,7 +103,7 @@ def test_after_the_loop_waited_the_window_keeps_its_pool_size_beside_the_ready_b
         for b in L:
             taken += len(b)
             time.sleep(0.05)
-            if L._pipeline.consumer_waits and int(b[-1]) >= 30:  # within LEAD_WAITS of a wait
+            if L._pipeline.full_lead_left and int(b[-1]) >= 30:  # within LEAD_WAITS of a wait
                 ahead.append(ds.started - taken)
     assert ahead, "the loop never waited"
     # The window's pool_size in flight or waiting for a batch, and depth batches ready beside.

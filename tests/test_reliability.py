@@ -1066,6 +1066,18 @@ def test_an_exception_that_formats_its_message_arrives_with_it_once():
     assert e.code == 5
 
 
+def crossed(exc: BaseException, path: str | None = "/data/case_2.nii.gz") -> BaseException:
+    """``exc`` raised in a worker for sample 2 (file ``path``), as the training loop gets it:
+    captured, pickled, loaded and rebuilt."""
+    from autominato.pipeline.errors import ErrorReport
+
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001
+        report = ErrorReport.capture(e, 2, path, "worker 0 (pid 1)")
+    return pickle.loads(pickle.dumps(report)).to_exception()
+
+
 class _NoArgsOSError(OSError):
     def __init__(self) -> None:  # loading calls it with (5, "cannot read"): fails
         super().__init__(5, "cannot read")
@@ -1086,19 +1098,10 @@ class _Owned(Exception):
 def test_rebuilt_exceptions_keep_what_their_builtin_base_derives_and_their_own_pickling():
     """Review 89: rebuilt without __init__, an OSError lost errno and strerror; and a class with
     its own __reduce__ whose message changed slightly through it arrived as a SampleError."""
-    from autominato.pipeline.errors import ErrorReport
-
-    def through(exc):
-        try:
-            raise exc
-        except Exception as e:  # noqa: BLE001
-            report = ErrorReport.capture(e, 1, None, "worker 0 (pid 1)")
-        return pickle.loads(pickle.dumps(report)).to_exception()
-
-    e = through(_NoArgsOSError())
+    e = crossed(_NoArgsOSError())
     assert isinstance(e, _NoArgsOSError) and (e.errno, e.strerror) == (5, "cannot read")
     with open(os.devnull) as f:
-        e = through(_Owned("bad header", f))
+        e = crossed(_Owned("bad header", f))
     assert isinstance(e, _Owned) and str(e).startswith("bad header [")
 
 
@@ -1117,25 +1120,16 @@ def test_an_oserror_subclass_keeps_its_filename_and_its_message_once():
     """An OSError subclass rebuilt without __init__ lost ``filename`` (OSError keeps it out of
     ``args``), and one that formats its message arrived formatted twice (OSError's own
     ``__reduce__`` was trusted as the class's)."""
-    from autominato.pipeline.errors import ErrorReport
-
-    def through(exc):
-        try:
-            raise exc
-        except Exception as e:  # noqa: BLE001
-            report = ErrorReport.capture(e, 2, "/data/case_2.nii.gz", "worker 0 (pid 1)")
-        return pickle.loads(pickle.dumps(report)).to_exception()
-
     original = _CaseMissing("/data/case_2.nii.gz")
-    e = through(_CaseMissing("/data/case_2.nii.gz"))
+    e = crossed(_CaseMissing("/data/case_2.nii.gz"))
     assert isinstance(e, _CaseMissing)
     assert (e.errno, e.strerror, e.filename) == (errno.ENOENT, "cannot read /data/case_2.nii.gz",
                                                  "/data/case_2.nii.gz")
     assert str(e) == str(original) and e.args == original.args
-    e = through(_NoCase("/data/case_2.nii.gz"))
+    e = crossed(_NoCase("/data/case_2.nii.gz"))
     assert isinstance(e, _NoCase) and str(e) == "no such case: /data/case_2.nii.gz"
     assert e.path == "/data/case_2.nii.gz"
-    e = through(FileNotFoundError(errno.ENOENT, "No such file", "/data/x.nii"))  # plain: as is
+    e = crossed(FileNotFoundError(errno.ENOENT, "No such file", "/data/x.nii"))  # plain: as is
     assert (type(e), e.filename, str(e)) == (FileNotFoundError, "/data/x.nii",
                                              "[Errno 2] No such file: '/data/x.nii'")
 
@@ -1155,19 +1149,10 @@ def test_fields_builtin_exceptions_keep_in_c_cross_with_a_rebuilt_exception():
     """Review 95: rebuilt without __init__, an OSError's errno set by assignment and an
     ImportError's name and path (neither in args nor in vars) were lost; a filename that does
     not pickle costs the filename only."""
-    from autominato.pipeline.errors import ErrorReport
-
-    def through(exc):
-        try:
-            raise exc
-        except Exception as e:  # noqa: BLE001
-            report = ErrorReport.capture(e, 2, None, "worker 0 (pid 1)")
-        return pickle.loads(pickle.dumps(report)).to_exception()
-
-    e = through(_ErrnoAfter("/data/c.nii"))
+    e = crossed(_ErrnoAfter("/data/c.nii"))
     assert (type(e), str(e), e.errno) == (_ErrnoAfter, "bad /data/c.nii", errno.EIO)
-    e = through(_MissingPlugin("dicom"))
+    e = crossed(_MissingPlugin("dicom"))
     assert (str(e), e.name, e.path) == ("plugin dicom missing", "dicom", "/plugins/dicom")
-    e = through(FileNotFoundError(errno.ENOENT, "No such file", threading.Lock()))
+    e = crossed(FileNotFoundError(errno.ENOENT, "No such file", threading.Lock()))
     assert (type(e), e.errno, e.strerror, e.filename) == (
         FileNotFoundError, errno.ENOENT, "No such file", None)

@@ -308,7 +308,7 @@ class Pipeline:
             # Batches the training loop may still take without waiting before the window
             # counts the batches ready for it again (see _dispatch): LEAD_WAITS after it
             # waited for one, then down by one a batch taken at once; 0 from the start.
-            self.consumer_waits = 0
+            self.full_lead_left = 0
             self._overtook: set[tuple] = set()
             self._admit_stage: Stage | None = None
             # ((Stage.scans, SampleMemory.version), key -> estimate): see _admit
@@ -653,9 +653,9 @@ class Pipeline:
         elif kind == "consumed":  # room in a run's output: the batch stage is pumped below
             ev[1].unconsumed -= ev[3]
             if ev[2]:
-                self.consumer_waits = LEAD_WAITS
-            elif self.consumer_waits:
-                self.consumer_waits -= 1
+                self.full_lead_left = LEAD_WAITS
+            elif self.full_lead_left:
+                self.full_lead_left -= 1
         elif kind == "knobs":
             self._apply_knobs()
 
@@ -742,7 +742,7 @@ class Pipeline:
             # A batch sampler's batch larger than pool_size would never complete, nor would
             # an epoch whose window filled behind a sample to re-dispatch (a knob shrank it).
             window = max(pool, run.epoch.min_window) - used
-            if ahead > 0 and self.consumer_waits == 0:
+            if ahead > 0 and self.full_lead_left == 0:
                 # The training loop is the bottleneck (it has not waited for a batch lately):
                 # the batches ready for it (this epoch's and the next's) count in the window,
                 # so that the samples held ahead of it are pool_size, not pool_size + depth x
