@@ -197,6 +197,39 @@ def _shm_used() -> int:
     return u.total - u.free
 
 
+def test_a_decay_pass_with_keep_gives_back_idle_slots_beyond_the_most_recently_freed():
+    """``decay(keep=k)`` (the scheduler's pass while the training loop is the bottleneck):
+    however recently freed, idle slots beyond the ``k`` freed last give their pages back; a
+    slot a batch still views keeps them; without ``keep`` only age counts."""
+    import time
+
+    size = 8 << 20
+    pool = SlotPool(max_slots=8, budget_bytes=1 << 30)
+    try:
+        a, b, c, lent = (pool.acquire(size) for _ in range(4))
+        view = np.frombuffer(lent.mmap, np.uint8)  # a batch the training loop still holds
+        lent.lent = True
+        for s in (a, b, lent, c):  # c freed last; lent freed after b but still viewed
+            pool.release(s)
+            time.sleep(0.01)
+        assert pool.decay() == 0  # all freed well within DECAY_S
+        before = _shm_used()
+        assert pool.resident_bytes() == 4 * size
+        assert pool.decay(keep=1) == 2  # a and b: given back however recent
+        assert c.warm and lent.warm and not a.warm and not b.warm
+        assert before - _shm_used() >= 2 * size * 0.9
+        assert pool.decay(keep=1) == 0  # the one kept stays kept
+        del view
+        assert pool.decay(keep=1) == 1  # no view left: lent is idle, and c was freed after it
+        assert c.warm and not lent.warm
+        assert pool.decay(keep=0) == 1 and not c.warm
+        assert pool.resident_bytes() == 0
+        again = pool.acquire(size)  # reserved again when handed out
+        assert again.warm and pool.resident_bytes() == size
+    finally:
+        pool.close()
+
+
 def test_a_free_slot_unused_for_the_decay_time_gives_its_memory_back_and_is_reserved_again(
         monkeypatch):
     import mmap

@@ -600,7 +600,9 @@ class Pipeline:
                 now = time.monotonic()
                 if now >= self._next_decay:  # idle memory goes back (see shm.DECAY_S)
                     self._next_decay = now + DECAY_TICK_S
-                    self.slots.decay(now)
+                    # While the lead rule holds (the loop is the bottleneck) no idle slot
+                    # stays warm: its page faults cost time the loader has to spare.
+                    self.slots.decay(now, keep=0 if self.full_lead_left == 0 else None)
                     self.batch_pool.decay(now)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")

@@ -63,7 +63,8 @@ def shm_free_bytes() -> int:
 #: project's machines writing 64 MiB took 52 ms into given-back pages, 10 ms into warm
 #: ones). Allocators decay idle memory the same way (jemalloc's ``dirty_decay_ms``, 10 s by
 #: default); a shorter time suits buffers of tens of MB that a loader needs only in bursts
-#: (the end of an epoch, a full prefetch queue).
+#: (the end of an epoch, a full prefetch queue). While the training loop is the bottleneck
+#: the scheduler gives idle slots back at once (``SlotPool.decay``'s ``keep``).
 DECAY_S = 1.0
 
 #: Whether a slot can give its pages back and take them again (Linux: ``MADV_REMOVE`` and
@@ -448,11 +449,19 @@ class SlotPool:
             return (sum(s.size for s in self._all.values() if s.warm)
                     + sum(s.size for s in self._orphans))
 
-    def decay(self, now: float | None = None) -> int:
+    def decay(self, now: float | None = None, keep: int | None = None) -> int:
         """Free slots unused for :data:`DECAY_S` seconds give their memory back; returns how
         many did. Called from the scheduler's periodic tick, not on the hot path, so that the
         memory goes back during a pause (between epochs, a validation pass) rather than when
-        the next epoch asks for slots again."""
+        the next epoch asks for slots again.
+
+        ``keep``: when given, idle free slots (no batch views them) beyond the ``keep`` most
+        recently freed give their memory back too, however recently freed: the scheduler
+        passes 0 while the training loop is the bottleneck (``Pipeline._dispatch``'s lead
+        rule holds), where warm idle slots only add to the peak and their page faults cost
+        the loader time it has to spare (~15 ms of CPU a 20 MiB batch buffer, measured:
+        hole punched 3 ms, ``posix_fallocate`` 4 ms, the worker's first write 9 ms against
+        1 ms warm; the DataLoader's workers pay it for every batch)."""
         with self._lock:
             self._reap()  # between epochs too, not only when a slot is next asked for
         if not self._punch:
@@ -460,8 +469,10 @@ class SlotPool:
         old = (time.monotonic() if now is None else now) - DECAY_S
         done = 0
         with self._lock:
-            for slot in self._free:
-                if slot.warm and slot.freed_at < old and not (slot.lent and slot.viewed()):
+            idle = [s for s in self._free if s.warm and not (s.lent and s.viewed())]
+            idle.sort(key=lambda s: s.freed_at, reverse=True)  # the most recently freed first
+            for i, slot in enumerate(idle):
+                if slot.freed_at < old or (keep is not None and i >= keep):
                     try:
                         slot.release_memory()
                     except (OSError, ValueError):  # a file system that cannot punch holes
