@@ -197,35 +197,39 @@ def _shm_used() -> int:
     return u.total - u.free
 
 
-def test_a_decay_pass_with_keep_gives_back_idle_slots_beyond_the_most_recently_freed():
+def test_a_decay_pass_with_keep_gives_back_idle_batch_buffers_beyond_the_most_recently_freed():
     """``decay(keep=k)`` (the scheduler's pass while the training loop is the bottleneck):
-    however recently freed, idle slots beyond the ``k`` freed last give their pages back; a
-    slot a batch still views keeps them; without ``keep`` only age counts."""
+    however recently freed, idle batch buffers beyond the ``k`` freed last give their pages
+    back; one a batch still views keeps them, and so does a slot that was not a batch buffer
+    (a sample's own: taken again on the scheduler thread); without ``keep`` only age counts."""
     import time
 
     size = 8 << 20
     pool = SlotPool(max_slots=8, budget_bytes=1 << 30)
     try:
-        a, b, c, lent = (pool.acquire(size) for _ in range(4))
+        a, b, c, lent = (pool.acquire(size, batch=True) for _ in range(4))
+        own = pool.acquire(size)
         view = np.frombuffer(lent.mmap, np.uint8)  # a batch the training loop still holds
         lent.lent = True
-        for s in (a, b, lent, c):  # c freed last; lent freed after b but still viewed
+        for s in (a, b, lent, c, own):  # c the batch buffer freed last; lent still viewed
             pool.release(s)
             time.sleep(0.01)
         assert pool.decay() == 0  # all freed well within DECAY_S
         before = _shm_used()
-        assert pool.resident_bytes() == 4 * size
+        assert pool.resident_bytes() == 5 * size
         assert pool.decay(keep=1) == 2  # a and b: given back however recent
-        assert c.warm and lent.warm and not a.warm and not b.warm
+        assert c.warm and lent.warm and own.warm and not a.warm and not b.warm
         assert before - _shm_used() >= 2 * size * 0.9
         assert pool.decay(keep=1) == 0  # the one kept stays kept
         del view
         assert pool.decay(keep=1) == 1  # no view left: lent is idle, and c was freed after it
         assert c.warm and not lent.warm
-        assert pool.decay(keep=0) == 1 and not c.warm
-        assert pool.resident_bytes() == 0
-        again = pool.acquire(size)  # reserved again when handed out
-        assert again.warm and pool.resident_bytes() == size
+        assert pool.decay(keep=0) == 1 and not c.warm and own.warm
+        assert pool.resident_bytes() == size  # own's
+        again = pool.acquire(size, batch=True)  # the warm one first, as a batch buffer now
+        assert again is own and again.batch
+        cold = pool.acquire(size)  # a cold one is reserved again when handed out
+        assert cold.warm and not cold.batch and pool.resident_bytes() == 2 * size
     finally:
         pool.close()
 

@@ -243,7 +243,7 @@ class RowAllocator:
             if buf is None:
                 rows = run.cap(0, run.rows)  # a buffer only as large as the rows it hands out
                 sizes, regions, nbytes = layout(sig, rows)
-                slot = self.pool.acquire(nbytes, quiet=True)
+                slot = self.pool.acquire(nbytes, quiet=True, batch=True)
                 if slot is None:
                     return self._single(key, sig)
                 if len(forming) >= MAX_FORMING:  # the oldest shape's buffer takes no more rows
@@ -264,7 +264,7 @@ class RowAllocator:
             if len(run.forming) >= MAX_PLACED:
                 return self._single(key, sig)
             sizes, regions, nbytes = layout(sig, rows)
-            slot = self.pool.acquire(nbytes, quiet=True)
+            slot = self.pool.acquire(nbytes, quiet=True, batch=True)
             if slot is None:
                 return self._single(key, sig)
             buf = run.forming[fk] = RowBuffer(slot, sig, rows, sizes, regions)

@@ -600,9 +600,13 @@ class Pipeline:
                 now = time.monotonic()
                 if now >= self._next_decay:  # idle memory goes back (see shm.DECAY_S)
                     self._next_decay = now + DECAY_TICK_S
-                    # While the lead rule holds (the loop is the bottleneck) no idle slot
-                    # stays warm: its page faults cost time the loader has to spare.
-                    self.slots.decay(now, keep=0 if self.full_lead_left == 0 else None)
+                    # While the lead rule holds and batches wait for the loop (it is the
+                    # bottleneck) no idle batch buffer stays warm: its page faults cost
+                    # time the loader has to spare.
+                    ahead = self.full_lead_left == 0 and any(
+                        r.unconsumed or (r.pred is not None and r.pred.unconsumed)
+                        for r in self.runs.values())
+                    self.slots.decay(now, keep=0 if ahead else None)
                     self.batch_pool.decay(now)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")

@@ -64,7 +64,7 @@ def shm_free_bytes() -> int:
 #: ones). Allocators decay idle memory the same way (jemalloc's ``dirty_decay_ms``, 10 s by
 #: default); a shorter time suits buffers of tens of MB that a loader needs only in bursts
 #: (the end of an epoch, a full prefetch queue). While the training loop is the bottleneck
-#: the scheduler gives idle slots back at once (``SlotPool.decay``'s ``keep``).
+#: the scheduler's next tick gives idle batch buffers back (``SlotPool.decay``'s ``keep``).
 DECAY_S = 1.0
 
 #: Whether a slot can give its pages back and take them again (Linux: ``MADV_REMOVE`` and
@@ -78,7 +78,8 @@ class Slot:
     ``warm``: its pages are allocated (False after :meth:`release_memory`); ``freed_at``:
     ``time.monotonic()`` when it last went back to the pool's free list; ``lent``: a batch
     was made of views of its memory (:class:`~autominato.pipeline.rows.RowsView`), so the
-    pool hands it out again only once no view is left (:meth:`viewed`)."""
+    pool hands it out again only once no view is left (:meth:`viewed`); ``batch``: it was
+    last handed out as a shared batch buffer (``SlotPool.acquire(batch=True)``)."""
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
@@ -86,6 +87,7 @@ class Slot:
         self.warm = True
         self.freed_at = 0.0
         self.lent = False
+        self.batch = False
         self._addr = 0
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -348,9 +350,16 @@ class SlotPool:
                 except BufferError:  # pragma: no cover - viewed() said no view is left
                     pass
 
-    def acquire(self, nbytes: int, quiet: bool = False) -> Slot | None:
+    def acquire(self, nbytes: int, quiet: bool = False, batch: bool = False) -> Slot | None:
         """A free slot of at least ``nbytes`` bytes, or None (see the class doc); ``quiet``:
-        no warning when the budget refuses it (the caller has another way)."""
+        no warning when the budget refuses it (the caller has another way); ``batch``: it
+        will be a shared batch buffer (``Slot.batch``, see :meth:`decay`'s ``keep``)."""
+        slot = self._acquire(nbytes, quiet)
+        if slot is not None:
+            slot.batch = batch
+        return slot
+
+    def _acquire(self, nbytes: int, quiet: bool) -> Slot | None:
         if nbytes <= 0:
             return None
         with self._lock:
@@ -455,13 +464,16 @@ class SlotPool:
         memory goes back during a pause (between epochs, a validation pass) rather than when
         the next epoch asks for slots again.
 
-        ``keep``: when given, idle free slots (no batch views them) beyond the ``keep`` most
-        recently freed give their memory back too, however recently freed: the scheduler
-        passes 0 while the training loop is the bottleneck (``Pipeline._dispatch``'s lead
-        rule holds), where warm idle slots only add to the peak and their page faults cost
-        the loader time it has to spare (~15 ms of CPU a 20 MiB batch buffer, measured:
-        hole punched 3 ms, ``posix_fallocate`` 4 ms, the worker's first write 9 ms against
-        1 ms warm; the DataLoader's workers pay it for every batch)."""
+        ``keep``: when given, idle free batch buffers (``Slot.batch``, no batch views them)
+        beyond the ``keep`` most recently freed give their memory back too, however recently
+        freed: the scheduler passes 0 while the training loop is the bottleneck
+        (``Pipeline._dispatch``'s lead rule holds and batches wait for the loop), where warm
+        idle buffers only add to the peak and their page faults cost the loader time it has
+        to spare (~15 ms of CPU a 20 MiB buffer, measured: hole punched 3 ms,
+        ``posix_fallocate`` 4 ms, the worker's first write 9 ms against 1 ms warm; the
+        DataLoader's workers pay it for every batch). Other slots (a sample's own, taken
+        again on the scheduler thread when a task leaves for a worker) keep theirs for
+        :data:`DECAY_S`."""
         with self._lock:
             self._reap()  # between epochs too, not only when a slot is next asked for
         if not self._punch:
@@ -471,14 +483,17 @@ class SlotPool:
         with self._lock:
             idle = [s for s in self._free if s.warm and not (s.lent and s.viewed())]
             idle.sort(key=lambda s: s.freed_at, reverse=True)  # the most recently freed first
-            for i, slot in enumerate(idle):
-                if slot.freed_at < old or (keep is not None and i >= keep):
-                    try:
-                        slot.release_memory()
-                    except (OSError, ValueError):  # a file system that cannot punch holes
-                        self._punch = False
-                        return done
-                    done += 1
+            kept = 0
+            for slot in idle:
+                if slot.freed_at >= old and (keep is None or not slot.batch or kept < keep):
+                    kept += slot.batch
+                    continue
+                try:
+                    slot.release_memory()
+                except (OSError, ValueError):  # a file system that cannot punch holes
+                    self._punch = False
+                    return done
+                done += 1
         return done
 
     def get(self, name: str) -> Slot:
