@@ -463,3 +463,36 @@ def test_the_largest_bench_case_runs_beside_the_small_ones():
         assert m.admit(4, [102], workers=2)
         assert m.admit(4, [131], workers=2) is beside_131, margin
         assert not m.admit(4, [156], workers=2)  # a typical sample: still apart
+
+
+class FewLarge:
+    """Samples ``i % 4 == 0`` take 160 MiB at their peak (in 16 MiB arrays, as a transform's
+    intermediates: after them the worker's heap keeps some pages), the others 8 MiB."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        parts = [np.ones(16 * MiB if i % 4 == 0 else 8 * MiB, np.uint8)
+                 for _ in range(10 if i % 4 == 0 else 1)]
+        time.sleep(0.03)
+        del parts
+        return i
+
+
+def test_a_small_sample_served_from_the_workers_kept_heap_counts_as_small():
+    """A sample that needed no new page (the worker's heap kept them from a large one) is
+    measured small, not left unmeasured: else the large samples alone set the budget's upper
+    quartile and two of them fit together (trial 97: 36 of 40 small samples at 0, a budget of
+    648 MiB for samples of 240)."""
+    with Loader(FewLarge(), batch_size=2, workers=2, seed=0, autotune=False, shuffle=True) as L:
+        for e in range(3):
+            L.set_epoch(e)
+            assert sorted(i for b in L for i in b.tolist()) == list(range(16))
+        figures = L.state_dict()["sample_memory"]
+        snap = L.snapshot()
+    assert all(f > 0 for f in figures), figures  # every sample measured (30 ms each)
+    large = [f for i, f in enumerate(figures) if i % 4 == 0]
+    assert min(large) >= 140 * MiB, large
+    # The upper quartile is a small sample's: two large ones do not fit in the budget.
+    assert snap.sample_memory_budget_bytes < 2 * min(large), (snap.sample_memory_budget_bytes, figures)

@@ -230,13 +230,18 @@ class PeakMeter:
             return None
 
     def peak(self, base: int | None) -> int:
-        """Bytes the resident set rose above ``base`` at most since :meth:`start`; 0 unknown."""
+        """Bytes the resident set rose above ``base`` at most since :meth:`start`; 0 unknown.
+
+        At least 1 when measured: a task that needed no new page (its memory came from the
+        heap the worker kept from a larger one) is a small sample, not one never measured
+        (as 0, the small samples of a dataset with a few large ones were left out of the
+        budget's upper quartile, which the large ones then set: two of them ran at once)."""
         if base is None or self._status is None:
             return 0
         try:
             text = os.pread(self._status, 4096, 0)
             at = text.index(b"VmHWM:")
-            return max(0, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
+            return max(1, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
         except (OSError, ValueError):
             return 0
 
