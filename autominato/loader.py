@@ -1468,7 +1468,7 @@ class _EpochIterator:
         self.epoch = run.epoch_no
         self._done = False
         self._pending_h2d: list = []
-        self._asked = 0  # items asked for (a cold run's first wait is the pipeline's filling)
+        self._found = False  # the loop found a batch ready when it asked (the run has filled)
         self._timed_out = False  # a wait timed out (timeout=) since the last item taken
 
     def __iter__(self) -> _EpochIterator:
@@ -1501,11 +1501,13 @@ class _EpochIterator:
         limit = self.L.timeout
         item = None
         with run.cv:
-            # It waits for this batch (not a cold run's first: the pipeline fills then), or a
-            # wait of its timed out since the last batch: the loader is not ahead of the
-            # training loop (Pipeline.consumed).
-            waited = self._timed_out or (not run.out and (self._asked > 0 or run.warm))
-            self._asked += 1
+            # It waits for this batch, or a wait of its timed out since the last batch: the
+            # loader is not ahead of the training loop (Pipeline.consumed). Not while a cold
+            # run fills (until the loop first found a batch ready: a loader that starts each
+            # epoch cold, prefetch_next_epoch=False, would else give the whole window back
+            # at every epoch's start, trial 97).
+            waited = self._timed_out or (not run.out and (self._found or run.warm))
+            self._found = self._found or bool(run.out)
             while not run.out:
                 # A failed scheduler may never have seen this run (it died before the run's
                 # start reached it): its failure ends the wait too.

@@ -484,8 +484,10 @@ def test_a_sample_that_failed_while_loaded_ahead_is_loaded_again_when_its_epoch_
     # Trial 79: a file repaired between epochs still failed in the next epoch, whose samples
     # were read before the repair; the DataLoader reads them after it and delivers them all.
     flag, tries = tmp_path / "repaired", tmp_path / "tries"
+    # pool_size: the whole next epoch may be loaded ahead, index 5 with it, whatever the lead
+    # rule holds (8 samples ahead: index 5, fast since it fails, goes last among them).
     with Loader(_BrokenUntil(flag, tries), 2, num_workers=2, worker_kind=kind,
-                on_error=on_error, autotune=False) as L:
+                on_error=on_error, autotune=False, pool_size=12) as L:
         got, errors = _one_pass(iter(L))
         assert sorted(got) == [i for i in range(12) if i != 5]
         assert len(errors) == (on_error == "raise")

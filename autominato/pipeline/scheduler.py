@@ -495,7 +495,8 @@ class Pipeline:
     def consumed(self, run: Run, waited: bool = False, samples: int = 0) -> None:
         """The training loop took an item of ``run``'s output: a batch of ``samples`` samples
         (0: an error); ``waited``: it had to wait for it (the output was empty when asked,
-        other than for a cold run's first batch), or a wait of its timed out since."""
+        other than while a cold run fills: before the loop first found a batch ready), or a
+        wait of its timed out since."""
         self.events.put(("consumed", run, waited, samples))
 
     def knobs_changed(self, *_: Any) -> None:
