@@ -1469,6 +1469,10 @@ class _EpochIterator:
         self._done = False
         self._pending_h2d: list = []
         self._found = False  # the loop found a batch ready when it asked (the run has filled)
+        self._taken = 0  # batches taken
+        # Batches after which a cold run has filled, whatever the loop found: its window's.
+        self._fill = -(-max(1, loader.knobs.pool_size)
+                       // max(1, int(getattr(run.epoch, "min_window", 1) or 1)))
         self._timed_out = False  # a wait timed out (timeout=) since the last item taken
 
     def __iter__(self) -> _EpochIterator:
@@ -1503,11 +1507,14 @@ class _EpochIterator:
         with run.cv:
             # It waits for this batch, or a wait of its timed out since the last batch: the
             # loader is not ahead of the training loop (Pipeline.consumed). Not while a cold
-            # run fills (until the loop first found a batch ready: a loader that starts each
-            # epoch cold, prefetch_next_epoch=False, would else give the whole window back
-            # at every epoch's start, trial 97).
-            waited = self._timed_out or (not run.out and (self._found or run.warm))
-            self._found = self._found or bool(run.out)
+            # run fills (until the loop first found a batch ready, or took as many batches as
+            # the window holds: a loader that starts each epoch cold, prefetch_next_epoch=
+            # False, would else give the whole window back at every epoch's start, trial 97):
+            # None, which leaves the pipeline's count of batches taken at once alone.
+            filled = self._found or run.warm or self._taken >= self._fill
+            waited = True if self._timed_out else (None if not filled else not run.out)
+            if run.out and run.out[0][0] == "batch":
+                self._found = True
             while not run.out:
                 # A failed scheduler may never have seen this run (it died before the run's
                 # start reached it): its failure ends the wait too.
@@ -1563,6 +1570,7 @@ class _EpochIterator:
                 del err
         self._timed_out = False
         _, batch, indices, h2d, positions = item
+        self._taken += 1
         self.pipeline.consumed(run, waited, len(positions))
         self.progress.deliver(positions)
         if h2d is not None:

@@ -171,16 +171,17 @@ def test_a_cold_start_s_waits_do_not_give_the_window_back():
     lead rule holds once the loader is ahead (trial 97: the whole window came back at every
     epoch's start, +64 MiB of shared memory against the default)."""
     ds = Counted(40, slow=range(0, 6), slow_s=0.12)  # each epoch's first 3 batches
-    open_after, ahead, taken = 0, [], 0
+    opened, ahead, taken = [], [], 0
     with loader(ds, prefetch_next_epoch=False) as L:
         for e in range(3):
             L.set_epoch(e)
             for k, b in enumerate(L):
                 taken += len(b)
                 time.sleep(0.05)
-                if k >= SETTLE + 3:  # past the fill
-                    open_after += bool(L._pipeline.full_lead_left)
+                if k == 5:  # just past the fill: did its waits give the window back?
+                    opened.append(L._pipeline.full_lead_left)
+                elif k > SETTLE + 3 and not L._pipeline.full_lead_left:
                     ahead.append(ds.started - taken)
-    # (a stall of a loaded machine may still give it back now and then)
-    assert open_after <= 6, open_after
-    assert max(ahead) <= POOL + BATCH, ahead
+    # (a stall of a loaded machine may still count a wait at one epoch's start: not two)
+    assert sum(n > 0 for n in opened) <= 1, opened
+    assert ahead and max(ahead) <= POOL + BATCH, ahead

@@ -496,3 +496,44 @@ def test_a_small_sample_served_from_the_workers_kept_heap_counts_as_small():
     assert min(large) >= 140 * MiB, large
     # The upper quartile is a small sample's: two large ones do not fit in the budget.
     assert snap.sample_memory_budget_bytes < 2 * min(large), (snap.sample_memory_budget_bytes, figures)
+
+
+def test_a_sample_with_no_new_page_keeps_its_figure_or_counts_as_the_kept_heap():
+    from autominato.pipeline.memory import KEPT_HEAP_BYTES, NO_RISE
+    from autominato.pipeline.worker import HEAP_SLACK_BYTES
+
+    assert KEPT_HEAP_BYTES == HEAP_SLACK_BYTES
+    m = SampleMemory(4)
+    m.learn(0, 200 * MiB)
+    m.learn(0, NO_RISE)  # run again where a larger sample had left its pages: still large
+    assert m.estimate(0) == 200 * MiB and m.largest == 200 * MiB
+    m.learn(1, NO_RISE)  # no figure yet: at most the heap a worker keeps
+    assert m.estimate(1) == KEPT_HEAP_BYTES
+    m.learn(1, 4 * MiB)  # a figure measured replaces the bound
+    m.learn(1, NO_RISE)
+    assert m.estimate(1) == 4 * MiB
+    assert sorted([m.estimate(0), m.estimate(1)]) == [4 * MiB, 200 * MiB] and m.median == 102 * MiB
+
+
+class AlikeSmall:
+    """24 samples of 8 MiB, 30 ms each: most need no new page once the heap kept some."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        a = np.ones(8 * MiB, np.uint8)
+        time.sleep(0.03)
+        del a
+        return i
+
+
+def test_small_samples_alike_that_need_no_new_page_never_wait():
+    """(Review 98: counted as 1 byte, samples alike set the upper quartile at nothing and the
+    few measured otherwise were held apart.)"""
+    with Loader(AlikeSmall(), batch_size=2, workers=4, seed=0, autotune=False) as L:
+        for e in range(3):
+            L.set_epoch(e)
+            assert sorted(i for b in L for i in b.tolist()) == list(range(24))
+        snap = L.snapshot()
+    assert snap.samples_held_for_memory_total == 0

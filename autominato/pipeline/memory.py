@@ -75,6 +75,16 @@ MAX_INDICES = 1 << 24
 #: friendly; a larger dataset's state carries none and a resumed run measures them again).
 MAX_SAVED = 1 << 16
 
+#: The figure of a sample measured with no rise of its worker's resident set
+#: (``worker.PeakMeter.peak``): 1 byte, not 0 (not measured).
+NO_RISE = 1
+
+#: What a sample that rose nothing counts as when its index has no figure yet: the most heap
+#: a worker keeps between two give-backs (``worker.HEAP_SLACK_BYTES``, docs/workers.md), the
+#: largest working set that can need no new page.
+KEPT_HEAP_BYTES = 16 << 20
+
+
 class SampleMemory:
     """The last measured peak memory of each index, and the admission rule (module docstring).
 
@@ -117,13 +127,25 @@ class SampleMemory:
         return self._sorted[k // 2] if k % 2 else 0.5 * (self._sorted[k // 2 - 1] + self._sorted[k // 2])
 
     def learn(self, index: int, peak_bytes: int) -> None:
-        """Record ``index``'s peak (bytes; 0: not measured, ignored), replacing its last."""
+        """Record ``index``'s peak (bytes; 0: not measured, ignored), replacing its last.
+
+        :data:`NO_RISE` (a sample that needed no new page: its memory came from the heap the
+        worker kept) says the working set was at most that heap: it keeps the index's last
+        figure if it has one (a large sample run again where a larger one left its pages is
+        still large), else it counts as :data:`KEPT_HEAP_BYTES`. (Left out as unmeasured,
+        most small samples of a dataset with a few large ones were, trial 97, and the large
+        ones alone then set the upper quartile; as 1 byte, samples alike would set it at
+        nothing and hold apart the few measured otherwise, review 98.)"""
         if peak_bytes <= 0 or not 0 <= index < self._n:
             return
         with self._lock:
             if self._peaks is None:
                 self._peaks = np.zeros(self._n, np.float32)
             old = float(self._peaks[index])
+            if peak_bytes == NO_RISE:
+                if old > 0:
+                    return
+                peak_bytes = KEPT_HEAP_BYTES
             self._peaks[index] = peak_bytes
             new = float(self._peaks[index])  # (as stored: float32)
             if old > 0:

@@ -492,11 +492,12 @@ class Pipeline:
         run.stopped = True
         self.events.put(("stop", run))
 
-    def consumed(self, run: Run, waited: bool = False, samples: int = 0) -> None:
+    def consumed(self, run: Run, waited: bool | None = False, samples: int = 0) -> None:
         """The training loop took an item of ``run``'s output: a batch of ``samples`` samples
-        (0: an error); ``waited``: it had to wait for it (the output was empty when asked,
-        other than while a cold run fills: before the loop first found a batch ready), or a
-        wait of its timed out since."""
+        (0: an error); ``waited``: it had to wait for it (the output was empty when asked),
+        or a wait of its timed out since; ``None`` while a cold run fills (before the loop
+        first found a batch ready or took the window's batches): neither a wait nor a batch
+        taken at once (``full_lead_left`` unchanged)."""
         self.events.put(("consumed", run, waited, samples))
 
     def knobs_changed(self, *_: Any) -> None:
@@ -661,7 +662,7 @@ class Pipeline:
             ev[1].unconsumed -= ev[3]
             if ev[2]:
                 self.full_lead_left = LEAD_WAITS
-            elif self.full_lead_left:
+            elif self.full_lead_left and ev[2] is not None:  # (None: a cold run filling)
                 self.full_lead_left -= 1
         elif kind == "knobs":
             self._apply_knobs()

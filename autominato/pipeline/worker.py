@@ -232,10 +232,9 @@ class PeakMeter:
     def peak(self, base: int | None) -> int:
         """Bytes the resident set rose above ``base`` at most since :meth:`start`; 0 unknown.
 
-        At least 1 when measured: a task that needed no new page (its memory came from the
-        heap the worker kept from a larger one) is a small sample, not one never measured
-        (as 0, the small samples of a dataset with a few large ones were left out of the
-        budget's upper quartile, which the large ones then set: two of them ran at once)."""
+        At least 1 when measured (``memory.NO_RISE``: a task that needed no new page, its
+        memory from the heap the worker kept; ``SampleMemory.learn`` says what it counts as),
+        so that 0 means only "not measured"."""
         if base is None or self._status is None:
             return 0
         try:
