@@ -573,3 +573,18 @@ def test_a_sample_that_timed_out_while_loaded_ahead_is_loaded_again_when_its_epo
         got, _ = _one_pass(iter(L))
         assert sorted(got) == list(range(12))
         assert L.snapshot().skipped_total == 0 and _lines(tries) >= 3
+
+
+def test_a_next_epoch_never_asked_for_before_close_is_counted_as_discarded():
+    """Trial 97: the samples started for the epoch after the last one were counted nowhere."""
+    n = 10
+    ds = StragglerTail(n, tail=2, tail_s=0.15)
+    L = Loader(ds, batch_size=2, transform=tag_epoch, seed=SEED, workers=2, autotune=False)
+    with L:
+        assert sorted(i for idx, _ in batches_of(L) for i in idx) == list(range(n))
+        deadline = time.monotonic() + 5
+        while L._pipeline.pending.taken == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the next epoch's samples start
+        assert L.snapshot().speculative_discarded_total == 0  # (it may still be asked for)
+    started = L._pipeline.speculative_discarded
+    assert started > 0 and L.snapshot().speculative_discarded_total == started

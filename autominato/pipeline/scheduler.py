@@ -568,6 +568,10 @@ class Pipeline:
         self.events.put(("close",))
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
+        spec = self.pending
+        if spec is not None and not spec.stopped:  # a next epoch the loop never asked for
+            self.pending = None
+            self.speculative_discarded += spec.taken
         for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
             if st is not None:
                 st.executor.stop()

@@ -161,7 +161,8 @@ class LoaderSnapshot:
             have their pages; idle ones give them back after ``shm.DECAY_S`` s), bytes.
         nodes: with Ray workers, the transform actors by node (:class:`NodeSnapshot`), else ().
         speculative_discarded_total: samples started for a next epoch that the training loop
-            did not ask for (another epoch, order or sampler), so discarded.
+            did not ask for (another epoch, order or sampler, or none before ``close()``), so
+            discarded.
         errors_raised_total: errors raised in the training loop after which the epoch went on
             (a sample's under ``on_error="raise"``, or a batch's that could not be made).
         samples_held_for_memory_total: samples that waited before they started because their
