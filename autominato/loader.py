@@ -1010,9 +1010,8 @@ class Loader:
                     self.knobs.unsubscribe(p.knobs_changed)
                     # A live iterator cannot go on (its workers hold the old seed): it raises
                     # rather than end as if its epoch were complete.
+                    # (close() counts the next epoch of the old seed's order as discarded)
                     p.close(RuntimeError(_SEED_REPLACED))
-                    if p.pending is not None:  # the next epoch of the old seed's order
-                        p.speculative_discarded += p.pending.taken
                     # (its figures, else those it was given: memory_aware=False measures none)
                     self._memory_figures = p.memory.saved() or self._memory_figures
                     self._sample_seconds = p.costs.saved() or self._sample_seconds
