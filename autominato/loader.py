@@ -1470,8 +1470,8 @@ class _EpochIterator:
         self._found = False  # the loop found a batch ready when it asked (the run has filled)
         self._taken = 0  # batches taken
         # Batches after which a cold run has filled, whatever the loop found: its window's.
-        self._fill = -(-max(1, loader.knobs.pool_size)
-                       // max(1, int(getattr(run.epoch, "min_window", 1) or 1)))
+        # (an iterable dataset's Stream has no min_window; an Epoch's is at least 1)
+        self._fill = -(-max(1, loader.knobs.pool_size) // getattr(run.epoch, "min_window", 1))
         self._timed_out = False  # a wait timed out (timeout=) since the last item taken
 
     def __iter__(self) -> _EpochIterator:
@@ -1511,7 +1511,7 @@ class _EpochIterator:
             # False, would else give the whole window back at every epoch's start, trial 97):
             # None, which leaves the pipeline's count of batches taken at once alone.
             filled = self._found or run.warm or self._taken >= self._fill
-            waited = True if self._timed_out else (None if not filled else not run.out)
+            waited = True if self._timed_out else (not run.out if filled else None)
             if run.out and run.out[0][0] == "batch":
                 self._found = True
             while not run.out:

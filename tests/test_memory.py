@@ -515,25 +515,13 @@ def test_a_sample_with_no_new_page_keeps_its_figure_or_counts_as_the_kept_heap()
     assert sorted([m.estimate(0), m.estimate(1)]) == [4 * MiB, 200 * MiB] and m.median == 102 * MiB
 
 
-class AlikeSmall:
-    """24 samples of 8 MiB, 30 ms each: most need no new page once the heap kept some."""
-
-    def __len__(self) -> int:
-        return 24
-
-    def __getitem__(self, i: int):
-        a = np.ones(8 * MiB, np.uint8)
-        time.sleep(0.03)
-        del a
-        return i
-
-
 def test_small_samples_alike_that_need_no_new_page_never_wait():
     """(Review 98: counted as 1 byte, samples alike set the upper quartile at nothing and the
     few measured otherwise were held apart.)"""
-    with Loader(AlikeSmall(), batch_size=2, workers=4, seed=0, autotune=False) as L:
-        for e in range(3):
-            L.set_epoch(e)
-            assert sorted(i for b in L for i in b.tolist()) == list(range(24))
+    # 24 samples of 8 MiB, 30 ms each: most need no new page once the heap kept some
+    with Loader(Sized([8] * 24, [0.03] * 24), batch_size=2, workers=4, seed=0,
+                autotune=False) as L:
+        runs = _runs(L, 3)
         snap = L.snapshot()
+    assert sorted(i for e, i, *_ in runs if e == 2) == list(range(24))
     assert snap.samples_held_for_memory_total == 0

@@ -209,6 +209,12 @@ class Run:
     # Once adopted: (pos, attempt) of the samples it had in flight then (loaded ahead too)
     ahead: set = field(default_factory=set)
 
+    def waiting_for_loop(self) -> int:
+        """Samples of collated batches waiting for the training loop: this run's
+        (``unconsumed``) and its predecessor's, while speculative (also once that ended: its
+        last batches wait for the loop)."""
+        return self.unconsumed + (self.pred.unconsumed if self.pred is not None else 0)
+
     def failed(self) -> bool:
         """Closed with an error as its final item."""
         with self.cv:
@@ -610,8 +616,7 @@ class Pipeline:
                     # bottleneck) no idle batch buffer stays warm: its page faults cost
                     # time the loader has to spare.
                     ahead = self.full_lead_left == 0 and any(
-                        r.unconsumed or (r.pred is not None and r.pred.unconsumed)
-                        for r in self.runs.values())
+                        r.waiting_for_loop() for r in self.runs.values())
                     self.slots.decay(now, keep=0 if ahead else None)
                     self.batch_pool.decay(now)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
@@ -745,12 +750,10 @@ class Pipeline:
                     self._pull(run, pull)
                 continue
             used = run.epoch.held + run.uncollated
-            ahead = run.unconsumed
+            ahead = run.waiting_for_loop()
             pred = run.pred
-            if pred is not None:
-                ahead += pred.unconsumed  # (also once it ended: its last batches wait for the loop)
-                if self.runs.get(pred.gen) is pred:
-                    used += pred.epoch.held + pred.uncollated
+            if pred is not None and self.runs.get(pred.gen) is pred:
+                used += pred.epoch.held + pred.uncollated
             # A batch sampler's batch larger than pool_size would never complete, nor would
             # an epoch whose window filled behind a sample to re-dispatch (a knob shrank it).
             window = max(pool, run.epoch.min_window) - used

@@ -84,6 +84,7 @@ import numpy as np
 
 from autominato.pipeline import random_state
 from autominato.pipeline.errors import ErrorReport, WorkerInitError, describe
+from autominato.pipeline.memory import NO_RISE
 from autominato.pipeline.rows import CLAIM
 from autominato.pipeline.shm import (
     SCM_MAX_FD,
@@ -232,15 +233,15 @@ class PeakMeter:
     def peak(self, base: int | None) -> int:
         """Bytes the resident set rose above ``base`` at most since :meth:`start`; 0 unknown.
 
-        At least 1 when measured (``memory.NO_RISE``: a task that needed no new page, its
-        memory from the heap the worker kept; ``SampleMemory.learn`` says what it counts as),
-        so that 0 means only "not measured"."""
+        At least :data:`~autominato.pipeline.memory.NO_RISE` (1) when measured: a task that
+        needed no new page, its memory from the heap the worker kept (``SampleMemory.learn``
+        says what it counts as), so that 0 means only "not measured"."""
         if base is None or self._status is None:
             return 0
         try:
             text = os.pread(self._status, 4096, 0)
             at = text.index(b"VmHWM:")
-            return max(1, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
+            return max(NO_RISE, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
         except (OSError, ValueError):
             return 0
 
