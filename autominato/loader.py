@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, SequentialSampler
 
 from autominato import resume
 
@@ -87,6 +87,25 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
     opts = actor_options(options)
     connect(address)
     return max(1, free_actors(opts["num_cpus"]))
+
+
+def dataset_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
+    """Whether an epoch takes a map-style dataset in its own order, ``0 .. n - 1`` (or a
+    rank's share of it): no ``shuffle`` and no sampler, a ``SequentialSampler``, or a
+    ``DistributedSampler`` with ``shuffle=False``, also as a ``batch_sampler``'s ``sampler``.
+    That is how evaluation and prediction run, where an output is matched to its sample by
+    position, so the Loader's ``in_order`` defaults to it. An iterable dataset, a shuffle,
+    any other sampler (random, weighted, bucketing) or a batch sampler without a ``sampler``
+    attribute: ``False`` (its order is not the dataset's, or not known)."""
+    if shuffle or is_iterable_dataset(dataset):
+        return False
+    if batch_sampler is not None:
+        sampler = getattr(batch_sampler, "sampler", None)
+        if sampler is None:
+            return False
+    if sampler is None or type(sampler) is SequentialSampler:
+        return True
+    return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:
@@ -219,9 +238,13 @@ class Loader:
             to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
             then replaced by new ones).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
-        in_order: deliver batches in sampler order (as the DataLoader); default (``None``):
-            the ``config`` file's, else ``False``, completion order, where a slow sample joins
-            a later batch of the same epoch.
+        in_order: deliver batches in sampler order (as the DataLoader); ``False``: completion
+            order, where a slow sample joins a later batch of the same epoch. Default
+            (``None``): the ``config`` file's, else ``True`` when the epoch's order is the
+            dataset's own (:func:`dataset_order`: a map-style dataset without ``shuffle``, a
+            ``SequentialSampler``, a ``DistributedSampler(shuffle=False)``, as evaluation
+            and prediction take it, so that outputs line up with the dataset's rows), else
+            ``False``.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
             ``(seed, epoch, index)`` (and a repeat's occurrence, ``worker.sample_rng``), or a
             plain ``transform(sample)``.
@@ -419,7 +442,8 @@ class Loader:
             if in_order is None:
                 in_order = static.get("in_order")
         worker_kind = "process" if worker_kind is None else worker_kind
-        in_order = False if in_order is None else bool(in_order)
+        in_order = (dataset_order(dataset, shuffle, sampler, batch_sampler)
+                    if in_order is None else bool(in_order))
         if worker_kind not in ("process", "thread", "ray"):
             raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")
         if worker_kind == "ray" and is_iterable_dataset(dataset):
@@ -1515,6 +1539,9 @@ class _EpochIterator:
             if run.out and run.out[0][0] == "batch":
                 self._found = True
             while not run.out:
+                self.pipeline.orphaned(run)  # (a start the closed pipeline never took)
+                if run.out:
+                    continue  # (its final item: taken below)
                 # A failed scheduler may never have seen this run (it died before the run's
                 # start reached it): its failure ends the wait too.
                 if self.L._closed or run.closed or self.pipeline.fatal() is not None:

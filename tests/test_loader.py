@@ -139,7 +139,7 @@ class SlowFor:
 
 def test_straggler_joins_a_later_batch_and_arrives_once():
     with Loader(IndexDataset(40), 4, transform=SlowFor({1}, 2.0), workers=3, seed=0,
-                autotune=False) as loader:
+                autotune=False, in_order=False) as loader:
         batches = [b[1].tolist() for b in loader]
         snap = loader.snapshot()
     flat = [i for b in batches for i in b]
@@ -376,7 +376,7 @@ def test_a_resumed_run_starts_the_samples_known_to_be_slow_first_in_its_first_ep
     # it would have; without them its first epoch goes in sampler order.
     ds = _StartOrder()
     with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False, seed=0,
-                prefetch_next_epoch=False) as L:
+                prefetch_next_epoch=False, in_order=False) as L:
         assert sorted(int(x) for b in L for x in b[:, 0]) == list(range(12))
         state = L.state_dict()
     seconds = state["sample_seconds"]
@@ -385,7 +385,7 @@ def test_a_resumed_run_starts_the_samples_known_to_be_slow_first_in_its_first_ep
     for given, early in ((state, True), (dict(state, sample_seconds=None), False)):
         ds.starts.clear()
         with Loader(ds, 2, num_workers=2, worker_kind="thread", autotune=False, seed=0,
-                    prefetch_next_epoch=False) as M:
+                    prefetch_next_epoch=False, in_order=False) as M:
             M.load_state_dict(given)
             assert sorted(int(x) for b in M for x in b[:, 0]) == list(range(12))
             assert (ds.starts.index(6) <= 2) is early, ds.starts

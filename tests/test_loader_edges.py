@@ -180,8 +180,10 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
         assert L._ensure_pipeline().cfg.in_order is in_order
     with Loader(Indexed(4), 2, config=cfg, autotune=False, workers=0) as L:
         assert L.in_order is (not in_order) and L.worker_kind == "process"
-    with Loader(Indexed(4), 2, autotune=False, workers=0) as L:
-        assert L.in_order is False and L.worker_kind == "process"
+    with Loader(Indexed(4), 2, autotune=False, workers=0) as L:  # the dataset's own order
+        assert L.in_order is True and L.worker_kind == "process"
+    with Loader(Indexed(4), 2, autotune=False, workers=0, shuffle=True) as L:
+        assert L.in_order is False
 
 
 def test_a_kept_timeout_error_does_not_keep_a_dropped_iterators_epoch_loading():
@@ -501,7 +503,8 @@ def test_errors_in_the_transfer_stage_count_against_the_prefetch_depth(monkeypat
     monkeypatch.setattr(S.Run, "deliver", counted)
     coll = lambda b: (torch.stack([torch.as_tensor(x) for x, _ in b]), [i for _, i in b])  # noqa: E731
     with Loader(Indexed(60, bad=set(range(3, 60, 3))), 2, workers=2, worker_kind="thread",
-                autotune=False, depth=1, collate_fn=coll, prefetch_next_epoch=False) as L:
+                autotune=False, depth=1, collate_fn=coll, prefetch_next_epoch=False,
+                in_order=False) as L:
         it, errors, got = iter(L), 0, []
         while True:
             time.sleep(0.02)  # a consumer slower than the loader

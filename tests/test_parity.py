@@ -56,6 +56,51 @@ def test_dataloader_positional_arguments_mean_the_same():
         assert (L.dataset, L.batch_size, L.num_workers, L.drop_last, L.timeout) == (ds, 3, 2, True, 0)
 
 
+def test_without_shuffle_batches_come_in_the_datasets_order_as_evaluation_needs():
+    """``shuffle=False`` (evaluation, prediction: outputs matched to the dataset's rows by
+    position) delivers the DataLoader's batches in its order by default, a slow sample
+    included (review 100: it joined the last batch); ``in_order=False`` or a shuffle keeps
+    completion order."""
+    slow = Indexed(12, slow={2: 0.3})
+    want = [[i, i + 1] for i in range(0, 12, 2)]
+    with Loader(slow, 2, num_workers=2, autotune=False, seed=0) as L:
+        assert L.in_order is True
+        assert firsts(L) == want
+        assert firsts(L) == want  # the next epoch too (loaded ahead)
+    with Loader(slow, 2, num_workers=2, autotune=False, seed=0, in_order=False) as L:
+        got = firsts(L)
+    assert got != want and sorted(i for b in got for i in b) == list(range(12))
+
+
+@pytest.mark.parametrize("kwargs, in_order", [
+    ({}, True),
+    ({"shuffle": True}, False),
+    ({"sampler": SequentialSampler(range(8))}, True),
+    ({"sampler": DistributedSampler(range(8), num_replicas=2, rank=1, shuffle=False)}, True),
+    ({"sampler": DistributedSampler(range(8), num_replicas=2, rank=1)}, False),
+    ({"sampler": torch.utils.data.RandomSampler(range(8))}, False),
+    ({"sampler": [7, 6, 5, 4, 3, 2, 1, 0]}, False),
+    ({"batch_sampler": BatchSampler(SequentialSampler(range(8)), 2, False)}, True),
+    ({"batch_sampler": [[0, 1], [2, 3]]}, False),
+], ids=["none", "shuffle", "sequential", "dist-noshuffle", "dist-shuffle", "random", "list",
+        "batch-sequential", "batch-list"])
+def test_in_order_defaults_to_whether_the_epoch_takes_the_dataset_in_its_own_order(kwargs, in_order):
+    batch = {} if "batch_sampler" in kwargs else {"batch_size": 2}
+    with Loader(Indexed(8), num_workers=0, **batch, **kwargs) as L:
+        assert L.in_order is in_order
+    with Loader(Indexed(8), num_workers=0, in_order=not in_order, **batch, **kwargs) as L:
+        assert L.in_order is (not in_order)  # given: it wins
+
+
+def test_an_iterable_dataset_keeps_completion_order_by_default():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with Loader(Stream(), 2, num_workers=0) as L:
+        assert L.in_order is False
+
+
 def test_num_workers_zero_loads_in_the_training_loops_thread():
     with Loader(Where(6), 2, num_workers=0, autotune=False) as L:
         batches = list(L)
@@ -445,7 +490,8 @@ def test_batch_sampler_batches_larger_than_the_pool_complete(in_order):
 def test_errors_wait_for_the_consumer_as_batches_do():
     """An iterator not being read does not work through an epoch of failing samples: the
     errors count in its window and its prefetch depth."""
-    with Loader(FailsAt(400, range(3, 400)), 2, num_workers=2, autotune=False) as loader:
+    with Loader(FailsAt(400, range(3, 400)), 2, num_workers=2, autotune=False,
+                in_order=False) as loader:
         it = iter(loader)
         first = next(it)[:, 0].tolist()  # completion order: two of the good samples 0, 1, 2
         assert len(set(first)) == 2 and set(first) <= {0, 1, 2}

@@ -108,7 +108,7 @@ def test_resume_delivers_the_rest_of_the_epoch_once_with_the_same_augmentation(k
 def test_a_completion_order_state_resumes_in_order():
     GATE.clear()
     try:
-        with make(shuffle=False) as loader:
+        with make(shuffle=False, in_order=False) as loader:
             it = iter(loader)
             first = [next(it) for _ in range(2)]
             state = loader.state_dict()

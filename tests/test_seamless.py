@@ -487,7 +487,7 @@ def test_a_sample_that_failed_while_loaded_ahead_is_loaded_again_when_its_epoch_
     # pool_size: the whole next epoch may be loaded ahead, index 5 with it, whatever the lead
     # rule holds (8 samples ahead: index 5, fast since it fails, goes last among them).
     with Loader(_BrokenUntil(flag, tries), 2, num_workers=2, worker_kind=kind,
-                on_error=on_error, autotune=False, pool_size=12) as L:
+                on_error=on_error, autotune=False, pool_size=12, in_order=False) as L:
         got, errors = _one_pass(iter(L))
         assert sorted(got) == [i for i in range(12) if i != 5]
         assert len(errors) == (on_error == "raise")
@@ -588,3 +588,88 @@ def test_a_next_epoch_never_asked_for_before_close_is_counted_as_discarded():
         assert L.snapshot().speculative_discarded_total == 0  # (it may still be asked for)
     started = L._pipeline.speculative_discarded
     assert started > 0 and L.snapshot().speculative_discarded_total == started
+
+
+class MiB:
+    """Sample ``i``: a 1 MiB float32 array filled with ``i``."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full((256, 1024), i, np.float32)
+
+
+@pytest.mark.parametrize("prefetch_next_epoch", [True, False])
+def test_batches_left_in_an_ended_run_go_when_the_loop_drops_its_iterator(prefetch_next_epoch):
+    """A loop that leaves an epoch (``break``) after its last batches were collated: they go
+    at once, not when the run object does (a pending next epoch refers to it: review 99 found
+    all 7 batches still held until the next ``iter()``)."""
+    import gc
+    import weakref
+
+    with Loader(MiB(), batch_size=4, num_workers=2, seed=1, autotune=False, prefetch_factor=8,
+                prefetch_next_epoch=prefetch_next_epoch) as loader:
+        list(loader)
+        it = iter(loader)
+        next(it)
+        run = it.run
+        wait_for(lambda: run.closed, "the run's end in its output")
+        refs = [weakref.ref(item[1]) for item in run.out if item[0] == "batch"]
+        assert len(refs) >= 2
+        del it  # the loop leaves the epoch
+        gc.collect()
+        wait_for(lambda: not run.out, "the dropped run's output cleared", timeout_s=10)
+
+        def freed() -> bool:
+            gc.collect()
+            return all(r() is None for r in refs)
+
+        wait_for(freed, "the dropped run's batches freed", timeout_s=10)
+        assert run.unconsumed == 0
+        assert sorted(int(b[:, 0, 0].sum()) for b in loader) == sorted(
+            int(sum(range(k, k + 4))) for k in range(0, 32, 4))  # the next epoch whole
+
+
+def test_an_iterator_whose_start_the_closed_pipeline_never_took_ends_with_its_error(monkeypatch):
+    """``load_state_dict`` replacing the seeds closes the pipeline with an error; an iterator
+    made just before, whose start the scheduler had not read yet, raises it instead of waiting
+    for ever (review 99). The scheduler is held busy for a second so that the start waits in
+    its queue."""
+    from autominato.pipeline import scheduler
+
+    with Loader(MiB(), batch_size=4, num_workers=1, seed=9, autotune=False) as other:
+        list(other)
+        state = other.state_dict()
+    loader = Loader(MiB(), batch_size=4, num_workers=1, autotune=False, prefetch_next_epoch=False)
+    try:
+        list(loader)
+        expire = scheduler.Pipeline._expire
+        busy = threading.Event()
+
+        def slow_expire(self):
+            if busy.is_set():
+                busy.clear()
+                time.sleep(1.0)
+            return expire(self)
+
+        monkeypatch.setattr(scheduler.Pipeline, "_expire", slow_expire)
+        busy.set()
+        wait_for(lambda: not busy.is_set(), "the scheduler inside its slow pass")
+        it = iter(loader)  # its start waits in the scheduler's queue
+        loader.load_state_dict(state)  # another seed: the pipeline closes with an error
+        out: dict = {}
+
+        def consume() -> None:
+            try:
+                out["got"] = len(list(it))
+            except RuntimeError as e:
+                out["got"] = str(e)
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        t.join(20)
+        assert "got" in out, "next() still waits"
+        assert "load_state_dict() took the state's seed" in str(out["got"])
+    finally:
+        loader.close()

@@ -271,3 +271,45 @@ def test_a_free_slot_unused_for_the_decay_time_gives_its_memory_back_and_is_rese
         theirs.close()
     finally:
         pool.close()
+
+
+def test_closing_the_pool_under_an_array_made_on_a_slot_keeps_its_memory_mapped():
+    """``unpack`` makes a sample's arrays with ``np.ndarray(buffer=slot.mmap)``, which holds a
+    reference to the mapping but no buffer export; a pool closed (``keep_referenced``: a
+    thread may still be at work) while the batch thread still collates such a sample must
+    not unmap the memory under it (review 99: SIGSEGV). Run in a child process: an unmapped
+    read kills it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from autominato.pipeline.shm import SlotPool\n"
+        "p = SlotPool(4, 1 << 22)\n"
+        "s = p.acquire(1 << 20)\n"
+        "a = np.ndarray((1 << 18,), np.float32, buffer=s.mmap)\n"
+        "a[:] = 7.0\n"
+        "p.close(keep_referenced=True)\n"
+        "print(float(a.sum()), flush=True)\n"
+        "m = s.mmap\n"
+        "del a, s\n"  # the last array gone: the pool's close left the rest to it
+        "import sys\n"
+        "print(sys.getrefcount(m) == 2 and not m.closed, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    total, only_ref = out.stdout.split()
+    assert float(total) == 7.0 * (1 << 18)
+    assert only_ref == "True"
+
+
+def test_closing_the_pool_unmaps_a_slot_that_no_view_exports():
+    """Without ``keep_referenced`` (no thread at work) a mapping is unmapped also under a
+    reference, so that no process forked later inherits a closed pool's memory."""
+    pool = SlotPool(max_slots=2, budget_bytes=1 << 22)
+    slot = pool.acquire(1 << 20)
+    other = pool.acquire(1 << 20)
+    held = np.ndarray((16,), np.uint8, buffer=other.mmap)
+    pool.close()
+    assert slot.mmap.closed and other.mmap.closed
+    del held

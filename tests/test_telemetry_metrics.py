@@ -88,6 +88,7 @@ def ran():
         transform=shift,
         worker_kind="thread",
         workers=2,
+        in_order=False,  # completion order: the straggler joins a later batch
         on_error="skip",
         metrics_port=0,
         autotune=False,

@@ -197,6 +197,12 @@ class ThreadWorkers:
             if stuck:
                 return
 
+    def running(self) -> bool:
+        """A thread other than this one has not returned (after :meth:`close`: one still
+        inside ``fn``, or an abandoned one)."""
+        with self._lock:
+            return any(t is not threading.current_thread() and t.is_alive() for t in self._threads)
+
     def close(self, timeout: float = 0.5) -> None:
         """Stop the threads: those waiting for a task end at once (and are waited for, up to
         5 s on a loaded machine), one inside ``fn`` is waited for up to ``timeout`` seconds

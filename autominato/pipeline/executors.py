@@ -73,6 +73,10 @@ class ThreadExecutor:
     def stop(self) -> None:
         self._pool.close()
 
+    def running(self) -> bool:
+        """A thread still runs its function (after :meth:`stop`: one that outlived its wait)."""
+        return self._pool.running()
+
 
 def _guarded(name: str, fn: Callable[[Any, Any], Result], key: Any, item: Any) -> Result:
     # A stage function reports its own errors; one that raises all the same (a bug) must not

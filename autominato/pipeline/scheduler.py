@@ -292,6 +292,8 @@ class Pipeline:
         self._skip_logged: set[int] = set()
         self._gen = 0
         self._stop = threading.Event()
+        self.closed = False  # close() ended every run it knew of (see orphaned)
+        self.close_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._next_expire = 0.0
         self._next_decay = 0.0
@@ -578,14 +580,35 @@ class Pipeline:
         if spec is not None and not spec.stopped:  # a next epoch the loop never asked for
             self.pending = None
             self.speculative_discarded += spec.taken
+        busy = False  # a thread still at work may read or write a slot (see SlotPool.close)
         for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
             if st is not None:
                 st.executor.stop()
+                busy = busy or bool(getattr(st.executor, "running", bool)())
+        # Runs that the scheduler never saw start (an iter() whose "start" was still queued
+        # when it stopped: review 99, a load_state_dict that replaced the seeds) end too,
+        # else their iterator would wait for ever.
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if type(ev) is tuple and ev[0] in ("start", "adopt") and not ev[1].closed:
+                self.runs.setdefault(ev[1].gen, ev[1])
         for run in list(self.runs.values()):
             run.finish(None if error is None else ("error", error))
         self.runs.clear()
         self.batch_pool.clear()
-        self.slots.close()
+        self.slots.close(keep_referenced=busy)
+        self.close_error = error
+        self.closed = True  # after every run it knew ended: see ``orphaned``
+
+    def orphaned(self, run: Run) -> None:
+        """End ``run`` as :meth:`close` ended the others, if the pipeline closed without it
+        (its start came after the close took the queued events: an iterator then checks
+        this while it waits)."""
+        if self.closed and not run.closed:
+            run.finish(None if self.close_error is None else ("error", self.close_error))
 
     def kill_workers(self) -> None:
         if self.procs is not None:
@@ -644,7 +667,15 @@ class Pipeline:
         elif kind == "fatal":  # worker_init_fn raised in a thread worker
             self._fail_runs(ev[1])
         elif kind == "stop":
-            self._end_run(ev[1], None)
+            run = ev[1]
+            if run.gen in self.runs:
+                self._end_run(run, None)
+            else:
+                # It ended before the loop dropped it (its last batches were collated): what
+                # waits in its output goes now, not when the run object does (a pending next
+                # epoch, or an iterable dataset's progress, refers to it; review 99).
+                run.finish(None)
+                run.unconsumed = 0
         elif kind == "speculate":
             self._waiting.append(ev[1])
         elif kind == "adopt":
@@ -1078,8 +1109,14 @@ class Pipeline:
                 run.ahead.discard((pos, attempt))
                 self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
             return
-        if r.lost and not r.timed_out and not r.requeue and self.cfg.on_worker_death == "raise":
-            self._decide(run, [Raise(err, final=True), *run.epoch.abort()])  # as DataLoader's
+        if (r.lost and not r.timed_out and self.cfg.on_worker_death == "raise"
+                and (not r.requeue or isinstance(r.error, WorkerDied))):
+            # As DataLoader's, at the first death: also of a worker that held a chunk, whose
+            # samples were each requeued (which one killed it is unknown: the error names
+            # none of them; review 99).
+            if r.requeue:
+                err = r.error
+            self._decide(run, [Raise(err, final=True), *run.epoch.abort()])
         else:
             current = run.epoch.is_current(pos, attempt)  # else the event is stale: ignored
             if r.requeue:

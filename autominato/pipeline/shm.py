@@ -146,11 +146,19 @@ class Slot:
             os.close(fd)
         self.warm = True
 
-    def unlink(self) -> None:
+    def unlink(self, keep_referenced: bool = False) -> None:
+        """Unlink the segment and unmap it, unless a view exports its buffer or, with
+        ``keep_referenced``, an object refers to the mapping: an array made on it with
+        ``np.ndarray(buffer=)`` (``unpack``, a thread worker's ``pack``) holds a reference but
+        no export, and a thread still at work on it (a batch thread collating while the
+        pipeline closes) would read unmapped memory (review 99: SIGSEGV). The mapping then
+        goes when the last such object does."""
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
+        if keep_referenced and sys.getrefcount(self.mmap) > _MMAP_IDLE:
+            return
         try:
             self.mmap.close()
         except BufferError:
@@ -499,12 +507,14 @@ class SlotPool:
     def get(self, name: str) -> Slot:
         return self._all[name]
 
-    def close(self) -> None:
-        """Unlink every slot. Safe to call more than once."""
+    def close(self, keep_referenced: bool = False) -> None:
+        """Unlink every slot. Safe to call more than once. ``keep_referenced``: a thread may
+        still use a slot's memory; a mapping something refers to stays mapped until it goes
+        (:meth:`Slot.unlink`)."""
         with self._lock:
             self.closed = True
             for slot in list(self._all.values()):
-                slot.unlink()
+                slot.unlink(keep_referenced)
             self._all.clear()
             self._free.clear()
             self._orphans.clear()
