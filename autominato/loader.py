@@ -588,6 +588,17 @@ class Loader:
         bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
+        if self._iterable and "workers" not in knobs and values["workers"] > 0:
+            # DataLoader's default is no worker, under which any iterable dataset yields each
+            # sample once; with workers, each iterates the dataset (review 100: a dataset
+            # that does not shard by get_worker_info() came twice, silently).
+            warnings.warn(
+                f"{type(dataset).__name__} is an IterableDataset and num_workers was not "
+                f"given: each of the {values['workers']} workers (the controller may change "
+                "the count) iterates it, so it must take its share by "
+                "torch.utils.data.get_worker_info(), as under DataLoader(num_workers=N); "
+                "else every sample comes once per worker. Pass num_workers (0: no worker, "
+                "DataLoader's default) to say which", stacklevel=2)
 
         fused = True if fuse_read is None else bool(fuse_read)
         avail = psutil.virtual_memory().available

@@ -273,3 +273,27 @@ def test_two_live_iterators_each_deliver_a_whole_epoch(workers):
         assert len(pairs) == len(L) == 6
         for side in (0, 1):
             assert sorted(r[0] for p in pairs for r in p[side].tolist()) == list(range(21))
+
+
+class NoSharding(IterableDataset):
+    """Yields 0..7 in every worker: it does not take a share by get_worker_info()."""
+
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_an_iterable_dataset_without_num_workers_warns_that_each_worker_iterates_it():
+    """DataLoader's default (no worker) yields any iterable dataset once; the Loader's default
+    starts workers, each of which iterates it: the user is told, and ``num_workers`` given
+    (0 here: DataLoader's default) says which (review 100)."""
+    with pytest.warns(UserWarning, match="NoSharding is an IterableDataset and num_workers was "
+                      "not given.*get_worker_info"):
+        L = Loader(NoSharding(), 4, autotune=False)
+    L.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Loader(NoSharding(), 4, num_workers=0) as L:
+            assert sorted(int(v) for b in L for v in b) == list(range(8))
+        Loader(NoSharding(), 4, num_workers=2, autotune=False).close()

@@ -146,6 +146,7 @@ def run_epoch(
         worker_kind=args.worker_kind,
         autotune=False,
         seed=0,
+        in_order=False,  # completion order, as in training (the default follows shuffle=False)
         **knobs,
     )
     run = Run(arm, workload, dict(loader.knobs.as_dict()), step_s=args.step_ms * 1e-3)
