@@ -228,8 +228,8 @@ def test_failures_that_differ_only_in_which_samples_met_are_the_same_error():
     trials failing to stack the same ragged samples ran on (a full test run saw six)."""
     from autominato.tuning.study import same_error_key
 
-    a = "CollateError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32')]; give a collate_fn"
-    b = "CollateError: cannot stack samples into a batch: shapes/dtypes differ: [((1,), 'float32'), ((2,), 'float32'), ((3,), 'float32')]; give a collate_fn"
+    a = "CollateError: cannot stack samples into a batch: shapes differ: [((1,), 'float32'), ((2,), 'float32')]; give a collate_fn"
+    b = "CollateError: cannot stack samples into a batch: shapes differ: [((1,), 'float32'), ((2,), 'float32'), ((3,), 'float32')]; give a collate_fn"
     c = "ValueError: cannot flip a volume of 4 voxels (sample index 5, file volumes/case_5.npy)"
     d = "ValueError: cannot flip a volume of 4 voxels (sample index 9, file volumes/case_9.npy)"
     assert same_error_key(a) == same_error_key(b)

@@ -13,6 +13,7 @@ says so, because every torch tensor made with ``torch.from_numpy`` keeps its arr
 
 from __future__ import annotations
 
+import copy
 import mmap
 import sys
 import threading
@@ -243,8 +244,10 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
 
     Raises:
         CollateError: (a ``RuntimeError``, as ``default_collate``'s, and a ``ValueError``)
-            arrays of one field differ in shape or dtype across samples (the message gives the
-            field's shapes), or sequences in length.
+            arrays of one field differ in shape across samples (the message gives the field's
+            shapes and dtypes), or sequences in length. Arrays of one shape and different
+            dtypes are stacked with torch's type promotion, as ``default_collate`` stacks them
+            (in fresh memory, not the pool's).
         TypeError: a NumPy array of strings or Python objects, ``None`` or another type that
             ``default_collate`` refuses, as ``default_collate``.
     """
@@ -259,14 +262,24 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             return _stack_arrays(samples, pool)
         return _stack_tensors([_as_tensor(s) for s in samples], pool)
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
-        return torch.as_tensor(np.asarray(samples))
+        # default_collate's dtypes: float64 for Python floats, torch.tensor's inference for
+        # ints (float32 once a float is among them), NumPy's for NumPy scalars
+        return default_collate(list(samples))
     if isinstance(first, (str, bytes)):
         # Arrays among them may be views into a slot that is reused once the batch is made.
         # A tuple for a field of tuple samples, a list for a dict's, as default_collate.
         out = [map_leaves(s, _owned, is_array) for s in samples]
         return tuple(out) if isinstance(samples, tuple) else out
     if isinstance(first, dict):
-        return {k: collate([s[k] for s in samples], pool) for k in first}
+        out = {k: collate([s[k] for s in samples], pool) for k in first}
+        if type(first) is dict:
+            return out
+        try:  # an OrderedDict, a MONAI or user mapping stays one, as default_collate keeps it
+            clone = copy.copy(first)
+            clone.update(out)
+            return clone
+        except TypeError:
+            return out
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(collate(f, pool) for f in zip(*samples, strict=True)))
     if isinstance(first, (tuple, list)):
@@ -284,11 +297,18 @@ def _owned(x: Any) -> Any:
     return x.copy() if isinstance(x, np.ndarray) else x.clone()
 
 
+def _mixed(samples: Sequence[Any]) -> bool:
+    """Samples of one shape whose dtypes differ: ``default_collate`` stacks them with
+    torch's type promotion (float32 and float64 give float64), in fresh memory."""
+    dtype = samples[0].dtype
+    return any(s.dtype != dtype for s in samples)
+
+
 def _check_same(samples: Sequence[Any]) -> None:
-    shape, dtype = samples[0].shape, samples[0].dtype
-    if any(s.shape != shape or s.dtype != dtype for s in samples):
+    shape = samples[0].shape
+    if any(s.shape != shape for s in samples):
         raise CollateError(
-            "cannot stack samples into a batch: shapes/dtypes differ: "
+            "cannot stack samples into a batch: shapes differ: "
             f"{sorted({(tuple(s.shape), str(s.dtype)) for s in samples})}; "
             "give a collate_fn or make the transform produce equal shapes (a sampler that "
             "orders samples so that each batch has one shape needs in_order=True or a "
@@ -299,6 +319,8 @@ def _check_same(samples: Sequence[Any]) -> None:
 
 def _stack_arrays(arrays: Sequence[np.ndarray], pool: BatchPool | None) -> torch.Tensor:
     _check_same(arrays)
+    if _mixed(arrays):
+        return default_collate(list(arrays))
     shape = (len(arrays), *arrays[0].shape)
     dtype = arrays[0].dtype
     if pool is not None:
@@ -331,6 +353,10 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
         return default_collate(list(samples))
     samples = [_as_tensor(s) for s in samples]
     _check_same(samples)
+    if _mixed(samples) or not all(s.is_cpu for s in samples):
+        # promoted as torch.stack promotes; tensors on a device stacked there, as the
+        # DataLoader's default_collate does (num_workers=0 over a dataset held on the GPU)
+        return default_collate(list(samples))
     # torch.stack(out=) refuses inputs that need grad, and a CPU buffer takes CPU inputs.
     parts = [(s.detach() if s.requires_grad else s) if s.is_cpu else s.detach().cpu()
              for s in samples]
@@ -388,12 +414,27 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def pin(batch: Any) -> Any:
     """``batch`` with every CPU tensor in page-locked (pinned) memory (a copy unless it is
-    pinned already), as the DataLoader's pin-memory thread does to a ``collate_fn``'s output;
-    ``batch`` itself where no accelerator is available (pinning needs one)."""
+    pinned already), and an object with a ``pin_memory()`` method (a custom batch type)
+    replaced by what it returns, as the DataLoader's pin-memory thread does to a
+    ``collate_fn``'s output; ``batch`` itself where no accelerator is available (pinning
+    needs one)."""
     if not torch.cuda.is_available():
         return batch
-    return map_leaves(batch, lambda t: t if t.is_pinned() or not t.device.type == "cpu"
-                      else t.pin_memory(), _is_tensor)
+    return map_leaves(batch, _pin_leaf, _pinnable)
+
+
+def _pinnable(x: Any) -> bool:
+    """A tensor, or an object of the user's (a custom batch type) with a ``pin_memory()``
+    method, which the DataLoader's pin-memory thread calls (containers are walked first)."""
+    return isinstance(x, torch.Tensor) or (
+        not isinstance(x, (dict, list, tuple, str, bytes))
+        and callable(getattr(x, "pin_memory", None)))
+
+
+def _pin_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x if x.is_pinned() or x.device.type != "cpu" else x.pin_memory()
+    return x.pin_memory()
 
 
 def record_stream(batch: Any, stream: Any) -> None:
