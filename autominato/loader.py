@@ -108,6 +108,16 @@ def dataset_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sample
     return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
+def _copy_of(cls: type, given: dict[str, Any], seed: int, epoch: int, epoch_set: bool) -> Loader:
+    """A Loader built from another's arguments, with its seed and epoch (``Loader.__reduce__``)."""
+    loader = cls(**{**given, "seed": seed})
+    # The shuffle's rule across ranks follows the seed as the user gave it (0 when drawn).
+    loader._seed_given = given.get("seed") is not None
+    loader._set_ranks()
+    loader._epoch, loader._epoch_set = epoch, epoch_set
+    return loader
+
+
 def draw_seed(generator: torch.Generator | None = None) -> int:
     """A base seed drawn from ``generator``, else torch's default generator, as the DataLoader
     draws its own (so ``torch.manual_seed`` makes a run reproducible)."""
@@ -390,6 +400,10 @@ class Loader:
         memory_aware: bool = True,
         **knobs: int,
     ) -> None:
+        # The arguments as given: a copy (pickle, deepcopy) is built from them (__reduce__).
+        given = {k: v for k, v in locals().items() if k not in ("self", "knobs")
+                 and not k.startswith("__")}
+        given.update(knobs)
         unknown = set(knobs) - set(KNOB_NAMES)
         if unknown:
             hints = [f"{name}: {OTHER_ARGS.get(name, 'not an argument of Loader')}"
@@ -502,6 +516,7 @@ class Loader:
                                  ) from e
 
         self.dataset = dataset
+        self._given = given
         self._batch = int(batch_size)  # samples per batch as the pipeline runs it
         #: DataLoader's attributes (``batch_size`` is ``None`` when unbatched or with a
         #: ``batch_sampler``, as DataLoader's).
@@ -1290,6 +1305,24 @@ class Loader:
 
     def __enter__(self) -> Loader:
         return self
+
+    def __reduce__(self) -> tuple:
+        """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments
+        (the dataset, sampler, functions must pickle, as there), so that Lightning's
+        ``ddp_spawn`` can send it to each rank. The copy keeps the seed this Loader drew, so
+        that every copy draws the same orders and augmentation, and starts workers of its own
+        when it is built; it begins at this Loader's epoch (the one ``set_epoch`` gave, or the
+        one it is in), and carries nothing else of its state (progress in an epoch, tuned
+        knobs: ``state_dict()`` carries those).
+
+        Raises:
+            TypeError: a subclass with an ``__init__`` of its own (define ``__reduce__``).
+        """
+        cls = type(self)
+        if cls.__init__ is not Loader.__init__:
+            raise TypeError(f"{cls.__name__} defines its own __init__: define __reduce__ to "
+                            "pickle or copy it")
+        return (_copy_of, (cls, self._given, self.seed, self._epoch, self._epoch_set))
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
