@@ -654,6 +654,7 @@ class Loader:
         self._epoch_set = False
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
+        self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
         self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
         self._last_sampler_epoch: int | None = None
         self._last_pass_epoch: int | None = None
@@ -986,6 +987,15 @@ class Loader:
                 # (a DistributedSampler whose epoch the loop sets itself: its own step)
                 step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
                 self._sampler_epoch_step = step if step in (0, 1) else 1
+                if step == 0 and getattr(self._sampler, "shuffle", False) and not self._same_order_told:
+                    # DataLoader is silent here, but a trainer that sets the epoch only on a
+                    # DataLoader's sampler (MONAI's engines check isinstance DataLoader)
+                    # leaves this one at its epoch: every epoch the same permutation.
+                    self._same_order_told = True
+                    log.warning("the DistributedSampler's epoch is still %d after a whole "
+                                "epoch: this epoch takes the same permutation as the last; "
+                                "call loader.set_epoch(epoch) (or sampler.set_epoch) before "
+                                "each epoch", self._sampler.epoch)
         self._last_pass_epoch = self._epoch
         self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
                                     is DistributedSampler else None)

@@ -176,20 +176,33 @@ def test_a_distributed_sampler_is_followed_and_other_samplers_or_the_switch_turn
         assert L._pipeline.pending is None
 
 
-def test_a_repeated_epoch_of_a_distributed_sampler_is_expected_as_the_loaders():
+def test_a_repeated_epoch_of_a_distributed_sampler_is_expected_as_the_loaders(caplog):
     """A loop that sets the same epoch on its ``DistributedSampler`` every pass: after one
     repeat the same epoch is expected (review 45: the sampler's copy always moved on by one,
-    so every later pass discarded its speculation)."""
+    so every later pass discarded its speculation). The permutation then repeats: a warning
+    says so, once (a trainer that sets the epoch only on a DataLoader's sampler, as MONAI's
+    engines do, would else repeat it silently)."""
     n = 8
     sampler = DistributedSampler(range(n), num_replicas=2, rank=0, shuffle=True, seed=3)
-    with Loader(StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch, seed=SEED,
-                workers=1, autotune=False) as L:
+    with caplog.at_level("WARNING", logger="autominato"), Loader(
+            StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch, seed=SEED,
+            workers=1, autotune=False) as L:
         for _ in range(4):
             sampler.set_epoch(5)
             got = sorted(i for idx, _ in batches_of(L) for i in idx)
             assert got == sorted(copy.copy(sampler))
         # pass 0 expects epoch 6 (discarded), passes 1-2 expect 5 (adopted)
         assert L._pipeline.speculative_adopted == 2
+    told = [r for r in caplog.records if "epoch is still 5 after a whole epoch" in r.getMessage()]
+    assert len(told) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autominato"), Loader(
+            StragglerTail(n), batch_size=2, sampler=sampler, seed=SEED, workers=1,
+            autotune=False) as L:
+        for e in range(3):
+            L.set_epoch(e)
+            list(L)
+    assert not [r for r in caplog.records if "after a whole epoch" in r.getMessage()]
 
 
 @pytest.mark.parametrize("repeat_epoch", [True, False])
