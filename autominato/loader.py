@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from torch.utils.data import DistributedSampler, SequentialSampler
+from torch.utils.data import DistributedSampler, SequentialSampler, default_convert
 
 from autominato import resume
 
@@ -89,14 +89,16 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
     return max(1, free_actors(opts["num_cpus"]))
 
 
-def dataset_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
-    """Whether an epoch takes a map-style dataset in its own order, ``0 .. n - 1`` (or a
-    rank's share of it): no ``shuffle`` and no sampler, a ``SequentialSampler``, or a
-    ``DistributedSampler`` with ``shuffle=False``, also as a ``batch_sampler``'s ``sampler``.
-    That is how evaluation and prediction run, where an output is matched to its sample by
-    position, so the Loader's ``in_order`` defaults to it. An iterable dataset, a shuffle,
-    any other sampler (random, weighted, bucketing) or a batch sampler without a ``sampler``
-    attribute: ``False`` (its order is not the dataset's, or not known)."""
+def fixed_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
+    """Whether an epoch takes a map-style dataset in an order fixed in advance: its own,
+    ``0 .. n - 1`` (or a rank's share of it: no ``shuffle`` and no sampler, a
+    ``SequentialSampler``, a ``DistributedSampler`` with ``shuffle=False``), or a list,
+    tuple, ``range`` or array of indices given as the sampler (a validation split), also as a
+    ``batch_sampler``'s ``sampler``. That is how evaluation and prediction run, where an
+    output is matched to its sample by position, so the Loader's ``in_order`` defaults to it.
+    An iterable dataset, a shuffle, any other sampler (random, weighted, bucketing, a user's
+    class) or a batch sampler without a ``sampler`` attribute: ``False`` (its order is drawn,
+    or not known)."""
     if shuffle or is_iterable_dataset(dataset):
         return False
     if batch_sampler is not None:
@@ -104,6 +106,8 @@ def dataset_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sample
         if sampler is None:
             return False
     if sampler is None or type(sampler) is SequentialSampler:
+        return True
+    if isinstance(sampler, (list, tuple, range, np.ndarray)):
         return True
     return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
@@ -250,11 +254,11 @@ class Loader:
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); ``False``: completion
             order, where a slow sample joins a later batch of the same epoch. Default
-            (``None``): the ``config`` file's, else ``True`` when the epoch's order is the
-            dataset's own (:func:`dataset_order`: a map-style dataset without ``shuffle``, a
-            ``SequentialSampler``, a ``DistributedSampler(shuffle=False)``, as evaluation
-            and prediction take it, so that outputs line up with the dataset's rows), else
-            ``False``.
+            (``None``): the ``config`` file's, else ``True`` when the epoch's order is fixed in
+            advance (:func:`fixed_order`: a map-style dataset without ``shuffle``, a
+            ``SequentialSampler``, a ``DistributedSampler(shuffle=False)``, a list or
+            ``range`` of indices as the sampler, as evaluation and prediction take it, so
+            that outputs line up with the rows), else ``False``.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
             ``(seed, epoch, index)`` (and a repeat's occurrence, ``worker.sample_rng``), or a
             plain ``transform(sample)``.
@@ -456,7 +460,7 @@ class Loader:
             if in_order is None:
                 in_order = static.get("in_order")
         worker_kind = "process" if worker_kind is None else worker_kind
-        in_order = (dataset_order(dataset, shuffle, sampler, batch_sampler)
+        in_order = (fixed_order(dataset, shuffle, sampler, batch_sampler)
                     if in_order is None else bool(in_order))
         if worker_kind not in ("process", "thread", "ray"):
             raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")
@@ -528,7 +532,10 @@ class Loader:
         #: so that a trainer calling ``dataloader.sampler.set_epoch`` (Lightning) sets it.
         self.sampler = sampler if sampler is not None else EpochSampler(self)
         self.batch_sampler = batch_sampler
-        self.collate_fn = collate_fn
+        #: DataLoader's attribute: the ``collate_fn`` given, else the default collation
+        #: (``collate``: ``default_collate``'s result; ``default_convert`` when unbatched)
+        self.collate_fn = collate_fn if collate_fn is not None else (
+            default_convert if unbatched else collate)
         self.drop_last = drop_last
         self.pin_memory = bool(pin_memory)
         self.pin_memory_device = pin_memory_device

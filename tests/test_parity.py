@@ -79,15 +79,23 @@ def test_without_shuffle_batches_come_in_the_datasets_order_as_evaluation_needs(
     ({"sampler": DistributedSampler(range(8), num_replicas=2, rank=1, shuffle=False)}, True),
     ({"sampler": DistributedSampler(range(8), num_replicas=2, rank=1)}, False),
     ({"sampler": torch.utils.data.RandomSampler(range(8))}, False),
-    ({"sampler": [7, 6, 5, 4, 3, 2, 1, 0]}, False),
+    ({"sampler": torch.utils.data.SubsetRandomSampler([1, 3, 5])}, False),
+    ({"sampler": [7, 6, 5, 4, 3, 2, 1, 0]}, True),
+    ({"sampler": range(8)}, True),
+    ({"sampler": np.array([0, 2, 4])}, True),
     ({"batch_sampler": BatchSampler(SequentialSampler(range(8)), 2, False)}, True),
     ({"batch_sampler": [[0, 1], [2, 3]]}, False),
-], ids=["none", "shuffle", "sequential", "dist-noshuffle", "dist-shuffle", "random", "list",
-        "batch-sequential", "batch-list"])
-def test_in_order_defaults_to_whether_the_epoch_takes_the_dataset_in_its_own_order(kwargs, in_order):
+], ids=["none", "shuffle", "sequential", "dist-noshuffle", "dist-shuffle", "random",
+        "subset-random", "list", "range", "array", "batch-sequential", "batch-list"])
+def test_in_order_defaults_to_whether_the_epochs_order_is_fixed_in_advance(kwargs, in_order):
+    """Trial 102: a validation split given as a list (or ``range``) of indices came in
+    completion order; a list fixes the order as much as ``shuffle=False`` does."""
+
     batch = {} if "batch_sampler" in kwargs else {"batch_size": 2}
     with Loader(Indexed(8), num_workers=0, **batch, **kwargs) as L:
         assert L.in_order is in_order
+        if not batch:
+            assert L.collate_fn is not None  # DataLoader's attribute is never None
     with Loader(Indexed(8), num_workers=0, in_order=not in_order, **batch, **kwargs) as L:
         assert L.in_order is (not in_order)  # given: it wins
 

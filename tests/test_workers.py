@@ -910,3 +910,27 @@ def test_a_worker_asked_to_stop_is_never_reported_as_a_death(monkeypatch, caplog
             assert sorted(got) == list(range(48))
         assert loader.snapshot().worker_restarts_total == 0
     assert not [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+
+
+def test_mapping_samples_keep_their_type_across_worker_processes():
+    """Trial 102: an OrderedDict (or a user's dict subclass) sample crossed the worker
+    processes as a plain dict (a collate_fn got plain dicts too); DataLoader keeps the type."""
+    from collections import OrderedDict
+
+    import numpy as np
+
+    from autominato import Loader
+
+    class Samples:
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int):
+            return OrderedDict([("b", np.full((3,), i, np.float32)), ("a", i)])
+
+    with Loader(Samples(), 3, num_workers=2, autotune=False) as L:
+        batch = next(iter(L))
+    assert type(batch) is OrderedDict and list(batch) == ["b", "a"]
+    with Loader(Samples(), 3, num_workers=2, autotune=False, collate_fn=lambda s: s) as L:
+        got = next(iter(L))
+    assert all(type(s) is OrderedDict for s in got)

@@ -6,6 +6,7 @@ batch to a device, so that every path agrees on what a container is.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +14,9 @@ from typing import Any
 def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
     """Rebuild ``obj`` with ``fn(leaf)`` in place of every leaf (``is_leaf(x)`` true).
 
-    Containers are tuples, lists, dicts (rebuilt as ``dict``) and namedtuples (rebuilt as
-    their own type); anything else that is not a leaf is returned as it is.
+    Containers are tuples, lists, dicts (a subclass rebuilt as its own type, a shallow copy
+    updated, else as ``dict``) and namedtuples (rebuilt as their own type); anything else that
+    is not a leaf is returned as it is.
     """
     if is_leaf(obj):
         return fn(obj)
@@ -25,8 +27,18 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
         return tuple([map_leaves(o, fn, is_leaf) for o in obj])
     if t is list or isinstance(obj, list):
         return [map_leaves(o, fn, is_leaf) for o in obj]
-    if t is dict or isinstance(obj, dict):
+    if t is dict:
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        # An OrderedDict or a user's dict subclass stays one, as default_collate keeps it
+        # (trial 102: it crossed the worker processes as a plain dict).
+        out = {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
+        try:
+            clone = copy.copy(obj)
+            clone.update(out)
+            return clone
+        except Exception:
+            return out
     if isinstance(obj, tuple):
         if hasattr(obj, "_fields"):
             return t(*[map_leaves(o, fn, is_leaf) for o in obj])
