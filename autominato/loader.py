@@ -254,11 +254,11 @@ class Loader:
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); ``False``: completion
             order, where a slow sample joins a later batch of the same epoch. Default
-            (``None``): the ``config`` file's, else ``True`` when the epoch's order is fixed in
-            advance (:func:`fixed_order`: a map-style dataset without ``shuffle``, a
+            (``None``): ``True`` when the epoch's order is fixed in advance
+            (:func:`fixed_order`: a map-style dataset without ``shuffle``, a
             ``SequentialSampler``, a ``DistributedSampler(shuffle=False)``, a list or
             ``range`` of indices as the sampler, as evaluation and prediction take it, so
-            that outputs line up with the rows), else ``False``.
+            that outputs line up with the rows), else the ``config`` file's, else ``False``.
         transform: ``transform(sample, rng)`` with a ``numpy.random.Generator`` seeded from
             ``(seed, epoch, index)`` (and a repeat's occurrence, ``worker.sample_rng``), or a
             plain ``transform(sample)``.
@@ -447,6 +447,10 @@ class Loader:
             knobs["depth"] = prefetch_factor
         if persistent_workers and knobs.get("workers", num_workers) == 0:
             raise ValueError("persistent_workers option needs num_workers > 0 (as in DataLoader)")
+        if in_order is None and fixed_order(dataset, shuffle, sampler, batch_sampler):
+            # An order fixed in advance (evaluation, prediction) is kept before a tuned
+            # file's choice, made for training's drawn orders (review 101).
+            in_order = True
         cfg = None
         if config is not None:
             from autominato.config import load_config
@@ -460,8 +464,7 @@ class Loader:
             if in_order is None:
                 in_order = static.get("in_order")
         worker_kind = "process" if worker_kind is None else worker_kind
-        in_order = (fixed_order(dataset, shuffle, sampler, batch_sampler)
-                    if in_order is None else bool(in_order))
+        in_order = False if in_order is None else bool(in_order)
         if worker_kind not in ("process", "thread", "ray"):
             raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")
         if worker_kind == "ray" and is_iterable_dataset(dataset):

@@ -178,8 +178,12 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
                 worker_kind="thread") as L:
         assert L.in_order is in_order and L.worker_kind == "thread"
         assert L._ensure_pipeline().cfg.in_order is in_order
-    with Loader(Indexed(4), 2, config=cfg, autotune=False, workers=0) as L:
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, workers=0, shuffle=True) as L:
         assert L.in_order is (not in_order) and L.worker_kind == "process"
+    # An order fixed in advance (no shuffle: evaluation) stays in order before the file's
+    # choice, made for training (review 101: a tuned file's in_order false undid it).
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, workers=0) as L:
+        assert L.in_order is True
     with Loader(Indexed(4), 2, autotune=False, workers=0) as L:  # the dataset's own order
         assert L.in_order is True and L.worker_kind == "process"
     with Loader(Indexed(4), 2, autotune=False, workers=0, shuffle=True) as L:

@@ -405,7 +405,10 @@ if __name__ == "__main__":
     time.sleep(0.2)
     L.close()
     time.sleep(2.0)
-    print("alive", len(sums), flush=True)
+    import gc
+    gc.collect()
+    maps = sum("/dev/shm/" in line for line in open("/proc/self/maps"))
+    print("alive", len(sums), maps, flush=True)
 """
 
 
@@ -418,6 +421,9 @@ def test_closing_while_the_batch_thread_collates_samples_in_slots_does_not_crash
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert out.stdout.split()[:2] == ["alive", "1"]
+    # and once it is, the mappings kept for it go, the Loader and iterator still alive
+    # (review 101: they stayed until the Loader went)
+    assert out.stdout.split()[2] == "0", out.stdout
 
 
 class KillsOnceWhenFlagged:

@@ -1117,3 +1117,30 @@ def test_a_state_begun_with_nothing_delivered_takes_a_dataset_of_another_length(
         M.load_state_dict(state)
         assert sorted(int(v) for b in M for v in b) == list(range(10))
         assert M.state_dict()["sample_memory"] is None  # the 20 figures are not this dataset's
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """16 samples split across the workers by get_worker_info(); len() says so."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        return (np.full(2, i, np.int64) for i in range(k, 16, n))
+
+
+def test_an_iterable_epoch_whose_loop_took_len_batches_is_saved_as_finished():
+    """A loop bounded by ``len()`` takes every batch and drops the iterator before the end
+    item: the epoch ended, so the state says finished (review 101: clearing the dropped run's
+    output took its end too, and the state restarted the epoch)."""
+    with Loader(_Stream(), 4, num_workers=2, autotune=False) as L:
+        for _ in range(2):
+            import time
+
+            for _step, _b in zip(range(len(L)), L, strict=False):
+                time.sleep(0.05)
+            time.sleep(0.3)  # the dropped iterator's stop reaches the scheduler
+            state = L.state_dict()
+            assert state["finished"] is True, state

@@ -632,7 +632,9 @@ def test_batches_left_in_an_ended_run_go_when_the_loop_drops_its_iterator(prefet
         assert len(refs) >= 2
         del it  # the loop leaves the epoch
         gc.collect()
-        wait_for(lambda: not run.out, "the dropped run's output cleared", timeout_s=10)
+        wait_for(lambda: all(item[0] != "batch" for item in list(run.out)),
+                 "the dropped run's batches cleared", timeout_s=10)
+        assert [item[0] for item in run.out] == ["end"]  # (it tells that the run ended)
 
         def freed() -> bool:
             gc.collect()

@@ -262,6 +262,9 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             return _stack_arrays(samples, pool)
         return _stack_tensors([_as_tensor(s) for s in samples], pool)
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
+        t = type(first)
+        if all(type(s) is t for s in samples):  # one type: default_collate's dtype, faster
+            return torch.as_tensor(np.asarray(samples))
         # default_collate's dtypes: float64 for Python floats, torch.tensor's inference for
         # ints (float32 once a float is among them), NumPy's for NumPy scalars
         return default_collate(list(samples))

@@ -62,7 +62,7 @@ def compose(p: Pipeline) -> list[Stage]:
     * ``worker_kind="ray"``: Ray actors that read and transform (``fuse_read``, default), or
       read threads then Ray actors; samples come back through Ray's object store.
     """
-    cfg, k, post, spec = p.cfg, p.knobs, p.events.put, p.spec
+    cfg, k, post, spec = p.cfg, p.knobs, p.post, p.spec
     plain = WorkSpec(spec.dataset, None, False, spec.seed)
 
     def thread_init(wid: int) -> bool:
@@ -177,7 +177,7 @@ def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
             if asked[0] <= actors:
                 asked.clear()
 
-    ex = RayExecutor("transform", spec, p.events.put, 0, actor_options(p.cfg.ray_actor_options),
+    ex = RayExecutor("transform", spec, p.post, 0, actor_options(p.cfg.ray_actor_options),
                      copy=p.cfg.collate_fn is not None, max_startup_deaths=p.cfg.max_tries,
                      on_fatal=p._fail_runs, on_capacity=bound)
     ex.resize(k.workers)  # within the bound just read

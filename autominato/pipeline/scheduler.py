@@ -225,6 +225,12 @@ class Run:
             self.out.append(item)
             self.cv.notify_all()
 
+    def drop_batches(self) -> None:
+        """Drop the batches waiting in ``out`` (the consumer left), keeping any other item."""
+        with self.cv:
+            # one new deque: a reader without the lock never sees it empty in between
+            self.out = deque(item for item in self.out if item[0] != "batch")
+
     def finish(self, last: tuple | None) -> None:
         """Close the run with ``last`` (``("end",)`` or ``("error", e)``) as its final item, or
         with ``None`` (the consumer left) dropping what waits; one step, under the lock, so
@@ -350,7 +356,7 @@ class Pipeline:
                 self.procs.stop()
             self.slots.close()  # an unpicklable dataset, say: leave no /dev/shm lock behind
             raise
-        post = self.events.put
+        post = self.post
         self.batch_stage = Stage("batch", ThreadExecutor("batch", self._collate, post, 1),
                                  self._hook("batch"), lambda: 0)
         # The copy's time is read from its CUDA events by the consumer, not from this thread.
@@ -602,6 +608,25 @@ class Pipeline:
         self.slots.close(keep_referenced=busy)
         self.close_error = error
         self.closed = True  # after every run it knew ended: see ``orphaned``
+        # What still refers to samples and slots goes (a thread that outlived the wait
+        # posts nothing from now on, see ``post``): else a mapping kept for it above would
+        # stay until the Loader itself goes (review 101).
+        while True:
+            try:
+                self.events.get_nowait()
+            except queue.Empty:
+                break
+        for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
+            if st is not None:
+                st.drop(lambda _key: False)
+        self.held.clear()
+        self._collating.clear()
+
+    def post(self, event: Any) -> None:
+        """An executor's result or event for the scheduler thread; dropped once the
+        pipeline closed (nobody reads them: a late thread's batch would keep its slots)."""
+        if not self.closed:
+            self.events.put(event)
 
     def orphaned(self, run: Run) -> None:
         """End ``run`` as :meth:`close` ended the others, if the pipeline closed without it
@@ -671,11 +696,13 @@ class Pipeline:
             if run.gen in self.runs:
                 self._end_run(run, None)
             else:
-                # It ended before the loop dropped it (its last batches were collated): what
-                # waits in its output goes now, not when the run object does (a pending next
-                # epoch, or an iterable dataset's progress, refers to it; review 99).
-                run.finish(None)
+                # It ended before the loop dropped it (its last batches were collated): the
+                # batches waiting in its output go now, not when the run object does (a
+                # pending next epoch, or an iterable dataset's progress, refers to it; review
+                # 99). Its final item stays: it tells that the run ended (review 101: an
+                # iterable epoch whose loop took len() batches was saved as unfinished).
                 run.unconsumed = 0
+                run.drop_batches()
         elif kind == "speculate":
             self._waiting.append(ev[1])
         elif kind == "adopt":
