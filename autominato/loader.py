@@ -112,9 +112,18 @@ def fixed_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler:
     return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
+#: Set while ``_copy_of`` builds a copy: its metrics endpoint binds a free port when the
+#: original's is taken (each rank of Lightning's ddp_spawn unpickles one, the parent holds it).
+_copying = threading.local()
+
+
 def _copy_of(cls: type, given: dict[str, Any], seed: int, epoch: int, epoch_set: bool) -> Loader:
     """A Loader built from another's arguments, with its seed and epoch (``Loader.__reduce__``)."""
-    loader = cls(**{**given, "seed": seed})
+    _copying.active = True
+    try:
+        loader = cls(**{**given, "seed": seed})
+    finally:
+        _copying.active = False
     # The shuffle's rule across ranks follows the seed as the user gave it (0 when drawn).
     loader._seed_given = given.get("seed") is not None
     loader._set_ranks()
@@ -665,6 +674,7 @@ class Loader:
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
         self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
+        self._last_whole_dist_epoch: int | None = None  # (see _pass_ended)
         self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
         self._last_sampler_epoch: int | None = None
         self._last_pass_epoch: int | None = None
@@ -723,7 +733,7 @@ class Loader:
             # the controller refuses: with Ray, the cluster's free CPUs.
             self._telemetry = telemetry.attach(
                 me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval,
-                budget=CoreBudget(cores),
+                budget=CoreBudget(cores), free_if_busy=getattr(_copying, "active", False),
             )
         if autotune:
             self._controller = Controller(me, config=cfg,
@@ -984,6 +994,9 @@ class Loader:
                                    order if user_order else None, self._order_rank())
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
+        # a shuffling DistributedSampler's epoch as this pass began (see _pass_ended)
+        progress.dist_epoch = (self._sampler.epoch if isinstance(self._sampler, DistributedSampler)
+                               and self._sampler.shuffle else None)
         self._progress = progress
         if self.knobs.workers == 0:
             self._sync_cold_starts += 1
@@ -997,15 +1010,6 @@ class Loader:
                 # (a DistributedSampler whose epoch the loop sets itself: its own step)
                 step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
                 self._sampler_epoch_step = step if step in (0, 1) else 1
-                if step == 0 and getattr(self._sampler, "shuffle", False) and not self._same_order_told:
-                    # DataLoader is silent here, but a trainer that sets the epoch only on a
-                    # DataLoader's sampler (MONAI's engines check isinstance DataLoader)
-                    # leaves this one at its epoch: every epoch the same permutation.
-                    self._same_order_told = True
-                    log.warning("the DistributedSampler's epoch is still %d after a whole "
-                                "epoch: this epoch takes the same permutation as the last; "
-                                "call loader.set_epoch(epoch) (or sampler.set_epoch) before "
-                                "each epoch", self._sampler.epoch)
         self._last_pass_epoch = self._epoch
         self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
                                     is DistributedSampler else None)
@@ -1325,6 +1329,23 @@ class Loader:
 
     def __enter__(self) -> Loader:
         return self
+
+    def _pass_ended(self, progress: resume.Progress) -> None:
+        """A pass delivered its whole epoch: warn, once, when a shuffling
+        ``DistributedSampler`` began it at the epoch that began the last whole pass. DataLoader
+        is silent there, but a trainer that sets the epoch only on a DataLoader's sampler
+        (MONAI's engines check ``isinstance(loader, DataLoader)``) leaves this one at its
+        epoch: every epoch the same permutation. Passes that deliver no batch (Lightning's
+        check, an ``iter()`` made before ``set_epoch``) are no epochs here."""
+        epoch = getattr(progress, "dist_epoch", None)
+        if epoch is None:
+            return
+        if epoch == self._last_whole_dist_epoch and not self._same_order_told:
+            self._same_order_told = True
+            log.warning("the DistributedSampler's epoch was %d for two whole epochs in a row: "
+                        "both took the same permutation; call loader.set_epoch(epoch) (or "
+                        "sampler.set_epoch) before each epoch", epoch)
+        self._last_whole_dist_epoch = epoch
 
     def __reduce__(self) -> tuple:
         """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments
@@ -1647,6 +1668,7 @@ class _EpochIterator:
                 self._finish()
                 if kind == "end":
                     self.progress.finished = True
+                    self.L._pass_ended(self.progress)
                     self.L._left(id(self))
                     raise StopIteration
             if kind != "raise":  # an error that ends the pass (a "raise" one: it goes on)
@@ -1724,7 +1746,7 @@ def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
     deadline = time.monotonic() + wait_s
     with run.cv:
         while True:
-            if any(item[0] == "batch" for item in run.out):
+            if run.dropped or any(item[0] == "batch" for item in run.out):
                 return False
             if run.closed:
                 return bool(run.out) and run.out[-1][0] == "end"
@@ -1813,6 +1835,7 @@ class _SyncIterator:
                 elif isinstance(d, End):
                     self._done = True
                     self.progress.finished = True
+                    self.L._pass_ended(self.progress)
                     raise StopIteration
             self._step()
 

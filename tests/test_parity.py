@@ -762,3 +762,28 @@ def test_a_subclass_with_its_own_init_is_told_to_define_reduce():
 
     with Mine(Indexed(4)) as L, pytest.raises(TypeError, match="define __reduce__"):
         pickle.dumps(L)
+
+
+def _copy_port(loader, out) -> None:
+    with loader:
+        out.put(loader._telemetry.port)
+
+
+def test_a_copy_of_a_loader_whose_metrics_port_is_taken_binds_another():
+    """Review 103: each ddp_spawn rank unpickles the loader while the parent holds its
+    metrics port: the copy raised PortInUseError. It takes a free port (logged). (In the
+    same process a copy shares the running endpoint.)"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with Loader(Indexed(4), 2, num_workers=0, metrics_port=port) as L:
+        assert L._telemetry.port == port
+        ctx = multiprocessing.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_copy_port, args=(L, q))
+        p.start()
+        got = q.get(timeout=120)
+        p.join(60)
+        assert p.exitcode == 0 and got not in (None, port)

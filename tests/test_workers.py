@@ -934,3 +934,46 @@ def test_mapping_samples_keep_their_type_across_worker_processes():
     with Loader(Samples(), 3, num_workers=2, autotune=False, collate_fn=lambda s: s) as L:
         got = next(iter(L))
     assert all(type(s) is OrderedDict for s in got)
+
+
+def test_a_defaultdict_sample_with_a_local_factory_still_crosses_the_workers():
+    """Review 103: keeping dict subclasses put a defaultdict's lambda factory in the pickled
+    skeleton (it raised); a type that cannot be built from a dict arrives as a plain dict,
+    as before."""
+    from collections import defaultdict
+
+    import numpy as np
+
+    from autominato import Loader
+
+    class Samples:
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int):
+            return defaultdict(lambda: 0, x=np.full(2, i))
+
+    with Loader(Samples(), 2, num_workers=2, autotune=False) as L:
+        got = [b["x"][:, 0].tolist() for b in L]
+    assert sorted(i for b in got for i in b) == [0, 1, 2, 3]
+
+
+def test_mapping_a_sample_never_writes_into_it():
+    """Review 103: a copy of the sample updated with the mapped leaves wrote them into the
+    sample's nested values where ``update`` merges (addict, Box)."""
+    import numpy as np
+
+    from autominato.pipeline.tree import map_leaves
+
+    class Merging(dict):
+        def update(self, other):
+            for k, v in other.items():
+                if isinstance(self.get(k), dict) and isinstance(v, dict):
+                    self[k].update(v)
+                else:
+                    self[k] = v
+
+    orig = Merging(img=np.zeros(2), meta=Merging(affine=np.eye(2)))
+    out = map_leaves(orig, lambda a: "REF", lambda x: isinstance(x, np.ndarray))
+    assert type(out) is Merging and out["meta"]["affine"] == "REF"
+    assert isinstance(orig["meta"]["affine"], np.ndarray)

@@ -198,6 +198,7 @@ class Run:
     warm: bool = False  # adopted with samples loaded ahead (its first batch should be ready)
     stopped: bool = False
     closed: bool = False  # nothing more will be put in ``out``
+    dropped: bool = False  # batches that waited in ``out`` were dropped (drop_batches)
     speculative: bool = False  # started for an iterator that does not exist yet
     pred: Run | None = None  # while speculative: the run whose window it shares
     taken: int = 0  # positions dispatched (once each: re-dispatches not counted)
@@ -226,10 +227,13 @@ class Run:
             self.cv.notify_all()
 
     def drop_batches(self) -> None:
-        """Drop the batches waiting in ``out`` (the consumer left), keeping any other item."""
+        """Drop what waits in ``out`` (the consumer left) but its final item, the run's end
+        or error; ``dropped`` says that batches went (a state then does not count the pass
+        as drained: ``loader._run_drained``)."""
         with self.cv:
+            self.dropped = any(item[0] == "batch" for item in self.out)
             # one new deque: a reader without the lock never sees it empty in between
-            self.out = deque(item for item in self.out if item[0] != "batch")
+            self.out = deque(item for item in self.out if item[0] in ("end", "error"))
 
     def finish(self, last: tuple | None) -> None:
         """Close the run with ``last`` (``("end",)`` or ``("error", e)``) as its final item, or
@@ -616,11 +620,12 @@ class Pipeline:
                 self.events.get_nowait()
             except queue.Empty:
                 break
-        for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
-            if st is not None:
-                st.drop(lambda _key: False)
-        self.held.clear()
-        self._collating.clear()
+        if not self.thread.is_alive():  # (else it may still use them)
+            for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
+                if st is not None:
+                    st.drop(lambda _key: False)
+            self.held.clear()
+            self._collating.clear()
 
     def post(self, event: Any) -> None:
         """An executor's result or event for the scheduler thread; dropped once the

@@ -6,7 +6,6 @@ batch to a device, so that every path agrees on what a container is.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +13,9 @@ from typing import Any
 def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
     """Rebuild ``obj`` with ``fn(leaf)`` in place of every leaf (``is_leaf(x)`` true).
 
-    Containers are tuples, lists, dicts (a subclass rebuilt as its own type, a shallow copy
-    updated, else as ``dict``) and namedtuples (rebuilt as their own type); anything else that
-    is not a leaf is returned as it is.
+    Containers are tuples, lists, dicts (a subclass rebuilt as ``type(obj)(items)`` where that
+    works, else as ``dict``) and namedtuples (rebuilt as their own type); anything else that is
+    not a leaf is returned as it is.
     """
     if is_leaf(obj):
         return fn(obj)
@@ -31,12 +30,13 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
     if isinstance(obj, dict):
         # An OrderedDict or a user's dict subclass stays one, as default_collate keeps it
-        # (trial 102: it crossed the worker processes as a plain dict).
+        # (trial 102: it crossed the worker processes as a plain dict): built anew from the
+        # mapped items (never a copy of ``obj`` updated, which a merging ``update`` would
+        # write into ``obj``'s nested values: review 103); a type that cannot be built from
+        # a dict (a defaultdict, whose factory may not pickle) stays a plain dict.
         out = {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
         try:
-            clone = copy.copy(obj)
-            clone.update(out)
-            return clone
+            return t(out)
         except Exception:
             return out
     if isinstance(obj, tuple):
