@@ -722,10 +722,31 @@ def test_a_sampler_of_keys_that_are_not_integer_indices_is_refused_by_name():
         assert firsts(L) == [[2, 0], [1]]  # NumPy and 0-d tensor integers are indices
 
 
-def _iterate_copy(loader, out) -> None:
-    """In a spawned process (Lightning's ddp_spawn sends the loaders so): one epoch's indices."""
+def _iterate_copy(loader) -> list[int]:
+    """One epoch's indices."""
+    return sorted(int(i) for b in loader for i in b[:, 0])
+
+
+def _copy_port(loader) -> int | None:
+    return loader._telemetry.port
+
+
+def _run_copy(fn, loader, out) -> None:
     with loader:
-        out.put(sorted(int(i) for b in loader for i in b[:, 0]))
+        out.put(fn(loader))
+
+
+def in_spawned_process(fn, loader):
+    """``fn(copy)`` where ``copy`` is ``loader`` pickled into a spawned process (Lightning's
+    ddp_spawn sends the loaders so); asserts that the process ended well."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_run_copy, args=(fn, loader, q))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == 0
+    return got
 
 
 def test_a_loader_pickles_and_copies_as_its_arguments_with_its_seed():
@@ -744,13 +765,7 @@ def test_a_loader_pickles_and_copies_as_its_arguments_with_its_seed():
                 assert other is not L and other.seed == L.seed and other.epoch == 3
                 assert other._order(3)[0] == want
                 assert sorted(int(i) for b in other for i in b[:, 0]) == list(range(10))
-        ctx = multiprocessing.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_iterate_copy, args=(L, q))
-        p.start()
-        got = q.get(timeout=120)
-        p.join(60)
-        assert p.exitcode == 0 and got == list(range(10))
+        assert in_spawned_process(_iterate_copy, L) == list(range(10))
 
 
 def test_a_subclass_with_its_own_init_is_told_to_define_reduce():
@@ -764,11 +779,6 @@ def test_a_subclass_with_its_own_init_is_told_to_define_reduce():
         pickle.dumps(L)
 
 
-def _copy_port(loader, out) -> None:
-    with loader:
-        out.put(loader._telemetry.port)
-
-
 def test_a_copy_of_a_loader_whose_metrics_port_is_taken_binds_another():
     """Review 103: each ddp_spawn rank unpickles the loader while the parent holds its
     metrics port: the copy raised PortInUseError. It takes a free port (logged). (In the
@@ -780,10 +790,4 @@ def test_a_copy_of_a_loader_whose_metrics_port_is_taken_binds_another():
         port = s.getsockname()[1]
     with Loader(Indexed(4), 2, num_workers=0, metrics_port=port) as L:
         assert L._telemetry.port == port
-        ctx = multiprocessing.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=_copy_port, args=(L, q))
-        p.start()
-        got = q.get(timeout=120)
-        p.join(60)
-        assert p.exitcode == 0 and got not in (None, port)
+        assert in_spawned_process(_copy_port, L) not in (None, port)

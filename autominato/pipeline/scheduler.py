@@ -598,11 +598,7 @@ class Pipeline:
         # Runs that the scheduler never saw start (an iter() whose "start" was still queued
         # when it stopped: review 99, a load_state_dict that replaced the seeds) end too,
         # else their iterator would wait for ever.
-        while True:
-            try:
-                ev = self.events.get_nowait()
-            except queue.Empty:
-                break
+        for ev in self._take_events():
             if type(ev) is tuple and ev[0] in ("start", "adopt") and not ev[1].closed:
                 self.runs.setdefault(ev[1].gen, ev[1])
         for run in list(self.runs.values()):
@@ -615,17 +611,22 @@ class Pipeline:
         # What still refers to samples and slots goes (a thread that outlived the wait
         # posts nothing from now on, see ``post``): else a mapping kept for it above would
         # stay until the Loader itself goes (review 101).
-        while True:
-            try:
-                self.events.get_nowait()
-            except queue.Empty:
-                break
+        self._take_events()
         if not self.thread.is_alive():  # (else it may still use them)
             for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
                 if st is not None:
                     st.drop(lambda _key: False)
             self.held.clear()
             self._collating.clear()
+
+    def _take_events(self) -> list:
+        """Every event waiting in the queue, taken out of it (close() only)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.events.get_nowait())
+            except queue.Empty:
+                return taken
 
     def post(self, event: Any) -> None:
         """An executor's result or event for the scheduler thread; dropped once the
