@@ -181,8 +181,6 @@ class _one:
         (sample,) = samples
         if self.fn is not None:
             return self.fn(sample)
-        from torch.utils.data import default_convert
-
         return default_convert(sample)
 
 
@@ -994,9 +992,6 @@ class Loader:
                                    order if user_order else None, self._order_rank())
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
-        # a shuffling DistributedSampler's epoch as this pass began (see _pass_ended)
-        progress.dist_epoch = (self._sampler.epoch if isinstance(self._sampler, DistributedSampler)
-                               and self._sampler.shuffle else None)
         self._progress = progress
         if self.knobs.workers == 0:
             self._sync_cold_starts += 1
@@ -1337,7 +1332,9 @@ class Loader:
         (MONAI's engines check ``isinstance(loader, DataLoader)``) leaves this one at its
         epoch: every epoch the same permutation. Passes that deliver no batch (Lightning's
         check, an ``iter()`` made before ``set_epoch``) are no epochs here."""
-        epoch = getattr(progress, "dist_epoch", None)
+        if not (isinstance(self._sampler, DistributedSampler) and self._sampler.shuffle):
+            return
+        epoch = progress.sampler_epochs.get("sampler")  # as the pass began
         if epoch is None:
             return
         if epoch == self._last_whole_dist_epoch and not self._same_order_told:

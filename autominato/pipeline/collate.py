@@ -360,9 +360,8 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
         # promoted as torch.stack promotes; tensors on a device stacked there, as the
         # DataLoader's default_collate does (num_workers=0 over a dataset held on the GPU)
         return default_collate(list(samples))
-    # torch.stack(out=) refuses inputs that need grad, and a CPU buffer takes CPU inputs.
-    parts = [(s.detach() if s.requires_grad else s) if s.is_cpu else s.detach().cpu()
-             for s in samples]
+    # torch.stack(out=) refuses inputs that need grad (all are on the CPU here: see above)
+    parts = [s.detach() if s.requires_grad else s for s in samples]
     shape = (len(parts), *first.shape)
     raw = slot_dtype(first.dtype)  # int16 for bfloat16: NumPy has no such type
     if pool is not None and all(type(p) is torch.Tensor for p in parts):

@@ -590,11 +590,12 @@ class Pipeline:
         if spec is not None and not spec.stopped:  # a next epoch the loop never asked for
             self.pending = None
             self.speculative_discarded += spec.taken
+        stages = [st for st in (*self.sample_stages, self.batch_stage, self.transfer_stage)
+                  if st is not None]
         busy = False  # a thread still at work may read or write a slot (see SlotPool.close)
-        for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
-            if st is not None:
-                st.executor.stop()
-                busy = busy or bool(getattr(st.executor, "running", bool)())
+        for st in stages:
+            st.executor.stop()
+            busy = busy or bool(getattr(st.executor, "running", bool)())
         # Runs that the scheduler never saw start (an iter() whose "start" was still queued
         # when it stopped: review 99, a load_state_dict that replaced the seeds) end too,
         # else their iterator would wait for ever.
@@ -613,9 +614,8 @@ class Pipeline:
         # stay until the Loader itself goes (review 101).
         self._take_events()
         if not self.thread.is_alive():  # (else it may still use them)
-            for st in (*self.sample_stages, self.batch_stage, self.transfer_stage):
-                if st is not None:
-                    st.drop(lambda _key: False)
+            for st in stages:
+                st.drop(lambda _key: False)
             self.held.clear()
             self._collating.clear()
 
