@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from autominato import Loader
-from autominato.pipeline.memory import MARGIN, MAX_SAVED, SampleMemory
+from autominato.pipeline import memory
+from autominato.pipeline.memory import MARGIN, MAX_SAVED, POOL_SHARE, SampleMemory
 
 MiB = 1 << 20
 
@@ -101,6 +102,36 @@ def test_large_samples_that_are_common_are_not_held_apart():
     assert rare.admit(0, [rare.estimate(10)], workers=2)  # beside a small one: 360 <= 405
 
 
+def test_the_pools_memory_takes_its_share_of_the_budget_and_no_more():
+    m = SampleMemory(8)
+    for i in range(1, 8):
+        m.learn(i, 100)
+    m.learn(0, 400)  # budget 1.35 * 400 = 540; the pools' share at most 0.2 * 400 = 80
+    assert m.pool_share(2, 30) == 30 and m.pool_share(2, 1000) == pytest.approx(80)
+    assert m.room(2, 1000) == pytest.approx(460) and m.room(2) == pytest.approx(540)
+    est = m.estimate
+    assert m.admit(0, [est(1)], workers=2)  # 500, no pool
+    assert m.admit(0, [est(1)], workers=2, pool_bytes=40)  # 540
+    assert not m.admit(0, [est(1)], workers=2, pool_bytes=41)  # 541
+    assert m.admit(1, [est(2)], workers=2, pool_bytes=1000)  # 200 + 80
+    assert m.admit(0, [], workers=2, pool_bytes=1000)  # nothing in flight: it starts
+    # an overtaker leaves the held sample its room beside the pools' share too
+    assert m.admit(3, [est(1)], workers=2, ahead=(est(0), 0.0), pool_bytes=40)  # 400+100+40
+    assert not m.admit(3, [est(1)], workers=2, ahead=(est(0), 0.0), pool_bytes=41)
+
+
+def test_samples_alike_never_wait_for_the_pools_memory():
+    """The pools take at most POOL_SHARE of the base: samples within 15 % of the upper
+    quartile beside it still fit, however large the batch buffers (here 10x the samples)."""
+    m = SampleMemory(20)
+    for i in range(20):
+        m.learn(i, 100 + i)  # 100-119: the upper quartile is 114
+    assert MARGIN - POOL_SHARE >= 0.15
+    for a in range(20):
+        for b in range(20):
+            assert m.admit(a, [m.estimate(b)], workers=2, pool_bytes=10_000)
+
+
 def test_an_index_not_measured_is_estimated_at_the_median_and_waits_are_counted_once():
     m = SampleMemory(8, margin=1.25)
     for i, v in enumerate((100, 100, 100, 700)):
@@ -185,6 +216,56 @@ def test_a_large_sample_runs_without_a_large_one_beside_it_once_measured(aware):
     assert snap.samples_held_for_memory_total >= 2  # once an epoch at least (epochs 2-3)
     # the exported budget: MARGIN x sample 0's measured peak (160 MiB and the worker's own)
     assert MARGIN * 150 * MiB <= snap.sample_memory_budget_bytes <= MARGIN * 180 * MiB
+
+
+class HeavyOutputs:
+    """Sample 0 holds 320 MiB at its peak for 0.15 s, the others 80 MiB for 0.05 s; each then
+    returns 16 MiB (its working set freed first, so that its figure is the working set) and
+    when it ran (a spans log as :class:`Uneven`)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        t0 = time.monotonic()
+        a = np.ones((320 if i == 0 else 80) * MiB, np.uint8)  # touched
+        time.sleep(0.15 if i == 0 else 0.05)
+        del a
+        return {"i": i, "span": np.array([t0, time.monotonic()]),
+                "x": np.full(4 << 20, i, np.float32)}
+
+
+def _slow_runs(loader, epochs: int, step_s: float) -> list[tuple[int, int, float, float]]:
+    runs = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        for b in loader:
+            time.sleep(step_s)  # a training step slower than the loader: batches wait for it
+            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
+                runs.append((e, i, t0, t1))
+    return runs
+
+
+@pytest.mark.parametrize("share", [None, 0.0])
+def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, share):
+    """Sample 0 (320 MiB) fits beside one of 80 MiB in the budget of the working sets alone
+    (1.35 * 320 = 432 MiB), but not once the pools take their share (0.2 * 320 = 64 MiB): the
+    batches of 32 MiB that wait for a training loop slower than the loader hold more. Once
+    measured, sample 0 then runs alone; with the pools not counted (``POOL_SHARE`` 0, the
+    rule before December 2026) it runs beside the others."""
+    if share is not None:
+        monkeypatch.setattr(memory, "POOL_SHARE", share)
+    with Loader(HeavyOutputs(), batch_size=2, workers=2, seed=0, autotune=False) as loader:
+        runs = _slow_runs(loader, 5, step_s=0.12)
+        snap = loader.snapshot()
+    for e in range(5):
+        assert sorted(i for ep, i, *_ in runs if ep == e) == list(range(8))
+    bad = _overlaps(runs, 0, after_epoch=2)
+    if share == 0.0:
+        assert bad, "the control: without the pools' share sample 0 runs beside others"
+        return
+    assert bad == []
+    assert snap.samples_held_for_memory_total >= 3
 
 
 class Sized:

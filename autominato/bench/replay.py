@@ -96,7 +96,7 @@ class Dispatch:
         self._in_flight: dict = {}
         self._held_key = None
         self._overtook: set = set()
-        self._scan_ests: tuple[tuple[int, int], dict] = ((0, 0), {})
+        self._scan_ests: tuple[tuple[int, int], dict, int] = ((0, 0), {}, 0)
         admit: Callable[..., bool] | None = self._admit
         if rule == "off":
             admit = None
@@ -105,6 +105,10 @@ class Dispatch:
         self.stage = Stage("transform", self.procs, lambda *a: None, lambda: 1 << 30,
                            admit=admit, max_refusals=2 if rule == "stop" else SCAN_REFUSALS)
         self._admit_stage = self.stage
+
+    #: The memory the loader's pools hold (``Pipeline.pool_bytes``): none here, the replay
+    #: models no batch buffer, so its rule is that of the working sets alone.
+    pool_bytes = 0
 
     def put(self, key: tuple, index: int) -> None:
         """Queue dataset index ``index`` as a process worker's task under ``key``."""

@@ -329,8 +329,8 @@ class Pipeline:
             self.full_lead_left = 0
             self._overtook: set[tuple] = set()
             self._admit_stage: Stage | None = None
-            # ((Stage.scans, SampleMemory.version), key -> estimate): see _admit
-            self._scan_ests: tuple[tuple[int, int], dict] = ((0, 0), {})
+            # ((Stage.scans, SampleMemory.version), key -> estimate, pools' bytes): _admit
+            self._scan_ests: tuple[tuple[int, int], dict, int] = ((0, 0), {}, 0)
             self._memory_aware = False
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
@@ -668,10 +668,13 @@ class Pipeline:
                     self._next_decay = now + DECAY_TICK_S
                     # While the lead rule holds and batches wait for the loop (it is the
                     # bottleneck) no idle batch buffer stays warm: its page faults cost
-                    # time the loader has to spare.
+                    # time the loader has to spare. Nor while memory-aware dispatch holds a
+                    # sample back: the pools' memory counts in its budget, and idle buffers
+                    # are the part of it that can go at once.
                     ahead = self.full_lead_left == 0 and any(
                         r.waiting_for_loop() for r in self.runs.values())
-                    self.slots.decay(now, keep=0 if ahead else None)
+                    self.slots.decay(now, keep=0 if ahead or self._held_key is not None
+                                     else None)
                     self.batch_pool.decay(now)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")
@@ -967,7 +970,7 @@ class Pipeline:
                 # asked again in the same pump with the same figures (a restore from the
                 # training thread moves them): the workers' items are those of the last ask
                 # plus the ones admitted since (added below), so their estimates are kept
-                ests = self._scan_ests[1]
+                ests, pool = self._scan_ests[1], self._scan_ests[2]
             else:
                 held = list(self.procs.held_keys())
                 if len(index) > 4 * len(held) + 16:  # (answered: dropped in _result; a net)
@@ -977,7 +980,8 @@ class Pipeline:
                     self._overtook &= keep
                 median = self.memory.median
                 ests = {k: est(index[k]) if k in index else median for k in held}
-                self._scan_ests = (stamp, ests)
+                pool = self.pool_bytes  # (what the pools hold moves little within a pump)
+                self._scan_ests = (stamp, ests, pool)
             in_flight = list(ests.values())
             ahead = None
             if overtaking:
@@ -988,10 +992,10 @@ class Pipeline:
                 over = self._overtook
                 mine = [e for k, e in ests.items() if k not in over]  # the samples it waited for
                 need = sum(mine)
-                if mine and held_est + need > self.memory.budget(self.procs.size):
+                if mine and held_est + need > self.memory.room(self.procs.size, pool):
                     need -= min(mine)
                 ahead = (held_est + need, sum(e for k, e in ests.items() if k in over))
-            if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead):
+            if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool):
                 if not overtaking and key != self._held_key:
                     self._held_key = key
                     self._overtook.clear()
