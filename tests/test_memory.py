@@ -256,7 +256,10 @@ def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, sha
     if share is not None:
         monkeypatch.setattr(memory, "POOL_SHARE", share)
     with Loader(HeavyOutputs(), batch_size=2, workers=2, seed=0, autotune=False) as loader:
-        runs = _slow_runs(loader, 5, step_s=0.12)
+        # (a step well above a batch's 0.05-0.2 s, so that batches wait for the loop also on
+        # a loaded machine: with 0.12 s a loaded CI's loader was not ahead once, and sample 0
+        # rightly ran beside another)
+        runs = _slow_runs(loader, 5, step_s=0.3)
         snap = loader.snapshot()
     for e in range(5):
         assert sorted(i for ep, i, *_ in runs if ep == e) == list(range(8))
