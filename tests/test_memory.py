@@ -220,7 +220,7 @@ def test_a_large_sample_runs_without_a_large_one_beside_it_once_measured(aware):
 
 class HeavyOutputs:
     """Sample 0 holds 320 MiB at its peak for 0.15 s, the others 80 MiB for 0.05 s; each then
-    returns 16 MiB (its working set freed first, so that its figure is the working set) and
+    returns 32 MiB (its working set freed first, so that its figure is the working set) and
     when it ran (a spans log as :class:`Uneven`)."""
 
     def __len__(self) -> int:
@@ -232,7 +232,7 @@ class HeavyOutputs:
         time.sleep(0.15 if i == 0 else 0.05)
         del a
         return {"i": i, "span": np.array([t0, time.monotonic()]),
-                "x": np.full(4 << 20, i, np.float32)}
+                "x": np.full(8 << 20, i, np.float32)}
 
 
 def _slow_runs(loader, epochs: int, step_s: float) -> list[tuple[int, int, float, float]]:
@@ -249,17 +249,16 @@ def _slow_runs(loader, epochs: int, step_s: float) -> list[tuple[int, int, float
 @pytest.mark.parametrize("share", [None, 0.0])
 def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, share):
     """Sample 0 (320 MiB) fits beside one of 80 MiB in the budget of the working sets alone
-    (1.35 * 320 = 432 MiB), but not once the pools take their share (0.2 * 320 = 64 MiB): the
-    batches of 32 MiB that wait for a training loop slower than the loader hold more. Once
-    measured, sample 0 then runs alone; with the pools not counted (``POOL_SHARE`` 0, the
-    rule before December 2026) it runs beside the others."""
+    (1.35 * 320 = 432 MiB), but not once the pool takes its share (0.2 * 320 = 64 MiB): the
+    batch the loop holds is 64 MiB alone (review 105: with 32 MiB batches the loop drained
+    the waiting ones while sample 0 ran, the pool fell to the loop's batch, and sample 1 then
+    rightly fitted beside it: 4 failures in 10 runs). Once measured, sample 0 runs alone;
+    with the pool not counted (``POOL_SHARE`` 0, the rule before December 2026) it runs
+    beside the others."""
     if share is not None:
         monkeypatch.setattr(memory, "POOL_SHARE", share)
     with Loader(HeavyOutputs(), batch_size=2, workers=2, seed=0, autotune=False) as loader:
-        # (a step well above a batch's 0.05-0.2 s, so that batches wait for the loop also on
-        # a loaded machine: with 0.12 s a loaded CI's loader was not ahead once, and sample 0
-        # rightly ran beside another)
-        runs = _slow_runs(loader, 5, step_s=0.3)
+        runs = _slow_runs(loader, 5, step_s=0.2)  # slower than the loader: batches wait
         snap = loader.snapshot()
     for e in range(5):
         assert sorted(i for ep, i, *_ in runs if ep == e) == list(range(8))

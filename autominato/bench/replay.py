@@ -85,6 +85,11 @@ class Dispatch:
     _admit = Pipeline._admit
     _in_queue_index = Pipeline._in_queue_index
 
+    @staticmethod
+    def _shared_pool_bytes() -> int:
+        """The replay models no batch buffer: its rule is that of the working sets alone."""
+        return 0
+
     def __init__(self, figures: Sequence[float], workers: int, rule: str = "scan",
                  margin: float = MARGIN) -> None:
         if rule not in RULES:
@@ -105,10 +110,6 @@ class Dispatch:
         self.stage = Stage("transform", self.procs, lambda *a: None, lambda: 1 << 30,
                            admit=admit, max_refusals=2 if rule == "stop" else SCAN_REFUSALS)
         self._admit_stage = self.stage
-
-    #: The memory the loader's pools hold (``Pipeline.pool_bytes``): none here, the replay
-    #: models no batch buffer, so its rule is that of the working sets alone.
-    pool_bytes = 0
 
     def put(self, key: tuple, index: int) -> None:
         """Queue dataset index ``index`` as a process worker's task under ``key``."""

@@ -10,8 +10,8 @@ flight, its own included, fit in the budget
     budget = margin * max(the largest sample's peak, workers * the upper quartile's peak)
 
 or if nothing else is in flight (so every sample starts, however large); the memory the
-loader's pools hold (batch buffers and slots with their pages) takes up to :data:`POOL_SHARE`
-of the budget's base from that room. The rule is for
+loader's shared-memory pool holds (batch buffers and slots with their pages) takes up to
+:data:`POOL_SHARE` of the budget's base from that room. The rule is for
 outliers: when samples are alike, or large samples are more than a quarter of the dataset, the
 budget holds ``workers`` of the large ones and nothing waits (holding them apart would idle
 workers on a large part of every epoch: trial 47 measured 1.4x the DataLoader's time with 8
@@ -25,8 +25,9 @@ it fits beside them, else all but the smallest: any part it fits beside is a pro
 plus the samples that overtook it and still run, plus the newcomer, fit in the budget. So it
 starts no later than it would have without them (a large sample that small ones overtook
 without that bound would wait for the epoch's end and become its straggler), as long as the
-figures and the worker count stay as they were when the overtakers started and no worker
-dies with a sample it waited for (a budget that shrinks meanwhile can make it wait for them
+figures, the worker count and the pool's share stay as they were when the overtakers started
+and no worker dies with a sample it waited for (a room that shrinks meanwhile, the pool
+holding more batches, can make it wait for them
 too, as can a replacement worker that is still starting; no new one overtakes it then). Only the
 first sample is guaranteed its room: a later one refused (it does not fit now, or would take
 the first one's room) keeps its place and the scan goes on behind it, so a small sample
@@ -61,9 +62,11 @@ import numpy as np
 MARGIN = 1.35
 
 #: The most of the budget's base, ``max(largest, workers x upper quartile)``, that the
-#: memory the loader's pools hold (``Pipeline.pool_bytes``: shared-memory slots and batch
-#: buffers that have their pages: the batches waiting for the training loop, the one it
-#: holds, those being filled, idle ones not given back yet) takes from the samples' room: a
+#: memory the loader's shared-memory pool holds (``SlotPool.resident_bytes``: slots and
+#: batch buffers that have their pages: the batches waiting for the training loop, the one it
+#: holds, those being filled, idle ones not given back yet; not the pinned or private batch
+#: buffers of ``collate.BatchPool``, which pinned stay for the loader's life) takes from the
+#: samples' room: a
 #: sample starts only if the working sets in flight, its own included, plus that memory fit
 #: in the budget (or nothing else is in flight). The rest of the headroom, ``MARGIN -
 #: POOL_SHARE`` (0.15), stays the samples' alone, so that samples alike (one up to 1.3x the

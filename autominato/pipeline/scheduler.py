@@ -669,8 +669,8 @@ class Pipeline:
                     # While the lead rule holds and batches wait for the loop (it is the
                     # bottleneck) no idle batch buffer stays warm: its page faults cost
                     # time the loader has to spare. Nor while memory-aware dispatch holds a
-                    # sample back: the pools' memory counts in its budget, and idle buffers
-                    # are the part of it that can go at once.
+                    # sample back: the shared slots' memory counts in its budget, and idle
+                    # buffers are the part of it that can go at once.
                     ahead = self.full_lead_left == 0 and any(
                         r.waiting_for_loop() for r in self.runs.values())
                     self.slots.decay(now, keep=0 if ahead or self._held_key is not None
@@ -980,7 +980,7 @@ class Pipeline:
                     self._overtook &= keep
                 median = self.memory.median
                 ests = {k: est(index[k]) if k in index else median for k in held}
-                pool = self.pool_bytes  # (what the pools hold moves little within a pump)
+                pool = self._shared_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
             in_flight = list(ests.values())
             ahead = None
@@ -1002,12 +1002,22 @@ class Pipeline:
                 return False
             if overtaking:
                 self._overtook.add(key)
-            elif key == self._held_key:
-                self._held_key = None
-                self._overtook.clear()
             ests[key] = est(item[0])  # (it is the workers' now: in held_keys at the next ask)
+        if not overtaking and self._held_key is not None:
+            # The first in line leaves: the sample held back (this one, or one no longer
+            # queued, whatever the branch above) waits no more (review 105: a stale key kept
+            # idle batch buffers punched at every tick).
+            self._held_key = None
+            self._overtook.clear()
         index[key] = item[0]
         return True
+
+    def _shared_pool_bytes(self) -> int:
+        """What takes the pool's share of the memory budget (``memory.POOL_SHARE``): the
+        shared slots and batch buffers with their pages, what dispatch moves. Not the pinned
+        or private batch buffers (``collate.BatchPool``): pinned ones stay for the loader's
+        life, and counted they would only shrink the samples' room for good (review 105)."""
+        return self.slots.resident_bytes()
 
     def _in_queue_index(self, key: tuple | None) -> int | None:
         """The dataset index of the first queued item of the process workers' stage if its
@@ -1334,6 +1344,9 @@ class Pipeline:
         self._drop_streams(run)
         if self._spent:  # (its samples between stages never end: their sums go)
             self._spent = {k: v for k, v in self._spent.items() if k[0] != run.gen}
+        if self._held_key is not None and self._held_key[0] == run.gen:
+            self._held_key = None  # (its queued item went above; review 105)
+            self._overtook.clear()
         run.finish(last)
 
     def _drop_streams(self, run: Run) -> None:
