@@ -66,18 +66,17 @@ MARGIN = 1.35
 #: batch buffers that have their pages: the batches waiting for the training loop, the one it
 #: holds, those being filled, idle ones not given back yet; not the pinned or private batch
 #: buffers of ``collate.BatchPool``, which pinned stay for the loader's life) takes from the
-#: samples' room: a
-#: sample starts only if the working sets in flight, its own included, plus that memory fit
-#: in the budget (or nothing else is in flight). The rest of the headroom, ``MARGIN -
-#: POOL_SHARE`` (0.15), stays the samples' alone, so that samples alike (one up to 1.3x the
-#: upper quartile beside another at it, with 2 workers) never wait for the pools however much
-#: they hold (batch buffers may outweigh the working sets many times). Where samples are
-#: large, the batches a loader keeps ahead of a slower training loop were a peak's other
-#: part: on the KiTS19 bench at MLPerf's per-rank epoch size (21 samples, 2 workers), peaks
-#: held 5-7 batch buffers of 20 MiB beside a large sample's working set. Measured there
-#: (docs/memory.md, "The pools in the budget"): the median peak 12-80 MiB lower than with
-#: the pools not counted in each of 7 paired runs, the wall time from 1.4 % lower to 3.6 %
-#: higher.
+#: samples' room: a sample starts only if the working sets in flight, its own included, plus
+#: that memory fit in the budget (or nothing else is in flight). The rest of the headroom,
+#: ``MARGIN - POOL_SHARE`` (0.15), stays the samples' alone, so that samples alike (one up to
+#: 1.3x the upper quartile beside another at it, with 2 workers) never wait for the pool
+#: however much it holds (batch buffers may outweigh the working sets many times). Where
+#: samples are large, the batches a loader keeps ahead of a slower training loop were a
+#: peak's other part: on the KiTS19 bench at MLPerf's per-rank epoch size (21 samples, 2
+#: workers), peaks held 5-7 batch buffers of 20 MiB beside a large sample's working set.
+#: Measured there (docs/memory.md, "The pools in the budget"): the median peak 12-80 MiB
+#: lower than with the pool not counted in each of 7 paired runs, the wall time from 1.4 %
+#: lower to 3.6 % higher; at 42 samples an epoch 58 MiB lower and 2.2 % slower.
 POOL_SHARE = 0.2
 
 #: Queued samples refused at which a scan for overtakers stops: each ask costs
