@@ -106,7 +106,7 @@ def test_the_pools_memory_takes_its_share_of_the_budget_and_no_more():
     m = SampleMemory(8)
     for i in range(1, 8):
         m.learn(i, 100)
-    m.learn(0, 400)  # budget 1.35 * 400 = 540; the pools' share at most 0.2 * 400 = 80
+    m.learn(0, 400)  # budget 1.35 * 400 = 540; the pool's share at most 0.2 * 400 = 80
     assert m.pool_share(2, 30) == 30 and m.pool_share(2, 1000) == pytest.approx(80)
     assert m.room(2, 1000) == pytest.approx(460) and m.room(2) == pytest.approx(540)
     est = m.estimate
@@ -115,13 +115,13 @@ def test_the_pools_memory_takes_its_share_of_the_budget_and_no_more():
     assert not m.admit(0, [est(1)], workers=2, pool_bytes=41)  # 541
     assert m.admit(1, [est(2)], workers=2, pool_bytes=1000)  # 200 + 80
     assert m.admit(0, [], workers=2, pool_bytes=1000)  # nothing in flight: it starts
-    # an overtaker leaves the held sample its room beside the pools' share too
+    # an overtaker leaves the held sample its room beside the pool's share too
     assert m.admit(3, [est(1)], workers=2, ahead=(est(0), 0.0), pool_bytes=40)  # 400+100+40
     assert not m.admit(3, [est(1)], workers=2, ahead=(est(0), 0.0), pool_bytes=41)
 
 
 def test_samples_alike_never_wait_for_the_pools_memory():
-    """The pools take at most POOL_SHARE of the base: samples within 15 % of the upper
+    """The pool takes at most POOL_SHARE of the base: samples within 15 % of the upper
     quartile beside it still fit, however large the batch buffers (here 10x the samples)."""
     m = SampleMemory(20)
     for i in range(20):
@@ -179,11 +179,15 @@ class Uneven:
         return {"i": i, "span": np.array([t0, time.monotonic()])}
 
 
-def _runs(loader, epochs: int) -> list[tuple[int, int, float, float]]:
+def _runs(loader, epochs: int, step_s: float = 0.0) -> list[tuple[int, int, float, float]]:
+    """``(epoch, index, start, end)`` of every sample delivered; ``step_s``: seconds the loop
+    sleeps at each batch (a training step)."""
     runs = []
     for e in range(epochs):
         loader.set_epoch(e)
         for b in loader:
+            if step_s:
+                time.sleep(step_s)
             for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
                 runs.append((e, i, t0, t1))
     return runs
@@ -235,17 +239,6 @@ class HeavyOutputs:
                 "x": np.full(8 << 20, i, np.float32)}
 
 
-def _slow_runs(loader, epochs: int, step_s: float) -> list[tuple[int, int, float, float]]:
-    runs = []
-    for e in range(epochs):
-        loader.set_epoch(e)
-        for b in loader:
-            time.sleep(step_s)  # a training step slower than the loader: batches wait for it
-            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
-                runs.append((e, i, t0, t1))
-    return runs
-
-
 @pytest.mark.parametrize("share", [None, 0.0])
 def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, share):
     """Sample 0 (320 MiB) fits beside one of 80 MiB in the budget of the working sets alone
@@ -258,13 +251,13 @@ def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, sha
     if share is not None:
         monkeypatch.setattr(memory, "POOL_SHARE", share)
     with Loader(HeavyOutputs(), batch_size=2, workers=2, seed=0, autotune=False) as loader:
-        runs = _slow_runs(loader, 5, step_s=0.2)  # slower than the loader: batches wait
+        runs = _runs(loader, 5, step_s=0.2)  # slower than the loader: batches wait
         snap = loader.snapshot()
     for e in range(5):
         assert sorted(i for ep, i, *_ in runs if ep == e) == list(range(8))
     bad = _overlaps(runs, 0, after_epoch=2)
     if share == 0.0:
-        assert bad, "the control: without the pools' share sample 0 runs beside others"
+        assert bad, "the control: without the pool's share sample 0 runs beside others"
         return
     assert bad == []
     assert snap.samples_held_for_memory_total >= 3

@@ -117,7 +117,7 @@ class SampleMemory:
     Args:
         n: the dataset's length (``None``: an iterable dataset; nothing is kept).
         margin: the budget's headroom (:data:`MARGIN`).
-        pool_share: the most of the budget's base the pools' memory takes (``None``:
+        pool_share: the most of the budget's base the pool's memory takes (``None``:
             :data:`POOL_SHARE` as it is when the object is made).
     """
 
@@ -223,29 +223,33 @@ class SampleMemory:
         k = len(self._sorted)
         return self._sorted[max(0, -(-3 * k // 4) - 1)] if k else 0.0
 
+    def _base(self, workers: int) -> float:
+        """``max(largest, workers x upper quartile)``, bytes: what the budget's headroom and
+        the pool's share are fractions of."""
+        return max(self.largest, max(1, workers) * self.upper_quartile)
+
     def budget(self, workers: int) -> float:
         """Bytes of working sets that may be in flight together (0: no figure yet)."""
-        return self.margin * max(self.largest, max(1, workers) * self.upper_quartile)
+        return self.margin * self._base(workers)
 
     def pool_share(self, workers: int, pool_bytes: float) -> float:
-        """The part of the budget that the loader's pools take (bytes): ``pool_bytes`` (the
-        shared-memory slots and batch buffers that have their pages), at most
-        ``pool_share x max(largest, workers x upper quartile)`` (:data:`POOL_SHARE`)."""
+        """The part of the budget that the shared-memory pool takes, bytes: ``pool_bytes``
+        (its slots and batch buffers that have their pages), at most ``pool_share x
+        max(largest, workers x upper quartile)`` (:data:`POOL_SHARE`)."""
         if pool_bytes <= 0:
             return 0.0
-        base = max(self.largest, max(1, workers) * self.upper_quartile)
-        return min(float(pool_bytes), self.pool_share_of_base * base)
+        return min(float(pool_bytes), self.pool_share_of_base * self._base(workers))
 
     def room(self, workers: int, pool_bytes: float = 0.0) -> float:
-        """Bytes of working sets that may be in flight beside ``pool_bytes`` of the pools:
+        """Bytes of working sets that may be in flight beside ``pool_bytes`` of the pool:
         :meth:`budget` less :meth:`pool_share`."""
         return self.budget(workers) - self.pool_share(workers, pool_bytes)
 
     def admit(self, index: int, in_flight: list[float], workers: int, key: object = None,
               ahead: tuple[float, float] | None = None, pool_bytes: float = 0.0) -> bool:
         """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
-        (bytes, see :meth:`estimate`) and ``pool_bytes`` of the loader's pools (bytes with
-        their pages; they take up to :data:`POOL_SHARE` of the budget's base, see
+        (bytes, see :meth:`estimate`) beside ``pool_bytes`` of the shared-memory pool (bytes
+        with their pages; they take up to :data:`POOL_SHARE` of the budget's base, see
         :meth:`room`).
 
         Args:
@@ -262,10 +266,10 @@ class SampleMemory:
             ok = True
         else:
             est = self.estimate(index)
-            budget = self.room(workers, pool_bytes)
-            ok = est + sum(in_flight) <= budget
+            room = self.room(workers, pool_bytes)
+            ok = est + sum(in_flight) <= room
             if ahead is not None:
-                ok = ok and ahead[0] + ahead[1] + est <= budget
+                ok = ok and ahead[0] + ahead[1] + est <= room
         waited = self._waited
         if ok:
             if waited:

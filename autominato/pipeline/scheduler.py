@@ -329,7 +329,7 @@ class Pipeline:
             self.full_lead_left = 0
             self._overtook: set[tuple] = set()
             self._admit_stage: Stage | None = None
-            # ((Stage.scans, SampleMemory.version), key -> estimate, pools' bytes): _admit
+            # ((Stage.scans, SampleMemory.version), key -> estimate, the pool's bytes): _admit
             self._scan_ests: tuple[tuple[int, int], dict, int] = ((0, 0), {}, 0)
             self._memory_aware = False
             for st in self.sample_stages:
