@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from torch.utils.data import DistributedSampler, SequentialSampler, default_convert
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler, default_convert
 
 from autominato import resume
 
@@ -541,7 +541,9 @@ class Loader:
         #: RandomSampler) one of this Loader's own whose ``set_epoch`` sets the Loader's epoch,
         #: so that a trainer calling ``dataloader.sampler.set_epoch`` (Lightning) sets it.
         self.sampler = sampler if sampler is not None else EpochSampler(self)
-        self.batch_sampler = batch_sampler
+        self._batch_sampler = batch_sampler  # the user's (None: batches of batch_size)
+        self._batch_sampler_view = (None if unbatched or batch_sampler is not None else
+                                    BatchSampler(self.sampler, self._batch, bool(drop_last)))
         #: DataLoader's attribute: the ``collate_fn`` given, else the default collation
         #: (``collate``: ``default_collate``'s result; ``default_convert`` when unbatched)
         self.collate_fn = collate_fn if collate_fn is not None else (
@@ -768,6 +770,18 @@ class Loader:
 
     # ------------------------------------------------------------------ DataLoader API
     @property
+    def batch_sampler(self) -> Any:
+        """DataLoader's attribute: the ``batch_sampler`` given, else (with ``batch_size``) a
+        ``torch.utils.data.BatchSampler(loader.sampler, batch_size, drop_last)``, as the
+        DataLoader makes one (``loader.batch_sampler.batch_size`` and ``.drop_last`` read as
+        there), ``None`` when unbatched (``batch_size=None``). Its index lists are this
+        rank's epoch cut in order; in completion order (``in_order=False``) a delivered batch
+        takes the samples that finished first, so its indices may differ from the list's. Set
+        only at construction (``ValueError`` after, as the DataLoader's)."""
+        return self._batch_sampler if self._batch_sampler is not None else \
+            self._batch_sampler_view
+
+    @property
     def _n(self) -> int | None:
         """The dataset's length: a map-style dataset's read again each time, as the
         DataLoader's samplers do at each pass (a dataset that grows or shrinks between
@@ -789,11 +803,11 @@ class Loader:
                                 "len(), so neither has the Loader (as with DataLoader)")
             # DataLoader's: from the dataset's own length, whatever the workers' sharding
             return self._n // self._batch if self.drop_last else -(-self._n // self._batch)
-        if self.batch_sampler is not None:
+        if self._batch_sampler is not None:
             try:
-                return len(self.batch_sampler)  # type: ignore[arg-type]
+                return len(self._batch_sampler)  # type: ignore[arg-type]
             except TypeError:
-                raise TypeError(f"the batch_sampler ({type(self.batch_sampler).__name__}) has "
+                raise TypeError(f"the batch_sampler ({type(self._batch_sampler).__name__}) has "
                                 "no len(), so neither has the Loader (as with DataLoader)") from None
         n = self._samples_per_epoch()
         return n // self._batch if self.drop_last else -(-n // self._batch)
@@ -900,8 +914,8 @@ class Loader:
     def _order(self, epoch: int) -> tuple[list[int], list[int] | None]:
         """The epoch's dataset indices in sampler order, and the sizes of the batch
         sampler's batches (``None`` without one)."""
-        if self.batch_sampler is not None:
-            batches = read_sampler(self.batch_sampler, self._n, "batch_sampler",
+        if self._batch_sampler is not None:
+            batches = read_sampler(self._batch_sampler, self._n, "batch_sampler",
                                    batches=True)
             return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
@@ -986,7 +1000,7 @@ class Loader:
         # A user's sampler may not rebuild the same order on resume: its fingerprint is
         # saved with a mid-epoch state and checked (the Loader's own order follows from
         # the seeds and shape that load_state_dict checks).
-        user_order = self._sampler is not None or self.batch_sampler is not None
+        user_order = self._sampler is not None or self._batch_sampler is not None
         progress = resume.Progress(self._epoch, len(order), done,
                                    pending["batches"] if done else 0, samplers,
                                    order if user_order else None, self._order_rank())
@@ -1011,7 +1025,7 @@ class Loader:
         # The Loader's own orders (RandomSampler's, SequentialSampler's) and a
         # DistributedSampler's (its padding repeats an index on another rank only) hold
         # each index once: their repeats are not looked for.
-        unique = self.batch_sampler is None and (
+        unique = self._batch_sampler is None and (
             self._sampler is None or type(self._sampler) is DistributedSampler)
         run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
                              unique=unique)
@@ -1165,7 +1179,7 @@ class Loader:
         """The rank whose share the epoch's order is: a user sampler's own ``rank`` (a
         ``DistributedSampler`` given its rank under Horovod or torch-XLA, where the Loader,
         without ``torch.distributed``, is rank 0), else the Loader's."""
-        for s in (self._sampler, getattr(self.batch_sampler, "sampler", None)):
+        for s in (self._sampler, getattr(self._batch_sampler, "sampler", None)):
             r = getattr(s, "rank", None)
             if isinstance(r, int):
                 return r
@@ -1176,7 +1190,7 @@ class Loader:
         be computed without side effects (a user sampler other than ``DistributedSampler``,
         whose iteration may draw from a shared generator) or speculation is off."""
         if (not self.prefetch_next_epoch or not self.persistent_workers or self._iterable
-                or self.batch_sampler is not None):
+                or self._batch_sampler is not None):
             return None
         epoch = self._epoch + self._epoch_step
         sampler = self._sampler

@@ -126,8 +126,8 @@ def order_digest(order: Sequence[int]) -> str:
 
 
 #: Where a Loader's user samplers are, by the names a state gives them.
-SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("batch_sampler",),
-                  "batch_sampler.sampler": ("batch_sampler", "sampler")}
+SAMPLER_PATHS = {"sampler": ("_sampler",), "batch_sampler": ("_batch_sampler",),
+                  "batch_sampler.sampler": ("_batch_sampler", "sampler")}
 
 
 def _is_epoch(value: Any) -> bool:
@@ -169,7 +169,7 @@ def sampler_states(loader: Any) -> dict[str, Any]:
     """``state_dict()`` of the loader's samplers that have one (and ``load_state_dict``)."""
     out = {}
     for name in ("sampler", "batch_sampler"):
-        obj = getattr(loader, name)
+        obj = _sampler_at(loader, name)
         if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             out[name] = obj.state_dict()
     return out
@@ -384,7 +384,7 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
         raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
                          f"{', '.join(SAMPLER_PATHS)} to int epochs")
     for name in state["samplers"]:
-        obj = getattr(loader, name, None) if name in ("sampler", "batch_sampler") else None
+        obj = _sampler_at(loader, name) if name in ("sampler", "batch_sampler") else None
         if not hasattr(obj, "load_state_dict"):
             raise ValueError(f"load_state_dict: the state holds the {name}'s state, this Loader "
                              f"has no {name} with load_state_dict")

@@ -126,6 +126,23 @@ def test_a_mapping_sample_keeps_its_type_as_default_collate_does():
         collate([(1, 2), (1, 2, 3)])
 
 
+class Fields(list):
+    """A user's list subclass: a sample type (and a batch type) of its own."""
+
+
+def test_a_list_subclass_sample_keeps_its_type_through_collate_transport_and_copies():
+    from autominato.pipeline.collate import to_device
+    from autominato.pipeline.tree import map_leaves
+
+    samples = [Fields([np.full(2, i), i]) for i in range(3)]
+    got, want = collate(samples, BatchPool()), default_collate(samples)
+    assert type(got) is type(want) is Fields
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    moved = to_device(got, torch.device("cpu"))  # (pin() walks the batch the same way)
+    assert type(moved) is Fields and torch.equal(moved[0], got[0])
+    assert type(map_leaves(Fields([1]), str, lambda x: isinstance(x, int))) is Fields
+
+
 def test_batch_pool_stays_within_its_budget_over_60_shapes_and_reuses_repeating_ones():
     """Whole-volume validation: batch size 1, a new shape almost every batch."""
     budget = 1 << 20
@@ -208,6 +225,23 @@ def test_an_idle_batch_buffer_gives_its_pages_back_after_the_decay_time_and_is_r
     again, c = pool.acquire(shape, np.float32), pool.acquire(shape, np.float32)
     assert again[0, 0, 0, 0] == 2 and c[0, 0, 0, 0] == 0
     assert pool.allocations == 2 and pool.reuses == 2 and pool.released == 1
+
+
+def test_idle_batch_buffers_give_their_pages_back_at_once_while_a_sample_is_held():
+    """``decay(at_once=True)`` (the scheduler's tick while memory-aware dispatch holds a
+    sample back, the private pool's memory counting in its budget): every idle buffer gives
+    its pages back however recently freed; one a batch holds keeps them."""
+    from autominato.pipeline.collate import BatchPool
+
+    pool = BatchPool()
+    shape = (2, 16, 256, 256)  # 8 MiB of float32
+    held, idle = pool.acquire(shape, np.float32), pool.acquire(shape, np.float32)
+    held.fill(1)
+    idle.fill(2)
+    del idle
+    assert pool.decay() == 0 and pool.resident_bytes() == 2 * (8 << 20)  # freed just now
+    assert pool.decay(at_once=True) == 1 and pool.resident_bytes() == 8 << 20
+    assert held[1, 15, 255, 255] == 1 and pool.decay(at_once=True) == 0
 
 
 def test_arrays_collated_as_a_list_are_copies_not_views_of_the_slot_they_came_in():

@@ -268,6 +268,30 @@ def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, sha
     assert snap.samples_held_for_memory_total >= 3
 
 
+def test_the_pools_memory_counted_is_the_shared_and_private_buffers_with_pages(monkeypatch):
+    """What takes the pool's share (``Pipeline._shared_pool_bytes``): a private batch buffer
+    (rows copied, ``collate.BatchPool``) counts with its pages, and not once it gave them
+    back; a pinned pool's buffers never count (they stay for the loader's life)."""
+    from autominato.pipeline import shm
+
+    monkeypatch.setattr(shm, "DECAY_S", 1e9)  # nothing decays between the reads
+    with Loader(HeavyOutputs(), batch_size=2, workers=1, seed=0, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        assert len(list(loader)) == 4  # then nothing runs: the pools stand still
+        pipe = loader._pipeline
+        before = pipe._shared_pool_bytes()
+        assert before == pipe.slots.resident_bytes() > 0
+        buf = pipe.batch_pool.acquire((4, 1 << 20), np.float32)
+        buf.fill(1)
+        assert pipe._shared_pool_bytes() - before == 16 * MiB
+        pipe.batch_pool.pin = True  # (the flag a pinned pool is built with)
+        assert pipe._shared_pool_bytes() == before
+        pipe.batch_pool.pin = False
+        del buf
+        assert pipe.batch_pool.decay(at_once=True) == 1
+        assert pipe._shared_pool_bytes() == before
+
+
 class Sized:
     """Sample ``i`` holds ``mib[i]`` MiB at its peak for ``seconds[i]`` (a spans log as
     :class:`Uneven`)."""

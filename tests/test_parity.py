@@ -230,6 +230,42 @@ def test_batch_sampler_set_epoch_reaches_its_sampler_and_excludes_batch_args():
             Loader(ds, batch_sampler=bs, autotune=False, **bad)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_sampler_attribute_is_a_batch_sampler_as_dataloaders(drop_last):
+    ds = Indexed(7)
+    dl = DataLoader(ds, 3, shuffle=True, drop_last=drop_last)
+    with Loader(ds, 3, shuffle=True, drop_last=drop_last, seed=4, num_workers=0,
+                in_order=True, autotune=False) as L:
+        b, want = L.batch_sampler, dl.batch_sampler
+        assert type(b) is type(want) is BatchSampler
+        assert (b.batch_size, b.drop_last, len(b)) == (want.batch_size, want.drop_last, len(want))
+        assert b.sampler is L.sampler and L.batch_sampler is b  # one object, as DataLoader's
+        L.set_epoch(2)
+        assert list(b) == firsts(L)  # the epoch's lists, as the Loader delivers them in order
+    bs = [[0, 1], [2]]
+    with Loader(ds, batch_sampler=bs, num_workers=0, autotune=False) as L:
+        assert L.batch_sampler is bs  # the user's, as given
+    with Loader(ds, batch_size=None, num_workers=0, autotune=False) as L:
+        assert L.batch_sampler is None and DataLoader(ds, batch_size=None).batch_sampler is None
+
+
+class Pair(list):
+    """A user's list subclass as the sample type."""
+
+
+class Pairs(Indexed):
+    def __getitem__(self, i):
+        return Pair([super().__getitem__(i), i])
+
+
+def test_a_list_subclass_sample_comes_as_its_type_from_the_workers_as_dataloaders():
+    want = next(iter(DataLoader(Pairs(4), 2, num_workers=1)))
+    with Loader(Pairs(4), 2, num_workers=1, in_order=True, autotune=False) as L:
+        got = next(iter(L))
+    assert type(got) is type(want) is Pair
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_batch_size_none_delivers_samples_unbatched_as_dataloader():
     ds = Indexed(5)
     want = list(DataLoader(ds, batch_size=None))

@@ -155,11 +155,13 @@ class BatchPool:
             return sum(b.nbytes for bufs in self._bufs.values() for b in bufs
                        if self._meta[id(b)].warm)
 
-    def decay(self, now: float | None = None) -> int:
+    def decay(self, now: float | None = None, at_once: bool = False) -> int:
         """Buffers idle for ``shm.DECAY_S`` seconds (since a pass first saw only the pool
         hold them, not since their last acquire: a batch may wait in the prefetch queue and
         the training step for longer) give their pages back; returns how many did. Called
-        from the scheduler's periodic tick."""
+        from the scheduler's periodic tick. ``at_once``: every idle unpinned buffer gives
+        them back now (memory-aware dispatch holds a sample back, and the pool's memory
+        counts in its budget)."""
         now = time.monotonic() if now is None else now
         done = 0
         with self._lock:
@@ -170,9 +172,9 @@ class BatchPool:
                         continue
                     if _refcount(bufs, i) > _IDLE:
                         m.idle_since = None
-                    elif m.idle_since is None:
+                    elif m.idle_since is None and not at_once:
                         m.idle_since = now
-                    elif now - m.idle_since >= shm.DECAY_S:
+                    elif at_once or now - m.idle_since >= shm.DECAY_S:
                         m.map.madvise(mmap.MADV_DONTNEED)
                         m.warm = False
                         self.released += 1
@@ -290,7 +292,15 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         if any(len(s) != n for s in samples):
             raise CollateError("cannot collate samples: sequences of different lengths in one batch")
         # A list for tuple samples too, as torch's default_collate returns.
-        return [collate(f, pool) for f in zip(*samples, strict=True)]
+        out = [collate(f, pool) for f in zip(*samples, strict=True)]
+        if type(first) is list or isinstance(first, tuple):
+            return out
+        try:  # a user's list subclass stays one, as default_collate keeps it (a copy of it)
+            clone = copy.copy(first)
+            clone[:] = out
+            return clone
+        except TypeError:
+            return out
     # Anything else (None, an object of the user's): default_collate's own rule, a function
     # registered in its collate_fn_map or its TypeError, as with the DataLoader.
     return default_collate(list(samples))

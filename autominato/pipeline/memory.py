@@ -62,11 +62,11 @@ import numpy as np
 MARGIN = 1.35
 
 #: The most of the budget's base, ``max(largest, workers x upper quartile)``, that the
-#: memory the loader's shared-memory pool holds (``SlotPool.resident_bytes``: slots and
-#: batch buffers that have their pages: the batches waiting for the training loop, the one it
-#: holds, those being filled, idle ones not given back yet; not the pinned or private batch
-#: buffers of ``collate.BatchPool``, which pinned stay for the loader's life) takes from the
-#: samples' room: a sample starts only if the working sets in flight, its own included, plus
+#: memory the loader's pools hold (``SlotPool.resident_bytes``: slots and batch buffers that
+#: have their pages: the batches waiting for the training loop, the one it holds, those being
+#: filled, idle ones not given back yet; and the private batch buffers of
+#: ``collate.BatchPool`` with theirs, not pinned ones, which stay for the loader's life)
+#: takes from the samples' room: a sample starts only if the working sets in flight, its own included, plus
 #: that memory fit in the budget (or nothing else is in flight). The rest of the headroom,
 #: ``MARGIN - POOL_SHARE`` (0.15), stays the samples' alone, so that samples alike (one up to
 #: 1.3x the upper quartile beside another at it, with 2 workers) never wait for the pool

@@ -669,13 +669,13 @@ class Pipeline:
                     # While the lead rule holds and batches wait for the loop (it is the
                     # bottleneck) no idle batch buffer stays warm: its page faults cost
                     # time the loader has to spare. Nor while memory-aware dispatch holds a
-                    # sample back: the shared slots' memory counts in its budget, and idle
+                    # sample back: the pools' memory counts in its budget, and idle
                     # buffers are the part of it that can go at once.
                     ahead = self.full_lead_left == 0 and any(
                         r.waiting_for_loop() for r in self.runs.values())
-                    self.slots.decay(now, keep=0 if ahead or self._held_key is not None
-                                     else None)
-                    self.batch_pool.decay(now)
+                    held = self._held_key is not None
+                    self.slots.decay(now, keep=0 if ahead or held else None)
+                    self.batch_pool.decay(now, at_once=held)
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")
             self._fail_all(e)
@@ -1014,10 +1014,12 @@ class Pipeline:
 
     def _shared_pool_bytes(self) -> int:
         """What takes the pool's share of the memory budget (``memory.POOL_SHARE``): the
-        shared slots and batch buffers with their pages, what dispatch moves. Not the pinned
-        or private batch buffers (``collate.BatchPool``): pinned ones stay for the loader's
-        life, and counted they would only shrink the samples' room for good (review 105)."""
-        return self.slots.resident_bytes()
+        shared slots and batch buffers with their pages, and the private batch buffers
+        (``collate.BatchPool``: batches whose rows were copied) with theirs, what dispatch
+        moves. Not pinned batch buffers: they stay for the loader's life, and counted they
+        would only shrink the samples' room for good (review 105)."""
+        private = 0 if self.batch_pool.pin else self.batch_pool.resident_bytes()
+        return self.slots.resident_bytes() + private
 
     def _in_queue_index(self, key: tuple | None) -> int | None:
         """The dataset index of the first queued item of the process workers' stage if its

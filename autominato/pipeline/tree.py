@@ -13,9 +13,10 @@ from typing import Any
 def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
     """Rebuild ``obj`` with ``fn(leaf)`` in place of every leaf (``is_leaf(x)`` true).
 
-    Containers are tuples, lists, dicts (a subclass rebuilt as ``type(obj)(items)`` where that
-    works, else as ``dict``) and namedtuples (rebuilt as their own type); anything else that is
-    not a leaf is returned as it is.
+    Containers are tuples, lists and dicts (a list or dict subclass rebuilt as
+    ``type(obj)(items)`` where that works, else as a plain ``list`` or ``dict``) and
+    namedtuples (rebuilt as their own type); anything else that is not a leaf is returned as
+    it is.
     """
     if is_leaf(obj):
         return fn(obj)
@@ -24,10 +25,18 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     t = type(obj)
     if t is tuple:
         return tuple([map_leaves(o, fn, is_leaf) for o in obj])
-    if t is list or isinstance(obj, list):
+    if t is list:
         return [map_leaves(o, fn, is_leaf) for o in obj]
     if t is dict:
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        # A user's list subclass stays one where it can be built from a list, as
+        # default_collate and the DataLoader's pin_memory keep it; else a plain list.
+        items = [map_leaves(o, fn, is_leaf) for o in obj]
+        try:
+            return t(items)
+        except Exception:
+            return items
     if isinstance(obj, dict):
         # An OrderedDict or a user's dict subclass stays one, as default_collate keeps it
         # (trial 102: it crossed the worker processes as a plain dict): built anew from the
