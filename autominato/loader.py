@@ -49,6 +49,13 @@ from autominato.telemetry.switch import monitor_interval_from_env
 log = logging.getLogger("autominato.pipeline")
 
 STAGES = ("read", "transform", "batch", "transfer", "consumer")
+
+#: Seconds of the worker processes' start (until one is ready) that an iterator's wait for a
+#: batch does not count against ``timeout`` (see ``Loader``'s ``timeout``): a fresh
+#: interpreter takes ~1-2.5 s (``start_method`` "auto" where the process runs threads)
+#: where the DataLoader forks in milliseconds; bounded, so that a worker that never starts
+#: (a ``worker_init_fn`` that hangs) still times out.
+START_GRACE_S = 30.0
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -239,6 +246,10 @@ class Loader:
         timeout: seconds the training loop may wait for one batch before ``RuntimeError``
             (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample. Not
             applied with ``num_workers=0`` (the batch is loaded in the caller's thread).
+            While no worker process is ready yet (their start: a fresh interpreter, ~1-2.5
+            s, where this process runs threads, against a DataLoader's fork) the clock
+            stops, for up to ``START_GRACE_S`` (30 s) an iterator, so that a worker that
+            never starts still times out.
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
             starts, replacements and workers added by the controller included; ids are in
             ``[0, workers)``, and ``torch.utils.data.get_worker_info()`` works in workers
@@ -1593,6 +1604,9 @@ class _EpochIterator:
         # (an iterable dataset's Stream has no min_window; an Epoch's is at least 1)
         self._fill = -(-max(1, loader.knobs.pool_size) // getattr(run.epoch, "min_window", 1))
         self._timed_out = False  # a wait timed out (timeout=) since the last item taken
+        # timeout= does not count the workers' start, up to START_GRACE_S an iterator: what
+        # is left of it, and when the wait last looked
+        self._grace_left, self._grace_from = START_GRACE_S, 0.0
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -1649,7 +1663,14 @@ class _EpochIterator:
                     raise StopIteration
                 left = 0.5
                 if limit > 0:
-                    left = limit - (time.monotonic() - t0)
+                    now = time.monotonic()
+                    if self._grace_left > 0 and self.pipeline.workers_starting():
+                        # (the workers' start is not the wait timeout bounds: see timeout)
+                        shift = min(now - max(t0, self._grace_from), self._grace_left)
+                        t0 += shift
+                        self._grace_left -= shift
+                    self._grace_from = now
+                    left = limit - (now - t0)
                     if left <= 0:
                         break
                 run.cv.wait(min(0.5, left))
@@ -1663,7 +1684,7 @@ class _EpochIterator:
             del self, run
             # DataLoader's words; the epoch goes on (a later next() may succeed).
             raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
-                               "(timeout=)")
+                               f"(timeout={limit:g})")
         kind = item[0]
         if kind != "batch":
             err = item[1] if len(item) > 1 else None

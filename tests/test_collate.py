@@ -127,20 +127,26 @@ def test_a_mapping_sample_keeps_its_type_as_default_collate_does():
 
 
 class Fields(list):
-    """A user's list subclass: a sample type (and a batch type) of its own."""
+    """A user's list subclass: a sample type (and a batch type) of its own, built from its
+    items as arguments and with an attribute (review 107)."""
+
+    def __init__(self, *items, tag: str = "none") -> None:
+        super().__init__(items)
+        self.tag = tag
 
 
 def test_a_list_subclass_sample_keeps_its_type_through_collate_transport_and_copies():
     from autominato.pipeline.collate import to_device
     from autominato.pipeline.tree import map_leaves
 
-    samples = [Fields([np.full(2, i), i]) for i in range(3)]
+    samples = [Fields(np.full(2, i), i, tag="t") for i in range(3)]
     got, want = collate(samples, BatchPool()), default_collate(samples)
-    assert type(got) is type(want) is Fields
+    assert type(got) is type(want) is Fields and len(got) == 2 and got.tag == want.tag == "t"
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     moved = to_device(got, torch.device("cpu"))  # (pin() walks the batch the same way)
-    assert type(moved) is Fields and torch.equal(moved[0], got[0])
-    assert type(map_leaves(Fields([1]), str, lambda x: isinstance(x, int))) is Fields
+    assert type(moved) is Fields and moved.tag == "t" and torch.equal(moved[0], got[0])
+    mapped = map_leaves(Fields(1, 2, tag="u"), str, lambda x: isinstance(x, int))
+    assert type(mapped) is Fields and list(mapped) == ["1", "2"] and mapped.tag == "u"
 
 
 def test_batch_pool_stays_within_its_budget_over_60_shapes_and_reuses_repeating_ones():

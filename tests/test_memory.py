@@ -271,7 +271,8 @@ def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, sha
 def test_the_pools_memory_counted_is_the_shared_and_private_buffers_with_pages(monkeypatch):
     """What takes the pool's share (``Pipeline._shared_pool_bytes``): a private batch buffer
     (rows copied, ``collate.BatchPool``) counts with its pages, and not once it gave them
-    back; a pinned pool's buffers never count (they stay for the loader's life)."""
+    back; one that never gives them back (under ``DECAY_MIN_BYTES``, as pinned ones: review
+    107) never counts."""
     from autominato.pipeline import shm
 
     monkeypatch.setattr(shm, "DECAY_S", 1e9)  # nothing decays between the reads
@@ -283,11 +284,10 @@ def test_the_pools_memory_counted_is_the_shared_and_private_buffers_with_pages(m
         assert before == pipe.slots.resident_bytes() > 0
         buf = pipe.batch_pool.acquire((4, 1 << 20), np.float32)
         buf.fill(1)
+        small = pipe.batch_pool.acquire((4, 1 << 10), np.float32)  # 16 KiB: plain memory
+        small.fill(1)
         assert pipe._shared_pool_bytes() - before == 16 * MiB
-        pipe.batch_pool.pin = True  # (the flag a pinned pool is built with)
-        assert pipe._shared_pool_bytes() == before
-        pipe.batch_pool.pin = False
-        del buf
+        del buf, small
         assert pipe.batch_pool.decay(at_once=True) == 1
         assert pipe._shared_pool_bytes() == before
 

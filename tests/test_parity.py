@@ -179,6 +179,31 @@ def test_timeout_fires_on_a_stuck_batch_and_zero_waits():
         assert sorted(i for b in firsts(L) for i in b) == [0, 1, 2, 3]
 
 
+def test_timeout_does_not_count_the_workers_start_and_fires_once_they_run(monkeypatch):
+    """Trial 108: workers started from a fresh interpreter (``start_method="spawn"``, what
+    "auto" does where the process runs threads: ~1-2.5 s) timed the first batch out under a
+    ``timeout`` that a DataLoader's forked workers never reach. Their start is not counted;
+    a stuck sample once they run still times out, and so does a start past the grace."""
+    import autominato.loader as loader_module
+
+    ds = Indexed(6, slow={2: 3.0})
+    with Loader(ds, 2, num_workers=1, start_method="spawn", timeout=0.3, autotune=False,
+                in_order=True) as L:
+        it = iter(L)
+        t0 = time.monotonic()
+        assert next(it).tolist() == [[0, 0], [1, 1]]
+        started = time.monotonic() - t0
+        with pytest.raises(RuntimeError, match=r"timed out after 0.3 seconds"):
+            next(it)  # sample 2 takes 3 s
+        it.stop()
+    monkeypatch.setattr(loader_module, "START_GRACE_S", 0.0)  # the control: counted
+    with Loader(ds, 2, num_workers=1, start_method="spawn", timeout=0.3, autotune=False,
+                in_order=True) as L:
+        with pytest.raises(RuntimeError, match=r"timed out after 0.3 seconds"):
+            next(iter(L))
+    assert started > 0.3, "the workers started faster than the timeout: the test shows nothing"
+
+
 def test_generator_seeds_shuffling_when_seed_is_not_given():
     def order(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
@@ -250,19 +275,27 @@ def test_batch_sampler_attribute_is_a_batch_sampler_as_dataloaders(drop_last):
 
 
 class Pair(list):
-    """A user's list subclass as the sample type."""
+    """A user's list subclass as the sample type: built from its items as arguments, with an
+    attribute of its own (review 107: rebuilt as ``Pair(items)`` it held one item, the list,
+    and lost its tag)."""
+
+    def __init__(self, *items, tag: str = "none") -> None:
+        super().__init__(items)
+        self.tag = tag
 
 
 class Pairs(Indexed):
     def __getitem__(self, i):
-        return Pair([super().__getitem__(i), i])
+        return Pair(super().__getitem__(i), i, tag="mine")
 
 
-def test_a_list_subclass_sample_comes_as_its_type_from_the_workers_as_dataloaders():
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_list_subclass_sample_comes_as_its_type_from_the_workers_as_dataloaders(workers):
     want = next(iter(DataLoader(Pairs(4), 2, num_workers=1)))
-    with Loader(Pairs(4), 2, num_workers=1, in_order=True, autotune=False) as L:
+    with Loader(Pairs(4), 2, num_workers=workers, in_order=True, autotune=False) as L:
         got = next(iter(L))
-    assert type(got) is type(want) is Pair
+    assert type(got) is type(want) is Pair and got.tag == want.tag == "mine"
+    assert len(got) == len(want) == 2
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -149,11 +149,14 @@ class BatchPool:
                 self.bytes += buf.nbytes
             return buf
 
-    def resident_bytes(self) -> int:
-        """Bytes of the kept buffers that have their pages (:attr:`bytes` counts all)."""
+    def resident_bytes(self, releasable: bool = False) -> int:
+        """Bytes of the kept buffers that have their pages (:attr:`bytes` counts all);
+        ``releasable``: only those that :meth:`decay` can take the pages of (mapped: not
+        pinned, not under ``DECAY_MIN_BYTES``)."""
         with self._lock:
             return sum(b.nbytes for bufs in self._bufs.values() for b in bufs
-                       if self._meta[id(b)].warm)
+                       if self._meta[id(b)].warm
+                       and (not releasable or self._meta[id(b)].map is not None))
 
     def decay(self, now: float | None = None, at_once: bool = False) -> int:
         """Buffers idle for ``shm.DECAY_S`` seconds (since a pass first saw only the pool
@@ -297,10 +300,11 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             return out
         try:  # a user's list subclass stays one, as default_collate keeps it (a copy of it)
             clone = copy.copy(first)
-            clone[:] = out
-            return clone
+            for i, field in enumerate(out):
+                clone[i] = field
         except TypeError:
             return out
+        return clone
     # Anything else (None, an object of the user's): default_collate's own rule, a function
     # registered in its collate_fn_map or its TypeError, as with the DataLoader.
     return default_collate(list(samples))

@@ -65,8 +65,9 @@ MARGIN = 1.35
 #: memory the loader's pools hold (``SlotPool.resident_bytes``: slots and batch buffers that
 #: have their pages: the batches waiting for the training loop, the one it holds, those being
 #: filled, idle ones not given back yet; and the private batch buffers of
-#: ``collate.BatchPool`` with theirs, not pinned ones, which stay for the loader's life)
-#: takes from the samples' room: a sample starts only if the working sets in flight, its own included, plus
+#: ``collate.BatchPool`` with theirs, not pinned ones, which stay for the loader's life,
+#: nor those under ``collate.DECAY_MIN_BYTES``, which never give them back) takes from the
+#: samples' room: a sample starts only if the working sets in flight, its own included, plus
 #: that memory fit in the budget (or nothing else is in flight). The rest of the headroom,
 #: ``MARGIN - POOL_SHARE`` (0.15), stays the samples' alone, so that samples alike (one up to
 #: 1.3x the upper quartile beside another at it, with 2 workers) never wait for the pool
@@ -248,9 +249,9 @@ class SampleMemory:
     def admit(self, index: int, in_flight: list[float], workers: int, key: object = None,
               ahead: tuple[float, float] | None = None, pool_bytes: float = 0.0) -> bool:
         """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
-        (bytes, see :meth:`estimate`) beside ``pool_bytes`` of the shared-memory pool (bytes
-        with their pages; they take up to :data:`POOL_SHARE` of the budget's base, see
-        :meth:`room`).
+        (bytes, see :meth:`estimate`) beside ``pool_bytes`` of the loader's pools (bytes
+        with their pages, ``Pipeline._shared_pool_bytes``; they take up to
+        :data:`POOL_SHARE` of the budget's base, see :meth:`room`).
 
         Args:
             key: the sample's task key: a wait is counted once per key (``held_back``),

@@ -562,6 +562,12 @@ class Pipeline:
             return 0.0
         return self.memory.budget(self.procs.size)
 
+    def workers_starting(self) -> bool:
+        """Worker processes run the samples and none of them is ready (they are starting, or
+        all are being replaced)."""
+        procs = self.procs
+        return procs is not None and not any(w.ready for w in list(procs.pool.workers.values()))
+
     @property
     def worker_restarts(self) -> int:
         return getattr(self._stage["transform"].executor, "restarts", 0)
@@ -667,8 +673,8 @@ class Pipeline:
                 if now >= self._next_decay:  # idle memory goes back (see shm.DECAY_S)
                     self._next_decay = now + DECAY_TICK_S
                     # While the lead rule holds and batches wait for the loop (it is the
-                    # bottleneck) no idle batch buffer stays warm: its page faults cost
-                    # time the loader has to spare. Nor while memory-aware dispatch holds a
+                    # bottleneck) no idle shared batch buffer stays warm: its page faults
+                    # cost time the loader has to spare. Nor while memory-aware dispatch holds a
                     # sample back: the pools' memory counts in its budget, and idle
                     # buffers are the part of it that can go at once.
                     ahead = self.full_lead_left == 0 and any(
@@ -1016,10 +1022,10 @@ class Pipeline:
         """What takes the pool's share of the memory budget (``memory.POOL_SHARE``): the
         shared slots and batch buffers with their pages, and the private batch buffers
         (``collate.BatchPool``: batches whose rows were copied) with theirs, what dispatch
-        moves. Not pinned batch buffers: they stay for the loader's life, and counted they
-        would only shrink the samples' room for good (review 105)."""
-        private = 0 if self.batch_pool.pin else self.batch_pool.resident_bytes()
-        return self.slots.resident_bytes() + private
+        moves. Not the batch buffers that never give their pages back (pinned, or under
+        ``collate.DECAY_MIN_BYTES``): counted they would only shrink the samples' room for
+        good (reviews 105, 107)."""
+        return self.slots.resident_bytes() + self.batch_pool.resident_bytes(releasable=True)
 
     def _in_queue_index(self, key: tuple | None) -> int | None:
         """The dataset index of the first queued item of the process workers' stage if its

@@ -6,6 +6,7 @@ batch to a device, so that every path agrees on what a container is.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -13,10 +14,10 @@ from typing import Any
 def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
     """Rebuild ``obj`` with ``fn(leaf)`` in place of every leaf (``is_leaf(x)`` true).
 
-    Containers are tuples, lists and dicts (a list or dict subclass rebuilt as
-    ``type(obj)(items)`` where that works, else as a plain ``list`` or ``dict``) and
-    namedtuples (rebuilt as their own type); anything else that is not a leaf is returned as
-    it is.
+    Containers are tuples, lists and dicts (a list subclass as a shallow copy with its items
+    replaced, a dict subclass rebuilt as ``type(obj)(items)``, where that works, else as a
+    plain ``list`` or ``dict``) and namedtuples (rebuilt as their own type); anything else
+    that is not a leaf is returned as it is.
     """
     if is_leaf(obj):
         return fn(obj)
@@ -30,13 +31,17 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     if t is dict:
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
     if isinstance(obj, list):
-        # A user's list subclass stays one where it can be built from a list, as
-        # default_collate and the DataLoader's pin_memory keep it; else a plain list.
+        # A user's list subclass stays one, with its attributes, as default_collate and the
+        # DataLoader's pin_memory keep it: a shallow copy whose items are replaced one by one
+        # (its constructor may not take a list: review 107), else a plain list.
         items = [map_leaves(o, fn, is_leaf) for o in obj]
         try:
-            return t(items)
-        except Exception:
+            clone = copy.copy(obj)
+            for i, item in enumerate(items):
+                clone[i] = item
+        except TypeError:
             return items
+        return clone
     if isinstance(obj, dict):
         # An OrderedDict or a user's dict subclass stays one, as default_collate keeps it
         # (trial 102: it crossed the worker processes as a plain dict): built anew from the
