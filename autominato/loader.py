@@ -1664,9 +1664,15 @@ class _EpochIterator:
                 left = 0.5
                 if limit > 0:
                     now = time.monotonic()
-                    if self._grace_left > 0 and self.pipeline.workers_starting():
-                        # (the workers' start is not the wait timeout bounds: see timeout)
-                        shift = min(now - max(t0, self._grace_from), self._grace_left)
+                    if self._grace_left > 0:
+                        # The workers' start is not the wait timeout bounds (see timeout):
+                        # the clock moves on from t0 by the time since the last look that
+                        # came before a worker was ready (review 109: the wait is not woken
+                        # when one gets ready, so "not ready now" alone counted too little).
+                        ready_at = self.pipeline.workers_ready_at()
+                        end = now if ready_at is None else min(now, ready_at)
+                        shift = min(max(0.0, end - max(t0, self._grace_from)),
+                                    self._grace_left)
                         t0 += shift
                         self._grace_left -= shift
                     self._grace_from = now

@@ -29,7 +29,7 @@ from torch.utils.data import default_collate
 from autominato.pipeline import shm
 from autominato.pipeline.errors import CollateError
 from autominato.pipeline.shm import has_flat_bytes, is_array, slot_dtype
-from autominato.pipeline.tree import map_leaves
+from autominato.pipeline.tree import for_leaves, map_leaves
 
 try:  # where torch keeps the per-type collate functions that default_collate dispatches on
     from torch.utils.data._utils.collate import default_collate_fn_map
@@ -455,7 +455,7 @@ def _pin_leaf(x: Any) -> Any:
 
 def record_stream(batch: Any, stream: Any) -> None:
     """Tell the CUDA caching allocator that ``stream`` uses the tensors of ``batch``."""
-    map_leaves(batch, lambda t: t.record_stream(stream) if t.is_cuda else None, _is_tensor)
+    for_leaves(batch, lambda t: t.record_stream(stream) if t.is_cuda else None, _is_tensor)
 
 
 def _is_tensor(x: Any) -> bool:

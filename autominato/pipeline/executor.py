@@ -230,6 +230,7 @@ class ProcWorker:
     conn: Any
     pid: int | None = None
     ready: bool = False
+    ready_at: float = 0.0  # time.monotonic() when the scheduler first saw it ready
     task: Any = None  # the task the worker holds (one at a time)
     task_started: float = 0.0
     retiring: bool = False

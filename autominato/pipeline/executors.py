@@ -262,7 +262,7 @@ class ProcessExecutor:
         kind = reply[0]
         if kind == "ready":
             if w is not None:
-                w.ready = True
+                w.ready, w.ready_at = True, time.monotonic()
             self._startup_deaths = 0
             return []
         if kind == "fatal":

@@ -562,11 +562,16 @@ class Pipeline:
             return 0.0
         return self.memory.budget(self.procs.size)
 
-    def workers_starting(self) -> bool:
-        """Worker processes run the samples and none of them is ready (they are starting, or
-        all are being replaced)."""
+    def workers_ready_at(self) -> float | None:
+        """``time.monotonic()`` since when a worker process has been ready to run samples
+        (the earliest of those ready now); ``None`` while none is (they are starting, or all
+        are being replaced); ``0.0`` where samples run in no worker process (threads, Ray,
+        ``num_workers=0``)."""
         procs = self.procs
-        return procs is not None and not any(w.ready for w in list(procs.pool.workers.values()))
+        if procs is None:
+            return 0.0
+        return min((w.ready_at for w in list(procs.pool.workers.values()) if w.ready),
+                   default=None)
 
     @property
     def worker_restarts(self) -> int:

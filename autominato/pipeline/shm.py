@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from autominato.pipeline.tree import map_leaves
+from autominato.pipeline.tree import for_leaves, map_leaves
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -705,7 +705,7 @@ def packed_nbytes(sample: Any) -> int:
         nonlocal total
         total += -(-_nbytes(a) // ALIGN) * ALIGN
 
-    map_leaves(sample, add, is_array)
+    for_leaves(sample, add, is_array)
     return total
 
 

@@ -32,15 +32,18 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
         return {k: map_leaves(v, fn, is_leaf) for k, v in obj.items()}
     if isinstance(obj, list):
         # A user's list subclass stays one, with its attributes, as default_collate and the
-        # DataLoader's pin_memory keep it: a shallow copy whose items are replaced one by one
-        # (its constructor may not take a list: review 107), else a plain list.
+        # DataLoader's pin_memory keep it: a shallow copy (its constructor may not take a
+        # list: review 107) whose items are replaced by list's own __setitem__, since they may
+        # be the transport's placeholders, which a converting __setitem__ of the user's would
+        # mangle (review 109); else a plain list.
         items = [map_leaves(o, fn, is_leaf) for o in obj]
         try:
             clone = copy.copy(obj)
-            for i, item in enumerate(items):
-                clone[i] = item
-        except TypeError:
+        except Exception:
             return items
+        if clone is obj or not isinstance(clone, list):  # (a __copy__ that returns self)
+            return items
+        list.__setitem__(clone, slice(None), items)
         return clone
     if isinstance(obj, dict):
         # An OrderedDict or a user's dict subclass stays one, as default_collate keeps it
@@ -58,3 +61,16 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
             return t(*[map_leaves(o, fn, is_leaf) for o in obj])
         return tuple([map_leaves(o, fn, is_leaf) for o in obj])
     return obj
+
+
+def for_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> None:
+    """Call ``fn(leaf)`` on every leaf of ``obj`` (the containers of :func:`map_leaves`),
+    building nothing."""
+    if is_leaf(obj):
+        fn(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            for_leaves(o, fn, is_leaf)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            for_leaves(v, fn, is_leaf)
