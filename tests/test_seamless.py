@@ -471,9 +471,10 @@ class _BrokenUntil:
 
     def __getitem__(self, i: int):
         if i == 5:
-            with open(self.tries, "a") as f:
-                f.write("x\n")
-            if not self.flag.exists():
+            broken = not self.flag.exists()  # read before the line is written: a test that
+            with open(self.tries, "a") as f:  # sees the line knows the load's outcome (a
+                f.write("x\n")  # `make test` run saw the ahead load read the repaired file)
+            if broken:
                 self._fail()
         time.sleep(0.01)
         return np.full(2, i, np.float32)
