@@ -349,6 +349,23 @@ def test_real_pipeline_with_slow_read_is_io_bound():
     assert d.shares["read"] > d.shares["transform"]
 
 
+class Stragglers(Volumes):
+    """Every tenth sample reads for 0.2 s, the others for 0.01 s: the mean load (0.029 s)
+    hides the tail."""
+
+    def __getitem__(self, i: int):
+        time.sleep(0.2 if i % 10 == 3 else 0.01)
+        return np.full((8, 8, 8), i, np.float32)
+
+
+def test_the_slowest_load_row_is_the_slowest_samples_time():
+    d = diagnose(run_pipeline(Stragglers(), cheap, step_s=0.002))
+    rows = {r.metric: r for r in d.rows}
+    slowest, mean = rows["slowest load"].current, rows["load latency"].current
+    assert 0.2 <= slowest < 0.3, format_report(d)
+    assert mean < 0.1 and "slowest load" in format_report(d)
+
+
 def test_real_pipeline_with_slow_transform_is_cpu_bound():
     d = diagnose(run_pipeline(Volumes(), heavy, step_s=0.002))
     assert d.kind == "cpu" and d.stage == "transform", format_report(d)
