@@ -358,12 +358,20 @@ class Stragglers(Volumes):
         return np.full((8, 8, 8), i, np.float32)
 
 
-def test_the_slowest_load_row_is_the_slowest_samples_time():
-    d = diagnose(run_pipeline(Stragglers(), cheap, step_s=0.002))
+def slow_tenth(sample, rng):
+    """Every tenth sample's transform takes 0.15 s, the others' nothing."""
+    if int(sample[0, 0, 0]) % 10 == 7:
+        time.sleep(0.15)
+    return sample
+
+
+def test_the_slowest_rows_are_the_slowest_samples_read_and_transform_times():
+    d = diagnose(run_pipeline(Stragglers(), slow_tenth, step_s=0.002))
     rows = {r.metric: r for r in d.rows}
-    slowest, mean = rows["slowest load"].current, rows["load latency"].current
-    assert 0.2 <= slowest < 0.3, format_report(d)
-    assert mean < 0.1 and "slowest load" in format_report(d)
+    assert 0.2 <= rows["slowest read"].current < 0.3, format_report(d)
+    assert 0.15 <= rows["slowest transform"].current < 0.25, format_report(d)
+    assert rows["load latency"].current < 0.1  # (the mean read: 0.029 s)
+    assert "slowest transform" in format_report(d)
 
 
 def test_real_pipeline_with_slow_transform_is_cpu_bound():

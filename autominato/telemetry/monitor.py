@@ -350,11 +350,14 @@ def diagnose(
         read_threshold = step * _effective_workers(last, "read") / _items_per_batch(last, read)
         lat, lat_mean = cur.stages["read"].mean_service_s, run.stages["read"].mean_service_s
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
-        if read.recent_service_s:
-            # Stragglers (a heavy tail of slow samples) hide in the mean: the slowest of the
-            # samples loaded last (stats.RECENT of them at most, whatever the window).
-            rows.append(Row("slowest load", "s/sample", max(read.recent_service_s),
-                            None, None, "ref"))
+        # Stragglers (a heavy tail of slow samples) hide in the means: the slowest of the
+        # samples read and transformed last (stats.RECENT of them at most, whatever the
+        # window), where the work may be in dataset[i] or in the transform.
+        for name in ("read", "transform"):
+            st = last.stages.get(name)
+            if st is not None and st.recent_service_s:
+                rows.append(Row(f"slowest {name}", "s/sample", max(st.recent_service_s),
+                                None, None, "ref"))
     if fused and ("read" in shares or "read" in run_shares):
         # One set of workers reads and transforms: the share that counts is their sum.
         def both(d: dict[str, float]) -> float | None:
