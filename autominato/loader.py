@@ -246,11 +246,11 @@ class Loader:
         timeout: seconds the training loop may wait for one batch before ``RuntimeError``
             (DataLoader's); ``0`` waits for ever. See ``sample_timeout`` for one sample. Not
             applied with ``num_workers=0`` (the batch is loaded in the caller's thread).
-            While no worker process is ready yet (their start, ``worker_init_fn``
-            included: a fresh interpreter, ~1-2.5 s, where this process runs threads, against
-            a DataLoader's fork) the clock stops, for up to ``START_GRACE_S`` (30 s) an
-            iterator, so that a worker that never starts still times out (Ray actors' start
-            counts).
+            While no worker process or Ray actor is ready yet (their start,
+            ``worker_init_fn`` included: a fresh interpreter, ~1-2.5 s, where this process
+            runs threads, against a DataLoader's fork) the clock stops, for up to
+            ``START_GRACE_S`` (30 s) an iterator, so that a worker that never starts still
+            times out.
         worker_init_fn: ``worker_init_fn(worker_id)`` runs once in every worker when it
             starts, replacements and workers added by the controller included; ids are in
             ``[0, workers)``, and ``torch.utils.data.get_worker_info()`` works in workers

@@ -518,3 +518,24 @@ def test_actors_shrunk_then_grown_while_busy_keep_distinct_ids(tmp_path):
         (tmp_path / "open").touch()
         assert slots == [0, 1]
         assert sorted(int(i) for _, idx in it for i in idx) == list(range(12))
+
+
+def test_timeout_does_not_count_the_actors_start(monkeypatch):
+    """As for worker processes (tests/test_parity.py): an actor's start (here a 1.5 s
+    worker_init_fn on top of Ray's own) is not counted against ``timeout``; the control,
+    with no grace, times the first batch out."""
+    import autominato.loader as loader_module
+
+    def slow_start(worker_id):
+        time.sleep(1.5)
+
+    with Loader(Indexed(4), 2, worker_kind="ray", workers=1, autotune=False, timeout=0.6,
+                worker_init_fn=slow_start, in_order=True) as L:
+        t0 = time.monotonic()
+        assert [int(i) for i in next(iter(L))[1]] == [0, 1]
+        assert time.monotonic() - t0 > 1.5
+    monkeypatch.setattr(loader_module, "START_GRACE_S", 0.0)
+    with Loader(Indexed(4), 2, worker_kind="ray", workers=1, autotune=False, timeout=0.6,
+                worker_init_fn=slow_start, in_order=True) as L:
+        with pytest.raises(RuntimeError, match=r"timed out after 0.6 seconds"):
+            next(iter(L))

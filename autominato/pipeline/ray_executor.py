@@ -227,6 +227,7 @@ class _Actor:
     handle: Any
     born: float
     ready: bool = False
+    ready_at: float = 0.0  # time.monotonic() when it said it was ready
     pid: int | None = None
     node: str = "?"  # the bounded label of its node
     local: bool = False  # on this process's node
@@ -525,6 +526,12 @@ class RayExecutor:
         self._nodes.setdefault(label, _Node())
         return label
 
+    def ready_since(self) -> float | None:
+        """``time.monotonic()`` since when an actor has been ready to run samples (the
+        earliest of those ready now), ``None`` while none is."""
+        with self._lock:
+            return min((a.ready_at for a in self._actors.values() if a.ready), default=None)
+
     # -- Ray's threads: note what happened and post results; no Ray call here ------------------
     def _ready(self, a: _Actor, f: Any) -> None:
         try:
@@ -539,7 +546,7 @@ class RayExecutor:
         with self._lock:
             if self._stopped or a.wid not in self._actors:
                 return
-            a.ready, a.pid = True, pid
+            a.ready, a.ready_at, a.pid = True, time.monotonic(), pid
             a.node, a.local = self._label(node_id, ip), node_id == self._here
             self._startup_deaths = 0
             if a.retiring:

@@ -563,15 +563,16 @@ class Pipeline:
         return self.memory.budget(self.procs.size)
 
     def workers_ready_at(self) -> float | None:
-        """``time.monotonic()`` since when a worker process has been ready to run samples
-        (the earliest of those ready now); ``None`` while none is (they are starting, or all
-        are being replaced); ``0.0`` where samples run in no worker process (threads, Ray,
-        ``num_workers=0``)."""
+        """``time.monotonic()`` since when a worker process (or Ray actor) has been ready to
+        run samples (the earliest of those ready now); ``None`` while none is (they are
+        starting, or all are being replaced); ``0.0`` where samples run in threads of this
+        process (``worker_kind="thread"``, ``num_workers=0``)."""
         procs = self.procs
-        if procs is None:
-            return 0.0
-        return min((w.ready_at for w in list(procs.pool.workers.values()) if w.ready),
-                   default=None)
+        if procs is not None:
+            return min((w.ready_at for w in list(procs.pool.workers.values()) if w.ready),
+                       default=None)
+        since = getattr(self._stage["transform"].executor, "ready_since", None)
+        return since() if since is not None else 0.0
 
     @property
     def worker_restarts(self) -> int:
