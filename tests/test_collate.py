@@ -149,6 +149,17 @@ def test_a_list_subclass_sample_keeps_its_type_through_collate_transport_and_cop
     assert type(mapped) is Fields and list(mapped) == ["1", "2"] and mapped.tag == "u"
 
 
+def test_samples_that_need_grad_stack_into_a_batch_that_keeps_their_graph():
+    """As default_collate (num_workers=0 or thread workers: samples made in this process);
+    trial 108: they were detached."""
+    w = torch.ones(3, requires_grad=True)
+    samples = [w * i for i in range(4)]
+    got, want = collate(samples, BatchPool()), default_collate(samples)
+    assert got.requires_grad and want.requires_grad and torch.equal(got, want)
+    got.sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 6.0))
+
+
 def test_batch_pool_stays_within_its_budget_over_60_shapes_and_reuses_repeating_ones():
     """Whole-volume validation: batch size 1, a new shape almost every batch."""
     budget = 1 << 20

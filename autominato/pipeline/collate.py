@@ -370,12 +370,15 @@ def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
         return default_collate(list(samples))
     samples = [_as_tensor(s) for s in samples]
     _check_same(samples)
-    if _mixed(samples) or not all(s.is_cpu for s in samples):
+    if (_mixed(samples) or not all(s.is_cpu for s in samples)
+            or any(s.requires_grad for s in samples)):
         # promoted as torch.stack promotes; tensors on a device stacked there, as the
-        # DataLoader's default_collate does (num_workers=0 over a dataset held on the GPU)
+        # DataLoader's default_collate does (num_workers=0 over a dataset held on the GPU);
+        # samples that need grad (made in this process: num_workers=0 or thread workers)
+        # stacked into a batch that keeps their graph, as there (trial 108: detached),
+        # which torch.stack(out=) refuses
         return default_collate(list(samples))
-    # torch.stack(out=) refuses inputs that need grad (all are on the CPU here: see above)
-    parts = [s.detach() if s.requires_grad else s for s in samples]
+    parts = list(samples)
     shape = (len(parts), *first.shape)
     raw = slot_dtype(first.dtype)  # int16 for bfloat16: NumPy has no such type
     if pool is not None and all(type(p) is torch.Tensor for p in parts):
