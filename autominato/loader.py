@@ -1637,6 +1637,7 @@ class _EpochIterator:
             self.L._poll_orphan_h2d()
         run = self.run
         limit = self.L.timeout
+        clock = t0  # where timeout's clock started (moved past the workers' start, below)
         item = None
         with run.cv:
             # It waits for this batch, or a wait of its timed out since the last batch: the
@@ -1667,17 +1668,19 @@ class _EpochIterator:
                     now = time.monotonic()
                     if self._grace_left > 0:
                         # The workers' start is not the wait timeout bounds (see timeout):
-                        # the clock moves on from t0 by the time since the last look that
-                        # came before a worker was ready (review 109: the wait is not woken
-                        # when one gets ready, so "not ready now" alone counted too little).
+                        # the clock moves on by the time since the last look that came
+                        # before a worker was ready (review 109: the wait is not woken when
+                        # one gets ready, so "not ready now" alone counted too little). The
+                        # wait itself (t0: the consumer's wait, idle time) is left whole
+                        # (review 110).
                         ready_at = self.pipeline.workers_ready_at()
                         end = now if ready_at is None else min(now, ready_at)
-                        shift = min(max(0.0, end - max(t0, self._grace_from)),
+                        shift = min(max(0.0, end - max(clock, self._grace_from)),
                                     self._grace_left)
-                        t0 += shift
+                        clock += shift
                         self._grace_left -= shift
                     self._grace_from = now
-                    left = limit - (now - t0)
+                    left = limit - (now - clock)
                     if left <= 0:
                         break
                 run.cv.wait(min(0.5, left))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -356,6 +357,27 @@ class Stragglers(Volumes):
     def __getitem__(self, i: int):
         time.sleep(0.2 if i % 10 == 3 else 0.01)
         return np.full((8, 8, 8), i, np.float32)
+
+
+_LOADS = itertools.count()
+
+
+class SlowFirstEpoch(Volumes):
+    """Index 3 reads for 0.2 s among the first N loads (epoch 0), then 2 ms as the others."""
+
+    def __getitem__(self, i: int):
+        first_epoch = next(_LOADS) < N
+        time.sleep(0.2 if i == 3 and first_epoch else 0.002)
+        return np.full((8, 8, 8), i, np.float32)
+
+
+def test_the_slowest_read_of_a_window_is_that_windows():
+    """Review 110: the row showed the slowest of the whole ring, samples of earlier windows
+    and epochs included; since the start (one snapshot) it is the ring's."""
+    warm, end = run_pipeline(SlowFirstEpoch(), cheap, step_s=0.002)
+    window = {r.metric: r for r in diagnose([warm, end]).rows}["slowest read"].current
+    whole = {r.metric: r for r in diagnose([end]).rows}["slowest read"].current
+    assert window < 0.1 and 0.2 <= whole < 0.3, (window, whole)
 
 
 def slow_tenth(sample, rng):

@@ -211,6 +211,21 @@ def test_timeout_does_not_count_the_workers_start_and_fires_once_they_run(monkey
             next(iter(L))
 
 
+@pytest.mark.parametrize("timeout", [0, 10])
+def test_the_consumers_wait_counts_the_workers_start_whatever_the_timeout(timeout):
+    """Review 110: with a timeout, the clock's grace for the workers' start was taken off
+    the consumer's wait too (the accelerator-idle figures then depended on timeout=)."""
+    with Loader(Indexed(4), 2, num_workers=1, worker_init_fn=_slow_start, timeout=timeout,
+                autotune=False, in_order=True) as L:
+        it = iter(L)
+        t0 = time.monotonic()
+        next(it)
+        took = time.monotonic() - t0
+        wait = L.snapshot().consumer_wait_seconds_total
+        assert took > 1.5 and wait == pytest.approx(took, abs=0.1)
+        it.stop()
+
+
 def test_generator_seeds_shuffling_when_seed_is_not_given():
     def order(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)

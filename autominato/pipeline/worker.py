@@ -463,8 +463,10 @@ def run_sample(
         ``(sample, read_seconds, transform_seconds)``; ``read_seconds`` is 0 when not
         ``read``.
     """
-    t0 = time.perf_counter()
     own = random_state.plan(spec)  # this thread's dataset and transform, and their Randomizables
+    # (its first call in a thread or process walks the dataset: the stage's start, not this
+    # sample's time, which the Data Monitor's slowest read would show: review 110)
+    t0 = time.perf_counter()
     if read:
         reseed_parts(own.dataset_parts, spec.seed, epoch, index, 0, draw)
         sample = own.dataset[index]

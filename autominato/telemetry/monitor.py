@@ -351,13 +351,17 @@ def diagnose(
         lat, lat_mean = cur.stages["read"].mean_service_s, run.stages["read"].mean_service_s
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
         # Stragglers (a heavy tail of slow samples) hide in the means: the slowest of the
-        # samples read and transformed last (stats.RECENT of them at most, whatever the
-        # window), where the work may be in dataset[i] or in the transform.
+        # window's samples, read and transformed (the last stats.RECENT of them at most:
+        # the ring of recent times; review 110: the whole ring showed samples of earlier
+        # windows), where the work may be in dataset[i] or in the transform.
         for name in ("read", "transform"):
             st = last.stages.get(name)
-            if st is not None and st.recent_service_s:
-                rows.append(Row(f"slowest {name}", "s/sample", max(st.recent_service_s),
-                                None, None, "ref"))
+            if st is None or not st.recent_service_s:
+                continue
+            n = cur.stages[name].items if name in cur.stages else 0
+            rows.append(Row(f"slowest {name}", "s/sample",
+                            max(st.recent_service_s[-n:]) if n > 0 else None,
+                            None, None, "ref"))
     if fused and ("read" in shares or "read" in run_shares):
         # One set of workers reads and transforms: the share that counts is their sum.
         def both(d: dict[str, float]) -> float | None:
