@@ -203,6 +203,21 @@ def test_fused_read_and_transform_add_up_and_idle_cpu_means_io(monkeypatch):
     assert share.current == pytest.approx(1.1) and share.status == "bad"  # the table agrees
 
 
+def test_fused_workers_that_wait_in_the_transform_are_told_so_not_sent_to_storage(monkeypatch):
+    """Trial 111: a transform that slept (0.0 ms reads, idle CPU) was diagnosed I/O bound in
+    the read, with faster storage as the fix."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    hist = history(step_s=0.010, wait_s=0.020, read_s=0.0001, transform_s=0.006,
+                   read_workers=0, transform_workers=2)
+    d = diagnose(with_cpu(hist, cores_used=0.2))
+    assert d.kind == "io" and d.stage == "transform", format_report(d)
+    assert "waiting in the transform: 6.0 ms a sample against the read's 0.1 ms" in d.summary
+    assert "workers 2 -> 4" in d.suggestion and "storage" not in d.suggestion
+    assert "I/O bound (transform)" in format_report(d)
+    # where the read is the slower part, it stays the read's (the test above)
+    assert diagnose(with_cpu(fused_history(), cores_used=0.5)).stage == "read"
+
+
 @pytest.mark.parametrize("cpu", [1.9, None])
 def test_a_cpu_heavy_fused_read_is_cpu_bound_not_io(monkeypatch, cpu):
     # Decompressing .nii.gz in the read (MONAI LoadImage) on a 2-core machine: the two

@@ -450,6 +450,27 @@ def diagnose(
             # Which work fills them is told by the CPU they use: a read that decompresses
             # is CPU work; only workers that mostly wait make the pair I/O bound.
             stage = "read" if budget.io_like(cpu) else "transform"
+            if stage == "read" and not transforms_inline(last):
+                rd = basis.stages["read"].mean_service_s if "read" in basis.stages else 0.0
+                tf = (basis.stages["transform"].mean_service_s
+                      if "transform" in basis.stages else 0.0)
+                if tf > rd:
+                    # The workers wait, and in the transform (trial 111: a transform that
+                    # slept was blamed on a 0.0 ms read, with faster storage as the fix).
+                    n = knobs.get("workers", _effective_workers(last, "transform"))
+                    used = ("" if cpu is None else f"; the workers ran on or waited for "
+                            f"{cpu:.2f} of {budget.cores} cores")
+                    return Diagnosis(
+                        "io", "transform",
+                        f"reads and transforms (in the same workers) take {top:.2f}x the "
+                        f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the "
+                        f"transform: {tf * 1e3:.1f} ms a sample against the read's "
+                        f"{rd * 1e3:.1f} ms{used}",
+                        f"more workers to overlap the waits (workers {n} -> "
+                        f"{_needed(max(n, 1), top)}), or take the wait out of the transform "
+                        "(file or network access, sleeps, locks: read in dataset[i], where "
+                        "read_threads or fuse_read=False can overlap it)",
+                        **base)
     if stage is not None and top >= SATURATED:
         kind, summary, suggestion = _bottleneck(
             stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused
