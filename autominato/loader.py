@@ -634,6 +634,11 @@ class Loader:
         bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
+        if self.timeout > 0 and values["workers"] == 0:
+            # The DataLoader refuses it (an AssertionError at iter()); the Loader goes on,
+            # but says once that it is not applied (trial 111: silently ignored).
+            warnings.warn(f"timeout={self.timeout:g} is not applied with num_workers=0: each "
+                          "batch is loaded in the training loop's thread", stacklevel=2)
         if self._iterable and "workers" not in knobs and values["workers"] > 0:
             # DataLoader's default is no worker, under which any iterable dataset yields each
             # sample once; with workers, each iterates the dataset (review 100: a dataset

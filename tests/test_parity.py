@@ -211,6 +211,17 @@ def test_timeout_does_not_count_the_workers_start_and_fires_once_they_run(monkey
             next(iter(L))
 
 
+def test_a_timeout_with_no_worker_is_said_once_not_ignored_silently():
+    """The DataLoader refuses it (AssertionError at iter()); the Loader warns once (trial
+    111) and loads as without it."""
+    with pytest.raises(AssertionError):
+        iter(DataLoader(Indexed(4), 2, num_workers=0, timeout=0.5))
+    with pytest.warns(UserWarning, match=r"timeout=0.5 is not applied with num_workers=0"):
+        L = Loader(Indexed(4), 2, num_workers=0, timeout=0.5, autotune=False)
+    with L:
+        assert [len(b) for b in L] == [2, 2]
+
+
 @pytest.mark.parametrize("timeout", [0, 10])
 def test_the_consumers_wait_counts_the_workers_start_whatever_the_timeout(timeout):
     """Review 110: with a timeout, the clock's grace for the workers' start was taken off
