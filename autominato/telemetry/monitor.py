@@ -458,14 +458,12 @@ def diagnose(
                     # The workers wait, and in the transform (trial 111: a transform that
                     # slept was blamed on a 0.0 ms read, with faster storage as the fix).
                     n = knobs.get("workers", _effective_workers(last, "transform"))
-                    used = ("" if cpu is None else f"; the workers ran on or waited for "
-                            f"{cpu:.2f} of {budget.cores} cores")
                     return Diagnosis(
                         "io", "transform",
                         f"reads and transforms (in the same workers) take {top:.2f}x the "
                         f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the "
                         f"transform: {tf * 1e3:.1f} ms a sample against the read's "
-                        f"{rd * 1e3:.1f} ms{used}",
+                        f"{rd * 1e3:.1f} ms{_cores_used(cpu, budget)}",
                         f"more workers to overlap the waits (workers {n} -> "
                         f"{_needed(max(n, 1), top)}), or take the wait out of the transform "
                         "(file or network access, sleeps, locks: read in dataset[i], where "
@@ -492,6 +490,13 @@ def diagnose(
 
 #: The most a suggestion multiplies a reader count by before it puts storage first.
 MAX_SCALE = 4
+
+
+def _cores_used(cpu: float | None, budget: CoreBudget) -> str:
+    """The diagnosis's clause on the workers' CPU demand, or nothing when unknown."""
+    if cpu is None:
+        return ""
+    return f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
 
 
 def _needed(current: int, share: float) -> int:
@@ -528,7 +533,7 @@ def _bottleneck(
 ) -> tuple[str, str, str]:
     workers = _effective_workers(last, stage)
     fused = fused and not transforms_inline(last)  # the transform workers read
-    used = "" if cpu is None else f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
+    used = _cores_used(cpu, budget)
     if stage == "read":
         lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
