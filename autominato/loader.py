@@ -554,8 +554,10 @@ class Loader:
         #: so that a trainer calling ``dataloader.sampler.set_epoch`` (Lightning) sets it.
         self.sampler = sampler if sampler is not None else EpochSampler(self)
         self._batch_sampler = batch_sampler  # the user's (None: batches of batch_size)
-        self._batch_sampler_view = (None if unbatched or batch_sampler is not None else
-                                    BatchSampler(self.sampler, self._batch, bool(drop_last)))
+        # loader.batch_sampler: the user's, else DataLoader's BatchSampler (None unbatched)
+        self._batch_sampler_attr = (batch_sampler if batch_sampler is not None or unbatched
+                                    else BatchSampler(self.sampler, self._batch,
+                                                      bool(drop_last)))
         #: DataLoader's attribute: the ``collate_fn`` given, else the default collation
         #: (``collate``: ``default_collate``'s result; ``default_convert`` when unbatched)
         self.collate_fn = collate_fn if collate_fn is not None else (
@@ -795,8 +797,7 @@ class Loader:
         rank's epoch cut in order; in completion order (``in_order=False``) a delivered batch
         takes the samples that finished first, so its indices may differ from the list's. Set
         only at construction (``ValueError`` after, as the DataLoader's)."""
-        return self._batch_sampler if self._batch_sampler is not None else \
-            self._batch_sampler_view
+        return self._batch_sampler_attr
 
     @property
     def _n(self) -> int | None:
@@ -1611,8 +1612,8 @@ class _EpochIterator:
         self._fill = -(-max(1, loader.knobs.pool_size) // getattr(run.epoch, "min_window", 1))
         self._timed_out = False  # a wait timed out (timeout=) since the last item taken
         # timeout= does not count the workers' start, up to START_GRACE_S an iterator: what
-        # is left of it, and when the wait last looked
-        self._grace_left, self._grace_from = START_GRACE_S, 0.0
+        # is left of it
+        self._grace_left = START_GRACE_S
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -1642,7 +1643,7 @@ class _EpochIterator:
             self.L._poll_orphan_h2d()
         run = self.run
         limit = self.L.timeout
-        clock = t0  # where timeout's clock started (moved past the workers' start, below)
+        clock = looked = t0  # timeout's start (moved past the workers' start, below)
         item = None
         with run.cv:
             # It waits for this batch, or a wait of its timed out since the last batch: the
@@ -1680,11 +1681,10 @@ class _EpochIterator:
                         # (review 110).
                         ready_at = self.pipeline.workers_ready_at()
                         end = now if ready_at is None else min(now, ready_at)
-                        shift = min(max(0.0, end - max(clock, self._grace_from)),
-                                    self._grace_left)
+                        shift = min(max(0.0, end - max(clock, looked)), self._grace_left)
                         clock += shift
                         self._grace_left -= shift
-                    self._grace_from = now
+                    looked = now
                     left = limit - (now - clock)
                     if left <= 0:
                         break

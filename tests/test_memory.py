@@ -269,7 +269,7 @@ def test_a_large_sample_waits_for_the_batches_held_for_the_loop(monkeypatch, sha
 
 
 def test_the_pools_memory_counted_is_the_shared_and_private_buffers_with_pages(monkeypatch):
-    """What takes the pool's share (``Pipeline._shared_pool_bytes``): a private batch buffer
+    """What takes the pool's share (``Pipeline._budgeted_pool_bytes``): a private batch buffer
     (rows copied, ``collate.BatchPool``) counts with its pages, and not once it gave them
     back; one that never gives them back (under ``DECAY_MIN_BYTES``, as pinned ones: review
     107) never counts."""
@@ -280,16 +280,16 @@ def test_the_pools_memory_counted_is_the_shared_and_private_buffers_with_pages(m
                 prefetch_next_epoch=False) as loader:
         assert len(list(loader)) == 4  # then nothing runs: the pools stand still
         pipe = loader._pipeline
-        before = pipe._shared_pool_bytes()
+        before = pipe._budgeted_pool_bytes()
         assert before == pipe.slots.resident_bytes() > 0
         buf = pipe.batch_pool.acquire((4, 1 << 20), np.float32)
         buf.fill(1)
         small = pipe.batch_pool.acquire((4, 1 << 10), np.float32)  # 16 KiB: plain memory
         small.fill(1)
-        assert pipe._shared_pool_bytes() - before == 16 * MiB
+        assert pipe._budgeted_pool_bytes() - before == 16 * MiB
         del buf, small
         assert pipe.batch_pool.decay(at_once=True) == 1
-        assert pipe._shared_pool_bytes() == before
+        assert pipe._budgeted_pool_bytes() == before
 
 
 class Sized:

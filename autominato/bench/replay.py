@@ -86,7 +86,7 @@ class Dispatch:
     _in_queue_index = Pipeline._in_queue_index
 
     @staticmethod
-    def _shared_pool_bytes() -> int:
+    def _budgeted_pool_bytes() -> int:
         """The replay models no batch buffer: its rule is that of the working sets alone."""
         return 0
 

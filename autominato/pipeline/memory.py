@@ -10,7 +10,7 @@ flight, its own included, fit in the budget
     budget = margin * max(the largest sample's peak, workers * the upper quartile's peak)
 
 or if nothing else is in flight (so every sample starts, however large); the memory the
-loader's shared-memory pool holds (batch buffers and slots with their pages) takes up to
+loader's pools hold (batch buffers and slots with their pages) takes up to
 :data:`POOL_SHARE` of the budget's base from that room. The rule is for
 outliers: when samples are alike, or large samples are more than a quarter of the dataset, the
 budget holds ``workers`` of the large ones and nothing waits (holding them apart would idle
@@ -234,8 +234,8 @@ class SampleMemory:
         return self.margin * self._base(workers)
 
     def pool_share(self, workers: int, pool_bytes: float) -> float:
-        """The part of the budget that the shared-memory pool takes, bytes: ``pool_bytes``
-        (its slots and batch buffers that have their pages), at most ``pool_share x
+        """The part of the budget that the loader's pools take, bytes: ``pool_bytes``
+        (their slots and batch buffers that have their pages), at most ``pool_share x
         max(largest, workers x upper quartile)`` (:data:`POOL_SHARE`)."""
         if pool_bytes <= 0:
             return 0.0
@@ -250,7 +250,7 @@ class SampleMemory:
               ahead: tuple[float, float] | None = None, pool_bytes: float = 0.0) -> bool:
         """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
         (bytes, see :meth:`estimate`) beside ``pool_bytes`` of the loader's pools (bytes
-        with their pages, ``Pipeline._shared_pool_bytes``; they take up to
+        with their pages, ``Pipeline._budgeted_pool_bytes``; they take up to
         :data:`POOL_SHARE` of the budget's base, see :meth:`room`).
 
         Args:

@@ -992,7 +992,7 @@ class Pipeline:
                     self._overtook &= keep
                 median = self.memory.median
                 ests = {k: est(index[k]) if k in index else median for k in held}
-                pool = self._shared_pool_bytes()  # (it moves little within a pump)
+                pool = self._budgeted_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
             in_flight = list(ests.values())
             ahead = None
@@ -1024,7 +1024,7 @@ class Pipeline:
         index[key] = item[0]
         return True
 
-    def _shared_pool_bytes(self) -> int:
+    def _budgeted_pool_bytes(self) -> int:
         """What takes the pool's share of the memory budget (``memory.POOL_SHARE``): the
         shared slots and batch buffers with their pages, and the private batch buffers
         (``collate.BatchPool``: batches whose rows were copied) with theirs, what dispatch

@@ -450,27 +450,8 @@ def diagnose(
             # Which work fills them is told by the CPU they use: a read that decompresses
             # is CPU work; only workers that mostly wait make the pair I/O bound.
             stage = "read" if budget.io_like(cpu) else "transform"
-            if stage == "read" and not transforms_inline(last):
-                rd = basis.stages["read"].mean_service_s if "read" in basis.stages else 0.0
-                tf = (basis.stages["transform"].mean_service_s
-                      if "transform" in basis.stages else 0.0)
-                if tf > rd:
-                    # The workers wait, and in the transform (trial 111: a transform that
-                    # slept was blamed on a 0.0 ms read, with faster storage as the fix).
-                    n = knobs.get("workers", _effective_workers(last, "transform"))
-                    return Diagnosis(
-                        "io", "transform",
-                        f"reads and transforms (in the same workers) take {top:.2f}x the "
-                        f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the "
-                        f"transform: {tf * 1e3:.1f} ms a sample against the read's "
-                        f"{rd * 1e3:.1f} ms{_cores_used(cpu, budget)}",
-                        f"more workers to overlap the waits (workers {n} -> "
-                        f"{_needed(max(n, 1), top)}), or take the wait out of the transform "
-                        "(file or network access, sleeps, locks: read in dataset[i], where "
-                        "read_threads or fuse_read=False can overlap it)",
-                        **base)
     if stage is not None and top >= SATURATED:
-        kind, summary, suggestion = _bottleneck(
+        kind, stage, summary, suggestion = _bottleneck(
             stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused
         )
         return Diagnosis(kind, stage, summary, suggestion, **base)
@@ -530,10 +511,27 @@ def _bottleneck(
     budget: CoreBudget,
     cpu: float | None,
     fused: bool,
-) -> tuple[str, str, str]:
+) -> tuple[str, str, str, str]:
     workers = _effective_workers(last, stage)
     fused = fused and not transforms_inline(last)  # the transform workers read
     used = _cores_used(cpu, budget)
+    if stage == "read" and fused and "transform" in cur.stages:
+        lat = cur.stages["read"].mean_service_s or 0.0
+        tf = cur.stages["transform"].mean_service_s or 0.0
+        if tf > lat:
+            # Workers that wait, and mostly in the transform (trial 111: a transform that
+            # slept was blamed on a 0.0 ms read, with faster storage as the fix).
+            n = knobs.get("workers", _effective_workers(last, "transform"))
+            return (
+                "io", "transform",
+                f"reads and transforms (in the same workers) take {share:.2f}x the "
+                f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the transform: "
+                f"{tf * 1e3:.1f} ms a sample against the read's {lat * 1e3:.1f} ms{used}",
+                f"more workers to overlap the waits (workers {n} -> {_needed(max(n, 1), share)}"
+                "), or take the wait out of the transform (file or network access, sleeps, "
+                "locks: read in dataset[i], where read_threads or fuse_read=False can overlap "
+                "it)",
+            )
     if stage == "read":
         lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
@@ -559,7 +557,7 @@ def _bottleneck(
             advice += _MORE_WORKERS_MEMORY if last.samples_held_for_memory_total else ""
         what = "reading and transforming" if fused else "reading"
         return (
-            "io",
+            "io", stage,
             f"{what} takes {share:.2f} of the {step * 1e3:.1f} ms step per worker, the read "
             f"{lat * 1e3:.1f} ms per sample (limit {(read_threshold or 0) * 1e3:.1f} ms){used}",
             advice,
@@ -579,7 +577,7 @@ def _bottleneck(
         if stage == "transform" and n < cap and last.samples_held_for_memory_total:
             more += _MORE_WORKERS_MEMORY
         return (
-            "cpu",
+            "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
             f"{more}, or cheaper transforms (crop before resampling, fewer random "
             "augmentations per sample, float16 arrays)",
@@ -587,7 +585,7 @@ def _bottleneck(
     bw = cur.h2d_bytes_per_s
     got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
     return (
-        "transfer",
+        "transfer", stage,
         f"the host-to-device copy takes {share:.2f} of the {step * 1e3:.1f} ms step{got}",
         "pinned host memory (page-locked buffers copy 2-3x faster and asynchronously), "
         "larger batches to amortise each copy, or fewer bytes per sample (float16, crops)",
