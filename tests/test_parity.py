@@ -357,6 +357,49 @@ def test_a_list_subclass_with_its_own_setitem_crosses_the_workers_intact(kind):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+class Record(dict):
+    """A user's dict subclass as the sample type: built from named fields, not from a dict,
+    with an attribute of its own (rebuilt as ``Record(items)`` it raised, and it crossed the
+    workers as a plain dict without its tag)."""
+
+    def __init__(self, image, label, tag: str = "none") -> None:
+        super().__init__(image=image, label=label)
+        self.tag = tag
+
+
+class Records(Indexed):
+    def __getitem__(self, i):
+        return Record(np.full(3000, i, np.float32), i, tag="mine")  # (12 KB: through a slot)
+
+
+class Counts(Indexed):
+    def __getitem__(self, i):
+        from collections import defaultdict
+
+        d = defaultdict(list)
+        d["x"] = np.full(3, i, np.float32)
+        return d
+
+
+@pytest.mark.parametrize("kind,workers", [("process", 0), ("process", 2), ("thread", 1)])
+def test_a_dict_subclass_sample_comes_as_its_type_from_the_workers_as_dataloaders(kind, workers):
+    from collections import defaultdict
+
+    want = next(iter(DataLoader(Records(4), 2)))
+    with Loader(Records(4), 2, num_workers=workers, worker_kind=kind, in_order=True,
+                autotune=False) as L:
+        got = next(iter(L))
+    assert type(got) is type(want) is Record and got.tag == want.tag == "mine"
+    assert list(got) == list(want) == ["image", "label"]
+    assert torch.equal(got["image"], want["image"]) and torch.equal(got["label"], want["label"])
+    want = next(iter(DataLoader(Counts(4), 2)))  # a defaultdict with a factory that pickles
+    with Loader(Counts(4), 2, num_workers=workers, worker_kind=kind, in_order=True,
+                autotune=False) as L:
+        got = next(iter(L))
+    assert type(got) is type(want) is defaultdict and got.default_factory is list
+    assert torch.equal(got["x"], want["x"]) and got["new"] == []
+
+
 def test_batch_size_none_delivers_samples_unbatched_as_dataloader():
     ds = Indexed(5)
     want = list(DataLoader(ds, batch_size=None))
