@@ -400,6 +400,81 @@ def test_a_dict_subclass_sample_comes_as_its_type_from_the_workers_as_dataloader
     assert torch.equal(got["x"], want["x"]) and got["new"] == []
 
 
+class Mirrored(dict):
+    """An EasyDict-like container: each item is also an attribute (review 112: the copy kept
+    the old arrays as attributes, pickled into the skeleton beside the slot's, and moved to a
+    device they stayed behind)."""
+
+    def __init__(self, d=None, **kwargs):
+        for k, v in dict(d or {}, **kwargs).items():
+            setattr(self, k, v)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        super().__setitem__(name, value)
+
+    __setitem__ = __setattr__
+
+    def update(self, e=None, **f):
+        for k, v in dict(e or {}, **f).items():
+            setattr(self, k, v)
+
+
+class Converting(dict):
+    """A container whose ``__setitem__`` makes tensors of what it stores (review 112:
+    unpickling the skeleton called it with the transport's placeholders, and the batch held
+    their indices instead of the arrays)."""
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, torch.as_tensor(v))
+
+
+class CopiesAsItself(dict):
+    def __copy__(self):
+        return self
+
+
+def _container(kind, i):
+    x = np.full(3000, i, np.float32)  # (12 KB: through a slot)
+    if kind == "mirrored":
+        return Mirrored(x=x, y=i)
+    if kind == "converting":
+        d = Converting()
+        d["x"], d["y"] = x, i
+        return d
+    return CopiesAsItself(x=x, y=i)
+
+
+class Containers(Indexed):
+    def __init__(self, kind):
+        super().__init__(4)
+        self.kind = kind
+
+    def __getitem__(self, i):
+        return _container(self.kind, i)
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "converting", "copies-as-itself"])
+def test_dict_subclasses_with_their_own_methods_cross_the_workers_as_dataloaders(kind):
+    want = next(iter(DataLoader(Containers(kind), 2)))
+    with Loader(Containers(kind), 2, num_workers=2, in_order=True, autotune=False) as L:
+        got = next(iter(L))
+    assert type(got) is type(want) and list(got) == list(want) == ["x", "y"]
+    for k in ("x", "y"):
+        assert got[k].shape == want[k].shape and torch.equal(got[k], want[k])
+        if kind == "mirrored":
+            assert getattr(got, k) is got[k]
+
+
+def test_a_mirrored_containers_attributes_follow_its_items_to_the_device():
+    from autominato.pipeline.collate import to_device
+
+    batch = Mirrored(x=torch.ones(2), y=torch.zeros(2))
+    moved = to_device(batch, "meta")
+    assert type(moved) is Mirrored and moved.x is moved["x"] and moved.x.device.type == "meta"
+    assert batch.x.device.type == "cpu"  # the batch given is left as it was
+
+
 def test_batch_size_none_delivers_samples_unbatched_as_dataloader():
     ds = Indexed(5)
     want = list(DataLoader(ds, batch_size=None))

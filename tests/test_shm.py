@@ -313,3 +313,21 @@ def test_closing_the_pool_unmaps_a_slot_that_no_view_exports():
     pool.close()
     assert slot.mmap.closed and other.mmap.closed
     del held
+
+
+def test_a_containers_attributes_that_mirror_its_items_travel_once_and_stay_its_items():
+    """Review 112: an EasyDict-like sample's attributes held its arrays too, so the copy that
+    crossed the processes pickled each array into the descriptor beside the slot's copy."""
+    import mmap
+
+    from tests.test_parity import Mirrored
+
+    sample = Mirrored(image=np.ones((512, 1024), np.float32), label=3)  # 2 MiB
+    buf = mmap.mmap(-1, 4 << 20)
+    desc, need = pack(sample, buf)
+    assert need >= sample["image"].nbytes and len(desc) < 4096  # the array went to the slot
+    out = unpack(desc, buf)
+    assert type(out) is Mirrored and out.image is out["image"] and out.label == 3
+    assert np.shares_memory(out.image, np.frombuffer(buf, np.uint8))
+    assert np.array_equal(out.image, sample["image"])
+    del out

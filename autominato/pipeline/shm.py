@@ -769,7 +769,7 @@ def _layout(sample: Any) -> tuple[int, list, Any]:
         arrays.append(a)
         return ArrayRef(len(arrays) - 1)
 
-    tree = map_leaves(sample, ref, is_array)
+    tree = map_leaves(sample, ref, is_array, portable=True)
     return (_TREE if arrays else _NO_ARRAYS), arrays, tree
 
 
@@ -896,8 +896,8 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
     travelled inside the descriptor own their memory (``copy`` changes nothing).
     """
     kind, skeleton, headers, offsets, raw = pickle.loads(desc)
-    if kind == _NO_ARRAYS:
-        return skeleton
+    if kind == _NO_ARRAYS:  # (its list and dict subclasses come as tree.Node: rebuilt here)
+        return map_leaves(skeleton, _same, _is_ref)
     leaves = []
     for i, (shape, dtype, *_) in enumerate(headers):
         if offsets is not None:
