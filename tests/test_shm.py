@@ -3,6 +3,7 @@ tensors of every dtype and tensor subclasses."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -330,4 +331,26 @@ def test_a_containers_attributes_that_mirror_its_items_travel_once_and_stay_its_
     assert type(out) is Mirrored and out.image is out["image"] and out.label == 3
     assert np.shares_memory(out.image, np.frombuffer(buf, np.uint8))
     assert np.array_equal(out.image, sample["image"])
+    del out
+
+
+class Encoding(collections.UserDict):
+    def __init__(self, data=None, tag=None):
+        super().__init__(data)
+        self.tag = tag
+
+
+def test_a_userdict_samples_arrays_go_to_the_slot_and_it_comes_back_as_its_type():
+    """A ``UserDict`` (transformers' ``BatchEncoding`` is one) was left whole in the
+    descriptor, its arrays pickled into it rather than written to the slot."""
+    import mmap
+
+    sample = Encoding({"ids": np.arange(1 << 18), "mask": torch.ones(1 << 18)}, tag="t")
+    buf = mmap.mmap(-1, 4 << 20)
+    desc, need = pack(sample, buf)
+    assert need == packed_nbytes(sample) >= 3 << 20 and len(desc) < 4096
+    out = unpack(desc, buf)
+    assert type(out) is Encoding and out.tag == "t" and list(out) == ["ids", "mask"]
+    assert np.array_equal(out["ids"], sample["ids"]) and torch.equal(out["mask"], sample["mask"])
+    assert sample.data is not out.data  # the sample given is left as it was
     del out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections import OrderedDict
+from collections import OrderedDict, UserDict
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +18,8 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     """Rebuild ``obj`` with ``fn(leaf)`` in place of every leaf (``is_leaf(x)`` true).
 
     Containers are tuples, lists, dicts and namedtuples (rebuilt as their own type). A list
-    or dict subclass (an ``OrderedDict``, a ``defaultdict``, a user's) stays one, with its
+    or dict subclass (an ``OrderedDict``, a ``defaultdict``, a user's) or a ``UserDict``
+    stays one, with its
     attributes, as ``default_collate`` and the DataLoader's ``pin_memory`` keep it: a shallow
     copy (its constructor may take other arguments) refilled with ``list``'s or ``dict``'s own
     methods (``OrderedDict``'s for one), never the user's ``__setitem__``, ``update`` or
@@ -51,6 +52,9 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     if isinstance(obj, dict):
         return _subclass(obj, {k: map_leaves(v, fn, is_leaf, portable) for k, v in obj.items()},
                          portable)
+    if isinstance(obj, UserDict):  # (transformers' BatchEncoding is one)
+        return _subclass(obj, {k: map_leaves(v, fn, is_leaf, portable)
+                               for k, v in obj.data.items()}, portable)
     if isinstance(obj, tuple):
         if hasattr(obj, "_fields"):
             return t(*[map_leaves(o, fn, is_leaf, portable) for o in obj])
@@ -92,6 +96,9 @@ def _fill(clone: Any, items: Any) -> None:
     if isinstance(clone, list):
         list.__setitem__(clone, slice(None), items)
         return
+    if isinstance(clone, UserDict):  # (its items are a plain dict, ``data``)
+        vars(clone)["data"] = items
+        return
     base = OrderedDict if isinstance(clone, OrderedDict) else dict
     base.clear(clone)
     for k, v in items.items():
@@ -108,6 +115,9 @@ def _mirrors(obj: Any, clone: Any) -> tuple:
     return tuple((a, where[id(v)]) for a, v in attrs.items() if id(v) in where)
 
 
+_CONTAINERS = (list, dict, UserDict)
+
+
 def _subclass(obj: Any, items: Any, portable: bool) -> Any:
     """``obj``'s type around ``items`` (its items mapped): see :func:`map_leaves`."""
     try:
@@ -115,12 +125,13 @@ def _subclass(obj: Any, items: Any, portable: bool) -> Any:
     except Exception:
         clone = None
     mirrors: tuple = ()
-    if clone is None or clone is obj or not isinstance(clone, (list, dict)):
+    if clone is None or clone is obj or not isinstance(clone, _CONTAINERS):
         try:  # (as before review 112, where the type is built from its items as they are:
             # a constructor of items as arguments would make one item of them, review 107)
             clone = type(obj)(items)
             same = (isinstance(clone, list) and len(clone) == len(items)) if isinstance(
-                items, list) else (isinstance(clone, dict) and clone.keys() == items.keys())
+                items, list) else (isinstance(clone, (dict, UserDict))
+                                   and clone.keys() == items.keys())
         except Exception:
             same = False
         if not same:
@@ -152,4 +163,7 @@ def for_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
             for_leaves(o, fn, is_leaf)
     elif isinstance(obj, dict):
         for v in obj.values():
+            for_leaves(v, fn, is_leaf)
+    elif isinstance(obj, UserDict):
+        for v in obj.data.values():
             for_leaves(v, fn, is_leaf)
