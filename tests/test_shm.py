@@ -354,3 +354,97 @@ def test_a_userdict_samples_arrays_go_to_the_slot_and_it_comes_back_as_its_type(
     assert np.array_equal(out["ids"], sample["ids"]) and torch.equal(out["mask"], sample["mask"])
     assert sample.data is not out.data  # the sample given is left as it was
     del out
+
+
+class AdoptsState(dict):
+    """Its ``__setstate__`` adopts the state dict: a copy shares the original's ``__dict__``."""
+
+    def __setstate__(self, state):
+        self.__dict__ = state
+
+
+class Validated(dict):
+    """Pickles through a constructor that needs its items (review 113: the emptied copy
+    pickled, then failed to unpickle in the training process)."""
+
+    def __init__(self, d):
+        if "image" not in d:
+            raise KeyError("image required")
+        super().__init__(d)
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+
+class Counted(dict):
+    """Its pickled state is read from its items (review 113: it read an emptied copy's)."""
+
+    def __getstate__(self):
+        return {"n": len(self)}
+
+    def __setstate__(self, state):
+        self.n = state["n"]
+
+
+class SlottedPair(list):
+    __slots__ = ("first",)
+
+
+class Wrapping(dict):
+    """As easydict's EasyDict: items are attributes, and a list is stored anew (wrapped), so
+    a copy's attribute is not the original's item (review 113)."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, list):
+            value = list(value)
+        super().__setattr__(name, value)
+        super().__setitem__(name, value)
+
+    __setitem__ = __setattr__
+
+
+def test_subclasses_with_their_own_state_cross_intact_and_the_sample_is_left_as_it_was():
+    import mmap
+
+    from autominato.pipeline.collate import to_device
+
+    buf = mmap.mmap(-1, 8 << 20)
+    big = np.ones((256, 1024), np.float32)  # 1 MiB
+    a = AdoptsState(x=big.copy(), y=1)
+    a.x = a["x"]
+    out = unpack(pack(a, buf)[0], buf)
+    assert type(out) is AdoptsState and out.x is out["x"] and a.x is a["x"]  # a untouched
+    b = AdoptsState(x=torch.ones(2))
+    b.x = b["x"]
+    moved = to_device(b, "meta")
+    assert moved.x.device.type == "meta" and b.x.device.type == "cpu"
+    out = unpack(pack(Validated({"image": big.copy(), "label": 1}), buf)[0], buf)
+    assert type(out) is Validated and np.array_equal(out["image"], big) and out["label"] == 1
+    c = Counted(image=big.copy(), label=2)
+    c.n = 2
+    out = unpack(pack(c, buf)[0], buf)
+    assert type(out) is Counted and out.n == 2 and len(out) == 2
+    s = SlottedPair([big.copy(), 1])
+    s.first = s[0]
+    desc, need = pack(s, buf)
+    assert len(desc) < 4096 and need >= big.nbytes  # the array went to the slot, once
+    out = unpack(desc, buf)
+    assert type(out) is SlottedPair and out.first is out[0] and np.array_equal(out[0], big)
+    w = Wrapping()
+    w["boxes"] = [big.copy()]
+    desc, _ = pack(w, buf)
+    assert len(desc) < 4096  # the wrapped list's array is not pickled in the attribute
+    out = unpack(desc, buf)
+    assert type(out) is Wrapping and out.boxes is out["boxes"] and np.array_equal(out.boxes[0], big)
+    del out
+
+
+def test_samples_without_arrays_cross_as_they_are_or_as_plain_containers():
+    import collections
+
+    od = collections.OrderedDict([("b", "s"), ("a", [1, 2])])
+    out = unpack(pack(od, None)[0], None)
+    assert type(out) is collections.OrderedDict and list(out.items()) == list(od.items())
+    local = collections.defaultdict(lambda: 0, x=1)  # (a factory that does not pickle)
+    out = unpack(pack([local, collections.Counter(a=2)], None)[0], None)
+    assert type(out[0]) is dict and out[0] == {"x": 1} and out[1] == collections.Counter(a=2)

@@ -770,7 +770,12 @@ def _layout(sample: Any) -> tuple[int, list, Any]:
         return ArrayRef(len(arrays) - 1)
 
     tree = map_leaves(sample, ref, is_array, portable=True)
-    return (_TREE if arrays else _NO_ARRAYS), arrays, tree
+    if arrays:
+        return _TREE, arrays, tree
+    # (with no array there is no placeholder: the sample travels as it is, as the
+    # DataLoader's do, and is not walked again on the other side; the tree where it does not
+    # pickle, e.g. a defaultdict's local factory)
+    return _NO_ARRAYS, arrays, (sample, tree)
 
 
 def _header(a: Any) -> tuple[np.ndarray, tuple]:
@@ -846,8 +851,12 @@ def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
     :class:`~autominato.pipeline.rows.RowAllocator` row gives them); ``None``: one after the
     other from 0, each aligned to 64 bytes."""
     if prep.kind == _NO_ARRAYS:
-        return pickle.dumps((prep.kind, prep.skeleton, None, None, None),
-                            protocol=pickle.HIGHEST_PROTOCOL), 0
+        sample, tree = prep.skeleton
+        try:
+            return pickle.dumps((_NO_ARRAYS, sample, None, None, None),
+                                protocol=pickle.HIGHEST_PROTOCOL), 0
+        except Exception:
+            return pickle.dumps((_TREE, tree, [], None, []), protocol=pickle.HIGHEST_PROTOCOL), 0
     hosts, need = prep.hosts, prep.need
     if offsets is None and buf is not None and need <= len(buf):
         offsets = []
@@ -896,8 +905,8 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
     travelled inside the descriptor own their memory (``copy`` changes nothing).
     """
     kind, skeleton, headers, offsets, raw = pickle.loads(desc)
-    if kind == _NO_ARRAYS:  # (its list and dict subclasses come as tree.Node: rebuilt here)
-        return map_leaves(skeleton, _same, _is_ref)
+    if kind == _NO_ARRAYS:
+        return skeleton
     leaves = []
     for i, (shape, dtype, *_) in enumerate(headers):
         if offsets is not None:
