@@ -74,7 +74,7 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
 _LEAF, _LIST, _DICT, _USERDICT, _NAMEDTUPLE, _TUPLE, _NODE = (
     "leaf", "list", "dict", "userdict", "namedtuple", "tuple", "node")
 _KINDS: dict[type, str] = {int: _LEAF, float: _LEAF, str: _LEAF, bytes: _LEAF, bool: _LEAF,
-                           type(None): _LEAF}
+                           type(None): _LEAF, tuple: _TUPLE, list: _LIST, dict: _DICT}
 
 
 def _kind(t: type) -> str:
@@ -254,12 +254,13 @@ def for_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
     building nothing."""
     if is_leaf(obj):
         fn(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            for_leaves(o, fn, is_leaf)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            for_leaves(v, fn, is_leaf)
-    elif isinstance(obj, UserDict):
-        for v in obj.data.values():
-            for_leaves(v, fn, is_leaf)
+        return
+    t = type(obj)
+    kind = _KINDS.get(t)
+    if kind is None:
+        kind = _kind(t)
+    if kind is _LEAF or kind is _NODE:
+        return
+    for o in (obj.values() if kind is _DICT else obj.data.values() if kind is _USERDICT
+              else obj):
+        for_leaves(o, fn, is_leaf)
