@@ -769,13 +769,29 @@ def _layout(sample: Any) -> tuple[int, list, Any]:
         arrays.append(a)
         return ArrayRef(len(arrays) - 1)
 
-    tree = map_leaves(sample, ref, is_array, portable=True)
-    if arrays:
-        return _TREE, arrays, tree
-    # (with no array there is no placeholder: the sample travels as it is, as the
-    # DataLoader's do, and is not walked again on the other side; the tree where it does not
-    # pickle, e.g. a defaultdict's local factory)
-    return _NO_ARRAYS, arrays, (sample, tree)
+    if not _has_array(sample):
+        # With no array there is no placeholder: the sample travels as it is, as the
+        # DataLoader's do (its tree is built only where it does not pickle, e.g. a
+        # defaultdict's local factory: pack_prepared), and is not walked on the other side.
+        return _NO_ARRAYS, arrays, sample
+    return _TREE, arrays, map_leaves(sample, ref, is_array, portable=True)
+
+
+class _Found(Exception):
+    pass
+
+
+def _found(_: Any) -> None:
+    raise _Found
+
+
+def _has_array(sample: Any) -> bool:
+    """Whether ``sample`` holds an array (:func:`is_array`): a walk that stops at the first."""
+    try:
+        for_leaves(sample, _found, is_array)
+    except _Found:
+        return True
+    return False
 
 
 def _header(a: Any) -> tuple[np.ndarray, tuple]:
@@ -851,12 +867,16 @@ def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
     :class:`~autominato.pipeline.rows.RowAllocator` row gives them); ``None``: one after the
     other from 0, each aligned to 64 bytes."""
     if prep.kind == _NO_ARRAYS:
-        sample, tree = prep.skeleton
         try:
-            return pickle.dumps((_NO_ARRAYS, sample, None, None, None),
+            return pickle.dumps((_NO_ARRAYS, prep.skeleton, None, None, None),
                                 protocol=pickle.HIGHEST_PROTOCOL), 0
-        except Exception:
+        except Exception as e:
+            first = e
+        tree = map_leaves(prep.skeleton, _same, is_array, portable=True)
+        try:
             return pickle.dumps((_TREE, tree, [], None, []), protocol=pickle.HIGHEST_PROTOCOL), 0
+        except Exception:
+            raise first from None  # (the sample's own error: a leaf that does not pickle)
     hosts, need = prep.hosts, prep.need
     if offsets is None and buf is not None and need <= len(buf):
         offsets = []

@@ -155,25 +155,22 @@ def _set(clone: Any, name: str, value: Any, slot: bool) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _slots(t: type) -> tuple[str, ...]:
-    """The names of ``t``'s slots (mangled as stored), across its bases."""
+    """The names of ``t``'s slots (mangled as stored), across its bases, but those a
+    subclass hides (a property of the same name)."""
     return tuple(k for c in t.__mro__ for k, v in vars(c).items()
-                 if type(v) is types.MemberDescriptorType)
+                 if type(v) is types.MemberDescriptorType and getattr(t, k, None) is v)
 
 
 @functools.lru_cache(maxsize=256)
 def _pickles_its_own_way(t: type) -> bool:
-    """Whether ``t`` or a base of it below the built-in container defines how it pickles
-    (``__reduce__``, ``__getstate__``, ...): its state may read its items, or its
-    reconstruction need them (review 113)."""
-    for c in t.__mro__:
-        if c in _BUILTIN:
-            return False
-        if any(n in vars(c) for n in _PICKLING):
-            return True
-    return False
+    """Whether a method of ``t``'s pickling (``__reduce__``, ``__getstate__``, ...) is not
+    its built-in container's: its state may read its items, or its reconstruction need them
+    (review 113; a mixin's after the built-in in its bases counts too, review 114)."""
+    base = next((c for c in t.__mro__ if c in _BUILTIN), dict)
+    return any(getattr(t, n, None) is not getattr(base, n, None) for n in _PICKLING)
 
 
-_BUILTIN = frozenset((list, dict, OrderedDict, defaultdict, Counter, UserDict))
+_BUILTIN = (list, dict, OrderedDict, defaultdict, Counter, UserDict)
 _PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__", "__getnewargs__",
              "__getnewargs_ex__")
 _CONTAINERS = (list, dict, UserDict)
@@ -227,26 +224,37 @@ def _subclass(obj: Any, items: Any, portable: bool) -> Any:
             return Node(None, items) if portable else items
     else:
         mirrors = _mirrors(obj, clone)
-    own_way = portable and _pickles_its_own_way(type(clone))
-    if not portable or own_way:
-        # (a class that pickles its own way crosses filled, as before review 112: its
-        # unpickling sees the placeholders, the other side refills a copy of it)
+    if not portable:
         _fill(clone, items)
         for name, key, slot in mirrors or ():
             _set(clone, name, items[key], slot)
-        if not own_way:
+        return clone
+    if _pickles_its_own_way(type(clone)):
+        # A class that pickles its own way crosses filled, as before review 112 (its state
+        # may read its items): its unpickling sees the placeholders, and the other side
+        # refills a copy of it. Where that fails (a __setitem__ that refuses them, review
+        # 114), emptied as the others.
+        _fill(clone, items)
+        for name, key, slot in mirrors or ():
+            _set(clone, name, items[key], slot)
+        if _round_trips(clone):
             return clone
-        shell, node = clone, clone
-    else:
-        _fill(clone, [] if isinstance(clone, list) else {})
-        for name, _, slot in mirrors or ():
-            _set(clone, name, None, slot)
-        shell, node = clone, Node(clone, items, mirrors or ())
-    try:  # (a round trip: a class may pickle and not unpickle, review 113)
+    _fill(clone, [] if isinstance(clone, list) else {})
+    for name, _, slot in mirrors or ():
+        _set(clone, name, None, slot)
+    if not _round_trips(clone):
+        return Node(None, items)
+    return Node(clone, items, mirrors or ())
+
+
+def _round_trips(shell: Any) -> bool:
+    """Whether ``shell`` pickles and unpickles (a class may pickle and fail to unpickle: a
+    constructor that validates, review 113; a property hiding a slot, review 114)."""
+    try:
         pickle.loads(pickle.dumps(shell, pickle.HIGHEST_PROTOCOL))
     except Exception:
-        return Node(None, items)
-    return node
+        return False
+    return True
 
 
 def for_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> None:
