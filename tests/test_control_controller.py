@@ -144,6 +144,27 @@ def test_a_failing_step_is_logged_and_the_thread_carries_on(caplog):
     assert "snapshot exploded" in failures[0].exc_text
 
 
+def test_the_thread_ends_quietly_once_its_loader_is_collected(caplog):
+    """Trial 115: a Loader collected without close() left its controller logging a
+    ``ReferenceError`` traceback at every interval (its figures are read through a weak
+    reference, which raises once the Loader is gone)."""
+    loader = starved_loader()
+
+    def gone():
+        raise ReferenceError("the Loader was garbage-collected")
+
+    loader.snapshot = gone
+    with caplog.at_level(logging.DEBUG, logger="autominato.control"):
+        ctl = Controller(loader, interval=0.01, cores=4).start()
+        deadline = time.monotonic() + 10
+        while ctl.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ctl.running
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("garbage-collected" in r.getMessage() for r in caplog.records)
+    ctl.stop()
+
+
 def test_bad_interval_is_refused():
     with pytest.raises(ValueError, match="interval must be > 0"):
         Controller(starved_loader(), interval=0)

@@ -169,6 +169,12 @@ class Controller:
         while not self._stop.wait(self.interval):
             try:
                 self.step()
+            except ReferenceError:
+                # The Loader was collected without close() (its figures are read through a
+                # weak reference): nothing is left to tune (trial 115: this logged a
+                # traceback every interval until the process ended).
+                log.debug("controller stopped: its Loader was garbage-collected")
+                return
             except Exception:
                 # A controller fault must never take the training job down with it; the
                 # knobs simply stay where they are.
