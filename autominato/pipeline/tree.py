@@ -21,22 +21,24 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
 
     Containers are tuples, lists, dicts and namedtuples (rebuilt as their own type). A list
     or dict subclass (an ``OrderedDict``, a ``defaultdict``, a user's) or a ``UserDict``
-    stays one, with its
-    attributes, as ``default_collate`` and the DataLoader's ``pin_memory`` keep it: a shallow
-    copy (its constructor may take other arguments) refilled with ``list``'s or ``dict``'s own
-    methods (``OrderedDict``'s for one), never the user's ``__setitem__``, ``update`` or
-    ``append`` (a converting or merging one would see ``fn``'s results or write into
-    ``obj``'s values: reviews 103, 109), with its attributes that held an item (an
-    ``EasyDict``'s) set to the new item; where the copy fails or is ``obj`` itself,
-    ``type(obj)(items)``, else a plain ``list`` or ``dict``. Anything else that is not a leaf
-    is returned as it is.
+    stays one, with its attributes, as ``default_collate`` and the DataLoader's
+    ``pin_memory`` keep it: a shallow copy (its constructor may take other arguments)
+    refilled with ``list``'s or ``dict``'s own methods (``OrderedDict``'s for one), never the
+    user's ``__setitem__``, ``update`` or ``append`` (a converting or merging one would see
+    ``fn``'s results or write into ``obj``'s values: reviews 103, 109), with its attributes
+    that held an item (an ``EasyDict``'s, in ``__dict__`` or slots) set to the new item; where
+    the copy fails or is ``obj`` itself, ``type(obj)(items)`` if that keeps the items, else a
+    plain ``list`` or ``dict``. ``obj`` is never changed. Anything else that is not a leaf is
+    returned as it is.
 
     ``portable``: the result is a skeleton to pickle to another process (``shm.prepare``):
     such a subclass becomes a :class:`Node`, which :func:`map_leaves` on the other side turns
     back into the subclass, so that unpickling never calls the user's methods with ``fn``'s
-    placeholders and no item is pickled twice (review 112). A subclass whose emptied copy
-    does not pickle (a ``defaultdict``'s local factory, an attribute holding a lambda) comes
-    back as a plain ``list`` or ``dict``.
+    placeholders and no item is pickled twice (review 112). A class with pickling of its own
+    (``__reduce__``, ``__getstate__``, ...) crosses filled instead, its state being free to
+    read its items (review 113). A container that does not survive a pickle round trip
+    (a ``defaultdict``'s local factory, an attribute holding a lambda, a validating
+    constructor) comes back as a plain ``list`` or ``dict``.
     """
     if is_leaf(obj):
         return fn(obj)
