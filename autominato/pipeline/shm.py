@@ -763,17 +763,17 @@ def _layout(sample: Any) -> tuple[int, list, Any]:
             if t is dict:
                 return _DICT, arrays, (list(sample), values, holes)
             return (_TUPLE if t is tuple else _LIST), arrays, (values, holes)
+    if not _has_array(sample):
+        # With no array there is no placeholder: the sample travels as it is, as the
+        # DataLoader's do (its tree is built only where it does not pickle, e.g. a
+        # defaultdict's local factory: pack_prepared), and is not walked on the other side.
+        return _NO_ARRAYS, [], sample
     arrays: list = []
 
     def ref(a: Any) -> ArrayRef:
         arrays.append(a)
         return ArrayRef(len(arrays) - 1)
 
-    if not _has_array(sample):
-        # With no array there is no placeholder: the sample travels as it is, as the
-        # DataLoader's do (its tree is built only where it does not pickle, e.g. a
-        # defaultdict's local factory: pack_prepared), and is not walked on the other side.
-        return _NO_ARRAYS, arrays, sample
     return _TREE, arrays, map_leaves(sample, ref, is_array, portable=True)
 
 

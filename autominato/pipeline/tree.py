@@ -51,9 +51,7 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
         return [map_leaves(o, fn, is_leaf, portable) for o in obj]
     if t is dict:
         return {k: map_leaves(v, fn, is_leaf, portable) for k, v in obj.items()}
-    kind = _KINDS.get(t)
-    if kind is None:
-        kind = _kind(t)
+    kind = _KINDS.get(t) or _kind(t)
     if kind is _LEAF:
         return obj
     if kind is _LIST:
@@ -115,13 +113,9 @@ class Node:
     def rebuild(self, items: Any) -> Any:
         """The subclass around ``items`` (mapped on this side), or ``items`` with no shell.
         The shell is filled in place: a skeleton is unpacked once."""
-        shell = self.shell
-        if shell is None:
+        if self.shell is None:
             return items
-        _fill(shell, items)
-        for name, key, slot in self.mirrors:
-            _set(shell, name, items[key], slot)
-        return shell
+        return _refill(self.shell, items, self.mirrors)
 
 
 def _fill(clone: Any, items: Any) -> None:
@@ -137,6 +131,15 @@ def _fill(clone: Any, items: Any) -> None:
     base.clear(clone)
     for k, v in items.items():
         base.__setitem__(clone, k, v)
+
+
+def _refill(clone: Any, items: Any, mirrors: tuple) -> Any:
+    """``clone`` with ``items`` (:func:`_fill`) and its ``mirrors`` (:func:`_mirrors`) set
+    to the items they held; ``clone``."""
+    _fill(clone, items)
+    for name, key, slot in mirrors:
+        _set(clone, name, items[key], slot)
+    return clone
 
 
 def _items(c: Any) -> Any:
@@ -178,12 +181,13 @@ _PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__", "__g
 _CONTAINERS = (list, dict, UserDict)
 
 
-def _mirrors(obj: Any, clone: Any) -> tuple | None:
+def _mirrors(obj: Any, clone: Any) -> tuple:
     """The attributes of ``clone`` (a copy of ``obj``) that hold one of the items of
     ``obj`` or of ``clone`` (an EasyDict's ``__setitem__`` wraps a list anew while it is
-    copied: review 113): ``((name, key or index, in a slot), ...)``; ``None`` when they
-    cannot be written without writing ``obj``'s (a ``__setstate__`` that adopted ``obj``'s
-    ``__dict__``: the clone is given a copy of it, where that can be done)."""
+    copied: review 113): ``((name, key or index, in a slot), ...)``. A ``__dict__`` that
+    ``clone`` shares with ``obj`` (a ``__setstate__`` that adopted it) is copied first, and
+    where that cannot be done its attributes are not counted: writing them would write
+    ``obj``'s."""
     where = {id(v): k for k, v in _items(obj)}
     where.update((id(v), k) for k, v in _items(clone))
     out = []
@@ -193,7 +197,7 @@ def _mirrors(obj: Any, clone: Any) -> tuple | None:
             try:
                 object.__setattr__(clone, "__dict__", dict(attrs))
             except Exception:
-                return None
+                return ()
             attrs = vars(clone)
         out += [(a, where[id(v)], False) for a, v in attrs.items() if id(v) in where]
     for name in _slots(type(clone)):
@@ -212,7 +216,7 @@ def _subclass(obj: Any, items: Any, portable: bool) -> Any:
         clone = copy.copy(obj)
     except Exception:
         clone = None
-    mirrors: tuple | None = ()
+    mirrors: tuple = ()
     if clone is None or clone is obj or not isinstance(clone, _CONTAINERS):
         try:  # (as before review 112, where the type is built from its items as they are:
             # a constructor of items as arguments would make one item of them, review 107)
@@ -227,26 +231,20 @@ def _subclass(obj: Any, items: Any, portable: bool) -> Any:
     else:
         mirrors = _mirrors(obj, clone)
     if not portable:
-        _fill(clone, items)
-        for name, key, slot in mirrors or ():
-            _set(clone, name, items[key], slot)
-        return clone
+        return _refill(clone, items, mirrors)
     if _pickles_its_own_way(type(clone)):
         # A class that pickles its own way crosses filled, as before review 112 (its state
         # may read its items): its unpickling sees the placeholders, and the other side
         # refills a copy of it. Where that fails (a __setitem__ that refuses them, review
         # 114), emptied as the others.
-        _fill(clone, items)
-        for name, key, slot in mirrors or ():
-            _set(clone, name, items[key], slot)
-        if _round_trips(clone):
+        if _round_trips(_refill(clone, items, mirrors)):
             return clone
     _fill(clone, [] if isinstance(clone, list) else {})
-    for name, _, slot in mirrors or ():
+    for name, _, slot in mirrors:
         _set(clone, name, None, slot)
     if not _round_trips(clone):
         return Node(None, items)
-    return Node(clone, items, mirrors or ())
+    return Node(clone, items, mirrors)
 
 
 def _round_trips(shell: Any) -> bool:
@@ -266,9 +264,7 @@ def for_leaves(obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool
         fn(obj)
         return
     t = type(obj)
-    kind = _KINDS.get(t)
-    if kind is None:
-        kind = _kind(t)
+    kind = _KINDS.get(t) or _kind(t)
     if kind is _LEAF or kind is _NODE:
         return
     for o in (obj.values() if kind is _DICT else obj.data.values() if kind is _USERDICT
