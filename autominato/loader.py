@@ -365,6 +365,16 @@ class Loader:
             docs/memory.md). Counted in
             ``samples_held_for_memory_total``; the workers' idle time in
             ``memory_wait_seconds_total``.
+        warm_heap: with ``memory_aware``, once samples are measured each process worker
+            keeps part of its free heap warm between samples instead of giving it all back
+            (Linux, glibc): as much as the memory budget leaves beside the largest sample
+            (:meth:`SampleMemory.heap_keep <autominato.pipeline.memory.SampleMemory.
+            heap_keep>`), a whole sample when samples are alike, none while a sample waits
+            for memory. The next samples' arrays then need no new pages, which the kernel
+            faults in and zeroes (half of a worker's CPU time on the KiTS19 bench); the cost
+            is memory held by workers between samples, within the budget (docs/memory.md,
+            "The warm heap", for the figures). ``False``: every freed page goes back after
+            each sample, as before December 2026.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
@@ -421,6 +431,7 @@ class Loader:
         autotune: bool = True,
         prefetch_next_epoch: bool = True,
         memory_aware: bool = True,
+        warm_heap: bool = True,
         **knobs: int,
     ) -> None:
         # The arguments as given: a copy (pickle, deepcopy) is built from them (__reduce__).
@@ -665,7 +676,7 @@ class Loader:
             shm_budget_bytes=shm_budget, persistent_workers=self.persistent_workers,
             pin_memory=pin_memory_effective, iterable=self._iterable,
             ray_actor_options=ray_actor_options, dataset_len=self._n,
-            memory_aware=bool(memory_aware),
+            memory_aware=bool(memory_aware), warm_heap=bool(warm_heap),
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
@@ -1499,6 +1510,7 @@ class Loader:
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],
             sample_memory_budget_bytes=p.sample_memory_budget_bytes if p else 0.0,
+            worker_heap_keep_bytes=p.worker_heap_keep_bytes if p else 0.0,
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
         )

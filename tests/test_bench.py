@@ -997,6 +997,7 @@ def test_every_autominato_arm_builds_its_loader_with_its_settings():
     wl = Workload("settings", list(range(4)), _draw, batch_size=2, step_s=0.0, seed=3)
     arms = default_arms(Context(cores=CORES))
     checks = {"memory_aware": lambda L: L._cfg.memory_aware, "in_order": lambda L: L.in_order,
+              "warm_heap": lambda L: L._cfg.warm_heap,
               "prefetch_next_epoch": lambda L: L.prefetch_next_epoch,
               "autotune": lambda L: L.controller is not None}
     seen = set()

@@ -363,6 +363,7 @@ def test_the_workers_idle_time_for_memory_is_measured_true():
         remote = snapshot_from_samples(_samples(fetch(loader._telemetry.url)), "0", 0.0)
     assert remote.samples_held_for_memory_total == snap.samples_held_for_memory_total
     assert remote.sample_memory_budget_bytes == snap.sample_memory_budget_bytes
+    assert remote.worker_heap_keep_bytes == snap.worker_heap_keep_bytes
     assert snap.memory_wait_seconds_total <= remote.memory_wait_seconds_total
     waited = snap.memory_wait_seconds_total
     exported = [v for n, _, v in fams["autominato_memory_wait_seconds"]["samples"]
@@ -630,3 +631,74 @@ def test_small_samples_alike_that_need_no_new_page_never_wait():
         snap = L.snapshot()
     assert sorted(i for e, i, *_ in runs if e == 2) == list(range(24))
     assert snap.samples_held_for_memory_total == 0
+
+
+def test_the_warm_heap_of_every_other_worker_fits_beside_the_largest_sample():
+    """``heap_keep``: a worker's warm heap comes out of the budget's room (the pool at its
+    full share), never on top of it."""
+    m = SampleMemory(8)
+    assert m.heap_keep(2) == 0  # no figure yet: nothing kept
+    for i in range(1, 8):
+        m.learn(i, 100 * MiB)
+    m.learn(0, 400 * MiB)  # an outlier, 4x the others
+    for workers in range(1, 9):
+        room = (MARGIN - POOL_SHARE) * max(400 * MiB, workers * 100 * MiB)
+        keep = m.heap_keep(workers)
+        assert 0 <= keep <= 400 * MiB
+        assert 400 * MiB + (workers - 1) * keep <= room * (1 + 1e-9)
+    assert m.heap_keep(2) == pytest.approx((MARGIN - POOL_SHARE) * 400 * MiB - 400 * MiB)
+    assert m.heap_keep(1) == 400 * MiB  # one worker: nothing runs beside it
+    alike = SampleMemory(8)
+    for i in range(8):
+        alike.learn(i, 100 * MiB)
+    # samples alike: each worker keeps a whole sample warm (2 x 100 fits in 1.15 x 200)
+    assert alike.heap_keep(2) == 100 * MiB
+    assert alike.heap_keep(8) == 100 * MiB
+
+
+class Alike64:
+    """Samples alike, each 64 MiB of arrays (touched) for 15 ms or more."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        a = np.ones(64 * MiB, np.uint8)
+        time.sleep(0.015)  # sent one by one, and measured (memory.CHUNK_BUDGET_S)
+        return np.full(4, i + int(a[0]) - 1, np.float32)
+
+
+def _later_system_time(memory_aware: bool) -> tuple[float, int, list[float]]:
+    """(system CPU-seconds of the workers over epochs 2-5, the heap kept, the figures)."""
+    import psutil
+
+    with Loader(Alike64(), 2, workers=2, seed=0, autotune=False, memory_aware=memory_aware,
+                prefetch_next_epoch=False) as loader:
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
+        pool = loader._pipeline.procs.pool
+        deadline = time.monotonic() + (5.0 if memory_aware else 0.6)
+        while not pool.heap_keep and time.monotonic() < deadline:
+            time.sleep(0.05)  # (sent at the scheduler's next tick)
+        procs = [psutil.Process(p) for p in loader.worker_pids()]
+        first = [p.cpu_times().system for p in procs]
+        for _ in range(4):
+            assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
+        later = sum(p.cpu_times().system - f for p, f in zip(procs, first, strict=True))
+        assert loader.snapshot().worker_heap_keep_bytes == pool.heap_keep  # (exported)
+        return later, pool.heap_keep, list(loader._pipeline.memory._sorted)
+
+
+@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
+                    reason="no glibc malloc_trim")
+def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
+    """After the first figures the workers keep a sample's worth of heap warm: the later
+    epochs' samples take no new pages, where without memory-aware dispatch (no warm heap)
+    the kernel faults in and zeroes each one's 64 MiB anew (system time); and the figures
+    stay the samples' 64 MiB."""
+    later, keep, figures = _later_system_time(True)
+    control, control_keep, _ = _later_system_time(False)
+    assert control_keep == 0
+    assert 60 * MiB <= keep <= 66 * MiB  # samples alike: one whole sample
+    assert later < 0.5 * control, (later, control)
+    assert len(figures) == 8 and all(62 * MiB <= f <= 70 * MiB for f in figures), \
+        [f / MiB for f in figures]

@@ -39,6 +39,9 @@ autominato-in-order    ``autominato.Loader(in_order=True)``, controller on: the 
                        like (opt-in: not in :data:`DEFAULT_ARMS`)
 autominato-memory-off  ``autominato.Loader(memory_aware=False)``, controller on: no sample held
                        back for memory (docs/memory.md), the trade in one run (opt-in)
+autominato-cold-heap   ``autominato.Loader(warm_heap=False)``, controller on: workers give all
+                       their free heap back after each sample (docs/memory.md, "The warm
+                       heap"), the trade in one run (opt-in)
 =====================  =====================================================================
 
 An arm whose library cannot be imported is reported as missing with the import error; it is
@@ -67,13 +70,15 @@ ARM_NAMES = (
     "autominato-drain",
     "autominato-in-order",
     "autominato-memory-off",
+    "autominato-cold-heap",
 )
 
 #: The arms run when none are named: ``autominato-ray`` needs Ray (``autominato[ray]``) and
 #: starts a Ray instance, so it runs when asked for; ``autominato-in-order`` when asked for
 #: (one run more per repeat otherwise).
 DEFAULT_ARMS = tuple(a for a in ARM_NAMES
-                     if a not in ("autominato-ray", "autominato-in-order", "autominato-memory-off"))
+                     if a not in ("autominato-ray", "autominato-in-order", "autominato-memory-off",
+                                  "autominato-cold-heap"))
 
 Built = tuple[Iterable[Any], Callable[[], None]]
 
@@ -149,6 +154,9 @@ def default_arms(ctx: Context) -> dict[str, Arm]:
         ),
         "autominato-memory-off": Arm(
             "autominato-memory-off", "autominato", {"autotune": True, "memory_aware": False}
+        ),
+        "autominato-cold-heap": Arm(
+            "autominato-cold-heap", "autominato", {"autotune": True, "warm_heap": False}
         ),
     }
 

@@ -90,6 +90,11 @@ class Dispatch:
         """The replay models no batch buffer: its rule is that of the working sets alone."""
         return 0
 
+    @staticmethod
+    def _update_heap_keep() -> None:
+        """The replay models no warm heap (``Loader(warm_heap=...)``): its peaks are the
+        working sets' alone."""
+
     def __init__(self, figures: Sequence[float], workers: int, rule: str = "scan",
                  margin: float = MARGIN) -> None:
         if rule not in RULES:

@@ -344,6 +344,9 @@ class ProcessWorkers:
         self.dead: dict[int, ProcWorker] = {}
         # Intra-op thread cap of each worker that does not descend from this process by fork.
         self.threads: int = threads_per_worker(usable_cores(), max(1, initial))
+        #: Bytes of free heap each worker keeps warm between samples (:meth:`set_heap_keep`),
+        #: sent to every worker and to those started later.
+        self.heap_keep: int = 0
         self._payload: bytes | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -503,6 +506,8 @@ class ProcessWorkers:
             try:
                 w.count = max(self.target, w.slot + 1)
                 parent.send(("init", w.slot, w.count, self.dataset))
+                if self.heap_keep:
+                    parent.send(("heap", self.heap_keep))
             except OSError:
                 pass  # it did not start: the zygote reports that
         except (OSError, ValueError) as e:
@@ -540,6 +545,13 @@ class ProcessWorkers:
         if w.dataset_due:
             w.dataset_due = False
             self._send_control(w, ("dataset", self.dataset))
+
+    def set_heap_keep(self, keep: int) -> None:
+        """Let every worker keep up to ``keep`` bytes of free heap warm between samples
+        (``worker.HeapTrim.set_keep``; served after the message each is on), and those
+        started later."""
+        self.heap_keep = max(0, int(keep))
+        self.broadcast(("heap", self.heap_keep))
 
     def broadcast(self, msg: tuple) -> None:
         """Send ``msg`` to every worker (served after the message each is on)."""

@@ -241,6 +241,27 @@ class SampleMemory:
             return 0.0
         return min(float(pool_bytes), self.pool_share_of_base * self._base(workers))
 
+    def heap_keep(self, workers: int) -> float:
+        """Bytes of free heap each of ``workers`` process workers may keep warm between
+        samples (``worker.HeapTrim.set_keep``): what the room leaves beside the largest
+        sample when the pool takes its whole share, ``(MARGIN - POOL_SHARE) x max(largest,
+        workers x upper quartile) - largest``, split over the other ``workers - 1`` (all of
+        it with one worker), and at most the largest figure (no sample needs more); 0 before
+        any figure.
+
+        A worker's memory while it runs a sample is then at most ``max(its working set, the
+        warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room,
+        as does a sample that the rule admits beside others (the warm heap is the part of a
+        working set it already holds). When samples are alike the warm heap holds a whole
+        sample (``workers`` of them fit in the budget); with one outlier five times the
+        others (the KiTS19 bench's 42 cases: largest 500 MiB, upper quartile 240), 75 MiB."""
+        if not self._sorted:
+            return 0.0
+        base = self._base(workers)
+        spare = (self.margin - self.pool_share_of_base) * base - self.largest
+        keep = spare / (workers - 1) if workers > 1 else spare + self.largest
+        return max(0.0, min(self.largest, keep))
+
     def room(self, workers: int, pool_bytes: float = 0.0) -> float:
         """Bytes of working sets that may be in flight beside ``pool_bytes`` of the pool:
         :meth:`budget` less :meth:`pool_share`."""

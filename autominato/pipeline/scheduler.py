@@ -75,7 +75,7 @@ from autominato.pipeline.shm import (
 from autominato.pipeline.stage import Result, Stage
 from autominato.pipeline.stats import StageStats
 from autominato.pipeline.stream import Pull, PullDone, ShardLost, Stream, Yielded, YieldFailed
-from autominato.pipeline.worker import Streams, WorkSpec, sample_path
+from autominato.pipeline.worker import HEAP_SLACK_BYTES, Streams, WorkSpec, sample_path
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -140,6 +140,8 @@ class PipelineConfig:
             working set would not fit beside those in flight waits (see
             :mod:`autominato.pipeline.memory`).
         dataset_len: the map-style dataset's length (for ``memory_aware``'s figures).
+        warm_heap: with ``memory_aware``, process workers keep part of their free heap warm
+            between samples (``SampleMemory.heap_keep``, ``worker.HeapTrim``).
     """
 
     batch_size: int
@@ -161,6 +163,7 @@ class PipelineConfig:
     ray_actor_options: dict | None = None
     memory_aware: bool = True
     dataset_len: int | None = None
+    warm_heap: bool = True
 
     @property
     def cuda(self) -> bool:
@@ -562,6 +565,12 @@ class Pipeline:
             return 0.0
         return self.memory.budget(self.procs.size)
 
+    @property
+    def worker_heap_keep_bytes(self) -> float:
+        """Bytes of free heap each worker process may keep warm between samples now, as
+        last sent to them (``_update_heap_keep``); 0 without process workers."""
+        return float(self.procs.pool.heap_keep) if self.procs is not None else 0.0
+
     def workers_ready_at(self) -> float | None:
         """``time.monotonic()`` since when a worker process (or Ray actor) has been ready to
         run samples (the earliest of those ready now); ``None`` while none is (they are
@@ -688,6 +697,8 @@ class Pipeline:
                     held = self._held_key is not None
                     self.slots.decay(now, keep=0 if ahead or held else None)
                     self.batch_pool.decay(now, at_once=held)
+                    if self._memory_aware:
+                        self._update_heap_keep()
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")
             self._fail_all(e)
@@ -1009,8 +1020,11 @@ class Pipeline:
                 ahead = (held_est + need, sum(e for k, e in ests.items() if k in over))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool):
                 if not overtaking and key != self._held_key:
+                    held_before = self._held_key is not None
                     self._held_key = key
                     self._overtook.clear()
+                    if not held_before:
+                        self._update_heap_keep()  # idle workers' warm heaps go first
                 return False
             if overtaking:
                 self._overtook.add(key)
@@ -1021,8 +1035,26 @@ class Pipeline:
             # idle batch buffers punched at every tick).
             self._held_key = None
             self._overtook.clear()
+            self._update_heap_keep()
         index[key] = item[0]
         return True
+
+    def _update_heap_keep(self) -> None:
+        """Tell the workers how much free heap to keep warm between samples
+        (``SampleMemory.heap_keep`` of the figures and the worker count now; see
+        ``worker.HeapTrim``), when it moved by :data:`~autominato.pipeline.worker.
+        HEAP_SLACK_BYTES` or more, or to or from 0. None while a sample is held back for
+        memory: a worker left idle by the hold gives its warm heap back at once (it would
+        otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
+        the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
+        after their sample."""
+        if not self.cfg.warm_heap:
+            return
+        keep = (int(self.memory.heap_keep(self.procs.size))
+                if self.memory.known and self._held_key is None else 0)
+        last = self.procs.pool.heap_keep
+        if keep != last and (not keep or not last or abs(keep - last) >= HEAP_SLACK_BYTES):
+            self.procs.pool.set_heap_keep(keep)
 
     def _budgeted_pool_bytes(self) -> int:
         """What takes the pool's share of the memory budget (``memory.POOL_SHARE``): the

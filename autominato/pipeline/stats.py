@@ -169,6 +169,9 @@ class LoaderSnapshot:
             working set would not fit beside those in flight (``memory_aware``).
         sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
+        worker_heap_keep_bytes: bytes of free heap each worker process may keep warm between
+            samples now (``warm_heap``; 0 while a sample waits for memory, before a sample
+            was measured, or without ``memory_aware``).
         memory_wait_seconds_total: seconds that free workers waited, summed over workers,
             because the samples queued for them did not fit in that budget: idle
             worker time, the most ``memory_aware`` can cost (a cost only where the loader is
@@ -215,6 +218,7 @@ class LoaderSnapshot:
     between_epochs_seconds_total: float = 0.0
     samples_held_for_memory_total: int = 0
     sample_memory_budget_bytes: float = 0.0
+    worker_heap_keep_bytes: float = 0.0
     memory_wait_seconds_total: float = 0.0
 
     @property

@@ -62,6 +62,20 @@ since it last did so gives the free pages of its C heap back (:class:`HeapTrim`,
 volumes, which free tens to hundreds of MB per sample, give them back; small samples keep
 reusing warm pages. A zygote that forks its workers gives back its own free heap once when
 it starts (:mod:`autominato.pipeline.spawn`).
+
+Warm heap. Giving the heap back has a price: every page of the next sample's arrays is a new
+page fault, zeroed by the kernel. On the KiTS19 bench (42 cases, MLPerf transforms) that was
+half of a worker's CPU time (8-9 s of system time beside 9 s of user time per worker per
+run); a process that kept its freed heap ran the same samples 25-40% faster. So the loader
+lets a process worker keep up to ``keep`` bytes of free heap warm between samples
+(``("heap", keep)``, sent by memory-aware dispatch, :meth:`SampleMemory.heap_keep
+<autominato.pipeline.memory.SampleMemory.heap_keep>`: what fits in the memory budget beside
+the largest sample, so that the peak stays within the budget). Once ``keep`` is above 0 the
+worker allocates every array from its heap (glibc ``mallopt``: no ``mmap`` per large array,
+which would be unmapped and faulted anew every time, and no trim by ``free``), and its
+give-backs keep ``keep`` bytes at the top of the heap (``malloc_trim(keep)``). A sample's peak
+memory (:class:`PeakMeter`) is then measured above the worker's level without the warm heap,
+so that the figures stay the samples' working sets.
 """
 
 from __future__ import annotations
@@ -115,18 +129,49 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _find_malloc_trim()
 
 
-def give_back_free_heap() -> bool:
+def give_back_free_heap(keep: int = 0) -> bool:
     """Return the free pages of this process's C heap to the system: glibc's
-    ``malloc_trim(0)`` (``man 3 malloc_trim``: since glibc 2.8 it releases the whole free
-    pages of free chunks in every arena, and shrinks the top of the main arena). The memory
+    ``malloc_trim(keep)`` (``man 3 malloc_trim``: since glibc 2.8 it releases the whole free
+    pages of free chunks in every arena, and shrinks the top of the main arena to ``keep``
+    bytes above what is in use: those stay warm, see :func:`heap_only`). The memory
     stays the process's to allocate again, at the cost of its page faults then. Takes
     microseconds when little is free, ~14 ms after 320 MB of small arrays were freed
     (measured on this project's machines). Returns False where the C library has no
     ``malloc_trim`` (musl, macOS: nothing is done)."""
     if _malloc_trim is None:
         return False
-    _malloc_trim(0)
+    _malloc_trim(max(0, int(keep)))
     return True
+
+
+def _find_mallopt() -> Callable[[int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mallopt = _find_mallopt() if _malloc_trim is not None else None
+
+#: glibc's ``mallopt`` parameters (``malloc.h``).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def heap_only() -> bool:
+    """Make this process's C allocator serve every block from its heap and never give free
+    memory back by itself (glibc: ``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD,
+    INT_MAX)``), so that only :func:`give_back_free_heap` does, keeping what it is told to.
+    By default glibc maps each block above its mmap threshold (at most 32 MiB) on its own and
+    unmaps it when freed: every such array of the next sample is then faulted in anew. Heap
+    blocks freed in the middle of the heap are given back by ``malloc_trim`` too, so the
+    resident memory still goes down when a sample's arrays are freed. Returns False (and
+    changes nothing) where the C library is not glibc."""
+    if _mallopt is None:
+        return False
+    return bool(_mallopt(_M_MMAP_MAX, 0)) and bool(_mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 #: Growth of a worker's resident anonymous memory (bytes) since it last gave its free heap
@@ -139,6 +184,11 @@ HEAP_SLACK_BYTES = 16 << 20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
+#: The least rise of a worker's resident set above its warm heap that says a task needed more
+#: than the warm heap (:meth:`PeakMeter.peak`): below it, the pages a task adds outside the
+#: heap (a new arena of Python's small-object allocator, 1 MiB, a stack) are not its arrays.
+WARM_RISE_MIN = 4 << 20
+
 
 class HeapTrim:
     """Gives the heap's free pages back (:func:`give_back_free_heap`) when this process's
@@ -149,6 +199,10 @@ class HeapTrim:
 
     def __init__(self, slack: int = HEAP_SLACK_BYTES) -> None:
         self.slack = slack
+        self.keep = 0  # bytes of free heap kept warm at each give-back (set_keep)
+        #: resident anonymous bytes right after the heap was given back whole, when the
+        #: worker began to keep a warm heap (None: it never did)
+        self.floor: int | None = None
         self.given = 0  # times the heap was given back
         try:
             self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
@@ -177,13 +231,43 @@ class HeapTrim:
             return
         self._give_back()
 
+    def set_keep(self, keep: int) -> None:
+        """Keep up to ``keep`` bytes of free heap warm from now on (between tasks: the
+        worker's ``("heap", keep)``). The first ``keep`` above 0 gives the heap back whole,
+        takes that level as :attr:`floor` and makes the allocator heap-only
+        (:func:`heap_only`); a smaller ``keep`` gives back the excess now. Nothing changes
+        where the C library is not glibc or ``/proc`` cannot be read."""
+        keep = max(0, int(keep))
+        if keep == self.keep:
+            return
+        if self.floor is None:
+            if not keep:
+                return
+            self._give_back()
+            if self.base is None or not heap_only():
+                return  # no /proc to measure against, or another C library: as before
+            self.floor = self.base
+        shrink = keep < self.keep
+        self.keep = keep
+        if shrink:
+            self._give_back()
+
+    def warm_bytes(self, resident: int | None = None) -> int:
+        """Bytes of free heap this process holds warm (at most :attr:`keep`): its resident
+        anonymous memory above :attr:`floor`; 0 when it keeps none."""
+        if self.floor is None or not self.keep:
+            return 0
+        if resident is None:
+            resident = self.resident_bytes()
+        return 0 if resident is None else max(0, min(self.keep, resident - self.floor))
+
     def close(self) -> None:
         if self._statm is not None:
             os.close(self._statm)
             self._statm = None
 
     def _give_back(self) -> None:
-        if give_back_free_heap():
+        if give_back_free_heap(self.keep):
             self.given += 1
         self.base = self.resident_bytes()
 
@@ -209,6 +293,10 @@ class PeakMeter:
                 os.close(fd)
             fds = []
         self._clear, self._statm, self._status = fds or (None, None, None)
+        #: the worker's :class:`HeapTrim` (set by its loop): the warm heap it keeps is not
+        #: the task's, and a task that fits in it rises nothing (see :meth:`peak`)
+        self.heap: HeapTrim | None = None
+        self._warm = 0
 
     def close(self) -> None:
         for fd in (self._clear, self._statm, self._status):
@@ -225,7 +313,10 @@ class PeakMeter:
             return None
         try:
             os.write(self._clear, b"5")
-            return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
+            fields = os.pread(self._statm, 128, 0).split()
+            self._warm = (self.heap.warm_bytes((int(fields[1]) - int(fields[2])) * _PAGE)
+                          if self.heap is not None else 0)
+            return int(fields[1]) * _PAGE
         except (OSError, ValueError, IndexError):
             self._clear = None
             return None
@@ -235,15 +326,23 @@ class PeakMeter:
 
         At least :data:`~autominato.pipeline.memory.NO_RISE` (1) when measured: a task that
         needed no new page, its memory from the heap the worker kept (``SampleMemory.learn``
-        says what it counts as), so that 0 means only "not measured"."""
+        says what it counts as), so that 0 means only "not measured". Where the worker kept a
+        warm heap of ``w`` bytes when the task began (:meth:`HeapTrim.warm_bytes`), a task
+        that rose by ``r`` needed ``w + r``: its working set filled the warm heap first; one
+        that rose by less than :data:`WARM_RISE_MIN` fitted in it (``NO_RISE``: its working
+        set is at most ``w``, and counted as ``w`` it would set the budget by the warm heap,
+        which is set by the budget)."""
         if base is None or self._status is None:
             return 0
         try:
             text = os.pread(self._status, 4096, 0)
             at = text.index(b"VmHWM:")
-            return max(NO_RISE, int(text[at + 6:text.index(b"kB", at)]) * 1024 - base)
+            rise = int(text[at + 6:text.index(b"kB", at)]) * 1024 - base
         except (OSError, ValueError):
             return 0
+        if self._warm:
+            return NO_RISE if rise < WARM_RISE_MIN else rise + self._warm
+        return max(NO_RISE, rise)
 
 
 _meter: tuple[int, PeakMeter] | None = None
@@ -772,7 +871,8 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     The first message from the loader is ``("init", id, workers, dataset)``: this worker's id
     in ``[0, workers)`` (:func:`start_worker` runs ``worker_init_fn(id)``) and the dataset
     cloudpickled, or ``None`` to keep the spec's. Then: ``None`` (exit), ``("threads", n)``
-    (cap intra-op threads at ``n``: the worker count changed), ``("dataset", bytes)`` (a new
+    (cap intra-op threads at ``n``: the worker count changed), ``("heap", keep)`` (keep up to
+    ``keep`` bytes of free heap warm between tasks, :meth:`HeapTrim.set_keep`), ``("dataset", bytes)`` (a new
     copy of the dataset, ``persistent_workers=False``: ``worker_init_fn`` runs again, as in a
     DataLoader's fresh worker), ``("many", [task, ...])``, each task
     ``(key, index, epoch, draw, read, in_slot, in_desc, out_slot)`` (``draw``: see
@@ -816,6 +916,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             streams = Streams(spec, process=True)
             # Its first give-back (what start-up freed) comes before "ready": no task waits on it.
             heap = HeapTrim()
+            _peak_meter().heap = heap
         except (EOFError, OSError):
             raise
         except BaseException as e:  # noqa: BLE001 - reported to the training loop
@@ -841,6 +942,9 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
         kind = msg[0]
         if kind == "threads":
             limit_threads(msg[1])
+            continue
+        if kind == "heap":
+            heap.set_keep(msg[1])
             continue
         if kind == "drop":
             streams.drop(msg[1])

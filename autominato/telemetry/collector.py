@@ -152,6 +152,7 @@ def _add_samples(
     put("autominato_between_epochs_seconds_total", s.between_epochs_seconds_total)
     put("autominato_samples_held_for_memory_total", s.samples_held_for_memory_total)
     put("autominato_sample_memory_budget_bytes", s.sample_memory_budget_bytes)
+    put("autominato_worker_heap_keep_bytes", s.worker_heap_keep_bytes)
     put("autominato_memory_wait_seconds_total", s.memory_wait_seconds_total)
     if s.extra.get(CPU_OF_WORKERS_KEY) == 1.0 and CPU_SECONDS_KEY in s.extra:
         # (of worker processes only: the training process's CPU is not the loader's, and a

@@ -205,6 +205,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "sample's peak, workers x the upper quartile's); 0 before a sample was measured.",
         (),
     ),
+    "autominato_worker_heap_keep_bytes": (
+        "gauge",
+        "Bytes of free heap each worker process may keep warm between samples (warm_heap): "
+        "what the memory budget leaves beside the largest sample; 0 while a sample waits for "
+        "memory or before a sample was measured.",
+        (),
+    ),
     "autominato_memory_wait_seconds_total": (
         "counter",
         "Seconds that free workers waited, summed over workers, because the samples queued "

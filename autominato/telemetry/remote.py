@@ -189,6 +189,7 @@ def snapshot_from_samples(
         samples_held_for_memory_total=int(
             g(samples, "autominato_samples_held_for_memory_total", rank=rank)),
         sample_memory_budget_bytes=g(samples, "autominato_sample_memory_budget_bytes", rank=rank),
+        worker_heap_keep_bytes=g(samples, "autominato_worker_heap_keep_bytes", rank=rank),
         memory_wait_seconds_total=g(samples, "autominato_memory_wait_seconds_total", rank=rank),
         extra=_cpu_extra(samples, rank),
     )
