@@ -931,24 +931,28 @@ def test_every_arm_draws_each_epochs_augmentation_in_that_epoch():
         assert got == want, name
 
 
-def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thread():
-    import multiprocessing as mp
+_FORKED_SAMPLER_PROBE = """
+import multiprocessing as mp
+import os
+import sys
+import time
 
-    import psutil
+import numpy as np
+import psutil
 
-    from autominato.bench.measure import ForkedTreeSampler
-    from autominato.pipeline.spawn import can_fork_now
+from autominato.bench.measure import ForkedTreeSampler
+from autominato.pipeline.spawn import can_fork_now
+from autominato.telemetry.process import ProcessMeter
 
-    def hog(seconds: float) -> None:
-        block = np.ones(200 * 2**20 // 8)  # 200 MiB, written
-        t = time.process_time()
-        while time.process_time() - t < seconds:
-            block[::4096] += 1.0
 
-    if not can_fork_now():
-        pytest.skip("this test process runs more than one thread")
-    from autominato.telemetry.process import ProcessMeter
+def hog(seconds):
+    block = np.ones(200 * 2**20 // 8)  # 200 MiB, written
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        block[::4096] += 1.0
 
+
+def measures():
     before = ProcessMeter(children=True, pss=True).read().footprint_bytes
     s = ForkedTreeSampler(interval=0.05).start()
     try:
@@ -966,26 +970,51 @@ def test_a_forked_tree_sampler_measures_the_tree_and_leaves_this_process_one_thr
     # The fork shares this process's pages with the sampler (its PSS halved): the sampler
     # adds its share back, so the tree's start is what it was before the fork.
     assert abs(usage.start_memory_bytes - before) < 0.15 * before
-    assert s._pid == 0 and sampler_pid not in {c.pid for c in psutil.Process().children()}  # reaped
+    assert s._pid == 0 and sampler_pid not in {c.pid for c in psutil.Process().children()}
 
 
-def test_a_forked_tree_sampler_that_died_says_so_and_is_reaped():
+def died():
     import signal
 
-    from autominato.bench.measure import ForkedTreeSampler
-    from autominato.pipeline.spawn import can_fork_now
-
-    if not can_fork_now():
-        pytest.skip("this test process runs more than one thread")
     s = ForkedTreeSampler(interval=0.05).start()
     pid = s._pid
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="without its figures"):
+    try:
         s.stop()
-    with pytest.raises(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reaped: no zombie left
-    with pytest.raises(RuntimeError):
-        s.stop()  # a second stop closes nothing twice
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "without its figures" in str(e), e
+    try:
+        os.waitpid(pid, os.WNOHANG)
+        raise AssertionError("not reaped")
+    except ChildProcessError:
+        pass  # reaped: no zombie left
+    try:
+        s.stop()
+        raise AssertionError("stopped twice")
+    except RuntimeError:
+        pass  # a second stop closes nothing twice
+
+
+if __name__ == "__main__":
+    assert can_fork_now(), "a fresh interpreter runs more than one thread"
+    {"measures": measures, "died": died}[sys.argv[1]]()
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", ["measures", "died"])
+def test_a_forked_tree_sampler_measures_the_tree_leaves_one_thread_and_says_when_it_died(
+        case, tmp_path):
+    """In a fresh interpreter: the test needs a process that runs one thread (other tests'
+    threads in this one made it skip under pytest-xdist)."""
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(_FORKED_SAMPLER_PROBE)
+    out = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]
 
 
 def test_every_autominato_arm_builds_its_loader_with_its_settings():
