@@ -437,6 +437,9 @@ class Loader:
         # The arguments as given: a copy (pickle, deepcopy) is built from them (__reduce__).
         given = {k: v for k, v in locals().items() if k not in ("self", "knobs")
                  and not k.startswith("__")}
+        for name, flag in (("memory_aware", memory_aware), ("warm_heap", warm_heap)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         given.update(knobs)
         unknown = set(knobs) - set(KNOB_NAMES)
         if unknown:

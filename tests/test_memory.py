@@ -638,6 +638,8 @@ def test_the_warm_heap_of_every_other_worker_fits_beside_the_largest_sample():
     full share), never on top of it."""
     m = SampleMemory(8)
     assert m.heap_keep(2) == 0  # no figure yet: nothing kept
+    m.learn(1, 100 * MiB)
+    assert m.heap_keep(2) == 0  # one figure of 8: the largest may not have run yet
     for i in range(1, 8):
         m.learn(i, 100 * MiB)
     m.learn(0, 400 * MiB)  # an outlier, 4x the others
@@ -702,3 +704,76 @@ def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
     assert later < 0.5 * control, (later, control)
     assert len(figures) == 8 and all(62 * MiB <= f <= 70 * MiB for f in figures), \
         [f / MiB for f in figures]
+
+
+def test_a_bound_from_the_warm_heap_keeps_a_smaller_figure_or_becomes_the_figure():
+    """A sample that fitted in its worker's warm heap reports about that heap (negative): a
+    first figure is that, not 16 MiB (review 116: 70 of 96 figures read 16 MiB); a figure
+    the index has stays."""
+    m = SampleMemory(3)
+    m.learn(0, -48 * MiB)
+    assert m.estimate(0) == 48 * MiB
+    m.learn(1, 30 * MiB)
+    m.learn(1, -48 * MiB)
+    assert m.estimate(1) == 30 * MiB
+    m.learn(2, 60 * MiB)
+    m.learn(2, -48 * MiB)
+    assert m.estimate(2) == 60 * MiB
+    assert sorted(m._sorted) == [30 * MiB, 48 * MiB, 60 * MiB]
+
+
+def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
+    from types import SimpleNamespace
+
+    from autominato.pipeline.scheduler import Pipeline
+
+    fake = SimpleNamespace(procs=SimpleNamespace(size=4, pool=SimpleNamespace(heap_keep=50)))
+    assert Pipeline._idle_warm(fake, 2) == [50.0]  # the 4th worker stays idle
+    assert Pipeline._idle_warm(fake, 1) == [50.0, 50.0]
+    assert Pipeline._idle_warm(fake, 0) == []  # nothing runs: the sample starts anyway
+    fake.procs.pool.heap_keep = 0
+    assert Pipeline._idle_warm(fake, 2) == []
+    sent = []
+    keeps = iter([100 * MiB, 100 * MiB + MiB, 100 * MiB - MiB, 120 * MiB])
+    fake = SimpleNamespace(cfg=SimpleNamespace(warm_heap=True), _held_key=None,
+                           memory=SimpleNamespace(known=True, heap_keep=lambda w: next(keeps)),
+                           procs=SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0)))
+    fake.procs.pool.set_heap_keep = lambda k: (sent.append(k >> 20),
+                                               setattr(fake.procs.pool, "heap_keep", k))
+    for _ in range(4):
+        Pipeline._update_heap_keep(fake)
+    assert sent == [100, 99, 120]  # +1 MiB waits for 16; -1 MiB goes at once
+
+
+def test_a_busy_worker_gets_the_keep_when_it_is_idle_again_and_only_once():
+    from types import SimpleNamespace
+
+    from autominato.pipeline.executor import ProcessWorkers
+
+    sent = []
+
+    class W:
+        def __init__(self, busy: bool) -> None:
+            self.ready, self.task, self.heap_sent, self.retiring = True, busy or None, 0, False
+
+        def send(self, msg):
+            sent.append((self, msg))
+
+    idle, busy = W(False), W(True)
+    pool = SimpleNamespace(workers={0: idle, 1: busy}, heap_keep=0)
+    pool._send_control = lambda w, m: ProcessWorkers._send_control(pool, w, m)
+    pool._send_heap = lambda w: ProcessWorkers._send_heap(pool, w)
+    ProcessWorkers.set_heap_keep(pool, 64)
+    assert sent == [(idle, ("heap", 64))]  # the busy one gets nothing while it is busy
+    ProcessWorkers.set_heap_keep(pool, 32)
+    ProcessWorkers.set_heap_keep(pool, 48)
+    ProcessWorkers.task_done(pool, busy)
+    assert sent[-1] == (busy, ("heap", 48)) and [m for w, m in sent if w is busy] == [("heap", 48)]
+    ProcessWorkers.task_done(pool, busy)
+    assert len([m for w, m in sent if w is busy]) == 1  # no resend of the same keep
+
+
+@pytest.mark.parametrize("name", ["warm_heap", "memory_aware"])
+def test_a_switch_that_is_not_a_bool_is_refused_by_name(name):
+    with pytest.raises(TypeError, match=f"{name} must be True or False, got 'no'"):
+        Loader(list(range(4)), 2, **{name: "no"})

@@ -91,6 +91,11 @@ class Dispatch:
         return 0
 
     @staticmethod
+    def _idle_warm(running: int) -> list[float]:
+        """No warm heap in the replay (see :meth:`_update_heap_keep`)."""
+        return []
+
+    @staticmethod
     def _update_heap_keep() -> None:
         """The replay models no warm heap (``Loader(warm_heap=...)``): its peaks are the
         working sets' alone."""

@@ -239,6 +239,7 @@ class ProcWorker:
     info: dict = field(default_factory=dict)
     slot: int = 0  # its id in [0, workers), as the DataLoader's worker ids (wid never repeats)
     dataset_due: bool = False  # ProcessWorkers.dataset is to be sent before its next task
+    heap_sent: int = 0  # the last ("heap", keep) it was sent (ProcessWorkers.heap_keep)
     fd_sock: Any = None  # conn's socket for the memory files beside replies (shm.fd_socket)
     # The scheduler thread sends tasks and control messages, the collector thread the answers
     # to row claims (rows.RowAllocator.claim): one message at a time.
@@ -506,8 +507,6 @@ class ProcessWorkers:
             try:
                 w.count = max(self.target, w.slot + 1)
                 parent.send(("init", w.slot, w.count, self.dataset))
-                if self.heap_keep:
-                    parent.send(("heap", self.heap_keep))
             except OSError:
                 pass  # it did not start: the zygote reports that
         except (OSError, ValueError) as e:
@@ -541,17 +540,27 @@ class ProcessWorkers:
             if w.ready and w.task is None:
                 self._send_due(w)
 
+    def _send_heap(self, w: ProcWorker) -> None:
+        if w.heap_sent != self.heap_keep:
+            w.heap_sent = self.heap_keep
+            self._send_control(w, ("heap", self.heap_keep))
+
     def _send_due(self, w: ProcWorker) -> None:
+        self._send_heap(w)
         if w.dataset_due:
             w.dataset_due = False
             self._send_control(w, ("dataset", self.dataset))
 
     def set_heap_keep(self, keep: int) -> None:
         """Let every worker keep up to ``keep`` bytes of free heap warm between samples
-        (``worker.HeapTrim.set_keep``; served after the message each is on), and those
-        started later."""
+        (``worker.HeapTrim.set_keep``): an idle worker is told now, a busy one (or one not
+        ready yet) as soon as it is idle again (:meth:`task_done`) or right before its next
+        task, so that a worker stuck on a sample gets no pile of messages while the keep
+        moves (a socket's buffer holds a few hundred)."""
         self.heap_keep = max(0, int(keep))
-        self.broadcast(("heap", self.heap_keep))
+        for w in list(self.workers.values()):
+            if w.ready and w.task is None:
+                self._send_heap(w)
 
     def broadcast(self, msg: tuple) -> None:
         """Send ``msg`` to every worker (served after the message each is on)."""
@@ -580,6 +589,8 @@ class ProcessWorkers:
         w.task = None
         if w.retiring:
             self._stop(w)
+        elif w.ready:
+            self._send_heap(w)  # (a keep that moved while it was busy)
 
     def _stop(self, w: ProcWorker) -> None:
         # Forgotten before it is told to end: the collector thread may see it exit before this

@@ -89,6 +89,11 @@ POOL_SHARE = 0.2
 #: (up to 6 with 2 workers), and its first 16 refused samples beyond.
 SCAN_REFUSALS = 16
 
+#: Figures (indices measured) from which workers keep a warm heap, or half the dataset's
+#: indices if fewer (:meth:`SampleMemory.heap_keep`): the largest of 256 draws lies above
+#: 99.6% of the distribution in expectation.
+KEEP_AFTER_FIGURES = 256
+
 #: Indices of a map-style dataset whose figures are kept (4 bytes each); a larger dataset
 #: keeps none and is never held back.
 MAX_INDICES = 1 << 24
@@ -161,7 +166,19 @@ class SampleMemory:
         still large), else it counts as :data:`KEPT_HEAP_BYTES`. (Left out as unmeasured,
         most small samples of a dataset with a few large ones were, trial 97, and the large
         ones alone then set the upper quartile; as 1 byte, samples alike would set it at
-        nothing and hold apart the few measured otherwise, review 98.)"""
+        nothing and hold apart the few measured otherwise, review 98.)
+
+        A negative ``peak_bytes`` is about ``-peak_bytes``: a sample that fitted in its
+        worker's warm heap (``worker.PeakMeter.peak``: the heap's free top and the rise
+        outside it; the free blocks it also used inside the heap are not in it, so it may
+        read a little low). The index keeps its figure if it has one (lowered to such a
+        figure, 8 MiB samples alike read 7.1 and were held apart), else takes it."""
+        if peak_bytes < 0 and 0 <= index < self._n:
+            with self._lock:
+                old = float(self._peaks[index]) if self._peaks is not None else 0.0
+            if old > 0:
+                return
+            peak_bytes = -peak_bytes
         if peak_bytes <= 0 or not 0 <= index < self._n:
             return
         with self._lock:
@@ -250,12 +267,18 @@ class SampleMemory:
         any figure.
 
         A worker's memory while it runs a sample is then at most ``max(its working set, the
-        warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room,
-        as does a sample that the rule admits beside others (the warm heap is the part of a
-        working set it already holds). When samples are alike the warm heap holds a whole
-        sample (``workers`` of them fit in the budget); with one outlier five times the
-        others (the KiTS19 bench's 42 cases: largest 500 MiB, upper quartile 240), 75 MiB."""
-        if not self._sorted:
+        warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room.
+        Samples admitted together leave idle workers' warm heaps beside them, which
+        ``Pipeline._idle_warm`` counts in flight (with three workers or more this formula
+        alone let them pass the budget by up to 10%, review 116). When samples are alike the
+        warm heap holds a whole sample (``workers`` of them fit in the budget); with an
+        outlier twice the upper quartile (the KiTS19 bench's 42 cases: largest 480-500 MiB,
+        upper quartile 220-240), 70-75 MiB. 0 until half the indices, or
+        :data:`KEEP_AFTER_FIGURES`, have figures: sized against a largest sample not measured
+        yet, whole-sample warm heaps sat beside it (review 117: 838 MiB of working sets in a
+        budget of 678 in the first epoch; 126-250 MiB per worker in the KiTS19 bench's first
+        epochs at 21 samples an epoch)."""
+        if len(self._sorted) < min(self._n // 2, KEEP_AFTER_FIGURES) or not self._sorted:
             return 0.0
         base = self._base(workers)
         spare = (self.margin - self.pool_share_of_base) * base - self.largest

@@ -1005,7 +1005,7 @@ class Pipeline:
                 ests = {k: est(index[k]) if k in index else median for k in held}
                 pool = self._budgeted_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
-            in_flight = list(ests.values())
+            in_flight = list(ests.values()) + self._idle_warm(len(ests))
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
@@ -1039,6 +1039,15 @@ class Pipeline:
         index[key] = item[0]
         return True
 
+    def _idle_warm(self, running: int) -> list[float]:
+        """The warm heaps of the workers left idle when one more sample starts beside
+        ``running`` samples (``SampleMemory.heap_keep`` fits one beside the largest sample,
+        not two, review 116), as estimates in flight; none when nothing runs (a sample then
+        starts however large: the hold it would cause takes the warm heaps back anyway)."""
+        keep = self.procs.pool.heap_keep
+        idle = self.procs.size - running - 1
+        return [float(keep)] * idle if keep and running and idle > 0 else []
+
     def _update_heap_keep(self) -> None:
         """Tell the workers how much free heap to keep warm between samples
         (``SampleMemory.heap_keep`` of the figures and the worker count now; see
@@ -1053,7 +1062,8 @@ class Pipeline:
         keep = (int(self.memory.heap_keep(self.procs.size))
                 if self.memory.known and self._held_key is None else 0)
         last = self.procs.pool.heap_keep
-        if keep != last and (not keep or not last or abs(keep - last) >= HEAP_SLACK_BYTES):
+        # (a smaller keep goes at once: the budget leaves that much less beside the largest)
+        if keep < last or (keep > last and (not last or keep - last >= HEAP_SLACK_BYTES)):
             self.procs.pool.set_heap_keep(keep)
 
     def _budgeted_pool_bytes(self) -> int:

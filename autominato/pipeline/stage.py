@@ -44,7 +44,8 @@ class Result:
         read_s: seconds of those spent reading (a stage that reads and transforms), or 0.
         nbytes: bytes of the output (array payload).
         peak_bytes: the item's peak memory in its worker process (bytes above the worker's
-            resident set when it began; ``worker.PeakMeter``), 0 when not measured.
+            resident set when it began; ``worker.PeakMeter``), 0 when not measured; negative:
+            an upper bound (``SampleMemory.learn``).
     """
 
     stage: str
