@@ -1006,12 +1006,12 @@ out = [task(64)]  # before any keep: faulted in, and given back
 cold = heap.resident_bytes()
 heap.set_keep(96 * MiB)
 out.append(task(64))  # faulted in once more, then kept warm
-out.append((heap.warm_bytes(), 0))
+out.append((heap.warm_bytes()[0], 0))
 out.append(task(64))  # from the warm heap
 out.append(task(128))  # 64 MiB warm, 64 more
 out.append(task(32))  # fits in the warm heap
 heap.set_keep(0)
-out.append((heap.warm_bytes(), heap.resident_bytes() - cold))
+out.append((heap.warm_bytes()[0], heap.resident_bytes() - cold))
 print(" ".join(f"{a} {b}" for a, b in out))
 """
 

@@ -173,22 +173,16 @@ class SampleMemory:
         outside it; the free blocks it also used inside the heap are not in it, so it may
         read a little low). The index keeps its figure if it has one (lowered to such a
         figure, 8 MiB samples alike read 7.1 and were held apart), else takes it."""
-        if peak_bytes < 0 and 0 <= index < self._n:
-            with self._lock:
-                old = float(self._peaks[index]) if self._peaks is not None else 0.0
-            if old > 0:
-                return
-            peak_bytes = -peak_bytes
-        if peak_bytes <= 0 or not 0 <= index < self._n:
+        if not peak_bytes or not 0 <= index < self._n:
             return
         with self._lock:
             if self._peaks is None:
                 self._peaks = np.zeros(self._n, np.float32)
             old = float(self._peaks[index])
-            if peak_bytes == NO_RISE:
+            if peak_bytes < 0 or peak_bytes == NO_RISE:
                 if old > 0:
                     return
-                peak_bytes = KEPT_HEAP_BYTES
+                peak_bytes = -peak_bytes if peak_bytes < 0 else KEPT_HEAP_BYTES
             self._peaks[index] = peak_bytes
             new = float(self._peaks[index])  # (as stored: float32)
             if old > 0:
@@ -263,8 +257,7 @@ class SampleMemory:
         samples (``worker.HeapTrim.set_keep``): what the room leaves beside the largest
         sample when the pool takes its whole share, ``(MARGIN - POOL_SHARE) x max(largest,
         workers x upper quartile) - largest``, split over the other ``workers - 1`` (all of
-        it with one worker), and at most the largest figure (no sample needs more); 0 before
-        any figure.
+        it with one worker), and at most the largest figure (no sample needs more).
 
         A worker's memory while it runs a sample is then at most ``max(its working set, the
         warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room.
@@ -278,7 +271,7 @@ class SampleMemory:
         yet, whole-sample warm heaps sat beside it (review 117: 838 MiB of working sets in a
         budget of 678 in the first epoch; 126-250 MiB per worker in the KiTS19 bench's first
         epochs at 21 samples an epoch)."""
-        if len(self._sorted) < min(self._n // 2, KEEP_AFTER_FIGURES) or not self._sorted:
+        if len(self._sorted) < max(1, min(self._n // 2, KEEP_AFTER_FIGURES)):
             return 0.0
         base = self._base(workers)
         spare = (self.margin - self.pool_share_of_base) * base - self.largest

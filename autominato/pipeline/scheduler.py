@@ -1051,8 +1051,8 @@ class Pipeline:
     def _update_heap_keep(self) -> None:
         """Tell the workers how much free heap to keep warm between samples
         (``SampleMemory.heap_keep`` of the figures and the worker count now; see
-        ``worker.HeapTrim``), when it moved by :data:`~autominato.pipeline.worker.
-        HEAP_SLACK_BYTES` or more, or to or from 0. None while a sample is held back for
+        ``worker.HeapTrim``): a smaller keep at once, a larger one once it grew by
+        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES` or from 0. None while a sample is held back for
         memory: a worker left idle by the hold gives its warm heap back at once (it would
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back

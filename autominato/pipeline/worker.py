@@ -116,19 +116,20 @@ from autominato.pipeline.shm import (
 )
 
 
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` in the C library this interpreter uses, or ``None`` (another
-    C library: musl, macOS)."""
+def _libc(name: str, argtypes: list, restype: Any) -> Callable | None:
+    """The C library function ``name`` of this interpreter's C library, or ``None`` where it
+    has none (another C library: musl, macOS; Windows has no ``CDLL(None)``)."""
     try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    fn.restype = restype
     return fn
 
 
-_malloc_trim = _find_malloc_trim()
+#: glibc's ``malloc_trim``, ``mallopt`` and ``mallinfo2`` (2.33 and later), or ``None``.
+_malloc_trim = _libc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def give_back_free_heap(keep: int = 0) -> bool:
@@ -146,17 +147,7 @@ def give_back_free_heap(keep: int = 0) -> bool:
     return True
 
 
-def _find_mallopt() -> Callable[[int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mallopt = _find_mallopt() if _malloc_trim is not None else None
+_mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
 
 #: glibc's ``mallopt`` parameters (``malloc.h``).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
@@ -168,18 +159,7 @@ class _Mallinfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
-def _find_mallinfo2() -> Callable[[], _Mallinfo2] | None:
-    """glibc's ``mallinfo2`` (2.33 and later), or ``None``."""
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = []
-    fn.restype = _Mallinfo2
-    return fn
-
-
-_mallinfo2 = _find_mallinfo2() if _mallopt is not None else None
+_mallinfo2 = _libc("mallinfo2", [], _Mallinfo2)
 
 
 def heap_only(on: bool = True) -> bool:
@@ -226,7 +206,7 @@ class HeapTrim:
     def __init__(self, slack: int = HEAP_SLACK_BYTES) -> None:
         self.slack = slack
         self.keep = 0  # bytes of free heap kept warm at each give-back (set_keep)
-        self.heap_only = False  # the allocator serves every block from the heap (heap_only)
+        self.heap_mode = False  # heap_only() is on: every block comes from the heap
         self.given = 0  # times the heap was given back
         try:
             self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
@@ -264,33 +244,30 @@ class HeapTrim:
         keep = max(0, int(keep))
         if keep == self.keep:
             return
-        if keep and not self.heap_only:
+        if keep and not self.heap_mode:
             if not heap_only():
                 return  # another C library: as before
-            self.heap_only = True
-        elif not keep and self.heap_only:
+            self.heap_mode = True
+        elif not keep and self.heap_mode:
             heap_only(False)
-            self.heap_only = False
+            self.heap_mode = False
         shrink = keep < self.keep
         self.keep = keep
         if shrink:
             self._give_back()
 
-    def warm_bytes(self) -> int:
-        """Bytes of free heap this process holds warm: the free top of its heap (glibc's
-        ``mallinfo2().keepcost``, what ``malloc_trim(keep)`` leaves there), at most
-        :attr:`keep`; 0 when it keeps none. Not its growth since some point: memory a
-        dataset's cache or a thread's arena took since is not free heap (review 116)."""
-        if not self.keep or not self.heap_only:
-            return 0
-        return min(self.keep, int(_mallinfo2().keepcost))
-
-    @staticmethod
-    def heap_bytes() -> int:
-        """Bytes the C allocator holds from the system in its heaps (``mallinfo2().arena``,
-        every arena); 0 where it cannot tell. It grows when a block did not fit in the
-        free heap (the warm heap included), and shrinks only at a give-back."""
-        return int(_mallinfo2().arena) if _mallinfo2 is not None else 0
+    def warm_bytes(self) -> tuple[int, int]:
+        """``(bytes of free heap held warm, bytes of heap held)``, from one ``mallinfo2``: the
+        free top of the heap (``keepcost``, what ``malloc_trim(keep)`` leaves there) at most
+        :attr:`keep`, 0 when it keeps none, and what the allocator holds from the system in
+        all its heaps (``arena``: it grows when a block did not fit in the free heap, the
+        warm heap included, and shrinks only at a give-back). Not the process's growth since
+        some point: memory a dataset's cache or a thread's arena took is not free heap
+        (review 116)."""
+        if not self.keep or not self.heap_mode:
+            return 0, 0
+        info = _mallinfo2()
+        return min(self.keep, int(info.keepcost)), int(info.arena)
 
     def close(self) -> None:
         if self._statm is not None:
@@ -324,8 +301,8 @@ class PeakMeter:
                 os.close(fd)
             fds = []
         self._clear, self._statm, self._status = fds or (None, None, None)
-        #: the worker's :class:`HeapTrim` (set by its loop): the warm heap it keeps is not
-        #: the task's, and a task that fits in it rises nothing (see :meth:`peak`)
+        #: the worker's :class:`HeapTrim` (set by its loop): a task fills the warm heap it
+        #: keeps before its resident set rises (see :meth:`peak`)
         self.heap: HeapTrim | None = None
         self._warm = 0
         self._heap_bytes = 0
@@ -346,8 +323,8 @@ class PeakMeter:
         try:
             os.write(self._clear, b"5")
             resident = int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
-            self._warm = self.heap.warm_bytes() if self.heap is not None else 0
-            self._heap_bytes = HeapTrim.heap_bytes() if self._warm else 0
+            self._warm, self._heap_bytes = (self.heap.warm_bytes() if self.heap is not None
+                                            else (0, 0))
             return resident
         except (OSError, ValueError, IndexError):
             self._clear = None
@@ -360,8 +337,7 @@ class PeakMeter:
         needed no new page, its memory from the heap the worker kept (``SampleMemory.learn``
         says what it counts as), so that 0 means only "not measured". Where the worker kept a
         warm heap of ``w`` bytes when the task began (:meth:`HeapTrim.warm_bytes`): a task
-        whose heap grew (:meth:`HeapTrim.heap_bytes`: a block did not fit in the free heap,
-        which it filled first) needed ``w + r`` for a rise ``r``; one whose heap did not
+        whose heap grew (a block did not fit in the free heap, which it filled first) needed ``w + r`` for a rise ``r``; one whose heap did not
         grow needed about ``w + r`` at most (the free blocks inside the heap it used besides
         are not counted), which it returns negated (``SampleMemory.learn`` keeps a figure the
         index has, else takes it; as "no rise" the first figures of samples that fitted read
@@ -375,7 +351,7 @@ class PeakMeter:
         except (OSError, ValueError):
             return 0
         if self._warm:
-            if HeapTrim.heap_bytes() > self._heap_bytes:
+            if int(_mallinfo2().arena) > self._heap_bytes:
                 return max(0, rise) + self._warm
             return -(max(0, rise) + self._warm)
         return max(NO_RISE, rise)
