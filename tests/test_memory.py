@@ -745,6 +745,37 @@ def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     assert sent == [100, 99, 120]  # +1 MiB waits for 16; -1 MiB goes at once
 
 
+def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
+    """A knob change that starts workers recomputes the keep in the same pass (before, new
+    workers took the old count's keep until the scheduler's next tick: with 3 workers
+    instead of 2, one warm heap more than the budget's room)."""
+    from types import SimpleNamespace
+
+    from autominato.pipeline.scheduler import Pipeline
+
+    m = SampleMemory(8)
+    for i in range(7):
+        m.learn(i, 100 * MiB)
+    m.learn(7, 300 * MiB)
+    procs = SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0))
+    procs.pool.set_heap_keep = lambda k: setattr(procs.pool, "heap_keep", k)
+    stage = SimpleNamespace(name="transform", executor=procs)
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(warm_heap=True, iterable=False), _held_key=None, memory=m,
+        procs=procs, knobs=SimpleNamespace(workers=3, pool_size=8, depth=2), sample_stages=[stage], runs={},
+        _memory_aware=True, slots=SimpleNamespace(set_max_slots=lambda n: None),
+        batch_pool=SimpleNamespace(max_per_key=0))
+    fake._want = lambda st: fake.knobs.workers
+    fake._resize = lambda st, n: setattr(procs, "size", n)
+    fake._update_heap_keep = lambda: Pipeline._update_heap_keep(fake)
+    Pipeline._update_heap_keep(fake)
+    assert procs.pool.heap_keep == int(m.heap_keep(2)) > int(m.heap_keep(3))
+    Pipeline._apply_knobs(fake)
+    assert procs.size == 3 and procs.pool.heap_keep == int(m.heap_keep(3))
+    room = (MARGIN - POOL_SHARE) * max(300 * MiB, 3 * 100 * MiB)
+    assert 300 * MiB + 2 * procs.pool.heap_keep <= room
+
+
 def test_a_busy_worker_gets_the_keep_when_it_is_idle_again_and_only_once():
     from types import SimpleNamespace
 

@@ -800,6 +800,8 @@ class Pipeline:
                              st.executor.size)
                 continue
             self._resize(st, self._want(st))
+        if self._memory_aware:  # the keep depends on the worker count: started workers take
+            self._update_heap_keep()  # the new one now, not the old at the next tick (0.25 s)
         self.slots.set_max_slots(2 * k.pool_size)
         self.batch_pool.max_per_key = k.depth + 3
         for run in self.runs.values():
