@@ -706,20 +706,26 @@ def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
         [f / MiB for f in figures]
 
 
-def test_a_bound_from_the_warm_heap_keeps_a_smaller_figure_or_becomes_the_figure():
-    """A sample that fitted in its worker's warm heap reports about that heap (negative): a
-    first figure is that, not 16 MiB (review 116: 70 of 96 figures read 16 MiB); a figure
-    the index has stays."""
+def test_a_bound_from_the_warm_heap_keeps_a_figure_and_counts_at_most_the_median():
+    """A sample that fitted in its worker's warm heap reports a bound, about that heap
+    (negative): a figure the index has stays; an index without one takes the bound, at most
+    the median figure: neither 16 MiB (review 116: 70 of 96 figures read 16 MiB) nor the
+    whole warm heap (review 118: small samples read it for good and raised the quantiles)."""
     m = SampleMemory(3)
-    m.learn(0, -48 * MiB)
-    assert m.estimate(0) == 48 * MiB
     m.learn(1, 30 * MiB)
     m.learn(1, -48 * MiB)
     assert m.estimate(1) == 30 * MiB
     m.learn(2, 60 * MiB)
     m.learn(2, -48 * MiB)
     assert m.estimate(2) == 60 * MiB
-    assert sorted(m._sorted) == [30 * MiB, 48 * MiB, 60 * MiB]
+    m.learn(0, -64 * MiB)
+    assert m.estimate(0) == 45 * MiB  # the median of 30 and 60, not the 64 MiB warm heap
+    assert sorted(m._sorted) == [30 * MiB, 45 * MiB, 60 * MiB]
+    m.learn(0, 8 * MiB)  # a real figure (its heap grew, or pages came back) replaces it
+    assert m.estimate(0) == 8 * MiB
+    first = SampleMemory(2)
+    first.learn(0, -48 * MiB)  # no figure yet: the bound
+    assert first.estimate(0) == 48 * MiB
 
 
 def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():

@@ -168,11 +168,16 @@ class SampleMemory:
         ones alone then set the upper quartile; as 1 byte, samples alike would set it at
         nothing and hold apart the few measured otherwise, review 98.)
 
-        A negative ``peak_bytes`` is about ``-peak_bytes``: a sample that fitted in its
-        worker's warm heap (``worker.PeakMeter.peak``: the heap's free top and the rise
-        outside it; the free blocks it also used inside the heap are not in it, so it may
-        read a little low). The index keeps its figure if it has one (lowered to such a
-        figure, 8 MiB samples alike read 7.1 and were held apart), else takes it."""
+        A negative ``peak_bytes`` is a bound, at most about ``-peak_bytes``: a sample that
+        fitted in its worker's warm heap (``worker.PeakMeter.peak``: the heap's free top and
+        the rise outside it; the free blocks it also used inside the heap are not in it, so
+        it may read a little low). The index keeps its figure if it has one (lowered to such a
+        figure, 8 MiB samples alike read 7.1 and were held apart), else takes it, at most the
+        median figure: taken whole, a small sample first run in a warm worker read the whole
+        warm heap for good, and such figures raised the quantiles, the budget and the keep
+        itself (review 118: 8 MiB samples read 64; at the KiTS19 bench's 21 samples an epoch
+        half the indices first ran warm); left unmeasured, the large samples alone set the
+        upper quartile (trial 97)."""
         if not peak_bytes or not 0 <= index < self._n:
             return
         with self._lock:
@@ -182,7 +187,10 @@ class SampleMemory:
             if peak_bytes < 0 or peak_bytes == NO_RISE:
                 if old > 0:
                     return
-                peak_bytes = -peak_bytes if peak_bytes < 0 else KEPT_HEAP_BYTES
+                if peak_bytes == NO_RISE:
+                    peak_bytes = KEPT_HEAP_BYTES
+                else:
+                    peak_bytes = min(-peak_bytes, self.median) if self._sorted else -peak_bytes
             self._peaks[index] = peak_bytes
             new = float(self._peaks[index])  # (as stored: float32)
             if old > 0:

@@ -338,10 +338,11 @@ class PeakMeter:
         says what it counts as), so that 0 means only "not measured". Where the worker kept a
         warm heap of ``w`` bytes when the task began (:meth:`HeapTrim.warm_bytes`): a task
         whose heap grew (a block did not fit in the free heap, which it filled first) needed ``w + r`` for a rise ``r``; one whose heap did not
-        grow needed about ``w + r`` at most (the free blocks inside the heap it used besides
-        are not counted), which it returns negated (``SampleMemory.learn`` keeps a figure the
-        index has, else takes it; as "no rise" the first figures of samples that fitted read
-        16 MiB, review 116)."""
+        grow and rose by less than :data:`HEAP_SLACK_BYTES` needed ``w + r`` at most (the
+        free blocks inside the heap it used besides are not counted), which it returns negated:
+        a bound (``SampleMemory.learn`` keeps a figure the index has, else takes it, at most
+        the median; as "no rise" the first figures of samples that fitted read 16 MiB,
+        review 116; taken whole, small samples read the whole warm heap, review 118)."""
         if base is None or self._status is None:
             return 0
         try:
@@ -351,7 +352,10 @@ class PeakMeter:
         except (OSError, ValueError):
             return 0
         if self._warm:
-            if int(_mallinfo2().arena) > self._heap_bytes:
+            # A heap that grew, or pages faulted back (``malloc_trim`` gives free blocks
+            # inside the heap back whole, review 118: a 280 MiB sample there read as a bound
+            # and its index kept a 40 MiB figure): the sample needed them beside the warm heap.
+            if int(_mallinfo2().arena) > self._heap_bytes or rise >= HEAP_SLACK_BYTES:
                 return max(0, rise) + self._warm
             return -(max(0, rise) + self._warm)
         return max(NO_RISE, rise)
