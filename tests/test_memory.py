@@ -751,6 +751,41 @@ def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     assert sent == [100, 99, 120]  # +1 MiB waits for 16; -1 MiB goes at once
 
 
+class Alike32:
+    """Samples alike, each 32 MiB of arrays (touched) for 20 ms."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        a = np.ones(32 * MiB, np.uint8)
+        time.sleep(0.02)
+        return np.full(4, i + int(a[0]) - 1, np.float32)
+
+
+@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
+                    reason="no glibc malloc_trim")
+def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_measured():
+    """The keep waits for figures of half the dataset's indices, or of an epoch's where
+    fewer: rank 0 of 4 without shuffling only ever sees 2 of 8 (review 118: no keep ever)."""
+    from autominato.pipeline.epoch import Epoch
+
+    assert Epoch([5, 3, 5, 5], 1).distinct == 2 and Epoch(list(range(6)), 2).distinct == 6
+    m = SampleMemory(8)
+    m.learn(0, 32 * MiB)
+    m.learn(4, 32 * MiB)
+    assert m.heap_keep(2) == 0  # 2 of 8 figures
+    m.epoch_indices = 2
+    assert m.heap_keep(2) == 32 * MiB
+    with Loader(Alike32(), 1, workers=2, autotune=False, rank=0, world_size=4, shuffle=False,
+                prefetch_next_epoch=False) as loader:
+        for _ in range(4):
+            assert sorted(int(b[0, 0]) for b in loader) == [0, 4]
+            time.sleep(0.3)  # a tick of the scheduler (0.25 s) sends the keep
+        assert loader._pipeline.memory.epoch_indices == 2
+        assert loader._pipeline.procs.pool.heap_keep >= 30 * MiB
+
+
 def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     """A knob change that starts workers recomputes the keep in the same pass (before, new
     workers took the old count's keep until the scheduler's next tick: with 3 workers

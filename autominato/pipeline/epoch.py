@@ -248,6 +248,12 @@ class Epoch:
     # the positions it chose, from their take to their batch (so at most the window's)
     _rank: dict = field(default_factory=dict)
 
+    @property
+    def distinct(self) -> int:
+        """How many dataset indices the epoch's order visits (each once however often it
+        repeats; ``_draws`` is None where none repeats)."""
+        return len(self.order) if self._draws is None else int((self._draws == 0).sum())
+
     def __post_init__(self) -> None:
         # Here, in the thread that builds the epoch (the training loop's), not at the first
         # take() on the scheduler thread, where it would hold up the epoch before it.

@@ -141,6 +141,10 @@ class SampleMemory:
         #: changes whenever a figure does (learn, restore): estimates kept across asks are
         #: stale once it moved
         self.version = 0
+        #: distinct indices of the epoch started last (``Epoch.distinct``; 0 before one):
+        #: what :meth:`heap_keep` waits for figures of where that is fewer than half the
+        #: dataset's
+        self.epoch_indices = 0
 
     @property
     def known(self) -> bool:
@@ -278,8 +282,11 @@ class SampleMemory:
         :data:`KEEP_AFTER_FIGURES`, have figures: sized against a largest sample not measured
         yet, whole-sample warm heaps sat beside it (review 117: 838 MiB of working sets in a
         budget of 678 in the first epoch; 126-250 MiB per worker in the KiTS19 bench's first
-        epochs at 21 samples an epoch)."""
-        if len(self._sorted) < max(1, min(self._n // 2, KEEP_AFTER_FIGURES)):
+        epochs at 21 samples an epoch); or an epoch's indices (:attr:`epoch_indices`) where
+        that is fewer: a rank's fixed shard, or a sampler of a subset, never measures half
+        the dataset (review 118: 4 ranks, no keep ever)."""
+        if len(self._sorted) < max(1, min(self._n // 2, KEEP_AFTER_FIGURES,
+                                          self.epoch_indices or self._n)):
             return 0.0
         base = self._base(workers)
         spare = (self.margin - self.pool_share_of_base) * base - self.largest

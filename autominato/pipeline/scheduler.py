@@ -409,6 +409,7 @@ class Pipeline:
                            cost=self.costs.estimate if self._slow_first else None)
                 run = self._start(epoch, ep)
                 self.cold_starts += 1
+                self.memory.epoch_indices = ep.distinct
             if nxt is not None:
                 spec = self._new_run(*nxt, unique=unique)
                 spec.speculative = True
@@ -469,6 +470,7 @@ class Pipeline:
         ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last, in_order=cfg.in_order,
                    skip_errors=cfg.on_error == "skip", max_tries=cfg.max_tries, unique=unique,
                    cost=self.costs.estimate if self._slow_first else None)
+        self.memory.epoch_indices = ep.distinct
         return Run(self._gen, epoch, ep)
 
     def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
