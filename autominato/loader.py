@@ -197,6 +197,17 @@ _PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_d
                       "memory_held", "memory_wait_s", "cold_starts")
 
 
+
+def _allocator_free() -> bool:
+    """Whether the workers may steer the C allocator for the warm heap: not where the user
+    tuned it (``worker.user_tuned_allocator``), which is then said in the log."""
+    from autominato.pipeline.worker import user_tuned_allocator
+
+    setting = user_tuned_allocator()
+    if setting is not None:
+        log.info("warm_heap: off, %s tunes the C allocator (its settings stay)", setting)
+    return setting is None
+
 class Loader:
     """A staged asynchronous loader with completion-order batches and live knobs.
 
@@ -374,7 +385,11 @@ class Loader:
             faults in and zeroes (half of a worker's CPU time on the KiTS19 bench); the cost
             is memory held by workers between samples, within the budget (docs/memory.md,
             "The warm heap", for the figures). ``False``: every freed page goes back after
-            each sample, as before December 2026.
+            each sample, as before December 2026. Off, too, where the environment tunes the
+            C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
+            ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``GLIBC_TUNABLES`` with malloc
+            tunables, or jemalloc, tcmalloc or mimalloc in ``LD_PRELOAD``): those settings
+            stay.
         depth, read_threads, workers, pool_size: starting knob values (see :class:`Knobs`);
             ``workers`` is the same as ``num_workers``, ``depth`` as ``prefetch_factor``.
 
@@ -679,7 +694,7 @@ class Loader:
             shm_budget_bytes=shm_budget, persistent_workers=self.persistent_workers,
             pin_memory=pin_memory_effective, iterable=self._iterable,
             ray_actor_options=ray_actor_options, dataset_len=self._n,
-            memory_aware=bool(memory_aware), warm_heap=bool(warm_heap),
+            memory_aware=bool(memory_aware), warm_heap=bool(warm_heap) and _allocator_free(),
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0

@@ -1095,6 +1095,64 @@ def test_a_sample_that_faults_pages_back_inside_the_heap_reads_its_own_figure():
     assert m.estimate(0) == pytest.approx(second)  # (stored as float32)
 
 
+_USER_ALLOCATOR_PROBE = """
+import ctypes
+from autominato.pipeline import worker
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mapped(n):  # is a fresh malloc(n) given its own mmap?
+    h = worker._mallinfo2().hblks
+    p = libc.malloc(n)
+    out = worker._mallinfo2().hblks > h
+    libc.free(p)
+    return out
+
+heap = worker.HeapTrim()
+heap.set_keep(64 << 20)
+print(worker.user_tuned_allocator(), heap.heap_mode, heap.keep, mapped(1 << 20))
+"""
+
+
+@pytest.mark.skipif(worker_module._malloc_trim is None, reason="no glibc malloc_trim")
+def test_a_user_tuned_allocator_keeps_its_settings_and_no_warm_heap():
+    """Where the environment tunes glibc's allocator the workers keep no warm heap and leave
+    its settings alone (review 118: a keep overrode MALLOC_MMAP_THRESHOLD_, and a keep of 0
+    put glibc's defaults back, not the user's)."""
+    import os
+
+    def run(**env):
+        return subprocess.run([sys.executable, "-c", _USER_ALLOCATOR_PROBE], capture_output=True,
+                              text=True, timeout=60, check=True,
+                              env={**os.environ, **env}).stdout.split()
+
+    # the user's threshold of 4 MiB: a 1 MiB block stays in the heap, the warm heap refused
+    assert run(MALLOC_MMAP_THRESHOLD_="4194304") == ["MALLOC_MMAP_THRESHOLD_", "False", "0",
+                                                      "False"]
+    assert run(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")[:2] == ["GLIBC_TUNABLES",
+                                                                             "False"]
+    assert worker_module.user_tuned_allocator({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) \
+        == "LD_PRELOAD"
+    assert worker_module.user_tuned_allocator({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) is None
+    # untouched: heap-only (the 1 MiB block from the heap too)
+    clean = {k: "" for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_",
+                             "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")}
+    out = run(**clean)
+    if out[1] == "False":
+        pytest.skip("no glibc mallopt here")
+    assert out == ["None", "True", str(64 << 20), "False"]
+    from autominato.loader import _allocator_free
+
+    os.environ["MALLOC_TOP_PAD_"] = "1"
+    try:
+        assert not _allocator_free()
+    finally:
+        del os.environ["MALLOC_TOP_PAD_"]
+
+
 _CACHE_AND_CHAIN_PROBE = """
 import numpy as np
 from autominato.pipeline import worker

@@ -162,6 +162,33 @@ class _Mallinfo2(ctypes.Structure):
 _mallinfo2 = _libc("mallinfo2", [], _Mallinfo2)
 
 
+#: Environment settings by which a user tunes the C allocator (glibc's ``mallopt`` variables
+#: and tunables, or another allocator preloaded): where one is set the workers keep no warm
+#: heap and leave the allocator as the user set it (:func:`heap_only` refuses).
+_USER_ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+                       "MALLOC_TOP_PAD_")
+
+
+def user_tuned_allocator(env: dict | None = None) -> str | None:
+    """The environment setting by which the user tuned this process's C allocator, or None:
+    one of :data:`_USER_ALLOCATOR_ENV`, a ``GLIBC_TUNABLES`` with ``glibc.malloc.mmap_*``,
+    ``trim_threshold`` or ``top_pad``, or an ``LD_PRELOAD`` of another allocator (jemalloc,
+    tcmalloc, mimalloc: glibc's ``mallopt`` and ``mallinfo2`` are still found there and
+    neither steer nor measure it)."""
+    env = os.environ if env is None else env
+    for name in _USER_ALLOCATOR_ENV:
+        if env.get(name):
+            return name
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if any(t in tunables for t in ("glibc.malloc.mmap_", "glibc.malloc.trim_threshold",
+                                   "glibc.malloc.top_pad")):
+        return "GLIBC_TUNABLES"
+    preload = env.get("LD_PRELOAD", "").lower()
+    if any(a in preload for a in ("jemalloc", "tcmalloc", "mimalloc")):
+        return "LD_PRELOAD"
+    return None
+
+
 def heap_only(on: bool = True) -> bool:
     """``on``: make this process's C allocator serve every block from its heap and never
     give free memory back by itself (glibc: ``mallopt(M_MMAP_MAX, 0)``,
@@ -176,8 +203,9 @@ def heap_only(on: bool = True) -> bool:
     ``on=False``: back to mapping each block over 128 KiB on its own and trimming the heap's
     top over 128 KiB at every ``free`` (glibc's first settings; its sliding threshold cannot
     be turned on again). Returns False (and changes nothing) where the C library is not glibc
-    (``mallinfo2`` missing: older than 2.33, or another library)."""
-    if _mallopt is None or _mallinfo2 is None:
+    (``mallinfo2`` missing: older than 2.33, or another library), or where the user tuned
+    the allocator (:func:`user_tuned_allocator`: their settings stay)."""
+    if _mallopt is None or _mallinfo2 is None or user_tuned_allocator() is not None:
         return False
     if on:
         return bool(_mallopt(_M_MMAP_MAX, 0)) and bool(_mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
