@@ -743,7 +743,9 @@ def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     keeps = iter([100 * MiB, 100 * MiB + MiB, 100 * MiB - MiB, 120 * MiB])
     fake = SimpleNamespace(cfg=SimpleNamespace(warm_heap=True), _held_key=None,
                            memory=SimpleNamespace(known=True, heap_keep=lambda w: next(keeps)),
-                           procs=SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0)))
+                           procs=SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0,
+                                                                             workers={})),
+                           _workers_busy_at=time.monotonic())
     fake.procs.pool.set_heap_keep = lambda k: (sent.append(k >> 20),
                                                setattr(fake.procs.pool, "heap_keep", k))
     for _ in range(4):
@@ -786,6 +788,36 @@ def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_meas
         assert loader._pipeline.procs.pool.heap_keep >= 30 * MiB
 
 
+@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
+                    reason="no glibc malloc_trim")
+def test_idle_workers_give_their_warm_heaps_back_and_take_them_again():
+    """Workers idle for ``shm.DECAY_S`` (a validation pass, the end of training) give their
+    warm heaps back, as the pools give their idle memory (review 118: 72 MiB a worker 3 s
+    after the last epoch, against 8 without the warm heap); the next epoch keeps them again."""
+    import psutil
+
+    with Loader(Alike32(), 2, workers=2, autotune=False, prefetch_next_epoch=False) as loader:
+        pool = loader._pipeline.procs.pool
+
+        def epochs_until_kept() -> None:  # (the scheduler's tick sends the keep: 0.25 s)
+            for _ in range(40):
+                assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
+                if pool.heap_keep:
+                    break
+
+        epochs_until_kept()
+        assert pool.heap_keep >= 30 * MiB  # while the epochs run
+        deadline = time.monotonic() + 5
+        while pool.heap_keep and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.heap_keep == 0
+        time.sleep(0.3)
+        uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
+        assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+        epochs_until_kept()
+        assert pool.heap_keep >= 30 * MiB  # kept again
+
+
 def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     """A knob change that starts workers recomputes the keep in the same pass (before, new
     workers took the old count's keep until the scheduler's next tick: with 3 workers
@@ -798,13 +830,14 @@ def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     for i in range(7):
         m.learn(i, 100 * MiB)
     m.learn(7, 300 * MiB)
-    procs = SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0))
+    procs = SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0, workers={}))
     procs.pool.set_heap_keep = lambda k: setattr(procs.pool, "heap_keep", k)
     stage = SimpleNamespace(name="transform", executor=procs)
     fake = SimpleNamespace(
         cfg=SimpleNamespace(warm_heap=True, iterable=False), _held_key=None, memory=m,
         procs=procs, knobs=SimpleNamespace(workers=3, pool_size=8, depth=2), sample_stages=[stage], runs={},
         _memory_aware=True, slots=SimpleNamespace(set_max_slots=lambda n: None),
+        _workers_busy_at=time.monotonic(),
         batch_pool=SimpleNamespace(max_per_key=0))
     fake._want = lambda st: fake.knobs.workers
     fake._resize = lambda st, n: setattr(procs, "size", n)

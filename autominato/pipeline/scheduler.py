@@ -66,6 +66,7 @@ from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
+    DECAY_S,
     FdDesc,
     SlotPool,
     packed_nbytes,
@@ -326,6 +327,7 @@ class Pipeline:
             self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
             # the first queued sample held back for memory, and the keys that overtook it
             self._held_key: tuple | None = None
+            self._workers_busy_at = time.monotonic()  # last seen with a task (the warm heap)
             # Batches the training loop may still take without waiting before the window
             # counts the batches ready for it again (see _dispatch): LEAD_WAITS after it
             # waited for one, then down by one a batch taken at once; 0 from the start.
@@ -1060,11 +1062,22 @@ class Pipeline:
         memory: a worker left idle by the hold gives its warm heap back at once (it would
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
-        after their sample."""
+        after their sample. None either once every worker has idled :data:`DECAY_S`."""
         if not self.cfg.warm_heap:
             return
+        now = time.monotonic()
+        workers = list(self.procs.pool.workers.values())
+        if any(w.task is not None for w in workers):
+            self._workers_busy_at = now
+        else:  # (tasks that began and ended between two ticks count from their start)
+            self._workers_busy_at = max([self._workers_busy_at]
+                                        + [w.task_started for w in workers])
+        # Workers all idle for DECAY_S (a validation pass, the end of training, a loop that
+        # stopped): their warm heaps go back as the pools' idle memory does (review 118:
+        # 72 MiB against 8 a worker, 3 s after the last epoch); the next sample takes it again.
+        idle = now - self._workers_busy_at >= DECAY_S
         keep = (int(self.memory.heap_keep(self.procs.size))
-                if self.memory.known and self._held_key is None else 0)
+                if self.memory.known and self._held_key is None and not idle else 0)
         last = self.procs.pool.heap_keep
         # (a smaller keep goes at once: the budget leaves that much less beside the largest)
         if keep < last or (keep > last and (not last or keep - last >= HEAP_SLACK_BYTES)):

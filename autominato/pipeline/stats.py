@@ -170,8 +170,9 @@ class LoaderSnapshot:
         sample_memory_budget_bytes: working-set bytes that may be in flight together now
             (``memory_aware``; 0 before a sample was measured).
         worker_heap_keep_bytes: bytes of free heap each worker process may keep warm between
-            samples now (``warm_heap``; 0 while a sample waits for memory, until half the
-            indices (or 256) have figures, or without ``memory_aware``).
+            samples now (``warm_heap``; 0 while a sample waits for memory, while every worker
+            has idled ``shm.DECAY_S``, until half the indices (or 256) have figures, or
+            without ``memory_aware``).
         memory_wait_seconds_total: seconds that free workers waited, summed over workers,
             because the samples queued for them did not fit in that budget: idle
             worker time, the most ``memory_aware`` can cost (a cost only where the loader is
