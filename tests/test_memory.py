@@ -850,6 +850,37 @@ def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     assert 300 * MiB + 2 * procs.pool.heap_keep <= room
 
 
+def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
+    """Admission counts a running sample at least at the warm heap its worker holds (review
+    118: 3 workers, a 10 MiB sample on a 195 MiB warm heap counted at 10, and a 300 MiB
+    sample beside it and a 270 MiB one passed the budget by 9%)."""
+    from types import SimpleNamespace
+
+    from autominato.pipeline.scheduler import Pipeline
+
+    m = SampleMemory(8)
+    for i, f in enumerate([10, 140, 140, 140, 140, 200, 270, 300]):
+        m.learn(i, f * MiB)
+    workers = 3
+    keep = m.heap_keep(workers)
+    pool_bytes = m.pool_share_of_base * m._base(workers)  # the pools at their whole share
+    item = (7,) + (None,) * 6  # index 7 (300 MiB), as the stage's task tuple
+    fake = SimpleNamespace(
+        memory=m, _in_flight={"a": 0, "b": 6}, _held_key=None, _overtook=set(),
+        _scan_ests=((0, 0), {}, 0), _admit_stage=SimpleNamespace(scans=0),
+        procs=SimpleNamespace(size=workers, chunk=1, held_keys=lambda: ["a", "b"],
+                              pool=SimpleNamespace(heap_keep=keep)),
+        _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda: None)
+    fake._idle_warm = lambda running: Pipeline._idle_warm(fake, running)
+    held = max(10 * MiB, keep) + 270 * MiB + 300 * MiB + pool_bytes
+    assert held > m.budget(workers)  # what the workers would hold: over the budget
+    assert not Pipeline._admit(fake, "c", item)
+    assert fake._held_key == "c"
+    fake.procs.pool.heap_keep = 0  # no warm heap: 10 + 270 + 300 fit
+    fake._held_key, fake._scan_ests = None, ((0, 0), {}, 0)
+    assert Pipeline._admit(fake, "c", item)
+
+
 def test_a_busy_worker_gets_the_keep_when_it_is_idle_again_and_only_once():
     from types import SimpleNamespace
 

@@ -1011,7 +1011,11 @@ class Pipeline:
                 ests = {k: est(index[k]) if k in index else median for k in held}
                 pool = self._budgeted_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
-            in_flight = list(ests.values()) + self._idle_warm(len(ests))
+            # A worker holds its warm heap while it runs a sample smaller than that (review
+            # 118: with 3 workers a 10 MiB sample on a 195 MiB warm heap was counted at 10,
+            # and the samples beside it passed the budget by 9%).
+            warm = float(self.procs.pool.heap_keep)
+            in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
@@ -1019,11 +1023,12 @@ class Pipeline:
                     return False  # (the sample held back is gone: no overtaking without it)
                 held_est = est(waiting)
                 over = self._overtook
-                mine = [e for k, e in ests.items() if k not in over]  # the samples it waited for
+                # the samples it waited for
+                mine = [max(e, warm) for k, e in ests.items() if k not in over]
                 need = sum(mine)
                 if mine and held_est + need > self.memory.room(self.procs.size, pool):
                     need -= min(mine)
-                ahead = (held_est + need, sum(e for k, e in ests.items() if k in over))
+                ahead = (held_est + need, sum(max(e, warm) for k, e in ests.items() if k in over))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool):
                 if not overtaking and key != self._held_key:
                     held_before = self._held_key is not None
