@@ -979,8 +979,8 @@ def test_mapping_a_sample_never_writes_into_it():
     assert isinstance(orig["meta"]["affine"], np.ndarray)
 
 
-_WARM_PROBE = """
-import resource
+# (a worker's heap and peak meter, heap-only; "none" where /proc or glibc lacks them)
+_HEAP_PROBE_SETUP = """
 import numpy as np
 from autominato.pipeline import worker
 
@@ -991,7 +991,9 @@ if heap.resident_bytes() is None or meter.start() is None or not worker.heap_onl
     print("none")
     raise SystemExit
 MiB = 1 << 20
+"""
 
+_WARM_PROBE = "import resource" + _HEAP_PROBE_SETUP + """
 def task(mib):
     base = meter.start()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -1038,19 +1040,7 @@ def test_a_worker_keeps_the_warm_heap_it_is_told_and_measures_samples_above_it()
     assert warm_after == 0 and above_floor < 16 * MiB  # keep 0: given back
 
 
-_REFAULT_PROBE = """
-import ctypes
-import numpy as np
-from autominato.pipeline import worker
-
-heap = worker.HeapTrim()
-meter = worker.PeakMeter()
-meter.heap = heap
-if heap.resident_bytes() is None or meter.start() is None or not worker.heap_only():
-    print("none")
-    raise SystemExit
-MiB = 1 << 20
-libc = ctypes.CDLL(None)
+_REFAULT_PROBE = "import ctypes" + _HEAP_PROBE_SETUP + """libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 pins = []
