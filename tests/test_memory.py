@@ -790,12 +790,16 @@ def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_meas
 
 @pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
                     reason="no glibc malloc_trim")
-def test_idle_workers_give_their_warm_heaps_back_and_take_them_again():
-    """Workers idle for ``shm.DECAY_S`` (a validation pass, the end of training) give their
-    warm heaps back, as the pools give their idle memory (review 118: 72 MiB a worker 3 s
-    after the last epoch, against 8 without the warm heap); the next epoch keeps them again."""
+def test_idle_workers_give_their_warm_heaps_back_and_take_them_again(monkeypatch):
+    """Workers idle for ``scheduler.WARM_IDLE_S`` (a validation pass, the end of training;
+    1 s here) give their warm heaps back (review 118: 72 MiB a worker 3 s after the last
+    epoch, against 8 without the warm heap); the next epoch keeps them again."""
     import psutil
 
+    from autominato.pipeline import scheduler
+
+    assert scheduler.WARM_IDLE_S == 10.0  # longer than a training step (review 119)
+    monkeypatch.setattr(scheduler, "WARM_IDLE_S", 1.0)
     with Loader(Alike32(), 2, workers=2, autotune=False, prefetch_next_epoch=False) as loader:
         pool = loader._pipeline.procs.pool
 
@@ -869,14 +873,22 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
         memory=m, _in_flight={"a": 0, "b": 6}, _held_key=None, _overtook=set(),
         _scan_ests=((0, 0), {}, 0), _admit_stage=SimpleNamespace(scans=0),
         procs=SimpleNamespace(size=workers, chunk=1, held_keys=lambda: ["a", "b"],
-                              pool=SimpleNamespace(heap_keep=keep)),
+                              pool=SimpleNamespace(heap_keep=keep, workers={})),
         _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda: None)
     fake._idle_warm = lambda running: Pipeline._idle_warm(fake, running)
     held = max(10 * MiB, keep) + 270 * MiB + 300 * MiB + pool_bytes
     assert held > m.budget(workers)  # what the workers would hold: over the budget
     assert not Pipeline._admit(fake, "c", item)
     assert fake._held_key == "c"
-    fake.procs.pool.heap_keep = 0  # no warm heap: 10 + 270 + 300 fit
+    # The hold sends a keep of 0, which the busy workers hear of only when their samples
+    # end: they still hold the keep they were sent (review 119: counted at 0, it passed).
+    fake.procs.pool.heap_keep = 0
+    fake.procs.pool.workers = {0: SimpleNamespace(task="a", heap_sent=int(keep)),
+                               1: SimpleNamespace(task="b", heap_sent=int(keep))}
+    fake._scan_ests = ((0, 0), {}, 0)
+    assert not Pipeline._admit(fake, "c", item)
+    for w in fake.procs.pool.workers.values():  # they heard of it: 10 + 270 + 300 fit
+        w.heap_sent = 0
     fake._held_key, fake._scan_ests = None, ((0, 0), {}, 0)
     assert Pipeline._admit(fake, "c", item)
 

@@ -1134,13 +1134,18 @@ def test_a_user_tuned_allocator_keeps_its_settings_and_no_warm_heap():
     if out[1] == "False":
         pytest.skip("no glibc mallopt here")
     assert out == ["None", "True", str(64 << 20), "False"]
+    from autominato import Loader
     from autominato.loader import _allocator_free
 
     os.environ["MALLOC_TOP_PAD_"] = "1"
     try:
         assert not _allocator_free()
+        with Loader(list(range(4)), 2, workers=2, autotune=False) as loader:
+            assert loader._pipeline.cfg.warm_heap is False  # no keep sent, shown or counted
     finally:
         del os.environ["MALLOC_TOP_PAD_"]
+    with Loader(list(range(4)), 2, workers=2, autotune=False) as loader:
+        assert loader._pipeline.cfg.warm_heap is True
 
 
 _CACHE_AND_CHAIN_PROBE = """

@@ -66,7 +66,6 @@ from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
-    DECAY_S,
     FdDesc,
     SlotPool,
     packed_nbytes,
@@ -108,6 +107,13 @@ SLOW_FIRST_LOOKAHEAD = 16
 #: each); this project's choice: at 16, on the KiTS19 bench with a step equal to the floor's,
 #: the rule held the window at 41% of the batches.
 LEAD_WAITS = 32
+
+#: Seconds every process worker must have idled before their warm heaps go back (keep 0;
+#: ``_update_heap_keep``): a validation pass, a checkpoint, the end of training. Longer than a
+#: training step (at 1 s, review 119 saw the keep go to 0 and back at every 1.3 s step, the
+#: samples sent meanwhile running cold); jemalloc decays its idle pages over the same 10 s
+#: (``dirty_decay_ms``).
+WARM_IDLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -1014,7 +1020,11 @@ class Pipeline:
             # A worker holds its warm heap while it runs a sample smaller than that (review
             # 118: with 3 workers a 10 MiB sample on a 195 MiB warm heap was counted at 10,
             # and the samples beside it passed the budget by 9%).
-            warm = float(self.procs.pool.heap_keep)
+            # (busy workers hear of a smaller keep only when their sample ends: each counts
+            # at the largest keep a busy worker was sent, review 119)
+            warm = float(max([self.procs.pool.heap_keep]
+                             + [w.heap_sent for w in list(self.procs.pool.workers.values())
+                                if w.task is not None]))
             in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
             ahead = None
             if overtaking:
@@ -1067,7 +1077,7 @@ class Pipeline:
         memory: a worker left idle by the hold gives its warm heap back at once (it would
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
-        after their sample. None either once every worker has idled :data:`DECAY_S`."""
+        after their sample. None either once every worker has idled :data:`WARM_IDLE_S`."""
         if not self.cfg.warm_heap:
             return
         now = time.monotonic()
@@ -1077,10 +1087,10 @@ class Pipeline:
         else:  # (tasks that began and ended between two ticks count from their start)
             self._workers_busy_at = max([self._workers_busy_at]
                                         + [w.task_started for w in workers])
-        # Workers all idle for DECAY_S (a validation pass, the end of training, a loop that
-        # stopped): their warm heaps go back as the pools' idle memory does (review 118:
-        # 72 MiB against 8 a worker, 3 s after the last epoch); the next sample takes it again.
-        idle = now - self._workers_busy_at >= DECAY_S
+        # Workers all idle for WARM_IDLE_S (a validation pass, a checkpoint, the end of
+        # training, a loop that stopped): their warm heaps go back (review 118: 72 MiB against
+        # 8 a worker, 3 s after the last epoch); the next sample takes it again.
+        idle = now - self._workers_busy_at >= WARM_IDLE_S
         keep = (int(self.memory.heap_keep(self.procs.size))
                 if self.memory.known and self._held_key is None and not idle else 0)
         last = self.procs.pool.heap_keep

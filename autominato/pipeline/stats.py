@@ -171,8 +171,8 @@ class LoaderSnapshot:
             (``memory_aware``; 0 before a sample was measured).
         worker_heap_keep_bytes: bytes of free heap each worker process may keep warm between
             samples now (``warm_heap``; 0 while a sample waits for memory, while every worker
-            has idled ``shm.DECAY_S``, until half the indices (or 256) have figures, or
-            without ``memory_aware``).
+            has idled ``scheduler.WARM_IDLE_S``, until half the indices (or 256, or an
+            epoch's distinct indices where fewer) have figures, or without ``memory_aware``).
         memory_wait_seconds_total: seconds that free workers waited, summed over workers,
             because the samples queued for them did not fit in that budget: idle
             worker time, the most ``memory_aware`` can cost (a cost only where the loader is

@@ -366,7 +366,8 @@ class PeakMeter:
         says what it counts as), so that 0 means only "not measured". Where the worker kept a
         warm heap of ``w`` bytes when the task began (:meth:`HeapTrim.warm_bytes`): a task
         whose heap grew (a block did not fit in the free heap, which it filled first) needed ``w + r`` for a rise ``r``; one whose heap did not
-        grow and rose by less than :data:`HEAP_SLACK_BYTES` needed ``w + r`` at most (the
+        grow but rose by :data:`HEAP_SLACK_BYTES` or more took pages back inside it and
+        returns ``r``; one that rose by less needed ``w + r`` at most (the
         free blocks inside the heap it used besides are not counted), which it returns negated:
         a bound (``SampleMemory.learn`` keeps a figure the index has, else takes it, at most
         the median; as "no rise" the first figures of samples that fitted read 16 MiB,
@@ -380,11 +381,15 @@ class PeakMeter:
         except (OSError, ValueError):
             return 0
         if self._warm:
-            # A heap that grew, or pages faulted back (``malloc_trim`` gives free blocks
-            # inside the heap back whole, review 118: a 280 MiB sample there read as a bound
-            # and its index kept a 40 MiB figure): the sample needed them beside the warm heap.
-            if int(_mallinfo2().arena) > self._heap_bytes or rise >= HEAP_SLACK_BYTES:
+            if int(_mallinfo2().arena) > self._heap_bytes:  # it filled the warm heap first
                 return max(0, rise) + self._warm
+            # Pages faulted back inside the heap (``malloc_trim`` gives free blocks there
+            # back whole, review 118: a 280 MiB sample read as a bound and its index kept a
+            # 40 MiB figure): the rise alone, as the warm top may have served it or not
+            # (review 119: rise and top, a 40 MiB sample read 104 for good); admission
+            # counts a running sample at least at the warm heap anyway.
+            if rise >= HEAP_SLACK_BYTES:
+                return rise
             return -(max(0, rise) + self._warm)
         return max(NO_RISE, rise)
 

@@ -209,8 +209,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "gauge",
         "Bytes of free heap each worker process may keep warm between samples (warm_heap): "
         "what the memory budget leaves beside the largest sample; 0 while a sample waits for "
-        "memory, while every worker has idled 1 s, and until half the indices (or 256) have "
-        "figures.",
+        "memory, while every worker has idled 10 s, and until half the indices (or 256, or "
+        "an epoch's distinct indices where fewer) have figures.",
         (),
     ),
     "autominato_memory_wait_seconds_total": (
