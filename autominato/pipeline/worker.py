@@ -200,17 +200,20 @@ def heap_only(on: bool = True) -> bool:
     give-back, ``malloc_trim`` releasing free blocks in the middle of the heap too) where it
     would have been unmapped at once: a chain of ever larger arrays (40, 60, 90, 135 MiB)
     peaked 44% higher (review 116); the KiTS19 transforms' figures, 2% higher in sum.
-    ``on=False``: back to mapping each block over 128 KiB on its own and trimming the heap's
-    top over 128 KiB at every ``free`` (glibc's first settings; its sliding threshold cannot
-    be turned on again). Returns False (and changes nothing) where the C library is not glibc
+    ``on=False``: back to mapping each block of 32 MiB or more on its own and trimming the
+    heap's top over 64 MiB at a ``free``: where glibc's sliding threshold stands once a block
+    that large was freed (``DEFAULT_MMAP_THRESHOLD_MAX``; it cannot be turned on again).
+    glibc's first settings (128 KiB) mapped the 2 MiB arrays of samples whose keep went to 0
+    at a hold on their own, where its default would have served them from the heap (trial
+    120: 29 of 56 samples against 2 of 56). Returns False (and changes nothing) where the C library is not glibc
     (``mallinfo2`` missing: older than 2.33, or another library), or where the user tuned
     the allocator (:func:`user_tuned_allocator`: their settings stay)."""
     if _mallopt is None or _mallinfo2 is None or user_tuned_allocator() is not None:
         return False
     if on:
         return bool(_mallopt(_M_MMAP_MAX, 0)) and bool(_mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    return (bool(_mallopt(_M_MMAP_MAX, 65536)) and bool(_mallopt(_M_MMAP_THRESHOLD, 128 << 10))
-            and bool(_mallopt(_M_TRIM_THRESHOLD, 128 << 10)))
+    return (bool(_mallopt(_M_MMAP_MAX, 65536)) and bool(_mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+            and bool(_mallopt(_M_TRIM_THRESHOLD, 64 << 20)))
 
 
 #: Growth of a worker's resident anonymous memory (bytes) since it last gave its free heap
