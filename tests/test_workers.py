@@ -1213,3 +1213,25 @@ def test_warm_heap_figures_ignore_other_growth_and_keep_zero_restores_the_alloca
     assert all(80 <= abs(f) <= 100 for f in figures), figures  # 88 each, not 88, 112, 136..
     assert warm >= cold  # heap-only: a freed array stays until the sample ends (documented)
     assert again <= cold + 8, (cold, warm, again)
+
+
+_THREAD_FIRST_PROBE = """
+import logging, threading, time
+from autominato import Loader
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    with Loader(list(range(4)), 2, workers=1, autotune=False) as loader:
+        print(sorted(int(x) for b in loader for x in b))
+"""
+
+
+def test_a_thread_started_before_the_loader_is_said_in_the_log():
+    """With a thread running, the workers start from a new interpreter (about 1-2 s more to
+    the first batch): the log says so and how to avoid it (trial 120 found the second
+    silent)."""
+    out = subprocess.run([sys.executable, "-c", _THREAD_FIRST_PROBE], capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[0, 1, 2, 3]"
+    assert "the workers start from a new interpreter" in out.stderr, out.stderr[-2000:]
+    assert "build the Loader before starting threads" in out.stderr

@@ -335,6 +335,11 @@ class ProcessWorkers:
         self.post = post
         self.start_method = start_method
         self.kind = zygote_kind(start_method)
+        if self.kind == "fresh" and start_method == "auto":  # (trial 120: ~1 s, unsaid)
+            log.info("this process runs %d threads: the workers start from a new interpreter "
+                     "(about 1-2 s, importing torch) rather than a fork of it; build the "
+                     "Loader before starting threads, or pass start_method='fork' (see "
+                     "Loader's start_method)", threading.active_count())
         self._replaced = False  # a forked zygote ended and a new interpreter took over
         #: The worker count that new workers are told (``WorkerInfo.num_workers``).
         self.target = initial
