@@ -876,6 +876,7 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
                               pool=SimpleNamespace(heap_keep=keep, workers={})),
         _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda: None)
     fake._idle_warm = lambda running: Pipeline._idle_warm(fake, running)
+    fake._busy_warm = lambda: Pipeline._busy_warm(fake)
     held = max(10 * MiB, keep) + 270 * MiB + 300 * MiB + pool_bytes
     assert held > m.budget(workers)  # what the workers would hold: over the budget
     assert not Pipeline._admit(fake, "c", item)

@@ -91,6 +91,11 @@ class Dispatch:
         return 0
 
     @staticmethod
+    def _busy_warm() -> float:
+        """No warm heap in the replay (see :meth:`_update_heap_keep`)."""
+        return 0.0
+
+    @staticmethod
     def _idle_warm(running: int) -> list[float]:
         """No warm heap in the replay (see :meth:`_update_heap_keep`)."""
         return []

@@ -1017,14 +1017,7 @@ class Pipeline:
                 ests = {k: est(index[k]) if k in index else median for k in held}
                 pool = self._budgeted_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
-            # A worker holds its warm heap while it runs a sample smaller than that (review
-            # 118: with 3 workers a 10 MiB sample on a 195 MiB warm heap was counted at 10,
-            # and the samples beside it passed the budget by 9%).
-            # (busy workers hear of a smaller keep only when their sample ends: each counts
-            # at the largest keep a busy worker was sent, review 119)
-            warm = float(max([self.procs.pool.heap_keep]
-                             + [w.heap_sent for w in list(self.procs.pool.workers.values())
-                                if w.task is not None]))
+            warm = self._busy_warm()
             in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
             ahead = None
             if overtaking:
@@ -1059,6 +1052,16 @@ class Pipeline:
             self._update_heap_keep()
         index[key] = item[0]
         return True
+
+    def _busy_warm(self) -> float:
+        """The warm heap a running sample counts at least at (``_admit``): a worker holds it
+        while it runs a smaller sample (review 118: with 3 workers a 10 MiB sample on a
+        195 MiB warm heap was counted at 10, and the samples beside it passed the budget by
+        9%); the largest keep a busy worker was sent, as busy workers hear of a smaller keep
+        only when their sample ends (review 119)."""
+        pool = self.procs.pool
+        return float(max([pool.heap_keep] + [w.heap_sent for w in list(pool.workers.values())
+                                             if w.task is not None]))
 
     def _idle_warm(self, running: int) -> list[float]:
         """The warm heaps of the workers left idle when one more sample starts beside
