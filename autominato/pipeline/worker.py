@@ -370,7 +370,7 @@ class PeakMeter:
         warm heap of ``w`` bytes when the task began (:meth:`HeapTrim.warm_bytes`): a task
         whose heap grew (a block did not fit in the free heap, which it filled first) needed ``w + r`` for a rise ``r``; one whose heap did not
         grow but rose by :data:`HEAP_SLACK_BYTES` or more took pages back inside it and
-        returns ``r``; one that rose by less needed ``w + r`` at most (the
+        returns ``w + r`` (at most that); one that rose by less needed ``w + r`` at most (the
         free blocks inside the heap it used besides are not counted), which it returns negated:
         a bound (``SampleMemory.learn`` keeps a figure the index has, else takes it, at most
         the median; as "no rise" the first figures of samples that fitted read 16 MiB,
@@ -388,11 +388,13 @@ class PeakMeter:
                 return max(0, rise) + self._warm
             # Pages faulted back inside the heap (``malloc_trim`` gives free blocks there
             # back whole, review 118: a 280 MiB sample read as a bound and its index kept a
-            # 40 MiB figure): the rise alone, as the warm top may have served it or not
-            # (review 119: rise and top, a 40 MiB sample read 104 for good); admission
-            # counts a running sample at least at the warm heap anyway.
+            # 40 MiB figure): the rise and the warm top, which glibc fills after those
+            # blocks. An upper bound taken as a figure: the rise alone read a sample that
+            # used both at 151 MiB for 211 (review 121); with the top, a sample that did not
+            # use it reads up to the warm heap more (review 119: 40 MiB read 104), the safe
+            # side.
             if rise >= HEAP_SLACK_BYTES:
-                return rise
+                return rise + self._warm
             return -(max(0, rise) + self._warm)
         return max(NO_RISE, rise)
 
