@@ -199,17 +199,14 @@ _PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_d
 
 
 def _allocator_free() -> bool:
-    """Whether the workers may steer the C allocator for the warm heap: glibc 2.33 or later
-    (``mallinfo2``), and not where the user tuned it (``worker.user_tuned_allocator``, which
-    is then said in the log)."""
-    from autominato.pipeline import worker
+    """Whether the workers may steer the C allocator for the warm heap
+    (``worker.warm_heap_refused``); where the user tuned it, the log says so."""
+    from autominato.pipeline.worker import warm_heap_refused
 
-    if worker._mallopt is None or worker._mallinfo2 is None:
-        return False  # not glibc 2.33 or later: no keep to count (review 119)
-    setting = worker.user_tuned_allocator()
-    if setting is not None:
-        log.info("warm_heap: off, %s tunes the C allocator (its settings stay)", setting)
-    return setting is None
+    why = warm_heap_refused()
+    if why is not None and why != "glibc":
+        log.info("warm_heap: off, %s tunes the C allocator (its settings stay)", why)
+    return why is None
 
 class Loader:
     """A staged asynchronous loader with completion-order batches and live knobs.

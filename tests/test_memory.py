@@ -870,7 +870,8 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
     pool_bytes = m.pool_share_of_base * m._base(workers)  # the pools at their whole share
     item = (7,) + (None,) * 6  # index 7 (300 MiB), as the stage's task tuple
     fake = SimpleNamespace(
-        memory=m, _in_flight={"a": 0, "b": 6}, _held_key=None, _overtook=set(),
+        memory=m, cfg=SimpleNamespace(warm_heap=True), _in_flight={"a": 0, "b": 6},
+        _held_key=None, _overtook=set(),
         _scan_ests=((0, 0), {}, 0), _admit_stage=SimpleNamespace(scans=0),
         procs=SimpleNamespace(size=workers, chunk=1, held_keys=lambda: ["a", "b"],
                               pool=SimpleNamespace(heap_keep=keep, workers={})),

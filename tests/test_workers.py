@@ -993,6 +993,16 @@ if heap.resident_bytes() is None or meter.start() is None or not worker.heap_onl
 MiB = 1 << 20
 """
 
+# (a task measured by the probes' meter, the heap given back after it, as a worker's loop)
+_MEASURED_TASK = """
+def task(fn):
+    base = meter.start()
+    fn()
+    peak = meter.peak(base)
+    heap.after_task()
+    return peak
+"""
+
 _WARM_PROBE = "import resource" + _HEAP_PROBE_SETUP + """
 def task(mib):
     base = meter.start()
@@ -1085,19 +1095,12 @@ def test_a_sample_that_faults_pages_back_inside_the_heap_reads_its_own_figure():
     assert m.estimate(0) == pytest.approx(second)  # (stored as float32)
 
 
-_HOLE_AND_TOP_PROBE = "import ctypes" + _HEAP_PROBE_SETUP + """
+_HOLE_AND_TOP_PROBE = "import ctypes" + _HEAP_PROBE_SETUP + _MEASURED_TASK + """
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 pins = []
 heap.set_keep(64 * MiB)
-
-def task(fn):
-    base = meter.start()
-    fn()
-    peak = meter.peak(base)
-    heap.after_task()
-    return peak
 
 def setup():  # a 200 MiB hole in the heap (given back), a 64 MiB warm top above a pin
     a = np.ones(200 * MiB, np.uint8)
@@ -1225,13 +1228,7 @@ def chain():  # ever larger arrays, each freed once the next exists
     del c, d
 
 
-def task(fn):
-    base = meter.start()
-    fn()
-    peak = meter.peak(base)
-    heap.after_task()
-    return peak
-
+""" + _MEASURED_TASK + """
 
 cold_chain = task(chain)
 heap.set_keep(96 * MiB)

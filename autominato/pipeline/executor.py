@@ -29,7 +29,7 @@ from typing import Any
 
 from autominato.pipeline.errors import ErrorReport, describe
 from autominato.pipeline.shm import SCM_MAX_FD, FdDesc, fd_socket, map_memfd
-from autominato.pipeline.spawn import Zygote, can_fork_now, zygote_kind
+from autominato.pipeline.spawn import Zygote, can_fork_now, say_fresh_start, zygote_kind
 
 __all__ = ["ProcWorker", "ProcessWorkers", "ThreadWorker", "ThreadWorkers", "can_fork_now"]
 
@@ -293,31 +293,6 @@ class _Child:
         self.exited.wait(timeout)
 
 
-_said_fresh_start = False
-
-
-def _say_fresh_start() -> None:
-    """Say once a process (in the log, at INFO) why its loaders' workers start from a new
-    interpreter, about 1-2 s more to the first batch (trial 120 found it unsaid), and what
-    avoids it for that cause (review 121: CUDA was blamed on threads)."""
-    global _said_fresh_start
-    if _said_fresh_start:
-        return
-    _said_fresh_start = True
-    from autominato.pipeline.spawn import _python_threads
-
-    threads = _python_threads()
-    if threads > 1:
-        log.info("this process runs %d threads: the workers start from a new interpreter "
-                 "(about 1-2 s, importing torch) rather than a fork of it; build the Loader "
-                 "before starting threads, or pass start_method='fork' if no thread can hold "
-                 "a lock the workers need (see Loader's start_method)", threads)
-    else:
-        log.info("CUDA is initialised in this process: the workers start from a new "
-                 "interpreter (about 1-2 s, importing torch), as a fork could not use it; "
-                 "build the Loader before the first CUDA call to fork them")
-
-
 class ProcessWorkers:
     """Resizable pool of worker processes running :func:`autominato.pipeline.worker.process_main`.
 
@@ -361,7 +336,7 @@ class ProcessWorkers:
         self.start_method = start_method
         self.kind = zygote_kind(start_method)
         if self.kind == "fresh" and start_method == "auto":  # (trial 120: ~1 s, unsaid)
-            _say_fresh_start()
+            say_fresh_start()
         self._replaced = False  # a forked zygote ended and a new interpreter took over
         #: The worker count that new workers are told (``WorkerInfo.num_workers``).
         self.target = initial

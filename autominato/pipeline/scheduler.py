@@ -1059,6 +1059,8 @@ class Pipeline:
         195 MiB warm heap was counted at 10, and the samples beside it passed the budget by
         9%); the largest keep a busy worker was sent, as busy workers hear of a smaller keep
         only when their sample ends (review 119)."""
+        if not self.cfg.warm_heap:
+            return 0.0
         pool = self.procs.pool
         return float(max([pool.heap_keep] + [w.heap_sent for w in list(pool.workers.values())
                                              if w.task is not None]))

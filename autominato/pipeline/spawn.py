@@ -53,6 +53,7 @@ process ended) while another process holds the loader's end.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -86,6 +87,31 @@ def can_fork_now() -> bool:
         return not torch.cuda.is_initialized()
     except ImportError:  # pragma: no cover
         return True
+
+
+log = logging.getLogger("autominato.pipeline")
+
+_said_fresh_start = False
+
+
+def say_fresh_start() -> None:
+    """Say once a process (in the log, at INFO) why its loaders' workers start from a new
+    interpreter, about 1-2 s more to the first batch (trial 120 found it unsaid), and what
+    avoids it for that cause (review 121: CUDA was blamed on threads)."""
+    global _said_fresh_start
+    if _said_fresh_start:
+        return
+    _said_fresh_start = True
+    threads = _python_threads()
+    if threads > 1:
+        log.info("this process runs %d threads: the workers start from a new interpreter "
+                 "(about 1-2 s, importing torch) rather than a fork of it; build the Loader "
+                 "before starting threads, or pass start_method='fork' if no thread can hold "
+                 "a lock the workers need (see Loader's start_method)", threads)
+    else:
+        log.info("CUDA is initialised in this process: the workers start from a new "
+                 "interpreter (about 1-2 s, importing torch), as a fork could not use it; "
+                 "build the Loader before the first CUDA call to fork them")
 
 
 def _python_threads() -> int:

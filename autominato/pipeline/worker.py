@@ -189,6 +189,15 @@ def user_tuned_allocator(env: dict | None = None) -> str | None:
     return None
 
 
+def warm_heap_refused() -> str | None:
+    """Why this process's allocator cannot keep a warm heap (:func:`heap_only`), or None:
+    ``"glibc"`` (no ``mallopt``/``mallinfo2``: not glibc 2.33 or later), or the environment
+    setting by which the user tuned the allocator (:func:`user_tuned_allocator`)."""
+    if _mallopt is None or _mallinfo2 is None:
+        return "glibc"
+    return user_tuned_allocator()
+
+
 def heap_only(on: bool = True) -> bool:
     """``on``: make this process's C allocator serve every block from its heap and never
     give free memory back by itself (glibc: ``mallopt(M_MMAP_MAX, 0)``,
@@ -205,10 +214,10 @@ def heap_only(on: bool = True) -> bool:
     that large was freed (``DEFAULT_MMAP_THRESHOLD_MAX``; it cannot be turned on again).
     glibc's first settings (128 KiB) mapped the 2 MiB arrays of samples whose keep went to 0
     at a hold on their own, where its default would have served them from the heap (trial
-    120: 29 of 56 samples against 2 of 56). Returns False (and changes nothing) where the C library is not glibc
-    (``mallinfo2`` missing: older than 2.33, or another library), or where the user tuned
-    the allocator (:func:`user_tuned_allocator`: their settings stay)."""
-    if _mallopt is None or _mallinfo2 is None or user_tuned_allocator() is not None:
+    120: 29 of 56 samples against 2 of 56). Returns False (and changes nothing) where
+    :func:`warm_heap_refused` says why (not glibc 2.33 or later, or the user tuned the
+    allocator: their settings stay)."""
+    if warm_heap_refused() is not None:
         return False
     if on:
         return bool(_mallopt(_M_MMAP_MAX, 0)) and bool(_mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
@@ -384,17 +393,15 @@ class PeakMeter:
         except (OSError, ValueError):
             return 0
         if self._warm:
-            if int(_mallinfo2().arena) > self._heap_bytes:  # it filled the warm heap first
+            # A heap that grew (the warm heap filled first), or pages faulted back inside it
+            # (``malloc_trim`` gives free blocks there back whole, review 118: a 280 MiB
+            # sample read as a bound and its index kept a 40 MiB figure): the rise and the
+            # warm top, taken as a figure. For the second an upper bound: the rise alone read
+            # a sample that used both at 151 MiB for 211 (review 121); a sample that did not
+            # use the top reads up to the warm heap more (review 119: 40 MiB read 104), the
+            # safe side.
+            if rise >= HEAP_SLACK_BYTES or int(_mallinfo2().arena) > self._heap_bytes:
                 return max(0, rise) + self._warm
-            # Pages faulted back inside the heap (``malloc_trim`` gives free blocks there
-            # back whole, review 118: a 280 MiB sample read as a bound and its index kept a
-            # 40 MiB figure): the rise and the warm top, which glibc fills after those
-            # blocks. An upper bound taken as a figure: the rise alone read a sample that
-            # used both at 151 MiB for 211 (review 121); with the top, a sample that did not
-            # use it reads up to the warm heap more (review 119: 40 MiB read 104), the safe
-            # side.
-            if rise >= HEAP_SLACK_BYTES:
-                return rise + self._warm
             return -(max(0, rise) + self._warm)
         return max(NO_RISE, rise)
 
