@@ -38,6 +38,9 @@ for line in sys.stdin:
         if cmd == "shm":
             m.close()
         held.append((fd, m))
+    elif cmd == "punch":  # the last memory file's pages given back (a hole punched, as an
+        import mmap                     # idle batch buffer's), its mapping kept
+        held[-1][1].madvise(mmap.MADV_REMOVE)
     elif cmd == "spawn":  # a child of its own that burns this much CPU, then sleeps
         code = (
             f"import time\\nwhile time.process_time() < {float(arg)}: pass\\n"
@@ -337,3 +340,32 @@ def test_the_bench_sampler_sees_a_peak_between_two_rollups(child, monkeypatch):
     usage = sampler.stop()
     assert rollups == [child.proc.pid]  # within PSS_EVERY_S of the first: no other rollup
     assert 60 * MiB <= usage.peak_memory_bytes - usage.start_memory_bytes <= 72 * MiB
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create")
+def test_shared_memory_given_back_leaves_the_figure_before_the_next_rollup(child, monkeypatch):
+    # A loader gives an idle batch buffer's pages back by punching a hole in it; the meter
+    # kept the Pss_Shmem of the last rollup until the next one (up to pss_every = 2 s in the
+    # bench), so that memory freed read as held: 55 MiB over a full reading at a KiTS19
+    # loader's peak. The machine's figure is held still here (other tests' loaders move it).
+    machine = [0]
+    monkeypatch.setattr("autominato.telemetry.process.machine_shmem_bytes", lambda: machine[0])
+    rollups = _counting_rollups(monkeypatch)
+    meter = ProcessMeter(child.proc.pid, pss=True, pss_every=3600)
+    before = meter.read()
+    child.do("shmmap", 64 * MiB)
+    machine[0] = 64 * MiB
+    meter.pss_every = 1e-9  # one rollup now, with the file mapped
+    mapped = meter.read()
+    meter.pss_every = 3600
+    child.do("punch", 0)
+    machine[0] = 0
+    punched = meter.read()
+    assert len(rollups) == 2  # the first reading's and the forced one: an estimate after
+    assert 60 * MiB <= mapped.footprint_bytes - before.footprint_bytes <= 72 * MiB
+    assert abs(punched.footprint_bytes - before.footprint_bytes) < 8 * MiB, (
+        punched.footprint_bytes / MiB, before.footprint_bytes / MiB)
+    assert punched.processes[0].shmem_pss_bytes < 4 * MiB
+    # and the figure agrees with a rollup read now
+    fresh = ProcessMeter(child.proc.pid, pss=True).read()
+    assert abs(fresh.pss_bytes - punched.pss_bytes) < 8 * MiB

@@ -143,10 +143,16 @@ class ProcessMeter:
             rollup is read again at a reading where a process that shares more than
             :attr:`SHARED_BYTES` with others started, exited or became a zombie (the pages
             it shared are split anew).
-            Between two rollups it misses pages that copy-on-write made private (a fork's
-            child and parent writing to what they shared) and file pages newly mapped (a
-            spawned worker's imports); shared memory the footprint counts from the machine's
-            figure (:attr:`Reading.shmem_bytes`). 0 (the default) reads every process's
+            Its shared memory (``Pss_Shmem``) between two rollups is the last one read,
+            scaled down as its resident shared memory shrinks (``RssShmem`` of
+            ``/proc/PID/status``, microseconds): pages given back (a hole punched in an idle
+            buffer, a segment unmapped) leave the figure at once (until December 2026 they
+            stayed in it until the next rollup: a KiTS19 loader's peak read 55 MiB over a
+            full reading at the same moment); shared memory mapped since counts in the
+            footprint from the machine's figure (:attr:`Reading.shmem_bytes`). Between two
+            rollups it misses pages that copy-on-write made private (a fork's child and
+            parent writing to what they shared) and file pages newly mapped (a spawned
+            worker's imports). 0 (the default) reads every process's
             rollup at every :meth:`read`: 5-11 ms each for a KiTS19 loader's processes of
             170-370 MB on the 2-core machine (a walk of the page tables), which took 9.6-14.7% of
             a core from the loaders the bench measured when it read them every 0.2 s.
@@ -178,9 +184,10 @@ class ProcessMeter:
         self._walked = -math.inf  # when the descendants were last listed (tree_every)
         self._kids: list[tuple[int, psutil.Process]] = []
         self.runqueue = runqueue
-        # (pid, start time) -> (time, PSS, Pss_Shmem, private bytes, shares pages) of its
-        # last rollup
-        self._rollups: dict[tuple[int, float], tuple[float, int, int | None, int, bool]] = {}
+        # (pid, start time) -> (time, PSS, Pss_Shmem, private bytes, shares pages, RssShmem)
+        # of its last rollup
+        self._rollups: dict[tuple[int, float],
+                            tuple[float, int, int | None, int, bool, int | None]] = {}
         self._mapping: frozenset[tuple[int, float]] = frozenset()  # the last reading's
         #: Whether the last :meth:`read` read every process's rollup (``pss`` and: no
         #: ``pss_every``, or a process sharing pages started or exited since the reading
@@ -342,7 +349,8 @@ class ProcessMeter:
         """
         pss, shmem_pss = _pss(p)
         if pss is not None and self.pss_every > 0:
-            self._rollups[key] = (now, pss, shmem_pss, private, rss - pss > self.SHARED_BYTES)
+            self._rollups[key] = (now, pss, shmem_pss, private, rss - pss > self.SHARED_BYTES,
+                                  _rss_shmem(p.pid) if shmem_pss else None)
         else:
             self._rollups.pop(key, None)
         return pss, shmem_pss
@@ -366,8 +374,13 @@ class ProcessMeter:
         last = self._rollups.get(key)
         if self.full or due or last is None:
             return self._read_rollup(p, key, now, private, rss)
-        _, pss, shmem_pss, private0, _ = last
-        return max(pss + private - private0, shmem_pss or 0), shmem_pss
+        _, pss, shmem_pss, private0, _, rss_shmem0 = last
+        shmem_now = shmem_pss
+        if shmem_pss and rss_shmem0:
+            rss_shmem = _rss_shmem(p.pid)
+            if rss_shmem is not None and rss_shmem < rss_shmem0:
+                shmem_now = shmem_pss * rss_shmem // rss_shmem0
+        return max(0, pss - (shmem_pss or 0) + private - private0) + (shmem_now or 0), shmem_now
 
 
 def _pss(p: psutil.Process) -> tuple[int | None, int | None]:
@@ -399,6 +412,19 @@ def _pss(p: psutil.Process) -> tuple[int | None, int | None]:
         pss = getattr(p.memory_full_info(), "pss", None)
         return (int(pss) if pss is not None else None), None
     return fields[b"Pss"], fields.get(b"Pss_Shmem")
+
+
+def _rss_shmem(pid: int) -> int | None:
+    """Resident shared memory of process ``pid`` (``RssShmem`` of ``/proc/PID/status``, Linux
+    4.5+), bytes; ``None`` where not readable."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _zombie(p: psutil.Process) -> bool:
