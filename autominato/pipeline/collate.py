@@ -163,8 +163,8 @@ class BatchPool:
         hold them, not since their last acquire: a batch may wait in the prefetch queue and
         the training step for longer) give their pages back; returns how many did. Called
         from the scheduler's periodic tick. ``at_once``: every idle unpinned buffer gives
-        them back now (memory-aware dispatch holds a sample back, and the pool's memory
-        counts in its budget)."""
+        them back now (memory-aware dispatch measures the samples or holds one back, and the
+        pool's memory counts in its budget)."""
         now = time.monotonic() if now is None else now
         done = 0
         with self._lock:
