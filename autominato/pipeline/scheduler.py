@@ -700,16 +700,18 @@ class Pipeline:
                     # While the lead rule holds and batches wait for the loop (it is the
                     # bottleneck) no idle shared batch buffer stays warm: its page faults
                     # cost time the loader has to spare. Nor while memory-aware dispatch
-                    # measures the samples (those of CHUNK_BUDGET_S and more: its budget
-                    # holds): the pools' memory counts in its budget, idle buffers are the
-                    # part of it that can go at once, and they sat beside the largest samples'
-                    # working sets at the KiTS19 bench's peaks (3 of 20 MiB, DataLoader's
-                    # peak exceeded by about as much); a sample's own page faults outweigh
-                    # its buffer's there. Samples faster than that keep them for DECAY_S.
+                    # measures the samples (it has figures, and samples go one a message:
+                    # CHUNK_BUDGET_S or more each): the pools' memory counts in its budget,
+                    # idle buffers are the part of it that can go at once, and they sat
+                    # beside the largest samples' working sets at the KiTS19 bench's peaks
+                    # (3 of 20 MiB, DataLoader's peak exceeded by about as much). Samples
+                    # faster than that (sent in chunks) keep them for DECAY_S, even where a
+                    # slow first call of each worker gave figures (review 122).
                     ahead = self.full_lead_left == 0 and any(
                         r.waiting_for_loop() for r in self.runs.values())
                     held = self._held_key is not None
-                    measured = self._memory_aware and self.memory.known
+                    measured = (self._memory_aware and self.memory.known
+                                and self.procs.chunk == 1)
                     self.slots.decay(now, keep=0 if ahead or held or measured else None)
                     self.batch_pool.decay(now, at_once=held or measured)
                     if self._memory_aware:

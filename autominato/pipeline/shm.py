@@ -477,12 +477,12 @@ class SlotPool:
         freed: the scheduler passes 0 while the training loop is the bottleneck
         (``Pipeline._dispatch``'s lead rule holds and batches wait for the loop), where warm
         idle buffers only add to the peak and their page faults cost the loader time it has
-        to spare, and while memory-aware dispatch measures the samples (samples of 10 ms and
-        more, whose own page faults outweigh their buffer's; docs/memory.md) (~15 ms of CPU a 20 MiB buffer, measured: hole punched 3 ms,
+        to spare (~15 ms of CPU a 20 MiB buffer, measured: hole punched 3 ms,
         ``posix_fallocate`` 4 ms, the worker's first write 9 ms against 1 ms warm; the
-        DataLoader's workers pay it for every batch). Other slots (a sample's own, taken
-        again on the scheduler thread when a task leaves for a worker) keep theirs for
-        :data:`DECAY_S`."""
+        DataLoader's workers pay it for every batch), and while memory-aware dispatch
+        measures the samples (10 ms or more each, sent one a message; docs/memory.md, "Idle
+        batch buffers of measured samples"). Other slots (a sample's own, taken again on the
+        scheduler thread when a task leaves for a worker) keep theirs for :data:`DECAY_S`."""
         with self._lock:
             self._reap()  # between epochs too, not only when a slot is next asked for
         if not self._punch:

@@ -144,16 +144,19 @@ class ProcessMeter:
             :attr:`SHARED_BYTES` with others started, exited or became a zombie (the pages
             it shared are split anew).
             Its shared memory (``Pss_Shmem``) between two rollups is the last one read,
-            scaled down as its resident shared memory shrinks (``RssShmem`` of
-            ``/proc/PID/status``, microseconds): pages given back (a hole punched in an idle
-            buffer, a segment unmapped) leave the figure at once (until December 2026 they
-            stayed in it until the next rollup: a KiTS19 loader's peak read 55 MiB over a
-            full reading at the same moment); shared memory mapped since counts in the
-            footprint from the machine's figure (:attr:`Reading.shmem_bytes`). Between two
-            rollups it misses pages that copy-on-write made private (a fork's child and
-            parent writing to what they shared) and file pages newly mapped (a spawned
-            worker's imports). 0 (the default) reads every process's
-            rollup at every :meth:`read`: 5-11 ms each for a KiTS19 loader's processes of
+            scaled down as its resident shared memory falls below the rollup's (``RssShmem``
+            of ``/proc/PID/status``, microseconds): pages given back (a hole punched in an
+            idle buffer, a segment unmapped) leave the figure when they are a net fall (until
+            December 2026 they stayed in it until the next rollup: a KiTS19 loader's peak
+            read 55 MiB over a full reading at the same moment). The scaling assumes the
+            pages given back were shared like the rest: a process's figure may read low (the
+            pages it shared with more processes than the rest) or high; the footprint's
+            shared part is at least the first reading's plus the machine's gain since
+            (:attr:`Reading.shmem_bytes`), which also counts shared memory mapped since.
+            Between two rollups it misses pages that copy-on-write made private (a fork's
+            child and parent writing to what they shared) and file pages newly mapped (a
+            spawned worker's imports). 0 (the default) reads every process's rollup at
+            every :meth:`read`: 5-11 ms each for a KiTS19 loader's processes of
             170-370 MB on the 2-core machine (a walk of the page tables), which took 9.6-14.7% of
             a core from the loaders the bench measured when it read them every 0.2 s.
         tree_every: with ``children``, seconds between two listings of the root's
@@ -347,10 +350,15 @@ class ProcessMeter:
         Raises:
             psutil.Error: the process is gone or not ours to read.
         """
+        keep = self.pss_every > 0
+        before = _rss_shmem(p.pid) if keep else None
         pss, shmem_pss = _pss(p)
-        if pss is not None and self.pss_every > 0:
+        if pss is not None and keep:
+            # (the smaller of before and after the walk: pages faulted in during it would
+            # make a later fall read too small, review 122)
+            after = _rss_shmem(p.pid) if shmem_pss else None
             self._rollups[key] = (now, pss, shmem_pss, private, rss - pss > self.SHARED_BYTES,
-                                  _rss_shmem(p.pid) if shmem_pss else None)
+                                  None if before is None or after is None else min(before, after))
         else:
             self._rollups.pop(key, None)
         return pss, shmem_pss
