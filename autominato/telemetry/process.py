@@ -422,17 +422,23 @@ def _pss(p: psutil.Process) -> tuple[int | None, int | None]:
     return fields[b"Pss"], fields.get(b"Pss_Shmem")
 
 
-def _rss_shmem(pid: int) -> int | None:
-    """Resident shared memory of process ``pid`` (``RssShmem`` of ``/proc/PID/status``, Linux
-    4.5+), bytes; ``None`` where not readable."""
+def _kib_field(path: str, field: bytes) -> int | None:
+    """The ``field`` line (``b"Name:"``) of a ``/proc`` file of ``N kB`` lines, in bytes;
+    ``None`` where not readable or absent."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"RssShmem:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _rss_shmem(pid: int) -> int | None:
+    """Resident shared memory of process ``pid`` (``RssShmem`` of ``/proc/PID/status``, Linux
+    4.5+), bytes; ``None`` where not readable."""
+    return _kib_field(f"/proc/{pid}/status", b"RssShmem:")
 
 
 def _zombie(p: psutil.Process) -> bool:
@@ -445,14 +451,7 @@ def _zombie(p: psutil.Process) -> bool:
 def machine_shmem_bytes() -> int | None:
     """The machine's shared memory in use (``Shmem`` of ``/proc/meminfo``: POSIX shared
     memory, memory files, tmpfs files, SysV segments), bytes; ``None`` where not readable."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"Shmem:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _kib_field("/proc/meminfo", b"Shmem:")
 
 
 def _runqueue_s(pid: int) -> float:
