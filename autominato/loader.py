@@ -197,7 +197,6 @@ _PIPELINE_COUNTERS = ("skipped", "stragglers", "worker_restarts", "speculative_d
                       "memory_held", "memory_wait_s", "cold_starts")
 
 
-
 def _allocator_free() -> bool:
     """Whether the workers may steer the C allocator for the warm heap
     (``worker.warm_heap_refused``); where the user tuned it, the log says so."""
@@ -207,6 +206,7 @@ def _allocator_free() -> bool:
     if why is not None and why != "glibc":
         log.info("warm_heap: off, %s tunes the C allocator (its settings stay)", why)
     return why is None
+
 
 class Loader:
     """A staged asynchronous loader with completion-order batches and live knobs.
