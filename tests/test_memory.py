@@ -709,6 +709,58 @@ def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
         [f / MiB for f in figures]
 
 
+class Mixed96And8:
+    """Six samples of 96 MiB of arrays and four of 8 MiB, 15 ms or more each (measured);
+    each tells the free top of its worker's heap when it began (``mallinfo2().keepcost``)."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        from autominato.pipeline import worker
+
+        top = int(worker._mallinfo2().keepcost)
+        a = np.ones((96 if i < 6 else 8) * MiB, np.uint8)
+        time.sleep(0.015)
+        return np.array([i + int(a[0]) - 1, top / MiB], np.float32)
+
+
+def _warm_tops_of_small_samples() -> tuple[int, list[float]]:
+    """(the keep, the warm heap each 8 MiB sample of epochs 2-4 began on, MiB)."""
+    with Loader(Mixed96And8(), 2, workers=2, seed=0, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(10))
+        pool = loader._pipeline.procs.pool
+        deadline = time.monotonic() + 5.0
+        while not pool.heap_keep and time.monotonic() < deadline:
+            time.sleep(0.05)  # (sent at the scheduler's next tick)
+        tops = []
+        for _ in range(3):
+            rows = [r for b in loader for r in b.numpy()]
+            assert sorted(int(i) for i, _ in rows) == list(range(10))
+            tops += [float(t) for i, t in rows if i >= 6]
+        return pool.heap_keep, tops
+
+
+@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
+                    reason="no glibc malloc_trim")
+def test_a_small_sample_runs_on_a_warm_heap_trimmed_to_its_figure(monkeypatch):
+    """The keep fits one warm heap beside the largest sample; a worker sent a sample whose
+    figure is smaller gives the rest back first (``Pipeline._task_heap``,
+    ``worker.HeapTrim.trim_for``): the 8 MiB samples begin on about 8 + 16 MiB of warm
+    heap, not on the 96 MiB kept for the large ones (the control, without it)."""
+    keep, tops = _warm_tops_of_small_samples()
+    assert 90 * MiB <= keep <= 100 * MiB  # 96 MiB samples set it
+    # (8 MiB + the 16 MiB slack; 16 + 16 for a figure read as no rise: memory.KEPT_HEAP_BYTES)
+    assert len(tops) == 12 and all(t <= 36 for t in tops), tops
+    from autominato.pipeline.scheduler import Pipeline
+
+    monkeypatch.setattr(Pipeline, "_task_heap", lambda self, item: None)
+    keep, tops = _warm_tops_of_small_samples()
+    assert 90 * MiB <= keep <= 100 * MiB
+    assert max(tops) >= 90, tops  # a small sample on the whole warm heap
+
+
 def test_a_bound_from_the_warm_heap_keeps_a_figure_and_counts_at_most_the_median():
     """A sample that fitted in its worker's warm heap reports a bound, about that heap
     (negative): a figure the index has stays; an index without one takes the bound, at most

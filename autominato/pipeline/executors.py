@@ -136,6 +136,10 @@ class ProcessExecutor:
         self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
         self._alone: set = set()  # (gen, pos) of items to send one per message (suspects)
         self.want = workers.size
+        #: ``task_heap(item) -> bytes or None``: the free heap a worker may keep warm while it
+        #: runs ``item`` sent alone, below the keep it was sent (the scheduler's
+        #: ``_task_heap``), or ``None`` (set by the scheduler).
+        self.task_heap: Callable[[Any], int | None] | None = None
 
     def submit(self, key: Any, item: Any) -> None:
         self._pending.append((key, item))
@@ -177,7 +181,12 @@ class ProcessExecutor:
             part, self._pending = self._pending[:n], self._pending[n:]
             keys = [k for k, _ in part]
             self._held[w.wid] = keys
-            self.pool.send(w, keys, ("many", [(k, *item) for k, item in part]))
+            msg: tuple = ("many", [(k, *item) for k, item in part])
+            if len(part) == 1 and self.task_heap is not None:
+                trim = self.task_heap(part[0][1])
+                if trim is not None:
+                    msg = (*msg, trim)  # the worker trims its warm heap to it first
+            self.pool.send(w, keys, msg)
 
     def new_pass(self) -> None:
         """A pass begins (the scheduler, before it sizes the workers): workers held back

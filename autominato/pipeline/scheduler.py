@@ -352,6 +352,8 @@ class Pipeline:
                         st.max_refusals = SCAN_REFUSALS
                         self._admit_stage = st
                         self._memory_aware = True
+                        if cfg.warm_heap:
+                            self.procs.task_heap = self._task_heap
             # Process workers write finished samples into batch rows (see rows.py) where the
             # default collate stacks them and no pinned copy follows.
             self._rows_ok = (self.procs is not None and self.sample_stages[-1].executor is self.procs
@@ -1065,7 +1067,11 @@ class Pipeline:
         while it runs a smaller sample (review 118: with 3 workers a 10 MiB sample on a
         195 MiB warm heap was counted at 10, and the samples beside it passed the budget by
         9%); the largest keep a busy worker was sent, as busy workers hear of a smaller keep
-        only when their sample ends (review 119)."""
+        only when their sample ends (review 119). A sample sent with a smaller figure runs on
+        a heap trimmed to it (:meth:`_task_heap`) but still counts at the keep here: its
+        figure can be its index's smaller mode (KiTS19's crop searches the foreground in 40%
+        of its calls, and the working set is then up to 1.5x), and counting it lower would
+        let more samples run together."""
         if not self.cfg.warm_heap:
             return 0.0
         pool = self.procs.pool
@@ -1080,6 +1086,23 @@ class Pipeline:
         keep = self.procs.pool.heap_keep
         idle = self.procs.size - running - 1
         return [float(keep)] * idle if keep and running and idle > 0 else []
+
+    def _task_heap(self, item: Any) -> int | None:
+        """``ProcessExecutor.task_heap``: the figure of a sample sent alone (its index's last,
+        else the median, bytes) where it is below the warm heap its worker keeps by
+        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES` or more: the worker gives back
+        the rest before it runs it (``worker.HeapTrim.trim_for``), so that a small sample
+        does not hold a warm heap sized for the largest one beside the other workers'
+        samples (two workers at MLPerf's per-rank epoch size of the KiTS19 bench: a keep of
+        230-250 MiB, a median figure of 160-185). The sample faults in what it needs beyond
+        its figure, as does a larger sample after it on that worker. ``None`` otherwise
+        (samples in chunks, no figures, no keep, or a figure within the slack of it)."""
+        keep = self.procs.pool.heap_keep
+        if (not keep or not self.memory.known or self.procs.chunk != 1
+                or type(item) is not tuple or len(item) != 7):
+            return None
+        need = int(self.memory.estimate(item[0]))
+        return need if need + HEAP_SLACK_BYTES < keep else None
 
     def _update_heap_keep(self) -> None:
         """Tell the workers how much free heap to keep warm between samples

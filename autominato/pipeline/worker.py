@@ -296,6 +296,21 @@ class HeapTrim:
         if shrink:
             self._give_back()
 
+    def trim_for(self, need: int) -> None:
+        """Before a task whose last figure was ``need`` bytes: give back the free top of the
+        heap beyond ``need + slack`` (``malloc_trim``), so that a worker running a sample
+        smaller than :attr:`keep` does not hold the rest warm beside it (the keep stays: the
+        task's growth is given back to it as before, :meth:`after_task`). The task faults
+        in what it needs beyond that; nothing is done when the free top is already within
+        ``need + slack``, or where no warm heap is kept."""
+        if not self.heap_mode or not self.keep or need + self.slack >= self.keep:
+            return
+        pad = max(0, int(need)) + self.slack
+        if int(_mallinfo2().keepcost) > pad + self.slack:
+            if give_back_free_heap(pad):
+                self.given += 1
+            self.base = self.resident_bytes()
+
     def warm_bytes(self) -> tuple[int, int]:
         """``(bytes of free heap held warm, bytes of heap held)``, from one ``mallinfo2``: the
         free top of the heap (``keepcost``, what ``malloc_trim(keep)`` leaves there) at most
@@ -935,7 +950,9 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
     (cap intra-op threads at ``n``: the worker count changed), ``("heap", keep)`` (keep up to
     ``keep`` bytes of free heap warm between tasks, :meth:`HeapTrim.set_keep`), ``("dataset", bytes)`` (a new
     copy of the dataset, ``persistent_workers=False``: ``worker_init_fn`` runs again, as in a
-    DataLoader's fresh worker), ``("many", [task, ...])``, each task
+    DataLoader's fresh worker), ``("many", [task, ...])`` or ``("many", [task], need)`` (a
+    task sent alone whose last figure was ``need`` bytes: the warm heap is trimmed to it
+    first, :meth:`HeapTrim.trim_for`), each task
     ``(key, index, epoch, draw, read, in_slot, in_desc, out_slot)`` (``draw``: see
     :func:`sample_rng`) where a slot is ``(name, size)``
     or ``None``, and ``out_slot`` may be ``rows.CLAIM``: the finished sample (16 KiB or more)
@@ -1028,8 +1045,10 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             continue
         if kind == "stream":
             ok = _serve_stream(conn, spec, cache, streams, worker, msg)
-        else:
-            ok = _serve_chunk(conn, spec, cache, worker, msg[1], pending)  # ("many", [task, ...])
+        else:  # ("many", [task, ...]) or ("many", [task], need): see HeapTrim.trim_for
+            if len(msg) > 2:
+                heap.trim_for(msg[2])
+            ok = _serve_chunk(conn, spec, cache, worker, msg[1], pending)
         if not ok:
             return
         served = True
