@@ -661,6 +661,18 @@ def test_the_warm_heap_of_every_other_worker_fits_beside_the_largest_sample():
     assert alike.heap_keep(8) == 100 * MiB
 
 
+def _warm_heap_refused() -> str | None:
+    from autominato.pipeline import worker
+
+    return "glibc" if worker._malloc_trim is None else worker.warm_heap_refused()
+
+
+#: Tests of the warm heap: skipped where workers keep none (not glibc 2.33 or later, or the
+#: environment tunes the allocator: ``worker.warm_heap_refused``).
+needs_warm_heap = pytest.mark.skipif(_warm_heap_refused() is not None,
+                                     reason="no warm heap here (worker.warm_heap_refused)")
+
+
 class Alike64:
     """Samples alike, each 64 MiB of arrays (touched) for 15 ms or more."""
 
@@ -693,8 +705,7 @@ def _later_system_time(memory_aware: bool) -> tuple[float, int, list[float]]:
         return later, pool.heap_keep, list(loader._pipeline.memory._sorted)
 
 
-@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
-                    reason="no glibc malloc_trim")
+@needs_warm_heap
 def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
     """After the first figures the workers keep a sample's worth of heap warm: the later
     epochs' samples take no new pages, where without memory-aware dispatch (no warm heap)
@@ -742,8 +753,7 @@ def _warm_tops_of_small_samples() -> tuple[int, list[float]]:
         return pool.heap_keep, tops
 
 
-@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
-                    reason="no glibc malloc_trim")
+@needs_warm_heap
 def test_a_small_sample_runs_on_a_warm_heap_trimmed_to_its_figure(monkeypatch):
     """The keep fits one warm heap beside the largest sample; a worker sent a sample whose
     figure is smaller gives the rest back first (``Pipeline._task_heap``,
@@ -820,8 +830,7 @@ class Alike32:
         return np.full(4, i + int(a[0]) - 1, np.float32)
 
 
-@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
-                    reason="no glibc malloc_trim")
+@needs_warm_heap
 def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_measured():
     """The keep waits for figures of half the dataset's indices, or of an epoch's where
     fewer: rank 0 of 4 without shuffling only ever sees 2 of 8 (review 118: no keep ever)."""
@@ -843,8 +852,7 @@ def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_meas
         assert loader._pipeline.procs.pool.heap_keep >= 30 * MiB
 
 
-@pytest.mark.skipif(not __import__("autominato.pipeline.worker", fromlist=["x"])._malloc_trim,
-                    reason="no glibc malloc_trim")
+@needs_warm_heap
 def test_idle_workers_give_their_warm_heaps_back_and_take_them_again(monkeypatch):
     """Workers idle for ``scheduler.WARM_IDLE_S`` (a validation pass, the end of training;
     1 s here) give their warm heaps back (review 118: 72 MiB a worker 3 s after the last

@@ -136,9 +136,9 @@ class ProcessExecutor:
         self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
         self._alone: set = set()  # (gen, pos) of items to send one per message (suspects)
         self.want = workers.size
-        #: ``task_heap(item) -> bytes or None``: the free heap a worker may keep warm while it
-        #: runs ``item`` sent alone, below the keep it was sent (the scheduler's
-        #: ``_task_heap``), or ``None`` (set by the scheduler).
+        #: ``task_heap(item) -> bytes or None``: the figure of ``item`` sent alone, for its
+        #: worker to trim its warm heap to (plus ``worker.HEAP_SLACK_BYTES``) before it runs
+        #: it, or ``None`` (set by the scheduler: ``Pipeline._task_heap``).
         self.task_heap: Callable[[Any], int | None] | None = None
 
     def submit(self, key: Any, item: Any) -> None:

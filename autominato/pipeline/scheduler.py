@@ -1089,8 +1089,8 @@ class Pipeline:
 
     def _task_heap(self, item: Any) -> int | None:
         """``ProcessExecutor.task_heap``: the figure of a sample sent alone (its index's last,
-        else the median, bytes) where it is below the warm heap its worker keeps by
-        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES` or more: the worker gives back
+        else the median, bytes) where it is below the warm heap its worker keeps by more than
+        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES`: the worker gives back
         the rest before it runs it (``worker.HeapTrim.trim_for``), so that a small sample
         does not hold a warm heap sized for the largest one beside the other workers'
         samples (two workers at MLPerf's per-rank epoch size of the KiTS19 bench: a keep of

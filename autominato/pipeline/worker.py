@@ -77,7 +77,9 @@ give-backs keep ``keep`` bytes at the top of the heap (``malloc_trim(keep)``); a
 puts the allocator back (:func:`heap_only`). A sample's peak memory (:class:`PeakMeter`) counts
 the warm heap it used (the free top of the heap when it began, ``mallinfo2``), so that the
 figures stay the samples' working sets. The keep reaches a busy worker when its sample ends
-(``ProcessWorkers.set_heap_keep``).
+(``ProcessWorkers.set_heap_keep``). A sample sent alone whose figure is below the keep
+comes with it, and the worker trims its warm heap to that figure (plus
+:data:`HEAP_SLACK_BYTES`) before it runs it (:meth:`HeapTrim.trim_for`).
 """
 
 from __future__ import annotations
@@ -301,12 +303,12 @@ class HeapTrim:
         heap beyond ``need + slack`` (``malloc_trim``), so that a worker running a sample
         smaller than :attr:`keep` does not hold the rest warm beside it (the keep stays: the
         task's growth is given back to it as before, :meth:`after_task`). The task faults
-        in what it needs beyond that; nothing is done when the free top is already within
-        ``need + slack``, or where no warm heap is kept."""
+        in what it needs beyond that. Nothing is done where ``need + slack`` is the keep or
+        more, the free top is already within it, or no warm heap is kept."""
         if not self.heap_mode or not self.keep or need + self.slack >= self.keep:
             return
         pad = max(0, int(need)) + self.slack
-        if int(_mallinfo2().keepcost) > pad + self.slack:
+        if int(_mallinfo2().keepcost) > pad:
             if give_back_free_heap(pad):
                 self.given += 1
             self.base = self.resident_bytes()
