@@ -2015,6 +2015,9 @@ def _close_all() -> None:
             loader.close()
         except Exception:
             pass
+    from autominato.pipeline.executor import join_at_exit
+
+    join_at_exit()  # no thread worker inside a sample when the interpreter finalizes
 
 
 import atexit  # noqa: E402

@@ -1317,3 +1317,49 @@ def test_a_thread_started_before_the_loader_is_said_in_the_log():
     assert out.stdout.split("\n")[:2] == ["[0, 1, 2, 3]"] * 2
     assert out.stderr.count("the workers start from a new interpreter") == 1, out.stderr[-2000:]
     assert "runs 2 threads" in out.stderr and "build the Loader before starting threads" in out.stderr
+
+
+_EXIT_WITH_THREAD_WORKERS = """
+import itertools, sys, time
+from autominato import Loader
+
+marks = sys.argv[1]
+calls = itertools.count()
+
+class Slow:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        with open(marks, "a") as f:
+            f.write(f"start {i}\\n")
+        # the next epoch's samples (prefetched) still run when the loop ends, for longer
+        # than close() waits for a busy thread (0.5 s)
+        time.sleep(0.1 if next(calls) < 8 else 1.5)
+        with open(marks, "a") as f:
+            f.write(f"end {i}\\n")
+        return i
+
+log = open(marks + ".log", "w")  # never closed: flushed when the interpreter ends
+loader = Loader(Slow(), 2, workers=2, worker_kind="thread", seed=0, autotune=False,
+                transform=lambda s: s)  # (a lambda of __main__, as in trial 125)
+for batch in loader:
+    log.write(f"{batch.tolist()}\\n")
+"""
+
+
+def test_the_interpreter_exits_after_the_thread_workers_samples_end(tmp_path):
+    """At exit (``atexit``) the loader waits for thread workers still inside a sample, a
+    next epoch's included (``executor.join_at_exit``): the interpreter's finalization would
+    end them mid-sample (trial 125: a MONAI pipeline on thread workers aborted in 6 of 12
+    runs, exit status 134, its log file never flushed)."""
+    marks = tmp_path / "marks"
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITH_THREAD_WORKERS, str(marks)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    words = marks.read_text().splitlines()
+    starts = sorted(w for w in words if w.startswith("start"))
+    ends = sorted(w for w in words if w.startswith("end"))
+    assert len(starts) > 8, words  # the next epoch's samples had begun
+    assert [s.split()[1] for s in starts] == [e.split()[1] for e in ends], words
+    assert len((tmp_path / "marks.log").read_text().splitlines()) == 4
