@@ -698,6 +698,7 @@ class Loader:
         )
         self.stage_stats: dict[str, StageStats] = {s: StageStats(s) for s in STAGES}
         self._consumer_busy = 0.0
+        self._steps = 0  # steps that ended (their seconds: _consumer_busy)
         # The next() under way: when it began, and the latest snapshot that counted it as wait
         # (a training loop blocked in it, the first batch's too, is waiting now: review 85)
         self._wait_since: float | None = None
@@ -1315,6 +1316,7 @@ class Loader:
                 self._step_seen = None
             step = max(0.0, end - returned)
             self._consumer_busy += step
+            self._steps += 1
         self.stage_stats["consumer"].record(step, wait, 0, items=samples)
         return end
 
@@ -1493,7 +1495,8 @@ class Loader:
             wait, batches, samples = self._consumer_wait, self._batches, self._samples
             # the step under way counts as far as it went: its batch's wait is in ``wait``
             # already, so a window that ends mid-step would else read idle high
-            busy = self._consumer_busy
+            busy = steps_s = self._consumer_busy
+            steps = self._steps
             if self._step_open is not None:
                 busy += max(0.0, now - self._step_open[0])
                 self._step_seen = now
@@ -1510,6 +1513,8 @@ class Loader:
             consumer_wait_seconds_total=wait,
             consumer_wait_recent_s=cons.recent_wait_s[-RECENT:],
             consumer_busy_seconds_total=busy,
+            consumer_steps_total=steps,
+            consumer_steps_seconds_total=steps_s,
             batches_total=batches,
             samples_total=samples,
             epoch=self._epoch,

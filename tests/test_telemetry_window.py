@@ -90,6 +90,23 @@ def test_rates_between_two_snapshots_are_the_differences_over_the_window():
     assert r.h2d_bytes == 8000 and r.h2d_s == 2.0 and r.h2d_bytes_per_s == 4000.0
 
 
+def test_the_step_time_is_the_mean_of_the_steps_that_ended_in_the_window():
+    """Steps of 2 s, a window of 15 s from mid-step to mid-step: 8 batches delivered, 7 steps
+    ended (14 s), the parts of the two under way 0.9 s of busy time besides. The step time
+    is 2.0 s, not busy / batches = 1.86 s (trial 125's Data Monitor read 1859.85 ms)."""
+    a = replace(snap(10.0, batches=3, samples=6, wait=0.1, busy=5.0),
+                consumer_steps_total=2, consumer_steps_seconds_total=4.0)
+    b = replace(snap(25.0, batches=11, samples=22, wait=0.2, busy=19.9),
+                consumer_steps_total=9, consumer_steps_seconds_total=18.0)
+    r = between(a, b)
+    assert (r.batches, r.steps, r.steps_s) == (8, 7, 14.0)
+    assert r.step_s == 2.0
+    assert r.busy_s / r.batches == pytest.approx(1.8625)  # what it read before
+    old = between(snap(10.0, batches=3, samples=6, wait=0.1, busy=5.0),
+                  snap(25.0, batches=11, samples=22, wait=0.2, busy=19.9))
+    assert old.step_s == pytest.approx(1.8625)  # snapshots that do not count steps
+
+
 def test_stage_rates_give_service_per_item_utilisation_throughput_and_fill():
     r = between(A, B)
     t = r.stages["transform"]
@@ -168,3 +185,26 @@ def test_the_collectors_idle_gauge_keeps_its_value_while_no_batch_arrives():
     assert w.update(at(5.0, 20, 3.0, 5.0)) == (0.5, None)  # 2 s wait, 2 s step since t=0
     # No batch for 30 s: nothing to measure, so the gauge keeps its last value.
     assert w.update(at(40.0, 20, 3.0, 5.0)) == (0.5, None)
+
+
+def test_a_loaders_snapshots_count_the_steps_that_ended():
+    """A loop of 0.1 s steps, snapshots taken mid-step: the window's step time is its ended
+    steps' mean, the step under way left out of it (it counts in ``busy`` for the idle
+    ratio)."""
+    import time
+
+    from autominato import Loader
+
+    with Loader(list(range(40)), 2, workers=0, autotune=False) as loader:
+        snaps = []
+        for i, _ in enumerate(loader):
+            time.sleep(0.05)
+            if i in (3, 15):
+                snaps.append(loader.snapshot())  # mid-step: 0.05 s into it
+            time.sleep(0.05)
+    a, b = snaps
+    assert (a.consumer_steps_total, b.consumer_steps_total) == (3, 15)
+    r = between(a, b)
+    assert (r.batches, r.steps) == (12, 12)
+    assert 0.095 <= r.step_s <= 0.13, r.step_s
+    assert b.consumer_busy_seconds_total - b.consumer_steps_seconds_total >= 0.045  # under way

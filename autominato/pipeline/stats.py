@@ -148,6 +148,10 @@ class LoaderSnapshot:
         consumer_wait_recent_s: up to :data:`RECENT` latest per-batch waits, seconds.
         consumer_busy_seconds_total: seconds the training loop spent between ``next()`` calls
             (its step time), so ``wait / (wait + busy)`` is the accelerator-idle ratio.
+        consumer_steps_total / consumer_steps_seconds_total: the training loop's steps
+            that ended (at its next ``next()`` call) and their seconds, the step under way
+            left out: the step time is their ratio (0 where unknown: a snapshot built from
+            elsewhere; the step time is then ``busy / batches``).
         batches_total / samples_total: delivered to the training loop.
         epoch: current epoch number.
         stragglers_total: samples that finished after a later-dispatched sample of the same
@@ -221,6 +225,8 @@ class LoaderSnapshot:
     sample_memory_budget_bytes: float = 0.0
     worker_heap_keep_bytes: float = 0.0
     memory_wait_seconds_total: float = 0.0
+    consumer_steps_total: int = 0
+    consumer_steps_seconds_total: float = 0.0
 
     @property
     def idle_ratio(self) -> float:

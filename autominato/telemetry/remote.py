@@ -168,6 +168,8 @@ def snapshot_from_samples(
         consumer_wait_seconds_total=g(samples, name + "_sum", rank=rank),
         consumer_wait_recent_s=waits,
         consumer_busy_seconds_total=g(samples, "autominato_consumer_step_seconds_sum", rank=rank),
+        consumer_steps_total=int(g(samples, "autominato_consumer_step_seconds_count", rank=rank)),
+        consumer_steps_seconds_total=g(samples, "autominato_consumer_step_seconds_sum", rank=rank),
         batches_total=int(g(samples, "autominato_batches_total", rank=rank)),
         samples_total=int(g(samples, "autominato_samples_total", rank=rank)),
         epoch=int(g(samples, "autominato_epoch", rank=rank)),
