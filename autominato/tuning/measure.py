@@ -113,8 +113,9 @@ def measure(
     """Run ``loader`` against ``step`` and measure the accelerator-idle ratio of a window.
 
     Iterates over epochs (``loader.set_epoch``) as needed until ``warmup_batches`` plus
-    ``window_batches`` batches have been stepped on. Memory is sampled at each report and at
-    the end of the window.
+    ``window_batches`` batches have been stepped on. Memory is read every
+    :data:`MEMORY_EVERY_S` over the window (on a thread of its own, started after the
+    warm-up), at each report and at its end.
 
     Args:
         loader: an iterable of batches (an ``autominato.Loader``; ``worker_pids()`` and
@@ -133,11 +134,15 @@ def measure(
     """
     if window_batches < 1:
         raise ValueError(f"window_batches must be >= 1, got {window_batches}")
-    meter = ProcessMeter(pss=True)
+    # (full PSS reads of each process every PSS_EVERY_S, its private memory's growth in
+    # between: the watch reads it every MEMORY_EVERY_S)
+    meter = ProcessMeter(pss=True, pss_every=PSS_EVERY_S)
     pids_fn = getattr(loader, "worker_pids", None)
+    meter_lock = threading.Lock()  # one reader at a time: the watch, a report, the end
 
     def read() -> Reading:
-        return meter.read(list(pids_fn()) if callable(pids_fn) else [])
+        with meter_lock:
+            return meter.read(list(pids_fn()) if callable(pids_fn) else [])
 
     read()  # the baseline of shared memory (Reading.footprint_bytes): before the trial's batches
 
@@ -148,7 +153,7 @@ def measure(
 
     def check_memory(reading: Reading | None = None) -> None:
         nonlocal peak
-        peak = max(peak, (reading or read()).footprint_bytes)
+        peak = max(peak, (reading or read()).footprint_bytes)  # (an int: one store)
         if memory_budget_bytes is not None and peak > memory_budget_bytes:
             raise MemoryBudgetExceeded(peak, memory_budget_bytes)
 
@@ -163,9 +168,12 @@ def measure(
     t1 = time.perf_counter()
     cpu0 = read().cpu_seconds_total
     reporter = _Reporter(on_window_report) if report_every else None
+    # started after the warm-up, as the reports' thread: the loader has built its workers
+    watch = _Watch(check_memory, MEMORY_EVERY_S)
     finished = False
     try:
         for i in range(1, window_batches + 1):
+            watch.raise_error()  # a memory overrun seen between two batches stops here
             if reporter is not None:
                 reporter.raise_error()  # a pruned trial or a memory overrun stops here
             a = time.perf_counter()
@@ -181,10 +189,12 @@ def measure(
         t2 = time.perf_counter()
         finished = True
     finally:
+        watch.close()
         if reporter is not None:
             # the meter is read by one thread at a time; a report still pending is dropped
             # when the loop is raising
             reporter.close(drain=finished)
+    watch.raise_error()
     if reporter is not None:
         reporter.raise_error()
     end = read()
@@ -201,6 +211,48 @@ def measure(
         warmup_s=t1 - t0,
         window_s=t2 - t1,
     )
+
+
+#: Seconds between two readings of the memory over the measured window (:class:`_Watch`):
+#: a sample whose working set lasts a second or two (a large 3D volume) peaks between two
+#: reports, which alone read 0.71 GiB where one sample needed 1.9 (trial 125).
+MEMORY_EVERY_S = 0.1
+
+#: Seconds between two full PSS reads of one process (``ProcessMeter(pss_every=...)``, as
+#: the bench's ``TreeSampler.PSS_EVERY_S`` of 2 s): reading every process's ``smaps_rollup``
+#: every 0.1 s would take a tenth of a core or more from the trial measured.
+PSS_EVERY_S = 1.0
+
+
+class _Watch:
+    """Calls ``check()`` every ``every`` seconds on a thread of its own until :meth:`close`;
+    the first exception it raises (:class:`MemoryBudgetExceeded`) is kept for the step's
+    thread (:meth:`raise_error`), and the watch stops."""
+
+    def __init__(self, check: Callable[[], None], every: float) -> None:
+        self._check = check
+        self._every = every
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="autominato-tune-memory",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._check()
+            except BaseException as e:  # noqa: BLE001 -- handed to the step's thread
+                self.error = e
+                return
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Reporter:
