@@ -14,7 +14,7 @@ TEST_JOBS ?= 2
 $(VENV)/.ok: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[all,test]"
 	touch $@
 
