@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # The CPU build that lies on this project's machines; on a GPU machine an installed
 # torch >= 2.6 in the venv is kept (pip only installs torch when none is importable).
 TORCH_SPEC ?= torch==2.13.0
+# Options for that pip call, e.g. --index-url https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS ?=
 # Test processes (pytest-xdist): the suite mostly waits (timeouts, steps, start-ups), so two
 # processes on the 2-core machine take ~0.6x the time of one; see tests/conftest.py.
 TEST_JOBS ?= 2
@@ -14,7 +16,7 @@ TEST_JOBS ?= 2
 $(VENV)/.ok: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e ".[all,test]"
 	touch $@
 

@@ -49,40 +49,50 @@ class ThreadWorker:
     task: Any = None
 
 
-#: Seconds the interpreter's exit waits in all for thread workers still inside a sample
-#: (:func:`join_at_exit`).
+#: Seconds the interpreter's exit waits in all for loader threads still inside a sample
+#: (:func:`join_at_exit`; read when it runs).
 EXIT_WAIT_S = 60.0
 
 _thread_pools: weakref.WeakSet = weakref.WeakSet()  # every ThreadWorkers made
 
 
-def join_at_exit(limit: float = EXIT_WAIT_S) -> int:
-    """Wait, up to ``limit`` seconds in all, for every thread worker still inside a sample
-    (one of a closed loader included, as ``close`` waits only 0.5 s for it; not one given up
-    on for ``sample_timeout``, which may never return): the loader's ``atexit`` hook, before
-    the interpreter's finalization. That finalization ends a daemon thread that comes back to
-    Python from C code with ``pthread_exit``; where C++ frames are on its stack (torch, MONAI's
-    transforms) that aborts the process (exit status 134, "terminate called without an active
-    exception") before the program's open files are flushed: trial 125, a MONAI pipeline on
-    thread workers, aborted in 6 of 12 runs, its log lost, a sample of the next epoch
-    (prefetched) still running at the end. Logs a line when it waits over 2 s. Returns how
-    many threads were still alive after it."""
+def join_at_exit(limit: float | None = None) -> int:
+    """Wait, up to ``limit`` seconds in all (:data:`EXIT_WAIT_S` as it is then), for every
+    loader thread still inside an item (a thread worker's sample, a batch's collation, a
+    read; one of a closed loader included, as ``close`` waits only 0.5 s for it; not one
+    given up on for ``sample_timeout``, which may never return, nor an idle one): the
+    loader's ``atexit`` hook, before the interpreter's finalization. That finalization ends a
+    daemon thread that comes back to Python from C code with ``pthread_exit``; where C++
+    frames are on its stack (torch, MONAI's transforms) that aborts the process (exit status
+    134, "terminate called without an active exception") before the program's open files are
+    flushed: trial 125, a MONAI pipeline on thread workers, aborted in 6 of 12 runs, a sample
+    of the next epoch (prefetched) still running at the end. Warns, naming the threads, when
+    it waits over 2 s. Returns how many were still inside an item after it."""
+    limit = EXIT_WAIT_S if limit is None else limit
     deadline = time.monotonic() + limit
-    threads = []
-    for pool in list(_thread_pools):
-        with pool._lock:
-            threads += [t for t in pool._threads if t.ident not in pool._abandoned]
-    threads = [t for t in threads if t is not threading.current_thread() and t.is_alive()]
+
+    def busy() -> list[threading.Thread]:
+        out = []
+        for pool in list(_thread_pools):
+            with pool._lock:
+                idents = {tid for tid in (*pool._running, *pool._initing)
+                          if tid not in pool._abandoned}
+                out += [t for t in pool._threads if t.ident in idents]
+        return [t for t in out if t is not threading.current_thread() and t.is_alive()]
+
     told = False
-    for t in threads:
-        t.join(max(0.0, min(deadline, time.monotonic() + 2.0) - time.monotonic()))
-        if t.is_alive() and not told:
+    while True:
+        threads = busy()
+        left = deadline - time.monotonic()
+        if not threads or left <= 0:
+            return len(threads)
+        if not told and limit - left >= 2.0:
             told = True
-            log.info("waiting up to %.0f s for %d thread worker(s) to finish their samples "
-                     "before the interpreter exits", max(0.0, deadline - time.monotonic()),
-                     sum(x.is_alive() for x in threads))
-        t.join(max(0.0, deadline - time.monotonic()))
-    return sum(t.is_alive() for t in threads)
+            log.warning("waiting up to %.0f s for %d loader thread(s) still inside a sample "
+                        "before the interpreter exits (%s): a thread cannot be stopped "
+                        "mid-sample (executor.EXIT_WAIT_S)", left, len(threads),
+                        ", ".join(t.name for t in threads))
+        threads[0].join(min(left, 0.1))
 
 
 class ThreadWorkers:

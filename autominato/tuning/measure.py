@@ -115,7 +115,7 @@ def measure(
     Iterates over epochs (``loader.set_epoch``) as needed until ``warmup_batches`` plus
     ``window_batches`` batches have been stepped on. Memory is read every
     :data:`MEMORY_EVERY_S` over the window (on a thread of its own, started after the
-    warm-up), at each report and at its end.
+    window's first batch), at each report and at its end.
 
     Args:
         loader: an iterable of batches (an ``autominato.Loader``; ``worker_pids()`` and
@@ -136,7 +136,7 @@ def measure(
         raise ValueError(f"window_batches must be >= 1, got {window_batches}")
     # (full PSS reads of each process every PSS_EVERY_S, its private memory's growth in
     # between: the watch reads it every MEMORY_EVERY_S)
-    meter = ProcessMeter(pss=True, pss_every=PSS_EVERY_S)
+    meter = ProcessMeter(pss=True, pss_every=PSS_EVERY_S, runqueue=False)
     pids_fn = getattr(loader, "worker_pids", None)
     meter_lock = threading.Lock()  # one reader at a time: the watch, a report, the end
 
@@ -151,11 +151,15 @@ def measure(
     samples = 0
     peak = 0
 
+    peak_lock = threading.Lock()  # (the watch and a report may read at once)
+
     def check_memory(reading: Reading | None = None) -> None:
         nonlocal peak
-        peak = max(peak, (reading or read()).footprint_bytes)  # (an int: one store)
-        if memory_budget_bytes is not None and peak > memory_budget_bytes:
-            raise MemoryBudgetExceeded(peak, memory_budget_bytes)
+        used = (reading or read()).footprint_bytes
+        with peak_lock:
+            peak = max(peak, used)
+        if memory_budget_bytes is not None and used > memory_budget_bytes:
+            raise MemoryBudgetExceeded(used, memory_budget_bytes)
 
     def on_window_report(i: int, idle: float) -> None:
         check_memory()
@@ -168,7 +172,6 @@ def measure(
     t1 = time.perf_counter()
     cpu0 = read().cpu_seconds_total
     reporter = _Reporter(on_window_report) if report_every else None
-    # started after the warm-up, as the reports' thread: the loader has built its workers
     watch = _Watch(check_memory, MEMORY_EVERY_S)
     finished = False
     try:
@@ -179,6 +182,8 @@ def measure(
             a = time.perf_counter()
             batch = next(batches)
             b = time.perf_counter()
+            # after a batch, as the reports' thread: by then the loader built its workers
+            watch.start()
             step(batch)
             c = time.perf_counter()
             wait += b - a
@@ -225,7 +230,8 @@ PSS_EVERY_S = 1.0
 
 
 class _Watch:
-    """Calls ``check()`` every ``every`` seconds on a thread of its own until :meth:`close`;
+    """Calls ``check()`` every ``every`` seconds on a thread of its own, from :meth:`start`
+    until :meth:`close`;
     the first exception it raises (:class:`MemoryBudgetExceeded`) is kept for the step's
     thread (:meth:`raise_error`), and the watch stops."""
 
@@ -234,9 +240,14 @@ class _Watch:
         self._every = every
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="autominato-tune-memory",
-                                        daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread (once; later calls do nothing)."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="autominato-tune-memory",
+                                            daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
@@ -252,7 +263,8 @@ class _Watch:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join(5.0)  # (a daemon: a /proc read that hangs does not hang the trial)
 
 
 class _Reporter:
