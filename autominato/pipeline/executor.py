@@ -72,12 +72,7 @@ def join_at_exit(limit: float | None = None) -> int:
     deadline = time.monotonic() + limit
 
     def busy() -> list[threading.Thread]:
-        out = []
-        for pool in list(_thread_pools):
-            with pool._lock:
-                idents = {tid for tid in (*pool._running, *pool._initing)
-                          if tid not in pool._abandoned}
-                out += [t for t in pool._threads if t.ident in idents]
+        out = [t for pool in list(_thread_pools) for t in pool.busy_threads()]
         return [t for t in out if t is not threading.current_thread() and t.is_alive()]
 
     told = False
@@ -245,6 +240,13 @@ class ThreadWorkers:
             if stuck:
                 return
 
+    def busy_threads(self) -> list[threading.Thread]:
+        """The threads inside ``fn`` or ``init`` now (user code), not those given up on
+        (:meth:`abandon`)."""
+        with self._lock:
+            idents = {tid for tid in (*self._running, *self._initing) if tid not in self._abandoned}
+            return [t for t in self._threads if t.ident in idents]
+
     def running(self) -> bool:
         """A thread other than this one has not returned (after :meth:`close`: one still
         inside ``fn``, or an abandoned one)."""
@@ -261,7 +263,7 @@ class ThreadWorkers:
         with self._lock:
             self._closed = True
             threads = [t for t in self._threads if t.ident not in self._abandoned]
-            busy = {tid for tid in (*self._running, *self._initing) if tid not in self._abandoned}
+        busy = {t.ident for t in self.busy_threads()}
         for _ in threads:
             self._q.put(_WAKE)
         now = time.monotonic()

@@ -79,6 +79,14 @@ from autominato.pipeline.worker import HEAP_SLACK_BYTES, Streams, WorkSpec, samp
 
 log = logging.getLogger("autominato.pipeline")
 
+
+def _sample_task(item: Any) -> bool:
+    """Whether an item of the process workers' stage is a sample's task, ``(index, epoch,
+    draw, read, in_slot, in_desc, out_slot)`` (see ``worker.process_main``), not a pull of
+    an iterable dataset's shard or a task of another kind."""
+    return type(item) is tuple and len(item) == 7
+
+
 #: The output slot of a queued process-worker task, taken as it leaves for a worker.
 _SLOT_LATER = object()
 
@@ -1003,7 +1011,7 @@ class Pipeline:
         the overtakers (all of them if it fits beside them now, else all but the smallest:
         any part of them that it fits beside is a proper part), plus the samples that
         overtook it and still run, plus the newcomer, within the budget."""
-        if type(item) is not tuple or len(item) != 7:
+        if not _sample_task(item):
             return True
         index = self._in_flight
         if self.memory.known and self.procs.chunk == 1:
@@ -1099,7 +1107,7 @@ class Pipeline:
         (samples in chunks, no figures, no keep, or a figure within the slack of it)."""
         keep = self.procs.pool.heap_keep
         if (not keep or not self.memory.known or self.procs.chunk != 1
-                or type(item) is not tuple or len(item) != 7):
+                or not _sample_task(item)):
             return None
         need = int(self.memory.estimate(item[0]))
         return need if need + HEAP_SLACK_BYTES < keep else None
@@ -1153,7 +1161,7 @@ class Pipeline:
     def _give_slot(self, key: tuple, item: Any) -> Any:
         """``prepare`` of the process workers' stage: a task leaving for a worker takes its
         output slot (one that fits the largest output seen, or none: a memory file then)."""
-        if type(item) is not tuple or len(item) != 7 or item[6] is not _SLOT_LATER:
+        if not _sample_task(item) or item[6] is not _SLOT_LATER:
             return item  # a pull, or a task of another kind
         if (self.rows.active(key[0]) and self.sample_stages[-1].executor is self.procs
                 and self.procs.chunk == 1):
