@@ -63,7 +63,7 @@ from autominato.pipeline.errors import (
 )
 from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
-from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory
+from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory, file_bytes
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
@@ -332,7 +332,11 @@ class Pipeline:
         self._knob_note: int | None = None  # the workers value last said to wait for an epoch
         try:
             self.sample_stages: list[Stage] = compose(self)
-            self.memory = SampleMemory(cfg.dataset_len if not cfg.iterable else None)
+            self._est_top = 0.0  # the largest estimate in flight or asking at the last ask
+            self.memory = SampleMemory(
+                cfg.dataset_len if not cfg.iterable else None,
+                size_of=(self._file_bytes if callable(getattr(spec.dataset, "sample_path", None))
+                         else None))
             # Slow first (costs.py): in completion order, a map-style dataset's epochs start
             # the samples known to be slowest first within the window.
             self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
@@ -583,7 +587,7 @@ class Pipeline:
         sample was measured or the dispatch is not memory-aware."""
         if not self._memory_aware or not self.memory.known:
             return 0.0
-        return self.memory.budget(self.procs.size)
+        return self.memory.budget(self.procs.size, self._est_top)
 
     @property
     def worker_heap_keep_bytes(self) -> float:
@@ -741,6 +745,7 @@ class Pipeline:
         elif kind == "start":
             run, payload = ev[1], ev[2]
             if payload is not None:
+                self.memory.forget_sizes()  # (a new dataset: its files may differ)
                 if self.procs is not None:
                     self.procs.pool.send_dataset(payload)
                 else:  # Ray actors: new ones, that hold the dataset as it is now
@@ -999,6 +1004,11 @@ class Pipeline:
                 (in_slot.name, in_slot.size) if in_slot is not None else None, in_desc,
                 _SLOT_LATER)
 
+    def _file_bytes(self, index: int) -> int | None:
+        """``SampleMemory.size_of``: bytes of the file that the dataset's ``sample_path``
+        names for ``index`` (the dataset now: a reload replaces it)."""
+        return file_bytes(sample_path(self.spec.dataset, index))
+
     def _admit(self, key: tuple, item: Any, overtaking: bool = False) -> bool:
         """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`).
 
@@ -1036,6 +1046,9 @@ class Pipeline:
                 self._scan_ests = (stamp, ests, pool)
             warm = self._busy_warm()
             in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
+            # (the budget as this ask sees it, for the gauge: a size estimate above the
+            # largest figure raises it, SampleMemory.admit)
+            self._est_top = max(in_flight + [est(item[0])]) if in_flight else 0.0
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
@@ -1046,7 +1059,8 @@ class Pipeline:
                 # the samples it waited for
                 mine = [max(e, warm) for k, e in ests.items() if k not in over]
                 need = sum(mine)
-                if mine and held_est + need > self.memory.room(self.procs.size, pool):
+                if mine and held_est + need > self.memory.room(self.procs.size, pool,
+                                                               max([held_est] + mine)):
                     need -= min(mine)
                 ahead = (held_est + need, sum(max(e, warm) for k, e in ests.items() if k in over))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool):

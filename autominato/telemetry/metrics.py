@@ -202,7 +202,9 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_sample_memory_budget_bytes": (
         "gauge",
         "Working-set bytes of samples that may be in flight together: 1.35 x max(the largest "
-        "sample's peak, workers x the upper quartile's); 0 before a sample was measured.",
+        "sample's peak, or the estimate from its file's size of a sample not measured yet in "
+        "flight or waiting where that is more, workers x the upper quartile's), as the last "
+        "sample to ask for a worker saw it; 0 before a sample was measured.",
         (),
     ),
     "autominato_worker_heap_keep_bytes": (
