@@ -1094,3 +1094,41 @@ def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoc
     # the exported budget while the first outlier ran counts it at its estimate: 1.35 x 200
     # MiB (its file's 200 KiB on the line of the small ones), not 1.35 x max(24, 2 x 20)
     assert max(budgets) == pytest.approx(MARGIN * 200 * MiB, rel=0.1), budgets
+
+
+def test_the_files_of_a_sample_come_from_sample_path_or_monais_file_names(tmp_path):
+    """MONAI's idiom names each sample's files in ``Dataset(data=[{"image": path, ...}])``:
+    its files (the strings that are files, not a case name) serve the size estimate and
+    errors; a ``Subset`` is followed; a dataset's own ``sample_path`` wins."""
+    from monai.data import Dataset as MonaiDataset
+    from torch.utils.data import Subset
+
+    from autominato.pipeline.worker import sample_files, sample_path
+
+    image, label = tmp_path / "img.nii.gz", tmp_path / "seg.nii.gz"
+    image.write_bytes(b"x" * 3000)
+    label.write_bytes(b"y" * 1000)
+    items = [{"image": str(image), "label": str(label), "case": "case_00001", "spacing": 1.5},
+             {"image": str(tmp_path / "gone.nii.gz")}]
+    monai = MonaiDataset(items)
+    assert sample_files(monai, 0) == [str(image), str(label)]
+    assert sample_path(monai, 0) == str(image)
+    assert sample_files(monai, 1) == []  # (a file that is not there names nothing)
+    assert sample_files(Subset(monai, [1, 0]), 1) == [str(image), str(label)]
+    assert sample_files(MonaiDataset([np.zeros(3)]), 0) == []
+
+    class Own(MonaiDataset):
+        def sample_path(self, i):
+            if i:
+                raise KeyError(i)
+            return "/data/own.nii.gz"
+
+    own = Own(items)
+    assert sample_files(own, 0) == ["/data/own.nii.gz"] and sample_files(own, 1) == []
+    # the loader reads their sizes for the estimate: the sample's files together
+    alike = [{"image": str(image), "label": str(label)},
+             {"image": str(tmp_path / "gone.nii.gz"), "label": "none"}]
+    with Loader(MonaiDataset(alike * 2), batch_size=2, workers=2, autotune=False) as loader:
+        next(iter(loader))
+        mem = loader._pipeline.memory
+        assert mem.size(0) == 4000 and mem.size(2) == 4000 and mem.size(1) == 0

@@ -186,3 +186,21 @@ def test_an_index_the_sampler_repeats_gets_a_crop_of_its_own_each_time():
     assert len(set(threes)) >= 3, threes  # (the old key: one crop; 343 origins x flips here)
     for other in (epoch(workers=0), epoch(workers=2, worker_kind="thread")):
         assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, other, strict=True))
+
+
+def test_an_error_of_a_monai_file_dataset_names_the_sample_and_its_file(tmp_path):
+    """MONAI's idiom (``Dataset(data=[{"image": path}], transform=LoadImaged(...))``) has no
+    ``sample_path``: the error names the file from the sample's item, and keeps its type."""
+    from monai.transforms import LoadImaged
+
+    good = tmp_path / "case_00000.npy"
+    np.save(good, np.zeros((4, 4, 4), np.float32))
+    bad = tmp_path / "case_00001.npy"
+    bad.write_bytes(b"not a numpy file")
+    ds = MonaiDataset([{"image": str(good)}, {"image": str(bad)}],
+                      transform=LoadImaged(keys="image", image_only=True))
+    with Loader(ds, batch_size=1, workers=1, autotune=False) as loader:
+        with pytest.raises(RuntimeError) as err:
+            list(loader)
+    assert err.value.sample_index == 1 and err.value.sample_path == str(bad)
+    assert any("case_00001.npy" in n for n in getattr(err.value, "__notes__", [])), err.value

@@ -37,17 +37,18 @@ at the second refusal left a worker idle whenever a typical sample stood between
 outlier and a small one (``autominato.bench.replay`` weighs the two rules).
 
 An index not measured yet is estimated from the size of its file where the dataset names one
-(``sample_path(index)``) and :data:`SIZE_FIT_MIN` measured indices have a file too: a line
-fitted to the measured figures against their files' sizes (Theil-Sen, robust to the samples
-whose augmentation doubles their working set now and then); else at the median. A sample in
-flight or asking to start at such an estimate counts in the budget's base as the largest
-sample does, so that an outlier known only by its file runs beside small samples, not
-beside another outlier, in the epoch that measures them (trial 125: two KiTS19 cases of 735
-and 1059 slices among 14 of 32-106 ran together in the first epoch, 3.8-4.3 GiB against the
-DataLoader's 2.7; a mask's compressed size and its voxels correlate at r = 0.99 over the 168
-KiTS19 masks). Until a sample has been measured nothing is held back. Samples sent in
-chunks (under 10 ms each) are not measured. The figure of an index is its last: a sample
-whose size changes from one call to the next (a random zoom) is not predicted.
+(``sample_path(index)``, or MONAI's file names: ``worker.sample_files``) and
+:data:`SIZE_FIT_MIN` measured indices have a file too: a line fitted to the measured figures
+against their files' sizes (Theil-Sen, robust to the samples whose augmentation doubles
+their working set now and then); else at the median. A sample in flight or asking to start
+at such an estimate counts in the budget's base as the largest sample does, so that an
+outlier known only by its file runs beside small samples, not beside another outlier, in the
+epoch that measures them (trial 125: two KiTS19 cases of 735 and 1059 slices among 14 of
+32-106 ran together in the first epoch, 3.8-4.3 GiB against the DataLoader's 2.7; a mask's
+compressed size and its voxels correlate at r = 0.99 over the 168 KiTS19 masks). Until a
+sample has been measured nothing is held back. Samples sent in chunks (under 10 ms each) are
+not measured. The figure of an index is its last: a sample whose size changes from one call
+to the next (a random zoom) is not predicted.
 """
 
 from __future__ import annotations

@@ -75,7 +75,13 @@ from autominato.pipeline.shm import (
 from autominato.pipeline.stage import Result, Stage
 from autominato.pipeline.stats import StageStats
 from autominato.pipeline.stream import Pull, PullDone, ShardLost, Stream, Yielded, YieldFailed
-from autominato.pipeline.worker import HEAP_SLACK_BYTES, Streams, WorkSpec, sample_path
+from autominato.pipeline.worker import (
+    HEAP_SLACK_BYTES,
+    Streams,
+    WorkSpec,
+    sample_files,
+    sample_path,
+)
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -335,8 +341,7 @@ class Pipeline:
             self._est_top = 0.0  # the largest estimate in flight or asking at the last ask
             self.memory = SampleMemory(
                 cfg.dataset_len if not cfg.iterable else None,
-                size_of=(self._file_bytes if callable(getattr(spec.dataset, "sample_path", None))
-                         else None))
+                size_of=self._file_bytes)
             # Slow first (costs.py): in completion order, a map-style dataset's epochs start
             # the samples known to be slowest first within the window.
             self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
@@ -1005,9 +1010,11 @@ class Pipeline:
                 _SLOT_LATER)
 
     def _file_bytes(self, index: int) -> int | None:
-        """``SampleMemory.size_of``: bytes of the file that the dataset's ``sample_path``
-        names for ``index`` (the dataset now: a reload replaces it)."""
-        return file_bytes(sample_path(self.spec.dataset, index))
+        """``SampleMemory.size_of``: bytes of the files ``index`` is read from
+        (``worker.sample_files``: the dataset's ``sample_path``, or MONAI's file names; the
+        dataset now: a reload replaces it), ``None`` where it names none."""
+        sizes = [file_bytes(p) for p in sample_files(self.spec.dataset, index)]
+        return sum(v for v in sizes if v) or None
 
     def _admit(self, key: tuple, item: Any, overtaking: bool = False) -> bool:
         """``admit`` of the process workers' stage (see :mod:`autominato.pipeline.memory`).

@@ -94,7 +94,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -619,15 +619,70 @@ def seed_worker(base_seed: int, wid: int) -> None:
         np.random.seed(_generate_state(base_seed & _U64, wid))
 
 
-def sample_path(dataset: Any, index: int) -> str | None:
+#: Attributes of a dataset that list its samples' files, one item an index: MONAI's
+#: ``Dataset``, ``CacheDataset``, ``PersistentDataset`` (``data``: a file name or a dict of
+#: them per sample, MONAI's idiom), torchvision's ``DatasetFolder`` and ``ImageFolder``
+#: (``samples``: ``(path, class)``).
+FILE_LISTS = ("data", "samples")
+
+
+def _paths_in(item: Any) -> list[str]:
+    """The strings (and ``os.PathLike``) of ``item``: itself, or its values (a dict), or its
+    elements (a list or tuple), one level down into lists (a series of files per key)."""
+    if isinstance(item, (str, os.PathLike)):
+        return [os.fspath(item)]
+    if isinstance(item, Mapping):
+        values = list(item.values())
+    elif isinstance(item, (list, tuple)):
+        values = list(item)
+    else:
+        return []
+    out: list[str] = []
+    for v in values:
+        if isinstance(v, (str, os.PathLike)):
+            out.append(os.fspath(v))
+        elif isinstance(v, (list, tuple)):
+            out.extend(os.fspath(x) for x in v if isinstance(x, (str, os.PathLike)))
+    return out
+
+
+def sample_files(dataset: Any, index: int) -> list[str]:
+    """The files sample ``index`` is read from: the dataset's ``sample_path(index)`` where it
+    defines one (``[]`` for ``None`` or an error); else, where a list attribute of
+    :data:`FILE_LISTS` has one item per index, the names in ``index``'s item that are files
+    (``os.path.isfile``: a string that is a class name or a key is not); else ``[]``.
+
+    A ``torch.utils.data.Subset`` is followed to its dataset's index."""
     fn = getattr(dataset, "sample_path", None)
-    if fn is None:
-        return None
+    if fn is not None:
+        try:
+            p = fn(index)
+        except Exception:
+            return []
+        return [] if p is None else [str(p)]
     try:
-        p = fn(index)
-    except Exception:
-        return None
-    return None if p is None else str(p)
+        from torch.utils.data import Subset
+        while isinstance(dataset, Subset):
+            index, dataset = int(dataset.indices[index]), dataset.dataset
+            fn = getattr(dataset, "sample_path", None)
+            if fn is not None:
+                return sample_files(dataset, index)
+        for name in FILE_LISTS:
+            items = getattr(dataset, name, None)
+            if isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
+                if len(items) != len(dataset) or not 0 <= index < len(items):
+                    continue
+                return [p for p in _paths_in(items[index]) if os.path.isfile(p)]
+    except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
+        return []
+    return []
+
+
+def sample_path(dataset: Any, index: int) -> str | None:
+    """The file sample ``index`` is read from, for errors (:func:`sample_files`' first), or
+    ``None``."""
+    files = sample_files(dataset, index)
+    return files[0] if files else None
 
 
 def run_sample(
