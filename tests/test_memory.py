@@ -1127,6 +1127,16 @@ def test_the_files_of_a_sample_come_from_sample_path_or_monais_file_names(tmp_pa
 
     own = Own(items)
     assert sample_files(own, 0) == ["/data/own.nii.gz"] and sample_files(own, 1) == []
+
+    class Folder:  # torchvision's DatasetFolder / ImageFolder: samples of (path, class)
+        def __init__(self):
+            self.samples = [(str(label), 0), (str(image), 1)]
+            self.data = np.zeros((2, 4))  # (an array: not file names)
+
+        def __len__(self):
+            return len(self.samples)
+
+    assert sample_files(Folder(), 1) == [str(image)]
     # the loader reads their sizes for the estimate: the sample's files together
     alike = [{"image": str(image), "label": str(label)},
              {"image": str(tmp_path / "gone.nii.gz"), "label": "none"}]
