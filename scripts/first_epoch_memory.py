@@ -11,7 +11,8 @@ measured), all arms of a run in the same random sampler order, the arms interlea
 process tree's footprint is read every 50 ms with the bench's meter
 (``autominato.bench.measure.TreeSampler``: PSS, shared memory counted once). Printed per arm:
 the peak's median [range] and its ratio to the DataLoader's, the runs in which the two
-largest cases ran at once, and the epoch's wall time (median [range]).
+largest cases ran at once, the epoch's wall time (median [range]) and its ratio to the
+DataLoader's in the same order (median [range] over the runs).
 
     python scripts/first_epoch_memory.py --labels ../shared/kits19/labels --runs 6
 """
@@ -111,6 +112,8 @@ def child(arm: str, files: list[str], order: list[int], workers: int, batch: int
     wall = time.monotonic() - t0
     if hasattr(loader, "close"):
         loader.close()
+    if len(files) < 2:
+        return {"wall_s": wall, "together_s": 0.0}
     a, b = spans[len(files) - 2], spans[len(files) - 1]  # (the two largest: the last files)
     return {"wall_s": wall, "together_s": max(0.0, min(a[1], b[1]) - max(a[0], b[0]))}
 
@@ -119,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--labels", default="../shared/kits19/labels")
     ap.add_argument("--small", type=int, default=14)
-    ap.add_argument("--large", type=int, default=2)
+    ap.add_argument("--large", type=int, default=2, help="the largest masks taken (2 or more)")
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
@@ -127,6 +130,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.large < 2:
+        ap.error("--large must be 2 or more: the two largest are the ones watched")
     if a.child:
         job = json.loads(a.child)
         print(json.dumps(child(job["arm"], job["files"], job["order"], a.workers, a.batch,
@@ -136,7 +141,7 @@ def main() -> None:
 
     names = sorted(f for f in os.listdir(a.labels) if f.endswith(".nii.gz"))
     by_size = sorted(names, key=lambda f: os.path.getsize(os.path.join(a.labels, f)))
-    chosen = by_size[:a.small] + by_size[-a.large:] if a.large else by_size[:a.small]
+    chosen = by_size[:a.small] + by_size[-a.large:]
     files = [os.path.join(a.labels, f) for f in chosen]
     print(f"{len(files)} masks: {a.small} smallest, {a.large} largest of {a.labels}; "
           f"{a.workers} workers, batch {a.batch}, step {a.step} s, {a.runs} runs", flush=True)
@@ -158,14 +163,21 @@ def main() -> None:
             print(f"run {run} {arm}: peak {usage.peak_memory_bytes / MiB:.0f} MiB, the two "
                   f"largest together {res['together_s']:.2f} s, epoch {res['wall_s']:.2f} s",
                   flush=True)
-    base = statistics.median(r[0] for r in got["dataloader"]) if "dataloader" in got else None
-    print(f"\n{'arm':<18} {'peak MiB':>22} {'vs DL':>6} {'together':>9} {'epoch s':>20}")
+    dl = got.get("dataloader")
+    base = statistics.median(r[0] for r in dl) if dl else None
+    print(f"\n{'arm':<18} {'peak MiB':>22} {'vs DL':>6} {'together':>9} {'epoch s':>20} "
+          f"{'epoch / DL':>22}")
     for arm, rows in got.items():
         peaks, walls = [r[0] for r in rows], [r[2] for r in rows]
         ratio = f"{statistics.median(peaks) / base:.2f}x" if base else "-"
+        # (each run's epoch against the DataLoader's in the same order: the order decides
+        # whether the two largest can overlap)
+        paired = [r[2] / d[2] for r, d in zip(rows, dl, strict=True)] if dl else []
+        pair = (f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]"
+                if paired else "-")
         print(f"{arm:<18} {statistics.median(peaks):>8.0f} [{min(peaks):.0f}-{max(peaks):.0f}] "
               f"{ratio:>6} {sum(r[1] > 0 for r in rows):>4} of {len(rows):<2} "
-              f"{statistics.median(walls):>7.2f} [{min(walls):.2f}-{max(walls):.2f}]")
+              f"{statistics.median(walls):>7.2f} [{min(walls):.2f}-{max(walls):.2f}] {pair:>22}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ import bisect
 import os
 import stat
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -128,6 +129,10 @@ SIZE_FIT_MIN = 4
 #: spaced ones.
 SIZE_FIT_POINTS = 256
 
+#: Indices of a dataset whose files' sizes are read (4 bytes each; a larger dataset's
+#: indices not measured yet count at the median).
+SIZE_MAX_INDICES = 1 << 20
+
 #: What a sample that rose nothing counts as when its index has no figure yet: the most heap
 #: a worker keeps between two give-backs (``worker.HEAP_SLACK_BYTES``, docs/workers.md), the
 #: largest working set that can need no new page.
@@ -175,11 +180,15 @@ class SampleMemory:
         #: ``index -> bytes of its file`` (``None``: none known), or ``None``: estimates of
         #: indices not measured are the median (see :meth:`estimate`)
         self.size_of = size_of
-        self._sizes: np.ndarray | None = None  # float32 per index: NaN not looked up, 0 none
         self._fit: tuple[object, float, float] | None = None  # (stamp, intercept, slope)
         self._sizes_gen = 0  # forget_sizes calls: a fit of sizes forgotten is stale
+        self._late_sizes = 0  # sizes read for indices measured already (look_up)
         self.pool_share_of_base = float(POOL_SHARE if pool_share is None else pool_share)
         self._n = n if n is not None and 0 < n <= MAX_INDICES else 0
+        # float32 bytes of each index's files: NaN not read yet, 0 none
+        self._sizes: np.ndarray | None = (
+            np.full(self._n, np.nan, np.float32)
+            if size_of is not None and 0 < self._n <= SIZE_MAX_INDICES else None)
         self._peaks: np.ndarray | None = None  # float32 bytes per index, 0 unknown
         self._sorted: list[float] = []  # the current figures, ascending
         self.held_back = 0  # samples that waited for memory (counted once each)
@@ -288,33 +297,43 @@ class SampleMemory:
             v = float(self._peaks[index])
             if v > 0:
                 return v
-            if self.size_of is not None:
+            if self._sizes is not None:
                 v = self.size_estimate(index)
                 if v > 0:
                     return v
         return self.median
 
     def size(self, index: int) -> float:
-        """Bytes of ``index``'s file (``size_of``, looked up once per index); 0 when there
-        is none (no ``size_of``, no file, an error)."""
-        if self.size_of is None or not 0 <= index < self._n:
-            return 0.0
+        """Bytes of ``index``'s files as :meth:`look_up` read them; 0 when there are none or
+        they were not read yet (the scheduler never waits for a file system: a
+        :class:`SizeReader` reads them on a thread of its own)."""
         sizes = self._sizes
-        if sizes is None:
-            sizes = self._sizes = np.full(self._n, np.nan, np.float32)
-        v = sizes[index]
-        if np.isnan(v):
-            try:
-                got = self.size_of(index)
-            except Exception:  # (the dataset's own code: an estimate is not worth an error)
-                got = None
-            v = sizes[index] = got if got is not None and got > 0 else 0.0
-        return float(v)
+        if sizes is None or not 0 <= index < self._n:
+            return 0.0
+        v = float(sizes[index])
+        return v if v > 0 else 0.0
+
+    def look_up(self, index: int) -> None:
+        """Read ``index``'s size with ``size_of`` unless read already (a :class:`SizeReader`'s
+        thread); a read that raises counts as no file."""
+        sizes, gen = self._sizes, self._sizes_gen
+        if sizes is None or not 0 <= index < self._n or not np.isnan(sizes[index]):
+            return
+        try:
+            got = self.size_of(index)
+        except Exception:  # (the dataset's own code: an estimate is not worth an error)
+            got = None
+        if gen == self._sizes_gen:  # (not a size of a dataset replaced meanwhile)
+            sizes[index] = got if got is not None and got > 0 else 0.0
+            peaks = self._peaks
+            if sizes[index] > 0 and peaks is not None and peaks[index] > 0:
+                self._late_sizes += 1  # (a point for the line: as a new figure)
 
     def forget_sizes(self) -> None:
-        """Look the files' sizes up again (the dataset was replaced)."""
-        self._sizes = None
-        self._sizes_gen += 1
+        """Read the files' sizes again (the dataset was replaced)."""
+        if self._sizes is not None:
+            self._sizes_gen += 1
+            self._sizes = np.full(self._n, np.nan, np.float32)
 
     def size_fit(self) -> tuple[float, float] | None:
         """``(intercept bytes, bytes per byte of file)`` of the Theil-Sen line (Sen 1968:
@@ -322,23 +341,27 @@ class SampleMemory:
         size``) through the measured figures against their files' sizes, at most
         :data:`SIZE_FIT_POINTS` of them; ``None`` with fewer than :data:`SIZE_FIT_MIN`
         points, files all of one size, or a slope not above 0 (sizes that say nothing of the
-        working set: a fixed crop read from files alike). Refitted once an eighth of its points'
-        figures changed (one at a time while it has fewer than 16)."""
-        if self._peaks is None or self.size_of is None:
+        working set: a fixed crop read from files alike). Refitted once an eighth of the
+        measured indices' figures changed (one at a time while fewer than 16 are)."""
+        sizes, peaks = self._sizes, self._peaks
+        if peaks is None or sizes is None:
             return None
+        # (read first: a fit is never newer than its figures; sizes of measured indices
+        # read after them, once a dataset was replaced, count as new figures)
+        version = self.version + self._late_sizes
         fit = self._fit
         if fit is not None:
-            (version, gen, points), a, b = fit
-            # (refitted after an eighth of its points changed: ~1 ms for 256 points, against
-            # the scheduler's few us a sample)
-            if gen == self._sizes_gen and self.version - version < max(1, points // 8):
+            (at, gen, measured_then), a, b = fit
+            # (~1 ms for 256 points, against the scheduler's few us a sample)
+            if gen == self._sizes_gen and version - at < max(1, measured_then // 8):
                 return None if np.isnan(b) else (a, b)
-        measured = np.flatnonzero(self._peaks > 0)
-        if len(measured) > SIZE_FIT_POINTS:
-            measured = measured[np.linspace(0, len(measured) - 1, SIZE_FIT_POINTS).astype(int)]
-        x = np.array([self.size(int(i)) for i in measured], np.float64)
-        y = self._peaks[measured].astype(np.float64)
-        x, y = x[x > 0], y[x > 0]
+        measured = np.flatnonzero(peaks > 0)
+        x = sizes[measured].astype(np.float64)
+        sized = x > 0  # (NaN, not read yet, and 0, no file, are left out)
+        x, y = x[sized], peaks[measured[sized]].astype(np.float64)
+        if len(x) > SIZE_FIT_POINTS:
+            pick = np.linspace(0, len(x) - 1, SIZE_FIT_POINTS).astype(int)
+            x, y = x[pick], y[pick]
         line = (np.nan, np.nan)
         if len(x) >= SIZE_FIT_MIN:
             i, j = np.triu_indices(len(x), 1)
@@ -348,17 +371,17 @@ class SampleMemory:
                 slope = float(np.median((y[j] - y[i])[apart] / dx[apart]))
                 if slope > 0:
                     line = (float(np.median(y - slope * x)), slope)
-        self._fit = ((self.version, self._sizes_gen, len(x)), *line)
+        self._fit = ((version, self._sizes_gen, len(measured)), *line)
         return None if np.isnan(line[1]) else line
 
     def size_estimate(self, index: int) -> float:
-        """``index``'s working set from its file's size (:meth:`size_fit`'s line, at least
-        the smallest figure), bytes; 0 when there is no line or no size."""
-        size = self.size(index)
-        if not size:
-            return 0.0
+        """``index``'s working set from its files' size (:meth:`size_fit`'s line, at least
+        the smallest figure), bytes; 0 when there is no line or no size read."""
         fit = self.size_fit()
         if fit is None:
+            return 0.0
+        size = self.size(index)
+        if not size:
             return 0.0
         return max(fit[0] + fit[1] * size, self._sorted[0] if self._sorted else 0.0)
 
@@ -422,7 +445,8 @@ class SampleMemory:
                 - self.pool_share(workers, pool_bytes, largest))
 
     def admit(self, index: int, in_flight: list[float], workers: int, key: object = None,
-              ahead: tuple[float, float] | None = None, pool_bytes: float = 0.0) -> bool:
+              ahead: tuple[float, ...] | None = None, pool_bytes: float = 0.0,
+              largest: float = 0.0) -> bool:
         """Whether sample ``index`` may start beside samples whose estimates are ``in_flight``
         (bytes, see :meth:`estimate`) beside ``pool_bytes`` of the loader's pools (bytes
         with their pages, ``Pipeline._budgeted_pool_bytes``; they take up to
@@ -435,19 +459,25 @@ class SampleMemory:
                 overtake the first (held back), ``(bytes the held sample needs free: its
                 estimate plus what may still run of the samples it waited for when it could
                 first start; the sum of the estimates of the samples in flight that overtook
-                it)``: the newcomer may start only if it fits now and leaves that room
-                (module docstring).
+                it; the held sample's estimate, 0 when left out)``: the newcomer may start only if it fits
+                now and leaves that room (module docstring), in the budget the held sample
+                will see when it asks (its estimate counts in the base as the largest
+                sample's may: review 127).
+            largest: the largest estimate among the samples in flight (their own, not the
+                warm heaps ``in_flight`` may count them at): with the newcomer's, a size
+                estimate above the largest figure counts in the budget's base (:meth:`_base`).
         """
         if not in_flight or not self.known:
             ok = True
         else:
             est = self.estimate(index)
-            # (a size estimate above the largest figure, the newcomer's or one in flight,
-            # counts as the largest sample: module docstring)
-            room = self.room(workers, pool_bytes, max(est, max(in_flight)))
+            top = max(est, largest)
+            room = self.room(workers, pool_bytes, top)
             ok = est + sum(in_flight) <= room
-            if ahead is not None:
-                ok = ok and ahead[0] + ahead[1] + est <= room
+            if ahead is not None and ok:
+                held = ahead[2] if len(ahead) > 2 else 0.0
+                room = self.room(workers, pool_bytes, max(top, held))
+                ok = ahead[0] + ahead[1] + est <= room
         waited = self._waited
         if ok:
             if waited:
@@ -459,3 +489,54 @@ class SampleMemory:
             waited.add(key)
             self.held_back += 1
         return False
+
+
+class SizeReader:
+    """Reads the files' sizes of the indices an epoch is about to run
+    (:meth:`SampleMemory.look_up`) on a daemon thread of its own, in the epoch's order, so
+    that the scheduler never calls the dataset's ``sample_path`` or waits on a file system (a
+    stalled network mount would otherwise stall the loader; review 127): an index whose size
+    is not read yet counts at the median. One ``os.stat`` (a few us on a local disk) per file,
+    once per index, until the dataset is replaced."""
+
+    def __init__(self, memory: SampleMemory) -> None:
+        self.memory = memory
+        self._todo: deque = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def want(self, indices) -> None:
+        """Read the sizes of ``indices`` (an epoch's order) after those asked for before."""
+        if self.memory._sizes is None:
+            return
+        with self._cv:
+            if self._closed:
+                return
+            self._todo.append(indices)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="autominato-file-sizes",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._todo and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                indices = self._todo.popleft()
+            for i in indices:
+                if self._closed:
+                    return
+                self.memory.look_up(int(i))
+
+    def close(self) -> None:
+        """Stop after the index being read (the thread is a daemon: a read that hangs does
+        not hold the interpreter's exit)."""
+        with self._cv:
+            self._closed = True
+            self._todo.clear()
+            self._cv.notify()

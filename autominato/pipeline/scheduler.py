@@ -63,7 +63,7 @@ from autominato.pipeline.errors import (
 )
 from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
-from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory, file_bytes
+from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory, SizeReader, file_bytes
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
@@ -342,6 +342,8 @@ class Pipeline:
             self.memory = SampleMemory(
                 cfg.dataset_len if not cfg.iterable else None,
                 size_of=self._file_bytes)
+            # (the files' sizes of each epoch's indices, read off the scheduler's thread)
+            self._size_reader = SizeReader(self.memory)
             # Slow first (costs.py): in completion order, a map-style dataset's epochs start
             # the samples known to be slowest first within the window.
             self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
@@ -633,6 +635,9 @@ class Pipeline:
         if self._stop.is_set():
             return
         self._stop.set()
+        reader = getattr(self, "_size_reader", None)  # (a close of a failed __init__)
+        if reader is not None:
+            reader.close()
         self.events.put(("close",))
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
@@ -972,6 +977,8 @@ class Pipeline:
             for st in self.sample_stages:
                 if st.executor.size < self._want(st):
                     st.executor.resize(self._want(st))  # workers that could not start: again
+        if self._memory_aware and self.procs is not None and isinstance(ep, Epoch):
+            self._size_reader.want(ep.order)
         self._decide(run, run.epoch.start())
 
     def _note_stale_copy(self, err: BaseException) -> None:
@@ -1053,9 +1060,11 @@ class Pipeline:
                 self._scan_ests = (stamp, ests, pool)
             warm = self._busy_warm()
             in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
-            # (the budget as this ask sees it, for the gauge: a size estimate above the
-            # largest figure raises it, SampleMemory.admit)
-            self._est_top = max(in_flight + [est(item[0])]) if in_flight else 0.0
+            # the largest estimate in flight (a size estimate above the largest figure counts
+            # in the budget's base, SampleMemory.admit), and the budget as this ask sees it,
+            # for the gauge
+            top = max(ests.values(), default=0.0)
+            self._est_top = max(top, est(item[0])) if in_flight else 0.0
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
@@ -1066,11 +1075,14 @@ class Pipeline:
                 # the samples it waited for
                 mine = [max(e, warm) for k, e in ests.items() if k not in over]
                 need = sum(mine)
-                if mine and held_est + need > self.memory.room(self.procs.size, pool,
-                                                               max([held_est] + mine)):
+                if mine and held_est + need > self.memory.room(
+                        self.procs.size, pool,
+                        max([held_est] + [e for k, e in ests.items() if k not in over])):
                     need -= min(mine)
-                ahead = (held_est + need, sum(max(e, warm) for k, e in ests.items() if k in over))
-            if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool):
+                ahead = (held_est + need, sum(max(e, warm) for k, e in ests.items() if k in over),
+                         held_est)
+            if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool,
+                                     largest=top):
                 if not overtaking and key != self._held_key:
                     held_before = self._held_key is not None
                     self._held_key = key

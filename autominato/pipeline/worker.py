@@ -626,9 +626,15 @@ def seed_worker(base_seed: int, wid: int) -> None:
 FILE_LISTS = ("data", "samples")
 
 
+#: The most strings of one sample's item that :func:`sample_files` looks at (an item that
+#: holds a long list of strings, tokens or names, is not a list of files).
+MAX_ITEM_PATHS = 64
+
+
 def _paths_in(item: Any) -> list[str]:
     """The strings (and ``os.PathLike``) of ``item``: itself, or its values (a dict), or its
-    elements (a list or tuple), one level down into lists (a series of files per key)."""
+    elements (a list or tuple), one level down into lists (a series of files per key); at
+    most :data:`MAX_ITEM_PATHS`."""
     if isinstance(item, (str, os.PathLike)):
         return [os.fspath(item)]
     if isinstance(item, Mapping):
@@ -642,47 +648,78 @@ def _paths_in(item: Any) -> list[str]:
         if isinstance(v, (str, os.PathLike)):
             out.append(os.fspath(v))
         elif isinstance(v, (list, tuple)):
-            out.extend(os.fspath(x) for x in v if isinstance(x, (str, os.PathLike)))
-    return out
+            out.extend(os.fspath(x) for x in v[:MAX_ITEM_PATHS]
+                       if isinstance(x, (str, os.PathLike)))
+        if len(out) >= MAX_ITEM_PATHS:
+            break
+    return [p for p in out[:MAX_ITEM_PATHS] if p and "\0" not in p]
+
+
+def _listed(dataset: Any, index: int) -> tuple[Any, int, list[str] | None]:
+    """``(dataset, index, names)``: a ``Subset`` followed to its dataset and index; ``names``
+    the strings of the item that a list attribute of :data:`FILE_LISTS` with one item per
+    index holds for ``index``, or ``None`` (the dataset defines ``sample_path``, or lists
+    nothing)."""
+    from torch.utils.data import Subset
+
+    while isinstance(dataset, Subset):
+        index, dataset = int(dataset.indices[index]), dataset.dataset
+    if callable(getattr(dataset, "sample_path", None)):
+        return dataset, index, None
+    for name in FILE_LISTS:
+        items = getattr(dataset, name, None)
+        if isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
+            if len(items) != len(dataset) or not 0 <= index < len(items):
+                continue
+            return dataset, index, _paths_in(items[index])
+    return dataset, index, None
+
+
+def _own_path(dataset: Any, index: int) -> str | None:
+    try:
+        p = dataset.sample_path(index)
+    except Exception:
+        return None
+    return None if p is None else str(p)
 
 
 def sample_files(dataset: Any, index: int) -> list[str]:
-    """The files sample ``index`` is read from: the dataset's ``sample_path(index)`` where it
-    defines one (``[]`` for ``None`` or an error); else, where a list attribute of
-    :data:`FILE_LISTS` has one item per index, the names in ``index``'s item that are files
-    (``os.path.isfile``: a string that is a class name or a key is not); else ``[]``.
-
-    A ``torch.utils.data.Subset`` is followed to its dataset's index."""
-    fn = getattr(dataset, "sample_path", None)
-    if fn is not None:
-        try:
-            p = fn(index)
-        except Exception:
-            return []
-        return [] if p is None else [str(p)]
+    """The files (or directories: a DICOM series) sample ``index`` is read from, that exist:
+    the dataset's ``sample_path(index)`` where it defines one (``[]`` for ``None``, an error
+    or a path that is not there); else, where a list attribute of :data:`FILE_LISTS` has one
+    item per index, the names in ``index``'s item that exist (a string that is a class name or
+    a key is not a file); else ``[]``. A ``torch.utils.data.Subset`` is followed to its
+    dataset's index. For :attr:`~autominato.pipeline.memory.SampleMemory.size_of`; errors
+    name :func:`sample_path`'s."""
     try:
-        from torch.utils.data import Subset
-        while isinstance(dataset, Subset):
-            index, dataset = int(dataset.indices[index]), dataset.dataset
-            fn = getattr(dataset, "sample_path", None)
-            if fn is not None:
-                return sample_files(dataset, index)
-        for name in FILE_LISTS:
-            items = getattr(dataset, name, None)
-            if isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
-                if len(items) != len(dataset) or not 0 <= index < len(items):
-                    continue
-                return [p for p in _paths_in(items[index]) if os.path.isfile(p)]
+        dataset, index, names = _listed(dataset, index)
+        if names is None:
+            own = _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
+            names = [own] if own is not None else []
+        return [p for p in names if os.path.exists(p)]
     except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
         return []
-    return []
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
-    """The file sample ``index`` is read from, for errors (:func:`sample_files`' first), or
-    ``None``."""
-    files = sample_files(dataset, index)
-    return files[0] if files else None
+    """The file sample ``index`` is read from, for errors, or ``None``: the dataset's
+    ``sample_path(index)`` where it defines one; else, where it lists its samples' files
+    (:func:`sample_files`), the first name in the item that exists, else the first that
+    looks like a path (a directory part or an extension: a file missing or misspelled is
+    the most common bad input, review 127)."""
+    try:
+        dataset, index, names = _listed(dataset, index)
+        if names is None:
+            return _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
+        for p in names:
+            if os.path.exists(p):
+                return p
+        for p in names:
+            if os.path.dirname(p) or os.path.splitext(p)[1]:
+                return p
+    except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
+        pass
+    return None
 
 
 def run_sample(
