@@ -459,10 +459,10 @@ class SampleMemory:
                 overtake the first (held back), ``(bytes the held sample needs free: its
                 estimate plus what may still run of the samples it waited for when it could
                 first start; the sum of the estimates of the samples in flight that overtook
-                it; the held sample's estimate, 0 when left out)``: the newcomer may start only if it fits
-                now and leaves that room (module docstring), in the budget the held sample
-                will see when it asks (its estimate counts in the base as the largest
-                sample's may: review 127).
+                it; the held sample's estimate, 0 when left out)``: the newcomer may start
+                only if it fits now and leaves that room (module docstring), in the budget
+                the held sample will see when it asks (its estimate counts in the base as
+                the largest sample's may: review 127).
             largest: the largest estimate among the samples in flight (their own, not the
                 warm heaps ``in_flight`` may count them at): with the newcomer's, a size
                 estimate above the largest figure counts in the budget's base (:meth:`_base`).
