@@ -124,6 +124,11 @@ NO_RISE = 1
 #: first few samples of a run are where an outlier is met unmeasured.
 SIZE_FIT_MIN = 4
 
+#: The span of the measured files' sizes (largest / smallest) from which their line is
+#: fitted, and beyond which a file without a line is estimated in proportion to its size
+#: (:meth:`SampleMemory.size_estimate`).
+SIZE_SPAN = 2.0
+
 #: The most measured indices the size line is fitted to (Theil-Sen takes the median of the
 #: ``n (n - 1) / 2`` pairwise slopes: 32,640 for 256 points, ~1 ms here); beyond it, evenly
 #: spaced ones.
@@ -180,7 +185,7 @@ class SampleMemory:
         #: ``index -> bytes of its file`` (``None``: none known), or ``None``: estimates of
         #: indices not measured are the median (see :meth:`estimate`)
         self.size_of = size_of
-        self._fit: tuple[object, float, float] | None = None  # (stamp, intercept, slope)
+        self._fit: tuple | None = None  # (stamp, _size_model's)
         self._sizes_gen = 0  # forget_sizes calls: a fit of sizes forgotten is stale
         self._late_sizes = 0  # sizes read for indices measured already (look_up)
         self.pool_share_of_base = float(POOL_SHARE if pool_share is None else pool_share)
@@ -340,9 +345,19 @@ class SampleMemory:
         the median of the pairwise slopes; the intercept the median of ``figure - slope x
         size``) through the measured figures against their files' sizes, at most
         :data:`SIZE_FIT_POINTS` of them; ``None`` with fewer than :data:`SIZE_FIT_MIN`
-        points, files all of one size, or a slope not above 0 (sizes that say nothing of the
-        working set: a fixed crop read from files alike). Refitted once an eighth of the
-        measured indices' figures changed (one at a time while fewer than 16 are)."""
+        points, sizes that span less than :data:`SIZE_SPAN` (the slope between files alike
+        is noise: trial 128, MONAI's padding of short volumes made the small samples' working
+        sets alike, and the slope came out below 0), or a slope not above 0 (sizes that say
+        nothing of the working set over the span measured: a fixed crop read from files of
+        many sizes). Refitted once an eighth of the measured indices' figures changed (one at
+        a time while fewer than 16 are)."""
+        model = self._size_model()
+        return None if model is None or np.isnan(model[1]) else (model[0], model[1])
+
+    def _size_model(self) -> tuple[float, float, float, float] | None:
+        """``(intercept, slope, bytes per byte of file, largest size measured)``: the line of
+        :meth:`size_fit` (NaN where there is none) and, for sizes beyond the span measured,
+        the median of the measured figures per byte of file; ``None`` without a point."""
         sizes, peaks = self._sizes, self._peaks
         if peaks is None or sizes is None:
             return None
@@ -351,10 +366,10 @@ class SampleMemory:
         version = self.version + self._late_sizes
         fit = self._fit
         if fit is not None:
-            (at, gen, measured_then), a, b = fit
+            (at, gen, measured_then), model = fit
             # (~1 ms for 256 points, against the scheduler's few us a sample)
             if gen == self._sizes_gen and version - at < max(1, measured_then // 8):
-                return None if np.isnan(b) else (a, b)
+                return model
         measured = np.flatnonzero(peaks > 0)
         x = sizes[measured].astype(np.float64)
         sized = x > 0  # (NaN, not read yet, and 0, no file, are left out)
@@ -362,28 +377,39 @@ class SampleMemory:
         if len(x) > SIZE_FIT_POINTS:
             pick = np.linspace(0, len(x) - 1, SIZE_FIT_POINTS).astype(int)
             x, y = x[pick], y[pick]
-        line = (np.nan, np.nan)
-        if len(x) >= SIZE_FIT_MIN:
-            i, j = np.triu_indices(len(x), 1)
-            dx = x[j] - x[i]
-            apart = dx != 0
-            if apart.any():
+        model = None
+        if len(x):
+            line = (np.nan, np.nan)
+            if len(x) >= SIZE_FIT_MIN and x.max() >= SIZE_SPAN * x.min():
+                i, j = np.triu_indices(len(x), 1)
+                dx = x[j] - x[i]
+                apart = dx != 0
                 slope = float(np.median((y[j] - y[i])[apart] / dx[apart]))
                 if slope > 0:
                     line = (float(np.median(y - slope * x)), slope)
-        self._fit = ((version, self._sizes_gen, len(measured)), *line)
-        return None if np.isnan(line[1]) else line
+            model = (*line, float(np.median(y / x)), float(x.max()))
+        self._fit = ((version, self._sizes_gen, len(measured)), model)
+        return model
 
     def size_estimate(self, index: int) -> float:
-        """``index``'s working set from its files' size (:meth:`size_fit`'s line, at least
-        the smallest figure), bytes; 0 when there is no line or no size read."""
-        fit = self.size_fit()
-        if fit is None:
+        """``index``'s working set from its files' size, bytes: on :meth:`size_fit`'s line
+        (at least the smallest figure); without a line, for files more than
+        :data:`SIZE_SPAN` times the largest measured, the median figure per byte of file
+        times their size (an outlier beyond what was measured is taken to need what its size
+        says: KiTS19's two largest masks are 14x the compressed size of the 14 smallest);
+        else 0 (no size read, no figure: the median counts)."""
+        model = self._size_model()
+        if model is None:
             return 0.0
         size = self.size(index)
         if not size:
             return 0.0
-        return max(fit[0] + fit[1] * size, self._sorted[0] if self._sorted else 0.0)
+        a, b, per_byte, measured_max = model
+        if not np.isnan(b):
+            return max(a + b * size, self._sorted[0] if self._sorted else 0.0)
+        if size > SIZE_SPAN * measured_max:
+            return per_byte * size
+        return 0.0
 
     @property
     def upper_quartile(self) -> float:
@@ -414,7 +440,11 @@ class SampleMemory:
         samples (``worker.HeapTrim.set_keep``): what the room leaves beside the largest
         sample when the pool takes its whole share, ``(MARGIN - POOL_SHARE) x max(largest,
         workers x upper quartile) - largest``, split over the other ``workers - 1`` (all of
-        it with one worker), and at most the largest figure (no sample needs more).
+        it with one worker), and at most the largest figure with one worker (no sample needs
+        more), the upper quartile's with more: a warm heap above it serves only the quarter
+        of the samples above it and sits beside them while they run (trial 128: 1.08 GB a
+        worker beside a 5.7 GB KiTS19 case with 14 small ones of ~265 MiB, the process tree
+        7.3-8.0 GB against the DataLoader's 5.8; with one worker nothing runs beside it).
 
         A worker's memory while it runs a sample is then at most ``max(its working set, the
         warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room.
@@ -436,7 +466,7 @@ class SampleMemory:
         base = self._base(workers)
         spare = (self.margin - self.pool_share_of_base) * base - self.largest
         keep = spare / (workers - 1) if workers > 1 else spare + self.largest
-        return max(0.0, min(self.largest, keep))
+        return max(0.0, min(self.largest if workers <= 1 else self.upper_quartile, keep))
 
     def room(self, workers: int, pool_bytes: float = 0.0, largest: float = 0.0) -> float:
         """Bytes of working sets that may be in flight beside ``pool_bytes`` of the pool:
