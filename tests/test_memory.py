@@ -1014,14 +1014,14 @@ def _read_all(m: SampleMemory) -> SampleMemory:
 
 def test_an_index_not_measured_is_estimated_from_its_files_size():
     """Trial 125: an outlier not measured yet counted at the median. With files' sizes, a
-    Theil-Sen line through the measured figures (the largest of them doubled by its
-    augmentation does not tilt it: a least-squares line would) estimates it; files that say
+    Theil-Sen line through the measured figures (one of them doubled by its augmentation,
+    away from the sizes' mean, does not tilt it: a least-squares line would) estimates it; files that say
     nothing of the working set (all one size), an index without a file, or one whose size
     was not read yet leave the median."""
     size = {0: 10_000, 1: 20_000, 2: 30_000, 3: 40_000, 4: 50_000, 5: 1_000_000, 6: 800_000}
     m = SampleMemory(8, size_of=size.get)
     for i in range(5):
-        m.learn(i, 5 * MiB + 100 * size[i] * (2 if i == 4 else 1))
+        m.learn(i, 5 * MiB + 100 * size[i] * (2 if i == 3 else 1))
     assert m.size_fit() is None and m.estimate(5) == m.median  # (no size read yet)
     _read_all(m)
     m.learn(0, 5 * MiB + 100 * size[0])  # (a figure again: the fit is redone)
@@ -1069,6 +1069,29 @@ def test_an_outlier_beyond_small_files_alike_is_estimated_in_proportion_to_its_s
     assert big > 4 * m.median
     assert not m.admit(14, [big], workers=2, largest=big)  # (the two largest apart)
     assert m.admit(12, [big], workers=2, largest=big)  # (a small one beside it)
+
+
+def test_files_beyond_the_largest_measured_count_at_least_its_figure_scaled():
+    """Trial 128: 14 small samples (working sets 240-480 MiB, files 134-193 KB) and a large
+    one measured (5.5 GB, 2.03 MB): the Theil-Sen line follows the small ones and read the
+    two larger files (2.46, 2.86 MB) at 2.4-2.7 GB, whose sum fitted in 1.35 x 5.5 GB, and
+    they ran together. A file at least as large as the largest measured counts on the line
+    raised to pass through that one's figure."""
+    rng = np.random.default_rng(1)
+    size = {i: int(rng.integers(134_000, 193_000)) for i in range(14)}
+    size |= {14: 2_030_000, 15: 2_460_000, 16: 2_860_000}
+    m = _read_all(SampleMemory(17, size_of=size.get))
+    for i in range(14):
+        m.learn(i, int((480 - 17 * i) * MiB))  # (no relation to the small files' sizes)
+    m.learn(14, 5500 * MiB)
+    fit = m.size_fit()
+    assert fit is not None and fit[0] + fit[1] * size[16] < 3500 * MiB  # (the line alone)
+    a, b = fit
+    first, second = m.estimate(15), m.estimate(16)
+    assert first == pytest.approx(5500 * MiB + b * (size[15] - size[14]), rel=1e-6)
+    assert second == pytest.approx(5500 * MiB + b * (size[16] - size[14]), rel=1e-6)
+    assert not m.admit(16, [first], workers=2, largest=first)
+    assert m.estimate(3) < 600 * MiB  # (a small file: on the line)
 
 
 def test_sizes_are_read_again_for_a_replaced_dataset():
