@@ -1091,7 +1091,23 @@ def test_files_beyond_the_largest_measured_count_at_least_its_figure_scaled():
     assert first == pytest.approx(5500 * MiB + b * (size[15] - size[14]), rel=1e-6)
     assert second == pytest.approx(5500 * MiB + b * (size[16] - size[14]), rel=1e-6)
     assert not m.admit(16, [first], workers=2, largest=first)
-    assert m.estimate(3) < 600 * MiB  # (a small file: on the line)
+    # the largest measured first (6 GB, 2.86 MB): the two between it and the small ones
+    # (2.03, 2.46 MB) are raised by its height above the line and do not run together
+    # (they did at 2.4-2.9 GB each, in a budget of 1.35 x 6 GB)
+    m2 = _read_all(SampleMemory(17, size_of=size.get))
+    for i in range(14):
+        m2.learn(i, int((480 - 17 * i) * MiB))
+    m2.learn(16, 6000 * MiB)
+    a, b = m2.size_fit()
+    lift = 6000 * MiB - (a + b * size[16])
+    assert m2.estimate(15) == pytest.approx(a + b * size[15] + lift, rel=1e-6)
+    assert not m2.admit(14, [m2.estimate(15)], workers=2, largest=m2.estimate(15))
+    small = SampleMemory(17, size_of=size.get)  # a small file not measured: near small ones
+    _read_all(small)
+    for i in range(13):
+        small.learn(i, int((480 - 17 * i) * MiB))
+    small.learn(16, 6000 * MiB)
+    assert small.estimate(13) < 800 * MiB
 
 
 def test_sizes_are_read_again_for_a_replaced_dataset():
