@@ -394,7 +394,13 @@ class SampleMemory:
                     # (each measured point's height above the line, by its file's log size)
                     above = (np.log(x[order]),
                              np.maximum(0.0, y[order] - (line[0] + slope * x[order])))
-            model = (*line, float(np.median(y / x)), float(x.max()), above)
+            # (without a line because the files are alike, not because their sizes said
+            # nothing over a span: the largest file's figure per byte, the lowest where part
+            # of the working set does not grow with the file, for files beyond them)
+            top = int(np.lexsort((y, x))[-1])
+            per_byte = (float(y[top] / x[top])
+                        if len(x) >= SIZE_FIT_MIN and x.max() < SIZE_SPAN * x.min() else np.nan)
+            model = (*line, per_byte, float(x.max()), above)
         self._fit = ((version, self._sizes_gen, len(measured)), model)
         return model
 
@@ -406,11 +412,14 @@ class SampleMemory:
         masks of 2.0-2.5 MB read 2.4-2.9 GB on it beside a measured one of 2.9 MB and ~6 GB,
         and two ran together); the nearest point carries what the line misses there (on the
         KiTS19 bench's first-seen indices, 26 of 38 estimates within 25% of the figure then
-        read, against 24 on the line alone, and 6 below 0.7x against 10); without a line, for files more than :data:`SIZE_SPAN` times the largest
-        measured, the median figure per byte of file times their size (an outlier beyond
-        what was measured is taken to need what its size says: KiTS19's two largest masks
-        are 14x the compressed size of the 14 smallest); else 0 (no size read, no figure: the
-        median counts)."""
+        read, against 24 on the line alone, and 6 below 0.7x against 10); without a line
+        because :data:`SIZE_FIT_MIN` or more measured files span less than
+        :data:`SIZE_SPAN`, for files more than :data:`SIZE_SPAN` times the largest measured,
+        the largest measured file's figure per byte times their size (the lowest per byte
+        where part of the working set does not grow with the file: review 129 saw the
+        median's of one point read typical files 3x; an outlier beyond what was measured is
+        taken to need what its size says: KiTS19's two largest masks are 14x the compressed
+        size of the 14 smallest); else 0 (no size read, no figure: the median counts)."""
         model = self._size_model()
         if model is None:
             return 0.0
@@ -425,7 +434,7 @@ class SampleMemory:
             gap = min(abs(logs[k] - np.log(size)) for k in near)
             lift = max(heights[k] for k in near if abs(logs[k] - np.log(size)) == gap)
             return max(a + b * size + lift, self._sorted[0] if self._sorted else 0.0)
-        if size > SIZE_SPAN * top_size:
+        if size > SIZE_SPAN * top_size and not np.isnan(per_byte):
             return per_byte * size
         return 0.0
 
@@ -507,10 +516,12 @@ class SampleMemory:
                 overtake the first (held back), ``(bytes the held sample needs free: its
                 estimate plus what may still run of the samples it waited for when it could
                 first start; the sum of the estimates of the samples in flight that overtook
-                it; the held sample's estimate, 0 when left out)``: the newcomer may start
-                only if it fits now and leaves that room (module docstring), in the budget
-                the held sample will see when it asks (its estimate counts in the base as
-                the largest sample's may: review 127).
+                it; the largest estimate of the held sample and those it will start beside,
+                those it waits for still counted and those that overtook it, or left out:
+                the largest in flight)``: the newcomer may start only if it fits now and
+                leaves that room (module docstring), in the budget the held sample will see
+                when it asks (its estimate counts in the base as the largest sample's may,
+                review 127; a sample it no longer waits for does not, review 129).
             largest: the largest estimate among the samples in flight (their own, not the
                 warm heaps ``in_flight`` may count them at): with the newcomer's, a size
                 estimate above the largest figure counts in the budget's base (:meth:`_base`).
@@ -523,8 +534,8 @@ class SampleMemory:
             room = self.room(workers, pool_bytes, top)
             ok = est + sum(in_flight) <= room
             if ahead is not None and ok:
-                held = ahead[2] if len(ahead) > 2 else 0.0
-                room = self.room(workers, pool_bytes, max(top, held))
+                beside = max(est, ahead[2]) if len(ahead) > 2 else top
+                room = self.room(workers, pool_bytes, beside)
                 ok = ahead[0] + ahead[1] + est <= room
         waited = self._waited
         if ok:
@@ -549,7 +560,7 @@ class SizeReader:
 
     def __init__(self, memory: SampleMemory) -> None:
         self.memory = memory
-        self._todo: deque = deque()
+        self._todo: deque = deque(maxlen=2)  # (an epoch's and the next one's, prefetched)
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None

@@ -344,6 +344,7 @@ class Pipeline:
                 size_of=self._file_bytes)
             # (the files' sizes of each epoch's indices, read off the scheduler's thread)
             self._size_reader = SizeReader(self.memory)
+            self._sizes_wanted = None  # the order of the epoch begun last, until an ask
             # Slow first (costs.py): in completion order, a map-style dataset's epochs start
             # the samples known to be slowest first within the window.
             self.costs = SampleCosts(cfg.dataset_len if not cfg.iterable else None)
@@ -978,7 +979,9 @@ class Pipeline:
                 if st.executor.size < self._want(st):
                     st.executor.resize(self._want(st))  # workers that could not start: again
         if self._memory_aware and self.procs is not None and isinstance(ep, Epoch):
-            self._size_reader.want(ep.order)
+            # (handed to the reader at the first ask for memory: samples sent in chunks are
+            # never held, and their files are not read, review 129)
+            self._sizes_wanted = ep.order
         self._decide(run, run.epoch.start())
 
     def _note_stale_copy(self, err: BaseException) -> None:
@@ -1039,6 +1042,10 @@ class Pipeline:
             return True
         index = self._in_flight
         if self.memory.known and self.procs.chunk == 1:
+            wanted = getattr(self, "_sizes_wanted", None)  # (replay's state has none)
+            if wanted is not None:
+                self._size_reader.want(wanted)
+                self._sizes_wanted = None
             est = self.memory.estimate
             scans = self._admit_stage.scans  # (_admit is that stage's admit)
             stamp = (scans, self.memory.version)
@@ -1073,14 +1080,17 @@ class Pipeline:
                 held_est = est(waiting)
                 over = self._overtook
                 # the samples it waited for
-                mine = [max(e, warm) for k, e in ests.items() if k not in over]
-                need = sum(mine)
+                mine = sorted((max(e, warm), e) for k, e in ests.items() if k not in over)
+                need = sum(m for m, _ in mine)
                 if mine and held_est + need > self.memory.room(
-                        self.procs.size, pool,
-                        max([held_est] + [e for k, e in ests.items() if k not in over])):
-                    need -= min(mine)
+                        self.procs.size, pool, max([held_est] + [e for _, e in mine])):
+                    need -= mine[0][0]
+                    mine = mine[1:]
+                # (the largest estimate the held sample will start beside, for the budget's
+                # base it will see: not the samples it no longer waits for, review 129)
                 ahead = (held_est + need, sum(max(e, warm) for k, e in ests.items() if k in over),
-                         held_est)
+                         max([held_est] + [e for _, e in mine]
+                             + [e for k, e in ests.items() if k in over]))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool,
                                      largest=top):
                 if not overtaking and key != self._held_key:

@@ -696,26 +696,41 @@ def sample_files(dataset: Any, index: int) -> list[str]:
         if names is None:
             own = _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
             names = [own] if own is not None else []
-        return [p for p in names if os.path.exists(p)]
+        return [p for p in names if _names_file(p)]
     except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
         return []
+
+
+def _names_file(p: str) -> bool:
+    """Whether ``p`` names a file that exists, or a directory that exists given with a
+    directory part (``imgs/case_1``, a DICOM series: not ``train``, a split's name that
+    happens to be a directory here, review 129)."""
+    return os.path.isfile(p) or (os.sep in p and os.path.isdir(p))
+
+
+def _looks_like_path(p: str) -> bool:
+    """Whether ``p``, which names nothing that exists, reads as a file name: no whitespace,
+    and an extension of 1-10 letters or digits (a sentence of a text dataset is not one,
+    review 129)."""
+    ext = os.path.splitext(p)[1][1:]
+    return (not any(c.isspace() for c in p) and 0 < len(ext) <= 10 and ext.isalnum())
 
 
 def sample_path(dataset: Any, index: int) -> str | None:
     """The file sample ``index`` is read from, for errors, or ``None``: the dataset's
     ``sample_path(index)`` where it defines one; else, where it lists its samples' files
     (:func:`sample_files`), the first name in the item that exists, else the first that
-    looks like a path (a directory part or an extension: a file missing or misspelled is
-    the most common bad input, review 127)."""
+    reads as a file name (no whitespace, an extension: a file missing or misspelled is the
+    most common bad input, review 127)."""
     try:
         dataset, index, names = _listed(dataset, index)
         if names is None:
             return _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
         for p in names:
-            if os.path.exists(p):
+            if _names_file(p):
                 return p
         for p in names:
-            if os.path.dirname(p) or os.path.splitext(p)[1]:
+            if _looks_like_path(p):
                 return p
     except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
         pass
