@@ -1334,3 +1334,19 @@ def test_a_stalled_sample_path_does_not_stall_the_loader():
         release.set()
         loop.join(60)
         loader.close()
+
+
+def test_the_overtakers_room_is_the_budget_the_held_sample_will_see():
+    """Review 129: the overtakers' check took its base from the outlier in flight that the
+    held sample waits for, which will have ended when it asks: three small samples
+    overtook a held 320 MiB sample in a room of 540 MiB, and when the 400 MiB one ended it
+    was refused (440 MiB against 432)."""
+    m = SampleMemory(8)
+    for i, v in enumerate((40, 50, 60, 70)):
+        m.learn(i, v * MiB)
+    m.estimate = lambda i: {5: 320 * MiB}.get(i, 40 * MiB)
+    outlier, held, small = 400 * MiB, 320 * MiB, 40 * MiB
+    # two small ones overtook it already; the held one will start beside them only
+    ahead = (held, 2 * small, held)
+    assert not m.admit(6, [outlier, small, small], workers=4, largest=outlier, ahead=ahead)
+    assert m.admit(6, [outlier, small], workers=4, largest=outlier, ahead=(held, small, held))
