@@ -40,7 +40,10 @@ An index not measured yet is estimated from the size of its file where the datas
 (``sample_path(index)``, or MONAI's file names: ``worker.sample_files``) and
 :data:`SIZE_FIT_MIN` measured indices have a file too: a line fitted to the measured figures
 against their files' sizes (Theil-Sen, robust to the samples whose augmentation doubles
-their working set now and then); else at the median. A sample in flight or asking to start
+their working set now and then), raised by the height above it of the measured point nearest
+in file size, or, where the measured files are alike, in proportion to its size beyond twice
+theirs (:meth:`SampleMemory.size_estimate`); else at the median. The sizes are read on a
+thread of their own (:class:`SizeReader`). A sample in flight or asking to start
 at such an estimate counts in the budget's base as the largest sample does, so that an
 outlier known only by its file runs beside small samples, not beside another outlier, in the
 epoch that measures them (trial 125: two KiTS19 cases of 735 and 1059 slices among 14 of
