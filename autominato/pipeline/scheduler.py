@@ -1071,7 +1071,8 @@ class Pipeline:
             # in the budget's base, SampleMemory.admit), and the budget as this ask sees it,
             # for the gauge
             top = max(ests.values(), default=0.0)
-            self._est_top = max(top, est(item[0])) if in_flight else 0.0
+            own = est(item[0])
+            self._est_top = max(top, own) if in_flight else 0.0
             ahead = None
             if overtaking:
                 waiting = self._in_queue_index(self._held_key)
@@ -1102,7 +1103,7 @@ class Pipeline:
                 return False
             if overtaking:
                 self._overtook.add(key)
-            ests[key] = est(item[0])  # (it is the workers' now: in held_keys at the next ask)
+            ests[key] = own  # (it is the workers' now: in held_keys at the next ask)
         if not overtaking and self._held_key is not None:
             # The first in line leaves: the sample held back (this one, or one no longer
             # queued, whatever the branch above) waits no more (review 105: a stale key kept
