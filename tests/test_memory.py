@@ -767,6 +767,62 @@ def _warm_tops_of_small_samples() -> tuple[int, list[float]]:
         return pool.heap_keep, tops
 
 
+class ChainOutlier:
+    """Nine samples of 32 MiB and, at index 9, an outlier that makes ever larger arrays
+    (40, 60, 90, 135 MiB), each freed once the next is made: 225 MiB at most at once."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        if i < 9:
+            a = np.ones(32 * MiB, np.uint8)
+        else:
+            a = np.ones(40 * MiB, np.uint8)
+            for mib in (60, 90, 135):
+                b = np.ones(mib * MiB, np.uint8)
+                del a
+                a = b
+        time.sleep(0.015)
+        return np.array([i + int(a[0]) - 1], np.int64)
+
+
+def _outlier_figures() -> tuple[int, list[float]]:
+    """(the keep, the outlier's figure after each of epochs 2-4, MiB)."""
+    with Loader(ChainOutlier(), 2, workers=2, seed=0, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        assert sorted(int(x) for b in loader for x in b) == list(range(10))
+        pool = loader._pipeline.procs.pool
+        deadline = time.monotonic() + 5.0
+        while not pool.heap_keep and time.monotonic() < deadline:
+            time.sleep(0.05)  # (sent at the scheduler's next tick)
+        figures = []
+        for _ in range(3):
+            assert sorted(int(x) for b in loader for x in b) == list(range(10))
+            figures.append(loader._pipeline.memory.estimate(9) / MiB)
+        return pool.heap_keep, figures
+
+
+@needs_warm_heap
+def test_an_outlier_runs_cold_beside_warm_heaps(monkeypatch):
+    """A sample whose figure is above the keep and the upper quartile's runs without a warm
+    heap (``Pipeline._task_heap``'s ``cold``, ``worker.HeapTrim.trim_for``): its arrays are
+    mapped on their own and unmapped when freed, so that it holds what it uses (225 MiB at
+    most, with the 16 MiB left warm) and not every array it made (325 MiB from the heap: the
+    control); its figure, and the budget beside it, stay its working set."""
+    keep, figures = _outlier_figures()
+    assert 28 * MiB <= keep <= 40 * MiB  # the 32 MiB samples set it
+    assert all(220 <= f <= 260 for f in figures), figures
+    from autominato.pipeline.scheduler import Pipeline
+
+    trim = Pipeline._task_heap
+    monkeypatch.setattr(Pipeline, "_task_heap",
+                        lambda self, item: (None if (t := trim(self, item)) and t[1] else t))
+    keep, figures = _outlier_figures()
+    assert 28 * MiB <= keep <= 40 * MiB
+    assert max(figures) >= 300, figures  # from the heap: every array it made
+
+
 @needs_warm_heap
 def test_a_small_sample_runs_on_a_warm_heap_trimmed_to_its_figure(monkeypatch):
     """The keep fits one warm heap beside the largest sample; a worker sent a sample whose

@@ -1067,6 +1067,46 @@ print(warm, *mid, given, top, faults, small, heap.keep)
 """
 
 
+_COLD_PROBE = _HEAP_PROBE_SETUP + _MEASURED_TASK + """
+def chain():  # ever larger arrays, each freed once the next is made (review 116's chain)
+    a = np.ones(40 * MiB, np.uint8)
+    for mib in (60, 90, 135):
+        b = np.ones(mib * MiB, np.uint8)
+        del a
+        a = b
+
+heap.set_keep(64 * MiB)
+task(lambda: np.ones(64 * MiB, np.uint8))  # faulted in, then kept warm
+warm = task(chain)  # from the heap: each freed array stays below the next one
+heap.trim_for(325 * MiB, True)  # an outlier: run cold
+top = heap.warm_bytes()[0]
+cold = task(chain)  # (after_task: from the heap again)
+task(lambda: np.ones(64 * MiB, np.uint8))
+print(warm, top, cold, heap.warm_bytes()[0], heap.cold, heap.keep)
+"""
+
+
+@pytest.mark.skipif(worker_module._malloc_trim is None, reason="no glibc malloc_trim")
+def test_an_outlier_runs_cold_and_the_next_sample_on_the_warm_heap_again():
+    """A sample sent with ``cold`` (``("many", [task], need, True)``: an outlier) runs as
+    without a warm heap: its free top given back, each large array mapped on its own and
+    unmapped when freed, so that a chain of ever larger arrays holds two at a time (90 + 135
+    MiB) and not all four (325: the heap keeps each freed one below the next; trial 128's
+    1059-slice case, 7.3-8.0 GB against 5.7). The next sample runs from the heap again,
+    and the keep stays."""
+    out = subprocess.run([sys.executable, "-c", _COLD_PROBE], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    if out == ["none"]:
+        pytest.skip("no /proc/self/clear_refs or glibc mallopt here")
+    warm, top, cold, warm_after, still_cold, keep = out
+    MiB = 1 << 20
+    assert 315 * MiB <= int(warm) <= 345 * MiB, int(warm) / MiB
+    assert int(top) <= 17 * MiB, int(top) / MiB  # the free top given back first (to 16)
+    assert 220 * MiB <= int(cold) <= 250 * MiB, int(cold) / MiB  # 225 + the 16 left warm
+    assert int(warm_after) >= 60 * MiB, int(warm_after) / MiB  # heap-only again: kept warm
+    assert still_cold == "False" and int(keep) == 64 * MiB
+
+
 @pytest.mark.skipif(worker_module._malloc_trim is None, reason="no glibc malloc_trim")
 def test_a_worker_trims_its_warm_heap_to_the_figure_of_a_smaller_sample_before_it_runs():
     """A sample sent alone comes with its last figure (``("many", [task], need)``): a worker

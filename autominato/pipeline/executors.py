@@ -136,10 +136,11 @@ class ProcessExecutor:
         self._held: dict[int, list] = {}  # wid -> keys sent and not answered, in order
         self._alone: set = set()  # (gen, pos) of items to send one per message (suspects)
         self.want = workers.size
-        #: ``task_heap(item) -> bytes or None``: the figure of ``item`` sent alone, for its
-        #: worker to trim its warm heap to (plus ``worker.HEAP_SLACK_BYTES``) before it runs
-        #: it, or ``None`` (set by the scheduler: ``Pipeline._task_heap``).
-        self.task_heap: Callable[[Any], int | None] | None = None
+        #: ``task_heap(item) -> (bytes, cold) or None``: the figure of ``item`` sent alone,
+        #: for its worker to trim its warm heap to (plus ``worker.HEAP_SLACK_BYTES``) before
+        #: it runs it, or with ``cold`` to run it without one; ``None``: neither (set by the
+        #: scheduler: ``Pipeline._task_heap``).
+        self.task_heap: Callable[[Any], tuple[int, bool] | None] | None = None
 
     def submit(self, key: Any, item: Any) -> None:
         self._pending.append((key, item))
@@ -185,7 +186,7 @@ class ProcessExecutor:
             if len(part) == 1 and self.task_heap is not None:
                 trim = self.task_heap(part[0][1])
                 if trim is not None:
-                    msg = (*msg, trim)  # the worker trims its warm heap to it first
+                    msg = (*msg, *trim)  # the worker trims its warm heap to it first
             self.pool.send(w, keys, msg)
 
     def new_pass(self) -> None:

@@ -1139,22 +1139,32 @@ class Pipeline:
         idle = self.procs.size - running - 1
         return [float(keep)] * idle if keep and running and idle > 0 else []
 
-    def _task_heap(self, item: Any) -> int | None:
-        """``ProcessExecutor.task_heap``: the figure of a sample sent alone (its index's last,
-        else the median, bytes) where it is below the warm heap its worker keeps by more than
-        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES`: the worker gives back
-        the rest before it runs it (``worker.HeapTrim.trim_for``), so that a small sample
-        does not hold a warm heap sized for the largest one beside the other workers'
-        samples (two workers at MLPerf's per-rank epoch size of the KiTS19 bench: a keep of
-        230-250 MiB, a median figure of 160-185). The sample faults in what it needs beyond
-        its figure, as does a larger sample after it on that worker. ``None`` otherwise
-        (samples in chunks, no figures, no keep, or a figure within the slack of it)."""
+    def _task_heap(self, item: Any) -> tuple[int, bool] | None:
+        """``ProcessExecutor.task_heap``: ``(figure, cold)`` for a sample sent alone (its
+        index's last figure, else its estimate, bytes) where it is below the warm heap its
+        worker keeps by more than :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES`
+        (``cold`` False): the worker gives back the rest before it runs it
+        (``worker.HeapTrim.trim_for``), so that a small sample does not hold a warm heap
+        sized for the largest one beside the other workers' samples (two workers at MLPerf's
+        per-rank epoch size of the KiTS19 bench: a keep of 230-250 MiB, a median figure of
+        160-185). The sample faults in what it needs beyond its figure, as does a larger
+        sample after it on that worker. ``cold`` True where the figure is above both the
+        keep and the upper quartile's by more than the slack: an outlier, which sets the
+        loader's peak, runs as without a warm heap (its arrays mapped on their own and
+        unmapped when freed), so that the arrays it freed do not stay resident beside those
+        it still uses (trial 128: a 1059-slice case 7.3-8.0 GB from the heap against 5.7 GB;
+        docs/memory.md, "An outlier runs cold"). ``None`` otherwise (samples in chunks, no
+        figures, no keep, or a figure near it)."""
         keep = self.procs.pool.heap_keep
         if (not keep or not self.memory.known or self.procs.chunk != 1
                 or not _sample_task(item)):
             return None
         need = int(self.memory.estimate(item[0]))
-        return need if need + HEAP_SLACK_BYTES < keep else None
+        if need + HEAP_SLACK_BYTES < keep:
+            return need, False
+        if need > max(keep, self.memory.upper_quartile) + HEAP_SLACK_BYTES:
+            return need, True
+        return None
 
     def _update_heap_keep(self) -> None:
         """Tell the workers how much free heap to keep warm between samples
