@@ -863,6 +863,42 @@ def test_a_bound_from_the_warm_heap_keeps_a_figure_and_counts_at_most_the_median
     assert first.estimate(0) == 48 * MiB
 
 
+def test_which_samples_run_cold_or_on_a_trimmed_warm_heap():
+    """``Pipeline._task_heap``: a figure above twice the upper quartile's
+    (``memory.COLD_ABOVE``) runs cold, one below the keep by more than the 16 MiB slack on a
+    heap trimmed to it, others as they come; with one worker (keep = the largest figure) an
+    outlier runs cold too."""
+    from types import SimpleNamespace
+
+    from autominato.pipeline.scheduler import Pipeline
+
+    m = SampleMemory(11)
+    for i, mib in enumerate([20, 40, 60, 80, 100, 100, 100, 100, 300, 150]):
+        m.learn(i, mib * MiB)
+    assert m.upper_quartile == 100 * MiB
+    fake = SimpleNamespace(memory=m, procs=SimpleNamespace(chunk=1, pool=SimpleNamespace(
+        heap_keep=m.heap_keep(2))))
+    # 1.15 x 300 - 300: what the largest leaves beside it
+    assert fake.procs.pool.heap_keep == pytest.approx(45 * MiB)
+
+    def task(i):
+        return Pipeline._task_heap(fake, (i, 0, 0, None, None, None, None))
+
+    assert task(8) == (300 * MiB, True)
+    assert task(0) == (20 * MiB, False)
+    assert task(1) is None and task(4) is None  # near the keep or above it: as they come
+    assert task(9) is None  # above the upper quartile, not twice it
+    assert task(10) is None  # not measured: the median, 100 MiB
+    fake.procs.pool.heap_keep = m.heap_keep(1)
+    assert fake.procs.pool.heap_keep == 300 * MiB  # one worker: the largest
+    assert task(8) == (300 * MiB, True) and task(3) == (80 * MiB, False)
+    assert Pipeline._task_heap(fake, (8, 0)) is None  # not a sample's task
+    fake.procs.chunk = 4
+    assert task(8) is None  # samples in chunks: not measured alone
+    fake.procs.chunk, fake.procs.pool.heap_keep = 1, 0
+    assert task(8) is None  # no warm heap kept
+
+
 def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     from types import SimpleNamespace
 

@@ -110,6 +110,17 @@ SCAN_REFUSALS = 16
 #: 99.6% of the distribution in expectation.
 KEEP_AFTER_FIGURES = 256
 
+#: A sample whose figure is above this many times the upper quartile's runs without a warm
+#: heap (``Pipeline._task_heap``, ``worker.HeapTrim.trim_for``): from the heap alone the
+#: arrays it frees stay resident below those it still uses, and such an outlier sets the
+#: loader's peak. Twice: trial 128's MONAI workload (3 KiTS19 cases of ~5.7 GB, 8 times
+#: the upper quartile) peaked at 7.35 GB from the heap against 5.76-6.03 GB run cold, while
+#: on the KiTS19 bench at 42 samples an epoch (the largest 2x the upper quartile, an index's
+#: heap overhang 28-50 MiB) running the quarter above the upper quartile cold cost 3% of the
+#: wall time and 5% of the CPU (page faults) for no lower peak (docs/memory.md, "An outlier
+#: runs cold").
+COLD_ABOVE = 2.0
+
 #: Indices of a map-style dataset whose figures are kept (4 bytes each); a larger dataset
 #: keeps none and is never held back.
 MAX_INDICES = 1 << 24

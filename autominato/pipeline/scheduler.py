@@ -63,7 +63,13 @@ from autominato.pipeline.errors import (
 )
 from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, ThreadExecutor
 from autominato.pipeline.knobs import Knobs
-from autominato.pipeline.memory import SCAN_REFUSALS, SampleMemory, SizeReader, file_bytes
+from autominato.pipeline.memory import (
+    COLD_ABOVE,
+    SCAN_REFUSALS,
+    SampleMemory,
+    SizeReader,
+    file_bytes,
+)
 from autominato.pipeline.rows import CLAIM, RowAllocator, RowRef, RowsView
 from autominato.pipeline.shm import (
     FdDesc,
@@ -1148,11 +1154,13 @@ class Pipeline:
         sized for the largest one beside the other workers' samples (two workers at MLPerf's
         per-rank epoch size of the KiTS19 bench: a keep of 230-250 MiB, a median figure of
         160-185). The sample faults in what it needs beyond its figure, as does a larger
-        sample after it on that worker. ``cold`` True where the figure is above both the
-        keep and the upper quartile's by more than the slack: an outlier, which sets the
-        loader's peak, runs as without a warm heap (its arrays mapped on their own and
+        sample after it on that worker. ``cold`` True where the figure is above
+        :data:`~autominato.pipeline.memory.COLD_ABOVE` (2) times the upper quartile's (and
+        above it by more than the slack; with several workers the keep is at most that,
+        ``SampleMemory.heap_keep``, with one the largest figure): an outlier, which sets
+        the loader's peak, runs as without a warm heap (its arrays mapped on their own and
         unmapped when freed), so that the arrays it freed do not stay resident beside those
-        it still uses (trial 128: a 1059-slice case 7.3-8.0 GB from the heap against 5.7 GB;
+        it still uses (trial 128's MONAI workload: 7.35 GB from the heap against 5.76-6.03;
         docs/memory.md, "An outlier runs cold"). ``None`` otherwise (samples in chunks, no
         figures, no keep, or a figure near it)."""
         keep = self.procs.pool.heap_keep
@@ -1160,10 +1168,11 @@ class Pipeline:
                 or not _sample_task(item)):
             return None
         need = int(self.memory.estimate(item[0]))
+        if need > max(COLD_ABOVE * self.memory.upper_quartile,
+                      self.memory.upper_quartile + HEAP_SLACK_BYTES):
+            return need, True
         if need + HEAP_SLACK_BYTES < keep:
             return need, False
-        if need > max(keep, self.memory.upper_quartile) + HEAP_SLACK_BYTES:
-            return need, True
         return None
 
     def _update_heap_keep(self) -> None:
