@@ -381,7 +381,9 @@ class Loader:
             (Linux, glibc): as much as the memory budget leaves beside the largest sample
             (:meth:`SampleMemory.heap_keep <autominato.pipeline.memory.SampleMemory.
             heap_keep>`), a whole sample when samples are alike, none while a sample waits
-            for memory. The next samples' arrays then need no new pages, which the kernel
+            for memory; an outlier (a figure above twice the upper quartile's) runs without
+            one, its large arrays unmapped when freed. The next samples' arrays then need
+            no new pages, which the kernel
             faults in and zeroes (half of a worker's CPU time on the KiTS19 bench); the cost
             is memory held by workers between samples, within the budget (docs/memory.md,
             "The warm heap", for the figures). ``False``: every freed page goes back after

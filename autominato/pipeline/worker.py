@@ -79,7 +79,9 @@ the warm heap it used (the free top of the heap when it began, ``mallinfo2``), s
 figures stay the samples' working sets. The keep reaches a busy worker when its sample ends
 (``ProcessWorkers.set_heap_keep``). A sample sent alone whose figure is below the keep
 comes with it, and the worker trims its warm heap to that figure (plus
-:data:`HEAP_SLACK_BYTES`) before it runs it (:meth:`HeapTrim.trim_for`).
+:data:`HEAP_SLACK_BYTES`) before it runs it (:meth:`HeapTrim.trim_for`); an outlier (a figure
+above ``memory.COLD_ABOVE`` times the upper quartile's) comes with ``cold`` and runs without a
+warm heap, its large arrays mapped on their own and unmapped when freed.
 """
 
 from __future__ import annotations
