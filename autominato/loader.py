@@ -383,9 +383,9 @@ class Loader:
             heap_keep>`), a whole sample when samples are alike, none while a sample waits
             for memory; an outlier (a figure above twice the upper quartile's) runs without
             one, its large arrays unmapped when freed. The next samples' arrays then need
-            no new pages, which the kernel
-            faults in and zeroes (half of a worker's CPU time on the KiTS19 bench); the cost
-            is memory held by workers between samples, within the budget (docs/memory.md,
+            no new pages, which the kernel faults in and zeroes (half of a worker's CPU time
+            on the KiTS19 bench); the cost is memory held by workers between samples, within
+            the budget (docs/memory.md,
             "The warm heap", for the figures). ``False``: every freed page goes back after
             each sample, as before December 2026. Off, too, where the environment tunes the
             C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
