@@ -805,7 +805,7 @@ def _outlier_figures() -> tuple[int, list[float]]:
 
 @needs_warm_heap
 def test_an_outlier_runs_cold_beside_warm_heaps(monkeypatch):
-    """A sample whose figure is above the keep and the upper quartile's runs without a warm
+    """A sample whose figure is above twice the upper quartile's runs without a warm
     heap (``Pipeline._task_heap``'s ``cold``, ``worker.HeapTrim.trim_for``): its arrays are
     mapped on their own and unmapped when freed, so that it holds what it uses (225 MiB at
     most, with the 16 MiB left warm) and not every array it made (325 MiB from the heap: the
@@ -865,9 +865,10 @@ def test_a_bound_from_the_warm_heap_keeps_a_figure_and_counts_at_most_the_median
 
 def test_which_samples_run_cold_or_on_a_trimmed_warm_heap():
     """``Pipeline._task_heap``: a figure above twice the upper quartile's
-    (``memory.COLD_ABOVE``) runs cold, one below the keep by more than the 16 MiB slack on a
-    heap trimmed to it, others as they come; with one worker (keep = the largest figure) an
-    outlier runs cold too."""
+    (``memory.COLD_ABOVE``) runs cold, and while above 1.5 times it once it did
+    (``memory.COLD_STAYS``), one below the keep by more than the 16 MiB slack on a heap
+    trimmed to it, others as they come; with one worker (keep = the largest figure) an
+    outlier runs cold too, one below the keep as well."""
     from types import SimpleNamespace
 
     from autominato.pipeline.scheduler import Pipeline
@@ -876,8 +877,8 @@ def test_which_samples_run_cold_or_on_a_trimmed_warm_heap():
     for i, mib in enumerate([20, 40, 60, 80, 100, 100, 100, 100, 300, 150]):
         m.learn(i, mib * MiB)
     assert m.upper_quartile == 100 * MiB
-    fake = SimpleNamespace(memory=m, procs=SimpleNamespace(chunk=1, pool=SimpleNamespace(
-        heap_keep=m.heap_keep(2))))
+    fake = SimpleNamespace(memory=m, _ran_cold=set(), procs=SimpleNamespace(
+        chunk=1, pool=SimpleNamespace(heap_keep=m.heap_keep(2))))
     # 1.15 x 300 - 300: what the largest leaves beside it
     assert fake.procs.pool.heap_keep == pytest.approx(45 * MiB)
 
@@ -897,6 +898,31 @@ def test_which_samples_run_cold_or_on_a_trimmed_warm_heap():
     assert task(8) is None  # samples in chunks: not measured alone
     fake.procs.chunk, fake.procs.pool.heap_keep = 1, 0
     assert task(8) is None  # no warm heap kept
+    fake.procs.pool.heap_keep = m.heap_keep(2)
+    m.learn(8, 170 * MiB)  # (its cold run read less)
+    assert m.upper_quartile == 100 * MiB
+    assert task(8) == (170 * MiB, True)  # ran cold: stays so above 1.5 x 100
+    m.learn(9, 170 * MiB)
+    assert task(9) is None  # never ran cold: not above 2 x 100
+    m.learn(8, 140 * MiB)
+    assert task(8) is None
+    m.learn(8, 180 * MiB)
+    assert task(8) is None  # (warm last time: 2 x again)
+    # one worker: an outlier below the keep (the largest figure) by more than the slack
+    one = SampleMemory(10)
+    for i, mib in enumerate([20, 40, 60, 80, 100, 100, 100, 100, 250, 300]):
+        one.learn(i, mib * MiB)
+    fake = SimpleNamespace(memory=one, _ran_cold=set(), procs=SimpleNamespace(
+        chunk=1, pool=SimpleNamespace(heap_keep=one.heap_keep(1))))
+    assert fake.procs.pool.heap_keep == 300 * MiB
+    assert task(8) == (250 * MiB, True)
+    # figures under the slack: not cold beside an upper quartile of 4 MiB (4 + 16 MiB)
+    tiny = SampleMemory(9)
+    for i, mib in enumerate([2, 3, 4, 4, 4, 4, 4, 4, 12]):
+        tiny.learn(i, mib * MiB)
+    fake = SimpleNamespace(memory=tiny, _ran_cold=set(), procs=SimpleNamespace(
+        chunk=1, pool=SimpleNamespace(heap_keep=tiny.heap_keep(1))))
+    assert task(8) is None
 
 
 def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
@@ -1047,6 +1073,7 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
         _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda: None)
     fake._idle_warm = lambda running: Pipeline._idle_warm(fake, running)
     fake._busy_warm = lambda: Pipeline._busy_warm(fake)
+    fake._refuse = lambda key, overtaking: Pipeline._refuse(fake, key, overtaking)
     held = max(10 * MiB, keep) + 270 * MiB + 300 * MiB + pool_bytes
     assert held > m.budget(workers)  # what the workers would hold: over the budget
     assert not Pipeline._admit(fake, "c", item)
@@ -1311,6 +1338,65 @@ def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoc
     assert MARGIN * 300 * MiB < max(budgets) < MARGIN * 500 * MiB, budgets
 
 
+def test_an_outlier_by_file_is_one_beyond_4_times_the_median_file_until_sizes_give_estimates():
+    """``SampleMemory.file_outlier``: a file more than 4 times the median of at least 8 files
+    read; none before 8 are read; no more once 4 measured indices have a file (the size
+    estimate then takes over)."""
+    kib = [10, 12, 11, 9, 10, 13, 100, 41, 8, 10, 60, 12]
+    m = SampleMemory(len(kib), size_of=lambda i: kib[i] << 10)
+    for i in range(7):
+        m.look_up(i)
+    assert not m.file_outlier(6)  # 7 files read: no median yet
+    m.look_up(7)
+    assert m.file_outlier(6) and not m.file_outlier(7)  # median 11 KiB: 100 > 44, 41 not
+    assert not m.file_outlier(10)  # not read yet
+    for i in range(8, 12):
+        m.look_up(i)
+    assert m.file_outlier(10)
+    small = SampleMemory(3, size_of=lambda i: [10, 100, 10][i] << 10)
+    small.epoch_indices = 3
+    for i in range(3):
+        small.look_up(i)
+    assert small.file_outlier(1)  # a dataset of 3: its 3 files
+    for n, i in enumerate([0, 1, 2, 3]):
+        m.learn(i, (20 + n) * MiB)
+        assert m.file_outlier(6) == (n < 3)  # figures of 4 files: estimates from sizes
+    m.forget_sizes()
+    assert not m.file_outlier(6)
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_two_outliers_by_file_do_not_run_together_before_the_first_figure(monkeypatch, rule,
+                                                                          tmp_path):
+    """Trial 128: the epoch's first samples run before any figure (or before the sizes give
+    estimates), and two of the three largest KiTS19 cases, 12-20 times the median file, ran
+    together as the first and second (10.4 GB), or the third and fourth (7.4 GB). A file more
+    than 4 times the median of those read (``memory.FILE_OUTLIER``) does not start beside
+    another such in flight: the second waits for the first, the small ones overtake it;
+    with the rule off (the control) the two start together."""
+    if not rule:
+        monkeypatch.setattr(memory, "FILE_OUTLIER", float("inf"))
+    mib = [400, 320] + [32, 48, 64, 80, 96, 40, 56, 72, 88, 36, 44, 52, 60, 68]
+    seconds = [1.0, 0.3] + [0.06] * 14
+    order = list(range(len(mib)))
+    span = {}
+    with Loader(OnFiles(tmp_path, mib, seconds), batch_size=2, sampler=order, workers=2,
+                seed=0, autotune=False, prefetch_next_epoch=False) as loader:
+        for b in loader:
+            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
+                span[i] = (t0, t1)
+        snap = loader.snapshot()
+    assert sorted(span) == order
+    together = span[1][0] < span[0][1] and span[0][0] < span[1][1]
+    if not rule:
+        assert together, span
+        return
+    assert not together, span
+    assert snap.samples_held_for_memory_total >= 1
+    # the small samples behind the held one overtook it while the first outlier ran
+    assert any(span[0][0] < span[i][0] < span[0][1] for i in range(2, len(mib))), span
+
+
 def _slow_item(item: dict) -> dict:
     time.sleep(0.03)  # (sent alone, measured: the memory rule asks, and sizes are read)
     return item
@@ -1373,12 +1459,16 @@ def test_the_files_of_a_sample_come_from_sample_path_or_monais_file_names(tmp_pa
     # the loader reads their sizes for the estimate: the sample's files together
     alike = [{"image": str(image), "label": str(label)},
              {"image": str(tmp_path / "gone.nii.gz"), "label": "none"}]
-    with Loader(MonaiDataset(alike * 4), batch_size=2, workers=2, autotune=False) as loader:
+    with Loader(MonaiDataset(alike * 200), batch_size=2, workers=2, autotune=False) as loader:
+        list(loader)
         list(loader)
         time.sleep(0.2)
-        # samples under 10 ms are never held for memory: no file of theirs is read (review
-        # 129: every file of a dataset was stat'ed, 7 us an index, 2M calls for 1M images)
-        assert np.isnan(loader._pipeline.memory._sizes).all()
+        # samples under 10 ms are never held for memory: no file of theirs is read but the
+        # first epoch's first 256 (review 129: every file of a dataset was stat'ed, 7 us an
+        # index, 2M calls for 1M images; memory.FILE_PREREAD: the median file, read as the
+        # first epoch begins, before its samples are known to be fast)
+        read = ~np.isnan(loader._pipeline.memory._sizes)
+        assert read[:memory.FILE_PREREAD].all() and not read[memory.FILE_PREREAD:].any()
     with Loader(MonaiDataset(alike * 4, transform=_slow_item), batch_size=2, workers=2,
                 autotune=False) as loader:
         list(loader)  # (sizes are read once a sample asks for memory: samples sent alone)

@@ -1109,7 +1109,7 @@ def test_an_outlier_runs_cold_and_the_next_sample_on_the_warm_heap_again():
 
 @pytest.mark.skipif(worker_module._malloc_trim is None, reason="no glibc malloc_trim")
 def test_a_worker_trims_its_warm_heap_to_the_figure_of_a_smaller_sample_before_it_runs():
-    """A sample sent alone comes with its last figure (``("many", [task], need)``): a worker
+    """A sample sent alone comes with its last figure (``("many", [task], need, False)``): a worker
     whose warm heap is larger gives the rest back before it runs it, so that a small
     sample does not hold a heap sized for the largest one beside the other workers' samples
     (the KiTS19 bench at 21 samples an epoch: a keep of 230-250 MiB, half the samples under
@@ -1256,6 +1256,8 @@ def test_a_user_tuned_allocator_keeps_its_settings_and_no_warm_heap():
     assert worker_module.user_tuned_allocator({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) \
         == "LD_PRELOAD"
     assert worker_module.user_tuned_allocator({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) is None
+    assert worker_module.user_tuned_allocator(
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=2"}) == "GLIBC_TUNABLES"
     # untouched: heap-only (the 1 MiB block from the heap too)
     clean = {k: "" for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_",
                              "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")}

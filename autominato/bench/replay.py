@@ -83,6 +83,7 @@ class Dispatch:
     """
 
     _admit = Pipeline._admit
+    _refuse = Pipeline._refuse
     _in_queue_index = Pipeline._in_queue_index
 
     @staticmethod

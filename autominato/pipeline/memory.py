@@ -121,6 +121,11 @@ KEEP_AFTER_FIGURES = 256
 #: runs cold").
 COLD_ABOVE = 2.0
 
+#: An index that ran cold runs cold again while its figure is above this many times the
+#: upper quartile's: run cold it reads less than it needs warm, and at :data:`COLD_ABOVE`
+#: alone it would go warm after each cold run, then need more than its figure (review 130).
+COLD_STAYS = 1.5
+
 #: Indices of a map-style dataset whose figures are kept (4 bytes each); a larger dataset
 #: keeps none and is never held back.
 MAX_INDICES = 1 << 24
@@ -147,6 +152,23 @@ SIZE_SPAN = 2.0
 #: ``n (n - 1) / 2`` pairwise slopes: 32,640 for 256 points, ~1 ms here); beyond it, evenly
 #: spaced ones.
 SIZE_FIT_POINTS = 256
+
+#: A file more than this many times the median size of the files read (the epoch's, in its
+#: order) is an outlier by file: until :data:`SIZE_FIT_MIN` measured indices have a file (no
+#: estimate from sizes yet; before the first figure too), an outlier by file does not start
+#: beside another one in flight (:meth:`SampleMemory.file_outlier`, ``Pipeline._admit``).
+#: Trial 128: KiTS19's 3 largest masks at full resolution (~5.7 GB working sets) are 12-20
+#: times the median file of 17; over the 168 KiTS19 masks, 21 are above 4 times the median.
+FILE_OUTLIER = 4.0
+
+#: Files whose sizes are read before their median is taken (or the epoch's distinct indices,
+#: or the dataset's, where fewer): :data:`FILE_OUTLIER`'s reference.
+FILE_MEDIAN_MIN = 8
+
+#: Indices of each epoch's order whose files' sizes are read as the epoch begins (the rest
+#: from the first ask for memory of a sample sent alone): the median file size
+#: (:data:`FILE_OUTLIER`) is there before the workers ask for the first samples.
+FILE_PREREAD = 256
 
 #: Indices of a dataset whose files' sizes are read (4 bytes each; a larger dataset's
 #: indices not measured yet count at the median).
@@ -202,6 +224,9 @@ class SampleMemory:
         self._fit: tuple | None = None  # (stamp, _size_model's)
         self._sizes_gen = 0  # forget_sizes calls: a fit of sizes forgotten is stale
         self._late_sizes = 0  # sizes read for indices measured already (look_up)
+        self._sizes_read = 0  # files' sizes read (above 0) since the last forget_sizes
+        self._sized_points = 0  # measured indices with a file read, at the last fit
+        self._file_median: tuple | None = None  # (sizes read, gen, their median), last taken
         self.pool_share_of_base = float(POOL_SHARE if pool_share is None else pool_share)
         self._n = n if n is not None and 0 < n <= MAX_INDICES else 0
         # float32 bytes of each index's files: NaN not read yet, 0 none
@@ -344,6 +369,8 @@ class SampleMemory:
             got = None
         if gen == self._sizes_gen:  # (not a size of a dataset replaced meanwhile)
             sizes[index] = got if got is not None and got > 0 else 0.0
+            if sizes[index] > 0:
+                self._sizes_read += 1
             peaks = self._peaks
             if sizes[index] > 0 and peaks is not None and peaks[index] > 0:
                 self._late_sizes += 1  # (a point for the line: as a new figure)
@@ -353,6 +380,43 @@ class SampleMemory:
         if self._sizes is not None:
             self._sizes_gen += 1
             self._sizes = np.full(self._n, np.nan, np.float32)
+            self._sizes_read = 0
+
+    def file_outlier(self, index: int) -> bool:
+        """Whether ``index``'s files are more than :data:`FILE_OUTLIER` times the median size
+        of the files read (at least :data:`FILE_MEDIAN_MIN` of them, or the epoch's distinct
+        indices where fewer; the median taken again once an eighth more were read), while
+        fewer than :data:`SIZE_FIT_MIN` measured indices have a file (:meth:`size_estimate`
+        has nothing to go on): an outlier by file, which ``Pipeline._admit`` does not start
+        beside another one in flight. False where its size is not read yet, there is none,
+        or the sizes already give estimates."""
+        size = self.size(index)
+        if not size or not self._few_sized():
+            return False
+        median = self._median_file_size()
+        return bool(median) and size > FILE_OUTLIER * median
+
+    def _few_sized(self) -> bool:
+        """Fewer than :data:`SIZE_FIT_MIN` measured indices have a file read."""
+        if self._peaks is None:
+            return True
+        self._size_model()
+        return self._sized_points < SIZE_FIT_MIN
+
+    def _median_file_size(self) -> float:
+        """The median size of the files read (bytes), 0 while fewer than
+        :data:`FILE_MEDIAN_MIN` (or the epoch's indices) were read; ``O(n)``, so taken again
+        only once an eighth more were read."""
+        count, gen, got = self._sizes_read, self._sizes_gen, self._file_median
+        if got is not None and got[1] == gen and count < got[0] + max(1, got[0] // 8):
+            return got[2]
+        sizes = self._sizes
+        if sizes is None or count < min(FILE_MEDIAN_MIN, self.epoch_indices or self._n):
+            return 0.0
+        read = sizes[sizes > 0]  # (NaN, not read, and 0, no file, are left out)
+        median = float(np.median(read)) if len(read) else 0.0
+        self._file_median = (count, gen, median)
+        return median
 
     def size_fit(self) -> tuple[float, float] | None:
         """``(intercept bytes, bytes per byte of file)`` of the Theil-Sen line (Sen 1968:
@@ -390,6 +454,7 @@ class SampleMemory:
         x = sizes[measured].astype(np.float64)
         sized = x > 0  # (NaN, not read yet, and 0, no file, are left out)
         x, y = x[sized], peaks[measured[sized]].astype(np.float64)
+        self._sized_points = len(x)
         if len(x) > SIZE_FIT_POINTS:
             pick = np.linspace(0, len(x) - 1, SIZE_FIT_POINTS).astype(int)
             x, y = x[pick], y[pick]
@@ -551,17 +616,26 @@ class SampleMemory:
                 beside = max(est, ahead[2]) if len(ahead) > 2 else top
                 room = self.room(workers, pool_bytes, beside)
                 ok = ahead[0] + ahead[1] + est <= room
-        waited = self._waited
         if ok:
-            if waited:
-                waited.discard(key)
+            self.started(key)
             return True
+        self.refused(key)
+        return False
+
+    def started(self, key: object) -> None:
+        """The sample of task ``key`` starts (:meth:`admit`'s or the caller's own rule)."""
+        if self._waited:
+            self._waited.discard(key)
+
+    def refused(self, key: object) -> None:
+        """The sample of task ``key`` waits for memory: counted in :attr:`held_back` once a
+        key until it starts."""
+        waited = self._waited
         if key is not None and key not in waited:
             if len(waited) >= 4096:  # (keys of discarded epochs never start: a bound)
                 waited.clear()
             waited.add(key)
             self.held_back += 1
-        return False
 
 
 class SizeReader:

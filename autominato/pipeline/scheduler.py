@@ -65,6 +65,8 @@ from autominato.pipeline.executors import CHUNK_BUDGET_S, ProcessExecutor, Threa
 from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import (
     COLD_ABOVE,
+    COLD_STAYS,
+    FILE_PREREAD,
     SCAN_REFUSALS,
     SampleMemory,
     SizeReader,
@@ -359,6 +361,7 @@ class Pipeline:
             self._in_flight: dict[tuple, int] = {}  # admitted key -> its dataset index
             # the first queued sample held back for memory, and the keys that overtook it
             self._held_key: tuple | None = None
+            self._ran_cold: set[int] = set()  # indices last sent cold (_task_heap)
             self._workers_busy_at = time.monotonic()  # last seen with a task (the warm heap)
             # Batches the training loop may still take without waiting before the window
             # counts the batches ready for it again (see _dispatch): LEAD_WAITS after it
@@ -986,7 +989,11 @@ class Pipeline:
                     st.executor.resize(self._want(st))  # workers that could not start: again
         if self._memory_aware and self.procs is not None and isinstance(ep, Epoch):
             # (handed to the reader at the first ask for memory: samples sent in chunks are
-            # never held, and their files are not read, review 129)
+            # never held, and their files are not read, review 129; the first few now while
+            # samples may be sent alone, for the median file size before the workers ask,
+            # memory.FILE_OUTLIER)
+            if self.procs.chunk == 1:
+                self._size_reader.want(ep.order[:FILE_PREREAD])
             self._sizes_wanted = ep.order
         self._decide(run, run.epoch.start())
 
@@ -1047,6 +1054,14 @@ class Pipeline:
         if not _sample_task(item):
             return True
         index = self._in_flight
+        if self.procs.chunk == 1 and self.memory.file_outlier(item[0]):
+            # (before sizes give estimates, before the first figure too: two outliers by file
+            # never run together; their sizes from the first of the epoch's order, read as it
+            # began: memory.FILE_PREREAD)
+            if any(k in index and self.memory.file_outlier(index[k])
+                   for k in self.procs.held_keys()):
+                self.memory.refused(key)
+                return self._refuse(key, overtaking)
         if self.memory.known and self.procs.chunk == 1:
             wanted = getattr(self, "_sizes_wanted", None)  # (replay's state has none)
             if wanted is not None:
@@ -1100,13 +1115,7 @@ class Pipeline:
                              + [e for k, e in ests.items() if k in over]))
             if not self.memory.admit(item[0], in_flight, self.procs.size, key, ahead, pool,
                                      largest=top):
-                if not overtaking and key != self._held_key:
-                    held_before = self._held_key is not None
-                    self._held_key = key
-                    self._overtook.clear()
-                    if not held_before:
-                        self._update_heap_keep()  # idle workers' warm heaps go first
-                return False
+                return self._refuse(key, overtaking)
             if overtaking:
                 self._overtook.add(key)
             ests[key] = own  # (it is the workers' now: in held_keys at the next ask)
@@ -1117,8 +1126,20 @@ class Pipeline:
             self._held_key = None
             self._overtook.clear()
             self._update_heap_keep()
+        self.memory.started(key)
         index[key] = item[0]
         return True
+
+    def _refuse(self, key: tuple, overtaking: bool) -> bool:
+        """``_admit``'s refusal (False): the first sample in line refused is the one held back
+        (``_held_key``), which later ones may overtake only if they leave it room."""
+        if not overtaking and key != self._held_key:
+            held_before = self._held_key is not None
+            self._held_key = key
+            self._overtook.clear()
+            if not held_before:
+                self._update_heap_keep()  # idle workers' warm heaps go first
+        return False
 
     def _busy_warm(self) -> float:
         """The warm heap a running sample counts at least at (``_admit``): a worker holds it
@@ -1155,8 +1176,10 @@ class Pipeline:
         per-rank epoch size of the KiTS19 bench: a keep of 230-250 MiB, a median figure of
         160-185). The sample faults in what it needs beyond its figure, as does a larger
         sample after it on that worker. ``cold`` True where the figure is above
-        :data:`~autominato.pipeline.memory.COLD_ABOVE` (2) times the upper quartile's (and
-        above it by more than the slack; with several workers the keep is at most that,
+        :data:`~autominato.pipeline.memory.COLD_ABOVE` (2) times the upper quartile's, or
+        :data:`~autominato.pipeline.memory.COLD_STAYS` (1.5) times it for an index that ran
+        cold last time (and above it by more than the slack; with several workers the keep
+        is at most that,
         ``SampleMemory.heap_keep``, with one the largest figure): an outlier, which sets
         the loader's peak, runs as without a warm heap (its arrays mapped on their own and
         unmapped when freed), so that the arrays it freed do not stay resident beside those
@@ -1167,10 +1190,19 @@ class Pipeline:
         if (not keep or not self.memory.known or self.procs.chunk != 1
                 or not _sample_task(item)):
             return None
-        need = int(self.memory.estimate(item[0]))
-        if need > max(COLD_ABOVE * self.memory.upper_quartile,
-                      self.memory.upper_quartile + HEAP_SLACK_BYTES):
+        index = item[0]
+        need = int(self.memory.estimate(index))
+        top = self.memory.upper_quartile
+        cold = self._ran_cold
+        # (an index that ran cold stays so while above 1.5x: its cold figure is lower than a
+        # warm run would read, and it would flip to warm below 2x, where it needs more than
+        # its figure, review 130)
+        if need > max((COLD_STAYS if index in cold else COLD_ABOVE) * top,
+                      top + HEAP_SLACK_BYTES):
+            if len(cold) < 4096:  # (a bound: outliers are few)
+                cold.add(index)
             return need, True
+        cold.discard(index)
         if need + HEAP_SLACK_BYTES < keep:
             return need, False
         return None

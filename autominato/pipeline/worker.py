@@ -176,7 +176,8 @@ _USER_ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRI
 def user_tuned_allocator(env: dict | None = None) -> str | None:
     """The environment setting by which the user tuned this process's C allocator, or None:
     one of :data:`_USER_ALLOCATOR_ENV`, a ``GLIBC_TUNABLES`` with ``glibc.malloc.mmap_*``,
-    ``trim_threshold`` or ``top_pad``, or an ``LD_PRELOAD`` of another allocator (jemalloc,
+    ``trim_threshold``, ``top_pad`` or ``hugetlb`` (huge pages move glibc's mmap threshold
+    limits, review 130), or an ``LD_PRELOAD`` of another allocator (jemalloc,
     tcmalloc, mimalloc: glibc's ``mallopt`` and ``mallinfo2`` are still found there and
     neither steer nor measure it)."""
     env = os.environ if env is None else env
@@ -185,7 +186,7 @@ def user_tuned_allocator(env: dict | None = None) -> str | None:
             return name
     tunables = env.get("GLIBC_TUNABLES", "")
     if any(t in tunables for t in ("glibc.malloc.mmap_", "glibc.malloc.trim_threshold",
-                                   "glibc.malloc.top_pad")):
+                                   "glibc.malloc.top_pad", "glibc.malloc.hugetlb")):
         return "GLIBC_TUNABLES"
     preload = env.get("LD_PRELOAD", "").lower()
     if any(a in preload for a in ("jemalloc", "tcmalloc", "mimalloc")):
@@ -313,19 +314,23 @@ class HeapTrim:
         in what it needs beyond that. Nothing is done where ``need + slack`` is the keep or
         more, the free top is already within it, or no warm heap is kept.
 
-        ``cold``: the task is an outlier (``Pipeline._task_heap``: its figure above the upper
-        quartile's and the keep): it runs as without a warm heap, the free top given back to
-        ``slack`` and each block of 32 MiB or more mapped on its own and unmapped when freed
-        (:func:`heap_only` off) until :meth:`after_task`. From the heap alone, the arrays an
-        outlier frees stay resident below those it still uses until it ends: trial 128
-        measured a worker's 1059-slice KiTS19 case at 7.3-8.0 GB that way against 5.7 GB
-        with glibc's mapping, and two large KiTS19 cases of the bench held 28-50 MiB more
-        each on average over their run (docs/memory.md, "The warm heap")."""
+        ``cold``: the task is an outlier (``Pipeline._task_heap``: its figure above twice the
+        upper quartile's): it runs as without a warm heap, the free top given back to
+        ``slack`` and each block of 32 MiB or more that no free block of the heap holds
+        mapped on its own and unmapped when freed (:func:`heap_only` off) until
+        :meth:`after_task` (glibc serves a block from a free one first: a hole left below
+        a block still in use, its pages given back by ``malloc_trim``, takes a large array
+        and keeps it resident after ``free``, as from the heap alone, review 130). From the
+        heap alone, the arrays an outlier frees stay resident below those it still uses
+        until it ends: trial 128's MONAI workload peaked at 7.35 GB that way against
+        5.76-6.03 GB cold (docs/memory.md, "An outlier runs cold")."""
         if not self.heap_mode or not self.keep:
             return
         if cold:
-            if heap_only(False):
-                self.cold = True
+            # (set before the calls: where one of heap_only's mallopt calls fails after
+            # another took, after_task still puts the heap-only settings back, review 130)
+            self.cold = True
+            heap_only(False)
             if int(_mallinfo2().keepcost) > self.slack and give_back_free_heap(self.slack):
                 self.given += 1
             self.base = self.resident_bytes()
