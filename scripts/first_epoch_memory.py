@@ -1,5 +1,6 @@
 """The first epoch's peak memory with outliers not measured yet: autominato against the
-DataLoader, and against itself without the estimate from the files' sizes.
+DataLoader, and against itself with the files' sizes unused (``autominato-nosize``: no
+estimate from them, no outlier by file).
 
 The workload is trial 125's: KiTS19 masks at full resolution (no resampling), the
 ``--small`` smallest and the ``--large`` largest of ``--labels`` (by file size; 14 and 2 by
@@ -101,8 +102,9 @@ def child(arm: str, files: list[str], order: list[int], workers: int, batch: int
     if arm == "dataloader":
         loader = DataLoader(ds, prefetch_factor=2, **kw)
     else:
-        if arm == "autominato-nosize":  # (the estimate switched off: the median, as before)
+        if arm == "autominato-nosize":  # (sizes unused: the median, as before)
             memory.SampleMemory.size_estimate = lambda self, index: 0.0
+            memory.SampleMemory.file_outlier = lambda self, index: False
         loader = Loader(ds, **kw)
     spans = {}
     for b in loader:
