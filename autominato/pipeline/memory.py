@@ -60,6 +60,7 @@ import bisect
 import os
 import stat
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -153,13 +154,26 @@ SIZE_SPAN = 2.0
 #: spaced ones.
 SIZE_FIT_POINTS = 256
 
-#: A file more than this many times the median size of the files read (the epoch's, in its
-#: order) is an outlier by file: until :data:`SIZE_FIT_MIN` measured indices have a file (no
-#: estimate from sizes yet; before the first figure too), an outlier by file does not start
-#: beside another one in flight (:meth:`SampleMemory.file_outlier`, ``Pipeline._admit``).
-#: Trial 128: KiTS19's 3 largest masks at full resolution (~5.7 GB working sets) are 12-20
-#: times the median file of 17; over the 168 KiTS19 masks, 21 are above 4 times the median.
+#: A file more than this many times the median size of the files read (since the dataset
+#: was last replaced, the first :data:`FILE_MEDIAN_SIZES`) is an outlier by file: where an
+#: index has no figure and its file no estimate (fewer than :data:`SIZE_FIT_MIN` measured
+#: files, or no line through them; before the first figure too), an outlier by file does
+#: not start beside another one in flight (:meth:`SampleMemory.file_outlier`,
+#: ``Pipeline._admit``). Trial 128: KiTS19's 3 largest masks at full resolution (~5.7 GB
+#: working sets) are 12-20 times the median file of its 17; over the 168 KiTS19 masks, 21
+#: are above 4 times the median, the 3 largest 5.5-7.8 times.
 FILE_OUTLIER = 4.0
+
+#: Sizes read that the median of :data:`FILE_OUTLIER` is taken over at most (the first ones:
+#: an epoch's order is a sample of the dataset), so that taking it costs ~50 us.
+FILE_MEDIAN_SIZES = 4096
+
+#: Seconds an epoch's first dispatch waits at most for the reader to read the sizes of the
+#: first indices of its order (``Pipeline._begin``): workers that are up before the epoch
+#: begins ask at once (review 132: a loader built, then a model, then its first epoch), and
+#: an unread size is no outlier. A few stat calls on a local disk take microseconds; a
+#: stalled mount costs this, once an epoch while those sizes stay unread.
+FILE_WAIT_S = 0.05
 
 #: Files whose sizes are read before their median is taken (or the epoch's distinct indices,
 #: or the dataset's, where fewer): :data:`FILE_OUTLIER`'s reference.
@@ -224,9 +238,10 @@ class SampleMemory:
         self._fit: tuple | None = None  # (stamp, _size_model's)
         self._sizes_gen = 0  # forget_sizes calls: a fit of sizes forgotten is stale
         self._late_sizes = 0  # sizes read for indices measured already (look_up)
-        self._sizes_read = 0  # files' sizes read (above 0) since the last forget_sizes
-        self._sized_points = 0  # measured indices with a file read, at the last fit
-        self._file_median: tuple | None = None  # (sizes read, gen, their median), last taken
+        # the first FILE_MEDIAN_SIZES sizes (above 0) read since the last forget_sizes (a
+        # new list then: a reader that captured the old one appends there)
+        self._read_sizes: list[float] = []
+        self._file_median: tuple | None = None  # (sizes read, their list, median), last taken
         self.pool_share_of_base = float(POOL_SHARE if pool_share is None else pool_share)
         self._n = n if n is not None and 0 < n <= MAX_INDICES else 0
         # float32 bytes of each index's files: NaN not read yet, 0 none
@@ -360,7 +375,7 @@ class SampleMemory:
     def look_up(self, index: int) -> None:
         """Read ``index``'s size with ``size_of`` unless read already (a :class:`SizeReader`'s
         thread); a read that raises counts as no file."""
-        sizes, gen = self._sizes, self._sizes_gen
+        sizes, gen, read = self._sizes, self._sizes_gen, self._read_sizes
         if sizes is None or not 0 <= index < self._n or not np.isnan(sizes[index]):
             return
         try:
@@ -369,8 +384,8 @@ class SampleMemory:
             got = None
         if gen == self._sizes_gen:  # (not a size of a dataset replaced meanwhile)
             sizes[index] = got if got is not None and got > 0 else 0.0
-            if sizes[index] > 0:
-                self._sizes_read += 1
+            if sizes[index] > 0 and len(read) < FILE_MEDIAN_SIZES:
+                read.append(float(sizes[index]))
             peaks = self._peaks
             if sizes[index] > 0 and peaks is not None and peaks[index] > 0:
                 self._late_sizes += 1  # (a point for the line: as a new figure)
@@ -380,42 +395,40 @@ class SampleMemory:
         if self._sizes is not None:
             self._sizes_gen += 1
             self._sizes = np.full(self._n, np.nan, np.float32)
-            self._sizes_read = 0
+            self._read_sizes = []
 
     def file_outlier(self, index: int) -> bool:
-        """Whether ``index``'s files are more than :data:`FILE_OUTLIER` times the median size
-        of the files read (at least :data:`FILE_MEDIAN_MIN` of them, or the epoch's distinct
-        indices where fewer; the median taken again once an eighth more were read), while
-        fewer than :data:`SIZE_FIT_MIN` measured indices have a file (:meth:`size_estimate`
-        has nothing to go on): an outlier by file, which ``Pipeline._admit`` does not start
-        beside another one in flight. False where its size is not read yet, there is none,
-        or the sizes already give estimates."""
+        """Whether ``index`` is an outlier by file: no figure of its own, no estimate from
+        its files' size (:meth:`size_estimate`: fewer than :data:`SIZE_FIT_MIN` measured
+        files, or no line and no figure per byte through them: review 132, small working
+        sets alike over files spanning 2x or more), and its files more than
+        :data:`FILE_OUTLIER` times the median size of the files read (at least
+        :data:`FILE_MEDIAN_MIN` of them, or the epoch's distinct indices where fewer).
+        ``Pipeline._admit`` does not start one beside another in flight. False where its
+        size is not read yet or there is none."""
         size = self.size(index)
-        if not size or not self._few_sized():
+        if not size:
+            return False
+        peaks = self._peaks
+        if peaks is not None and peaks[index] > 0:
+            return False  # (its figure counts)
+        if self.size_estimate(index) > 0:
             return False
         median = self._median_file_size()
         return bool(median) and size > FILE_OUTLIER * median
 
-    def _few_sized(self) -> bool:
-        """Fewer than :data:`SIZE_FIT_MIN` measured indices have a file read."""
-        if self._peaks is None:
-            return True
-        self._size_model()
-        return self._sized_points < SIZE_FIT_MIN
-
     def _median_file_size(self) -> float:
-        """The median size of the files read (bytes), 0 while fewer than
-        :data:`FILE_MEDIAN_MIN` (or the epoch's indices) were read; ``O(n)``, so taken again
-        only once an eighth more were read."""
-        count, gen, got = self._sizes_read, self._sizes_gen, self._file_median
-        if got is not None and got[1] == gen and count < got[0] + max(1, got[0] // 8):
+        """The median size of the first :data:`FILE_MEDIAN_SIZES` files read since the
+        dataset was last replaced (bytes), taken again once an eighth more were read; 0
+        while fewer than :data:`FILE_MEDIAN_MIN` (or the epoch's indices) were read."""
+        read, got = self._read_sizes, self._file_median
+        count = len(read)
+        if got is not None and got[1] is read and count < got[0] + max(1, got[0] // 8):
             return got[2]
-        sizes = self._sizes
-        if sizes is None or count < min(FILE_MEDIAN_MIN, self.epoch_indices or self._n):
+        if count < min(FILE_MEDIAN_MIN, self.epoch_indices or self._n):
             return 0.0
-        read = sizes[sizes > 0]  # (NaN, not read, and 0, no file, are left out)
-        median = float(np.median(read)) if len(read) else 0.0
-        self._file_median = (count, gen, median)
+        median = float(np.median(read[:count]))  # (~50 us for 4096; the reader appends)
+        self._file_median = (count, read, median)
         return median
 
     def size_fit(self) -> tuple[float, float] | None:
@@ -454,7 +467,6 @@ class SampleMemory:
         x = sizes[measured].astype(np.float64)
         sized = x > 0  # (NaN, not read yet, and 0, no file, are left out)
         x, y = x[sized], peaks[measured[sized]].astype(np.float64)
-        self._sized_points = len(x)
         if len(x) > SIZE_FIT_POINTS:
             pick = np.linspace(0, len(x) - 1, SIZE_FIT_POINTS).astype(int)
             x, y = x[pick], y[pick]
@@ -648,7 +660,8 @@ class SizeReader:
 
     def __init__(self, memory: SampleMemory) -> None:
         self.memory = memory
-        self._todo: deque = deque(maxlen=2)  # (an epoch's and the next one's, prefetched)
+        # (an epoch's first indices and its order, the next one's, prefetched)
+        self._todo: deque = deque(maxlen=4)
         self._cv = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -666,6 +679,18 @@ class SizeReader:
                                                 daemon=True)
                 self._thread.start()
             self._cv.notify()
+
+    def wait(self, indices, timeout: float) -> None:
+        """Wait until the sizes of ``indices`` were read (or read as none), ``timeout``
+        seconds at most (a stalled mount: they then count as unread)."""
+        sizes = self.memory._sizes
+        if sizes is None or self._closed:
+            return
+        want = np.asarray(indices, dtype=np.int64)
+        want = want[(want >= 0) & (want < len(sizes))]
+        deadline = time.monotonic() + timeout
+        while np.isnan(sizes[want]).any() and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def _loop(self) -> None:
         while True:

@@ -66,7 +66,9 @@ from autominato.pipeline.knobs import Knobs
 from autominato.pipeline.memory import (
     COLD_ABOVE,
     COLD_STAYS,
+    FILE_MEDIAN_MIN,
     FILE_PREREAD,
+    FILE_WAIT_S,
     SCAN_REFUSALS,
     SampleMemory,
     SizeReader,
@@ -994,6 +996,10 @@ class Pipeline:
             # memory.FILE_OUTLIER)
             if self.procs.chunk == 1:
                 self._size_reader.want(ep.order[:FILE_PREREAD])
+                # (workers up before the epoch began ask at once: the first indices' sizes
+                # and enough for their median first, FILE_WAIT_S at most, review 132)
+                first = max(FILE_MEDIAN_MIN, 2 * self.procs.size)
+                self._size_reader.wait(ep.order[:first], FILE_WAIT_S)
             self._sizes_wanted = ep.order
         self._decide(run, run.epoch.start())
 
