@@ -1292,6 +1292,29 @@ class OnFiles(Sized):
         return self.paths[i]
 
 
+def _first_epoch_spans(dataset, order, pause=0.0, before=None):
+    """One epoch of ``dataset`` in ``order`` (2 workers, batches of 2, nothing prefetched)
+    after ``pause`` seconds: ``({index: (start, end)}, the snapshot at its end, the exported
+    budget after each batch delivered before index ``before``)``."""
+    span, budgets = {}, []
+    with Loader(dataset, batch_size=2, sampler=order, workers=2, seed=0, autotune=False,
+                prefetch_next_epoch=False) as loader:
+        time.sleep(pause)
+        for b in loader:
+            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
+                span[i] = (t0, t1)
+            if before is not None and before not in span:
+                budgets.append(loader.snapshot().sample_memory_budget_bytes)
+        snap = loader.snapshot()
+    assert sorted(span) == list(order)
+    return span, snap, budgets
+
+
+def _together(span, a: int, b: int) -> bool:
+    """Whether samples ``a`` and ``b`` ran at the same time."""
+    return span[a][0] < span[b][1] and span[b][0] < span[a][1]
+
+
 @pytest.mark.parametrize(("sizes", "outliers"), [(True, (400, 320)), (True, (320, 400)),
                                                  (False, (400, 320))])
 def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoch(
@@ -1314,18 +1337,9 @@ def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoc
     seconds = [0.06] * len(mib)
     seconds[5], seconds[9] = 1.2, 0.3
     order = list(range(len(mib)))
-    runs, budgets = [], []
-    with Loader(OnFiles(tmp_path, mib, seconds), batch_size=2, sampler=order, workers=2,
-                seed=0, autotune=False, prefetch_next_epoch=False) as loader:
-        for b in loader:
-            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
-                runs.append((0, i, t0, t1))
-            if 5 not in [r[1] for r in runs]:  # (the first outlier runs or waits to)
-                budgets.append(loader.snapshot().sample_memory_budget_bytes)
-        snap = loader.snapshot()
-    assert sorted(r[1] for r in runs) == order
-    span = {i: (t0, t1) for _, i, t0, t1 in runs}
-    together = span[9][0] < span[5][1] and span[5][0] < span[9][1]
+    # (budgets while the first outlier runs or waits to)
+    span, snap, budgets = _first_epoch_spans(OnFiles(tmp_path, mib, seconds), order, before=5)
+    together = _together(span, 5, 9)
     if not sizes:
         assert together, span
         return
@@ -1401,16 +1415,8 @@ def test_two_outliers_by_file_do_not_run_together_before_the_first_figure(monkey
     mib = [400, 320] + [32, 48, 64, 80, 96, 40, 56, 72, 88, 36, 44, 52, 60, 68]
     seconds = [1.0, 0.3] + [0.06] * 14
     order = list(range(len(mib)))
-    span = {}
-    with Loader(OnFiles(tmp_path, mib, seconds), batch_size=2, sampler=order, workers=2,
-                seed=0, autotune=False, prefetch_next_epoch=False) as loader:
-        time.sleep(pause)
-        for b in loader:
-            for i, (t0, t1) in zip(b["i"].tolist(), b["span"].tolist(), strict=True):
-                span[i] = (t0, t1)
-        snap = loader.snapshot()
-    assert sorted(span) == order
-    together = span[1][0] < span[0][1] and span[0][0] < span[1][1]
+    span, snap, _ = _first_epoch_spans(OnFiles(tmp_path, mib, seconds), order, pause=pause)
+    together = _together(span, 0, 1)
     if not rule:
         assert together, span
         return

@@ -520,10 +520,11 @@ class SampleMemory:
         a, b, per_byte, top_size, above = model
         if not np.isnan(b):
             logs, heights = above
-            at = int(np.searchsorted(logs, np.log(size)))
-            near = [k for k in (at - 1, at) if 0 <= k < len(logs)]
-            gap = min(abs(logs[k] - np.log(size)) for k in near)
-            lift = max(heights[k] for k in near if abs(logs[k] - np.log(size)) == gap)
+            log_size = np.log(size)
+            at = int(np.searchsorted(logs, log_size))
+            gaps = {k: abs(logs[k] - log_size) for k in (at - 1, at) if 0 <= k < len(logs)}
+            gap = min(gaps.values())
+            lift = max(heights[k] for k, g in gaps.items() if g == gap)
             return max(a + b * size + lift, self._sorted[0] if self._sorted else 0.0)
         if size > SIZE_SPAN * top_size and not np.isnan(per_byte):
             return per_byte * size

@@ -1185,13 +1185,12 @@ class Pipeline:
         :data:`~autominato.pipeline.memory.COLD_ABOVE` (2) times the upper quartile's, or
         :data:`~autominato.pipeline.memory.COLD_STAYS` (1.5) times it for an index that ran
         cold last time (and above it by more than the slack; with several workers the keep
-        is at most that,
-        ``SampleMemory.heap_keep``, with one the largest figure): an outlier, which sets
-        the loader's peak, runs as without a warm heap (its arrays mapped on their own and
-        unmapped when freed), so that the arrays it freed do not stay resident beside those
-        it still uses (trial 128's MONAI workload: 7.35 GB from the heap against 5.76-6.03;
-        docs/memory.md, "An outlier runs cold"). ``None`` otherwise (samples in chunks, no
-        figures, no keep, or a figure near it)."""
+        is at most that, ``SampleMemory.heap_keep``, with one the largest figure): an
+        outlier, which sets the loader's peak, runs as without a warm heap (its arrays
+        mapped on their own and unmapped when freed), so that the arrays it freed do not
+        stay resident beside those it still uses (trial 128's MONAI workload: 7.35 GB from
+        the heap against 5.76-6.03; docs/memory.md, "An outlier runs cold"). ``None``
+        otherwise (samples in chunks, no figures, no keep, or a figure near it)."""
         keep = self.procs.pool.heap_keep
         if (not keep or not self.memory.known or self.procs.chunk != 1
                 or not _sample_task(item)):

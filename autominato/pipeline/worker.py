@@ -331,16 +331,15 @@ class HeapTrim:
             # another took, after_task still puts the heap-only settings back, review 130)
             self.cold = True
             heap_only(False)
-            if int(_mallinfo2().keepcost) > self.slack and give_back_free_heap(self.slack):
-                self.given += 1
-            self.base = self.resident_bytes()
+            pad = self.slack
+        elif need + self.slack >= self.keep:
             return
-        if need + self.slack >= self.keep:
-            return
-        pad = max(0, int(need)) + self.slack
-        if int(_mallinfo2().keepcost) > pad:
-            if give_back_free_heap(pad):
-                self.given += 1
+        else:
+            pad = max(0, int(need)) + self.slack
+        trim = int(_mallinfo2().keepcost) > pad
+        if trim and give_back_free_heap(pad):
+            self.given += 1
+        if trim or cold:
             self.base = self.resident_bytes()
 
     def warm_bytes(self) -> tuple[int, int]:
@@ -706,8 +705,13 @@ def _listed(dataset: Any, index: int) -> tuple[Any, int, list[str] | None]:
 
 
 def _own_path(dataset: Any, index: int) -> str | None:
+    """The dataset's ``sample_path(index)`` as a string, ``None`` where it defines none, it
+    returns ``None`` or it raises."""
+    fn = getattr(dataset, "sample_path", None)
+    if not callable(fn):
+        return None
     try:
-        p = dataset.sample_path(index)
+        p = fn(index)
     except Exception:
         return None
     return None if p is None else str(p)
@@ -724,7 +728,7 @@ def sample_files(dataset: Any, index: int) -> list[str]:
     try:
         dataset, index, names = _listed(dataset, index)
         if names is None:
-            own = _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
+            own = _own_path(dataset, index)
             names = [own] if own is not None else []
         return [p for p in names if _names_file(p)]
     except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
@@ -755,7 +759,7 @@ def sample_path(dataset: Any, index: int) -> str | None:
     try:
         dataset, index, names = _listed(dataset, index)
         if names is None:
-            return _own_path(dataset, index) if hasattr(dataset, "sample_path") else None
+            return _own_path(dataset, index)
         for p in names:
             if _names_file(p):
                 return p
