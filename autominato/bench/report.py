@@ -256,12 +256,21 @@ MIN_SAMPLED_SPAN_S = 1.0
 PEERS = ("dataloader", "dataloader-unordered", "dataloader-best", "torchdata", "spdl")
 
 
+#: The one goal issue 14 sets on a synthetic scenario (``synthetic-*`` workloads: "the
+#: balanced_stragglers and cpu_bound synthetic scenarios at >= 1.1x DataLoader"): samples/s
+#: over ``dataloader``'s. The other four are set for KiTS19 (its uneven 3D samples are what
+#: users pick autominato for); on a synthetic scenario the table shows those figures
+#: without a verdict.
+SYNTHETIC_SPEEDUP = 1.1
+
+
 def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool | None, str]]:
     """The goals of issue 14 for ``autominato`` (defaults) on ``workload``.
 
     Samples/s >= 1.3x ``dataloader`` and >= 1.1x the best of :data:`PEERS` that ran; wall
     time <= 1.15x ``max(floor, consumer step time)``; peak memory and first-batch time <=
-    ``dataloader``'s. Medians over the repeats.
+    ``dataloader``'s. Medians over the repeats. On a synthetic scenario (``synthetic-*``)
+    the one goal is samples/s >= :data:`SYNTHETIC_SPEEDUP` x ``dataloader``'s.
 
     Returns:
         ``(goal, met, figures)`` per goal; ``met`` is ``None`` when an arm it needs did not
@@ -290,6 +299,14 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         out.append((goal, bool(test()), text))
 
     sps = "samples_per_s_median"
+    if workload.startswith("synthetic"):
+        add(
+            f"samples/s >= {SYNTHETIC_SPEEDUP:g}x dataloader",
+            [a, dl],
+            lambda: a[sps] >= SYNTHETIC_SPEEDUP * dl[sps],
+            lambda: f"{a[sps] / dl[sps]:.2f}x",
+        )
+        return out
     add(
         "samples/s >= 1.3x dataloader",
         [a, dl],
@@ -355,7 +372,7 @@ def goal_caveats(rows: Sequence[dict[str, Any]], workload: str) -> list[str]:
         return []
     peers = [r for a, r in ran.items() if a in PEERS]
     compared = ["autominato", "dataloader"]
-    if peers:
+    if peers and not workload.startswith("synthetic"):  # (no best-peer goal there)
         best = max(peers, key=lambda r: r["samples_per_s_median"])["arm"]
         compared += [best] if best not in compared else []
     few = [a for a in compared if a in ran and ran[a]["runs"] < 3]
