@@ -1179,10 +1179,10 @@ def test_a_synthetic_scenario_is_judged_on_its_one_goal():
     # DataLoader"; the KiTS19 goals printed there read "NOT met" for 1.27x (session 40).
     from autominato.bench.report import goal_caveats, goals
 
-    def rows(a_sps: float, runs: int = 3) -> list[dict]:
-        out = [_row("dataloader", 20.0, mem=90), _row("autominato", a_sps, runs=runs, mem=100,
-                                                        floor=1.3),
-               _row("dataloader-best", 30.0)]
+    def rows(a_sps: float, runs: int = 3, dl: bool = True) -> list[dict]:
+        out = [_row("autominato", a_sps, runs=runs, mem=100, floor=1.3),
+               _row("dataloader-best", 30.0, runs=1)]
+        out += [_row("dataloader", 20.0, mem=90)] if dl else []
         for r in out:
             r["workload"] = "synthetic-cpu_bound"
         return out
@@ -1191,9 +1191,13 @@ def test_a_synthetic_scenario_is_judged_on_its_one_goal():
         ("samples/s >= 1.1x dataloader", True, "1.11x")]
     assert goals(rows(21.8), "synthetic-cpu_bound") == [
         ("samples/s >= 1.1x dataloader", False, "1.09x")]
-    # the fastest peer is no goal there, so its run count is no caveat
+    # the fastest peer is no goal there, so its one run is no caveat (review 134)
     assert goal_caveats(rows(22.0), "synthetic-cpu_bound") == []
     assert "autominato 2" in goal_caveats(rows(22.0, runs=2), "synthetic-cpu_bound")[0]
+    # without the DataLoader there is no verdict, so nothing to caveat
+    assert goals(rows(22.0, runs=1, dl=False), "synthetic-cpu_bound") == [
+        ("samples/s >= 1.1x dataloader", None, "dataloader did not run")]
+    assert goal_caveats(rows(22.0, runs=1, dl=False), "synthetic-cpu_bound") == []
     # a KiTS19 workload keeps its five
     kits = rows(22.0)
     for r in kits:

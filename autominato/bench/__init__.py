@@ -452,8 +452,8 @@ def run(args: argparse.Namespace) -> int:
             mark = "n/a" if met is None else ("met" if met else "NOT met")
             console.print(f"  {goal:32s} {mark:8s} {fig}")
         if r.workload.name.startswith("synthetic"):
-            console.print("  (the one goal set for a synthetic scenario; the KiTS19 goals' "
-                          "other figures are in the table: docs/bench.md, Goals)")
+            console.print("  (the one goal set for a synthetic scenario; the figures behind "
+                          "the other, KiTS19, goals are in the table: docs/bench.md, Goals)")
         for line in goal_caveats(res["rows"], r.workload.name):
             console.print(f"  ({line})")
         failed |= any(

@@ -256,11 +256,11 @@ MIN_SAMPLED_SPAN_S = 1.0
 PEERS = ("dataloader", "dataloader-unordered", "dataloader-best", "torchdata", "spdl")
 
 
-#: The one goal issue 14 sets on a synthetic scenario (``synthetic-*`` workloads: "the
-#: balanced_stragglers and cpu_bound synthetic scenarios at >= 1.1x DataLoader"): samples/s
-#: over ``dataloader``'s. The other four are set for KiTS19 (its uneven 3D samples are what
-#: users pick autominato for); on a synthetic scenario the table shows those figures
-#: without a verdict.
+#: The one goal issue 14 sets on a synthetic scenario ("the balanced_stragglers and
+#: cpu_bound synthetic scenarios at >= 1.1x DataLoader"): samples/s over ``dataloader``'s,
+#: judged on every ``synthetic-*`` workload (io_bound, cost_doubles and custom too: the
+#: same bar). The other four are set for KiTS19 (its uneven 3D samples are what users pick
+#: autominato for); on a synthetic scenario the table shows those figures without a verdict.
 SYNTHETIC_SPEEDUP = 1.1
 
 
@@ -372,7 +372,10 @@ def goal_caveats(rows: Sequence[dict[str, Any]], workload: str) -> list[str]:
         return []
     peers = [r for a, r in ran.items() if a in PEERS]
     compared = ["autominato", "dataloader"]
-    if peers and not workload.startswith("synthetic"):  # (no best-peer goal there)
+    if workload.startswith("synthetic"):  # (one goal there, against the DataLoader)
+        if "dataloader" not in ran:
+            return []
+    elif peers:
         best = max(peers, key=lambda r: r["samples_per_s_median"])["arm"]
         compared += [best] if best not in compared else []
     few = [a for a in compared if a in ran and ran[a]["runs"] < 3]
