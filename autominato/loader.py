@@ -649,15 +649,6 @@ class Loader:
         # (the default: persistent, unlike the DataLoader, where there are workers to keep)
         self.persistent_workers = (values["workers"] != 0 if persistent_workers is None
                                    else bool(persistent_workers))
-        # The DataLoader draws its workers' base seed from ``generator`` (else torch's global
-        # generator) when an iterator is made: at every iter(), except that persistent
-        # workers keep their first iterator (``_BaseDataLoaderIter._reset`` draws nothing).
-        # The Loader draws one int64 at each pass where the DataLoader as the user set it
-        # would (its default: not persistent), the one drawn for ``seed`` above standing
-        # for the first pass's, so that the training loop and a sampler that draws from the
-        # global generator (a RandomSampler without one) get the DataLoader's numbers.
-        self._draws_each_pass = not (persistent_workers and values["workers"] != 0)
-        self._iters = 0  # passes started (iter() calls), whatever load_state_dict resets
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:
@@ -1008,9 +999,6 @@ class Loader:
 
     def _start_pass(self) -> Iterator[Any]:
         """``__iter__``'s work, under ``self._lock``."""
-        first, self._iters = self._iters == 0, self._iters + 1
-        if (self._draws_each_pass and not first) or (first and self._seed_given):
-            draw_seed(self.generator)  # (the DataLoader's base seed of this pass: __init__)
         prev = self._progress
         # A resumed pass that ended delivered its epoch's batches before the checkpoint,
         # maybe all of them (a checkpoint after the last batch): it was an epoch too.

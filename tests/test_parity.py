@@ -246,31 +246,6 @@ def test_generator_seeds_shuffling_when_seed_is_not_given():
     assert order(7) == order(7) != order(8)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True},
-    {"num_workers": 2, "persistent_workers": False}, {"num_workers": 2, "seed": 3}])
-def test_each_pass_draws_from_the_global_generator_where_the_dataloader_would(kwargs):
-    # Review 134: the DataLoader draws its workers' base seed at every iter() (persistent
-    # workers: at the first only); the Loader drew once, when built, so a RandomSampler
-    # without a generator (and the loop's own draws) went another way from epoch 1 on.
-    from torch.utils.data import RandomSampler
-
-    ds = list(range(12))
-
-    def run(make) -> list:
-        torch.manual_seed(0)
-        loader, seen = make(), []
-        for _ in range(3):
-            seen += [[int(x) for b in loader for x in b], torch.rand(2).tolist()]
-        getattr(loader, "close", lambda: None)()
-        return seen
-
-    dl_kwargs = {k: v for k, v in kwargs.items() if k != "seed"}
-    want = run(lambda: DataLoader(ds, 3, sampler=RandomSampler(ds), **dl_kwargs))
-    assert run(lambda: Loader(ds, 3, sampler=RandomSampler(ds), in_order=True,
-                              **kwargs)) == want
-
-
 def test_multiprocessing_context_names_the_start_method():
     with Loader(Indexed(6), 2, num_workers=1, multiprocessing_context="spawn",
                 autotune=False) as L:
