@@ -649,6 +649,18 @@ class Loader:
         # (the default: persistent, unlike the DataLoader, where there are workers to keep)
         self.persistent_workers = (values["workers"] != 0 if persistent_workers is None
                                    else bool(persistent_workers))
+        # The DataLoader draws its workers' base seed from ``generator`` (else torch's global
+        # generator) when an iterator is made: at every iter(), except that persistent
+        # workers keep their first iterator (``_BaseDataLoaderIter._reset`` draws nothing).
+        # The Loader draws where the DataLoader as the user set it would (its default: not
+        # persistent), the number drawn for ``seed`` above standing for the first pass's, so
+        # that the training loop and a sampler that draws from the global generator (a
+        # RandomSampler without one) get the DataLoader's numbers (_start_pass).
+        self._draws_each_pass = not (persistent_workers and values["workers"] != 0)
+        self._draws = 0 if seed is not None else 1  # numbers drawn for passes so far
+        self._dl_passes = 0  # the passes the DataLoader would have made by now
+        self._last_pass: int | None = None  # id() of the latest pass's iterator
+        self._batches_at_pass = 0  # batches delivered when it began
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:
@@ -991,6 +1003,7 @@ class Loader:
                 it = self._start_pass()
                 with self._step_lock:
                     self._live_passes.add(id(it))
+                self._last_pass = id(it)
                 return it
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
@@ -999,6 +1012,7 @@ class Loader:
 
     def _start_pass(self) -> Iterator[Any]:
         """``__iter__``'s work, under ``self._lock``."""
+        self._draw_as_the_dataloader()
         prev = self._progress
         # A resumed pass that ended delivered its epoch's batches before the checkpoint,
         # maybe all of them (a checkpoint after the last batch): it was an epoch too.
@@ -1080,6 +1094,26 @@ class Loader:
         run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
                              unique=unique)
         return _EpochIterator(self, pipeline, run, progress)
+
+    def _draw_as_the_dataloader(self) -> None:
+        """Draw from ``generator`` (else torch's global generator) what the DataLoader's
+        ``iter()`` would have drawn by now (its workers' base seed: ``__init__``). A pass that
+        delivered no batch and was dropped before this one began is not counted: Lightning
+        asks a loader that is not a ``torch.utils.data.DataLoader`` for an iterator it never
+        uses (``_check_dataloader_iterable``), where it never iterates a DataLoader, so that
+        its epochs draw as they do with the DataLoader (review 135). A user's own unused
+        ``iter(loader)`` then draws nothing, where the DataLoader draws one number."""
+        with self._step_lock:
+            unused = (self._last_pass is not None and self._batches == self._batches_at_pass
+                      and self._last_pass not in self._live_passes)
+            self._last_pass, self._batches_at_pass = None, self._batches
+        if unused:
+            self._dl_passes -= 1
+        self._dl_passes += 1
+        owed = self._dl_passes if self._draws_each_pass else min(self._dl_passes, 1)
+        while self._draws < owed:
+            draw_seed(self.generator)
+            self._draws += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the most recent iterator, to resume its epoch in a new process

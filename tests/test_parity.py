@@ -246,6 +246,58 @@ def test_generator_seeds_shuffling_when_seed_is_not_given():
     assert order(7) == order(7) != order(8)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True},
+    {"num_workers": 2, "persistent_workers": False}, {"num_workers": 2, "seed": 3},
+    {"num_workers": 2, "persistent_workers": True, "seed": 3}, {"num_workers": 0, "gen": 1}])
+@pytest.mark.parametrize("how", ["loop", "lightning", "copy"])
+def test_each_pass_draws_from_the_generator_where_the_dataloader_would(kwargs, how):
+    # Review 134: the DataLoader draws its workers' base seed at every iter() (persistent
+    # workers: at the first only); the Loader drew once, when built, so a RandomSampler
+    # without a generator (and the loop's own draws) went another way from epoch 1 on.
+    # Review 135: Lightning asks a Loader (not a DataLoader) for an iterator it never uses
+    # before its epochs (that pass reads a RandomSampler's order: a sequential one here); a
+    # Loader copied (deepcopy; ddp_spawn pickles it to a rank that seeds itself) had drawn
+    # nothing for its first pass.
+    import copy
+
+    from torch.utils.data import RandomSampler
+
+    ds = list(range(12))
+    kwargs = dict(kwargs)
+    gen = kwargs.pop("gen", None)
+    shuffled = how != "lightning"
+
+    def run(make, loader_side: bool) -> list:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(gen) if gen is not None else None
+        loader, seen = make(g, RandomSampler(ds) if shuffled else None), []
+        if how == "copy":
+            if loader_side:
+                loader = copy.deepcopy(loader)
+            torch.manual_seed(0)  # the rank's own seeding
+            if g is not None:
+                g.manual_seed(gen)
+        if loader_side and how == "lightning":
+            iter(loader)  # _check_dataloader_iterable's (dropped at once)
+        for _ in range(3):
+            seen += [[int(x) for b in loader for x in b], torch.rand(2).tolist(),
+                     None if g is None else torch.rand(1, generator=g).tolist()]
+        getattr(loader, "close", lambda: None)()
+        return seen
+
+    dl_kwargs = {k: v for k, v in kwargs.items() if k != "seed"}
+    want = run(lambda g, s: DataLoader(ds, 3, sampler=s, generator=g, **dl_kwargs), False)
+    got = run(lambda g, s: Loader(ds, 3, sampler=s, in_order=True, generator=g, **kwargs),
+              True)
+    if how == "copy" and gen is not None:
+        # (a generator is deep-copied with the Loader: the copy's draws leave the test's
+        # own generator alone, as the DataLoader's copy would)
+        want = [x if i % 3 != 2 else None for i, x in enumerate(want)]
+        got = [x if i % 3 != 2 else None for i, x in enumerate(got)]
+    assert got == want
+
+
 def test_multiprocessing_context_names_the_start_method():
     with Loader(Indexed(6), 2, num_workers=1, multiprocessing_context="spawn",
                 autotune=False) as L:
