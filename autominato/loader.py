@@ -660,7 +660,8 @@ class Loader:
         self._draws = 0 if seed is not None else 1  # numbers drawn for passes so far
         self._dl_passes = 0  # the passes the DataLoader would have made by now
         self._last_pass: int | None = None  # id() of the latest pass's iterator
-        self._batches_at_pass = 0  # batches delivered when it began
+        self._asks = 0  # next() calls, of every pass
+        self._asks_at_pass = 0  # next() calls when the latest pass began
         if values["workers"] == 0:
             bounds["workers"] = (0, 0)
         elif bounds["workers"][0] == 0:
@@ -1097,16 +1098,17 @@ class Loader:
 
     def _draw_as_the_dataloader(self) -> None:
         """Draw from ``generator`` (else torch's global generator) what the DataLoader's
-        ``iter()`` would have drawn by now (its workers' base seed: ``__init__``). A pass that
-        delivered no batch and was dropped before this one began is not counted: Lightning
-        asks a loader that is not a ``torch.utils.data.DataLoader`` for an iterator it never
-        uses (``_check_dataloader_iterable``), where it never iterates a DataLoader, so that
-        its epochs draw as they do with the DataLoader (review 135). A user's own unused
-        ``iter(loader)`` then draws nothing, where the DataLoader draws one number."""
+        ``iter()`` would have drawn by now (its workers' base seed: ``__init__``). A pass
+        never asked for a batch (no ``next()`` on any pass since it began) and dropped before
+        this one began is not counted: Lightning asks a loader that is not a
+        ``torch.utils.data.DataLoader`` for an iterator it never uses
+        (``_check_dataloader_iterable``), where it never iterates a DataLoader, so that its
+        epochs draw as they do with the DataLoader (review 135). After a user's own unused
+        ``iter(loader)`` the next pass then draws nothing, where the DataLoader draws."""
         with self._step_lock:
-            unused = (self._last_pass is not None and self._batches == self._batches_at_pass
+            unused = (self._last_pass is not None and self._asks == self._asks_at_pass
                       and self._last_pass not in self._live_passes)
-            self._last_pass, self._batches_at_pass = None, self._batches
+            self._last_pass, self._asks_at_pass = None, self._asks
         if unused:
             self._dl_passes -= 1
         self._dl_passes += 1
@@ -1390,6 +1392,7 @@ class Loader:
         with self._step_lock:
             if asking:
                 self._wait_since, self._wait_seen = now, None
+                self._asks += 1
             since = self._away_since
             if since is None:
                 return

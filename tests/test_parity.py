@@ -250,7 +250,7 @@ def test_generator_seeds_shuffling_when_seed_is_not_given():
     {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True},
     {"num_workers": 2, "persistent_workers": False}, {"num_workers": 2, "seed": 3},
     {"num_workers": 2, "persistent_workers": True, "seed": 3}, {"num_workers": 0, "gen": 1}])
-@pytest.mark.parametrize("how", ["loop", "lightning", "copy"])
+@pytest.mark.parametrize("how", ["loop", "lightning", "copy", "empty"])
 def test_each_pass_draws_from_the_generator_where_the_dataloader_would(kwargs, how):
     # Review 134: the DataLoader draws its workers' base seed at every iter() (persistent
     # workers: at the first only); the Loader drew once, when built, so a RandomSampler
@@ -263,10 +263,10 @@ def test_each_pass_draws_from_the_generator_where_the_dataloader_would(kwargs, h
 
     from torch.utils.data import RandomSampler
 
-    ds = list(range(12))
+    ds = list(range(12 if how != "empty" else 0))  # (empty: passes asked, no batch)
     kwargs = dict(kwargs)
     gen = kwargs.pop("gen", None)
-    shuffled = how != "lightning"
+    shuffled = how not in ("lightning", "empty")
 
     def run(make, loader_side: bool) -> list:
         torch.manual_seed(0)
