@@ -649,13 +649,8 @@ class Loader:
         # (the default: persistent, unlike the DataLoader, where there are workers to keep)
         self.persistent_workers = (values["workers"] != 0 if persistent_workers is None
                                    else bool(persistent_workers))
-        # The DataLoader draws its workers' base seed from ``generator`` (else torch's global
-        # generator) when an iterator is made: at every iter(), except that persistent
-        # workers keep their first iterator (``_BaseDataLoaderIter._reset`` draws nothing).
-        # The Loader draws where the DataLoader as the user set it would (its default: not
-        # persistent), the number drawn for ``seed`` above standing for the first pass's, so
-        # that the training loop and a sampler that draws from the global generator (a
-        # RandomSampler without one) get the DataLoader's numbers (_start_pass).
+        # The draws of the DataLoader as the user set it (_draw_as_the_dataloader): at every
+        # iter(), or only the first with persistent workers given (its default: not persistent)
         self._draws_each_pass = not (persistent_workers and values["workers"] != 0)
         self._draws = 0 if seed is not None else 1  # numbers drawn for passes so far
         self._dl_passes = 0  # the passes the DataLoader would have made by now
@@ -1098,7 +1093,12 @@ class Loader:
 
     def _draw_as_the_dataloader(self) -> None:
         """Draw from ``generator`` (else torch's global generator) what the DataLoader's
-        ``iter()`` would have drawn by now (its workers' base seed: ``__init__``). A pass
+        ``iter()`` would have drawn by now: its workers' base seed, one int64 at every
+        ``iter()`` (``_BaseDataLoaderIter.__init__``), except that persistent workers keep
+        their first iterator (``_reset`` draws nothing), the number drawn for ``seed`` when
+        the Loader was built standing for the first pass's; so that the training loop and a
+        sampler that draws from the global generator (a RandomSampler without one) get the
+        DataLoader's numbers (docs/parity.md). A pass
         never asked for a batch (no ``next()`` on any pass since it began) and dropped before
         this one began is not counted: Lightning asks a loader that is not a
         ``torch.utils.data.DataLoader`` for an iterator it never uses

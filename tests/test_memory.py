@@ -1315,6 +1315,22 @@ def _together(span, a: int, b: int) -> bool:
     return span[a][0] < span[b][1] and span[b][0] < span[a][1]
 
 
+def _held_apart(span, snap, first: int, second: int, behind: range, rule: bool) -> bool:
+    """The verdict of the first-epoch outlier tests: with the rule off (the control) the two
+    outliers ``first`` and ``second`` ran together (False returned: nothing more to check);
+    with it they did not, the second was held for memory, and a small sample of ``behind``
+    started while ``first`` ran (it overtook the held one). True when the rule was checked."""
+    together = _together(span, first, second)
+    if not rule:
+        assert together, span
+        return False
+    assert not together, span
+    assert snap.samples_held_for_memory_total >= 1
+    # the small samples behind the held one overtook it while the first outlier ran
+    assert any(span[first][0] < span[i][0] < span[first][1] for i in behind), span
+    return True
+
+
 @pytest.mark.parametrize(("sizes", "outliers"), [(True, (400, 320)), (True, (320, 400)),
                                                  (False, (400, 320))])
 def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoch(
@@ -1339,14 +1355,8 @@ def test_two_outliers_known_by_their_files_do_not_run_together_in_the_first_epoc
     order = list(range(len(mib)))
     # (budgets while the first outlier runs or waits to)
     span, snap, budgets = _first_epoch_spans(OnFiles(tmp_path, mib, seconds), order, before=5)
-    together = _together(span, 5, 9)
-    if not sizes:
-        assert together, span
+    if not _held_apart(span, snap, 5, 9, range(10, len(mib)), sizes):
         return
-    assert not together, span
-    assert snap.samples_held_for_memory_total >= 1
-    # the small samples behind the held one overtook it while the first outlier ran
-    assert any(span[5][0] < span[i][0] < span[5][1] for i in range(10, len(mib))), span
     # the exported budget while the first outlier ran counts the outliers at their
     # estimates: 1.35 x 400 MiB (a file's 400 KiB on the line of the small ones), not
     # 1.35 x max(96, 2 x 80)
@@ -1416,14 +1426,7 @@ def test_two_outliers_by_file_do_not_run_together_before_the_first_figure(monkey
     seconds = [1.0, 0.3] + [0.06] * 14
     order = list(range(len(mib)))
     span, snap, _ = _first_epoch_spans(OnFiles(tmp_path, mib, seconds), order, pause=pause)
-    together = _together(span, 0, 1)
-    if not rule:
-        assert together, span
-        return
-    assert not together, span
-    assert snap.samples_held_for_memory_total >= 1
-    # the small samples behind the held one overtook it while the first outlier ran
-    assert any(span[0][0] < span[i][0] < span[0][1] for i in range(2, len(mib))), span
+    _held_apart(span, snap, 0, 1, range(2, len(mib)), rule)
 
 
 def _slow_item(item: dict) -> dict:

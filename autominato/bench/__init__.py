@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         return int(controller.run(args) or 0)
 
     from autominato.bench.arms import Context
-    from autominato.bench.report import goal_caveats, goals, make_console
+    from autominato.bench.report import goal_caveats, goals, is_synthetic, make_console
     from autominato.bench.runner import Options
     from autominato.pipeline.knobs import usable_cores
 
@@ -451,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         for goal, met, fig in goals(res["rows"], r.workload.name):
             mark = "n/a" if met is None else ("met" if met else "NOT met")
             console.print(f"  {goal:32s} {mark:8s} {fig}")
-        if r.workload.name.startswith("synthetic"):
+        if is_synthetic(r.workload.name):
             console.print("  (the one goal set for a synthetic scenario; the figures behind "
                           "the other, KiTS19, goals are in the table: docs/bench.md, Goals)")
         for line in goal_caveats(res["rows"], r.workload.name):

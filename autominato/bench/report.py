@@ -264,6 +264,12 @@ PEERS = ("dataloader", "dataloader-unordered", "dataloader-best", "torchdata", "
 SYNTHETIC_SPEEDUP = 1.1
 
 
+def is_synthetic(workload: str) -> bool:
+    """Whether ``workload`` names a synthetic scenario (``synthetic-<scenario>``,
+    ``workload.synthetic_workload``), judged on :data:`SYNTHETIC_SPEEDUP` alone."""
+    return workload.startswith("synthetic")
+
+
 def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool | None, str]]:
     """The goals of issue 14 for ``autominato`` (defaults) on ``workload``.
 
@@ -299,7 +305,7 @@ def goals(rows: Sequence[dict[str, Any]], workload: str) -> list[tuple[str, bool
         out.append((goal, bool(test()), text))
 
     sps = "samples_per_s_median"
-    if workload.startswith("synthetic"):
+    if is_synthetic(workload):
         add(
             f"samples/s >= {SYNTHETIC_SPEEDUP:g}x dataloader",
             [a, dl],
@@ -372,7 +378,7 @@ def goal_caveats(rows: Sequence[dict[str, Any]], workload: str) -> list[str]:
         return []
     peers = [r for a, r in ran.items() if a in PEERS]
     compared = ["autominato", "dataloader"]
-    if workload.startswith("synthetic"):  # (one goal there, against the DataLoader)
+    if is_synthetic(workload):  # (one goal there, against the DataLoader)
         if "dataloader" not in ran:
             return []
     elif peers:
