@@ -572,10 +572,19 @@ def test_a_new_worker_starts_no_thread_beside_its_samples(start_method):
 
 
 SECOND_LOADER = """
-    import json, os, signal, time
+    import json, logging, os, signal, time
     import numpy as np
     import psutil
     from autominato import Loader
+
+    said = []  # why a zygote was not forked as expected (logged at DEBUG)
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("autominato.pipeline").addHandler(Said(logging.DEBUG))
+    logging.getLogger("autominato.pipeline").setLevel(logging.DEBUG)
 
     class Rows:
         def __len__(self):
@@ -634,6 +643,7 @@ SECOND_LOADER = """
     while not can_fork_now() and time.monotonic() < deadline:
         time.sleep(0.05)
     a = Loader(Rows(), 2, workers=1, autotune=False)  # forked: this process is quiet again
+    a_kind = zygote(a).kind
     next(iter(a))
     try:
         with Loader(Broken(), 2, workers=1, autotune=False, max_tries=1) as bad:
@@ -651,7 +661,8 @@ SECOND_LOADER = """
     print("RESULT", json.dumps({"kinds": [zygote(train).kind, vz.kind], "got": got,
                                 "same_program": same_program, "first_s": first_s,
                                 "restarts": restarts, "bad_kind": bad_kind, "broken": broken,
-                                "late": [late_kind, late_got]}), flush=True)
+                                "late": [late_kind, late_got], "a_kind": a_kind,
+                                "said": said}), flush=True)
 """
 
 
@@ -666,7 +677,8 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     assert out["same_program"]  # not a `python -c` new interpreter
     assert out["got"] == [list(range(8))] * 4
     assert out["restarts"] == 1
-    assert out["bad_kind"] == "nested", out
+    assert out["a_kind"] == "fork", out  # (its zygote is the bad loader's to fork from)
+    assert out["bad_kind"] == "nested", out  # ("said": why not, from the log)
     assert "cannot rebuild this dataset here" in out["broken"], out["broken"]
     assert out["late"][0] in ("nested", "fresh") and out["late"][1] == list(range(8))
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")

@@ -171,8 +171,13 @@ def zygote_kind(start_method: str) -> str:
 #: the unpickling of a spec: a ``__setstate__`` may start threads).
 _clean: weakref.WeakSet = weakref.WeakSet()
 
-#: Seconds a loader waits for a nested zygote's hello before it starts a new interpreter.
-HELLO_TIMEOUT_S = 5.0
+#: Seconds a loader waits for a nested zygote's hello before it starts a new interpreter. The
+#: hello comes as soon as the fork is done (milliseconds), and a zygote that ended says so at
+#: once (its socket closes), so only a zygote that cannot run waits this long; on a loaded
+#: machine a slow fork is better waited for than replaced by a new interpreter (~2 s more,
+#: importing torch). 15 (5 until December 2026: a nested zygote's test saw a new interpreter
+#: once in a full run of the suite on the 2-core machine; the cause was not seen).
+HELLO_TIMEOUT_S = 15.0
 
 
 def clean_zygote() -> Zygote | None:
