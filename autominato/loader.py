@@ -153,6 +153,15 @@ def _check_int(name: str, value: Any, low: int | None) -> int:
     return int(value)
 
 
+def _stride(step: int, before: int | None) -> int:
+    """The epoch's move expected after a pass, from its move between the last two passes
+    (``step``) and between the two before (``before``): 0 (the same epoch again: a loop
+    that sets it once) or 1 at once; another move (``set_epoch(2 * e)``) once it has
+    repeated, so that a single jump (a resume, an epoch set out of sequence) is not taken
+    for the loop's stride; else 1."""
+    return step if step in (0, 1) or (step > 1 and step == before) else 1
+
+
 def is_iterable_dataset(dataset: Any) -> bool:
     """Whether ``dataset`` is iterated rather than indexed: a ``torch.utils.data.IterableDataset``,
     or any iterable without ``__getitem__`` (a webdataset pipeline, a generator)."""
@@ -731,10 +740,12 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
-        self._epoch_step = 1  # how the epoch moved between the last two passes (0 or 1)
+        self._epoch_step = 1  # the epoch's move expected after this pass (see _stride)
+        self._epoch_moved: int | None = None  # how it moved between the last two passes
         self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
         self._last_whole_dist_epoch: int | None = None  # (see _pass_ended)
         self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
+        self._sampler_epoch_moved: int | None = None
         self._last_sampler_epoch: int | None = None
         self._last_pass_epoch: int | None = None
         self._started = False
@@ -984,7 +995,7 @@ class Loader:
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
-                    "_last_sampler_epoch")
+                    "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved")
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -1074,11 +1085,13 @@ class Loader:
         if self._last_pass_epoch is not None and was_epoch:
             # (after a pass that was no epoch, Lightning's check, the step is kept)
             step = self._epoch - self._last_pass_epoch
-            self._epoch_step = step if step in (0, 1) else 1
+            self._epoch_step = _stride(step, self._epoch_moved)
+            self._epoch_moved = step
             if self._last_sampler_epoch is not None:
                 # (a DistributedSampler whose epoch the loop sets itself: its own step)
                 step = getattr(self._sampler, "epoch", 0) - self._last_sampler_epoch
-                self._sampler_epoch_step = step if step in (0, 1) else 1
+                self._sampler_epoch_step = _stride(step, self._sampler_epoch_moved)
+                self._sampler_epoch_moved = step
         self._last_pass_epoch = self._epoch
         self._last_sampler_epoch = (self._sampler.epoch if type(self._sampler)
                                     is DistributedSampler else None)

@@ -226,6 +226,33 @@ def test_a_pass_that_repeats_the_set_epoch_is_expected_after_one_repeat(repeat_e
         assert p.speculative_adopted == (2 if repeat_epoch else 3)
 
 
+@pytest.mark.parametrize("through", ["loader", "sampler"])
+def test_a_loop_that_steps_its_epoch_by_two_is_expected_once_the_step_repeats(through):
+    """``set_epoch(2 * e)`` (the Loader's, or a DistributedSampler's own, as a DDP loop
+    calls it): the first move by 2 is taken for a jump (epoch e + 1 expected after it), the
+    second for the loop's stride: every later pass was started ahead and adopted, each
+    with its own epoch's order, each sample once."""
+    n, passes = 8, 5
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    kwargs = dict(sampler=sampler) if through == "sampler" else dict(shuffle=True)
+    with Loader(StragglerTail(n), batch_size=2, transform=tag_epoch, seed=SEED, workers=1,
+                in_order=True, autotune=False, **kwargs) as L:
+        for k in range(passes):
+            (sampler if through == "sampler" else L).set_epoch(2 * k)
+            got = batches_of(L)
+            indices = [i for idx, _ in got for i in idx]
+            if through == "sampler":
+                sampler_ = copy.copy(sampler)
+                assert indices == list(iter(sampler_))
+            else:
+                assert indices == epoch_order(n, epoch=2 * k, seed=SEED, shuffle=True)
+                draws = [(i, d) for idx, dr in got for i, d in zip(idx, dr, strict=True)]
+                assert all(epoch_of(i, d, range(2 * passes)) == 2 * k for i, d in draws)
+        p = L._pipeline
+        # passes 0-2 expected epochs 1, 3 and 6 (the first two discarded); 3 and 4 adopted
+        assert p.speculative_adopted == passes - 3
+
+
 def test_discarded_speculation_frees_its_shared_memory_slots():
     # Samples big enough (256 KiB) to travel through shared-memory slots.
     class Big(StragglerTail):
