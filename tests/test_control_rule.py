@@ -436,3 +436,26 @@ def test_measure_cpu_cores_and_predicted_memory():
     # (pool 8 + depth 2 x batch 2) samples x 1 MB + 2 workers x 150 MB.
     assert w.memory_bytes == pytest.approx(12e6 + 300e6)
     assert predicted_memory(b, {**knobs, "workers": 3}, 2) == pytest.approx(12e6 + 450e6)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.05, 0.3])
+def test_workers_that_wait_for_memory_are_not_grown(share):
+    """A transform-bound window whose free workers waited ``share`` of their time for the
+    memory budget (``memory_wait_seconds_total``): below ``memory_wait_high`` (10 %) a worker
+    is added as without the wait; above it none is (more would wait too), nor anything else
+    (the bottleneck stage is saturated)."""
+    wl = Workload(transform_s=0.1, step_s=0.05, cores=4)
+    sim = SimulatedLoader(wl, dict(depth=2, read_threads=1, workers=1, pool_size=16))
+    history = [sim.snapshot()] + [sim.step() for _ in range(6)]
+    t0 = history[0].time
+    history = [replace(s, memory_wait_seconds_total=share * s.knobs["workers"] * (s.time - t0))
+               for s in history]
+    rule = StageBasedRule()
+    made, _ = rule.decide(history, BOUNDS, Budget(4), rule.initial_state())
+    w = measure(history[0], history[-1], history)
+    assert w.memory_wait == pytest.approx(share, rel=1e-6)
+    if share < rule.memory_wait_high:
+        assert [(d.knob, d.reason) for d in made] == [("workers", "transform_bound")]
+    else:
+        assert made == []
+        assert "memory wait 30% " in w.describe(Budget(4))

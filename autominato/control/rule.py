@@ -134,6 +134,9 @@ class Window:
             do not report busy workers, the transform stage's mean busy workers are added.
         knobs: knob values at ``b``.
         memory_bytes: predicted host memory at ``b`` (see :func:`predicted_memory`).
+        memory_wait: the share of the process workers' active seconds that free workers
+            spent waiting because the samples queued for them did not fit in the memory
+            budget (``memory_wait_seconds_total``; 0 without memory-aware dispatch).
     """
 
     start: float
@@ -155,6 +158,7 @@ class Window:
     in_flight_max: int
     knobs: dict[str, int]
     memory_bytes: float
+    memory_wait: float = 0.0
 
     def describe(self, budget: Budget) -> str:
         """The figures as one log line."""
@@ -166,7 +170,8 @@ class Window:
             f"idle {self.idle:.3f} wait/batch {self.wait_per_batch_s * 1e3:.1f} ms "
             f"step {self.step_s * 1e3:.1f} ms demand {self.demand:.1f} samples/s "
             f"util {util} cpu {cpu}/{budget.cores} cores mem {mem}/{cap} MiB "
-            f"over {self.batches} batches"
+            + (f"memory wait {self.memory_wait:.0%} " if self.memory_wait > 0 else "")
+            + f"over {self.batches} batches"
         )
 
 
@@ -270,7 +275,15 @@ def measure(a: LoaderSnapshot, b: LoaderSnapshot, window: Sequence[LoaderSnapsho
         in_flight_max=in_flight,
         knobs=dict(b.knobs),
         memory_bytes=predicted_memory(b, b.knobs, r.samples_per_batch),
+        memory_wait=_memory_wait(a, b, active),
     )
+
+
+def _memory_wait(a: LoaderSnapshot, b: LoaderSnapshot, active: float) -> float:
+    """:attr:`Window.memory_wait` between ``a`` and ``b`` over ``active`` seconds."""
+    waited = b.memory_wait_seconds_total - a.memory_wait_seconds_total
+    workers = b.knobs.get("workers", 0)
+    return max(0.0, waited) / (workers * active) if waited > 0 and workers > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -377,7 +390,10 @@ class StageBasedRule(Rule):
        than ``cpu_busy`` of the cores); then they stop where the CPU use, scaled with the
        worker count, would reach ``cpu_saturated`` of the cores. No stage saturated: grow
        the pool when samples in flight reach ``pool_fill`` of it, else deepen the prefetch.
-       A grow that would break the memory budget is not made.
+       A grow that would break the memory budget is not made, nor one of the workers while
+       free workers spent ``memory_wait_high`` of their time or more waiting for memory
+       (:attr:`Window.memory_wait`): the samples then wait for the memory-aware budget,
+       which more workers do not raise where an outlier sets it.
     5. Idle below ``idle_low`` over a window of at least ``shrink_batches``: shrink a stage
        whose utilisation would stay below ``util_shrink`` with fewer workers (workers first,
        then read threads), else a pool never more than half used, to twice its peak use
@@ -385,7 +401,8 @@ class StageBasedRule(Rule):
 
     Defaults: ``idle_high`` 5 % and ``idle_low`` 2 % bracket "near zero" with a dead band;
     ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
-    bursts. They are this project's choices, checked on the synthetic workloads of
+    bursts; ``memory_wait_high`` 10 % is well above what samples alike wait (none, by the
+    budget's headroom: :mod:`autominato.pipeline.memory`). They are this project's choices, checked on the synthetic workloads of
     ``tests/test_control_rule.py`` (:mod:`autominato.control.sim`).
     """
 
@@ -409,6 +426,7 @@ class StageBasedRule(Rule):
     max_backoff_batches: int = 4096
     settle_snapshots: int = 4
     warmup_batches: int = 4
+    memory_wait_high: float = 0.1
 
     def initial_state(self) -> RuleState:
         return RuleState()
@@ -676,6 +694,11 @@ class StageBasedRule(Rule):
             need = w.service_s[stage] * w.demand * self.headroom
             new = min(max(old + 1, math.ceil(need) if math.isfinite(need) else old + 1), 2 * old)
             if knob == "workers":
+                if w.memory_wait >= self.memory_wait_high:
+                    # The workers are not what the samples wait for: memory is (the budget
+                    # of memory-aware dispatch). More of them would wait too, each process
+                    # holding its own memory (trial 131: a third worker beside outliers).
+                    continue
                 new = min(new, self.core_budget(budget).worker_cap(old, w.cpu_cores))
             new = min(new, bounds[knob][1])
             while new > old + 1 and not self._fits(knob, new, w, budget, b):
