@@ -283,7 +283,7 @@ def _memory_wait(a: LoaderSnapshot, b: LoaderSnapshot, active: float) -> float:
     """:attr:`Window.memory_wait` between ``a`` and ``b`` over ``active`` seconds."""
     waited = b.memory_wait_seconds_total - a.memory_wait_seconds_total
     workers = b.knobs.get("workers", 0)
-    return max(0.0, waited) / (workers * active) if waited > 0 and workers > 0 else 0.0
+    return min(1.0, waited / (workers * active)) if waited > 0 and workers > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -390,10 +390,10 @@ class StageBasedRule(Rule):
        than ``cpu_busy`` of the cores); then they stop where the CPU use, scaled with the
        worker count, would reach ``cpu_saturated`` of the cores. No stage saturated: grow
        the pool when samples in flight reach ``pool_fill`` of it, else deepen the prefetch.
-       A grow that would break the memory budget is not made, nor one of the workers while
-       free workers spent ``memory_wait_high`` of their time or more waiting for memory
-       (:attr:`Window.memory_wait`): the samples then wait for the memory-aware budget,
-       which more workers do not raise where an outlier sets it.
+       A grow that would break the memory budget is not made; nor any grow while free
+       workers spent ``memory_wait_high`` of their time or more waiting for memory
+       (:attr:`Window.memory_wait`): the samples then wait for memory-aware dispatch's
+       budget, which no knob raises where an outlier sets it.
     5. Idle below ``idle_low`` over a window of at least ``shrink_batches``: shrink a stage
        whose utilisation would stay below ``util_shrink`` with fewer workers (workers first,
        then read threads), else a pool never more than half used, to twice its peak use
@@ -679,6 +679,12 @@ class StageBasedRule(Rule):
         excess = w.idle - self.idle_high
         if excess <= 0 or excess <= self.z_trigger * w.idle_sd / math.sqrt(max(1, w.intervals)):
             return None
+        if w.memory_wait >= self.memory_wait_high:
+            # The samples wait for memory (memory-aware dispatch's budget), not for a knob:
+            # more workers would wait too, each process holding its own memory (trial 131:
+            # a third worker beside outliers), and a larger pool or deeper prefetch holds
+            # more samples and batches in the memory they wait for.
+            return None
         saturated = sorted(
             (
                 (w.util[stage], stage, knob)
@@ -694,11 +700,6 @@ class StageBasedRule(Rule):
             need = w.service_s[stage] * w.demand * self.headroom
             new = min(max(old + 1, math.ceil(need) if math.isfinite(need) else old + 1), 2 * old)
             if knob == "workers":
-                if w.memory_wait >= self.memory_wait_high:
-                    # The workers are not what the samples wait for: memory is (the budget
-                    # of memory-aware dispatch). More of them would wait too, each process
-                    # holding its own memory (trial 131: a third worker beside outliers).
-                    continue
                 new = min(new, self.core_budget(budget).worker_cap(old, w.cpu_cores))
             new = min(new, bounds[knob][1])
             while new > old + 1 and not self._fits(knob, new, w, budget, b):
