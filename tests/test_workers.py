@@ -684,6 +684,69 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")
 
 
+STOPPED_ZYGOTE = """
+    import json, logging, os, signal, time
+    import numpy as np
+    from autominato import Loader
+    from autominato.pipeline import spawn
+
+    spawn.HELLO_TIMEOUT_S = 1.0
+    said = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("autominato.pipeline").addHandler(Said(logging.DEBUG))
+    logging.getLogger("autominato.pipeline").setLevel(logging.DEBUG)
+
+    class Rows:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.full(2, i, np.int64)
+
+    def zygote(loader):
+        return loader._pipeline.procs.pool._zygote
+
+    def epoch(loader):
+        return sorted(int(v) for b in loader for v in b[:, 0])
+
+    a = Loader(Rows(), 2, workers=1, autotune=False)
+    got = [epoch(a)]  # its threads run now: later loaders cannot fork this process
+    za = zygote(a)
+    os.kill(za.pid, signal.SIGSTOP)  # it can no longer fork anything
+    try:
+        kinds = []
+        for _ in range(2):
+            with Loader(Rows(), 2, workers=1, autotune=False) as later:
+                got.append(epoch(later))
+                kinds.append(zygote(later).kind)
+        left = spawn.clean_zygote() is not None
+    finally:
+        os.kill(za.pid, signal.SIGCONT)
+    got.append(epoch(a))
+    a.close()
+    timeouts = sum("said hello" in m for m in said)
+    print("RESULT", json.dumps({"a": za.kind, "kinds": kinds, "got": got, "left": left,
+                                "timeouts": timeouts}), flush=True)
+"""
+
+
+@pytest.mark.slow  # fresh Pythons that import torch
+def test_a_zygote_that_never_says_hello_is_asked_once(tmp_path):
+    """A clean zygote that cannot fork (stopped here) costs the first loader that asks it for
+    a nested zygote HELLO_TIMEOUT_S, then a new interpreter; it is asked for no other loader's
+    (review 137: each later loader waited the timeout again), and still serves its own."""
+    out = result_of(run_script(STOPPED_ZYGOTE, tmp_path, timeout=120))
+    assert out["a"] == "fork"
+    assert out["kinds"] == ["fresh", "fresh"]
+    assert out["timeouts"] == 1, out
+    assert not out["left"]
+    assert out["got"] == [list(range(4))] * 4
+
+
 def test_a_zygote_that_exits_with_a_request_unread_is_still_heard():
     """A zygote that cannot unpickle the spec says why and exits; a start request the loader
     sent meanwhile stays unread in its queue, and Linux then reports ECONNRESET on the

@@ -173,7 +173,8 @@ _clean: weakref.WeakSet = weakref.WeakSet()
 
 #: Seconds a loader waits for a nested zygote's hello before it starts a new interpreter. The
 #: hello comes as soon as the fork is done (milliseconds), and a zygote that ended says so at
-#: once (its socket closes), so only a zygote that cannot run waits this long; on a loaded
+#: once (its socket closes), so only a zygote that cannot run (stopped, stuck) waits this
+#: long, and once: it is then asked for no other loader's; on a loaded
 #: machine a slow fork is better waited for than replaced by a new interpreter (~2 s more,
 #: importing torch). 15 (5 until December 2026: a nested zygote's test saw a new interpreter
 #: once in a full run of the suite on the 2-core machine; the cause was not seen).
@@ -297,7 +298,13 @@ class Zygote:
                 with _boot_file(_meta("fork"), payload()) as boot:
                     via.fork_zygote(theirs.fileno(), boot.fileno())
                 theirs.close()
-                self._proc = _Foreign(_hello(ours))
+                try:
+                    self._proc = _Foreign(_hello(ours))
+                except OSError:
+                    # No later loader asks it again (each would wait HELLO_TIMEOUT_S): its
+                    # own loader keeps it, as a zygote that may still serve that loader.
+                    _clean.discard(via)
+                    raise
             else:
                 self._proc = _start_interpreter(theirs, kind, payload())
         except BaseException:
