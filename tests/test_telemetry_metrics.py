@@ -142,6 +142,10 @@ def test_stage_histograms_and_counters_moved(ran):
         value(fams, "autominato_stage_queue_capacity_items", stage="transfer", rank=0)
         == loader.knobs.depth
     )
+    # Behind a read stage of its own the transform queue holds the read-ahead (trial 138:
+    # pool_size was exported, for a queue that never held that many)
+    assert (value(fams, "autominato_stage_queue_capacity_items", stage="transform", rank=0)
+            == loader.knobs.workers + loader.knobs.read_threads)
     assert value(fams, "autominato_stage_queue_items", stage="transfer", rank=0) == 0  # drained
     # Buckets are cumulative and end in +Inf == count.
     buckets = [
@@ -828,3 +832,19 @@ def test_the_consumer_wait_never_goes_back_when_a_snapshot_falls_inside_a_delive
         b = loader.snapshot().consumer_wait_seconds_total
         assert b >= a >= 0.07
         loader._end_step()
+
+
+def test_the_transform_queue_of_reading_process_workers_has_no_places():
+    """Reads fused into the process workers (the default): samples go to free workers only,
+    so the transform stage's queue has no places of its own (it holds only samples waiting
+    for memory, and those put for free workers until the scheduler's pump sends them) and
+    its capacity is 0, not pool_size."""
+    seen = []
+    with Loader(Volumes(), batch_size=B, workers=2, autotune=False, on_error="skip",
+                prefetch_next_epoch=False) as loader:
+        for _ in loader:
+            st = loader.snapshot().stages["transform"]
+            seen.append(st.queue_capacity)
+        assert loader.knobs.pool_size > 0
+    assert seen and set(seen) == {0}
+

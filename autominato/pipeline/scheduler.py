@@ -1727,11 +1727,18 @@ class Pipeline:
         k = self.knobs
         st = self._stage
         tr = st["transform"]
-        s["transform"].queue_capacity = lambda: k.pool_size
+        # The transform stage's capacity is its queue's places beyond one per free worker
+        # (Stage.room): 0 where reads are fused into the process workers (the queue then
+        # holds only samples waiting for memory-aware dispatch's budget), the read-ahead
+        # behind a read stage of its own (trial 138: pool_size was exported for a queue that
+        # never held an item).
+        s["transform"].queue_capacity = tr.capacity
         s["transform"].queue_len = lambda: len(tr.queue)
         s["transform"].workers = lambda: tr.executor.size
         rd = st.get("read")
         if rd is not None:
+            # (pool_size, not its queue's places, 0: reads_fused tells a read stage of its own
+            # from one fused into the workers by it, also from the exported series)
             s["read"].queue_capacity = lambda: k.pool_size
             s["read"].queue_len = lambda: len(rd.queue)
             s["read"].workers = lambda: rd.executor.size
