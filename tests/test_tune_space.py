@@ -36,9 +36,11 @@ def write(tmp_path: Path, text: str, name: str = "space.yaml") -> Path:
     return path
 
 
-def test_default_space_searches_the_four_knobs_with_cores_resolved():
+def test_default_space_searches_the_three_live_knobs_with_cores_resolved():
     space = load_space(cores=6)
-    assert set(space.searched) == {"depth", "read_threads", "workers", "pool_size"}
+    # read_threads: the process workers read inside themselves (trial 138), so no value of
+    # it changes the loader measured
+    assert set(space.searched) == {"depth", "workers", "pool_size"}
     assert space.searched["workers"] == IntDistribution(1, 6)  # (0: no worker processes)
     assert space.searched["pool_size"].log is True
     # Trial 88: a tuned thread kind changed what worker_init_fn and get_worker_info() do and
@@ -168,6 +170,21 @@ def test_importance_is_defined_only_with_two_differing_trials():
     assert not has_variation(study)  # same value: nothing to attribute
     study.add_trial(trial(2, 0.1, 0, 0, workers=3))
     assert has_variation(study)
+
+
+@pytest.mark.parametrize("params, searched", [
+    ("", False),  # process workers, at least one: they read
+    ("  worker_kind: thread\n", True),  # a read stage of threads
+    ("  workers: {type: int, low: 0, high: 2}\n", True),  # 0: transforms in the read threads
+    ("  worker_kind: {type: categorical, choices: [process, thread]}\n", True),
+    ("  workers: 0\n", True),
+    ("  workers: 2\n", False),
+])
+def test_read_threads_are_searched_only_where_a_read_stage_of_threads_runs(tmp_path, params,
+                                                                           searched):
+    space = load_space(write(tmp_path, "params:\n" + params), cores=4)
+    assert ("read_threads" in space.searched) is searched
+    assert ("read_threads" in space.knob_bounds()) is searched
 
 
 def test_best_config_round_trips_and_bounds_are_the_search_ranges(tmp_path):

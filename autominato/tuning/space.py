@@ -18,6 +18,7 @@ what it changes. Every error names the file and the key (``space.yaml: params.wo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ import optuna
 import yaml
 
 from autominato.pipeline.knobs import KNOB_NAMES, usable_cores
+
+log = logging.getLogger(__name__)
 
 
 #: The top-level ``tuner/`` folder of a source checkout (search spaces and recipes).
@@ -179,9 +182,30 @@ def load_space(
                     f"{where}: {section}.{key}: unknown key "
                     f"(expected one of {', '.join(SECTIONS[section])})"
                 )
+    if "read_threads" in searched and _workers_read(searched, fixed):
+        # Process workers read inside themselves (the Loader's fuse_read,
+        # the default): there are no read threads, and every value would measure the same
+        # loader (trial 138: the default space drew it over 1..4, and the result named a
+        # value). Left at the Loader's default, out of the knobs' bounds.
+        log.info("%s: read_threads is not searched: the %s workers read inside themselves "
+                 "(a read stage of threads runs with worker_kind thread or workers 0)",
+                 " + ".join(sources), fixed.get("worker_kind", "process"))
+        del searched["read_threads"]
     return SearchSpace(
         searched, fixed, settings["trial"], settings["pruner"], " + ".join(sources), cores
     )
+
+
+def _workers_read(searched: dict[str, Any], fixed: dict[str, Any]) -> bool:
+    """Whether every configuration of the space reads inside its workers: the worker kind
+    fixed to process (the Loader's default when not given) and at least one worker
+    (``workers=0`` transforms in the read threads)."""
+    if "worker_kind" in searched or fixed.get("worker_kind", "process") != "process":
+        return False
+    workers = searched.get("workers")
+    low = workers.low if isinstance(workers, optuna.distributions.IntDistribution) else (
+        min(workers.choices) if workers is not None else fixed.get("workers", 1))
+    return low is not None and low >= 1
 
 
 def _read_yaml(file: Path, where: str) -> dict[str, Any]:
