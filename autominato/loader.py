@@ -518,6 +518,13 @@ class Loader:
             # A tuned file's static settings fill what the call left out; an argument given
             # wins, as an explicit knob argument does over the file's knobs.
             static = cfg["loader"]
+            tuned = static.get("batch_size")
+            if tuned is not None and batch_sampler is None and batch_size != tuned:
+                # (its depth counts batches and its pool samples of the size it ran with;
+                # the file's batch size is the tune's, never this Loader's: trial 138)
+                warnings.warn(f"{config}: its knobs were tuned with batch_size={tuned}, this "
+                              f"Loader's is {batch_size}; pass batch_size={tuned}, or tune "
+                              f"again with --batch-size {batch_size}", stacklevel=2)
             if worker_kind is None:
                 worker_kind = static.get("worker_kind")
             if in_order is None:

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -188,6 +189,20 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
         assert L.in_order is True and L.worker_kind == "process"
     with Loader(Indexed(4), 2, autotune=False, workers=0, shuffle=True) as L:
         assert L.in_order is False
+
+
+def test_a_configuration_tuned_with_another_batch_size_is_said():
+    """A tuned file's batch size is the tune's (its depth counts batches and its pool
+    samples of that size); a Loader built with another is warned (trial 138: silently
+    ignored, the Loader ran with batch 1), one with the same, or a batch sampler, is not."""
+    cfg = {"knobs": {"depth": 3}, "loader": {"batch_size": 4}}
+    with pytest.warns(UserWarning, match="tuned with batch_size=4, this Loader's is 2"):
+        Loader(Indexed(8), 2, config=cfg, autotune=False, workers=0).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Loader(Indexed(8), 4, config=cfg, autotune=False, workers=0).close()
+        Loader(Indexed(8), config=cfg, autotune=False, workers=0,
+               batch_sampler=[[0, 1], [2, 3]]).close()
 
 
 def test_a_kept_timeout_error_does_not_keep_a_dropped_iterators_epoch_loading():
