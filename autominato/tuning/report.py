@@ -27,7 +27,7 @@ def trial_line(t: FrozenTrial) -> str:
     if t.state == TrialState.COMPLETE:
         a = t.user_attrs
         return (
-            f"{head}  idle {t.value:.3f}  cpu {a.get('cpu_s_per_sample', 0.0) * 1e3:.0f} ms/sample  "
+            f"{head}  idle {t.value:.3f}  cpu {a.get('cpu_s_per_sample', 0.0) * 1e3:.1f} ms/sample  "
             f"mem {a.get('peak_memory_bytes', 0) / 2**30:.2f} GiB  {fmt_params(t.params)}"
         )
     if t.state == TrialState.PRUNED:
