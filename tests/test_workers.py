@@ -571,13 +571,15 @@ def test_a_new_worker_starts_no_thread_beside_its_samples(start_method):
     assert max(r[2] for r in rows) < 0.08, rows  # imports and set-up only, no spinning thread
 
 
-SECOND_LOADER = """
+# The zygote scripts' common start: the pipeline's log kept in ``said`` (why a zygote was not
+# forked as expected is logged at DEBUG), a dataset of ``n`` rows, a loader's zygote, one epoch.
+ZYGOTE_PRELUDE = """
     import json, logging, os, signal, time
     import numpy as np
     import psutil
     from autominato import Loader
 
-    said = []  # why a zygote was not forked as expected (logged at DEBUG)
+    said = []
 
     class Said(logging.Handler):
         def emit(self, record):
@@ -587,8 +589,11 @@ SECOND_LOADER = """
     logging.getLogger("autominato.pipeline").setLevel(logging.DEBUG)
 
     class Rows:
+        def __init__(self, n=8):
+            self.n = n
+
         def __len__(self):
-            return 8
+            return self.n
 
         def __getitem__(self, i):
             return np.full(2, i, np.int64)
@@ -598,7 +603,9 @@ SECOND_LOADER = """
 
     def epoch(loader):
         return sorted(int(v) for b in loader for v in b[:, 0])
+"""
 
+SECOND_LOADER = ZYGOTE_PRELUDE + """
     train = Loader(Rows(), 2, workers=1, autotune=False)
     next(iter(train))  # its threads run now: forking this process is no longer safe
     t0 = time.monotonic()
@@ -632,6 +639,7 @@ SECOND_LOADER = """
     # A dataset that cannot be unpickled in the nested zygote: a clear error, no hang.
     class Broken(Rows):
         def __init__(self):
+            super().__init__()
             self.state = 1  # pickled, so that unpickling calls __setstate__
 
         def __setstate__(self, state):
@@ -684,43 +692,18 @@ def test_a_second_loader_forks_its_workers_from_the_first_loaders_zygote(tmp_pat
     print(f"second loader: first epoch in {out['first_s']:.2f} s; late: {out['late'][0]}")
 
 
-STOPPED_ZYGOTE = """
-    import json, logging, os, signal, time
-    import numpy as np
-    from autominato import Loader
+STOPPED_ZYGOTE = ZYGOTE_PRELUDE + """
     from autominato.pipeline import spawn
 
     spawn.HELLO_TIMEOUT_S = 1.0
-    said = []
-
-    class Said(logging.Handler):
-        def emit(self, record):
-            said.append(record.getMessage())
-
-    logging.getLogger("autominato.pipeline").addHandler(Said(logging.DEBUG))
-    logging.getLogger("autominato.pipeline").setLevel(logging.DEBUG)
-
-    class Rows:
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            return np.full(2, i, np.int64)
-
-    def zygote(loader):
-        return loader._pipeline.procs.pool._zygote
-
-    def epoch(loader):
-        return sorted(int(v) for b in loader for v in b[:, 0])
-
-    a = Loader(Rows(), 2, workers=1, autotune=False)
+    a = Loader(Rows(4), 2, workers=1, autotune=False)
     got = [epoch(a)]  # its threads run now: later loaders cannot fork this process
     za = zygote(a)
     os.kill(za.pid, signal.SIGSTOP)  # it can no longer fork anything
     try:
         kinds = []
         for _ in range(2):
-            with Loader(Rows(), 2, workers=1, autotune=False) as later:
+            with Loader(Rows(4), 2, workers=1, autotune=False) as later:
                 got.append(epoch(later))
                 kinds.append(zygote(later).kind)
         left = spawn.clean_zygote() is not None
