@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import time
@@ -539,3 +540,62 @@ def test_timeout_does_not_count_the_actors_start(monkeypatch):
                 worker_init_fn=slow_start, in_order=True) as L:
         with pytest.raises(RuntimeError, match=r"timed out after 0.6 seconds"):
             next(iter(L))
+
+
+def _placed(ex, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(a.ready for a in ex._actors.values()) < n:
+        assert time.monotonic() < deadline, "actors not placed"
+        ex.flush()
+        time.sleep(0.05)
+
+
+def test_stop_returns_once_the_cluster_has_the_actors_cpus_back():
+    """A Loader built right after another closed reads the cluster's free CPUs: stop() waits
+    until Ray returned the killed actors' (trial 139: the next Loader started with 1 actor of
+    2, warning of a cluster that held fewer)."""
+    from autominato.pipeline import ray_executor
+    from autominato.pipeline.worker import WorkSpec
+
+    spec = WorkSpec(dataset=list(range(4)), transform=None, transform_takes_rng=False, seed=0)
+    for _ in range(2):
+        ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=2,
+                                      options={"num_cpus": 1}, copy=False,
+                                      max_startup_deaths=3, on_fatal=lambda e: None)
+        try:
+            _placed(ex, 2)
+            assert ray.available_resources().get("CPU", 0.0) == 0.0
+        finally:
+            ex.stop()
+        assert ray.available_resources().get("CPU", 0.0) == 2.0
+
+
+def test_actors_no_node_can_place_are_said_once(monkeypatch, caplog):
+    """A Loader whose actors cannot be placed (another Loader's hold every CPU) says so
+    after PLACEMENT_GRACE_S, once (trial 139: a validation Loader beside the training one
+    waited in silence)."""
+    from autominato.pipeline import ray_executor
+    from autominato.pipeline.worker import WorkSpec
+
+    spec = WorkSpec(dataset=list(range(4)), transform=None, transform_takes_rng=False, seed=0)
+    new = lambda n: ray_executor.RayExecutor(  # noqa: E731
+        "transform", spec, post=lambda r: None, size=n, options={"num_cpus": 1}, copy=False,
+        max_startup_deaths=3, on_fatal=lambda e: None)
+    train = new(2)
+    val = None
+    try:
+        _placed(train, 2)
+        monkeypatch.setattr(ray_executor, "PLACEMENT_GRACE_S", 0.5)
+        with caplog.at_level(logging.WARNING, "autominato.pipeline"):
+            val = new(1)
+            for _ in range(30):
+                val.flush()
+                time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if "was placed in" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "none of this Loader's 1 Ray transform actors" in said[0]
+        assert "placed in 0.5 s: the cluster has 0 CPUs free" in said[0]
+    finally:
+        if val is not None:
+            val.stop()
+        train.stop()

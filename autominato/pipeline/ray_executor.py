@@ -304,6 +304,7 @@ class RayExecutor:
         self._capacity: int | None = None
         self._next_capacity = 0.0
         self._last_kill = -math.inf
+        self._told_unplaced = False  # said that none of its actors could be placed
         self.want = 0
         _quiet_read_only_warning()
         self._refresh_capacity()
@@ -334,6 +335,11 @@ class RayExecutor:
                 del self._actors[a.wid]
                 doomed.append(a)
             replace = 0 if self._gave_up else max(0, self.want - self._live())
+            unplaced = (not self._told_unplaced and not any(a.ready for a in self._actors.values())
+                        and any(not a.retiring and now - a.born > PLACEMENT_GRACE_S
+                                for a in self._actors.values()))
+            if unplaced:
+                self._told_unplaced = True
             sends = []
             for a in self._idle():
                 if not self._pending:
@@ -342,6 +348,8 @@ class RayExecutor:
                 a.key, a.sent = key, time.monotonic()
                 sends.append((a, key, item))
         self._kill(doomed)
+        if unplaced:
+            self._say_unplaced()
         for _ in range(replace):
             self._start()
         for a, key, item in sends:
@@ -432,12 +440,47 @@ class RayExecutor:
         self._kill(late)  # their results then say that they died
 
     def stop(self) -> None:
+        """Kill every actor, and wait up to :data:`RELEASE_S` until the cluster's free CPUs
+        show those the placed ones held: Ray returns them a moment after the kill, and a
+        Loader built next (the next rank's, a validation Loader, a resumed run) read the
+        cluster short by them (trial 139: it started with fewer actors, warning of a
+        cluster that held fewer, its predecessor's)."""
         with self._lock:
             self._stopped = True
             actors, self._actors = list(self._actors.values()), {}
             actors += self._doomed
             self._pending.clear()
+        held = sum(self._cpus for a in actors if a.ready)
+        before = self._free_cpus() if held else None
         self._kill(actors)
+        if before is not None:
+            deadline = time.monotonic() + RELEASE_S
+            while time.monotonic() < deadline:
+                free = self._free_cpus()
+                if free is None or free >= before + held - 1e-6:
+                    break
+                time.sleep(0.05)
+
+    def _free_cpus(self) -> float | None:
+        """The cluster's free CPUs now, ``None`` where Ray does not answer (shut down)."""
+        try:
+            return float(self._ray.available_resources().get("CPU", 0.0))
+        except Exception:  # noqa: BLE001 - Ray is down, or the cluster did not answer
+            return None
+
+    def _say_unplaced(self) -> None:
+        """Say once why no sample runs: none of this loader's actors was placed in
+        :data:`PLACEMENT_GRACE_S` (Ray keeps them pending, without an error, until a node has
+        the CPUs; trial 139: a validation Loader beside a training Loader that held them
+        all waited in silence)."""
+        free = self._free_cpus()
+        log.warning(
+            "none of this Loader's %d Ray transform actors (num_cpus=%g each) was placed in "
+            "%g s: the cluster has %s CPUs free (other actors, another Loader's or another "
+            "job's, may hold them); its samples wait until an actor is placed. Give the other "
+            "Loader fewer workers, close it first, or pass ray_actor_options={'num_cpus': ...} "
+            "with less", sum(1 for a in list(self._actors.values()) if not a.retiring),
+            self._cpus, PLACEMENT_GRACE_S, "?" if free is None else f"{free:g}")
 
     # -- figures ----------------------------------------------------------------------------
     def pids(self) -> list[int]:
