@@ -83,6 +83,9 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         if name not in LOADER_KEYS:
             raise ConfigError(f"{where}: loader.{name}: unknown setting (expected one of {', '.join(LOADER_KEYS)})")
         out["loader"][name] = value
+    batch = out["loader"].get("batch_size")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ConfigError(f"{where}: loader.batch_size: expected a positive integer, got {batch!r}")
     kind = out["loader"].get("worker_kind")
     if kind is not None and kind not in ("process", "thread"):
         raise ConfigError(f"{where}: loader.worker_kind: expected 'process' or 'thread', got {kind!r}")

@@ -153,6 +153,26 @@ def _check_int(name: str, value: Any, low: int | None) -> int:
     return int(value)
 
 
+#: (configuration, its batch size, the Loader's) already warned of in this process: a copy
+#: of the Loader (pickled to a spawned rank, deep-copied) is built again from its arguments.
+_tuned_batch_said: set[tuple[str, int, int]] = set()
+
+
+def _say_tuned_batch(config: Any, tuned: int, batch_size: int) -> None:
+    """Warn, once a process, that ``config``'s knobs were tuned with another batch size
+    (``depth`` counts batches, ``pool_size`` samples of the size they ran with; the file's
+    batch size is the tune's, never the Loader's: trial 138 found it unused in silence)."""
+    where = "the configuration" if isinstance(config, dict) else str(config)
+    key = (where if not isinstance(config, dict) else repr(sorted(config.get("knobs", {}).items())),
+           tuned, batch_size)
+    if key in _tuned_batch_said:
+        return
+    _tuned_batch_said.add(key)
+    warnings.warn(f"{where}: its knobs were tuned with batch size {tuned}, this Loader's is "
+                  f"{batch_size}: use batch size {tuned}, or tune again with --batch-size "
+                  f"{batch_size}", stacklevel=3)
+
+
 def _stride(step: int, before: int | None) -> int:
     """The epoch's move expected after a pass, from its move between the last two passes
     (``step``) and between the two before (``before``): 0 (the same epoch again: a loop
@@ -519,12 +539,9 @@ class Loader:
             # wins, as an explicit knob argument does over the file's knobs.
             static = cfg["loader"]
             tuned = static.get("batch_size")
-            if tuned is not None and batch_sampler is None and batch_size != tuned:
-                # (its depth counts batches and its pool samples of the size it ran with;
-                # the file's batch size is the tune's, never this Loader's: trial 138)
-                warnings.warn(f"{config}: its knobs were tuned with batch_size={tuned}, this "
-                              f"Loader's is {batch_size}; pass batch_size={tuned}, or tune "
-                              f"again with --batch-size {batch_size}", stacklevel=2)
+            if (tuned is not None and batch_sampler is None and not unbatched
+                    and batch_size != tuned):
+                _say_tuned_batch(config, tuned, batch_size)
             if worker_kind is None:
                 worker_kind = static.get("worker_kind")
             if in_order is None:

@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -191,18 +192,32 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
         assert L.in_order is False
 
 
-def test_a_configuration_tuned_with_another_batch_size_is_said():
+def test_a_configuration_tuned_with_another_batch_size_is_said(tmp_path):
     """A tuned file's batch size is the tune's (its depth counts batches and its pool
-    samples of that size); a Loader built with another is warned (trial 138: silently
-    ignored, the Loader ran with batch 1), one with the same, or a batch sampler, is not."""
+    samples of that size); a Loader built with another is warned, at the caller's line,
+    once (trial 138: silently ignored, the Loader ran with batch 1; review 140: copies warned
+    again from inside the Loader), one with the same, unbatched, or with a batch sampler,
+    is not; a batch size that is not a positive integer is refused."""
+    import copy
+
+    from autominato.config import ConfigError, load_config
+
     cfg = {"knobs": {"depth": 3}, "loader": {"batch_size": 4}}
-    with pytest.warns(UserWarning, match="tuned with batch_size=4, this Loader's is 2"):
-        Loader(Indexed(8), 2, config=cfg, autotune=False, workers=0).close()
+    with pytest.warns(UserWarning, match="tuned with batch size 4, this Loader's is 2") as w:
+        L = Loader(Indexed(8), 2, config=cfg, autotune=False, workers=0)
+    assert [Path(x.filename).name for x in w] == [Path(__file__).name]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        copy.deepcopy(L).close()  # a copy is built again from the arguments: said once
+        L.close()
         Loader(Indexed(8), 4, config=cfg, autotune=False, workers=0).close()
+        Loader(Indexed(8), None, config=cfg, autotune=False, workers=0).close()
         Loader(Indexed(8), config=cfg, autotune=False, workers=0,
                batch_sampler=[[0, 1], [2, 3]]).close()
+    bad = tmp_path / "loader.yaml"
+    bad.write_text("knobs: {depth: 3}\nloader: {batch_size: '4'}\n")
+    with pytest.raises(ConfigError, match="loader.batch_size: expected a positive integer"):
+        load_config(bad)
 
 
 def test_a_kept_timeout_error_does_not_keep_a_dropped_iterators_epoch_loading():
