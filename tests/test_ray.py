@@ -558,16 +558,24 @@ def test_stop_returns_once_the_cluster_has_the_actors_cpus_back():
     from autominato.pipeline.worker import WorkSpec
 
     spec = WorkSpec(dataset=list(range(4)), transform=None, transform_takes_rng=False, seed=0)
-    for _ in range(2):
+    for dead in (False, False, True):
         ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=2,
                                       options={"num_cpus": 1}, copy=False,
                                       max_startup_deaths=3, on_fatal=lambda e: None)
         try:
             _placed(ex, 2)
             assert ray.available_resources().get("CPU", 0.0) == 0.0
+            if dead:  # its CPU comes back before stop(), which has not heard of the death
+                os.kill(next(iter(ex._actors.values())).pid, signal.SIGKILL)
+                while ray.available_resources().get("CPU", 0.0) < 1.0:
+                    time.sleep(0.02)
         finally:
+            t0 = time.monotonic()
             ex.stop()
+            took = time.monotonic() - t0
         assert ray.available_resources().get("CPU", 0.0) == 2.0
+        # (review 140: a CPU counted twice kept stop() waiting the whole RELEASE_S)
+        assert took < ray_executor.RELEASE_S - 1.0, took
 
 
 def test_actors_no_node_can_place_are_said_once(monkeypatch, caplog):
@@ -591,10 +599,13 @@ def test_actors_no_node_can_place_are_said_once(monkeypatch, caplog):
             for _ in range(30):
                 val.flush()
                 time.sleep(0.05)
-        said = [r.getMessage() for r in caplog.records if "was placed in" in r.getMessage()]
+            for _ in range(10):  # the training Loader's actors are ready: it says nothing
+                train.flush()
+                time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if "is ready after" in r.getMessage()]
         assert len(said) == 1, said
         assert "none of this Loader's 1 Ray transform actors" in said[0]
-        assert "placed in 0.5 s: the cluster has 0 CPUs free" in said[0]
+        assert "ready after 0.5 s, and the cluster has 0 CPUs free" in said[0]
     finally:
         if val is not None:
             val.stop()

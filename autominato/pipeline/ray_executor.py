@@ -72,6 +72,10 @@ PLACEMENT_GRACE_S = 30.0
 #: Ray returns a killed actor's CPUs a moment later, and the reading would be short by them.
 RELEASE_S = 3.0
 
+#: Seconds :meth:`RayExecutor.stop` waits for the cluster's free CPUs to rise again before it
+#: takes the rest of its actors' CPUs to be taken by others (or gone with a node).
+RELEASE_STALL_S = 0.5
+
 #: Distinct node labels of one loader's metrics at most; later nodes are labelled ``other``
 #: (a label of bounded cardinality, as Prometheus asks).
 MAX_NODES = 64
@@ -440,26 +444,45 @@ class RayExecutor:
         self._kill(late)  # their results then say that they died
 
     def stop(self) -> None:
-        """Kill every actor, and wait up to :data:`RELEASE_S` until the cluster's free CPUs
-        show those the placed ones held: Ray returns them a moment after the kill, and a
-        Loader built next (the next rank's, a validation Loader, a resumed run) read the
-        cluster short by them (trial 139: it started with fewer actors, warning of a
-        cluster that held fewer, its predecessor's)."""
+        """Kill every actor, and wait until the cluster's free CPUs show those the live ones
+        held (at most :data:`RELEASE_S`, less where they stop coming back:
+        :data:`RELEASE_STALL_S`): Ray returns them a moment after the kill, and a Loader
+        built next (the next rank's, a validation Loader, a resumed run) read the cluster
+        short by them (trial 139: it started with fewer actors, warning of a cluster that
+        held fewer, its predecessor's). Nothing is killed where Ray was shut down first."""
         with self._lock:
             self._stopped = True
+            # (the live ones hold CPUs; a dead one, or one killed for its sample_timeout,
+            # may have given them back already)
+            live = [a for a in self._actors.values() if a.ready and a.timed_out is None]
             actors, self._actors = list(self._actors.values()), {}
             actors += self._doomed
             self._pending.clear()
-        held = sum(self._cpus for a in actors if a.ready)
+        try:
+            up = self._ray.is_initialized()
+        except Exception:  # noqa: BLE001
+            up = False
+        if not up:
+            # Shut down by the training script first: its actors went with it, and a kill
+            # would start a new local Ray instance (review 140).
+            return
+        held = len(live) * self._cpus
         before = self._free_cpus() if held else None
         self._kill(actors)
         if before is not None:
-            deadline = time.monotonic() + RELEASE_S
-            while time.monotonic() < deadline:
+            # Until the free CPUs show them, or stop rising for RELEASE_STALL_S (another
+            # job, or a Loader whose actors waited for CPUs, took them; a node was lost),
+            # at most RELEASE_S. They came back 15-50 ms after the kill on a local instance.
+            now = time.monotonic()
+            deadline, rose, last = now + RELEASE_S, now, before
+            while now < deadline and now - rose < RELEASE_STALL_S:
+                time.sleep(0.02)
                 free = self._free_cpus()
                 if free is None or free >= before + held - 1e-6:
                     break
-                time.sleep(0.05)
+                now = time.monotonic()
+                if free > last:
+                    rose, last = now, free
 
     def _free_cpus(self) -> float | None:
         """The cluster's free CPUs now, ``None`` where Ray does not answer (shut down)."""
@@ -469,15 +492,18 @@ class RayExecutor:
             return None
 
     def _say_unplaced(self) -> None:
-        """Say once why no sample runs: none of this loader's actors was placed in
-        :data:`PLACEMENT_GRACE_S` (Ray keeps them pending, without an error, until a node has
-        the CPUs; trial 139: a validation Loader beside a training Loader that held them
-        all waited in silence)."""
+        """Say once why no sample runs: none of this loader's actors is ready after
+        :data:`PLACEMENT_GRACE_S` (Ray keeps an actor no node can hold pending, without an
+        error; trial 139: a validation Loader beside a training Loader that held every CPU
+        waited in silence). Ray does not tell a pending actor from one placed and starting
+        without its state API, so the message names both, with the CPUs free."""
         free = self._free_cpus()
         log.warning(
-            "none of this Loader's %d Ray transform actors (num_cpus=%g each) was placed in "
-            "%g s: the cluster has %s CPUs free (other actors, another Loader's or another "
-            "job's, may hold them); its samples wait until an actor is placed. Give the other "
+            "none of this Loader's %d Ray transform actors (num_cpus=%g each) is ready after "
+            "%g s, and the cluster has %s CPUs free: an actor waits for a node with its CPUs "
+            "free (other actors, another Loader's or another job's, may hold them), or its "
+            "start is slow (a runtime_env to install, worker_init_fn, the dataset to "
+            "unpickle); its samples wait meanwhile. Where the CPUs are taken: give the other "
             "Loader fewer workers, close it first, or pass ray_actor_options={'num_cpus': ...} "
             "with less", sum(1 for a in list(self._actors.values()) if not a.retiring),
             self._cpus, PLACEMENT_GRACE_S, "?" if free is None else f"{free:g}")

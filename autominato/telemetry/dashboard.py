@@ -215,7 +215,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "bottleneck, an empty one after it. The transfer stage's queue holds the "
                 "batches ready ahead of the training loop (capacity: depth), with or without "
                 "a device: full means the loader is ahead of the loop. A stage without a "
-                "queue (a read fused into the transform workers) has no line.",
+                "queue of its own has no line: a read fused into the transform workers, and the "
+                "transform stage when its workers read (the default: samples go to free "
+                "workers only, and its queue holds only those waiting for memory).",
                 w=8, min=0.0, max=1.0,
             ),
             PanelSpec(
