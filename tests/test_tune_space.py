@@ -185,6 +185,8 @@ def test_read_threads_are_searched_only_where_a_read_stage_of_threads_runs(tmp_p
     space = load_space(write(tmp_path, "params:\n" + params), cores=4)
     assert ("read_threads" in space.searched) is searched
     assert ("read_threads" in space.knob_bounds()) is searched
+    # a pipeline whose loader reads in threads (fuse_read=False) searches it again
+    assert "read_threads" in space.with_dropped().searched
 
 
 def test_best_config_round_trips_and_bounds_are_the_search_ranges(tmp_path):
@@ -340,3 +342,26 @@ def test_an_edited_space_names_another_study_and_the_same_space_the_same(tmp_pat
     edited = tmp_path / "space.yaml"
     edited.write_text("params:\n  depth: {type: int, low: 1, high: 4}\n")
     assert default_study_name(p, load_space(edited)) != default_study_name(p, a)
+
+
+def test_a_study_whose_loader_reads_in_threads_searches_read_threads(tmp_path, monkeypatch):
+    """run_study puts read_threads back in the search for a pipeline whose loader reads in a
+    stage of threads (``fuse_read=False``; review 140: the space dropped it there too)."""
+    from autominato.tuning import study
+
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def name(pipeline, space):
+        seen.append(set(space.searched))
+        raise Seen
+
+    monkeypatch.setattr(study, "default_study_name", name)
+    space = load_space(cores=4)
+    for kwargs in ({}, {"fuse_read": False}):
+        pipeline = Pipeline([0], None, 2, SleepStep(0.1), {"dataset": "x:y"}, loader_kwargs=kwargs)
+        with pytest.raises(Seen):
+            study.run_study(pipeline, space, n_trials=1, out_dir=tmp_path, progress=False)
+    assert ["read_threads" in s for s in seen] == [False, True]

@@ -82,6 +82,11 @@ class SearchSpace:
     pruner: dict[str, float]
     source: str = "<dict>"
     cores: int = field(default=1, compare=False)
+    #: Parameters of the file not searched because no configuration of the space would use
+    #: them (``read_threads`` where process workers read): :meth:`with_dropped` puts them
+    #: back for a pipeline that reads in threads (``fuse_read=False``).
+    dropped: dict[str, optuna.distributions.BaseDistribution] = field(
+        default_factory=dict, compare=False)
 
     def suggest(self, trial: optuna.trial.BaseTrial) -> dict[str, Any]:
         """Draw one configuration: the searched parameters from ``trial``, plus the fixed ones."""
@@ -115,7 +120,13 @@ class SearchSpace:
                 trial[key] = _check_count(
                     f"{self.source}: trial.{key}", value, SECTIONS["trial"][key]
                 )
-        return SearchSpace(self.searched, self.fixed, trial, self.pruner, self.source, self.cores)
+        return SearchSpace(self.searched, self.fixed, trial, self.pruner, self.source, self.cores,
+                           self.dropped)
+
+    def with_dropped(self) -> SearchSpace:
+        """A copy that searches :attr:`dropped` too."""
+        return SearchSpace({**self.searched, **self.dropped}, self.fixed, self.trial,
+                           self.pruner, self.source, self.cores)
 
 
 def load_space(
@@ -182,17 +193,20 @@ def load_space(
                     f"{where}: {section}.{key}: unknown key "
                     f"(expected one of {', '.join(SECTIONS[section])})"
                 )
+    dropped: dict[str, optuna.distributions.BaseDistribution] = {}
     if "read_threads" in searched and _workers_read(searched, fixed):
         # Process workers read inside themselves (the Loader's fuse_read,
         # the default): there are no read threads, and every value would measure the same
         # loader (trial 138: the default space drew it over 1..4, and the result named a
-        # value). Left at the Loader's default, out of the knobs' bounds.
+        # value). Left at the Loader's default, out of the knobs' bounds; searched again
+        # for a pipeline whose loader reads in threads (run_study: fuse_read=False).
         log.info("%s: read_threads is not searched: the %s workers read inside themselves "
                  "(a read stage of threads runs with worker_kind thread or workers 0)",
                  " + ".join(sources), fixed.get("worker_kind", "process"))
-        del searched["read_threads"]
+        dropped["read_threads"] = searched.pop("read_threads")
     return SearchSpace(
-        searched, fixed, settings["trial"], settings["pruner"], " + ".join(sources), cores
+        searched, fixed, settings["trial"], settings["pruner"], " + ".join(sources), cores,
+        dropped,
     )
 
 

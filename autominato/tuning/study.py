@@ -293,6 +293,9 @@ def run_study(
         KeyboardInterrupt: the running trial is stored as failed; rerun to resume.
     """
     t0 = time.perf_counter()
+    if space.dropped and pipeline.loader_kwargs.get("fuse_read") is False:
+        # (its loader reads in a stage of threads: read_threads is live there, review 140)
+        space = space.with_dropped()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     console = console or Console()
