@@ -1804,13 +1804,23 @@ class _EpochIterator:
                 item = run.out.popleft()
         if item is None:
             self._timed_out = True
+            why = None
+            if self.L.worker_kind == "ray" and self.pipeline.workers_ready_at() is None:
+                # (trial 139: a Loader whose actors no node could place timed out unexplained)
+                why = ("[autominato] none of this Loader's Ray actors is ready: each waits for "
+                       "a node with its num_cpus free (another Loader's actors may hold them), "
+                       "or its start is slow (a warning in the log says how many CPUs are "
+                       "free once they have waited 30 s)")
             # Raised with neither this iterator nor its run in a frame: a kept error (a
             # notebook's sys.last_value) would keep the run loading, and its window, slots
             # and batches, when the training loop drops the iterator (review 45).
             del self, run
             # DataLoader's words; the epoch goes on (a later next() may succeed).
-            raise RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
+            err = RuntimeError(f"Loader timed out after {limit:g} seconds waiting for a batch "
                                f"(timeout={limit:g})")
+            if why is not None:
+                err.add_note(why)
+            raise err
         kind = item[0]
         if kind != "batch":
             err = item[1] if len(item) > 1 else None

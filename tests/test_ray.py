@@ -610,3 +610,27 @@ def test_actors_no_node_can_place_are_said_once(monkeypatch, caplog):
         if val is not None:
             val.stop()
         train.stop()
+
+
+def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
+    """timeout= while none of the Loader's actors is ready (another Loader's hold every CPU):
+    the error says the actors wait (trial 139: it said only that it timed out)."""
+    from autominato import loader as loader_module
+    from autominato.pipeline import ray_executor
+    from autominato.pipeline.worker import WorkSpec
+
+    monkeypatch.setattr(loader_module, "START_GRACE_S", 0.0)
+    spec = WorkSpec(dataset=list(range(4)), transform=None, transform_takes_rng=False, seed=0)
+    train = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=2,
+                                     options={"num_cpus": 1}, copy=False,
+                                     max_startup_deaths=3, on_fatal=lambda e: None)
+    try:
+        _placed(train, 2)
+        with Loader(Indexed(4), 2, worker_kind="ray", workers=1, timeout=1.0,
+                    autotune=False, prefetch_next_epoch=False) as L:
+            with pytest.raises(RuntimeError, match="timed out after 1 seconds") as e:
+                next(iter(L))
+            assert any("none of this Loader's Ray actors is ready" in n
+                       for n in getattr(e.value, "__notes__", []))
+    finally:
+        train.stop()
