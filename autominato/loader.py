@@ -163,8 +163,7 @@ def _say_tuned_batch(config: Any, tuned: int, batch_size: int) -> None:
     (``depth`` counts batches, ``pool_size`` samples of the size they ran with; the file's
     batch size is the tune's, never the Loader's: trial 138 found it unused in silence)."""
     where = "the configuration" if isinstance(config, dict) else str(config)
-    key = (where if not isinstance(config, dict) else repr(sorted(config.get("knobs", {}).items())),
-           tuned, batch_size)
+    key = (repr(config) if isinstance(config, dict) else where, tuned, batch_size)
     if key in _tuned_batch_said:
         return
     _tuned_batch_said.add(key)

@@ -402,8 +402,9 @@ class StageBasedRule(Rule):
     Defaults: ``idle_high`` 5 % and ``idle_low`` 2 % bracket "near zero" with a dead band;
     ``util_saturated`` 0.8 and ``util_shrink`` 0.7 leave a stage 20-30 % headroom against
     bursts; ``memory_wait_high`` 10 % is well above what samples alike wait (none, by the
-    budget's headroom: :mod:`autominato.pipeline.memory`). They are this project's choices, checked on the synthetic workloads of
-    ``tests/test_control_rule.py`` (:mod:`autominato.control.sim`).
+    budget's headroom: :mod:`autominato.pipeline.memory`). They are this project's choices,
+    checked on the synthetic workloads of ``tests/test_control_rule.py``
+    (:mod:`autominato.control.sim`).
     """
 
     idle_high: float = 0.05
