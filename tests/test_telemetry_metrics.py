@@ -834,11 +834,12 @@ def test_the_consumer_wait_never_goes_back_when_a_snapshot_falls_inside_a_delive
         loader._end_step()
 
 
-def test_the_transform_queue_of_reading_process_workers_has_no_places():
+def test_reads_fused_into_process_workers_have_no_queue_in_the_figures():
     """Reads fused into the process workers (the default): samples go to free workers only,
     so the transform stage's queue has no places of its own (it holds only samples waiting
     for memory, and those put for free workers until the scheduler's pump sends them) and
-    its capacity is 0, not pool_size."""
+    its capacity is 0, not pool_size; the read stage, inside the workers, has no queue at
+    all: its reads are counted, no wait is (trial 138: a wait histogram of zeros)."""
     seen = []
     with Loader(Volumes(), batch_size=B, workers=2, autotune=False, on_error="skip",
                 prefetch_next_epoch=False) as loader:
@@ -846,5 +847,8 @@ def test_the_transform_queue_of_reading_process_workers_has_no_places():
             st = loader.snapshot().stages["transform"]
             seen.append(st.queue_capacity)
         assert loader.knobs.pool_size > 0
+        read = loader.snapshot().stages["read"]
     assert seen and set(seen) == {0}
+    assert read.items_total >= N - 1 and read.service_seconds_total > 0
+    assert read.recent_wait_s == () and read.wait_seconds_total == 0
 

@@ -1324,7 +1324,7 @@ class Pipeline:
                 # has measured them: neither held back nor a figure of the rule)
                 self.memory.learn(run.epoch.order[pos], r.peak_bytes)
             if r.read_s:
-                self.stats["read"].record(r.read_s, 0.0, 0)
+                self.stats["read"].record(r.read_s, None, 0)  # (fused: no queue)
             last = stage is self.sample_stages[-1]
             if self._slow_first:
                 # A sample's time is its stages' together (a read stage of threads, then the
@@ -1432,7 +1432,7 @@ class Pipeline:
                     _, _, sample, read_s, transform_s = out
                     pack_s, need = 0.0, packed_nbytes(sample)
                     value, used = self._output(stage, Result(stage.name, r.key, sample, nbytes=need), (), True)
-                self.stats["read"].record(read_s, 0.0, 0)
+                self.stats["read"].record(read_s, None, 0)
                 stage.hook(transform_s + pack_s, 0.0, need)
                 if ep is None:
                     self._free(used)

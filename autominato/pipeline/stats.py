@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: Called as ``hook(stage, service_seconds, wait_seconds, nbytes)`` for every recorded item.
-StageHook = Callable[[str, float, float, int], None]
+#: Called as ``hook(stage, service_seconds, wait_seconds, nbytes)`` for every recorded item
+#: (``wait_seconds`` ``None``: the item waited in no queue of the stage's own).
+StageHook = Callable[[str, float, "float | None", int], None]
 
 #: How many recent service / wait times a stage keeps for percentiles (a bounded ring, so a
 #: long run does not grow memory).
@@ -84,15 +85,19 @@ class StageStats:
         self.busy = 0  # workers holding an item now, set by the scheduler
         self.hooks: list[StageHook] = []
 
-    def record(self, service_s: float, wait_s: float = 0.0, nbytes: int = 0, items: int = 1) -> None:
-        """Record ``items`` processed in ``service_s`` seconds after ``wait_s`` in the queue."""
+    def record(self, service_s: float, wait_s: float | None = 0.0, nbytes: int = 0,
+               items: int = 1) -> None:
+        """Record ``items`` processed in ``service_s`` seconds after ``wait_s`` in the queue
+        (``None``: the stage has no queue of its own, a read fused into the transform
+        workers: no wait is recorded, trial 138 read a wait histogram of zeros there)."""
         with self._lock:
             self.items_total += items
             self.bytes_total += nbytes
             self.service_seconds_total += service_s
-            self.wait_seconds_total += wait_s
             self._recent_service.append(service_s)
-            self._recent_wait.append(wait_s)
+            if wait_s is not None:
+                self.wait_seconds_total += wait_s
+                self._recent_wait.append(wait_s)
         for hook in self.hooks:
             hook(self.name, service_s, wait_s, nbytes)
 

@@ -218,13 +218,15 @@ class TelemetryHandle:
         """``http://host:port/metrics`` of the exporter, or None."""
         return self.exporter.url if self.exporter is not None else None
 
-    def _on_item(self, stage: str, service_s: float, wait_s: float, nbytes: int) -> None:
-        # Runs on the recording thread for every item: one look-up, two observes.
+    def _on_item(self, stage: str, service_s: float, wait_s: float | None, nbytes: int) -> None:
+        # Runs on the recording thread for every item: one look-up, two observes (one where
+        # the item waited in no queue of the stage's own: a read fused into the workers).
         pair = self._pairs.get(stage)
         if pair is None:
             return
         pair[0].observe(service_s)
-        pair[1].observe(wait_s)
+        if wait_s is not None:
+            pair[1].observe(wait_s)
         if stage == "transfer":
             # The loader records the transfer stage once per batch copied to the device, with
             # the copy time from CUDA events (the stage is silent without a device).
