@@ -294,3 +294,18 @@ def test_the_memory_line_suggests_turning_it_off_only_when_the_loader_is_the_bot
     sliver = replace(d, window_s=60.0, memory_wait_share=0.01)
     text = format_report(sliver, width=400)
     assert "memory-aware dispatch" in text and "memory_aware=False" not in text
+
+
+def test_no_line_of_a_report_ends_in_spaces():
+    """rich pads a centred title to the table's width; the log's lines carry none of it
+    (trial 138: the header line of the report ended in spaces)."""
+    from autominato.telemetry.monitor import diagnose, format_report
+
+    loader = Loader(list(range(8)), batch_size=2, workers=0, autotune=False)
+    with loader:
+        list(loader)
+        text = format_report(diagnose([loader.snapshot()]), title="Data Monitor (rank 0)")
+    lines = text.splitlines()
+    assert lines[0].strip().startswith("Data Monitor (rank 0)")
+    assert len(lines) > 5 and all(line == line.rstrip() for line in lines)
+
