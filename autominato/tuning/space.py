@@ -19,7 +19,7 @@ what it changes. Every error names the file and the key (``space.yaml: params.wo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +120,11 @@ class SearchSpace:
                 trial[key] = _check_count(
                     f"{self.source}: trial.{key}", value, SECTIONS["trial"][key]
                 )
-        return SearchSpace(self.searched, self.fixed, trial, self.pruner, self.source, self.cores,
-                           self.dropped)
+        return replace(self, trial=trial)
 
     def with_dropped(self) -> SearchSpace:
         """A copy that searches :attr:`dropped` too."""
-        return SearchSpace({**self.searched, **self.dropped}, self.fixed, self.trial,
-                           self.pruner, self.source, self.cores)
+        return replace(self, searched={**self.searched, **self.dropped}, dropped={})
 
 
 def load_space(
@@ -195,11 +193,11 @@ def load_space(
                 )
     dropped: dict[str, optuna.distributions.BaseDistribution] = {}
     if "read_threads" in searched and _workers_read(searched, fixed):
-        # Process workers read inside themselves (the Loader's fuse_read,
-        # the default): there are no read threads, and every value would measure the same
-        # loader (trial 138: the default space drew it over 1..4, and the result named a
-        # value). Left at the Loader's default, out of the knobs' bounds; searched again
-        # for a pipeline whose loader reads in threads (run_study: fuse_read=False).
+        # Process workers read inside themselves (the Loader's fuse_read, the default):
+        # there are no read threads, and every value would measure the same loader (trial
+        # 138: the default space drew it over 1..4, and the result named a value). Left at
+        # the Loader's default, out of the knobs' bounds; searched again for a pipeline
+        # whose loader reads in threads (run_study: fuse_read=False).
         log.info("%s: read_threads is not searched: the %s workers read inside themselves "
                  "(a read stage of threads runs with worker_kind thread or workers 0)",
                  " + ".join(sources), fixed.get("worker_kind", "process"))
@@ -219,7 +217,7 @@ def _workers_read(searched: dict[str, Any], fixed: dict[str, Any]) -> bool:
     workers = searched.get("workers")
     low = workers.low if isinstance(workers, optuna.distributions.IntDistribution) else (
         min(workers.choices) if workers is not None else fixed.get("workers", 1))
-    return low is not None and low >= 1
+    return low >= 1
 
 
 def _read_yaml(file: Path, where: str) -> dict[str, Any]:
