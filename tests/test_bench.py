@@ -231,13 +231,13 @@ def test_an_isolated_run_measures_its_own_process_tree_and_leaves_nothing_behind
                          sampler_interval=0.05))
     assert sorted(r["indices"]) == list(range(6))
     assert r["batches"] == 3 and r["wall_s"] >= 3 * 0.01
-    # Sampled from this process over the child's span: the child's tree (itself + 2 workers,
-    # each of them an interpreter that imported torch: over 64 MiB) used CPU and memory of
-    # its own. Not ``peak > start``: the span is 1-2 samples long (~70 ms) and the start is
-    # the sample before it, equal where the child did not grow in between (152 and 152 MB
-    # read); CI read 158 and then 143 MB in the span: the child's rollup due after its
-    # DataLoader forked, before the tree was listed again (fixed in the meter:
-    # test_telemetry_process.py's test_a_fork_between_two_listings_is_found_...).
+    # Sampled from this process over the child's span: the child's tree used CPU and memory
+    # of its own (the child imported torch: over 64 MiB; its 2 workers, listed every 0.5 s,
+    # are seldom read within the ~70 ms span). Not ``peak > start``: the start is the sample
+    # before the span, equal where the child did not grow in between (152 and 152 MB read).
+    # CI read 158 and then 143 MB: a rollup of the child due after its DataLoader forked,
+    # before the workers were listed (fixed in the meter and tested there:
+    # tests/test_telemetry_process.py, test_a_fork_between_two_listings_...).
     assert r["span_end"] - r["span_start"] == pytest.approx(r["wall_s"])
     assert r["cpu_s"] > 0 and r["peak_memory_bytes"] > 64 << 20 and r["start_memory_bytes"] > 0
     after = {p.pid for p in __import__("psutil").Process().children(recursive=True)}

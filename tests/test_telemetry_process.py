@@ -324,6 +324,26 @@ def test_a_fork_between_two_listings_is_found_by_the_parents_next_rollup(child):
     assert forked.footprint_bytes > 120 * MiB
 
 
+def test_workers_replaced_between_two_listings_are_listed_before_the_rollups_are_read(child):
+    # Forks that exit and others that start in their place (an epoch's workers replaced, a
+    # worker retired and another started) between two listings: the exits read every
+    # rollup again, which must split the parent's pages with the new forks, not with none
+    # (review 142: 52 MiB read for 149 until the next listing).
+    child.do("alloc", 128 * MiB)
+    child.do("fork", 2)
+    meter = ProcessMeter(child.proc.pid, children=True, pss=True, pss_every=3600,
+                         tree_every=3600)
+    exact = ProcessMeter(child.proc.pid, children=True, pss=True)
+    assert len(meter.read().processes) == 3
+    child.do("unfork", 0)
+    child.do("fork", 2)
+    replaced, truth = meter.read(), exact.read()
+    assert len(replaced.processes) == 3 and meter.full
+    assert abs(replaced.footprint_bytes - truth.footprint_bytes) < 16 * MiB, (
+        replaced.footprint_bytes / MiB, truth.footprint_bytes / MiB)
+    assert replaced.footprint_bytes > 120 * MiB
+
+
 def test_descendants_are_listed_every_tree_every_seconds_and_bring_their_cpu(child):
     meter = ProcessMeter(child.proc.pid, children=True, tree_every=1.5)
     meter.read()

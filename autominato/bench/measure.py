@@ -102,13 +102,16 @@ class TreeSampler:
         leaves out of the tree (:class:`ForkedTreeSampler`), that process's share of the pages
         it shares with the tree (its PSS minus its USS): after a fork the parent's PSS halves,
         109 -> 56 MiB measured, and this puts the tree's figure back to what it would be
-        without the sampler. Read every :attr:`PSS_EVERY_S` (a read walks this process's
-        page tables, ~4 ms)."""
+        without the sampler. Read when the meter read the root's rollup (every
+        :attr:`PSS_EVERY_S`, or at once where a process of the tree started or exited: a
+        read walks this process's page tables, ~4 ms), so that the two agree on how many
+        share the pages (review 142: read on a clock of its own after the root forked and
+        before the meter listed the new workers, it split the pages with them while the
+        root's figure did not: 116 MiB read for 152)."""
         if os.getpid() not in self.meter.exclude:
             return 0
         now = time.monotonic()
-        if (self._own is not None and now - self._own[0] < self.PSS_EVERY_S
-                and not self.meter.full):  # (a fork or exit in the tree splits pages anew)
+        if self._own is not None and self.meter.root.pid not in self.meter.rollups_read:
             return self._own[1]
         try:
             mem = psutil.Process().memory_full_info()

@@ -165,8 +165,11 @@ class ProcessMeter:
             to ``tree_every`` after it started (its CPU-seconds since its start count all the
             same); one that lives less is missed. They are listed again at once where a
             rollup due (``pss_every``) reads more than :attr:`SHARED_BYTES` under its
-            estimate: the process forked, and its children share its pages. 0 (the
-            default): at every :meth:`read`.
+            estimate (the process forked: its children share its pages; also a fall for
+            another cause, such as file pages or shared memory another process maps too:
+            then the listing finds nothing new, ~1.5-4.5 ms with 3-17 processes), and before
+            every rollup is read again for a process that started or exited (the pages are
+            split between those listed). 0 (the default): at every :meth:`read`.
         runqueue: read the threads' run-queue wait (one ``schedstat`` file per thread; the
             :attr:`Reading.runqueue_seconds_total` figures stay 0.0 without it).
         exclude: descendants never read (a sampler that is itself a child of the root).
@@ -206,6 +209,9 @@ class ProcessMeter:
         # The machine's shared memory and the processes' Pss_Shmem at the first reading.
         self._shmem0: tuple[int, int] | None = None
         self._split = False  # a rollup of this reading showed new sharers (read())
+        self._listed = False  # the last _tree listed the descendants
+        #: The pids whose ``smaps_rollup`` the last :meth:`read` read (``pss``).
+        self.rollups_read: frozenset[int] = frozenset()
 
     def _process(self, pid: int, found: psutil.Process | None = None) -> psutil.Process | None:
         p = self._procs.get(pid)
@@ -224,12 +230,14 @@ class ProcessMeter:
         return p
 
     def _tree(self, pids: Iterable[int]) -> list[psutil.Process]:
+        self._listed = False
         out = [self.root]
         seen = {self.root.pid, *self.exclude}
         found: list[tuple[int, psutil.Process | None]] = []
         if self.children:
             now = time.monotonic()
-            if now - self._walked >= self.tree_every:
+            self._listed = now - self._walked >= self.tree_every
+            if self._listed:
                 try:
                     self._kids = [(k.pid, k) for k in self.root.children(recursive=True)]
                     self._walked = now
@@ -251,21 +259,24 @@ class ProcessMeter:
     def read(self, pids: Iterable[int] = ()) -> Reading:
         """Read every process now; ``pids`` adds processes outside the root's tree."""
         self._split = False
-        reading = self._read(pids)
+        rolled: dict[tuple[int, float], tuple[int | None, int | None]] = {}  # read now
+        reading = self._read(pids, rolled)
         if self._split:
             # A rollup read less than its estimate by more than SHARED_BYTES: the process
             # forked (its pages are split with new sharers) since the descendants were
             # listed, and a tree read without them would miss their share of the pages (a
             # bench run's footprint fell 158 -> 143 MB when its DataLoader forked its
             # workers, up to tree_every before they were listed). List them now and read
-            # again (their first reading reads every rollup: _plan_rollups).
+            # again (their first reading reads every rollup: _plan_rollups; those read
+            # already are kept).
             self._walked = -math.inf
-            reading = self._read(pids)
+            reading = self._read(pids, rolled, again=True)
+        self.rollups_read = frozenset(pid for pid, _ in rolled)
         return reading
 
-    def _read(self, pids: Iterable[int]) -> Reading:
-        t = time.monotonic()
-        usages = []
+    def _found(self, pids: Iterable[int]) -> list:
+        """The processes to read (:meth:`_tree`), each as ``(process, key, CPU times, memory
+        info, private bytes)``; those that exited or cannot be read are left out."""
         found = []
         for p in self._tree(pids):
             try:
@@ -277,8 +288,30 @@ class ProcessMeter:
                 continue  # exited, a zombie, or not ours to read
             shared = getattr(mem, "shared", 0) if sys.platform.startswith("linux") else 0
             found.append((p, key, times, mem, int(max(0, mem.rss - shared))))
-        rolled: dict[tuple[int, float], tuple[int | None, int | None]] = {}  # read now
-        due = self._plan_rollups(found, t, rolled) if self.pss else None
+        return found
+
+    def _read(self, pids: Iterable[int],
+              rolled: dict[tuple[int, float], tuple[int | None, int | None]],
+              again: bool = False) -> Reading:
+        t = time.monotonic()
+        usages = []
+        found = self._found(pids)
+        due = None
+        if self.pss:
+            due = self._plan_rollups(found, t, rolled)
+            if (self.full and self.pss_every > 0 and self.children and not self._listed
+                    and not again):
+                # A process sharing pages started or exited since the descendants were
+                # listed: others may have too (an epoch's workers replaced, a worker
+                # retired and another started), and every rollup read now splits the
+                # pages between those listed only (review 142: 52 MiB read for 149 until
+                # the listing). List them first.
+                self._walked = -math.inf
+                found = self._found(pids)
+                self._plan_rollups(found, t, rolled)
+                self.full = True
+            if self.full or again:
+                due = None  # (every rollup, or the one due read already: one a reading)
         read: set[tuple[int, float]] = set()
         for p, key, times, mem, private in found:
             try:
@@ -399,13 +432,14 @@ class ProcessMeter:
             return 0, 0
         last = self._rollups.get(key)
         if self.full or last is None:
-            return self._read_rollup(p, key, now, private, rss)
+            rolled[key] = self._read_rollup(p, key, now, private, rss)
+            return rolled[key]
         if due:
-            pss_read, shmem_read = self._read_rollup(p, key, now, private, rss)
-            if (self.children and pss_read is not None
-                    and pss_read < self._estimate(p, last, private)[0] - self.SHARED_BYTES):
+            rolled[key] = self._read_rollup(p, key, now, private, rss)
+            if (self.children and rolled[key][0] is not None
+                    and rolled[key][0] < self._estimate(p, last, private)[0] - self.SHARED_BYTES):
                 self._split = True  # new sharers of its pages: see read()
-            return pss_read, shmem_read
+            return rolled[key]
         return self._estimate(p, last, private)
 
     @staticmethod
