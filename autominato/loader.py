@@ -32,6 +32,7 @@ from autominato import resume
 # Imported with the Loader, not in its constructor: the controller runs by default, and
 # importing it (and the telemetry switch) there delayed the first batch by tens of ms.
 from autominato.control import Controller
+from autominato.pipeline import random_state
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
@@ -1273,6 +1274,8 @@ class Loader:
                 self.knobs.set(name, int(value))
 
     def _work_spec(self) -> WorkSpec:
+        # (MONAI's invertible transforms record their ids: copies in workers put these back)
+        random_state.stamp_traces(self.dataset, self.transform)
         return WorkSpec(
             dataset=self.dataset,
             transform=self.transform,

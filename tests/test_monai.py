@@ -207,3 +207,44 @@ def test_an_error_of_a_monai_file_dataset_names_the_sample_and_its_file(tmp_path
         assert err.value.sample_index == 1 and err.value.sample_path == str(wrong)
         notes = getattr(err.value, "__notes__", [])
         assert any(wrong.name in n for n in notes), err.value
+
+
+@pytest.mark.parametrize("kind", [
+    {"multiprocessing_context": "spawn"},  # workers that unpickle the dataset
+    {"multiprocessing_context": "spawn", "persistent_workers": False},  # sent again each epoch
+    {"worker_kind": "thread"},  # each thread's own copies of the random transforms
+])
+def test_batches_from_workers_that_copied_the_transforms_invert_in_the_training_process(kind):
+    # Trial 141: MONAI's invertible transforms record id(self); Invertd in the training
+    # process refused the records of copies ("getting the most recently applied invertible
+    # transform CenterSpatialCrop 1400... != 1403..."), so a Loader whose workers do not fork
+    # from the training process (built while another thread ran: a validation Loader beside
+    # a training one) gave batches no one could invert. The records now carry the ids of the
+    # training process's transforms.
+    from monai.transforms import CenterSpatialCropd, EnsureTyped, Invertd
+
+    keys = ["image", "label"]
+    val = Compose([EnsureTyped(keys=keys), RandFlipd(keys=keys, prob=0.5, spatial_axis=0),
+                   CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)])
+    data = [{"image": volume(i), "label": volume(i)} for i in range(4)]
+    loader = Loader(MonaiDataset(data, transform=val), batch_size=2, num_workers=2, **kind)
+    invert = Invertd(keys="pred", transform=val, orig_keys="image")
+    with loader:
+        for _ in range(2):  # (a second epoch: a dataset sent again)
+            inverted = 0
+            for batch in loader:
+                batch["pred"] = batch["image"].clone()
+                for item in decollate_batch(batch):
+                    out = invert(item)["pred"]
+                    assert tuple(out.shape) == (1, SIDE, SIDE, SIDE)
+                    # the crop's voxels back where they were, the rest padded
+                    image = np.asarray(item["image"])
+                    assert np.asarray(out).sum() == pytest.approx(image.sum(), rel=1e-6)
+                    inverted += 1
+            assert inverted == 4
+            # the check MONAI makes is still made: another Compose's records are refused
+            other = Compose([EnsureTyped(keys=keys), RandFlipd(keys=keys, prob=0.5),
+                             CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)])
+            with pytest.raises(RuntimeError) as refused:
+                Invertd(keys="pred", transform=other, orig_keys="image")(item)
+            assert "applied invertible transform" in str(refused.value.__cause__)

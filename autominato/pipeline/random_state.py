@@ -132,6 +132,9 @@ class Plan:
     transform: Any
     dataset_parts: list = field(default_factory=list)
     transform_parts: list = field(default_factory=list)
+    #: ``id`` of each MONAI ``TraceableTransform`` copy here -> its original's in the training
+    #: process, where they differ (:func:`trace_map`); empty where the objects are the same.
+    trace_ids: dict = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -165,7 +168,8 @@ def plan(spec: Any) -> Plan:
                         "MONAI random transforms for thread %s; the thread shares them (MONAI's "
                         "Randomizable is not thread-safe: use process workers)",
                         threading.current_thread().name)
-    p = Plan(dataset, transform, find_parts(dataset, cls), find_parts(transform, cls))
+    p = Plan(dataset, transform, find_parts(dataset, cls), find_parts(transform, cls),
+             trace_map(dataset, transform))
     for part in (*p.dataset_parts, *p.transform_parts):
         if "R" not in vars(part):
             part.R = np.random.RandomState()
@@ -173,3 +177,112 @@ def plan(spec: Any) -> Plan:
         del plans[k]  # plans of loaders gone
     plans[id(spec)] = (weakref.ref(spec), p, spec.dataset, spec.transform)
     return p
+
+
+# -- MONAI's invertible transforms: the ids they record ----------------------------------------
+
+#: The attribute that :func:`stamp_traces` gives each MONAI ``TraceableTransform`` in the
+#: training process: its ``id()`` there, which a copy (unpickled in a worker, deep-copied for
+#: a thread) carries along.
+TRACE_ATTR = "_autominato_trace_id"
+
+
+def traceable_class() -> type | None:
+    """``monai.transforms.inverse.TraceableTransform`` when MONAI is imported, else None."""
+    mod = sys.modules.get("monai.transforms.inverse")
+    return getattr(mod, "TraceableTransform", None)
+
+
+def stamp_traces(*roots: Any) -> None:
+    """Record on every MONAI ``TraceableTransform`` reachable from ``roots`` (a dataset, a
+    transform) its ``id()`` in this process (:data:`TRACE_ATTR`), before they are pickled for
+    workers or copied.
+
+    Why: an invertible transform records ``id(self)`` in each sample's
+    ``applied_operations`` (``TraceKeys.ID``), and ``Invertd`` / ``Compose.inverse`` in the
+    training process refuse an entry whose id is not the transform's own there (``RuntimeError:
+    ... getting the most recently applied invertible transform``; MONAI lets it pass by class
+    name only where torch's start method is ``spawn``). A worker that forked from the training
+    process has the same objects at the same addresses; one that unpickled them (a new
+    interpreter, another Loader's zygote, a Ray actor, a dataset sent again) or a thread's
+    copy has others: :func:`retrace` puts the originals' ids back into its samples (trial
+    141: a validation Loader built while a training Loader ran could not be inverted)."""
+    cls = traceable_class()
+    if cls is None:
+        return
+    for root in roots:
+        if root is None or _is_leaf(root):
+            continue
+        for part in find_parts(root, cls):
+            d = getattr(part, "__dict__", None)
+            if isinstance(d, dict):
+                d[TRACE_ATTR] = id(part)
+
+
+def trace_map(*roots: Any) -> dict[int, int]:
+    """``{id(copy): id(original)}`` for the MONAI ``TraceableTransform`` s reachable from
+    ``roots`` that :func:`stamp_traces` stamped in another process or that are copies (their
+    stamp is not their own id); empty where every one is the original."""
+    cls = traceable_class()
+    out: dict[int, int] = {}
+    if cls is None:
+        return out
+    for root in roots:
+        if root is None or _is_leaf(root):
+            continue
+        for part in find_parts(root, cls):
+            stamp = getattr(part, "__dict__", {}).get(TRACE_ATTR)
+            if isinstance(stamp, int) and stamp != id(part):
+                out[id(part)] = stamp
+    return out
+
+
+def retrace(sample: Any, ids: dict[int, int]) -> None:
+    """Put the training process's ids (``ids``: :func:`trace_map`) in place of this
+    process's in the transform records of ``sample``, in place: each ``MetaTensor``'s
+    ``applied_operations`` and ``pending_operations``, and the ``<key>_transforms`` lists of
+    a dictionary (MONAI's records beside arrays that are not ``MetaTensor`` s), nested records
+    included. What is not a record is left alone."""
+    if not ids:
+        return
+    from monai.utils import TraceKeys
+
+    key, suffix = TraceKeys.ID, TraceKeys.KEY_SUFFIX
+    seen: set[int] = set()
+
+    def records(ops: Any) -> None:
+        if isinstance(ops, dict):
+            if id(ops) in seen:
+                return
+            seen.add(id(ops))
+            old = ops.get(key)
+            if isinstance(old, int) and old in ids:
+                ops[key] = ids[old]
+            for v in ops.values():
+                if isinstance(v, (dict, list, tuple)):
+                    records(v)
+        elif isinstance(ops, (list, tuple)):
+            for op in ops:
+                records(op)
+
+    def walk(obj: Any, depth: int = 0) -> None:
+        if depth > 32 or id(obj) in seen:
+            return
+        for name in ("applied_operations", "pending_operations"):
+            ops = getattr(obj, name, None) if hasattr(type(obj), name) else None
+            if isinstance(ops, list):
+                records(ops)
+        if isinstance(obj, dict):
+            seen.add(id(obj))
+            for k, v in obj.items():
+                if isinstance(k, str) and k.endswith(suffix) and isinstance(v, list):
+                    records(v)
+                elif not _is_leaf(v) or hasattr(type(v), "applied_operations"):
+                    walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
+            for v in obj:
+                if not _is_leaf(v) or hasattr(type(v), "applied_operations"):
+                    walk(v, depth + 1)
+
+    walk(sample)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autominato.pipeline import cleanup
+from autominato.pipeline import cleanup, random_state
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, pin, to_device
 from autominato.pipeline.compose import Packed, compose
 from autominato.pipeline.costs import SampleCosts
@@ -544,6 +544,7 @@ class Pipeline:
         from autominato.pipeline.worker import dumps_for_worker
 
         try:
+            random_state.stamp_traces(self.spec.dataset)  # (see random_state.retrace)
             return dumps_for_worker(self.spec.dataset)
         except Exception as e:
             raise ValueError(

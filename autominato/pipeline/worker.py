@@ -797,6 +797,8 @@ def run_sample(
             sample = own.transform(sample, sample_rng(spec.seed, epoch, index, draw))
         else:
             sample = own.transform(sample)
+    if own.trace_ids:  # (MONAI's records: the training process's transforms' ids)
+        random_state.retrace(sample, own.trace_ids)
     return sample, t1 - t0, time.perf_counter() - t1
 
 
