@@ -1274,8 +1274,6 @@ class Loader:
                 self.knobs.set(name, int(value))
 
     def _work_spec(self) -> WorkSpec:
-        # (MONAI's invertible transforms record their ids: copies in workers put these back)
-        random_state.stamp_traces(self.dataset, self.transform)
         return WorkSpec(
             dataset=self.dataset,
             transform=self.transform,
@@ -1335,6 +1333,9 @@ class Loader:
 
     def _ensure_pipeline(self) -> Pipeline:
         if self._pipeline is None:
+            # (MONAI's invertible transforms record their ids: the workers' copies put the
+            # training process's back, random_state.retrace; without workers nothing is copied)
+            random_state.stamp_traces(self.dataset, self.transform)
             spec = self._work_spec()
             me = weakref.ref(self)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 import threading
 import types
@@ -168,8 +169,10 @@ def plan(spec: Any) -> Plan:
                         "MONAI random transforms for thread %s; the thread shares them (MONAI's "
                         "Randomizable is not thread-safe: use process workers)",
                         threading.current_thread().name)
+    copies = (threading.current_thread() is not threading.main_thread()
+              or os.getpid() != getattr(spec, "home_pid", None))
     p = Plan(dataset, transform, find_parts(dataset, cls), find_parts(transform, cls),
-             trace_map(dataset, transform))
+             trace_map(dataset, transform) if copies else {})
     for part in (*p.dataset_parts, *p.transform_parts):
         if "R" not in vars(part):
             part.R = np.random.RandomState()

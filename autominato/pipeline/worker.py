@@ -97,7 +97,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -495,6 +495,9 @@ class WorkSpec:
     seed: int
     threads_per_worker: int = 1
     worker_init_fn: Callable[[int], None] | None = None
+    #: The process that built the spec (the training process): its main thread runs the
+    #: objects themselves, never copies (``random_state.plan``'s ``trace_ids``).
+    home_pid: int = field(default_factory=os.getpid)
 
 
 def dumps_for_worker(obj: Any) -> bytes:
