@@ -248,3 +248,26 @@ def test_batches_from_workers_that_copied_the_transforms_invert_in_the_training_
             with pytest.raises(RuntimeError) as refused:
                 Invertd(keys="pred", transform=other, orig_keys="image")(item)
             assert "applied invertible transform" in str(refused.value.__cause__)
+
+
+def test_random_transforms_inside_an_iterable_dataset_draw_per_sample_and_repeat_with_the_seed():
+    # Trial 141: a GridPatchDataset's transform (MONAI's own RandomState) was not reseeded in
+    # the workers: each worker drew the same sequence (every offset twice with 2 workers),
+    # and two Loaders with seed=0 drew differently.
+    from monai.data import GridPatchDataset, PatchIter
+    from monai.transforms import RandShiftIntensity
+
+    def offsets(seed: int) -> list[list[float]]:
+        ds = GridPatchDataset(data=[np.zeros((1, 4, 4), np.float32)] * 2,
+                              patch_iter=PatchIter(patch_size=(2, 2)),
+                              transform=RandShiftIntensity(offsets=0.5, prob=1.0))
+        with Loader(ds, batch_size=1, num_workers=2, seed=seed) as loader:
+            # one offset a patch (the patch was zeros), 8 patches an epoch
+            return [sorted(float(p[0].flatten()[0]) for p in loader) for _ in range(2)]
+
+    first = offsets(0)
+    for epoch in first:
+        assert len(epoch) == 8 and len(set(epoch)) == 8, epoch
+    assert first[0] != first[1]  # a new draw each epoch
+    assert offsets(0) == first  # and the same with the same seed
+    assert offsets(1) != first

@@ -940,8 +940,9 @@ class Streams:
     ``WorkerInfo(id=shard, num_workers=shards)``, so the dataset shards itself as under the
     DataLoader. The k-th sample a shard yields is transformed with
     ``sample_rng(seed, epoch, (shard, k))``; in a worker process the global generators are
-    seeded from ``(seed, epoch, shard, k)`` before it is drawn when there is a transform (see
-    :func:`seed_globals`). One pull of a shard at a time: the scheduler sends the next when
+    seeded from ``(seed, epoch, shard, k)`` before it is drawn (see :func:`seed_globals`), and
+    the dataset's MONAI random transforms from the same key (:func:`reseed_parts`; thread
+    workers share the dataset's and leave them alone, as the global generators). One pull of a shard at a time: the scheduler sends the next when
     this one is answered.
 
     Args:
@@ -985,6 +986,12 @@ class Streams:
                 try:
                     if seeding:
                         seed_globals(spec.seed, epoch, shard, k)
+                        # the dataset's own MONAI random transforms (GridPatchDataset's, say)
+                        # draw as it yields: seeded per sample, as a map-style read is
+                        # (trial 141: every worker drew the same sequence, and seed= did not
+                        # repeat it)
+                        reseed_parts(random_state.plan(spec).dataset_parts, spec.seed, epoch,
+                                     (shard, k), 0)
                     if st[0] is None:
                         st[0] = iter(spec.dataset)
                     sample = next(st[0])
