@@ -145,10 +145,18 @@ def draw_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` that is also a ``ValueError``, since the
+    DataLoader raises ``ValueError`` for some (``batch_size=2.0``: its ``BatchSampler``'s
+    check), and code written against it catches that (trial 141)."""
+
+
 def _check_int(name: str, value: Any, low: int | None) -> int:
-    """``value`` as an int, or a ``TypeError``/``ValueError`` naming the argument ``name``."""
+    """``value`` as an int, or an :class:`ArgumentTypeError` (not an integer) or a
+    ``ValueError`` (under ``low``) naming the argument ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -574,6 +582,9 @@ class Loader:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if multiprocessing_context is not None:
+            if num_workers == 0:  # (the DataLoader's check and words)
+                raise ValueError("multiprocessing_context can only be used with multi-process "
+                                 "loading (num_workers > 0), but got num_workers=0")
             start_method = _start_method_of(multiprocessing_context)
         if start_method not in ("auto", "fork", "forkserver", "spawn"):
             raise ValueError("start_method must be 'auto', 'fork', 'forkserver' or 'spawn', "
@@ -585,6 +596,7 @@ class Loader:
         else:
             pin_memory_effective = bool(pin_memory)
         self._iterable = is_iterable_dataset(dataset)
+        self._iterable_len_said: int | None = None  # len(dataset) as len(loader) read it
         if self._iterable:
             # DataLoader's checks and words for an IterableDataset
             for name, value in (("shuffle", shuffle), ("sampler", sampler),
@@ -895,6 +907,7 @@ class Loader:
                 raise TypeError(f"the iterable dataset ({type(self.dataset).__name__}) has no "
                                 "len(), so neither has the Loader (as with DataLoader)")
             # DataLoader's: from the dataset's own length, whatever the workers' sharding
+            self._iterable_len_said = self._n  # (what a pass that yields more warns of)
             return self._n // self._batch if self.drop_last else -(-self._n // self._batch)
         if self._batch_sampler is not None:
             try:
@@ -1351,6 +1364,27 @@ class Loader:
             self._pipeline.restore_costs(self._sample_seconds)
             self.knobs.subscribe(self._pipeline.knobs_changed)
         return self._pipeline
+
+    def _count_yielded(self, it: Any) -> None:
+        """A batch was returned by iterator ``it``: the DataLoader's warning when a pass over
+        an iterable dataset yields more batches than the length ``len(loader)`` read from it
+        (the same comparison of batches with the dataset's length, and the same text; once a
+        pass here, where the DataLoader warns at every batch beyond it): the only hint that
+        a dataset's ``__len__`` (progress bars, a scheduler's ``total_steps``, Lightning's
+        epoch length) is wrong, or that its copies in the workers do not shard it."""
+        n = it._yielded = getattr(it, "_yielded", 0) + 1
+        said = self._iterable_len_said
+        if said is None or n <= said or getattr(it, "_len_warned", False):
+            return
+        it._len_warned = True
+        msg = (f"Length of IterableDataset {self.dataset} was reported to be {said}"
+               f"(when accessing len(dataloader)), but {n} samples have been fetched. ")
+        if self.knobs.workers > 0:
+            msg += ("For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples.")
+        warnings.warn(msg, stacklevel=4)
 
     def _delivered(self, now: float, wait: float, samples: int, owner: int) -> None:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
@@ -1868,6 +1902,8 @@ class _EpochIterator:
         wait = now - t0
         L = self.L
         L._delivered(now, wait, len(indices), id(self))
+        if L._iterable:
+            L._count_yielded(self)
         return batch
 
     def _poll_h2d(self, wait: bool = False) -> None:
@@ -1994,6 +2030,8 @@ class _SyncIterator:
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
                     self.progress.deliver(pos for pos, _, _ in d.items)
+                    if L._iterable:
+                        L._count_yielded(self)
                     return batch
                 if isinstance(d, Skip):
                     L._skip(d.index, d.error)

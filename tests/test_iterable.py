@@ -297,3 +297,37 @@ def test_an_iterable_dataset_without_num_workers_warns_that_each_worker_iterates
         with Loader(NoSharding(), 4, num_workers=0) as L:
             assert sorted(int(v) for b in L for v in b) == list(range(8))
         Loader(NoSharding(), 4, num_workers=2, autotune=False).close()
+
+
+class _ReportsThreeYieldsEight(torch.utils.data.IterableDataset):
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self):
+        return iter(range(8))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_that_yields_more_batches_than_the_reported_length_warns_as_dataloader(workers):
+    # Trial 141: the DataLoader warns (its only hint that len(loader), which progress bars
+    # and schedulers read, is wrong); the Loader said nothing. Once a pass here, after
+    # len(loader) was read, as the DataLoader; nothing when len() was never asked.
+    import warnings
+
+    ds = _ReportsThreeYieldsEight()
+    with Loader(ds, batch_size=2, num_workers=workers) as loader:
+        with warnings.catch_warnings(record=True) as quiet:
+            warnings.simplefilter("always")
+            assert sum(1 for _ in loader) == (4 if workers == 0 else 8)  # (list() asks len())
+        assert not [w for w in quiet if "Length of IterableDataset" in str(w.message)]
+        assert len(loader) == 2
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                for _ in loader:
+                    pass
+            said = [w for w in said if "Length of IterableDataset" in str(w.message)]
+            assert len(said) == 1 and said[0].filename == __file__
+            assert "was reported to be 3(when accessing len(dataloader)), but 4 samples" in str(
+                said[0].message)
+            assert ("replica at each worker" in str(said[0].message)) == (workers > 0)

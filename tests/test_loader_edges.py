@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from autominato import Loader
 from autominato.pipeline.shm import leftover_segments
@@ -269,6 +269,11 @@ def test_bad_argument_types_name_the_argument():
         Loader(Indexed(4), batch_size="2", autotune=False)
     with pytest.raises(ValueError, match="batch_size"):
         Loader(Indexed(4), batch_size=0, autotune=False)
+    # the DataLoader raises ValueError for batch_size=2.0, and code catches that (trial 141):
+    # a wrong type is a TypeError that is also a ValueError
+    for dl in (DataLoader, Loader):
+        with pytest.raises(ValueError, match="batch_size"):
+            dl(Indexed(4), batch_size=2.0)
     with pytest.raises(TypeError, match="workers"):
         Loader(Indexed(4), 2, workers="4", autotune=False)
     with pytest.raises(TypeError, match="num_workers"):

@@ -304,8 +304,13 @@ def test_multiprocessing_context_names_the_start_method():
         assert L._cfg.start_method == "spawn"
         assert sorted(i for b in firsts(L) for i in b) == list(range(6))
     ctx = multiprocessing.get_context("forkserver")
-    with Loader(Indexed(2), 2, num_workers=0, multiprocessing_context=ctx, autotune=False) as L:
+    with Loader(Indexed(2), 2, num_workers=1, multiprocessing_context=ctx, autotune=False) as L:
         assert L._cfg.start_method == "forkserver" and L.multiprocessing_context is ctx
+    # without workers the DataLoader refuses it, in these words (trial 141: accepted silently)
+    for dl in (DataLoader, Loader):
+        with pytest.raises(ValueError, match=r"multiprocessing_context can only be used with "
+                           r"multi-process loading \(num_workers > 0\), but got num_workers=0"):
+            dl(Indexed(2), 2, num_workers=0, multiprocessing_context=ctx)
     with pytest.raises(ValueError, match="multiprocessing_context"):
         Loader(Indexed(2), 2, multiprocessing_context="threads", autotune=False)
 
