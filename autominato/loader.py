@@ -699,6 +699,7 @@ class Loader:
         self._draws_each_pass = not (persistent_workers and values["workers"] != 0)
         self._draws = 0 if seed is not None else 1  # numbers drawn for passes so far
         self._dl_passes = 0  # the passes the DataLoader would have made by now
+        self._sampler_draws = 0  # passes its RandomSampler drew for (shuffle=True)
         self._last_pass: int | None = None  # id() of the latest pass's iterator
         self._asks = 0  # next() calls, of every pass
         self._asks_at_pass = 0  # next() calls when the latest pass began
@@ -1166,6 +1167,20 @@ class Loader:
         while self._draws < owed:
             draw_seed(self.generator)
             self._draws += 1
+        # shuffle=True: the DataLoader's RandomSampler, iterated at every pass, persistent
+        # workers or not, draws its permutation's seed from the global generator, or two
+        # permutations (a whole pass: torch's RandomSampler.__iter__) from ``generator``
+        # (trial 141: the training loop's numbers after a shuffled pass differed)
+        if (self.shuffle and self._sampler is None and self._batch_sampler is None
+                and not self._iterable and self.world_size == 1):
+            while self._sampler_draws < self._dl_passes:
+                if self.generator is None:
+                    draw_seed(None)
+                else:
+                    n = len(self.dataset)
+                    for _ in range(2):
+                        torch.randperm(n, generator=self.generator)
+                self._sampler_draws += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The state of the most recent iterator, to resume its epoch in a new process

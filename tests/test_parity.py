@@ -237,6 +237,28 @@ def test_the_consumers_wait_counts_the_workers_start_whatever_the_timeout(timeou
         it.stop()
 
 
+@pytest.mark.parametrize("gen", [None, 5])
+@pytest.mark.parametrize("kwargs", [
+    {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}])
+def test_a_shuffled_pass_draws_what_the_dataloaders_random_sampler_draws(kwargs, gen):
+    # Trial 141: shuffle=True's DataLoader iterates a RandomSampler at every pass, which
+    # draws its permutation's seed from the global generator (or two permutations from
+    # ``generator``); the Loader shuffles on its own and drew none of them, so the training
+    # loop's numbers after a shuffled pass (dropout, say) were not the DataLoader's.
+    def run(make) -> list:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(gen) if gen is not None else None
+        loader, seen = make(list(range(10)), batch_size=2, shuffle=True, generator=g,
+                            **kwargs), []
+        for _ in range(3):
+            assert sum(1 for _ in loader) == 5
+            seen += [torch.rand(2).tolist(), None if g is None else torch.rand(1, generator=g)]
+        getattr(loader, "close", lambda: None)()
+        return [x if not isinstance(x, torch.Tensor) else x.tolist() for x in seen]
+
+    assert run(Loader) == run(DataLoader)
+
+
 def test_generator_seeds_shuffling_when_seed_is_not_given():
     def order(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
