@@ -582,7 +582,7 @@ class Loader:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if multiprocessing_context is not None:
-            if num_workers == 0:  # (the DataLoader's check and words)
+            if num_workers == 0 or knobs.get("workers") == 0:  # (DataLoader's check, words)
                 raise ValueError("multiprocessing_context can only be used with multi-process "
                                  "loading (num_workers > 0), but got num_workers=0")
             start_method = _start_method_of(multiprocessing_context)
@@ -1361,10 +1361,11 @@ class Loader:
 
     def _ensure_pipeline(self) -> Pipeline:
         if self._pipeline is None:
-            # (MONAI's invertible transforms record their ids: the workers' copies put the
-            # training process's back, random_state.retrace; without workers nothing is copied)
-            random_state.stamp_traces(self.dataset, self.transform)
             spec = self._work_spec()
+            if self._cfg.worker_kind != "thread":
+                # (MONAI's invertible transforms record their ids: workers that copied them
+                # put these back, random_state.retrace; threads find the originals)
+                spec.trace_ids = random_state.trace_ids(spec.dataset, spec.transform)
             me = weakref.ref(self)
 
             def on_skip(index: int, path: str | None, exc: BaseException) -> None:
@@ -1388,7 +1389,7 @@ class Loader:
         a dataset's ``__len__`` (progress bars, a scheduler's ``total_steps``, Lightning's
         epoch length) is wrong, or that its copies in the workers do not shard it."""
         n = it._yielded = getattr(it, "_yielded", 0) + 1
-        said = self._iterable_len_said
+        said = it._len_said  # (as len(loader) read it when the pass began, as DataLoader's)
         if said is None or n <= said or getattr(it, "_len_warned", False):
             return
         it._len_warned = True
@@ -1762,6 +1763,7 @@ class _EpochIterator:
     def __init__(self, loader: Loader, pipeline: Pipeline, run: Run,
                  progress: resume.Progress) -> None:
         self.L = loader
+        self._len_said = loader._iterable_len_said  # (_count_yielded)
         self.pipeline = pipeline
         self.run = run
         self.progress = progress
@@ -1994,6 +1996,7 @@ class _SyncIterator:
     def __init__(self, loader: Loader, order: list[int], groups: list[int] | None,
                  epoch: int, progress: resume.Progress) -> None:
         self.L = loader
+        self._len_said = loader._iterable_len_said  # (_count_yielded)
         self.epoch = epoch
         self.spec = loader._work_spec()
         self.seeds = loader._seeds_taken  # a load_state_dict may replace the seeds
@@ -2119,6 +2122,7 @@ class _SyncStreamIterator(_SyncIterator):
 
     def __init__(self, loader: Loader, epoch: int, progress: resume.Progress) -> None:
         self.L = loader
+        self._len_said = loader._iterable_len_said  # (_count_yielded)
         self.epoch = epoch
         self.spec = loader._work_spec()
         self.seeds = loader._seeds_taken

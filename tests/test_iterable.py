@@ -331,3 +331,16 @@ def test_a_pass_that_yields_more_batches_than_the_reported_length_warns_as_datal
             assert "was reported to be 3(when accessing len(dataloader)), but 4 samples" in str(
                 said[0].message)
             assert ("replica at each worker" in str(said[0].message)) == (workers > 0)
+    # list() reads len() after iter(): that pass does not warn, the next does (the
+    # DataLoader reads the length when the iterator is made: review 143)
+    for make in (DataLoader, Loader):
+        loader = make(_ReportsThreeYieldsEight(), batch_size=2, num_workers=workers)
+        counts = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                list(loader)
+            counts.append(min(1, sum("Length of IterableDataset" in str(w.message)
+                                     for w in said)))
+        getattr(loader, "close", lambda: None)()
+        assert counts == [0, 1], make

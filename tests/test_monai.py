@@ -213,6 +213,7 @@ def test_an_error_of_a_monai_file_dataset_names_the_sample_and_its_file(tmp_path
     {"multiprocessing_context": "spawn"},  # workers that unpickle the dataset
     {"multiprocessing_context": "spawn", "persistent_workers": False},  # sent again each epoch
     {"worker_kind": "thread"},  # each thread's own copies of the random transforms
+    {"num_workers": 0, "from_a_thread": True},  # the same, the training loop in a thread
 ])
 def test_batches_from_workers_that_copied_the_transforms_invert_in_the_training_process(kind):
     # Trial 141: MONAI's invertible transforms record id(self); Invertd in the training
@@ -220,34 +221,62 @@ def test_batches_from_workers_that_copied_the_transforms_invert_in_the_training_
     # transform CenterSpatialCrop 1400... != 1403..."), so a Loader whose workers do not fork
     # from the training process (built while another thread ran: a validation Loader beside
     # a training one) gave batches no one could invert. The records now carry the ids of the
-    # training process's transforms.
+    # training process's transforms, and the transforms themselves are left untouched
+    # (review 143: an attribute written on them changed their pickle, which MONAI's
+    # PersistentDataset hashes).
+    import threading
+
     from monai.transforms import CenterSpatialCropd, EnsureTyped, Invertd
 
+    kind = dict(kind)
+    in_thread = kind.pop("from_a_thread", False)
     keys = ["image", "label"]
     val = Compose([EnsureTyped(keys=keys), RandFlipd(keys=keys, prob=0.5, spatial_axis=0),
                    CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)])
+    from autominato.pipeline.random_state import find_parts, traceable_class
+
+    def attributes() -> set:
+        return {k for p in find_parts(val, traceable_class()) for k in vars(p)}
     data = [{"image": volume(i), "label": volume(i)} for i in range(4)]
-    loader = Loader(MonaiDataset(data, transform=val), batch_size=2, num_workers=2, **kind)
+    kind.setdefault("num_workers", 2)
+    loader = Loader(MonaiDataset(data, transform=val), batch_size=2, **kind)
     invert = Invertd(keys="pred", transform=val, orig_keys="image")
-    with loader:
-        for _ in range(2):  # (a second epoch: a dataset sent again)
-            inverted = 0
+    other = Compose([EnsureTyped(keys=keys), RandFlipd(keys=keys, prob=0.5),
+                     CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)])
+    seen: list = []
+
+    def epochs() -> None:
+        for _ in range(2):
+            inverted, item = 0, None
             for batch in loader:
                 batch["pred"] = batch["image"].clone()
                 for item in decollate_batch(batch):
                     out = invert(item)["pred"]
                     assert tuple(out.shape) == (1, SIDE, SIDE, SIDE)
                     # the crop's voxels back where they were, the rest padded
-                    image = np.asarray(item["image"])
-                    assert np.asarray(out).sum() == pytest.approx(image.sum(), rel=1e-6)
+                    assert np.asarray(out).sum() == pytest.approx(
+                        np.asarray(item["image"]).sum(), rel=1e-6)
                     inverted += 1
-            assert inverted == 4
+            seen.append(inverted)
             # the check MONAI makes is still made: another Compose's records are refused
-            other = Compose([EnsureTyped(keys=keys), RandFlipd(keys=keys, prob=0.5),
-                             CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)])
             with pytest.raises(RuntimeError) as refused:
                 Invertd(keys="pred", transform=other, orig_keys="image")(item)
             assert "applied invertible transform" in str(refused.value.__cause__)
+            if not loader.persistent_workers:
+                # a dataset changed between epochs: persistent_workers=False sends it again
+                data.append({"image": volume(len(data)), "label": volume(len(data))})
+
+    with loader:
+        if in_thread:
+            failed: list = []
+            t = threading.Thread(target=lambda: (failed.append(None), epochs(), failed.pop()))
+            t.start()
+            t.join(60)
+            assert not failed, "the loop in the thread failed (see its traceback above)"
+        else:
+            epochs()
+    assert seen == ([4, 4] if loader.persistent_workers else [4, 5])
+    assert not [k for k in attributes() if "autominato" in k]
 
 
 def test_random_transforms_inside_an_iterable_dataset_draw_per_sample_and_repeat_with_the_seed():

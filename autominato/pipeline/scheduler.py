@@ -500,6 +500,7 @@ class Pipeline:
                 payload = None
             else:
                 self._dataset_sent = payload
+                payload = self._with_trace_ids(payload)
         self._gen += 1
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
@@ -540,11 +541,21 @@ class Pipeline:
             self.procs is not None
             or any(hasattr(st.executor, "reload") for st in self.sample_stages))
 
+    def _with_trace_ids(self, payload: bytes) -> bytes:
+        """``payload`` (the dataset pickled, sent again) preceded by the ids of its and the
+        transform's MONAI invertible transforms here (``random_state.trace_ids``, read by
+        ``worker._take_dataset``), also set on the spec (Ray's actors take it whole): read
+        only for a dataset that changed, once an epoch at most."""
+        import pickle
+
+        if self.cfg.worker_kind != "thread":
+            self.spec.trace_ids = random_state.trace_ids(self.spec.dataset, self.spec.transform)
+        return pickle.dumps(self.spec.trace_ids) + payload
+
     def _pickled_dataset(self) -> bytes:
         from autominato.pipeline.worker import dumps_for_worker
 
         try:
-            random_state.stamp_traces(self.spec.dataset)  # (see random_state.retrace)
             return dumps_for_worker(self.spec.dataset)
         except Exception as e:
             raise ValueError(

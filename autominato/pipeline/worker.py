@@ -498,6 +498,9 @@ class WorkSpec:
     #: The process that built the spec (the training process): its main thread runs the
     #: objects themselves, never copies (``random_state.plan``'s ``trace_ids``).
     home_pid: int = field(default_factory=os.getpid)
+    #: ``id()`` of the dataset's and transform's MONAI invertible transforms in the training
+    #: process (``random_state.trace_ids``), for workers that hold copies.
+    trace_ids: tuple = ()
 
 
 def dumps_for_worker(obj: Any) -> bytes:
@@ -1214,7 +1217,12 @@ def _take_dataset(spec: WorkSpec, payload: bytes | None) -> None:
     spec's. The caller drops ``payload`` before it runs ``worker_init_fn`` (:func:`start_worker`),
     so that the pickled bytes (as large as an in-memory dataset) are not held beside the copy."""
     if payload is not None:
-        spec.dataset = loads_for_worker(payload)
+        import io
+        import pickle
+
+        data = io.BytesIO(payload)
+        spec.trace_ids = pickle.load(data)  # (Pipeline._with_trace_ids)
+        spec.dataset = loads_for_worker(data)
 
 
 #: A worker given several samples in one message replies for all of them in one message, but
