@@ -624,6 +624,14 @@ class Loader:
         #: ``batch_sampler``, as DataLoader's).
         self.batch_size = None if unbatched or batch_sampler is not None else self._batch
         self.shuffle = bool(shuffle)
+        if self.shuffle and sampler is None and batch_sampler is None and not self._iterable:
+            try:
+                empty = len(dataset) == 0
+            except TypeError:
+                empty = False
+            if empty:  # (the DataLoader's RandomSampler refuses it, in these words)
+                raise ValueError("num_samples should be a positive integer value, but got "
+                                 "num_samples=0")
         self._sampler = sampler  # the user's (None: the Loader's own order)
         #: DataLoader's attribute: the user's sampler, or (as DataLoader's Sequential- /
         #: RandomSampler) one of this Loader's own whose ``set_epoch`` sets the Loader's epoch,

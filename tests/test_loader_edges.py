@@ -274,6 +274,9 @@ def test_bad_argument_types_name_the_argument():
     for dl in (DataLoader, Loader):
         with pytest.raises(ValueError, match="batch_size"):
             dl(Indexed(4), batch_size=2.0)
+        # an empty dataset to shuffle: the DataLoader's RandomSampler refuses it (review 143)
+        with pytest.raises(ValueError, match="num_samples should be a positive integer value"):
+            dl([], batch_size=2, shuffle=True)
     with pytest.raises(TypeError, match="workers"):
         Loader(Indexed(4), 2, workers="4", autotune=False)
     with pytest.raises(TypeError, match="num_workers"):
