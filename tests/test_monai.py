@@ -300,3 +300,53 @@ def test_random_transforms_inside_an_iterable_dataset_draw_per_sample_and_repeat
     assert first[0] != first[1]  # a new draw each epoch
     assert offsets(0) == first  # and the same with the same seed
     assert offsets(1) != first
+
+
+def _adds_a_transform(_wid: int) -> None:
+    import torch.utils.data as tud
+    from monai.transforms import CenterSpatialCropd
+
+    info = tud.get_worker_info()
+    info.dataset.helper = CenterSpatialCropd(keys=["image"], roi_size=(2, 2, 2))  # never run
+
+
+class _CropAlsoHeld(MonaiDataset):
+    """A dataset that holds one of its transform's steps in an attribute of its own too."""
+
+
+@pytest.mark.parametrize("case", ["rebuilt", "worker_init_fn", "held_twice"])
+def test_records_invert_when_the_transforms_are_rebuilt_added_or_held_twice(case):
+    # Review 144: a deterministic transform built anew between epochs pickles as before, so
+    # the dataset was not sent again and the records named the old objects; a transform a
+    # worker_init_fn added, or one a thread's copy lists twice (reachable inside the copied
+    # random Compose and, as the original, outside it), left every record unpaired.
+    from monai.transforms import CenterSpatialCropd, EnsureTyped, Invertd
+
+    keys = ["image", "label"]
+
+    def make(random: bool) -> Compose:
+        steps = [EnsureTyped(keys=keys), CenterSpatialCropd(keys=keys, roi_size=(ROI,) * 3)]
+        if random:
+            steps.insert(1, RandFlipd(keys=keys, prob=0.5, spatial_axis=0))
+        return Compose(steps)
+
+    data = [{"image": volume(i), "label": volume(i)} for i in range(4)]
+    kind = {"rebuilt": {"multiprocessing_context": "spawn", "persistent_workers": False},
+            "worker_init_fn": {"multiprocessing_context": "spawn",
+                               "worker_init_fn": _adds_a_transform},
+            "held_twice": {"worker_kind": "thread"}}[case]
+    ds = _CropAlsoHeld(data, transform=make(random=case != "rebuilt"))
+    if case == "held_twice":
+        ds.crop = ds.transform.transforms[-1]
+    with Loader(ds, batch_size=2, num_workers=2, **kind) as loader:
+        for _ in range(2):
+            if case == "rebuilt":
+                ds.transform = make(random=False)  # alike: the same pickle
+            invert = Invertd(keys="pred", transform=ds.transform, orig_keys="image")
+            inverted = 0
+            for batch in loader:
+                batch["pred"] = batch["image"].clone()
+                for item in decollate_batch(batch):
+                    assert tuple(invert(item)["pred"].shape) == (1, SIDE, SIDE, SIDE)
+                    inverted += 1
+            assert inverted == 4

@@ -214,14 +214,16 @@ def traceable_class() -> type | None:
     return getattr(mod, "TraceableTransform", None)
 
 
-def trace_ids(dataset: Any, transform: Any) -> tuple[int, ...]:
-    """``id()`` of every MONAI ``TraceableTransform`` reachable from ``dataset`` then from
-    ``transform``, in :func:`find_parts` order (a walk: 0.2-0.7 s for a MONAI ``Dataset`` of
-    100k file dicts on the 2-core machine); ``()`` where MONAI is not imported."""
+def trace_ids(dataset: Any, transform: Any) -> tuple[tuple[str, int], ...]:
+    """``(class name, id())`` of every MONAI ``TraceableTransform`` reachable from ``dataset``
+    then from ``transform``, in :func:`find_parts` order (a walk: 0.2-0.7 s for a MONAI
+    ``Dataset`` of 100k file dicts on the 2-core machine); ``()`` where MONAI is not
+    imported."""
     cls = traceable_class()
     if cls is None:
         return ()
-    return tuple(id(p) for p in find_parts(dataset, cls) + find_parts(transform, cls))
+    return tuple((type(p).__qualname__, id(p))
+                 for p in find_parts(dataset, cls) + find_parts(transform, cls))
 
 
 def _trace_map(spec: Any, dataset: Any, transform: Any, mine: list) -> dict[int, int]:
@@ -230,22 +232,37 @@ def _trace_map(spec: Any, dataset: Any, transform: Any, mine: list) -> dict[int,
     where they differ; empty where they are the originals (the training process's main
     thread, a forked worker). In the training process (a worker thread, or ``num_workers=0``
     from a thread other than the main one) the originals are ``spec``'s own; elsewhere their
-    ids came in ``spec.trace_ids``."""
+    ids came in ``spec.trace_ids``.
+
+    The k-th part of a class here is paired with the k-th of that class there, so that a
+    transform one side has and the other has not (added by a ``worker_init_fn``; an original
+    reachable both inside a random transform, which a thread copies, and outside it, where
+    it stays the original) leaves the others paired (review 144: all were left unpaired)."""
     if not mine:
         return {}
     if os.getpid() == getattr(spec, "home_pid", None):
         if dataset is spec.dataset and transform is spec.transform:
             return {}
-        cls = traceable_class()
-        home = [id(p) for p in find_parts(spec.dataset, cls) + find_parts(spec.transform, cls)]
+        home = trace_ids(spec.dataset, spec.transform)
     else:
-        home = list(getattr(spec, "trace_ids", ()) or ())
-    if len(home) != len(mine):
-        if home:
-            log.debug("autominato: %d invertible transforms here, %d in the training process: "
-                      "their records keep this process's ids", len(mine), len(home))
-        return {}
-    return {id(p): h for p, h in zip(mine, home, strict=True) if id(p) != h}
+        home = tuple(getattr(spec, "trace_ids", ()) or ())
+    by_class: dict[str, list[int]] = {}
+    for name, ident in home:
+        by_class.setdefault(name, []).append(ident)
+    taken: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for p in mine:
+        name = type(p).__qualname__
+        k = taken.get(name, 0)
+        ids = by_class.get(name, ())
+        if k < len(ids):
+            taken[name] = k + 1
+            if id(p) != ids[k]:
+                out[id(p)] = ids[k]
+    if len(mine) != len(home) and home:
+        log.debug("autominato: %d invertible transforms here, %d in the training process: "
+                  "paired by class in walk order", len(mine), len(home))
+    return out
 
 
 def retrace(sample: Any, ids: dict[int, int]) -> None:

@@ -496,11 +496,15 @@ class Pipeline:
         payload = None
         if self._resends:
             payload = self._pickled_dataset()
-            if payload == self._dataset_sent:
+            # (the transforms' ids too: a transform built anew alike pickles the same, and
+            # the workers' records must then name the new one, review 144)
+            ids = (random_state.trace_ids(self.spec.dataset, self.spec.transform)
+                   if self.cfg.worker_kind != "thread" else ())
+            if payload == self._dataset_sent and ids == self.spec.trace_ids:
                 payload = None
             else:
                 self._dataset_sent = payload
-                payload = self._with_trace_ids(payload)
+                payload = self._with_trace_ids(payload, ids)
         self._gen += 1
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
@@ -541,16 +545,14 @@ class Pipeline:
             self.procs is not None
             or any(hasattr(st.executor, "reload") for st in self.sample_stages))
 
-    def _with_trace_ids(self, payload: bytes) -> bytes:
-        """``payload`` (the dataset pickled, sent again) preceded by the ids of its and the
-        transform's MONAI invertible transforms here (``random_state.trace_ids``, read by
-        ``worker._take_dataset``), also set on the spec (Ray's actors take it whole): read
-        only for a dataset that changed, once an epoch at most."""
+    def _with_trace_ids(self, payload: bytes, ids: tuple) -> bytes:
+        """``payload`` (the dataset pickled, sent again) preceded by ``ids``, those of its and
+        the transform's MONAI invertible transforms here (``random_state.trace_ids``, read by
+        ``worker._take_dataset``), also set on the spec (Ray's actors take it whole)."""
         import pickle
 
-        if self.cfg.worker_kind != "thread":
-            self.spec.trace_ids = random_state.trace_ids(self.spec.dataset, self.spec.transform)
-        return pickle.dumps(self.spec.trace_ids) + payload
+        self.spec.trace_ids = ids
+        return pickle.dumps(ids) + payload
 
     def _pickled_dataset(self) -> bytes:
         from autominato.pipeline.worker import dumps_for_worker
