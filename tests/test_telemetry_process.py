@@ -304,6 +304,15 @@ def test_a_fork_splits_the_shared_pages_anew_at_once(child):
     assert not slow.full  # nothing changed: estimates
 
 
+def _reads_the_parent_and_its_two_forks(meter: ProcessMeter, exact: ProcessMeter) -> None:
+    """``meter`` reads the 128 MiB child and its two forks, every rollup, as ``exact`` does."""
+    read, truth = meter.read(), exact.read()
+    assert len(read.processes) == 3 and meter.full
+    assert abs(read.footprint_bytes - truth.footprint_bytes) < 16 * MiB, (
+        read.footprint_bytes / MiB, truth.footprint_bytes / MiB)
+    assert read.footprint_bytes > 120 * MiB  # the child's pages, split three ways
+
+
 def test_a_fork_between_two_listings_is_found_by_the_parents_next_rollup(child):
     # The bench lists a tree's processes every 0.5 s and reads one rollup every 2 s: a rollup
     # of the parent due after a fork and before the listing halved the parent and left its
@@ -317,11 +326,7 @@ def test_a_fork_between_two_listings_is_found_by_the_parents_next_rollup(child):
     child.do("fork", 2)
     assert len(meter.read().processes) == 1  # not listed, no rollup due: the estimate
     time.sleep(0.35)
-    forked, truth = meter.read(), exact.read()
-    assert len(forked.processes) == 3 and meter.full
-    assert abs(forked.footprint_bytes - truth.footprint_bytes) < 16 * MiB, (
-        forked.footprint_bytes / MiB, truth.footprint_bytes / MiB)
-    assert forked.footprint_bytes > 120 * MiB
+    _reads_the_parent_and_its_two_forks(meter, exact)
 
 
 def test_workers_replaced_between_two_listings_are_listed_before_the_rollups_are_read(child):
@@ -337,11 +342,7 @@ def test_workers_replaced_between_two_listings_are_listed_before_the_rollups_are
     assert len(meter.read().processes) == 3
     child.do("unfork", 0)
     child.do("fork", 2)
-    replaced, truth = meter.read(), exact.read()
-    assert len(replaced.processes) == 3 and meter.full
-    assert abs(replaced.footprint_bytes - truth.footprint_bytes) < 16 * MiB, (
-        replaced.footprint_bytes / MiB, truth.footprint_bytes / MiB)
-    assert replaced.footprint_bytes > 120 * MiB
+    _reads_the_parent_and_its_two_forks(meter, exact)
 
 
 def test_descendants_are_listed_every_tree_every_seconds_and_bring_their_cpu(child):
