@@ -1185,9 +1185,8 @@ class Loader:
                 if self.generator is None:
                     draw_seed(None)
                 else:
-                    n = len(self.dataset)
                     for _ in range(2):
-                        torch.randperm(n, generator=self.generator)
+                        torch.randperm(self._n, generator=self.generator)
                 self._sampler_draws += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -142,8 +142,8 @@ class Plan:
     dataset_parts: list = field(default_factory=list)
     transform_parts: list = field(default_factory=list)
     #: ``id`` of each MONAI ``TraceableTransform`` copy here -> its original's in the training
-    #: process, where they differ (:func:`trace_map`); empty where the objects are the same.
-    trace_ids: dict = field(default_factory=dict)
+    #: process, where they differ (:func:`_trace_map`); empty where the objects are the same.
+    trace_map: dict = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -266,7 +266,7 @@ def _trace_map(spec: Any, dataset: Any, transform: Any, mine: list) -> dict[int,
 
 
 def retrace(sample: Any, ids: dict[int, int]) -> None:
-    """Put the training process's ids (``ids``: :func:`trace_map`) in place of this
+    """Put the training process's ids (``ids``: :func:`_trace_map`'s) in place of this
     process's in the transform records of ``sample``, in place: each ``MetaTensor``'s
     ``applied_operations`` and ``pending_operations``, and the ``<key>_transforms`` lists of
     a dictionary (MONAI's records beside arrays that are not ``MetaTensor`` s), nested records

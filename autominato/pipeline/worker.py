@@ -496,7 +496,7 @@ class WorkSpec:
     threads_per_worker: int = 1
     worker_init_fn: Callable[[int], None] | None = None
     #: The process that built the spec (the training process): its main thread runs the
-    #: objects themselves, never copies (``random_state.plan``'s ``trace_ids``).
+    #: objects themselves, never copies (``random_state.plan``'s ``trace_map``).
     home_pid: int = field(default_factory=os.getpid)
     #: ``id()`` of the dataset's and transform's MONAI invertible transforms in the training
     #: process (``random_state.trace_ids``), for workers that hold copies.
@@ -803,8 +803,8 @@ def run_sample(
             sample = own.transform(sample, sample_rng(spec.seed, epoch, index, draw))
         else:
             sample = own.transform(sample)
-    if own.trace_ids:  # (MONAI's records: the training process's transforms' ids)
-        random_state.retrace(sample, own.trace_ids)
+    if own.trace_map:  # (MONAI's records: the training process's transforms' ids)
+        random_state.retrace(sample, own.trace_map)
     return sample, t1 - t0, time.perf_counter() - t1
 
 
@@ -945,7 +945,8 @@ class Streams:
     ``sample_rng(seed, epoch, (shard, k))``; in a worker process the global generators are
     seeded from ``(seed, epoch, shard, k)`` before it is drawn (see :func:`seed_globals`), and
     the dataset's MONAI random transforms from the same key (:func:`reseed_parts`; thread
-    workers share the dataset's and leave them alone, as the global generators). One pull of a shard at a time: the scheduler sends the next when
+    workers share the dataset's and leave them alone, as the global generators). One pull of
+    a shard at a time: the scheduler sends the next when
     this one is answered.
 
     Args:

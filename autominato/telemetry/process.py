@@ -431,16 +431,13 @@ class ProcessMeter:
             self._rollups.pop(key, None)
             return 0, 0
         last = self._rollups.get(key)
-        if self.full or last is None:
-            rolled[key] = self._read_rollup(p, key, now, private, rss)
-            return rolled[key]
-        if due:
-            rolled[key] = self._read_rollup(p, key, now, private, rss)
-            if (self.children and rolled[key][0] is not None
-                    and rolled[key][0] < self._estimate(p, last, private)[0] - self.SHARED_BYTES):
-                self._split = True  # new sharers of its pages: see read()
-            return rolled[key]
-        return self._estimate(p, last, private)
+        if not (self.full or due or last is None):
+            return self._estimate(p, last, private)
+        pss, shmem_pss = rolled[key] = self._read_rollup(p, key, now, private, rss)
+        if (due and last is not None and self.children and pss is not None
+                and pss < self._estimate(p, last, private)[0] - self.SHARED_BYTES):
+            self._split = True  # new sharers of its pages: see read()
+        return pss, shmem_pss
 
     @staticmethod
     def _estimate(p: psutil.Process, last: tuple, private: int) -> tuple[int, int | None]:
