@@ -1395,9 +1395,9 @@ class Loader:
         pass here, where the DataLoader warns at every batch beyond it): the only hint that
         a dataset's ``__len__`` (progress bars, a scheduler's ``total_steps``, Lightning's
         epoch length) is wrong, or that its copies in the workers do not shard it."""
-        n = it._yielded = getattr(it, "_yielded", 0) + 1
+        n = it._yielded = it._yielded + 1
         said = it._len_said  # (as len(loader) read it when the pass began, as DataLoader's)
-        if said is None or n <= said or getattr(it, "_len_warned", False):
+        if said is None or n <= said or it._len_warned:
             return
         it._len_warned = True
         msg = (f"Length of IterableDataset {self.dataset} was reported to be {said}"
@@ -1770,7 +1770,9 @@ class _EpochIterator:
     def __init__(self, loader: Loader, pipeline: Pipeline, run: Run,
                  progress: resume.Progress) -> None:
         self.L = loader
-        self._len_said = loader._iterable_len_said  # (_count_yielded)
+        # (_count_yielded: the length len(loader) read as the pass began, batches returned)
+        self._len_said = loader._iterable_len_said
+        self._yielded, self._len_warned = 0, False
         self.pipeline = pipeline
         self.run = run
         self.progress = progress
@@ -2003,7 +2005,9 @@ class _SyncIterator:
     def __init__(self, loader: Loader, order: list[int], groups: list[int] | None,
                  epoch: int, progress: resume.Progress) -> None:
         self.L = loader
-        self._len_said = loader._iterable_len_said  # (_count_yielded)
+        # (_count_yielded: the length len(loader) read as the pass began, batches returned)
+        self._len_said = loader._iterable_len_said
+        self._yielded, self._len_warned = 0, False
         self.epoch = epoch
         self.spec = loader._work_spec()
         self.seeds = loader._seeds_taken  # a load_state_dict may replace the seeds
@@ -2129,7 +2133,9 @@ class _SyncStreamIterator(_SyncIterator):
 
     def __init__(self, loader: Loader, epoch: int, progress: resume.Progress) -> None:
         self.L = loader
-        self._len_said = loader._iterable_len_said  # (_count_yielded)
+        # (_count_yielded: the length len(loader) read as the pass began, batches returned)
+        self._len_said = loader._iterable_len_said
+        self._yielded, self._len_warned = 0, False
         self.epoch = epoch
         self.spec = loader._work_spec()
         self.seeds = loader._seeds_taken
