@@ -1246,20 +1246,9 @@ class Loader:
                 # This Loader drew its seeds (resume.check refuses a given one): take the state's.
                 self.seed, self.shuffle_seed = int(state["seed"]), int(state["shuffle_seed"])
                 self._seeds_taken += 1  # live iterators of the old seeds stop (_SEED_REPLACED)
-                if self._pipeline is not None:  # its workers hold the drawn seed
-                    p = self._pipeline
-                    self.knobs.unsubscribe(p.knobs_changed)
-                    # A live iterator cannot go on (its workers hold the old seed): it raises
-                    # rather than end as if its epoch were complete.
-                    # (close() counts the next epoch of the old seed's order as discarded)
-                    p.close(RuntimeError(_SEED_REPLACED))
-                    # (its figures, else those it was given: memory_aware=False measures none)
-                    self._memory_figures = p.memory.saved() or self._memory_figures
-                    self._sample_seconds = p.costs.saved() or self._sample_seconds
-                    with self._counts_lock:  # snapshot() sees the pipeline or its counts
-                        self._pipeline = None
-                        for name in _PIPELINE_COUNTERS:
-                            self._retired[name] += getattr(p, name)  # (counters never go back)
+                # Its workers hold the drawn seed. A live iterator cannot go on: it raises
+                # rather than end as if its epoch were complete.
+                self._drop_pipeline(RuntimeError(_SEED_REPLACED))
             n = self._n
             if state.get("sample_memory") is not None and len(state["sample_memory"]) == n:
                 given = list(state["sample_memory"])
@@ -1496,6 +1485,57 @@ class Loader:
             end = now if self._away_seen is None else max(now, self._away_seen)
             self._away_since = self._away_seen = None
             self._away_s += max(0.0, end - since)
+
+    def _drop_pipeline(self, error: BaseException) -> None:
+        """Stop the workers and the pipeline's threads and unlink its shared memory, keeping
+        what the pipeline learnt (sample figures, counters): the next ``iter()`` builds a new
+        one. A live iterator raises ``error`` at its next ``next()``. Call with ``_lock``
+        held."""
+        p = self._pipeline
+        if p is None:
+            return
+        self.knobs.unsubscribe(p.knobs_changed)
+        p.close(error)  # (counts a next epoch loaded ahead as discarded)
+        # (its figures, else those it was given: memory_aware=False measures none)
+        self._memory_figures = p.memory.saved() or self._memory_figures
+        self._sample_seconds = p.costs.saved() or self._sample_seconds
+        with self._counts_lock:  # snapshot() sees the pipeline or its counts
+            self._pipeline = None
+            for name in _PIPELINE_COUNTERS:
+                self._retired[name] += getattr(p, name)  # (counters never go back)
+
+    @property
+    def _iterator(self) -> None:
+        """The DataLoader's attribute for its iterator that holds persistent workers; always
+        ``None`` here (no DataLoader iterator). Setting it to ``None``, or deleting it, shuts
+        the workers down, as it does the DataLoader's persistent workers where the caller
+        shuts them first: Lightning does so with every loader that has the attribute when a
+        ``fit``, ``validate``, ``test`` or ``predict`` ends
+        (``lightning.pytorch.utilities.combined_loader._shutdown_workers_and_reset_iterator``),
+        so the Loader's workers, their fork server and shared memory go then, not when the
+        trainer and the module are deleted. The Loader stays usable: the next ``iter()``
+        starts new workers (with the sample figures and knobs it had). A pass still live
+        raises ``RuntimeError`` at its next ``next()``.
+
+        Raises:
+            ValueError: set to anything but ``None``.
+        """
+        return None
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError("Loader._iterator can only be set to None (which shuts the "
+                             f"workers down), not {type(value).__name__}")
+        del self._iterator
+
+    @_iterator.deleter
+    def _iterator(self) -> None:
+        with self._lock:
+            if self._closed or self._pipeline is None:
+                return
+            log.debug("the loader's iterator was reset: its workers stop")
+            self._drop_pipeline(RuntimeError(_WORKERS_RESET))
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
@@ -1993,6 +2033,9 @@ def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
 _SEED_REPLACED = ("load_state_dict() took the state's seed while an iterator of this Loader was "
                   "live: that iterator's epoch was stopped; start a new pass (iter(loader)) to "
                   "resume from the state")
+_WORKERS_RESET = ("the Loader's workers were shut down while this pass was live (loader._iterator "
+                  "was reset to None, as Lightning does when a fit or validation ends): start a "
+                  "new pass (iter(loader))")
 
 
 class _SyncIterator:

@@ -329,3 +329,72 @@ def test_seed_everything_with_workers_sets_its_worker_init_fn_and_the_fit_runs(m
         monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     assert trainer.global_step == 2 and loader.worker_init_fn is not None
     assert sorted(i for _, _, ix in model.seen for i in ix) == list(range(8))
+
+
+class TwoLoaders(Linear):
+    """Fits from a training Loader and validates on another (both with worker processes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_loader = Loader(Points(), batch_size=4, shuffle=True, seed=3, num_workers=2,
+                                   autotune=False)
+        self.val_loader = Loader(Points(), batch_size=4, num_workers=1, autotune=False)
+        self.loaders.append(self.train_loader)
+
+    def train_dataloader(self):
+        return self.train_loader
+
+    def val_dataloader(self):
+        return self.val_loader
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+def _our_segments() -> set[str]:
+    from autominato.pipeline.shm import leftover_segments
+
+    return set(leftover_segments(os.getpid()))
+
+
+def test_the_workers_stop_when_lightning_ends_a_fit_and_start_again_for_the_next():
+    """Lightning shuts down a DataLoader's persistent workers when a fit or a validation ends
+    (it resets ``_iterator`` of each loader that has one); the Loader's workers, their fork
+    server and shared memory go then too, not when the trainer and the module are deleted
+    (trial 145: 6 processes left after a fit), and the same Loaders fit and validate again."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}  # (another test's, if any)
+
+    def ours() -> set[int]:
+        return {p.pid for p in me.children(recursive=True)} - before
+
+    model = TwoLoaders()
+    try:
+        assert ours() and _our_segments()  # (started at construction)
+        trainer = quiet_trainer(max_epochs=2)
+        trainer.fit(model)
+        assert trainer.global_step == 4
+        assert ours() == set() and _our_segments() == set()
+        for _, _, ix in model.seen:
+            assert len(ix) == 4
+        assert sorted(i for _, _, ix in model.seen for i in ix) == sorted(list(range(8)) * 2)
+        quiet_trainer().validate(model, verbose=False)
+        assert ours() == set()
+        model.seen.clear()
+        quiet_trainer(max_epochs=1).fit(model)  # the same Loaders start new workers
+        assert sorted(i for _, _, ix in model.seen for i in ix) == list(range(8))
+        assert ours() == set()
+        # A pass that is live when its workers stop raises (it does not end as if whole).
+        it = iter(model.train_loader)
+        next(it)
+        model.train_loader._iterator = None
+        with pytest.raises(RuntimeError, match="workers were shut down"):
+            list(it)
+        assert sorted(int(i) for _, _, b in model.train_loader for i in b) == list(range(8))
+        with pytest.raises(ValueError, match="only be set to None"):
+            model.train_loader._iterator = object()
+    finally:
+        model.train_loader.close()
+        model.val_loader.close()
