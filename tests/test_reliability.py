@@ -677,6 +677,45 @@ def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path)
         0, 0, t1 - t0, "none" if not segs and not survivors else f"{survivors} {segs}")
 
 
+CHAINED = textwrap.dedent("""
+    import os, signal, time
+    import numpy as np
+    from autominato import Loader
+
+    if __name__ == "__main__":
+        loader = Loader([np.full(4, i) for i in range(8)], 2, workers=1, autotune=False)
+        # Installed after the Loader's, calling the handler it found: as Lightning's signal
+        # connector does with a Loader built before Trainer.fit.
+        found, got = signal.getsignal(signal.SIGTERM), []
+
+        def graceful(signum, frame):
+            got.append(signum)
+            found(signum, frame)
+
+        signal.signal(signal.SIGTERM, graceful)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        rows = sorted(int(b[k, 0]) for b in loader for k in range(len(b)))
+        loader.close()
+        print("GOT", got, rows, flush=True)
+""")
+
+
+@pytest.mark.slow  # a fresh Python that imports torch
+def test_a_sigterm_handler_installed_later_that_calls_the_loaders_keeps_the_process_alive(tmp_path):
+    """Lightning's graceful SIGTERM (``SIGTERMException`` at the next step, ``on_exception``,
+    its SLURM requeue) with a Loader built before ``Trainer.fit``: Lightning's handler calls
+    the Loader's, which must not kill the workers and die (trial 145: exit status 143)."""
+    script = tmp_path / "chained.py"
+    script.write_text(CHAINED)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"GOT [{int(signal.SIGTERM)}] {list(range(8))}" in done.stdout, done.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Exceptions that cannot be pickled
 

@@ -4,7 +4,9 @@ SIGINT raises KeyboardInterrupt and the loaders close on the way out (``with``,
 ``Loader.close`` or the atexit hook). SIGTERM's default action ends the process at once,
 without atexit, leaving /dev/shm segments (which outlive processes) and workers busy on a
 sample. So, where SIGTERM still has its default action, a handler cleans up first and then dies
-by SIGTERM all the same (the exit status a job scheduler expects).
+by SIGTERM all the same (the exit status a job scheduler expects). A handler the application
+installs later replaces it; one that calls it in turn (Lightning chains the handler it finds)
+finds it inert: the application handles SIGTERM then.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ def install() -> None:
 def _on_sigterm(signum: int, frame: Any) -> None:
     # This runs in the main thread between two bytecodes, perhaps while it holds a lock that
     # an orderly close would need: take no lock, join nothing.
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        # A handler installed after ours calls it (Lightning's signal connector chains the
+        # handler it found): the application handles SIGTERM (Lightning raises
+        # SIGTERMException at the next step, its SLURM requeue ignores the signal), and its
+        # exit path closes the loaders, as when it installed its handler first. Dying here
+        # would skip it (trial 145: exit status 143, no on_exception, no finally).
+        return
     if os.getpid() == _installed_in:  # not in a child forked after installing
         for p in list(live):
             try:
