@@ -559,3 +559,17 @@ def test_advice_of_more_workers_or_a_separate_read_says_what_it_does_to_memory_a
     # nothing held: the advice as before
     d = diagnose(with_cpu(fused_history(), cores_used=0.5))
     assert "memory-aware" not in d.suggestion and "fuse_read=False)" in d.suggestion
+
+
+def test_a_slow_collate_is_collate_bound_and_names_collate_fn_not_workers(monkeypatch):
+    """The batch stage is one thread of the training process: more workers or cheaper
+    transforms do not shorten it (trial 145: the report advised both, "no spare cores",
+    for a collate_fn that slept 150 ms)."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    d = diagnose(history(step_s=0.050, wait_s=0.100, collate_s=0.150))
+    assert d.kind == "collate" and d.stage == "batch"
+    assert d.shares["batch"] == pytest.approx(3.0)
+    assert "150.0 ms a batch" in d.summary and "collate_fn" in d.suggestion
+    assert "workers" not in d.suggestion.replace("in the workers", "")
+    assert "cores" not in d.suggestion and "cheaper transforms" not in d.suggestion
+    assert "diagnosis: collate bound (batch)" in format_report(d)

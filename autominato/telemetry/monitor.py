@@ -16,8 +16,8 @@ per batch, spread over its workers, fits in one step::
 When the accelerator idle share (consumer wait / (wait + step)) is at or below
 ``idle_threshold`` the loader keeps up and the run is **consumer bound**. Otherwise the stage
 with the largest share is the bottleneck if that share is at least :data:`SATURATED`: the read
-stage means **I/O bound**, the transform or batch stage **CPU bound**, the transfer stage
-**transfer bound**. When one set of workers reads and transforms (a fused read, the default,
+stage means **I/O bound**, the transform stage **CPU bound**, the batch stage (``collate_fn``,
+one thread of the training process) **collate bound**, the transfer stage **transfer bound**. When one set of workers reads and transforms (a fused read, the default,
 or ``workers=0``) their shares add up, and the pair is **CPU bound** unless the loader's
 processes used less than :data:`~autominato.telemetry.cores.CPU_BUSY` of the cores (then the
 workers mostly wait: **I/O bound**); decompressing a ``.nii.gz`` in the read is CPU work. When
@@ -73,6 +73,7 @@ KINDS = {
     "io": "I/O bound",
     "cpu": "CPU bound",
     "transfer": "transfer bound",
+    "collate": "collate bound",
     "sync": "synchronisation bound",
     "consumer": "consumer bound (the loader keeps up)",
     "none": "not enough data yet",
@@ -134,8 +135,8 @@ class Diagnosis:
     """What :func:`diagnose` found.
 
     Attributes:
-        kind: one of :data:`KINDS` (``io``, ``cpu``, ``transfer``, ``sync``, ``consumer``,
-            ``none``).
+        kind: one of :data:`KINDS` (``io``, ``cpu``, ``transfer``, ``collate``, ``sync``,
+            ``consumer``, ``none``).
         stage: the bottleneck stage (``read``, ``transform``, ``batch``, ``transfer``) or None.
         summary: one sentence of evidence with the figures.
         suggestion: a concrete change (a knob and a value where one applies).
@@ -562,19 +563,30 @@ def _bottleneck(
             f"{lat * 1e3:.1f} ms per sample (limit {(read_threshold or 0) * 1e3:.1f} ms){used}",
             advice,
         )
-    if stage in ("transform", "batch"):
+    if stage == "batch":
+        # One thread of the training process collates every batch (collate_fn): neither more
+        # workers nor cheaper transforms shorten it (trial 145: that advice, and "no spare
+        # cores" with no CPU figure, for a collate_fn that slept).
+        lat = cur.stages["batch"].mean_service_s or 0.0
+        return (
+            "collate", stage,
+            f"batch assembly (collate_fn, in one thread of the training process) takes "
+            f"{share:.2f}x the {step * 1e3:.1f} ms step: {lat * 1e3:.1f} ms a batch{used}",
+            "move the collate_fn's work per sample into the dataset or the transform (they "
+            "run in the workers, in parallel), or make collate_fn cheaper (no per-sample "
+            "Python work or waits: stack arrays)",
+        )
+    if stage == "transform":
         n = knobs.get("workers", workers)
         cap = budget.worker_cap(n, cpu)
-        where = "transforms" if stage == "transform" else "batch assembly (collate)"
-        if stage == "transform" and fused:
-            where = "reads and transforms (in the same workers)"
+        where = "reads and transforms (in the same workers)" if fused else "transforms"
         more = (
             f"more workers (workers {n} -> {min(_needed(max(n, 1), share), cap)}, "
             f"{budget.cores} usable cores)"
-            if stage == "transform" and n < cap
+            if n < cap
             else f"no spare cores ({budget.cores} usable)"
         )
-        if stage == "transform" and n < cap and last.samples_held_for_memory_total:
+        if n < cap and last.samples_held_for_memory_total:
             more += _MORE_WORKERS_MEMORY
         return (
             "cpu", stage,
