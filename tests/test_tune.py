@@ -105,12 +105,26 @@ def pipeline_args(transform: str = "quick_transform", step: float = 0.01) -> lis
 
 
 def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
-    tmp_path, space, capsys
+    tmp_path, space, capsys, monkeypatch
 ):
+    import threading
+
+    from autominato.tuning.pipeline import Pipeline
+
+    threads_at_build = []  # the progress bar runs no thread of its own while trials build
+    build = Pipeline.build_loader  # Loaders, so their workers fork (trial 145)
+
+    def counted(self, params):
+        threads_at_build.append(threading.active_count())
+        return build(self, params)
+
+    monkeypatch.setattr(Pipeline, "build_loader", counted)
+    before = threading.active_count()
     out = tmp_path / "out"
     argv = [*pipeline_args(), "--space", str(space), "--trials", "2", "--out", str(out),
             "--window", "4", "--warmup", "1", "--study-name", "small"]  # fmt: skip
     assert tune(*argv, progress=True) == 0
+    assert len(threads_at_build) >= 3 and set(threads_at_build) == {before}
     assert (out / "study.db").is_file()
     storage = f"sqlite:///{out / 'study.db'}"
     assert len(optuna.load_study(study_name="small", storage=storage).trials) == 2

@@ -343,6 +343,11 @@ def run_study(
             TimeElapsedColumn(),
             TextColumn("{task.fields[best]}"),
             console=console,
+            # Redrawn after each trial, not by a thread of its own: a trial's Loader built
+            # while another thread runs starts its workers from a new interpreter (1-2 s, and
+            # not the fork a training script's Loader gets), with advice to the user that
+            # does not apply here (trial 145).
+            auto_refresh=False,
         )
         if progress
         else None
@@ -371,6 +376,7 @@ def run_study(
             shown = f"best idle {best.value:.3f} (trial {best.number})" if best else ""
             bar.update(task, advance=1, best=shown)
             bar.console.print(line)
+            bar.refresh()
         else:
             console.print(line)
 
