@@ -1507,15 +1507,18 @@ class Loader:
     @property
     def _iterator(self) -> None:
         """The DataLoader's attribute for its iterator that holds persistent workers; always
-        ``None`` here (no DataLoader iterator). Setting it to ``None``, or deleting it, shuts
-        the workers down, as it does the DataLoader's persistent workers where the caller
-        shuts them first: Lightning does so with every loader that has the attribute when a
+        ``None`` here (no DataLoader iterator). Setting it to ``None``, or deleting it, stops
+        the workers, as it does the DataLoader's persistent workers where the caller shuts
+        them first: Lightning does so with every loader that has the attribute when a
         ``fit``, ``validate``, ``test`` or ``predict`` ends
         (``lightning.pytorch.utilities.combined_loader._shutdown_workers_and_reset_iterator``),
-        so the Loader's workers, their fork server and shared memory go then, not when the
-        trainer and the module are deleted. The Loader stays usable: the next ``iter()``
-        starts new workers (with the sample figures and knobs it had). A pass still live
-        raises ``RuntimeError`` at its next ``next()``.
+        so the Loader's workers and the shared memory no batch holds go then, not when the
+        trainer and the module are deleted (see :meth:`Pipeline.park
+        <autominato.pipeline.scheduler.Pipeline.park>`). Its fork server stays (one process,
+        idle), so that the next ``iter()`` forks new workers as at the first (no pickling,
+        no new interpreter), with the sample figures and knobs the Loader had. A pass still
+        live gets the batches already made, then raises ``RuntimeError``; a next epoch
+        loaded ahead is discarded.
 
         Raises:
             ValueError: set to anything but ``None``.
@@ -1532,10 +1535,11 @@ class Loader:
     @_iterator.deleter
     def _iterator(self) -> None:
         with self._lock:
-            if self._closed or self._pipeline is None:
+            p = self._pipeline
+            if self._closed or p is None:
                 return
             log.debug("the loader's iterator was reset: its workers stop")
-            self._drop_pipeline(RuntimeError(_WORKERS_RESET))
+            p.park(_WORKERS_RESET)
 
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent."""
@@ -1558,8 +1562,9 @@ class Loader:
             self._controller.stop()
         if self._telemetry is not None:
             self._telemetry.close()  # its last report sees the workers still running
-        if self._pipeline is not None:
-            self._pipeline.close()
+        p = self._pipeline
+        if p is not None:
+            p.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -1651,7 +1656,8 @@ class Loader:
     def worker_pids(self) -> list[int]:
         """PIDs of the transform worker processes (empty with thread workers; with Ray, the
         actors on this machine)."""
-        return self._pipeline.worker_pids() if self._pipeline is not None else []
+        p = self._pipeline  # (read once: load_state_dict may drop it meanwhile)
+        return p.worker_pids() if p is not None else []
 
     def report_decision(self, decision: Any) -> None:
         """Record a controller decision and pass it to every hook in ``decision_hooks``."""

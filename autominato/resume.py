@@ -205,8 +205,8 @@ def _warn_restart(text: str) -> None:
 def _figures(loader: Any, n: int | None) -> list[int] | None:
     """Memory-aware dispatch's figures for the state: one per index of a dataset of ``n``
     (``None`` when the dataset changed length since they were measured)."""
-    for figures in (loader._pipeline.memory.saved() if loader._pipeline is not None else None,
-                    loader._memory_figures):
+    p = loader._pipeline  # (read once: load_state_dict in another thread may drop it)
+    for figures in (p.memory.saved() if p is not None else None, loader._memory_figures):
         if figures is not None and len(figures) == n:
             return figures
     return None
@@ -214,8 +214,8 @@ def _figures(loader: Any, n: int | None) -> list[int] | None:
 
 def _seconds(loader: Any, n: int | None) -> list[float] | None:
     """Slow-first dispatch's figures for the state, likewise (seconds per index)."""
-    for seconds in (loader._pipeline.costs.saved() if loader._pipeline is not None else None,
-                    loader._sample_seconds):
+    p = loader._pipeline
+    for seconds in (p.costs.saved() if p is not None else None, loader._sample_seconds):
         if seconds is not None and len(seconds) == n:
             return seconds
     return None

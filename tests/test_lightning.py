@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 import warnings
 
 import lightning as L
@@ -331,15 +333,28 @@ def test_seed_everything_with_workers_sets_its_worker_init_fn_and_the_fit_runs(m
     assert sorted(i for _, _, ix in model.seen for i in ix) == list(range(8))
 
 
+class LockedPoints(Points):
+    """Points that cannot be pickled (they hold a lock): the workers must fork."""
+
+    def __init__(self, n: int = 8) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+
 class TwoLoaders(Linear):
-    """Fits from a training Loader and validates on another (both with worker processes)."""
+    """Fits from a training Loader and validates on another (both with worker processes and
+    the controller's thread; the training one over a dataset that only a fork gives the
+    workers)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.train_loader = Loader(Points(), batch_size=4, shuffle=True, seed=3, num_workers=2,
-                                   autotune=False)
-        self.val_loader = Loader(Points(), batch_size=4, num_workers=1, autotune=False)
+        self.train_loader = Loader(LockedPoints(), batch_size=4, shuffle=True, seed=3,
+                                   num_workers=2)
+        # (built while the first one's threads run: its workers start from a new
+        # interpreter, which gets its dataset pickled)
+        self.val_loader = Loader(Points(), batch_size=4, num_workers=1)
         self.loaders.append(self.train_loader)
+        self.workers: set[int] = set()  # every worker seen while a batch was stepped
 
     def train_dataloader(self):
         return self.train_loader
@@ -347,54 +362,94 @@ class TwoLoaders(Linear):
     def val_dataloader(self):
         return self.val_loader
 
+    def training_step(self, batch, batch_idx):
+        self.workers.update(self.train_loader.worker_pids())
+        return super().training_step(batch, batch_idx)
+
     def validation_step(self, batch, batch_idx):
-        pass
+        self.workers.update(self.val_loader.worker_pids())
 
 
-def _our_segments() -> set[str]:
-    from autominato.pipeline.shm import leftover_segments
+def _memory_segments() -> set[str]:
+    """This process's shared-memory segments that hold memory (not the pools' lock files)."""
+    from autominato.pipeline.shm import LOCK_SUFFIX, leftover_segments
 
-    return set(leftover_segments(os.getpid()))
+    return {s for s in leftover_segments(os.getpid()) if not s.endswith(LOCK_SUFFIX)}
 
 
-def test_the_workers_stop_when_lightning_ends_a_fit_and_start_again_for_the_next():
+def test_the_workers_stop_when_lightning_ends_a_fit_and_fork_again_for_the_next():
     """Lightning shuts down a DataLoader's persistent workers when a fit or a validation ends
-    (it resets ``_iterator`` of each loader that has one); the Loader's workers, their fork
-    server and shared memory go then too, not when the trainer and the module are deleted
-    (trial 145: 6 processes left after a fit), and the same Loaders fit and validate again."""
+    (it resets ``_iterator`` of each loader that has one); the Loader's workers and shared
+    memory go then too, not when the trainer and the module are deleted (trial 145: 6
+    processes left after a fit). The same Loaders fit and validate again, their workers
+    forked from the fork server kept (a dataset that does not pickle: review 148)."""
     import psutil
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}  # (another test's, if any)
 
-    def ours() -> set[int]:
-        return {p.pid for p in me.children(recursive=True)} - before
+    def ours() -> list[psutil.Process]:
+        return [p for p in me.children(recursive=True) if p.pid not in before]
+
+    def settled(workers: set[int]) -> None:
+        """The workers ``workers`` have exited (within 10 s); what is left of ours is the
+        two Loaders' idle fork servers (the second one's forked from the first's), and no
+        shared memory."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(psutil.pid_exists(w) for w in workers):
+            time.sleep(0.05)
+        left = ours()
+        assert not {p.pid for p in left} & workers
+        assert len(left) <= 2, left
+        assert _memory_segments() == set()
 
     model = TwoLoaders()
+    train, val = model.train_loader, model.val_loader
     try:
-        assert ours() and _our_segments()  # (started at construction)
         trainer = quiet_trainer(max_epochs=2)
         trainer.fit(model)
-        assert trainer.global_step == 4
-        assert ours() == set() and _our_segments() == set()
+        assert trainer.global_step == 4 and len(model.workers) == 3
+        settled(model.workers)
+        assert train.worker_pids() == [] and val.worker_pids() == []
         for _, _, ix in model.seen:
             assert len(ix) == 4
         assert sorted(i for _, _, ix in model.seen for i in ix) == sorted(list(range(8)) * 2)
         quiet_trainer().validate(model, verbose=False)
-        assert ours() == set()
+        settled(model.workers)
         model.seen.clear()
-        quiet_trainer(max_epochs=1).fit(model)  # the same Loaders start new workers
+        quiet_trainer(max_epochs=1).fit(model)  # the same Loaders fork new workers
         assert sorted(i for _, _, ix in model.seen for i in ix) == list(range(8))
-        assert ours() == set()
-        # A pass that is live when its workers stop raises (it does not end as if whole).
-        it = iter(model.train_loader)
-        next(it)
-        model.train_loader._iterator = None
-        with pytest.raises(RuntimeError, match="workers were shut down"):
-            list(it)
-        assert sorted(int(i) for _, _, b in model.train_loader for i in b) == list(range(8))
-        with pytest.raises(ValueError, match="only be set to None"):
-            model.train_loader._iterator = object()
+        assert len(model.workers) >= 6
+        settled(model.workers)
     finally:
-        model.train_loader.close()
-        model.val_loader.close()
+        train.close()
+        val.close()
+    assert ours() == []
+
+
+class SlowPoints(Points):
+    def __getitem__(self, i: int):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+
+
+def test_a_pass_live_when_the_workers_stop_gets_the_batches_made_then_raises():
+    loader = Loader(SlowPoints(64), batch_size=4, num_workers=2, autotune=False)
+    try:
+        it = iter(loader)
+        first = next(it)
+        loader._iterator = None
+        got = [first]
+        with pytest.raises(RuntimeError, match="workers were shut down") as raised:
+            for batch in it:
+                got.append(batch)
+        assert len(got) < 16 and raised.value.__traceback__ is not None
+        indices = [int(i) for _, _, b in got for i in b]
+        assert len(set(indices)) == len(indices)  # nothing delivered twice
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(64))
+        with pytest.raises(ValueError, match="only be set to None"):
+            loader._iterator = object()
+        del loader._iterator  # (the DataLoader's other idiom) between passes
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(64))
+    finally:
+        loader.close()

@@ -346,6 +346,7 @@ class Pipeline:
         self.procs: ProcessExecutor | None = None
         self.streams: Streams | None = None  # thread workers' iterators of an iterable dataset
         self._knob_note: int | None = None  # the workers value last said to wait for an epoch
+        self._parked = False  # park(): no workers until the next run starts
         try:
             self.sample_stages: list[Stage] = compose(self)
             self._est_top = 0.0  # the largest estimate in flight or asking at the last ask
@@ -565,6 +566,27 @@ class Pipeline:
                 f"must be picklable ({type(e).__name__}: {e}); use persistent_workers=True or "
                 "worker_kind='thread'") from e
 
+    def park(self, message: str) -> None:
+        """Stop the workers and unlink the shared memory that no batch holds, keeping the
+        pipeline: its fork server (a forked one can serve again: the training process now
+        runs threads it could not fork beside, review 148), its scheduler and what it learnt
+        (sample figures and times, knobs, counters). The next :meth:`start` starts the
+        workers again. Live runs end: a run's batches already made are delivered, then its
+        iterator raises ``RuntimeError(message)``; the next epoch loaded ahead is
+        discarded (and counted). Waits up to 10 s for the scheduler thread to have done
+        it (a busy worker finishes its sample first, then exits). Call from the training
+        loop's thread."""
+        if self._stop.is_set():
+            return
+        spec, self.pending = self.pending, None
+        if spec is not None and not spec.stopped:
+            spec.stopped = True
+            self.events.put(("discard", spec))
+        done = threading.Event()
+        self.events.put(("park", message, done))
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
+            done.wait(10.0)
+
     def stop(self, run: Run) -> None:
         """The consumer abandoned ``run``: free what it holds (its late results too)."""
         run.stopped = True
@@ -780,6 +802,9 @@ class Pipeline:
                 self._result(r)
         elif kind == "start":
             run, payload = ev[1], ev[2]
+            if self._parked:  # (park(): the workers start again, _begin below)
+                self._parked = False
+                self._apply_knobs()
             if payload is not None:
                 self.memory.forget_sizes()  # (a new dataset: its files may differ)
                 if self.procs is not None:
@@ -833,6 +858,13 @@ class Pipeline:
                 self.full_lead_left -= 1
         elif kind == "knobs":
             self._apply_knobs()
+        elif kind == "park":
+            self._parked = True
+            for run in list(self.runs.values()):  # (a new error each: tracebacks of its own)
+                self._end_run(run, ("error", RuntimeError(ev[1])))
+            self._apply_knobs()  # no workers, no free slot kept
+            self.batch_pool.decay(at_once=True)
+            ev[2].set()
 
     def _fail_runs(self, exc: BaseException) -> None:
         """The pipeline cannot serve the live runs (workers die before they are ready): each
@@ -855,6 +887,8 @@ class Pipeline:
             run.finish(("error", exc))
 
     def _want(self, st: Stage) -> int:
+        if self._parked:
+            return 0
         return self.knobs.workers if st.name == "transform" else self.knobs.read_threads
 
     def _apply_knobs(self) -> None:
@@ -870,7 +904,7 @@ class Pipeline:
             self._resize(st, self._want(st))
         if self._memory_aware:  # the keep depends on the worker count: started workers take
             self._update_heap_keep()  # the new one now, not the old at the next tick (0.25 s)
-        self.slots.set_max_slots(2 * k.pool_size)
+        self.slots.set_max_slots(0 if self._parked else 2 * k.pool_size)
         self.batch_pool.max_per_key = k.depth + 3
         for run in self.runs.values():
             with run.cv:
@@ -965,7 +999,8 @@ class Pipeline:
     def _size_stream_workers(self, beginning: Run | None = None) -> None:
         """An iterable dataset: as many workers as the live runs have shards, else as the knob
         (``beginning``: the run that begins now, which has no shard iterated yet)."""
-        want = max((r.epoch.shards for r in self.runs.values()), default=self.knobs.workers)
+        want = max((r.epoch.shards for r in self.runs.values()),
+                   default=0 if self._parked else self.knobs.workers)
         st = self.sample_stages[0]
         # (renewed only while no other run iterates shards: theirs would be lost)
         self._resize(st, want, renew=all(r is beginning for r in self.runs.values()))
