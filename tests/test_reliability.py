@@ -678,21 +678,30 @@ def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path)
 
 
 CHAINED = textwrap.dedent("""
-    import os, signal, time
+    import os, signal, sys, time
     import numpy as np
     from autominato import Loader
 
     if __name__ == "__main__":
         loader = Loader([np.full(4, i) for i in range(8)], 2, workers=1, autotune=False)
+        print("PIDS", *loader.worker_pids(), flush=True)
         # Installed after the Loader's, calling the handler it found: as Lightning's signal
-        # connector does with a Loader built before Trainer.fit.
+        # connector does with a Loader built before Trainer.fit, or a handler of one's own.
         found, got = signal.getsignal(signal.SIGTERM), []
 
-        def graceful(signum, frame):
+        def note(signum, frame):
             got.append(signum)
-            found(signum, frame)
 
-        signal.signal(signal.SIGTERM, graceful)
+        if sys.argv[1] == "lightning":
+            from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
+            signal.signal(signal.SIGTERM, _HandlersCompose([note, found]))
+        else:
+            def chained(signum, frame):
+                note(signum, frame)
+                found(signum, frame)
+
+            signal.signal(signal.SIGTERM, chained)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)
         rows = sorted(int(b[k, 0]) for b in loader for k in range(len(b)))
@@ -701,19 +710,29 @@ CHAINED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a fresh Python that imports torch
-def test_a_sigterm_handler_installed_later_that_calls_the_loaders_keeps_the_process_alive(tmp_path):
+@pytest.mark.slow  # a fresh Python that imports torch (and Lightning)
+@pytest.mark.parametrize("handler", ["lightning", "own"])
+def test_a_sigterm_handler_installed_later_that_calls_the_loaders(tmp_path, handler):
     """Lightning's graceful SIGTERM (``SIGTERMException`` at the next step, ``on_exception``,
     its SLURM requeue) with a Loader built before ``Trainer.fit``: Lightning's handler calls
-    the Loader's, which must not kill the workers and die (trial 145: exit status 143)."""
+    the Loader's, which must not kill the workers and die (trial 145: exit status 143). Any
+    other handler that calls it gets the clean-up and death by SIGTERM it had before (a
+    handler that returns would have its SIGTERM swallowed: review 148)."""
     script = tmp_path / "chained.py"
     script.write_text(CHAINED)
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
-                          env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert f"GOT [{int(signal.SIGTERM)}] {list(range(8))}" in done.stdout, done.stdout
+    child = subprocess.Popen([sys.executable, str(script), handler], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+    out, err = child.communicate(timeout=120)
+    pids = [int(p) for p in out.splitlines()[0].split()[1:]]
+    if handler == "lightning":
+        assert child.returncode == 0, err
+        assert f"GOT [{int(signal.SIGTERM)}] {list(range(8))}" in out, out
+    else:
+        assert child.returncode == -signal.SIGTERM, err
+        assert "GOT" not in out
+    assert not wait_gone(pids, 5.0) and leftover_segments(child.pid) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ SIGINT raises KeyboardInterrupt and the loaders close on the way out (``with``,
 without atexit, leaving /dev/shm segments (which outlive processes) and workers busy on a
 sample. So, where SIGTERM still has its default action, a handler cleans up first and then dies
 by SIGTERM all the same (the exit status a job scheduler expects). A handler the application
-installs later replaces it; one that calls it in turn (Lightning chains the handler it finds)
-finds it inert: the application handles SIGTERM then.
+installs later replaces it; called by Lightning's (which chains the handler it finds, and
+goes on: ``SIGTERMException`` at the next step) it does nothing, as Lightning handles SIGTERM.
 """
 
 from __future__ import annotations
@@ -33,15 +33,25 @@ def install() -> None:
     _installed_in = os.getpid()
 
 
+def _graceful(handler: Any) -> bool:
+    """``handler`` is Lightning's chain of SIGTERM handlers (``_HandlersCompose`` of
+    ``lightning.pytorch`` or ``pytorch_lightning``), which goes on after calling ours. Any
+    other handler that calls ours expects what ours did before it (clean up, then die by
+    SIGTERM): a handler that chains and then returns would have its SIGTERM swallowed, one
+    that exits would leave the segments (review 148)."""
+    kind = type(handler)
+    return kind.__name__ == "_HandlersCompose" and kind.__module__.startswith(
+        ("lightning.pytorch.", "pytorch_lightning."))
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     # This runs in the main thread between two bytecodes, perhaps while it holds a lock that
     # an orderly close would need: take no lock, join nothing.
-    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
-        # A handler installed after ours calls it (Lightning's signal connector chains the
-        # handler it found): the application handles SIGTERM (Lightning raises
-        # SIGTERMException at the next step, its SLURM requeue ignores the signal), and its
-        # exit path closes the loaders, as when it installed its handler first. Dying here
-        # would skip it (trial 145: exit status 143, no on_exception, no finally).
+    if _graceful(signal.getsignal(signal.SIGTERM)):
+        # Lightning's handler, installed after ours, calls it (its signal connector chains
+        # the handler it found): Lightning handles SIGTERM (SIGTERMException at the next
+        # step, its SLURM requeue ignores the signal), and its exit path closes the loaders.
+        # Dying here would skip it (trial 145: exit status 143, no on_exception, no finally).
         return
     if os.getpid() == _installed_in:  # not in a child forked after installing
         for p in list(live):
