@@ -570,11 +570,13 @@ def _bottleneck(
         lat = cur.stages["batch"].mean_service_s or 0.0
         return (
             "collate", stage,
-            f"batch assembly (collate_fn, in one thread of the training process) takes "
+            f"batch assembly (the collate, in one thread of the training process) takes "
             f"{share:.2f}x the {step * 1e3:.1f} ms step: {lat * 1e3:.1f} ms a batch{used}",
-            "move the collate_fn's work per sample into the dataset or the transform (they "
-            "run in the workers, in parallel), or make collate_fn cheaper (no per-sample "
-            "Python work or waits: stack arrays)",
+            "a collate_fn of your own: move its work per sample into the dataset or the "
+            "transform (they run in the workers, in parallel), or make it cheaper (no "
+            "per-sample Python work or waits: stack arrays); the default collate with "
+            "pin_memory or a device copies each batch into pinned memory: fewer bytes per "
+            "sample (float16, crops)",
         )
     if stage == "transform":
         n = knobs.get("workers", workers)
