@@ -573,3 +573,17 @@ def test_a_slow_collate_is_collate_bound_and_names_collate_fn_not_workers(monkey
     assert "workers" not in d.suggestion.replace("in the workers", "")
     assert "cores" not in d.suggestion and "cheaper transforms" not in d.suggestion
     assert "diagnosis: collate bound (batch)" in format_report(d)
+
+
+@pytest.mark.parametrize("slow", ["read_s", "transform_s"])
+def test_num_workers_0_is_told_to_use_worker_processes_not_read_threads(monkeypatch, slow):
+    """With num_workers=0 the training loop's thread loads each sample (no read thread): the
+    advice is worker processes (trial 146: "read_threads 2 -> 8", which changed nothing)."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 8)
+    history_ = [replace(s, knobs={**s.knobs, "workers": 0})
+                for s in history(step_s=0.020, wait_s=0.200, transform_workers=0,
+                                 **{slow: 0.050})]
+    d = diagnose(history_)
+    assert d.kind == ("io" if slow == "read_s" else "cpu")
+    assert "read_threads" not in d.suggestion and "num_workers=" in d.suggestion
+    assert "training loop's thread" in d.summary

@@ -514,8 +514,24 @@ def _bottleneck(
     fused: bool,
 ) -> tuple[str, str, str, str]:
     workers = _effective_workers(last, stage)
-    fused = fused and not transforms_inline(last)  # the transform workers read
     used = _cores_used(cpu, budget)
+    if transforms_inline(last) and stage in ("read", "transform"):
+        # num_workers=0: the training loop's thread loads each sample, one after another; no
+        # read thread or knob can change that (trial 146: "read_threads 2 -> 8" was advised,
+        # which changes nothing there).
+        parts = {s: cur.stages[s].mean_service_s or 0.0 for s in ("read", "transform")
+                 if s in cur.stages}
+        lat = sum(parts.values())
+        stage = max(parts, key=parts.get) if parts else stage  # (the larger part)
+        need = min(budget.cores, _needed(1, share))
+        return (
+            "cpu" if stage == "transform" else "io", stage,
+            f"loading takes {share:.2f}x the {step * 1e3:.1f} ms step: {lat * 1e3:.1f} ms a "
+            "sample, read and transformed in the training loop's thread (num_workers=0)",
+            f"worker processes to load samples in parallel while the loop steps: build the "
+            f"Loader with num_workers={need} (or more, where the samples wait on storage)",
+        )
+    fused = fused and not transforms_inline(last)  # the transform workers read
     if stage == "read" and fused and "transform" in cur.stages:
         lat = cur.stages["read"].mean_service_s or 0.0
         tf = cur.stages["transform"].mean_service_s or 0.0

@@ -199,7 +199,8 @@ def load_space(
         # the Loader's default, out of the knobs' bounds; searched again for a pipeline
         # whose loader reads in threads (run_study: fuse_read=False).
         log.info("%s: read_threads is not searched: the %s workers read inside themselves "
-                 "(a read stage of threads runs with worker_kind thread or workers 0)",
+                 "and workers 0 loads in the training loop's thread (a read stage of threads "
+                 "runs with worker_kind thread)",
                  " + ".join(sources), fixed.get("worker_kind", "process"))
         dropped["read_threads"] = searched.pop("read_threads")
     return SearchSpace(
@@ -209,15 +210,11 @@ def load_space(
 
 
 def _workers_read(searched: dict[str, Any], fixed: dict[str, Any]) -> bool:
-    """Whether every configuration of the space reads inside its workers: the worker kind
-    fixed to process (the Loader's default when not given) and at least one worker
-    (``workers=0`` transforms in the read threads)."""
-    if "worker_kind" in searched or fixed.get("worker_kind", "process") != "process":
-        return False
-    workers = searched.get("workers")
-    low = workers.low if isinstance(workers, optuna.distributions.IntDistribution) else (
-        min(workers.choices) if workers is not None else fixed.get("workers", 1))
-    return low >= 1
+    """Whether no configuration of the space has read threads: the worker kind fixed to
+    process (the Loader's default when not given), whose workers read inside themselves;
+    ``workers=0`` loads each sample in the training loop's thread, with no read threads
+    either (trial 146: the docs said it read in them)."""
+    return "worker_kind" not in searched and fixed.get("worker_kind", "process") == "process"
 
 
 def _read_yaml(file: Path, where: str) -> dict[str, Any]:
