@@ -852,3 +852,29 @@ def test_reads_fused_into_process_workers_have_no_queue_in_the_figures():
     assert read.items_total >= N - 1 and read.service_seconds_total > 0
     assert read.recent_wait_s == () and read.wait_seconds_total == 0
 
+
+
+def test_a_loader_is_attached_once_and_a_failed_attach_takes_no_rank_label():
+    """A second attach() exported every series again under rank "0-1" (Prometheus sums
+    counted the loader twice), and an attach() of a DataLoader failed after taking rank "0",
+    so the only live Loader was exported as "0-1" (trial 146)."""
+    from autominato.telemetry.handle import TelemetryHandle, _live_ranks
+
+    labels = dict(_live_ranks)  # (a module fixture's loader may hold "0")
+    with pytest.raises(TypeError, match="autominato.Loader"):
+        attach(torch.utils.data.DataLoader(list(range(4))))
+    assert _live_ranks == labels  # the failed attach took no label
+    loader = Loader(Volumes(), batch_size=B, worker_kind="thread", autotune=False)
+    try:
+        handle = TelemetryHandle(loader)
+        with pytest.raises(ValueError, match="attached already"):
+            attach(loader)
+        assert len(_live_ranks) == len(labels) + 1
+        rank = handle.rank
+        handle.close()
+        again = attach(loader)  # once closed, it may be attached again
+        assert again.rank == rank
+        again.close()
+        assert _live_ranks == labels
+    finally:
+        loader.close()

@@ -73,6 +73,10 @@ def _ensure_report_visible() -> None:
 
 _live_lock = threading.Lock()
 _live_ranks: dict[int, str] = {}
+#: ``id(loader)`` -> its open handle: a loader is attached once (a second handle exported
+#: every series again under another rank label, and its histograms began later than the
+#: counters its running means are read against: trial 146).
+_attached: dict[int, TelemetryHandle] = {}
 
 
 def _unique_rank(key: int, rank: int, suffix: int = 0) -> str:
@@ -119,6 +123,21 @@ class TelemetryHandle:
         free_if_busy: bool = False,
         budget: CoreBudget | None = None,
     ) -> None:
+        if not callable(getattr(loader, "snapshot", None)) or not isinstance(
+                getattr(loader, "stage_stats", None), dict):
+            raise TypeError(
+                f"attach() takes an autominato.Loader (or an object with snapshot() and a "
+                f"stage_stats dict), not {type(loader).__name__}: a torch DataLoader records "
+                "no telemetry; swap it for autominato.Loader")
+        with _live_lock:
+            other = _attached.get(id(loader))
+            if other is not None:
+                raise ValueError(
+                    "this loader's telemetry is attached already: use that handle (a Loader "
+                    "built with metrics_port= or monitor_interval= holds it as "
+                    "loader.telemetry: loader.telemetry.report() reports now), or close it "
+                    "before attaching again")
+            _attached[id(loader)] = self
         self.loader = loader
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
@@ -280,6 +299,8 @@ class TelemetryHandle:
             self._remove_series(self.rank)
             with _live_lock:
                 _live_ranks.pop(self._key, None)
+                if _attached.get(id(self.loader)) is self:
+                    del _attached[id(self.loader)]
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
@@ -324,7 +345,9 @@ def attach(
 
     Raises:
         PortInUseError: ``port`` is taken and ``free_if_busy`` is False.
-        ValueError: ``monitor_interval`` (or the environment's) is not positive.
+        ValueError: ``monitor_interval`` (or the environment's) is not positive, or
+            ``loader``'s telemetry is attached already (use that handle, or close it first).
+        TypeError: ``loader`` has no ``snapshot()`` and ``stage_stats`` (a torch DataLoader).
     """
     return TelemetryHandle(
         loader,
