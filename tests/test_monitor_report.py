@@ -229,6 +229,38 @@ def test_autominato_monitor_says_when_the_exporter_is_unreachable(capsys):
     assert f"cannot read http://127.0.0.1:{port}/metrics" in capsys.readouterr().err
 
 
+def test_autominato_monitor_says_when_the_endpoint_is_not_prometheus(capsys):
+    """An HTML page where the exporter was expected: one line and exit status 1, not the
+    parser's traceback (trial 146)."""
+    import http.server
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<!DOCTYPE HTML><html><body>not metrics</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        rc = cli_main(["monitor", f"127.0.0.1:{port}", "--interval", "0.1", "--timeout", "2"])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "does not answer in Prometheus's text format" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("url, says", [
     ("http://[bad", "'http://[bad' is not a URL"),
     ("localhost:abc", "'localhost:abc' is not a URL"),

@@ -63,16 +63,26 @@ def loader_cpu_extra(reading: Reading) -> dict[str, float]:
     }
 
 
+#: Shortest window whose CPU demand is told, seconds: the kernel counts CPU time in clock
+#: ticks (10 ms), so a few ticks over a window of milliseconds read as several cores (trial
+#: 146: "5.92 of 2 cores" over a window of 0.0 s); 0.5 s holds the error of a tick per
+#: process to 2% of a core.
+MIN_CPU_WINDOW_S = 0.5
+
+
 def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
     """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later), or None
     when either lacks :data:`CPU_SECONDS_KEY` or they count different processes
     (:data:`CPU_OF_WORKERS_KEY`). When ``a`` came before the worker processes existed (its
     figure is this process's) and ``b`` counts theirs, ``b``'s figure is all their CPU since
     they started, which lies inside the window: the end-of-run report of a run shorter than
-    the report interval compares the first snapshot with the last, and had no CPU row."""
+    the report interval compares the first snapshot with the last, and had no CPU row. None
+    too for a window under :data:`MIN_CPU_WINDOW_S`."""
     if CPU_SECONDS_KEY not in a.extra or CPU_SECONDS_KEY not in b.extra:
         return None
-    seconds = max(b.time - a.time, 1e-9)
+    seconds = b.time - a.time
+    if seconds < MIN_CPU_WINDOW_S:
+        return None
     of_a, of_b = a.extra.get(CPU_OF_WORKERS_KEY), b.extra.get(CPU_OF_WORKERS_KEY)
     if of_a != of_b:
         if of_a == 0.0 and of_b == 1.0:

@@ -128,7 +128,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_stage_queue_capacity_items": (
         "gauge",
-        "Capacity of a stage's input queue, items (0: unbounded).",
+        ("Capacity of a stage's input queue, items; what it holds differs by stage (see "
+         "docs/telemetry.md); 0 for a read fused into the workers, which has no queue."),
         ("stage",),
     ),
     "autominato_stage_workers": (

@@ -67,11 +67,21 @@ def fetch(url: str, timeout: float = 5.0) -> str:
         return r.read().decode("utf-8", errors="replace")
 
 
-def _samples(text: str) -> _Samples:
+def _samples(text: str, url: str = "") -> _Samples:
+    """The samples of an exposition, by name and sorted labels.
+
+    Raises:
+        LookupError: ``text`` is not Prometheus's text format (an HTML page, say: trial 146
+            got a traceback from the parser).
+    """
     out: _Samples = defaultdict(dict)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
+    except ValueError as e:
+        raise LookupError(f"{url or 'the endpoint'} does not answer in Prometheus's text format "
+                          f"({e}): is it the exporter's /metrics?") from e
     return out
 
 
@@ -211,12 +221,13 @@ def remote_reports(url: str, interval: float = 5.0, *, timeout: float = 5.0) -> 
 
     Raises:
         OSError: the exporter cannot be reached.
-        LookupError: the endpoint exposes no autominato loader metrics.
+        LookupError: the endpoint exposes no autominato loader metrics, or answers with
+            something other than Prometheus's text format.
     """
     url = metrics_url(url)
-    t0, first = time.monotonic(), _samples(fetch(url, timeout))
+    t0, first = time.monotonic(), _samples(fetch(url, timeout), url)
     time.sleep(interval)
-    t1, second = time.monotonic(), _samples(fetch(url, timeout))
+    t1, second = time.monotonic(), _samples(fetch(url, timeout), url)
     ranks = _ranks(second)
     if not ranks:
         raise LookupError(f"{url} exposes no autominato loader metrics (autominato_batches_total)")
