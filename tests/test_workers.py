@@ -932,6 +932,44 @@ def test_samples_of_the_scripts_own_classes_come_back_from_workers_not_forked_fr
     assert out == {"pairs": True, "labels": [0, 1, 2, 3], "recs": True, "xs": [0, 1, 2, 3]}
 
 
+SCRIPT_SPAWNED_RANK = """
+import json, typing
+import torch
+import torch.multiprocessing as mp
+from autominato import Loader
+
+class Pair(typing.NamedTuple):
+    x: torch.Tensor
+    i: int
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self): return 8
+    def __getitem__(self, i): return Pair(torch.tensor(i), i)
+
+def rank(_):  # this script runs as __mp_main__ here
+    out = {}
+    for ctx in ("spawn", "forkserver"):
+        with Loader(Pairs(), 4, num_workers=1, autotune=False, multiprocessing_context=ctx) as L:
+            batches = list(L)
+        out[ctx] = [type(b) is Pair for b in batches] + [b.x.tolist() for b in batches]
+    print("RESULT " + json.dumps(out), flush=True)
+
+if __name__ == "__main__":
+    mp.spawn(rank, nprocs=1)
+"""
+
+
+@pytest.mark.slow  # a rank spawned from a fresh Python, and its workers' new interpreters
+def test_a_spawned_ranks_script_classes_reach_workers_from_a_new_interpreter(tmp_path):
+    """In a rank that torch.multiprocessing.spawn started, the script is __mp_main__, which
+    cloudpickle sent by reference: a worker from a new interpreter found no class of it
+    (trial 147: "Can't get attribute 'Pairs' on <module '__main__'>"; the DataLoader works).
+    They go by value now, and its samples come back as the script's class."""
+    out = result_of(run_script(SCRIPT_SPAWNED_RANK, tmp_path))
+    want = [True, True, [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert out == {"spawn": want, "forkserver": want}
+
+
 class _Slowish:
     def __len__(self) -> int:
         return 48

@@ -522,22 +522,42 @@ def dumps_for_worker(obj: Any) -> bytes:
 
     import cloudpickle
 
-    main = sys.modules.get("__main__")
     found: dict[str, type] = {}
 
     class Recording(cloudpickle.Pickler):
         def reducer_override(self, o: Any) -> Any:
-            if isinstance(o, type) and getattr(o, "__module__", None) == "__main__":
+            home = getattr(o, "__module__", None) if isinstance(o, type) else None
+            if home in _SCRIPT_MODULES:
                 name = o.__qualname__
-                if "." not in name and getattr(main, name, None) is o:
+                if "." not in name and getattr(sys.modules.get(home), name, None) is o:
                     found[name] = o
             return super().reducer_override(o)
 
-    buf = io.BytesIO()
-    pickler = Recording(buf, protocol=cloudpickle.DEFAULT_PROTOCOL)
-    pickler.dump(obj)
-    pickler.dump(found)
+    # A rank that torch.multiprocessing.spawn (or multiprocessing's spawn) started runs the
+    # script as __mp_main__, which cloudpickle pickles by reference, as an importable module:
+    # a new interpreter has no such module (its __mp_main__ is its own __main__), and found
+    # no class of the script (trial 147: "Can't get attribute 'DS' on <module '__main__'>",
+    # where the DataLoader's workers, which get the script run again, work). By value, as
+    # __main__'s (taken back after: cloudpickle's registry is the process's).
+    mp_main = sys.modules.get("__mp_main__")
+    by_value = (mp_main is not None and getattr(mp_main, "__name__", None) == "__mp_main__"
+                and mp_main.__name__ not in cloudpickle.list_registry_pickle_by_value())
+    if by_value:
+        cloudpickle.register_pickle_by_value(mp_main)
+    try:
+        buf = io.BytesIO()
+        pickler = Recording(buf, protocol=cloudpickle.DEFAULT_PROTOCOL)
+        pickler.dump(obj)
+        pickler.dump(found)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(mp_main)
     return buf.getvalue()
+
+
+#: The modules a training script runs as: ``__main__``, or ``__mp_main__`` in a process that
+#: multiprocessing's spawn started (a rank of ``torch.multiprocessing.spawn``).
+_SCRIPT_MODULES = ("__main__", "__mp_main__")
 
 
 def loads_for_worker(data: bytes | Any) -> Any:
@@ -551,10 +571,9 @@ def loads_for_worker(data: bytes | Any) -> Any:
     unpickler = pickle.Unpickler(data)
     obj = unpickler.load()
     classes = unpickler.load()
-    main = sys.modules.get("__main__")
-    if main is not None:
+    for home in {id(m): m for m in map(sys.modules.get, _SCRIPT_MODULES) if m is not None}.values():
         for name, cls in classes.items():
-            setattr(main, name, cls)
+            setattr(home, name, cls)
     return obj
 
 
