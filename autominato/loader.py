@@ -1102,6 +1102,13 @@ class Loader:
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
+        it = self._map_pass(pending, was_epoch)
+        it._resumed_epoch = None if pending is None else self._epoch
+        return it
+
+    def _map_pass(self, pending: dict | None, was_epoch: bool) -> Iterator[Any]:
+        """A map-style dataset's pass over ``self._epoch`` (``_start_pass``'s; resuming
+        ``pending``, a mid-epoch state, when given), under ``self._lock``."""
         self._resumed = pending
         if pending is not None:
             for name, sd in pending["samplers"].items():
@@ -1149,6 +1156,26 @@ class Loader:
         run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
                              unique=unique)
         return _EpochIterator(self, pipeline, run, progress)
+
+    def _restart_resumed(self, it: Any, resumed: int) -> Iterator[Any]:
+        """The pass that iterator ``it`` began resumed an epoch, and ``set_epoch`` named
+        another before its first batch: that epoch's pass, from its beginning, which ``it``
+        hands on. Lightning restores a checkpoint, makes the first iterator of the resumed
+        fit, then calls ``set_epoch`` (trial 147: an epoch that ``limit_train_batches`` cut
+        short was saved unfinished, and the next epoch delivered its leftovers). As the
+        DataLoader's sampler, whose order is read at the first ``next()``, not at
+        ``iter()``."""
+        with self._lock:
+            log.warning("set_epoch(%d) after the pass resuming epoch %d began, before its first "
+                        "batch: epoch %d starts from its beginning", self._epoch, resumed,
+                        self._epoch)
+            it.stop()
+            fresh = self._map_pass(None, False)
+            with self._step_lock:
+                self._live_passes.discard(id(it))  # (it only hands on the fresh one's batches)
+                self._live_passes.add(id(fresh))
+            self._last_pass = id(fresh)
+            return fresh
 
     def _draw_as_the_dataloader(self) -> None:
         """Draw from ``generator`` (else torch's global generator) what the DataLoader's
@@ -1835,6 +1862,11 @@ class _EpochIterator:
         # is left of it
         self._grace_left = START_GRACE_S
 
+    #: The epoch this pass resumed from a state (``Loader._restart_resumed``), until its first
+    #: ``next()``; the pass that replaced it, to which ``next()`` hands on.
+    _resumed_epoch: int | None = None
+    _delegate: Any = None
+
     def __iter__(self) -> _EpochIterator:
         return self
 
@@ -1842,6 +1874,8 @@ class _EpochIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        if self._delegate is not None or _restarts(self):
+            return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
         L._back(t0, asking=True)
@@ -2016,6 +2050,17 @@ class _EpochIterator:
             pass
 
 
+def _restarts(it: Any) -> bool:
+    """At ``it``'s first ``next()``: whether its pass resumed an epoch that ``set_epoch`` has
+    since replaced (then ``it._delegate`` is the new epoch's pass)."""
+    resumed, it._resumed_epoch = it._resumed_epoch, None
+    L = it.L
+    if resumed is None or not L._epoch_set or L._epoch == resumed or L._closed:
+        return False
+    it._delegate = L._restart_resumed(it, resumed)
+    return True
+
+
 def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
     """Whether ``run`` has no batch left for the training loop (see ``resume.build``: asked
     once ``len(loader)`` batches were delivered). The run's end travels behind its last batch,
@@ -2067,6 +2112,9 @@ class _SyncIterator:
         self.todo: deque = deque(self.ep.start())
         self._done = False
 
+    _resumed_epoch: int | None = None  # (as _EpochIterator's)
+    _delegate: Any = None
+
     def __iter__(self) -> _SyncIterator:
         return self
 
@@ -2074,6 +2122,8 @@ class _SyncIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        if self._delegate is not None or _restarts(self):
+            return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # the step of the batch returned last (as above)
         L._back(t0, asking=True)

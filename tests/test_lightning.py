@@ -226,6 +226,51 @@ def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_ep
     assert by_epoch == {e: epoch_order(8, epoch=e, seed=11, shuffle=True) for e in (1, 2)}
 
 
+class Cut(Linear):
+    """16 samples, 4 batches an epoch, of which limit_train_batches keeps 2."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.workers = workers
+
+    def train_dataloader(self):
+        loader = Loader(Points(16), batch_size=4, shuffle=True, seed=11, workers=self.workers,
+                        in_order=True, autotune=False)
+        self.loaders.append(loader)
+        return loader
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next_epochs(
+        tmp_path, workers):
+    """The checkpoint at the cut epoch's last step holds that epoch unfinished (the Loader
+    does not know Lightning's limit); the resumed fit makes its first iterator, then calls
+    set_epoch(1): epoch 1 runs from its beginning, not epoch 0's leftovers (trial 147: 4
+    batches of them, where the DataLoader's sampler, read at the first next(), gives epoch
+    1)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(epochs: int) -> L.Trainer:
+        return L.Trainer(max_epochs=epochs, limit_train_batches=2, accelerator="cpu", devices=1,
+                         logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
+                                                    save_top_k=-1)])
+
+    first = Cut(workers)
+    trainer(1).fit(first)
+    resumed = Cut(workers)
+    trainer(3).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    for model in (first, resumed):
+        for loader in model.loaders:
+            loader.close()
+    by_epoch: dict[int, list[int]] = {}
+    for lightning_epoch, loader_epoch, indices in resumed.seen:
+        assert loader_epoch == lightning_epoch
+        by_epoch.setdefault(lightning_epoch, []).extend(indices)
+    assert by_epoch == {e: epoch_order(16, epoch=e, seed=11, shuffle=True)[:8] for e in (1, 2)}
+
+
 class Stream16(torch.utils.data.IterableDataset):
     """16 samples (x, 3 x, i) of a stream: an iterable dataset has no positions to resume."""
 
