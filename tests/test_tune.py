@@ -182,13 +182,41 @@ def test_invalid_space_gives_the_key_and_exit_status_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+def test_the_default_configuration_is_measured_inside_the_space_and_the_budget(tmp_path, capsys):
+    """A space that leaves out the Loader's default knob value: the default configuration
+    is measured (and written) at the value clamped into the space, not outside the bounds
+    written beside it; and it is held to the memory budget too (trial 146: neither was)."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE.replace("workers: {type: int, low: 1, high: 8}",
+                                   "workers: {type: int, low: 3, high: 3}"))
+    assert "low: 3, high: 3" in space.read_text()
+    out = tmp_path / "out"
+    common = [*pipeline_args(), "--space", str(space), "--out", str(out), "--window", "4",
+              "--warmup", "1", "--study-name", "inside"]  # fmt: skip
+    assert tune(*common, "--trials", "1") == 0
+    text = capsys.readouterr().out
+    study = optuna.load_study(study_name="inside", storage=f"sqlite:///{out / 'study.db'}")
+    assert study.user_attrs["baseline"]["knobs"]["workers"] == 3
+    with autominato.Loader(make_dataset(), 2, worker_kind="thread", autotune=False) as loader:
+        default = loader.knobs.workers
+    assert (f"default workers={default} is outside" in text) is (default != 3)
+    cfg = load_config(out / "loader.yaml")
+    assert cfg["knobs"]["workers"] == 3 and cfg["bounds"]["workers"] == (3, 3)
+
+    assert tune(*common, "--trials", "1", "--memory-budget", "1MiB",
+                "--study-name", "inside-budget") == 1
+    text = capsys.readouterr().out
+    assert "default configuration could not be measured: memory" in text
+    assert "over the budget of 1.0 MiB" in text
+
+
 def test_memory_budget_violation_fails_trials_and_the_study_stays_usable(tmp_path, space, capsys):
     out = tmp_path / "out"
     common = [*pipeline_args(), "--space", str(space), "--out", str(out), "--window", "4",
               "--warmup", "1", "--study-name", "budget", "--no-baseline"]  # fmt: skip
     assert tune(*common, "--trials", "2", "--memory-budget", "1MiB") == 1
     text = capsys.readouterr().out
-    assert "over the budget of 0.00 GiB" in text and "no trial completed" in text
+    assert "over the budget of 1.0 MiB" in text and "no trial completed" in text
     storage = f"sqlite:///{out / 'study.db'}"
     study = optuna.load_study(study_name="budget", storage=storage)
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]

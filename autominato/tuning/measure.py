@@ -46,11 +46,16 @@ class MemoryBudgetExceeded(RuntimeError):
 
     def __init__(self, used_bytes: int, budget_bytes: int) -> None:
         super().__init__(
-            f"memory {used_bytes / 2**30:.2f} GiB over the budget of {budget_bytes / 2**30:.2f} GiB "
+            f"memory {_size(used_bytes)} over the budget of {_size(budget_bytes)} "
             "(training process + loader workers: proportional set size and shared memory)"
         )
         self.used_bytes = used_bytes
         self.budget_bytes = budget_bytes
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or MiB under 1 GiB (a budget of 1 MiB read "0.00 GiB": trial 146)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 class NoBatches(RuntimeError):

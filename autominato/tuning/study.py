@@ -324,11 +324,14 @@ def run_study(
                   f"{pipeline.batch_size} ({pipeline.step_note or 'as given'})", highlight=False)
     base: Measurement | None = None
     base_knobs: dict[str, int] = {}
+    default = _default_params(pipeline, space, console) if baseline else dict(space.fixed)
     if baseline:
         try:
-            base, base_knobs = measure_config(pipeline, space, dict(space.fixed))
-        except TrialFailed as e:
-            console.print(f"default configuration could not be measured: {e}")
+            base, base_knobs = measure_config(pipeline, space, default,
+                                              memory_budget_bytes=memory_budget_bytes)
+        except (TrialFailed, MemoryBudgetExceeded) as e:
+            # (over the budget, it is no configuration to keep either: review 146)
+            console.print(f"default configuration could not be measured: {e}", highlight=False)
         else:
             console.print(
                 f"default configuration: idle {base.idle_ratio:.3f}  {fmt_params(base_knobs)}"
@@ -400,7 +403,7 @@ def run_study(
     config = written = None
     confirmation = None
     if best is not None and base is not None and confirm_repeats > 0:
-        confirmation = _confirm(pipeline, space, best, base, confirm_repeats,
+        confirmation = _confirm(pipeline, space, best, base, default, confirm_repeats,
                                 memory_budget_bytes, console)
     if best is not None:
         provenance = {
@@ -422,7 +425,7 @@ def run_study(
                 # The idle ratio of the configuration written: the default's, over its runs.
                 provenance["idle_ratio"] = round(confirmation.default_mean, 4)
         if confirmation is not None and not confirmation.keep_best:
-            config = _config(dict(space.fixed), base_knobs, space, pipeline, provenance)
+            config = _config(default, base_knobs, space, pipeline, provenance)
         else:
             config = best_config(best, space, pipeline, provenance)
         written = save_config(config, config_path or out / "loader.yaml")
@@ -441,11 +444,37 @@ def run_study(
     )
 
 
+def _default_params(pipeline: Pipeline, space: SearchSpace, console: Console) -> dict[str, Any]:
+    """The default configuration: the space's fixed values, and the Loader's defaults for
+    the searched knobs, each clamped into its searched range (a space that leaves the
+    default out, ``workers: {low: 1, high: 1}`` on a machine whose default is 2, measured
+    the default outside it and wrote it with bounds that exclude it: trial 146). Reads the
+    defaults from a Loader built and closed at once."""
+    params = dict(space.fixed)
+    bounds = space.knob_bounds()
+    if not bounds:
+        return params
+    try:
+        with pipeline.build_loader(params) as loader:
+            applied = loader.knobs.as_dict()
+    except Exception:  # noqa: BLE001 - the baseline's measurement reports it
+        return params
+    for knob, (low, high) in bounds.items():
+        value = applied.get(knob)
+        if value is not None and not low <= value <= high:
+            params[knob] = min(max(value, low), high)
+            console.print(f"the Loader's default {knob}={value} is outside the space's "
+                          f"[{low}, {high}]: the default configuration takes "
+                          f"{knob}={params[knob]}", highlight=False)
+    return params
+
+
 def _confirm(
     pipeline: Pipeline,
     space: SearchSpace,
     best: FrozenTrial,
     base: Measurement,
+    default: dict[str, Any],
     repeats: int,
     memory_budget_bytes: int | None,
     console: Console,
@@ -454,7 +483,7 @@ def _confirm(
     drift of the machine's load hits both alike), and compare them; when the best could not
     be measured again, the default is kept (:func:`~autominato.tuning.select.unconfirmed`)."""
     default_idle, best_idle = [base.idle_ratio], []
-    configs = ((dict(space.fixed), default_idle), ({**space.fixed, **best.params}, best_idle))
+    configs = ((default, default_idle), ({**space.fixed, **best.params}, best_idle))
     console.print(f"measuring the default and the best (trial {best.number}) {repeats} more "
                   "times each, to tell a gain from noise")
     for _ in range(repeats):
