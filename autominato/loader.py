@@ -717,9 +717,10 @@ class Loader:
             bounds["workers"] = (1, max(1, bounds["workers"][1]))
         if "workers" not in knobs and values["workers"] > bounds["workers"][1]:
             # A configuration tuned on a bigger machine: say so rather than oversubscribe.
-            log.warning("the configuration asks for %d workers, more than this machine's bound "
-                        "of %d (%d usable cores); using %d", values["workers"],
-                        bounds["workers"][1], cores, bounds["workers"][1])
+            log.warning("the configuration asks for %d workers, more than the workers bound "
+                        "of %d (the configuration's bounds, within this machine's %d usable "
+                        "cores); using %d", values["workers"], bounds["workers"][1], cores,
+                        bounds["workers"][1])
         #: knobs whose upper bound a user's value raised: the bound it raised (see _set_knob)
         self._raised: dict[str, int] = {}
         for name in knobs:  # the user's explicit choice raises the bound the controller keeps
