@@ -182,6 +182,32 @@ def test_invalid_space_gives_the_key_and_exit_status_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+class NotSized:
+    def __len__(self):
+        return "eight"
+
+    def __getitem__(self, i):
+        return np.zeros(2)
+
+
+def not_sized():
+    return NotSized()
+
+
+def test_a_pipeline_no_loader_can_be_built_for_stops_before_any_trial(tmp_path, capsys):
+    """A dataset the Loader refuses (its __len__ returns no int) fails every configuration
+    alike: exit status 2, the cause named, nothing run (trial 146: each trial failed, the
+    cause was not shown)."""
+    out = tmp_path / "out"
+    rc = tune("--dataset", f"{__name__}:not_sized", "--batch-size", "2", "--step-time", "0.01",
+              "--trials", "3", "--out", str(out))
+    assert rc == 2
+    text = capsys.readouterr().out
+    assert "the Loader cannot be built for this pipeline" in text
+    assert "cannot be interpreted as an integer" in text
+    assert not out.exists()
+
+
 def test_the_default_configuration_is_measured_inside_the_space_and_the_budget(tmp_path, capsys):
     """A space that leaves out the Loader's default knob value: the default configuration
     is measured (and written) at the value clamped into the space, not outside the bounds

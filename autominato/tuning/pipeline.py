@@ -165,12 +165,17 @@ class Pipeline:
         """An ``autominato.Loader`` for one configuration, controller off (the trial holds it).
 
         ``params`` holds knob values and the static settings ``worker_kind``, ``in_order``,
-        ``batch_size``; absent ones keep the Loader's defaults. Shuffled with a fixed seed so
-        that every trial sees the same sample order.
+        ``batch_size``; absent ones keep the Loader's defaults. A map-style dataset is
+        shuffled with a fixed seed so that every trial sees the same sample order.
         """
+        import torch
+
         from autominato import Loader
 
-        kwargs: dict[str, Any] = {"shuffle": True, "seed": 0, **self.loader_kwargs}
+        # (an iterable dataset takes no shuffle: trial 146 got the Loader's ValueError for
+        # an argument the user never gave)
+        shuffle = not isinstance(self.dataset, torch.utils.data.IterableDataset)
+        kwargs: dict[str, Any] = {"shuffle": shuffle, "seed": 0, **self.loader_kwargs}
         kwargs.update({k: params[k] for k in ("worker_kind", "in_order") if k in params})
         kwargs.update({k: int(params[k]) for k in KNOB_NAMES if k in params})
         return Loader(
