@@ -849,7 +849,8 @@ class Loader:
             # the controller refuses: with Ray, the cluster's free CPUs.
             self._telemetry = telemetry.attach(
                 me, port=metrics_port, host=metrics_host, monitor_interval=monitor_interval,
-                budget=CoreBudget(cores), free_if_busy=getattr(_copying, "active", False),
+                budget=CoreBudget(cores, placed=worker_kind == "ray"),
+                free_if_busy=getattr(_copying, "active", False),
             )
         if autotune:
             self._controller = Controller(me, config=cfg,

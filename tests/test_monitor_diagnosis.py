@@ -587,3 +587,22 @@ def test_num_workers_0_is_told_to_use_worker_processes_not_read_threads(monkeypa
     assert d.kind == ("io" if slow == "read_s" else "cpu")
     assert "read_threads" not in d.suggestion and "num_workers=" in d.suggestion
     assert "training loop's thread" in d.summary
+
+
+def test_ray_actors_are_never_advised_beyond_the_clusters_free_cpus():
+    """Each Ray actor takes a CPU: on a cluster of 2 free CPUs the Loader keeps 2 actors, so
+    "workers 2 -> 4" (advised for I/O-like workers, which may outnumber the cores of one
+    machine) could not be followed (trial 146)."""
+    from autominato.telemetry.cores import CoreBudget
+
+    placed = CoreBudget(2, placed=True)
+    assert placed.worker_cap(2, 0.1) == 2 and CoreBudget(2).worker_cap(2, 0.1) > 2
+    for hist in (fused_history(),  # the read is the larger part
+                 history(step_s=0.010, wait_s=0.020, read_s=0.0001, transform_s=0.006,
+                         read_workers=0, transform_workers=2)):  # the transform waits
+        d = diagnose(with_cpu(hist, cores_used=0.2), budget=placed)
+        assert d.kind == "io", format_report(d)
+        assert "workers 2 ->" not in d.suggestion
+        assert "no more workers fit: 2 the Ray cluster's free CPUs" in d.suggestion
+        d = diagnose(with_cpu(hist, cores_used=0.2), budget=CoreBudget(2))
+        assert "workers 2 -> " in d.suggestion  # one machine's I/O-like workers may

@@ -116,11 +116,16 @@ class CoreBudget:
         cores: usable CPU cores (:func:`~autominato.pipeline.knobs.usable_cores`).
         cpu_busy: share of ``cores`` below which the workers count as I/O-like.
         cpu_saturated: share of ``cores`` at which the cores count as spent.
+        placed: each worker takes one of ``cores`` whatever it does (Ray actors, one CPU
+            each, on the cluster's free CPUs): never more workers than ``cores``, also
+            I/O-like ones (trial 146: "workers 2 -> 4" advised on a cluster of 2 CPUs,
+            where the Loader keeps 2).
     """
 
     cores: int
     cpu_busy: float = CPU_BUSY
     cpu_saturated: float = CPU_SATURATED
+    placed: bool = False
 
     def io_like(self, cpu_cores: float | None) -> bool:
         """The loader used less than ``cpu_busy`` of the cores (False when unknown)."""
@@ -133,7 +138,7 @@ class CoreBudget:
         scaled with the count, would reach ``cpu_saturated`` of the cores (never below
         ``cores``).
         """
-        if not self.io_like(cpu_cores):
+        if self.placed or not self.io_like(cpu_cores):
             return self.cores
         cpu = max(cpu_cores or 0.0, 1e-3)
         return max(self.cores, math.floor(max(workers, 1) * self.cpu_saturated * self.cores / cpu))

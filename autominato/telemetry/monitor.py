@@ -481,6 +481,11 @@ def _cores_used(cpu: float | None, budget: CoreBudget) -> str:
     return f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
 
 
+def _no_more_workers(budget: CoreBudget) -> str:
+    where = "the Ray cluster's free CPUs" if budget.placed else "usable cores"
+    return f"no more workers fit: {budget.cores} {where}, one a worker"
+
+
 def _needed(current: int, share: float) -> int:
     # Scale the worker count so the stage's share would land at 80 % of the step.
     return max(current + 1, math.ceil(current * share / WARN_FRACTION))
@@ -539,13 +544,15 @@ def _bottleneck(
             # Workers that wait, and mostly in the transform (trial 111: a transform that
             # slept was blamed on a 0.0 ms read, with faster storage as the fix).
             n = knobs.get("workers", _effective_workers(last, "transform"))
+            need = min(_needed(max(n, 1), share), max(n, budget.worker_cap(n, cpu)))
+            more = (f"more workers to overlap the waits (workers {n} -> {need})" if need > n
+                    else f"more CPUs ({_no_more_workers(budget)})")
             return (
                 "io", "transform",
                 f"reads and transforms (in the same workers) take {share:.2f}x the "
                 f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the transform: "
                 f"{tf * 1e3:.1f} ms a sample against the read's {lat * 1e3:.1f} ms{used}",
-                f"more workers to overlap the waits (workers {n} -> {_needed(max(n, 1), share)}"
-                "), or take the wait out of the transform (file or network access, sleeps, "
+                f"{more}, or take the wait out of the transform (file or network access, sleeps, "
                 "locks: read in dataset[i], where read_threads or fuse_read=False can overlap "
                 "it)",
             )
@@ -564,6 +571,8 @@ def _bottleneck(
                 f"{storage}: at this latency the step needs about {need} readers; meanwhile "
                 f"{knob} {n} -> {MAX_SCALE * n}"
             )
+        elif need <= n:  # (workers placed one a CPU, all placed: Ray's)
+            advice = f"{storage}, or more CPUs: {_no_more_workers(budget)}"
         else:
             advice = f"more readers ({knob} {n} -> {need}), or {storage}"
         if fused:
