@@ -91,10 +91,12 @@ class GridComparison:
                     f"the {self.points} grid points: no gap, NOT within the {GOAL_GAP:.2f} goal")
         g = sum(self.grid_idle) / len(self.grid_idle)
         t = sum(self.tune_idle) / len(self.tune_idle)
-        rel = f" ({self.gap / g:+.0%} of it)" if g > 0 else ""
+        # (a gap that rounds to 0.000 gets no share: "-0.000 (-17% of it)" read as a
+        # contradiction, trial 146)
+        rel = f" ({self.gap / g:+.0%} of it)" if g > 0 and abs(self.gap) >= 5e-4 else ""
         verdict = "within" if self.within_goal else "NOT within"
         n, m = len(self.tune_idle), len(self.grid_idle)
-        runs = f"{n} runs each" if n == m else f"{n} and {m} runs"
+        runs = (f"{n} run{'s' if n != 1 else ''} each" if n == m else f"{n} and {m} runs")
         return (f"tune vs grid: tune's choice idle {t:.3f}, grid optimum idle {g:.3f} over "
                 f"{self.points} points ({runs}): gap {self.gap:+.3f}"
                 f"{rel}, {verdict} the {GOAL_GAP:.2f} goal")

@@ -89,8 +89,9 @@ def save_plots(
             written["importance"] = _save(ax.figure, out_dir / "importance.png", plt)
         else:
             log.info(
-                "parameter importance needs >= 2 completed trials with differing idle ratios: "
-                "importance.png not written"
+                "parameter importance needs >= 2 completed trials with differing idle ratios "
+                "and a searched parameter that took >= 2 values among them: importance.png "
+                "not written"
             )
     return written
 
