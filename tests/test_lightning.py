@@ -472,6 +472,63 @@ def test_the_workers_stop_when_lightning_ends_a_fit_and_fork_again_for_the_next(
     assert ours() == []
 
 
+class Shifted(Points):
+    """Points whose ``i`` is offset by ``off``: a dataset the training script changes."""
+
+    off = 0
+
+    def __getitem__(self, i: int):
+        x, y, j = super().__getitem__(i)
+        return x, y, j + self.off
+
+
+class Stuck(Points):
+    hang = True
+
+    def __getitem__(self, i: int):
+        if i == 5 and self.hang:
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("worker_kind", ["process", "thread"])
+def test_workers_started_again_after_a_stop_see_the_dataset_as_it_is_now(worker_kind):
+    """Changes made to the dataset between two fits (an active-learning loop grows it, a
+    curriculum moves on) are seen by the workers the next pass starts, as by the DataLoader's
+    new ones (review 149: the fork server's copy from the Loader's construction was used)."""
+    ds = Shifted(8)
+    with Loader(ds, batch_size=4, num_workers=2, worker_kind=worker_kind) as loader:
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(8))
+        loader._iterator = None
+        ds.off, ds.n = 100, 12  # (shifted, and grown)
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(100, 112))
+
+
+def test_a_worker_busy_when_the_workers_stop_is_killed_after_a_grace(monkeypatch):
+    """A sample that hangs (no sample_timeout) kept its worker after a fit for as long
+    as it hung (review 149); like the DataLoader's shutdown, the Loader waits a grace, then
+    kills it, with no death reported, and the next pass runs whole."""
+    import psutil
+
+    monkeypatch.setattr("autominato.pipeline.scheduler.PARK_GRACE_S", 0.5)
+    ds = Stuck(8)
+    with Loader(ds, batch_size=2, num_workers=2, autotune=False, in_order=False) as loader:
+        it = iter(loader)
+        next(it)
+        time.sleep(0.3)  # (sample 5 is under way)
+        busy = set(loader.worker_pids())
+        loader._iterator = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                                  != psutil.STATUS_ZOMBIE for p in busy):
+            time.sleep(0.05)
+        assert not [p for p in busy if psutil.pid_exists(p)
+                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert loader.snapshot().worker_restarts_total == 0
+        ds.hang = False  # (the next pass's workers get the dataset as it is now)
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(8))
+
+
 class SlowPoints(Points):
     def __getitem__(self, i: int):
         time.sleep(0.05)

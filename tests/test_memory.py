@@ -1036,7 +1036,7 @@ def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
         cfg=SimpleNamespace(warm_heap=True, iterable=False), _held_key=None, memory=m,
         procs=procs, knobs=SimpleNamespace(workers=3, pool_size=8, depth=2), sample_stages=[stage], runs={},
         _memory_aware=True, slots=SimpleNamespace(set_max_slots=lambda n: None),
-        _workers_busy_at=time.monotonic(),
+        _workers_busy_at=time.monotonic(), _parked=False,
         batch_pool=SimpleNamespace(max_per_key=0))
     fake._want = lambda st: fake.knobs.workers
     fake._resize = lambda st, n: setattr(procs, "size", n)

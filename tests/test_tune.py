@@ -124,7 +124,8 @@ def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
     argv = [*pipeline_args(), "--space", str(space), "--trials", "2", "--out", str(out),
             "--window", "4", "--warmup", "1", "--study-name", "small"]  # fmt: skip
     assert tune(*argv, progress=True) == 0
-    assert len(threads_at_build) >= 3 and set(threads_at_build) == {before}
+    # (no more threads than before tune began: another test's may have ended meanwhile)
+    assert len(threads_at_build) >= 3 and max(threads_at_build) <= before
     assert (out / "study.db").is_file()
     storage = f"sqlite:///{out / 'study.db'}"
     assert len(optuna.load_study(study_name="small", storage=storage).trials) == 2

@@ -1503,3 +1503,44 @@ def test_the_interpreter_exits_after_the_thread_workers_samples_end(tmp_path):
     assert len(starts) > 8, words  # the next epoch's samples had begun
     assert [s.split()[1] for s in starts] == [e.split()[1] for e in ends], words
     assert len((tmp_path / "marks.log").read_text().splitlines()) == 4
+
+
+def test_dumps_for_worker_in_threads_at_once_keeps_a_spawned_ranks_script_by_value(monkeypatch):
+    """Two Loaders of a spawned rank pickling at once (a persistent_workers=False epoch beside
+    another Loader's new fork server): the registration of __mp_main__ with cloudpickle is
+    the process's, and one dump unregistered it under another (review 149: ValueError, or a
+    class pickled by reference that a new interpreter cannot find)."""
+    import threading
+    import types
+
+    import cloudpickle
+
+    from autominato.pipeline.worker import dumps_for_worker, loads_for_worker
+
+    script = types.ModuleType("__mp_main__")
+    exec("class Thing:\n    def __init__(self, v): self.v = v\n", script.__dict__)
+    script.Thing.__module__ = "__mp_main__"
+    monkeypatch.setitem(sys.modules, "__mp_main__", script)
+    errors, dumps = [], []
+
+    def dump() -> None:
+        for k in range(1000):
+            try:
+                dumps.append(dumps_for_worker([script.Thing(k)]))
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=dump) for _ in range(3)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads interleave inside each dump)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == [] and len(dumps) == 3000
+    assert "__mp_main__" not in cloudpickle.list_registry_pickle_by_value()
+    monkeypatch.delitem(sys.modules, "__mp_main__")  # (a new interpreter has no such module)
+    assert all(type(loads_for_worker(d)[0]).__name__ == "Thing" for d in dumps)

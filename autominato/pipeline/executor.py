@@ -530,6 +530,16 @@ class ProcessWorkers:
                     self._stop(w)
         self.resize(n)
 
+    def kill_busy_after(self, grace_s: float) -> None:
+        """A worker busy now is SIGKILLed by the collector if it is still there ``grace_s``
+        seconds from now (``ProcessExecutor.stop_all``); its end is no death (``info``
+        ``"stopped"``)."""
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.task is not None:
+                w.info["stopped"] = grace_s
+                w.proc.stop_deadline = now + grace_s
+
     def start_one(self) -> ProcWorker:
         """Ask the zygote for one more worker; returns at once (see the class docstring)."""
         wid = next(self._ids)

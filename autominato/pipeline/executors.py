@@ -194,6 +194,14 @@ class ProcessExecutor:
         after a raised worker_init_fn error may start again."""
         self._hold = False
 
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """Every worker ends and none serves again (``Pipeline.park``): an idle one now, a
+        busy one after its sample, SIGKILLed when that takes more than ``grace_s`` seconds
+        (a hung sample would else keep it after a fit: review 149), with no death reported."""
+        self.want = 0
+        self.pool.renew(0)
+        self.pool.kill_busy_after(grace_s)
+
     def renew(self, n: int) -> None:
         """Replace every worker by ``n`` new ones (``ProcessWorkers.renew``)."""
         self.want = n
@@ -326,7 +334,9 @@ class ProcessExecutor:
         w = self.pool.remove_dead(wid)
         if w is None:
             return []
-        self.restarts += 1
+        stopped = w.info.get("stopped")  # (stop_all: its sample outlasted the grace)
+        if not stopped:
+            self.restarts += 1
         held = self._held.pop(wid, [])
         sig = -exitcode if exitcode is not None and exitcode < 0 else None
         how = f"signal {sig}" if sig else f"exit code {exitcode}"
@@ -349,7 +359,10 @@ class ProcessExecutor:
                         worker=who))
                 return []
         timed_out = w.info.get("timed_out")
-        if fatal:
+        if stopped:  # (no restart: its samples' runs have ended; they free what it held)
+            log.info("transform %s was still busy on a sample %g s after the workers were "
+                     "stopped: killed", who, stopped)
+        elif fatal:
             log.info("transform %s exited after its error (%s); %s", who, how,
                      "another starts with the next pass" if self._hold else "starting another")
         elif not timed_out:

@@ -132,6 +132,10 @@ SLOW_FIRST_LOOKAHEAD = 16
 #: the rule held the window at 41% of the batches.
 LEAD_WAITS = 32
 
+#: Seconds a worker busy on a sample when the pipeline parks (``Pipeline.park``) may take to
+#: finish it before it is SIGKILLed: the DataLoader's ``_shutdown_workers`` waits 5 s too.
+PARK_GRACE_S = 5.0
+
 #: Seconds every process worker must have idled before their warm heaps go back (keep 0;
 #: ``_update_heap_keep``): a validation pass, a checkpoint, the end of training. Longer than a
 #: training step (at 1 s, review 119 saw the keep go to 0 and back at every 1.3 s step, the
@@ -347,6 +351,10 @@ class Pipeline:
         self.streams: Streams | None = None  # thread workers' iterators of an iterable dataset
         self._knob_note: int | None = None  # the workers value last said to wait for an epoch
         self._parked = False  # park(): no workers until the next run starts
+        # park(): the next start() sends the dataset as it is now, as persistent_workers=False
+        # does at every epoch (the new workers would else fork the fork server's copy, made
+        # when the Loader was built: review 149, a dataset grown between two fits)
+        self._park_resend = False
         try:
             self.sample_stages: list[Stage] = compose(self)
             self._est_top = 0.0  # the largest estimate in flight or asking at the last ask
@@ -495,17 +503,28 @@ class Pipeline:
 
     def _start(self, epoch: int, ep: Epoch | Stream) -> Run:
         payload = None
-        if self._resends:
-            payload = self._pickled_dataset()
-            # (the transforms' ids too: a transform built anew alike pickles the same, and
-            # the workers' records must then name the new one, review 144)
-            ids = (random_state.trace_ids(self.spec.dataset, self.spec.transform)
-                   if self.cfg.worker_kind != "thread" else ())
-            if payload == self._dataset_sent and ids == self.spec.trace_ids:
-                payload = None
+        after_park, self._park_resend = self._park_resend, False
+        if self._resends or after_park:
+            try:
+                payload = self._pickled_dataset()
+            except ValueError as e:
+                if self._resends:
+                    raise
+                # (persistent workers after a park: the new ones fork from the fork server,
+                # which holds the dataset as the Loader was built)
+                log.info("the workers that start again after they were stopped (Lightning "
+                         "ends each fit so) hold the dataset as it was when the Loader was "
+                         "built: changes made to it since are not seen (%s)", e.__cause__ or e)
             else:
-                self._dataset_sent = payload
-                payload = self._with_trace_ids(payload, ids)
+                # (the transforms' ids too: a transform built anew alike pickles the same,
+                # and the workers' records must then name the new one, review 144)
+                ids = (random_state.trace_ids(self.spec.dataset, self.spec.transform)
+                       if self.cfg.worker_kind != "thread" else ())
+                if payload == self._dataset_sent and ids == self.spec.trace_ids:
+                    payload = None
+                else:
+                    self._dataset_sent = payload
+                    payload = self._with_trace_ids(payload, ids)
         self._gen += 1
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
@@ -582,10 +601,16 @@ class Pipeline:
         if spec is not None and not spec.stopped:
             spec.stopped = True
             self.events.put(("discard", spec))
+        self._park_resend = (self.procs is not None
+                             or any(hasattr(st.executor, "reload") for st in self.sample_stages))
         done = threading.Event()
         self.events.put(("park", message, done))
-        if threading.current_thread() is not self.thread and self.thread.is_alive():
-            done.wait(10.0)
+        if threading.current_thread() is not self.thread:
+            deadline = time.monotonic() + 10.0
+            while not done.wait(0.05):  # (a close meanwhile ends the scheduler: review 149)
+                if self._stop.is_set() or not self.thread.is_alive() or (
+                        time.monotonic() > deadline):
+                    break
 
     def stop(self, run: Run) -> None:
         """The consumer abandoned ``run``: free what it holds (its late results too)."""
@@ -802,9 +827,6 @@ class Pipeline:
                 self._result(r)
         elif kind == "start":
             run, payload = ev[1], ev[2]
-            if self._parked:  # (park(): the workers start again, _begin below)
-                self._parked = False
-                self._apply_knobs()
             if payload is not None:
                 self.memory.forget_sizes()  # (a new dataset: its files may differ)
                 if self.procs is not None:
@@ -813,6 +835,9 @@ class Pipeline:
                     for st in self.sample_stages:
                         if hasattr(st.executor, "reload"):
                             st.executor.reload(self.spec)
+            if self._parked:  # (park(): the workers start again, with that dataset)
+                self._parked = False
+                self._apply_knobs()
             self._begin(run)
         elif kind == "fatal":  # worker_init_fn raised in a thread worker
             self._fail_runs(ev[1])
@@ -862,6 +887,8 @@ class Pipeline:
             self._parked = True
             for run in list(self.runs.values()):  # (a new error each: tracebacks of its own)
                 self._end_run(run, ("error", RuntimeError(ev[1])))
+            if self.procs is not None:  # (none serves again; a busy one ends in 5 s)
+                self.procs.stop_all(PARK_GRACE_S)
             self._apply_knobs()  # no workers, no free slot kept
             self.batch_pool.decay(at_once=True)
             ev[2].set()

@@ -540,10 +540,9 @@ def dumps_for_worker(obj: Any) -> bytes:
     # where the DataLoader's workers, which get the script run again, work). By value, as
     # __main__'s (taken back after: cloudpickle's registry is the process's).
     mp_main = sys.modules.get("__mp_main__")
-    by_value = (mp_main is not None and getattr(mp_main, "__name__", None) == "__mp_main__"
-                and mp_main.__name__ not in cloudpickle.list_registry_pickle_by_value())
+    by_value = mp_main is not None and getattr(mp_main, "__name__", None) == "__mp_main__"
     if by_value:
-        cloudpickle.register_pickle_by_value(mp_main)
+        _mp_main_by_value(cloudpickle, mp_main, +1)
     try:
         buf = io.BytesIO()
         pickler = Recording(buf, protocol=cloudpickle.DEFAULT_PROTOCOL)
@@ -551,8 +550,33 @@ def dumps_for_worker(obj: Any) -> bytes:
         pickler.dump(found)
     finally:
         if by_value:
-            cloudpickle.unregister_pickle_by_value(mp_main)
+            _mp_main_by_value(cloudpickle, mp_main, -1)
     return buf.getvalue()
+
+
+_by_value_lock = threading.Lock()
+_by_value_users = 0  # dumps_for_worker calls under way that need __mp_main__ by value
+_by_value_ours = False  # registered by them (not by the user, whose registration stays)
+
+
+def _mp_main_by_value(cloudpickle: Any, module: Any, step: int) -> None:
+    """Register ``__mp_main__`` with cloudpickle by value for the first of the dumps under
+    way (``step`` +1), unregister it after the last (-1): the registry is the process's, and
+    two threads dumping at once must not unregister it under each other (review 149)."""
+    global _by_value_users, _by_value_ours
+    with _by_value_lock:
+        if step > 0:
+            if _by_value_users == 0:
+                _by_value_ours = module.__name__ not in cloudpickle.list_registry_pickle_by_value()
+                if _by_value_ours:
+                    cloudpickle.register_pickle_by_value(module)
+            _by_value_users += 1
+        else:
+            _by_value_users -= 1
+            if _by_value_users == 0 and _by_value_ours:
+                _by_value_ours = False
+                if module.__name__ in cloudpickle.list_registry_pickle_by_value():
+                    cloudpickle.unregister_pickle_by_value(module)
 
 
 #: The modules a training script runs as: ``__main__``, or ``__mp_main__`` in a process that

@@ -130,14 +130,12 @@ class TelemetryHandle:
                 f"stage_stats dict), not {type(loader).__name__}: a torch DataLoader records "
                 "no telemetry; swap it for autominato.Loader")
         with _live_lock:
-            other = _attached.get(id(loader))
-            if other is not None:
+            if id(loader) in _attached:
                 raise ValueError(
                     "this loader's telemetry is attached already: use that handle (a Loader "
                     "built with metrics_port= or monitor_interval= holds it as "
                     "loader.telemetry: loader.telemetry.report() reports now), or close it "
                     "before attaching again")
-            _attached[id(loader)] = self
         self.loader = loader
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
@@ -184,6 +182,8 @@ class TelemetryHandle:
         except BaseException:
             self.close()
             raise
+        with _live_lock:  # (only once attached whole: a failure above leaves it free, review 149)
+            _attached[id(loader)] = self
 
     def set_rank(self, rank: int) -> None:
         """Label this loader's series with ``rank`` from now on (``Loader`` calls it when
