@@ -555,3 +555,19 @@ def test_a_pass_live_when_the_workers_stop_gets_the_batches_made_then_raises():
         assert sorted(int(i) for _, _, b in loader for i in b) == list(range(64))
     finally:
         loader.close()
+
+
+def test_a_large_in_memory_dataset_is_not_pickled_to_the_workers_after_a_stop(monkeypatch, caplog):
+    """The first pass after a stop sends the dataset as it is now only when it pickles small
+    (a list of files): a dataset of arrays stays the fork server's copy, shared with the
+    workers, rather than a copy in each at every fit; the log says changes are not seen."""
+    monkeypatch.setattr("autominato.pipeline.scheduler.PARK_RESEND_MAX_BYTES", 4096)
+    ds = Shifted(8)
+    ds.ballast = torch.zeros(4096)  # (16 KiB of pickle)
+    caplog.set_level("INFO", logger="autominato")
+    with Loader(ds, batch_size=4, num_workers=1, autotune=False) as loader:
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(8))
+        loader._iterator = None
+        ds.off = 100
+        assert sorted(int(i) for _, _, b in loader for i in b) == list(range(8))
+    assert any("changes made to it since are not seen" in r.getMessage() for r in caplog.records)

@@ -136,6 +136,13 @@ LEAD_WAITS = 32
 #: finish it before it is SIGKILLed: the DataLoader's ``_shutdown_workers`` waits 5 s too.
 PARK_GRACE_S = 5.0
 
+#: The largest pickle of the dataset that the first pass after a park sends to its new
+#: workers, bytes: a list of files or cases pickles to kilobytes, and its changes since the
+#: Loader was built (a grown list) are then seen; an in-memory dataset of arrays is left as
+#: the fork server holds it (shared with the workers, copy-on-write), not pickled and copied
+#: into each worker at every fit.
+PARK_RESEND_MAX_BYTES = 64 * 2**20
+
 #: Seconds every process worker must have idled before their warm heaps go back (keep 0;
 #: ``_update_heap_keep``): a validation pass, a checkpoint, the end of training. Longer than a
 #: training step (at 1 s, review 119 saw the keep go to 0 and back at every 1.3 s step, the
@@ -506,15 +513,17 @@ class Pipeline:
         after_park, self._park_resend = self._park_resend, False
         if self._resends or after_park:
             try:
-                payload = self._pickled_dataset()
+                payload = self._pickled_dataset(None if self._resends else PARK_RESEND_MAX_BYTES)
             except ValueError as e:
                 if self._resends:
                     raise
                 # (persistent workers after a park: the new ones fork from the fork server,
-                # which holds the dataset as the Loader was built)
+                # which holds the dataset as the Loader was built; one that pickles large, an
+                # in-memory array, is not copied into every worker at each fit)
                 log.info("the workers that start again after they were stopped (Lightning "
                          "ends each fit so) hold the dataset as it was when the Loader was "
-                         "built: changes made to it since are not seen (%s)", e.__cause__ or e)
+                         "built: changes made to it since are not seen (%s; "
+                         "persistent_workers=False sends it at every epoch)", e.__cause__ or e)
             else:
                 # (the transforms' ids too: a transform built anew alike pickles the same,
                 # and the workers' records must then name the new one, review 144)
@@ -574,11 +583,19 @@ class Pipeline:
         self.spec.trace_ids = ids
         return pickle.dumps(ids) + payload
 
-    def _pickled_dataset(self) -> bytes:
-        from autominato.pipeline.worker import dumps_for_worker
+    def _pickled_dataset(self, limit: int | None = None) -> bytes:
+        """The dataset cloudpickled for the workers.
+
+        Raises:
+            PickleTooLarge: its pickle grew past ``limit`` bytes (given).
+            ValueError: it does not pickle.
+        """
+        from autominato.pipeline.worker import PickleTooLarge, dumps_for_worker
 
         try:
-            return dumps_for_worker(self.spec.dataset)
+            return dumps_for_worker(self.spec.dataset, limit)
+        except PickleTooLarge:
+            raise
         except Exception as e:
             raise ValueError(
                 f"persistent_workers=False sends the dataset to the workers at every epoch, so it "

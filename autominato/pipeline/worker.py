@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import io
 import os
 import random
 import signal
@@ -503,7 +504,23 @@ class WorkSpec:
     trace_ids: tuple = ()
 
 
-def dumps_for_worker(obj: Any) -> bytes:
+class PickleTooLarge(ValueError):
+    """:func:`dumps_for_worker`'s pickle grew past its ``limit``."""
+
+
+class _Bounded(io.BytesIO):
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        if self.limit is not None and self.tell() > self.limit:
+            raise PickleTooLarge(f"the pickle passed {self.limit} bytes")
+        return n
+
+
+def dumps_for_worker(obj: Any, limit: int | None = None) -> bytes:
     """``obj`` cloudpickled for a worker that does not fork from the training process as it
     is now (a new interpreter, another Loader's zygote, a dataset sent again), followed in the
     same stream by the training script's classes that this pickle carried by value.
@@ -517,9 +534,10 @@ def dumps_for_worker(obj: Any) -> bytes:
     itself reaches are sent (recorded as the pickler meets them: nothing is pickled twice,
     and a class the dataset never uses is neither pickled nor unpickled), and the same memo
     makes them the very objects the dataset's pickle rebuilds.
-    """
-    import io
 
+    Raises:
+        PickleTooLarge: the pickle grew past ``limit`` bytes (given), which it stops at.
+    """
     import cloudpickle
 
     found: dict[str, type] = {}
@@ -544,7 +562,7 @@ def dumps_for_worker(obj: Any) -> bytes:
     if by_value:
         _mp_main_by_value(cloudpickle, mp_main, +1)
     try:
-        buf = io.BytesIO()
+        buf = _Bounded(limit)
         pickler = Recording(buf, protocol=cloudpickle.DEFAULT_PROTOCOL)
         pickler.dump(obj)
         pickler.dump(found)
