@@ -1168,9 +1168,13 @@ class Loader:
         DataLoader's sampler, whose order is read at the first ``next()``, not at
         ``iter()``."""
         with self._lock:
-            log.warning("set_epoch(%d) after the pass resuming epoch %d began, before its first "
-                        "batch: epoch %d starts from its beginning", self._epoch, resumed,
-                        self._epoch)
+            if self._epoch == resumed:
+                # Only the user's sampler moved on (its set_epoch, not the Loader's): the
+                # resumed epoch counts as ended, as for the sampler, and the next one begins.
+                self._epoch += 1
+            log.warning("set_epoch after the pass resuming epoch %d began, before its first "
+                        "batch: epoch %d starts from its beginning (samplers' epochs %s)",
+                        resumed, self._epoch, resume.sampler_epochs(self) or "-")
             it.stop()
             fresh = self._map_pass(None, False)
             with self._step_lock:
@@ -2054,10 +2058,17 @@ class _EpochIterator:
 
 def _restarts(it: Any) -> bool:
     """At ``it``'s first ``next()``: whether its pass resumed an epoch that ``set_epoch`` has
-    since replaced (then ``it._delegate`` is the new epoch's pass)."""
+    since replaced, on the Loader or on a sampler of the user's (Lightning calls
+    ``loader.sampler.set_epoch``: a ``DistributedSampler``'s, review 150), then
+    ``it._delegate`` is the new epoch's pass."""
     resumed, it._resumed_epoch = it._resumed_epoch, None
     L = it.L
-    if resumed is None or not L._epoch_set or L._epoch == resumed or L._closed:
+    if resumed is None or L._closed:
+        return False
+    loader_moved = L._epoch_set and L._epoch != resumed
+    began = getattr(it.progress, "sampler_epochs", None) or {}
+    sampler_moved = bool(began) and resume.sampler_epochs(L) != began
+    if not (loader_moved or sampler_moved):
         return False
     it._delegate = L._restart_resumed(it, resumed)
     return True

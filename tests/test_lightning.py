@@ -227,27 +227,40 @@ def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_ep
 
 
 class Cut(Linear):
-    """16 samples, 4 batches an epoch, of which limit_train_batches keeps 2."""
+    """16 samples, 4 batches an epoch, of which limit_train_batches keeps 2; shuffled by the
+    Loader, or by a DistributedSampler of the user's (whose set_epoch Lightning calls)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, sampler: bool = False) -> None:
         super().__init__()
-        self.workers = workers
+        self.workers, self.sampler = workers, sampler
 
     def train_dataloader(self):
-        loader = Loader(Points(16), batch_size=4, shuffle=True, seed=11, workers=self.workers,
-                        in_order=True, autotune=False)
+        kw = (dict(sampler=torch.utils.data.DistributedSampler(
+            Points(16), num_replicas=1, rank=0, shuffle=True, seed=11))
+              if self.sampler else dict(shuffle=True, seed=11))
+        loader = Loader(Points(16), batch_size=4, workers=self.workers, in_order=True,
+                        autotune=False, **kw)
         self.loaders.append(loader)
         return loader
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+def _cut_order(epoch: int, sampler: bool) -> list[int]:
+    if not sampler:
+        return epoch_order(16, epoch=epoch, seed=11, shuffle=True)
+    s = torch.utils.data.DistributedSampler(Points(16), num_replicas=1, rank=0, shuffle=True,
+                                            seed=11)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("workers, sampler", [(0, False), (1, False), (1, True)])
 def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next_epochs(
-        tmp_path, workers):
+        tmp_path, workers, sampler):
     """The checkpoint at the cut epoch's last step holds that epoch unfinished (the Loader
     does not know Lightning's limit); the resumed fit makes its first iterator, then calls
     set_epoch(1): epoch 1 runs from its beginning, not epoch 0's leftovers (trial 147: 4
     batches of them, where the DataLoader's sampler, read at the first next(), gives epoch
-    1)."""
+    1); also where Lightning sets the epoch on the user's DistributedSampler (review 150)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def trainer(epochs: int) -> L.Trainer:
@@ -257,9 +270,9 @@ def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next
                          callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
                                                     save_top_k=-1)])
 
-    first = Cut(workers)
+    first = Cut(workers, sampler)
     trainer(1).fit(first)
-    resumed = Cut(workers)
+    resumed = Cut(workers, sampler)
     trainer(3).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     for model in (first, resumed):
         for loader in model.loaders:
@@ -268,7 +281,7 @@ def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next
     for lightning_epoch, loader_epoch, indices in resumed.seen:
         assert loader_epoch == lightning_epoch
         by_epoch.setdefault(lightning_epoch, []).extend(indices)
-    assert by_epoch == {e: epoch_order(16, epoch=e, seed=11, shuffle=True)[:8] for e in (1, 2)}
+    assert by_epoch == {e: _cut_order(e, sampler)[:8] for e in (1, 2)}
 
 
 class Stream16(torch.utils.data.IterableDataset):

@@ -195,6 +195,30 @@ def not_sized():
     return NotSized()
 
 
+class Stream:
+    """An iterable the Loader takes as an iterable dataset (no __getitem__), not a subclass
+    of torch's IterableDataset (a webdataset pipeline, say)."""
+
+    def __len__(self):
+        return 16
+
+    def __iter__(self):
+        return iter([np.full(2, i, np.float32) for i in range(16)])
+
+
+def stream():
+    return Stream()
+
+
+def test_a_duck_typed_iterable_dataset_is_tuned_without_shuffle(tmp_path, capsys):
+    """tune shuffles map-style datasets only; an iterable one the Loader recognises by
+    __iter__ was given shuffle=True and refused (review 150)."""
+    rc = tune("--dataset", f"{__name__}:stream", "--batch-size", "2", "--step-time", "0.01",
+              "--trials", "1", "--window", "3", "--warmup", "1", "--no-baseline",
+              "--out", str(tmp_path / "out"))
+    assert rc == 0, capsys.readouterr().out
+
+
 def test_a_pipeline_no_loader_can_be_built_for_stops_before_any_trial(tmp_path, capsys):
     """A dataset the Loader refuses (its __len__ returns no int) fails every configuration
     alike: exit status 2, the cause named, nothing run (trial 146: each trial failed, the

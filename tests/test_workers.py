@@ -1544,3 +1544,25 @@ def test_dumps_for_worker_in_threads_at_once_keeps_a_spawned_ranks_script_by_val
     assert "__mp_main__" not in cloudpickle.list_registry_pickle_by_value()
     monkeypatch.delitem(sys.modules, "__mp_main__")  # (a new interpreter has no such module)
     assert all(type(loads_for_worker(d)[0]).__name__ == "Thing" for d in dumps)
+
+
+def test_a_bounded_dump_stops_before_it_copies_a_large_array():
+    """The first pass after a park pickles the dataset only up to a limit: the pickling must
+    stop before an array or tensor beyond it is copied (review 150: a 400 MiB array was
+    copied whole, twice for a tensor, before the limit was checked)."""
+    import tracemalloc
+
+    from autominato.pipeline.worker import PickleTooLarge, dumps_for_worker
+
+    big = {"a": np.ones(16 << 20, np.float32)}  # 64 MiB
+    tracemalloc.start()
+    try:
+        with pytest.raises(PickleTooLarge):
+            dumps_for_worker(big, limit=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+    with pytest.raises(PickleTooLarge):
+        dumps_for_worker({"t": torch.ones(1 << 20)}, limit=1 << 20)  # (4 MiB)
+    assert len(dumps_for_worker({"a": np.ones(1000)}, limit=1 << 20)) > 8000  # (under it)

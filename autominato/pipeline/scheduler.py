@@ -513,7 +513,10 @@ class Pipeline:
         after_park, self._park_resend = self._park_resend, False
         if self._resends or after_park:
             try:
-                payload = self._pickled_dataset(None if self._resends else PARK_RESEND_MAX_BYTES)
+                # (Ray actors share no fork server's copy: theirs come from the object store
+                # whatever its size, review 150)
+                limit = None if self._resends or self.procs is None else PARK_RESEND_MAX_BYTES
+                payload = self._pickled_dataset(limit)
             except ValueError as e:
                 if self._resends:
                     raise

@@ -514,10 +514,10 @@ class _Bounded(io.BytesIO):
         self.limit = limit
 
     def write(self, b: Any) -> int:
-        n = super().write(b)
-        if self.limit is not None and self.tell() > self.limit:
+        # (checked before the copy: pickle writes an array's buffer in one call, review 150)
+        if self.limit is not None and self.tell() + memoryview(b).nbytes > self.limit:
             raise PickleTooLarge(f"the pickle passed {self.limit} bytes")
-        return n
+        return super().write(b)
 
 
 def dumps_for_worker(obj: Any, limit: int | None = None) -> bytes:
@@ -542,8 +542,18 @@ def dumps_for_worker(obj: Any, limit: int | None = None) -> bytes:
 
     found: dict[str, type] = {}
 
+    arrays = 0  # bytes of the arrays and tensors met so far (with a limit)
+    torch = sys.modules.get("torch")
+    big = (np.ndarray,) if torch is None else (np.ndarray, torch.Tensor)
+
     class Recording(cloudpickle.Pickler):
         def reducer_override(self, o: Any) -> Any:
+            nonlocal arrays
+            if limit is not None and isinstance(o, big):
+                # (a tensor is serialized whole into bytes before it is written: stop first)
+                arrays += int(o.nbytes)
+                if arrays > limit:
+                    raise PickleTooLarge(f"the pickle passed {limit} bytes")
             home = getattr(o, "__module__", None) if isinstance(o, type) else None
             if home in _SCRIPT_MODULES:
                 name = o.__qualname__

@@ -168,13 +168,12 @@ class Pipeline:
         ``batch_size``; absent ones keep the Loader's defaults. A map-style dataset is
         shuffled with a fixed seed so that every trial sees the same sample order.
         """
-        import torch
-
         from autominato import Loader
+        from autominato.loader import is_iterable_dataset
 
-        # (an iterable dataset takes no shuffle: trial 146 got the Loader's ValueError for
-        # an argument the user never gave)
-        shuffle = not isinstance(self.dataset, torch.utils.data.IterableDataset)
+        # (an iterable dataset, the Loader's kind of one, takes no shuffle: trial 146 got the
+        # Loader's ValueError for an argument the user never gave; review 150: a duck-typed one)
+        shuffle = not is_iterable_dataset(self.dataset)
         kwargs: dict[str, Any] = {"shuffle": shuffle, "seed": 0, **self.loader_kwargs}
         kwargs.update({k: params[k] for k in ("worker_kind", "in_order") if k in params})
         kwargs.update({k: int(params[k]) for k in KNOB_NAMES if k in params})
