@@ -203,18 +203,26 @@ def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_ep
     (before the loader's StopIteration). Resumed from the step-2 one, the fit runs epochs 1
     and 2, each whole and in its own shuffle (it ran epoch 1 with no batch: the Loader resumed
     epoch 0, every sample of which had been delivered)."""
+    by_epoch = _resumed_at_step_2(Linear, tmp_path)
+    assert by_epoch == {e: epoch_order(8, epoch=e, seed=11, shuffle=True) for e in (1, 2)}
+
+
+def _resumed_at_step_2(make, tmp_path, **trainer_kw) -> dict[int, list[int]]:
+    """Fit ``make()`` for one epoch with a checkpoint every 2 steps, then a new ``make()``
+    for 3 epochs from the step-2 checkpoint; the indices the resumed fit trained on, by
+    Lightning's epoch (each batch's Loader epoch checked to be Lightning's)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def trainer(epochs: int) -> L.Trainer:
         return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
                          default_root_dir=tmp_path, enable_progress_bar=False,
-                         enable_model_summary=False,
+                         enable_model_summary=False, **trainer_kw,
                          callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
                                                     save_top_k=-1)])
 
-    first = Linear()
+    first = make()
     trainer(1).fit(first)
-    resumed = Linear()
+    resumed = make()
     trainer(3).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     for model in (first, resumed):
         for loader in model.loaders:
@@ -223,7 +231,7 @@ def test_a_fit_resumed_from_a_checkpoint_at_an_epochs_last_step_runs_the_next_ep
     for lightning_epoch, loader_epoch, indices in resumed.seen:
         assert loader_epoch == lightning_epoch
         by_epoch.setdefault(lightning_epoch, []).extend(indices)
-    assert by_epoch == {e: epoch_order(8, epoch=e, seed=11, shuffle=True) for e in (1, 2)}
+    return by_epoch
 
 
 class Cut(Linear):
@@ -261,26 +269,8 @@ def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next
     set_epoch(1): epoch 1 runs from its beginning, not epoch 0's leftovers (trial 147: 4
     batches of them, where the DataLoader's sampler, read at the first next(), gives epoch
     1); also where Lightning sets the epoch on the user's DistributedSampler (review 150)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def trainer(epochs: int) -> L.Trainer:
-        return L.Trainer(max_epochs=epochs, limit_train_batches=2, accelerator="cpu", devices=1,
-                         logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
-                         enable_model_summary=False,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
-                                                    save_top_k=-1)])
-
-    first = Cut(workers, sampler)
-    trainer(1).fit(first)
-    resumed = Cut(workers, sampler)
-    trainer(3).fit(resumed, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
-    for model in (first, resumed):
-        for loader in model.loaders:
-            loader.close()
-    by_epoch: dict[int, list[int]] = {}
-    for lightning_epoch, loader_epoch, indices in resumed.seen:
-        assert loader_epoch == lightning_epoch
-        by_epoch.setdefault(lightning_epoch, []).extend(indices)
+    by_epoch = _resumed_at_step_2(lambda: Cut(workers, sampler), tmp_path,
+                                  limit_train_batches=2)
     assert by_epoch == {e: _cut_order(e, sampler)[:8] for e in (1, 2)}
 
 
