@@ -1548,9 +1548,10 @@ class Loader:
         so the Loader's workers and the shared memory no batch holds go then, not when the
         trainer and the module are deleted (see :meth:`Pipeline.park
         <autominato.pipeline.scheduler.Pipeline.park>`). Its fork server stays (one process,
-        idle), so that the next ``iter()`` forks new workers as at the first (no pickling,
-        no new interpreter), with the sample figures and knobs the Loader had. A pass still
-        live gets the batches already made, then raises ``RuntimeError``; a next epoch
+        idle), so that the next ``iter()`` forks new workers as at the first (no new
+        interpreter), with the sample figures and knobs the Loader had, and sends them the
+        dataset as it is then where it pickles to ``PARK_RESEND_MAX_BYTES`` or less. A pass
+        still live gets the batches already made, then raises ``RuntimeError``; a next epoch
         loaded ahead is discarded.
 
         Raises:

@@ -609,12 +609,14 @@ class Pipeline:
         """Stop the workers and unlink the shared memory that no batch holds, keeping the
         pipeline: its fork server (a forked one can serve again: the training process now
         runs threads it could not fork beside, review 148), its scheduler and what it learnt
-        (sample figures and times, knobs, counters). The next :meth:`start` starts the
-        workers again. Live runs end: a run's batches already made are delivered, then its
-        iterator raises ``RuntimeError(message)``; the next epoch loaded ahead is
-        discarded (and counted). Waits up to 10 s for the scheduler thread to have done
-        it (a busy worker finishes its sample first, then exits). Call from the training
-        loop's thread."""
+        (sample figures and times, knobs, counters). The next :meth:`start` starts new
+        workers (none of the old ones serves again) and sends them the dataset as it is
+        then, where it pickles to :data:`PARK_RESEND_MAX_BYTES` or less (Ray actors get it
+        whatever its size). Live runs end: a run's batches already made are delivered, then
+        its iterator raises ``RuntimeError(message)``; the next epoch loaded ahead is
+        discarded (and counted). A worker busy on a sample finishes it, or is killed after
+        :data:`PARK_GRACE_S`. Waits up to 10 s for the scheduler thread to have done it (less
+        when the pipeline closes meanwhile). Call from the training loop's thread."""
         if self._stop.is_set():
             return
         spec, self.pending = self.pending, None
