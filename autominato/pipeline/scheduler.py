@@ -572,10 +572,15 @@ class Pipeline:
     @property
     def _resends(self) -> bool:
         """The workers hold a copy of the dataset that ``persistent_workers=False`` renews
-        when it changed: processes (sent to them) and Ray actors (replaced)."""
-        return not self.cfg.persistent_workers and (
-            self.procs is not None
-            or any(hasattr(st.executor, "reload") for st in self.sample_stages))
+        when it changed."""
+        return not self.cfg.persistent_workers and self._workers_copy
+
+    @property
+    def _workers_copy(self) -> bool:
+        """The workers hold a copy of the dataset, which can be renewed: processes (sent to
+        them) and Ray actors (replaced); threads share the training process's."""
+        return self.procs is not None or any(hasattr(st.executor, "reload")
+                                             for st in self.sample_stages)
 
     def _with_trace_ids(self, payload: bytes, ids: tuple) -> bytes:
         """``payload`` (the dataset pickled, sent again) preceded by ``ids``, those of its and
@@ -623,8 +628,7 @@ class Pipeline:
         if spec is not None and not spec.stopped:
             spec.stopped = True
             self.events.put(("discard", spec))
-        self._park_resend = (self.procs is not None
-                             or any(hasattr(st.executor, "reload") for st in self.sample_stages))
+        self._park_resend = self._workers_copy
         done = threading.Event()
         self.events.put(("park", message, done))
         if threading.current_thread() is not self.thread:
@@ -1048,9 +1052,8 @@ class Pipeline:
     def _size_stream_workers(self, beginning: Run | None = None) -> None:
         """An iterable dataset: as many workers as the live runs have shards, else as the knob
         (``beginning``: the run that begins now, which has no shard iterated yet)."""
-        want = max((r.epoch.shards for r in self.runs.values()),
-                   default=0 if self._parked else self.knobs.workers)
         st = self.sample_stages[0]
+        want = max((r.epoch.shards for r in self.runs.values()), default=self._want(st))
         # (renewed only while no other run iterates shards: theirs would be lost)
         self._resize(st, want, renew=all(r is beginning for r in self.runs.values()))
 
