@@ -1105,7 +1105,7 @@ class Loader:
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
         it = self._map_pass(pending, was_epoch)
-        it._resumed_epoch = None if pending is None else self._epoch
+        it._began = (self._epoch, pending is not None)
         return it
 
     def _map_pass(self, pending: dict | None, was_epoch: bool) -> Iterator[Any]:
@@ -1159,22 +1159,26 @@ class Loader:
                              unique=unique)
         return _EpochIterator(self, pipeline, run, progress)
 
-    def _restart_resumed(self, it: Any, resumed: int) -> Iterator[Any]:
-        """The pass that iterator ``it`` began resumed an epoch, and ``set_epoch`` named
+    def _restart_pass(self, it: Any, epoch: int, resumed: bool) -> Iterator[Any]:
+        """The pass that iterator ``it`` began as ``epoch`` (resuming it from a state when
+        ``resumed``), and ``set_epoch`` (the Loader's or a sampler's of the user's) named
         another before its first batch: that epoch's pass, from its beginning, which ``it``
-        hands on. Lightning restores a checkpoint, makes the first iterator of the resumed
-        fit, then calls ``set_epoch`` (trial 147: an epoch that ``limit_train_batches`` cut
-        short was saved unfinished, and the next epoch delivered its leftovers). As the
-        DataLoader's sampler, whose order is read at the first ``next()``, not at
-        ``iter()``."""
+        hands on. As the DataLoader's sampler with no worker, whose order is read at the
+        first ``next()``, not at ``iter()``: Lightning makes the first iterator of a fit,
+        then calls ``set_epoch`` (trial 147: a resumed fit whose epoch
+        ``limit_train_batches`` cut short delivered that epoch's leftovers; trial 151: a fit
+        resumed from an end-of-epoch checkpoint, or a second fit on the same Loader, ran
+        its first epoch as the epoch the Loader was at, order and augmentation)."""
         with self._lock:
-            if self._epoch == resumed:
+            if resumed and self._epoch == epoch:
                 # Only the user's sampler moved on (its set_epoch, not the Loader's): the
                 # resumed epoch counts as ended, as for the sampler, and the next one begins.
                 self._epoch += 1
-            log.warning("set_epoch after the pass resuming epoch %d began, before its first "
-                        "batch: epoch %d starts from its beginning (samplers' epochs %s)",
-                        resumed, self._epoch, resume.sampler_epochs(self) or "-")
+            (log.warning if resumed else log.info)(
+                "set_epoch after the pass %s epoch %d began, before its first batch: epoch %d "
+                "starts from its beginning (samplers' epochs %s)",
+                "resuming" if resumed else "of", epoch, self._epoch,
+                resume.sampler_epochs(self) or "-")
             it.stop()
             fresh = self._map_pass(None, False)
             with self._step_lock:
@@ -1869,9 +1873,9 @@ class _EpochIterator:
         # is left of it
         self._grace_left = START_GRACE_S
 
-    #: The epoch this pass resumed from a state (``Loader._restart_resumed``), until its first
-    #: ``next()``; the pass that replaced it, to which ``next()`` hands on.
-    _resumed_epoch: int | None = None
+    #: A map-style pass's epoch and whether it resumed a state, until its first ``next()``
+    #: (``_restarts``); the pass that replaced it, to which ``next()`` hands on.
+    _began: tuple[int, bool] | None = None
     _delegate: Any = None
 
     def __iter__(self) -> _EpochIterator:
@@ -2058,20 +2062,21 @@ class _EpochIterator:
 
 
 def _restarts(it: Any) -> bool:
-    """At ``it``'s first ``next()``: whether its pass resumed an epoch that ``set_epoch`` has
-    since replaced, on the Loader or on a sampler of the user's (Lightning calls
+    """At ``it``'s first ``next()``: whether ``set_epoch`` has named another epoch since its
+    map-style pass began, on the Loader or on a sampler of the user's (Lightning calls
     ``loader.sampler.set_epoch``: a ``DistributedSampler``'s, review 150), then
-    ``it._delegate`` is the new epoch's pass."""
-    resumed, it._resumed_epoch = it._resumed_epoch, None
+    ``it._delegate`` is the new epoch's pass (``Loader._restart_pass``)."""
+    began, it._began = it._began, None
     L = it.L
-    if resumed is None or L._closed:
+    if began is None or L._closed:
         return False
-    loader_moved = L._epoch_set and L._epoch != resumed
-    began = getattr(it.progress, "sampler_epochs", None) or {}
-    sampler_moved = bool(began) and resume.sampler_epochs(L) != began
+    epoch, resumed = began
+    loader_moved = L._epoch_set and L._epoch != epoch
+    samplers = getattr(it.progress, "sampler_epochs", None) or {}
+    sampler_moved = bool(samplers) and resume.sampler_epochs(L) != samplers
     if not (loader_moved or sampler_moved):
         return False
-    it._delegate = L._restart_resumed(it, resumed)
+    it._delegate = L._restart_pass(it, epoch, resumed)
     return True
 
 
@@ -2126,7 +2131,7 @@ class _SyncIterator:
         self.todo: deque = deque(self.ep.start())
         self._done = False
 
-    _resumed_epoch: int | None = None  # (as _EpochIterator's)
+    _began: tuple[int, bool] | None = None  # (as _EpochIterator's)
     _delegate: Any = None
 
     def __iter__(self) -> _SyncIterator:

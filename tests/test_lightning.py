@@ -274,6 +274,68 @@ def test_a_fit_resumed_after_an_epoch_that_limit_train_batches_cut_runs_the_next
     assert by_epoch == {e: _cut_order(e, sampler)[:8] for e in (1, 2)}
 
 
+class Kept(Cut):
+    """8 samples, 2 batches an epoch, one Loader for every fit of the module."""
+
+    def __init__(self, workers: int, sampler: bool = False) -> None:
+        super().__init__(workers, sampler)
+        kw = (dict(sampler=torch.utils.data.DistributedSampler(
+            Points(), num_replicas=1, rank=0, shuffle=True, seed=11))
+              if sampler else dict(shuffle=True, seed=11))
+        self.loader = Loader(Points(), batch_size=4, workers=workers, in_order=True,
+                             autotune=False, **kw)
+        self.loaders.append(self.loader)
+
+    def train_dataloader(self):
+        return self.loader
+
+
+def _kept_order(epoch: int, sampler: bool) -> list[int]:
+    if not sampler:
+        return epoch_order(8, epoch=epoch, seed=11, shuffle=True)
+    s = torch.utils.data.DistributedSampler(Points(), num_replicas=1, rank=0, shuffle=True,
+                                            seed=11)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("workers, sampler", [(0, False), (1, False), (1, True)])
+def test_a_fit_from_an_end_of_epoch_checkpoint_and_a_second_fit_run_lightnings_epochs(
+        tmp_path, workers, sampler):
+    """Lightning restores no loader state from an end-of-epoch checkpoint and makes a fit's
+    first iterator before it calls ``set_epoch``: the resumed fit's first epoch (2) ran as the
+    new Loader's epoch 0, and a second fit on the same module (a new Trainer: epoch 0) as the
+    epoch the Loader ran last, order and augmentation (trial 151). Each now runs Lightning's
+    epoch, as the Loader's and as the user's ``DistributedSampler``'s."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(epochs: int) -> L.Trainer:
+        return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                         default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)])
+
+    first, resumed = Kept(workers, sampler), Kept(workers, sampler)
+    try:
+        trainer(2).fit(first)
+        trainer(4).fit(resumed, ckpt_path=tmp_path / "epoch=1-step=4.ckpt")
+        first.seen.clear()
+        trainer(1).fit(first)  # a second fit on the same Loader
+    finally:
+        first.loader.close()
+        resumed.loader.close()
+
+    def by_epoch(seen) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for lightning_epoch, loader_epoch, indices in seen:
+            assert sampler or loader_epoch == lightning_epoch
+            out.setdefault(lightning_epoch, []).extend(indices)
+        return out
+
+    assert by_epoch(resumed.seen) == {e: _kept_order(e, sampler) for e in (2, 3)}
+    assert by_epoch(first.seen) == {0: _kept_order(0, sampler)}
+
+
 class Stream16(torch.utils.data.IterableDataset):
     """16 samples (x, 3 x, i) of a stream: an iterable dataset has no positions to resume."""
 

@@ -9,6 +9,7 @@ the test opens only once the next epoch's first batch has been assembled.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from pathlib import Path
@@ -720,3 +721,47 @@ def test_an_iterator_whose_start_the_closed_pipeline_never_took_ends_with_its_er
         assert "load_state_dict() took the state's seed" in str(out["got"])
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_set_epoch_after_iter_and_before_the_first_batch_names_that_passs_epoch(workers, caplog):
+    """As the DataLoader's sampler with no worker, read at the first ``next()``: Lightning
+    makes a fit's first iterator, then calls ``set_epoch`` (trial 151: a fit resumed from an
+    end-of-epoch checkpoint ran its first epoch as the Loader's epoch 0). Order and
+    augmentation are then the named epoch's, each sample once; a ``set_epoch`` of the pass's
+    own epoch changes nothing."""
+    n, bs = 12, 3
+    caplog.set_level(logging.INFO, logger="autominato")
+    with Loader(StragglerTail(n), batch_size=bs, shuffle=True, in_order=True,
+                transform=tag_epoch, seed=SEED, workers=workers, autotune=False) as L:
+        batches_of(L)  # epoch 0 (with workers, epoch 1 is started ahead)
+        it = iter(L)
+        L.set_epoch(7)
+        got = batches_of(it)
+        assert [i for idx, _ in got for i in idx] == epoch_order(n, epoch=7, seed=SEED,
+                                                                 shuffle=True)
+        assert {epoch_of(i, d, range(9)) for idx, dr in got
+                for i, d in zip(idx, dr, strict=True)} == {7}
+        assert "epoch 7 starts from its beginning" in caplog.text
+        caplog.clear()
+        it = iter(L)
+        L.set_epoch(7)  # the pass's own epoch: no restart
+        assert [i for idx, _ in batches_of(it) for i in idx] == epoch_order(
+            n, epoch=7, seed=SEED, shuffle=True)
+        assert "starts from its beginning" not in caplog.text
+        assert L.state_dict()["epoch"] == 7
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_user_samplers_set_epoch_after_iter_names_the_passs_order(workers):
+    """Lightning calls ``loader.sampler.set_epoch``: with a ``DistributedSampler`` of the
+    user's, the pass takes the order its epoch gives at the first ``next()``."""
+    n = 12
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=3)
+    with Loader(StragglerTail(n), batch_size=3, sampler=sampler, in_order=True,
+                transform=tag_epoch, seed=SEED, workers=workers, autotune=False) as L:
+        batches_of(L)
+        it = iter(L)
+        sampler.set_epoch(5)
+        want = copy.copy(sampler)
+        assert [i for idx, _ in batches_of(it) for i in idx] == list(want)
