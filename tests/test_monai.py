@@ -4,6 +4,8 @@ metadata."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -352,3 +354,66 @@ def test_records_invert_when_the_transforms_are_rebuilt_added_or_held_twice(case
                     assert tuple(invert(item)["pred"].shape) == (1, SIDE, SIDE, SIDE)
                     inverted += 1
             assert inverted == 4
+
+
+# -- Random transforms reached through code: closures, partials, methods, globals ----------
+
+_GLOBAL_PIPELINE = pipeline()
+
+
+def _apply(tf, d):
+    return tf(d)
+
+
+def _via_global(d):
+    return _GLOBAL_PIPELINE(d)
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.tf = pipeline()
+
+    def run(self, d):
+        return self.tf(d)
+
+
+class _CallsGlobal:
+    def __call__(self, d):
+        return _GLOBAL_PIPELINE(d)
+
+
+def _closure():
+    tf = pipeline()
+    return lambda d: tf(d)
+
+
+_REACHED = {
+    "closure": _closure,
+    "partial": lambda: functools.partial(_apply, pipeline()),
+    "global": lambda: _via_global,
+    "bound_method": lambda: _Holder().run,
+    "class_method_global": _CallsGlobal,
+}
+
+
+@pytest.mark.parametrize("how", list(_REACHED))
+def test_random_transforms_reached_through_code_are_reseeded_per_sample(how, caplog):
+    """A ``Randomizable`` held by a closure, a ``functools.partial``, a bound method's object,
+    or a global that a function or a class's ``__call__`` names is found and reseeded: crops
+    distinct per sample, the same with 1 and 3 workers and with thread workers (trial 141:
+    with a partial, 5 distinct crops of 8, different between runs with the same seed)."""
+    def make(**kw) -> Loader:
+        return Loader(Volumes(), batch_size=4, transform=_REACHED[how](), seed=7,
+                      autotune=False, **kw)
+
+    one, three = crops(make(workers=1)), crops(make(workers=3))
+    assert all(np.array_equal(one[i], three[i]) for i in range(N))
+    assert len({signature(i, one[i]) for i in range(N)}) > N * 3 // 4
+    if how == "class_method_global":  # a class's code cannot be copied per thread: said
+        with caplog.at_level("WARNING", logger="autominato"), make(workers=2,
+                                                                  worker_kind="thread") as L:
+            assert sum(len(b["index"]) for b in L) == N
+        assert "_CallsGlobal" not in caplog.text and "shared by thread" in caplog.text
+    else:
+        threads = crops(make(workers=3, worker_kind="thread"))
+        assert all(np.array_equal(one[i], threads[i]) for i in range(N))

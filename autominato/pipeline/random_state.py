@@ -13,7 +13,10 @@ crop, and a sample's augmentation depends on the worker that ran it and on the w
 The walk follows attributes (``__dict__``), lists, tuples and dicts, as MONAI's own
 ``monai.data.utils.set_rnd`` walks a dataset for its ``worker_init_fn``, and goes on inside a
 ``Randomizable`` too (a dictionary transform keeps its array transform in an attribute:
-``RandSpatialCropd.cropper``, ``RandAffined.rand_affine.rand_affine_grid``). Nothing is walked
+``RandSpatialCropd.cropper``, ``RandAffined.rand_affine.rand_affine_grid``), and through the
+user's code (:func:`_code_children`: a partial's arguments, a bound method's object, a user
+function's closure, defaults and the globals it names, the functions of a user's class; trial
+141: a transform behind a ``partial`` was not reseeded). Nothing is walked
 unless MONAI is imported in the process (no MONAI object can exist otherwise).
 
 Threads: MONAI marks ``Randomizable`` as ``ThreadUnsafe`` (``randomize()`` stores its draws on
@@ -27,20 +30,29 @@ objects themselves, as the DataLoader does.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import sys
 import threading
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-#: Objects never walked into: they cannot hold a transform.
+#: Objects never walked into: they cannot hold a transform. (Functions and methods are walked
+#: where they are the user's code: :func:`_code_children`.)
 _LEAVES = (str, bytes, bytearray, int, float, complex, type(None), np.ndarray, np.generic, type,
-           types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+           types.ModuleType, types.BuiltinFunctionType, types.CodeType)
+
+#: Top-level packages whose code is never walked (their functions' globals are library
+#: state, not the user's transforms): the standard library's and these.
+_LIBRARY_TOPS = frozenset({"autominato", "numpy", "torch", "monai", "scipy", "nibabel",
+                           "lightning", "pytorch_lightning", "ray", "cloudpickle", "pandas"})
+_user_modules: dict[str, bool] = {}
 
 
 def randomizable_class() -> type | None:
@@ -56,13 +68,94 @@ def _is_leaf(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _users_module(name: Any) -> bool:
+    """Whether module ``name`` is the user's code: a script (``__main__``, a spawned rank's
+    ``__mp_main__``) or a module not of the standard library, of :data:`_LIBRARY_TOPS`, or
+    installed (under ``site-packages`` / ``dist-packages``)."""
+    if not isinstance(name, str):
+        return False
+    hit = _user_modules.get(name)
+    if hit is None:
+        top = name.partition(".")[0]
+        if name in ("__main__", "__mp_main__"):
+            hit = True
+        elif top in sys.stdlib_module_names or top in _LIBRARY_TOPS:
+            hit = False
+        else:
+            path = str(getattr(sys.modules.get(name), "__file__", None) or "")
+            hit = "site-packages" not in path and "dist-packages" not in path
+        _user_modules[name] = hit
+    return hit
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code nested in it (comprehensions, inner functions) may
+    load as globals (``co_names``: cloudpickle's rule for what a function needs)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _function_reach(fn: types.FunctionType) -> tuple[list, dict[str, Any]]:
+    """What a user's function ``fn`` reaches: its closure's values, defaults and keyword
+    defaults (a list), and the module globals its code names (a dict by name)."""
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            values.append(None)
+    values += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    g = fn.__globals__
+    return values, {n: g[n] for n in sorted(_global_names(fn.__code__)) if n in g}
+
+
+def _code_children(obj: Any) -> list:
+    """What a callable reaches through code rather than attributes: a ``functools.partial``'s
+    function and arguments, a bound method's object and function, and a user's function's
+    closure, defaults and the globals it names; an object of a user's class, the functions
+    its class defines (``__call__``, ``__getitem__``: a transform they name as a global).
+    Library code (:func:`_users_module`) is not walked."""
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *(obj.keywords or {}).values()]
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__, obj.__func__]
+    if isinstance(obj, types.FunctionType):
+        if not _users_module(obj.__module__):
+            return []
+        values, named = _function_reach(obj)
+        return values + list(named.values())
+    return _class_functions(type(obj))
+
+
+_class_fns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _class_functions(klass: type) -> list:
+    """The functions that the user's classes among ``klass``'s bases define (cached)."""
+    try:
+        return _class_fns[klass]
+    except (KeyError, TypeError):
+        pass
+    out = [f for k in klass.__mro__ if k is not object and _users_module(k.__module__)
+           for f in vars(k).values() if isinstance(f, types.FunctionType)]
+    try:
+        _class_fns[klass] = out
+    except TypeError:  # (a class that takes no weak reference)
+        pass
+    return out
+
+
 def _children(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return obj
     if isinstance(obj, dict):
         return obj.values()
     d = getattr(obj, "__dict__", None)
-    return d.values() if isinstance(d, dict) else ()
+    own = list(d.values()) if isinstance(d, dict) else []
+    return own + _code_children(obj)
 
 
 def find_parts(root: Any, cls: type) -> list:
@@ -105,6 +198,8 @@ def isolate(root: Any, cls: type) -> Any:
         done[key] = obj  # a cycle back to obj keeps the original
         if isinstance(obj, cls):
             new = copy.deepcopy(obj, deep_memo)
+        elif isinstance(obj, (functools.partial, types.MethodType, types.FunctionType)):
+            new = _isolate_callable(obj, walk)
         elif isinstance(obj, (list, tuple, dict)):
             items = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
             changed = {k: n for k, v in items if not _is_leaf(v) and (n := walk(v)) is not v}
@@ -130,6 +225,60 @@ def isolate(root: Any, cls: type) -> Any:
         return new
 
     return root if _is_leaf(root) else walk(root)
+
+
+def _isolate_callable(obj: Any, walk: Callable[[Any], Any]) -> Any:
+    """:func:`isolate`'s copy of a partial, bound method or user's function whose reach
+    (:func:`_code_children`) holds a random transform: the same callable over the copies
+    (a function: a new function of the same code over new closure cells, defaults, and a
+    copy of its module's globals with the names it uses that changed); else ``obj``."""
+
+    def moved(v: Any) -> Any:
+        return v if _is_leaf(v) else walk(v)
+
+    if isinstance(obj, functools.partial):
+        func, args = moved(obj.func), [moved(a) for a in obj.args]
+        kw = {k: moved(v) for k, v in (obj.keywords or {}).items()}
+        if func is obj.func and all(a is b for a, b in zip(args, obj.args, strict=True)) and all(
+                kw[k] is v for k, v in (obj.keywords or {}).items()):
+            return obj
+        new = type(obj)(func, *args, **kw)
+        new.__dict__.update(obj.__dict__)
+        return new
+    if isinstance(obj, types.MethodType):
+        self_, func = moved(obj.__self__), moved(obj.__func__)
+        return obj if self_ is obj.__self__ and func is obj.__func__ else types.MethodType(func, self_)
+    if not _users_module(obj.__module__):
+        return obj
+    cells = list(obj.__closure__ or ())
+    new_cells, changed = [], False
+    for cell in cells:
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            new_cells.append(cell)
+            continue
+        n = moved(v)
+        changed |= n is not v
+        new_cells.append(types.CellType(n) if n is not v else cell)
+    defaults = tuple(moved(v) for v in obj.__defaults__ or ())
+    kwdefaults = {k: moved(v) for k, v in (obj.__kwdefaults__ or {}).items()}
+    changed |= any(a is not b for a, b in zip(defaults, obj.__defaults__ or (), strict=True))
+    changed |= any(kwdefaults[k] is not v for k, v in (obj.__kwdefaults__ or {}).items())
+    _, named = _function_reach(obj)
+    globs = {k: n for k, v in named.items() if (n := moved(v)) is not v}
+    if not (changed or globs):
+        return obj
+    g = obj.__globals__
+    if globs:
+        g = dict(g)
+        g.update(globs)
+    new = types.FunctionType(obj.__code__, g, obj.__name__, defaults or obj.__defaults__,
+                             tuple(new_cells) if cells else None)
+    new.__kwdefaults__ = kwdefaults or obj.__kwdefaults__
+    new.__dict__.update(obj.__dict__)
+    new.__qualname__, new.__module__ = obj.__qualname__, obj.__module__
+    return new
 
 
 @dataclass
@@ -169,7 +318,8 @@ def plan(spec: Any) -> Plan:
     dataset, transform = spec.dataset, spec.transform
     if cls is None:
         return Plan(dataset, transform)  # nothing to cache: MONAI may be imported later
-    if threading.current_thread() is not threading.main_thread():
+    thread = threading.current_thread() is not threading.main_thread()
+    if thread:
         try:
             dataset, transform = isolate(dataset, cls), isolate(transform, cls)
         except RecursionError:  # a structure nested deeper than Python's recursion limit
@@ -180,6 +330,16 @@ def plan(spec: Any) -> Plan:
     traceable = traceable_class()
     (d_parts, d_traced), (t_parts, t_traced) = (find_parts_of(dataset, (cls, traceable)),
                                                 find_parts_of(transform, (cls, traceable)))
+    if thread and (d_parts or t_parts):
+        originals = {id(p) for root in (spec.dataset, spec.transform) for p in find_parts(root, cls)}
+        shared = [type(p).__name__ for p in d_parts + t_parts if id(p) in originals]
+        if shared and not getattr(_local, "warned_shared", False):
+            _local.warned_shared = True
+            log.warning("autominato: MONAI random transforms (%s) reachable only through a "
+                        "class's methods or a structure that cannot be copied are shared by "
+                        "thread %s and the others (MONAI's Randomizable is not thread-safe: "
+                        "hold them in an attribute, or use process workers)",
+                        ", ".join(sorted(set(shared))), threading.current_thread().name)
     p = Plan(dataset, transform, d_parts, t_parts,
              _trace_map(spec, dataset, transform, d_traced + t_traced))
     for part in (*p.dataset_parts, *p.transform_parts):
