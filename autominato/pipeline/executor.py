@@ -540,6 +540,17 @@ class ProcessWorkers:
                 w.info["stopped"] = grace_s
                 w.proc.stop_deadline = now + grace_s
 
+    def wait_ended(self, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until every worker process this pool started has ended and its fork server
+        reaped it (``Pipeline.park``: as the DataLoader's shutdown joins its workers), up to
+        ``timeout_s`` seconds or until ``stop()``; whether all had."""
+        deadline = time.monotonic() + timeout_s
+        while self._children:
+            if stop() or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def start_one(self) -> ProcWorker:
         """Ask the zygote for one more worker; returns at once (see the class docstring)."""
         wid = next(self._ids)

@@ -202,6 +202,10 @@ class ProcessExecutor:
         self.pool.renew(0)
         self.pool.kill_busy_after(grace_s)
 
+    def wait_ended(self, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
+        """``ProcessWorkers.wait_ended``: every worker process gone, within ``timeout_s``."""
+        return self.pool.wait_ended(timeout_s, stop)
+
     def renew(self, n: int) -> None:
         """Replace every worker by ``n`` new ones (``ProcessWorkers.renew``)."""
         self.want = n

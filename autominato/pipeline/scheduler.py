@@ -620,8 +620,11 @@ class Pipeline:
         whatever its size). Live runs end: a run's batches already made are delivered, then
         its iterator raises ``RuntimeError(message)``; the next epoch loaded ahead is
         discarded (and counted). A worker busy on a sample finishes it, or is killed after
-        :data:`PARK_GRACE_S`. Waits up to 10 s for the scheduler thread to have done it (less
-        when the pipeline closes meanwhile). Call from the training loop's thread."""
+        :data:`PARK_GRACE_S`. Waits up to 10 s for the scheduler thread to have done it, then
+        up to :data:`PARK_GRACE_S` + 1 s for the worker processes to have exited, as the
+        DataLoader's shutdown joins its workers (trial 151: they exited 10-300 ms after a
+        Lightning call returned); less when the pipeline closes meanwhile. Call from the
+        training loop's thread."""
         if self._stop.is_set():
             return
         spec, self.pending = self.pending, None
@@ -637,6 +640,9 @@ class Pipeline:
                 if self._stop.is_set() or not self.thread.is_alive() or (
                         time.monotonic() > deadline):
                     break
+        procs = self.procs
+        if done.is_set() and procs is not None and hasattr(procs, "wait_ended"):
+            procs.wait_ended(PARK_GRACE_S + 1.0, self._stop.is_set)
 
     def stop(self, run: Run) -> None:
         """The consumer abandoned ``run``: free what it holds (its late results too)."""
