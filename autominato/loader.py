@@ -1180,7 +1180,13 @@ class Loader:
                 "resuming" if resumed else "of", epoch, self._epoch,
                 resume.sampler_epochs(self) or "-")
             it.stop()
-            fresh = self._map_pass(None, False)
+            saved = [getattr(self, name) for name in self._PASS_FIELDS]
+            try:
+                fresh = self._map_pass(None, False)
+            except BaseException:  # (as __iter__: the loader as it was; the pass ends here)
+                for name, value in zip(self._PASS_FIELDS, saved, strict=True):
+                    setattr(self, name, value)
+                raise
             with self._step_lock:
                 self._live_passes.discard(id(it))  # (it only hands on the fresh one's batches)
                 self._live_passes.add(id(fresh))
