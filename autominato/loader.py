@@ -798,6 +798,7 @@ class Loader:
         self._batches_at_iter = 0
         self._sync_skipped = 0
         self._sync_cold_starts = 0  # passes with no worker (each loads from its start)
+        self._restart_colds = 0  # cold starts of passes that a set_epoch replaced (_restart_pass)
         # The training loop outside every pass (see _left): since when (time.monotonic()),
         # up to when a snapshot counted it (the total never goes back, as the step's), and
         # the seconds before
@@ -1105,7 +1106,9 @@ class Loader:
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
         it = self._map_pass(pending, was_epoch)
-        it._began = (self._epoch, pending is not None)
+        # (the samplers' epochs as the order left them: a sampler may move its own on at the
+        # end of __iter__, accelerate's SeedableRandomSampler: review 152)
+        it._began = (self._epoch, pending is not None, resume.sampler_epochs(self))
         return it
 
     def _map_pass(self, pending: dict | None, was_epoch: bool) -> Iterator[Any]:
@@ -1135,7 +1138,9 @@ class Loader:
         self._progress = progress
         if self.knobs.workers == 0:
             self._sync_cold_starts += 1
-            return _SyncIterator(self, order, groups, self._epoch, progress)
+            it = _SyncIterator(self, order, groups, self._epoch, progress)
+            it._cold = 1
+            return it
         pipeline = self._ensure_pipeline()
         if self._last_pass_epoch is not None and was_epoch:
             # (after a pass that was no epoch, Lightning's check, the step is kept)
@@ -1155,9 +1160,12 @@ class Loader:
         # each index once: their repeats are not looked for.
         unique = self._batch_sampler is None and (
             self._sampler is None or type(self._sampler) is DistributedSampler)
+        colds = pipeline.cold_starts
         run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
                              unique=unique)
-        return _EpochIterator(self, pipeline, run, progress)
+        it = _EpochIterator(self, pipeline, run, progress)
+        it._cold = int(pipeline.cold_starts > colds)
+        return it
 
     def _restart_pass(self, it: Any, epoch: int, resumed: bool) -> Iterator[Any]:
         """The pass that iterator ``it`` began as ``epoch`` (resuming it from a state when
@@ -1181,12 +1189,19 @@ class Loader:
                 resume.sampler_epochs(self) or "-")
             it.stop()
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
+            # A single jump, not the loop's stride (the pass that began took its move from
+            # the epoch it began at: a second fit's stride 0 loaded that epoch again ahead,
+            # review 152).
+            self._epoch_step, self._epoch_moved = 1, None
+            if self._last_sampler_epoch is not None:
+                self._sampler_epoch_step, self._sampler_epoch_moved = 1, None
             try:
                 fresh = self._map_pass(None, False)
             except BaseException:  # (as __iter__: the loader as it was; the pass ends here)
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
                 raise
+            self._restart_colds += it._cold  # (one pass, one cold start)
             with self._step_lock:
                 self._live_passes.discard(id(it))  # (it only hands on the fresh one's batches)
                 self._live_passes.add(id(fresh))
@@ -1754,7 +1769,7 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
-            cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
+            cold_starts_total=count["cold_starts"] + self._sync_cold_starts - self._restart_colds,
             between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],
@@ -1881,7 +1896,8 @@ class _EpochIterator:
 
     #: A map-style pass's epoch and whether it resumed a state, until its first ``next()``
     #: (``_restarts``); the pass that replaced it, to which ``next()`` hands on.
-    _began: tuple[int, bool] | None = None
+    _began: tuple[int, bool, dict] | None = None
+    _cold = 0  # 1 when its run started cold (Pipeline.cold_starts)
     _delegate: Any = None
 
     def __iter__(self) -> _EpochIterator:
@@ -2074,11 +2090,13 @@ def _restarts(it: Any) -> bool:
     ``it._delegate`` is the new epoch's pass (``Loader._restart_pass``)."""
     began, it._began = it._began, None
     L = it.L
-    if began is None or L._closed:
+    # Only the Loader's latest pass follows (an older one that another pass followed keeps
+    # its epoch, and the Loader's state stays the latest's: review 152), and not while a
+    # loaded state waits for the next pass (load_state_dict applies at the next iter()).
+    if began is None or L._closed or L._last_pass != id(it) or L._resume is not None:
         return False
-    epoch, resumed = began
+    epoch, resumed, samplers = began
     loader_moved = L._epoch_set and L._epoch != epoch
-    samplers = getattr(it.progress, "sampler_epochs", None) or {}
     sampler_moved = bool(samplers) and resume.sampler_epochs(L) != samplers
     if not (loader_moved or sampler_moved):
         return False
@@ -2137,7 +2155,8 @@ class _SyncIterator:
         self.todo: deque = deque(self.ep.start())
         self._done = False
 
-    _began: tuple[int, bool] | None = None  # (as _EpochIterator's)
+    _began: tuple[int, bool, dict] | None = None  # (as _EpochIterator's)
+    _cold = 0
     _delegate: Any = None
 
     def __iter__(self) -> _SyncIterator:

@@ -765,3 +765,87 @@ def test_a_user_samplers_set_epoch_after_iter_names_the_passs_order(workers):
         sampler.set_epoch(5)
         want = copy.copy(sampler)
         assert [i for idx, _ in batches_of(it) for i in idx] == list(want)
+
+
+class SelfMoving(DistributedSampler):
+    """A sampler that moves its own epoch on at the end of ``__iter__`` (accelerate's
+    ``SeedableRandomSampler``), and records the epochs it was read at."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(range(n), num_replicas=1, rank=0, shuffle=True, seed=3)
+        self.read: list[int] = []
+
+    def __iter__(self):
+        self.read.append(self.epoch)
+        out = list(super().__iter__())
+        self.set_epoch(self.epoch + 1)
+        return iter(out)
+
+
+def _order_of(n: int, epoch: int) -> list[int]:
+    s = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=3)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_that_moves_its_own_epoch_while_read_is_read_once_a_pass(workers):
+    """Its move is not a ``set_epoch`` after ``iter()`` (review 152: every pass restarted and
+    read it twice, so the passes ran epochs 1, 3, 5)."""
+    n = 8
+    sampler = SelfMoving(n)
+    with Loader(StragglerTail(n), batch_size=4, sampler=sampler, in_order=True, seed=SEED,
+                workers=workers, autotune=False) as L:
+        got = [[int(i) for b in L for i in b["index"]] for _ in range(3)]
+    assert got == [_order_of(n, e) for e in range(3)]
+    assert sampler.read[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_older_pass_asked_after_a_newer_one_began_keeps_its_epoch_and_the_newers_state(
+        workers):
+    """Only the Loader's latest pass follows a ``set_epoch`` (review 152: an older iterator
+    asked once replaced the state of the loop's pass, and its resume delivered 6 samples a
+    second time)."""
+    n = 12
+    kw = dict(batch_size=3, shuffle=True, in_order=True, transform=tag_epoch, seed=SEED,
+              workers=workers, autotune=False)
+    with Loader(StragglerTail(n), **kw) as L:
+        L.set_epoch(0)
+        a = iter(L)
+        L.set_epoch(1)
+        b = iter(L)
+        got = [int(i) for _ in range(3) for i in next(b)["index"]]
+        first = next(a)
+        assert [epoch_of(int(i), d, range(3)) for i, d in zip(first["index"], first["draw"],
+                                                              strict=True)] == [0, 0, 0]
+        sd = L.state_dict()
+    assert sd["epoch"] == 1 and sd["batches"] == 3
+    with Loader(StragglerTail(n), **kw) as L2:
+        L2.load_state_dict(sd)
+        rest = [int(i) for bt in L2 for i in bt["index"]]
+    assert sorted(got + rest) == list(range(n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restarted_pass_is_one_cold_start_and_the_epoch_after_it_is_loaded_ahead(workers):
+    """A second fit's pass begins at the epoch the Loader ran last, then ``set_epoch(0)``: one
+    pass, one cold start (review 152: two), and the epoch loaded ahead is 1, not the pass's
+    stride of 0 (the load ahead thrown away)."""
+    n = 8
+    with Loader(StragglerTail(n), batch_size=4, shuffle=True, in_order=True,
+                transform=tag_epoch, seed=SEED, workers=workers, autotune=False) as L:
+        for e in range(3):
+            L.set_epoch(e)
+            batches_of(L)
+        colds = L.snapshot().cold_starts_total
+        it = iter(L)  # (Lightning's first iterator of a second fit, at the Loader's epoch 2)
+        L.set_epoch(0)
+        assert [i for idx, _ in batches_of(it) for i in idx] == epoch_order(
+            n, epoch=0, seed=SEED, shuffle=True)
+        assert L.snapshot().cold_starts_total == colds + 1
+        if workers:
+            assert L._pipeline.pending is not None and L._pipeline.pending.epoch_no == 1
+            L.set_epoch(1)
+            batches_of(L)
+            assert L._pipeline.speculative_adopted >= 3
