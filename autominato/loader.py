@@ -1187,7 +1187,7 @@ class Loader:
                 "starts from its beginning (samplers' epochs %s)",
                 "resuming" if resumed else "of", epoch, self._epoch,
                 resume.sampler_epochs(self) or "-")
-            it.stop()
+            it.stop(keep_ahead=True)
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             # A single jump, not the loop's stride (the pass that began took its move from
             # the epoch it began at: a second fit's stride 0 loaded that epoch again ahead,
@@ -1898,6 +1898,8 @@ class _EpochIterator:
     #: (``_restarts``); the pass that replaced it, to which ``next()`` hands on.
     _began: tuple[int, bool, dict] | None = None
     _cold = 0  # 1 when its run started cold (Pipeline.cold_starts)
+    _asked = False  # next() was called (an iterator never asked lets the look-ahead go)
+    _keep_ahead = False
     _delegate: Any = None
 
     def __iter__(self) -> _EpochIterator:
@@ -1907,6 +1909,7 @@ class _EpochIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        self._asked = True
         if self._delegate is not None or _restarts(self):
             return next(self._delegate)
         L = self.L
@@ -2067,10 +2070,15 @@ class _EpochIterator:
                     if not self.L._closed:  # (after close() nothing would poll them)
                         self.L._orphan_h2d.extend(self._pending_h2d)  # a failed wait's too
                     self._pending_h2d = []
+                if not self._asked and not self._keep_ahead:
+                    self.pipeline.drop_ahead(self.run)
                 self.pipeline.stop(self.run)
 
-    def stop(self) -> None:
-        """Abandon the epoch: what the pipeline holds for it is freed."""
+    def stop(self, keep_ahead: bool = False) -> None:
+        """Abandon the epoch: what the pipeline holds for it is freed; the next epoch loaded
+        ahead of it too when it was never asked for a batch, unless ``keep_ahead``
+        (``Loader._restart_pass``: the epoch named may be that one)."""
+        self._keep_ahead = keep_ahead
         self._finish()
 
     def __del__(self) -> None:
@@ -2166,6 +2174,7 @@ class _SyncIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
+        self._asked = True
         if self._delegate is not None or _restarts(self):
             return next(self._delegate)
         L = self.L
@@ -2255,7 +2264,7 @@ class _SyncIterator:
         L.stage_stats["batch"].record(time.perf_counter() - t, 0.0, batch_nbytes(batch))
         return batch
 
-    def stop(self) -> None:
+    def stop(self, keep_ahead: bool = False) -> None:  # (no look-ahead without workers)
         self._done = True
 
     def __del__(self) -> None:
@@ -2304,7 +2313,7 @@ class _SyncStreamIterator(_SyncIterator):
             else:  # "done"
                 self.todo.extend(self.ep.on(PullDone(0, out[1], out[2])))
 
-    def stop(self) -> None:
+    def stop(self, keep_ahead: bool = False) -> None:  # (no look-ahead without workers)
         self._done = True
         self.streams.drop(0)
 

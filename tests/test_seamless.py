@@ -849,3 +849,28 @@ def test_a_restarted_pass_is_one_cold_start_and_the_epoch_after_it_is_loaded_ahe
             L.set_epoch(1)
             batches_of(L)
             assert L._pipeline.speculative_adopted >= 3
+
+
+def test_a_pass_never_asked_for_a_batch_lets_the_epoch_loaded_ahead_of_it_go():
+    """Lightning checks a loader with an iterator it never uses, then starts the same epoch's
+    pass after its sanity validation: the next epoch loaded ahead of the unused pass is
+    discarded at once (review 152: its samples ran in the free workers meanwhile, 12 thrown
+    away at each fit's start); a pass asked for a batch keeps it."""
+    n = 12
+    with Loader(StragglerTail(n), batch_size=3, shuffle=True, in_order=True,
+                transform=tag_epoch, seed=SEED, workers=2, autotune=False) as L:
+        it = iter(L)
+        p = L._pipeline
+        assert p.pending is not None and p.pending.epoch_no == 1
+        del it
+        assert p.pending is None
+        got = batches_of(L)  # epoch 0 again (the unused pass was no epoch)
+        assert [i for idx, _ in got for i in idx] == epoch_order(n, epoch=0, seed=SEED,
+                                                                 shuffle=True)
+        assert p.pending is not None and p.pending.epoch_no == 1  # loaded ahead again
+        wait_for(lambda: p.pending.taken > 0, "samples of epoch 1 to be dispatched")
+        it = iter(L)
+        next(it)
+        del it  # (asked once: the epoch after it stays loaded ahead)
+        assert p.pending is not None and p.pending.epoch_no == 2
+        assert L.snapshot().speculative_discarded_total == 0

@@ -332,6 +332,8 @@ class Pipeline:
         self.rows = RowAllocator(self.slots)
         self.runs: dict[int, Run] = {}
         self.pending: Run | None = None  # the speculative run the next start() may adopt
+        # (its swaps: drop_ahead may run in an iterator's __del__, in any thread)
+        self._pending_lock = threading.Lock()
         self._waiting: list[Run] = []  # speculative runs whose predecessor still dispatches
         self.speculative_adopted = 0  # runs
         self.speculative_discarded = 0  # samples dispatched for a run that was discarded
@@ -471,7 +473,8 @@ class Pipeline:
                 spec = self._new_run(*nxt, unique=unique)
                 spec.speculative = True
                 spec.pred = run
-                self.pending = spec
+                with self._pending_lock:
+                    self.pending = spec
                 self.events.put(("speculate", spec))
         except BaseException:
             # (a KeyboardInterrupt while the next epoch's order is built, say) no iterator
@@ -479,8 +482,9 @@ class Pipeline:
             if run is not None:
                 self.stop(run)
             if spec is not None:  # (the scheduler may not have it yet: a discard is safe)
-                if self.pending is spec:
-                    self.pending = None
+                with self._pending_lock:
+                    if self.pending is spec:
+                        self.pending = None
                 spec.stopped = True
                 self.events.put(("discard", spec))
             raise
@@ -554,7 +558,8 @@ class Pipeline:
     def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
         """The pending speculative run if it is this epoch's (else it is discarded; so is it
         when the new run is not ``adoptable``: a batch sampler's or a resumed epoch)."""
-        spec, self.pending = self.pending, None
+        with self._pending_lock:
+            spec, self.pending = self.pending, None
         if spec is None:
             return None
         if (adoptable and spec.epoch_no == epoch and not spec.stopped and not spec.failed()
@@ -627,7 +632,8 @@ class Pipeline:
         training loop's thread."""
         if self._stop.is_set():
             return
-        spec, self.pending = self.pending, None
+        with self._pending_lock:
+            spec, self.pending = self.pending, None
         if spec is not None and not spec.stopped:
             spec.stopped = True
             self.events.put(("discard", spec))
@@ -643,6 +649,20 @@ class Pipeline:
         procs = self.procs
         if done.is_set() and procs is not None and hasattr(procs, "wait_ended"):
             procs.wait_ended(PARK_GRACE_S + 1.0, self._stop.is_set)
+
+    def drop_ahead(self, run: Run) -> None:
+        """``run``'s consumer left it before asking for any batch (Lightning's check of a
+        loader: an iterator it never uses, then the same epoch's pass after its sanity
+        validation): the next epoch loaded ahead of ``run`` is discarded, not loaded in the
+        free workers meanwhile to be thrown away when that pass begins (review 152: 12
+        samples at each fit's start, beside the validation), and counted. Any thread."""
+        with self._pending_lock:
+            spec = self.pending
+            if spec is None or spec.pred is not run or spec.stopped:
+                return
+            self.pending = None
+            spec.stopped = True
+        self.events.put(("discard", spec))
 
     def stop(self, run: Run) -> None:
         """The consumer abandoned ``run``: free what it holds (its late results too)."""
