@@ -198,6 +198,11 @@ class IterableRestartWarning(UserWarning):
     it alone."""
 
 
+class OtherRankStateWarning(UserWarning):
+    """A completion-order state saved by another rank was loaded (:func:`check`): its
+    delivered positions stand for this rank's, approximately."""
+
+
 def _warn_restart(text: str) -> None:
     warnings.warn(text, IterableRestartWarning, stacklevel=4)
 
@@ -360,11 +365,22 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
     if state["rank"] != loader.rank and not _same_on_every_rank(state):
         # A checkpoint written by rank 0 alone (Lightning's) reaches every rank. In order, ranks
         # that stepped together delivered the same prefix of their own orders; in completion
-        # order each rank's delivered positions are its own.
-        raise ValueError(f"load_state_dict: the state was saved with rank={state['rank']!r}, this "
-                         f"Loader has rank={loader.rank!r}: a completion-order state names that "
-                         "rank's own positions, so each rank must load its own (or use "
-                         "in_order=True, whose state is the same on every rank)")
+        # order each rank's delivered positions are its own. Refusing it ended a resumed DDP
+        # fit after a preemption on every rank but 0 (trial 153), with no other checkpoint to
+        # go back to: the saving rank's positions are taken, which gives every rank the same
+        # number of batches left (DDP's ranks must step alike), and the positions that may
+        # differ are said.
+        delivered = from_ranges(state["delivered"], state["epoch_size"])
+        first_hole = next((k for k, p in enumerate(delivered) if p != k), len(delivered))
+        warnings.warn(
+            f"Loader.load_state_dict(): a completion-order state saved by rank {state['rank']} "
+            f"is loaded on rank {loader.rank} (a checkpoint written by one rank, as Lightning's "
+            f"under DDP): this rank takes rank {state['rank']}'s delivered positions of epoch "
+            f"{state['epoch']} as its own; {len(delivered) - first_hole} of them lie beyond "
+            f"its first hole (position {first_hole}), and up to as many of this rank's samples "
+            "may come twice or be missed this epoch. For an exact resume on every rank, use "
+            "in_order=True (its state holds for every rank) or save each rank's own state",
+            OtherRankStateWarning, stacklevel=3)
     if loader._seed_given and (state["seed"], state["shuffle_seed"]) != (loader.seed, loader.shuffle_seed):
         raise ValueError(f"load_state_dict: the state was saved with seed={state['seed']!r}, this "
                          f"Loader has seed={loader.seed!r} (give the same seed, or none to take "
