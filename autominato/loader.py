@@ -1429,6 +1429,7 @@ class Loader:
 
             # (the dataset's length now: what the workers' copy and the memory figures hold)
             cfg = dataclasses.replace(self._cfg, dataset_len=self._n)
+            _arm_close_at_exit()
             self._pipeline = Pipeline(cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
             self._pipeline.restore_memory(self._memory_figures)
             self._pipeline.restore_costs(self._sample_seconds)
@@ -2339,3 +2340,19 @@ def _close_all() -> None:
 import atexit  # noqa: E402
 
 atexit.register(_close_all)
+
+_exit_finalizer: Any = None
+
+
+def _arm_close_at_exit() -> None:
+    """Close the live Loaders in ``multiprocessing``'s exit hook too, before it joins this
+    process's children (``util._exit_function``, with a finalizer of exit priority >= 0):
+    a process that ``multiprocessing`` started (a ``ddp_spawn`` rank, a ``Process`` target)
+    runs that hook when its target returns, before ``atexit``, and joined the Loader's fork
+    server, a child that waits for the Loader to close: it never exited (trial 153). Armed
+    when a pipeline starts (the registry is cleared when such a process begins)."""
+    global _exit_finalizer
+    from multiprocessing import util
+
+    if _exit_finalizer is None or not _exit_finalizer.still_active():
+        _exit_finalizer = util.Finalize(None, _close_all, exitpriority=100)

@@ -1304,3 +1304,31 @@ def test_fields_builtin_exceptions_keep_in_c_cross_with_a_rebuilt_exception():
     e = crossed(FileNotFoundError(errno.ENOENT, "No such file", threading.Lock()))
     assert (type(e), e.errno, e.strerror, e.filename) == (
         FileNotFoundError, errno.ENOENT, "No such file", None)
+
+
+_KEPT: list = []
+
+
+def _child_keeps_a_loader() -> None:
+    """A process target that leaves its Loader open (held, as a Lightning module holds the
+    one ``train_dataloader`` returned) when it returns."""
+    loader = Loader(list(range(8)), batch_size=2, num_workers=1, autotune=False)
+    _KEPT.append(loader)
+    assert len(list(loader)) == 4
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_process_that_multiprocessing_started_exits_with_its_loader_left_open(method):
+    """``multiprocessing`` joins a process's children when its target returns, before
+    ``atexit``: the Loader's fork server waited for the Loader to close, and a ``ddp_spawn``
+    rank never exited after its fit (trial 153). The live Loaders close first now."""
+    import multiprocessing as mp
+
+    p = mp.get_context(method).Process(target=_child_keeps_a_loader)
+    p.start()
+    p.join(60)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+        p.join()
+    assert not alive and p.exitcode == 0
