@@ -832,6 +832,7 @@ class Loader:
         self._closed = False
         self._telemetry = None
         self._controller = None
+        self._home_pid = os.getpid()  # (_close_all: a forked child's exit leaves it alone)
         _live.add(self)
 
         if values["workers"] > 0 and worker_kind == "process" and start_method in ("auto", "fork"):
@@ -2327,7 +2328,14 @@ class _SyncStreamIterator(_SyncIterator):
 
 
 def _close_all() -> None:
+    """Close the Loaders this process built (at its exit: atexit, multiprocessing's exit
+    hook). A forked child's copies of its parent's Loaders are left alone: closing them
+    there ended the parent's workers and unlinked its shared memory, through the pipes the
+    child inherited, and could hang on a lock held when it forked (review 154)."""
+    me = os.getpid()
     for loader in list(_live):
+        if getattr(loader, "_home_pid", me) != me:
+            continue
         try:
             loader.close()
         except Exception:

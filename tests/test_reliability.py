@@ -1332,3 +1332,28 @@ def test_a_process_that_multiprocessing_started_exits_with_its_loader_left_open(
         p.kill()
         p.join()
     assert not alive and p.exitcode == 0
+
+
+def _child_builds_its_own_loader() -> None:
+    loader = Loader(list(range(8)), batch_size=2, num_workers=1, autotune=False)
+    _KEPT.append(loader)
+    assert len(list(loader)) == 4
+
+
+def test_a_forked_childs_exit_leaves_the_parents_loader_alone():
+    """The child's exit closes the Loaders it built, not its copies of the parent's (review
+    154: the parent's workers died and its shared memory was unlinked)."""
+    import multiprocessing as mp
+
+    with Loader(list(range(16)), batch_size=2, num_workers=2, autotune=False) as loader:
+        it = iter(loader)
+        first = next(it)
+        workers = sorted(loader.worker_pids())
+        p = mp.get_context("fork").Process(target=_child_builds_its_own_loader)
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        rest = list(it)
+        assert sorted(int(i) for b in [first, *rest] for i in b) == list(range(16))
+        assert sorted(loader.worker_pids()) == workers
+        assert loader.snapshot().worker_restarts_total == 0
