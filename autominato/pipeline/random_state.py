@@ -123,7 +123,7 @@ def _code_children(obj: Any) -> list:
     if isinstance(obj, types.MethodType):
         return [obj.__self__, obj.__func__]
     if isinstance(obj, types.FunctionType):
-        if not _users_module(obj.__module__):
+        if not _users_module(getattr(obj, "__module__", None)):
             return []
         values, named = _function_reach(obj)
         return values + list(named.values())
@@ -148,14 +148,51 @@ def _class_functions(klass: type) -> list:
     return out
 
 
-def _children(obj: Any) -> Any:
+#: Objects reached through code (:func:`_code_children`) that the walk follows, at most:
+#: beyond, the rest of what code reaches is not walked (review 154: a ``__getitem__`` that
+#: named a global metadata list of 1M dicts took the walk 4-5 s per worker). Containers
+#: reached so are followed up to :data:`CODE_CONTAINER_MAX` items.
+CODE_WALK_MAX = 20_000
+CODE_CONTAINER_MAX = 256
+
+
+def _own_dict(obj: Any) -> dict | None:
+    """``obj.__dict__`` read without ``__getattr__`` (a lazy proxy opened its file when the
+    walk asked it; one that raised failed every epoch: review 154); ``None`` where it has
+    none or reading it raises."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:  # noqa: BLE001 - any failure makes it a leaf
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _children(obj: Any) -> list:
+    """What the walk follows from ``obj`` by data: a container's items, an object's
+    attributes."""
     if isinstance(obj, (list, tuple)):
-        return obj
+        return list(obj)
     if isinstance(obj, dict):
-        return obj.values()
-    d = getattr(obj, "__dict__", None)
-    own = list(d.values()) if isinstance(d, dict) else []
-    return own + _code_children(obj)
+        return list(obj.values())
+    d = _own_dict(obj)
+    return list(d.values()) if d is not None else []
+
+
+def _follow_from_code(obj: Any, cls: tuple) -> bool:
+    """Whether the walk follows ``obj``, reached through code: what may hold a random
+    transform of the user's (a function, partial or method; an instance of ``cls``, of a
+    user's class or of MONAI's; a container of up to :data:`CODE_CONTAINER_MAX` items), not
+    a library's other objects (a Loader, a model, a data frame: review 154 saw a global
+    Loader copied by thread workers) nor a large container."""
+    if isinstance(obj, (list, tuple, dict)):
+        return len(obj) <= CODE_CONTAINER_MAX
+    if isinstance(obj, (functools.partial, types.MethodType, types.FunctionType)):
+        return True
+    if cls and isinstance(obj, cls):
+        return True
+    module = getattr(type(obj), "__module__", None)
+    return _users_module(module) or (isinstance(module, str)
+                                     and module.partition(".")[0] == "monai")
 
 
 def find_parts(root: Any, cls: type) -> list:
@@ -167,20 +204,37 @@ def find_parts(root: Any, cls: type) -> list:
 
 def find_parts_of(root: Any, classes: tuple) -> list[list]:
     """:func:`find_parts` of each class of ``classes`` in one walk (a list each; an object of
-    several classes is in each of their lists; a class that is ``None`` finds nothing)."""
+    several classes is in each of their lists; a class that is ``None`` finds nothing).
+    What only code reaches (:func:`_code_children`) is followed as
+    :func:`_follow_from_code` says, up to :data:`CODE_WALK_MAX` objects."""
     found: list[list] = [[] for _ in classes]
     kinds = [(k, c) for k, c in enumerate(classes) if c is not None]
+    wanted = tuple(c for _, c in kinds)
     seen: set[int] = set()
-    stack = [root]
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    by_code = 0
     while stack:
-        obj = stack.pop()
+        obj, via_code = stack.pop()
         if _is_leaf(obj) or id(obj) in seen:
             continue
+        if via_code:
+            if by_code >= CODE_WALK_MAX or not _follow_from_code(obj, wanted):
+                continue
+            by_code += 1
         seen.add(id(obj))
         for k, cls in kinds:
             if isinstance(obj, cls):
                 found[k].append(obj)
-        stack.extend(reversed([c for c in _children(obj) if not _is_leaf(c)]))
+        try:
+            code = [] if isinstance(obj, (list, tuple, dict)) else _code_children(obj)
+        except Exception:  # noqa: BLE001 - an object the walk cannot read is a leaf
+            code = []
+        nxt = [(c, via_code) for c in _children(obj) if not _is_leaf(c)]
+        nxt += [(c, True) for c in code if not _is_leaf(c)]
+        stack.extend(reversed(nxt))
+    if by_code >= CODE_WALK_MAX:
+        log.debug("autominato: the walk for MONAI random transforms stopped following code "
+                  "after %d objects", CODE_WALK_MAX)
     return found
 
 
@@ -198,8 +252,10 @@ def isolate(root: Any, cls: type) -> Any:
         done[key] = obj  # a cycle back to obj keeps the original
         if isinstance(obj, cls):
             new = copy.deepcopy(obj, deep_memo)
-        elif isinstance(obj, (functools.partial, types.MethodType, types.FunctionType)):
+        elif isinstance(obj, (functools.partial, types.MethodType)):
             new = _isolate_callable(obj, walk)
+        elif isinstance(obj, types.FunctionType):
+            new = obj  # (its closure and globals are shared: plan() says so where they hold one)
         elif isinstance(obj, (list, tuple, dict)):
             items = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
             changed = {k: n for k, v in items if not _is_leaf(v) and (n := walk(v)) is not v}
@@ -213,9 +269,9 @@ def isolate(root: Any, cls: type) -> Any:
                 new = (obj._make(values) if hasattr(obj, "_fields")
                        else values if isinstance(obj, list) else type(obj)(values))
         else:
-            d = getattr(obj, "__dict__", None)
+            d = _own_dict(obj)
             changed = ({k: n for k, v in list(d.items()) if not _is_leaf(v) and (n := walk(v)) is not v}
-                       if isinstance(d, dict) else {})
+                       if d is not None else {})
             if changed:
                 new = copy.copy(obj)
                 new.__dict__.update(changed)
@@ -228,10 +284,10 @@ def isolate(root: Any, cls: type) -> Any:
 
 
 def _isolate_callable(obj: Any, walk: Callable[[Any], Any]) -> Any:
-    """:func:`isolate`'s copy of a partial, bound method or user's function whose reach
-    (:func:`_code_children`) holds a random transform: the same callable over the copies
-    (a function: a new function of the same code over new closure cells, defaults, and a
-    copy of its module's globals with the names it uses that changed); else ``obj``."""
+    """:func:`isolate`'s copy of a partial or bound method whose arguments or object hold a
+    random transform: the same callable over the copies; else ``obj``. (A function's closure
+    and globals are not copied: a copy of its module's globals would freeze them for the
+    thread, and ``global`` / ``nonlocal`` writes would not reach the module: review 154.)"""
 
     def moved(v: Any) -> Any:
         return v if _is_leaf(v) else walk(v)
@@ -245,40 +301,8 @@ def _isolate_callable(obj: Any, walk: Callable[[Any], Any]) -> Any:
         new = type(obj)(func, *args, **kw)
         new.__dict__.update(obj.__dict__)
         return new
-    if isinstance(obj, types.MethodType):
-        self_, func = moved(obj.__self__), moved(obj.__func__)
-        return obj if self_ is obj.__self__ and func is obj.__func__ else types.MethodType(func, self_)
-    if not _users_module(obj.__module__):
-        return obj
-    cells = list(obj.__closure__ or ())
-    new_cells, changed = [], False
-    for cell in cells:
-        try:
-            v = cell.cell_contents
-        except ValueError:
-            new_cells.append(cell)
-            continue
-        n = moved(v)
-        changed |= n is not v
-        new_cells.append(types.CellType(n) if n is not v else cell)
-    defaults = tuple(moved(v) for v in obj.__defaults__ or ())
-    kwdefaults = {k: moved(v) for k, v in (obj.__kwdefaults__ or {}).items()}
-    changed |= any(a is not b for a, b in zip(defaults, obj.__defaults__ or (), strict=True))
-    changed |= any(kwdefaults[k] is not v for k, v in (obj.__kwdefaults__ or {}).items())
-    _, named = _function_reach(obj)
-    globs = {k: n for k, v in named.items() if (n := moved(v)) is not v}
-    if not (changed or globs):
-        return obj
-    g = obj.__globals__
-    if globs:
-        g = dict(g)
-        g.update(globs)
-    new = types.FunctionType(obj.__code__, g, obj.__name__, defaults or obj.__defaults__,
-                             tuple(new_cells) if cells else None)
-    new.__kwdefaults__ = kwdefaults or obj.__kwdefaults__
-    new.__dict__.update(obj.__dict__)
-    new.__qualname__, new.__module__ = obj.__qualname__, obj.__module__
-    return new
+    self_, func = moved(obj.__self__), obj.__func__
+    return obj if self_ is obj.__self__ else types.MethodType(func, self_)
 
 
 @dataclass
@@ -335,10 +359,11 @@ def plan(spec: Any) -> Plan:
         shared = [type(p).__name__ for p in d_parts + t_parts if id(p) in originals]
         if shared and not getattr(_local, "warned_shared", False):
             _local.warned_shared = True
-            log.warning("autominato: MONAI random transforms (%s) reachable only through a "
-                        "class's methods or a structure that cannot be copied are shared by "
-                        "thread %s and the others (MONAI's Randomizable is not thread-safe: "
-                        "hold them in an attribute, or use process workers)",
+            log.warning("autominato: MONAI random transforms (%s) reachable only through "
+                        "code (a function's closure or globals, a class's methods) or a "
+                        "structure that cannot be copied are shared by thread %s and the "
+                        "others (MONAI's Randomizable is not thread-safe: hold them in an "
+                        "attribute or a functools.partial's arguments, or use process workers)",
                         ", ".join(sorted(set(shared))), threading.current_thread().name)
     p = Plan(dataset, transform, d_parts, t_parts,
              _trace_map(spec, dataset, transform, d_traced + t_traced))
