@@ -209,6 +209,18 @@ def test_an_error_of_a_monai_file_dataset_names_the_sample_and_its_file(tmp_path
         assert err.value.sample_index == 1 and err.value.sample_path == str(wrong)
         notes = getattr(err.value, "__notes__", [])
         assert any(wrong.name in n for n in notes), err.value
+    # An item whose label exists and whose image is missing or broken names the image, not
+    # the label (trial 155), with process workers and with none.
+    label = tmp_path / "label_00001.npy"
+    np.save(label, np.zeros((4, 4, 4), np.float32))
+    for wrong in (tmp_path / "case_00002.npy", bad):
+        for workers in (1, 0):
+            ds = MonaiDataset([{"image": str(wrong), "label": str(label)}],
+                              transform=LoadImaged(keys=["label", "image"], image_only=True))
+            with Loader(ds, batch_size=1, workers=workers, autotune=False) as loader:
+                with pytest.raises(RuntimeError) as err:
+                    list(loader)
+            assert err.value.sample_path == str(wrong), (workers, err.value.sample_path)
 
 
 @pytest.mark.parametrize("kind", [

@@ -185,7 +185,7 @@ def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
 
 
 def _failed(stage: str, key: tuple, e: BaseException, index: int, spec: WorkSpec) -> Result:
-    report = ErrorReport.capture(e, index, sample_path(spec.dataset, index),
+    report = ErrorReport.capture(e, index, sample_path(spec.dataset, index, e),
                                  f"thread {threading.current_thread().name}")
     report.original = e
     return Result(stage, key, ok=False, error=report.to_exception())

@@ -222,7 +222,7 @@ class SampleActor:
             desc, _ = pack(sample, buf)
             return ("ok", desc, buf, read_s, transform_s, time.perf_counter() - t)
         except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
-            return ("err", ErrorReport.capture(e, index, sample_path(spec.dataset, index), self.name))
+            return ("err", ErrorReport.capture(e, index, sample_path(spec.dataset, index, e), self.name))
 
 
 @dataclass

@@ -1501,7 +1501,7 @@ class Pipeline:
         if (isinstance(r.error, IndexError) and not r.lost and self.cfg.persistent_workers
                 and self.procs is not None and hasattr(r.error, "add_note")):
             self._note_stale_copy(r.error)
-        err = _about_sample(r.error, index, sample_path(self.spec.dataset, index), note)
+        err = _about_sample(r.error, index, sample_path(self.spec.dataset, index, r.error), note)
         if ((not r.lost or r.timed_out) and not r.requeue and run.epoch.is_current(pos, attempt)
                 and (run.speculative or (pos, attempt) in run.ahead)):
             # Loaded ahead, before the training loop's code between the epochs ran: loaded
@@ -1674,7 +1674,8 @@ class Pipeline:
 
     def _skip(self, d: Skip) -> None:
         self.skipped += 1
-        path = sample_path(self.spec.dataset, d.index)
+        path = sample_path(self.spec.dataset, d.index,
+                           d.error if isinstance(d.error, BaseException) else None)
         log_skip(d.index, path, d.error, self._skip_logged)
         if self.on_skip is not None:
             self.on_skip(d.index, path, d.error)

@@ -827,21 +827,43 @@ def _looks_like_path(p: str) -> bool:
     return (not any(c.isspace() for c in p) and 0 < len(ext) <= 10 and ext.isalnum())
 
 
-def sample_path(dataset: Any, index: int) -> str | None:
+def _error_text(error: BaseException | None) -> str:
+    """The messages and ``filename`` attributes of ``error`` and the exceptions it chains
+    (``__cause__``, ``__context__``; MONAI wraps a loader's error in a ``RuntimeError``)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    e = error
+    while isinstance(e, BaseException) and id(e) not in seen and len(seen) < 16:
+        seen.add(id(e))
+        for v in (str(e), getattr(e, "filename", None), getattr(e, "filename2", None)):
+            if isinstance(v, (str, os.PathLike)):
+                parts.append(os.fspath(v))
+        e = e.__cause__ or e.__context__
+    return "\n".join(parts)
+
+
+def sample_path(dataset: Any, index: int, error: BaseException | None = None) -> str | None:
     """The file sample ``index`` is read from, for errors, or ``None``: the dataset's
     ``sample_path(index)`` where it defines one; else, where it lists its samples' files
-    (:func:`sample_files`), the first name in the item that exists, else the first that
-    reads as a file name (no whitespace, an extension: a file missing or misspelled is the
-    most common bad input, review 127)."""
+    (:func:`sample_files`): the name that ``error`` (the sample's error) mentions, else the
+    first that reads as a file name and names nothing that exists (a file missing or
+    misspelled is the most common bad input, review 127; an item's label that exists was
+    named for its missing image: trial 155), else the first name in the item that exists."""
     try:
         dataset, index, names = _listed(dataset, index)
         if names is None:
             return _own_path(dataset, index)
+        if error is not None:
+            text = _error_text(error)
+            for p in sorted(names, key=len, reverse=True):  # (a.nii inside a.nii.gz)
+                if p and p in text:
+                    return p
+        exists = {p: _names_file(p) for p in names}
         for p in names:
-            if _names_file(p):
+            if not exists[p] and _looks_like_path(p):
                 return p
         for p in names:
-            if _looks_like_path(p):
+            if exists[p]:
                 return p
     except Exception:  # (the dataset's own attributes: naming a file is not worth an error)
         pass
@@ -1350,7 +1372,8 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
         pack_s = time.perf_counter() - t
         return ("ok", pos, desc, need, read_s, transform_s, pack_s, peak)
     except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
-        return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index), worker))
+        return ("err", pos, ErrorReport.capture(e, index, sample_path(spec.dataset, index, e),
+                                                worker))
 
 
 class _Claimer:
