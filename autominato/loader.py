@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -188,6 +189,14 @@ def _stride(step: int, before: int | None) -> int:
     repeated, so that a single jump (a resume, an epoch set out of sequence) is not taken
     for the loop's stride; else 1."""
     return step if step in (0, 1) or (step > 1 and step == before) else 1
+
+
+def _replaces_its_cache(dataset: Any) -> bool:
+    """Whether ``dataset`` is a MONAI ``SmartCacheDataset``, whose cache the training process
+    replaces between epochs (trial 155: process workers trained on its first cache)."""
+    data = sys.modules.get("monai.data")
+    cls = getattr(data, "SmartCacheDataset", None)
+    return cls is not None and isinstance(dataset, cls)
 
 
 def is_iterable_dataset(dataset: Any) -> bool:
@@ -384,7 +393,9 @@ class Loader:
         prefetch_next_epoch: start the next epoch's samples in the workers that the tail of
             this epoch frees (its first batches are ready when the training loop asks), as
             long as the next order is computable without side effects: the Loader's own
-            shuffle / sequential order, or a ``DistributedSampler`` (other samplers: off).
+            shuffle / sequential order, or a ``DistributedSampler`` (other samplers: off;
+            off for MONAI's ``SmartCacheDataset``, whose cache ``update_cache()`` replaces
+            between the epochs).
             The next epoch is the current one + 1 (+ 0 after a pass that repeated the epoch
             set by :meth:`set_epoch`); a pass that asks for another epoch or order discards
             the speculative work (counted in ``speculative_discarded_total``). Memory: no
@@ -693,6 +704,13 @@ class Loader:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
         values.update(start)
+        if values["workers"] > 0 and worker_kind != "thread" and _replaces_its_cache(dataset):
+            raise ValueError(
+                f"{type(dataset).__name__} replaces its cache in the training process "
+                "(update_cache() before each epoch), and worker processes hold a copy of the "
+                f"dataset: with worker_kind={worker_kind!r} every epoch would train on the first "
+                "cache (MONAI: it does not work with persistent workers or spawn). Use "
+                "worker_kind='thread', whose workers share the dataset, or num_workers=0")
         if persistent_workers and values["workers"] == 0:  # (the file's knobs: the
             # arguments' were refused above, before any work)
             raise ValueError("persistent_workers option needs num_workers > 0 (as in "
@@ -786,6 +804,8 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        # (its cache is replaced between epochs, after the look-ahead would have read it)
+        self._replaces_cache = _replaces_its_cache(dataset)
         self._epoch_step = 1  # the epoch's move expected after this pass (see _stride)
         self._epoch_moved: int | None = None  # how it moved between the last two passes
         self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
@@ -1396,7 +1416,7 @@ class Loader:
         be computed without side effects (a user sampler other than ``DistributedSampler``,
         whose iteration may draw from a shared generator) or speculation is off."""
         if (not self.prefetch_next_epoch or not self.persistent_workers or self._iterable
-                or self._batch_sampler is not None):
+                or self._batch_sampler is not None or self._replaces_cache):
             return None
         epoch = self._epoch + self._epoch_step
         sampler = self._sampler

@@ -431,3 +431,58 @@ def test_random_transforms_reached_through_code_are_reseeded_per_sample(how, cap
     else:
         threads = crops(make(workers=3, worker_kind="thread"))
         assert all(np.array_equal(one[i], threads[i]) for i in range(N))
+
+
+def test_a_smart_cache_dataset_is_refused_by_worker_processes_and_replaced_under_threads():
+    """``SmartCacheDataset`` replaces its cache in the training process (``update_cache()``):
+    worker processes hold a copy and trained on its first cache for ever (trial 155), so they
+    are refused by name; thread workers share it and see each epoch's cache, as with
+    ``num_workers=0``, their random transforms their own (before: each thread deep-copied the
+    whole dataset, lock included, and every sample failed)."""
+    from monai.data import SmartCacheDataset
+
+    data = [{"image": volume(i), "label": volume(i), "index": i} for i in range(8)]
+
+    def seen(**kw) -> list[list[int]]:
+        ds = SmartCacheDataset(data, transform=pipeline(), cache_num=4, replace_rate=0.5,
+                               progress=False, num_init_workers=1, num_replace_workers=1)
+        out = []
+        ds.start()
+        try:
+            with Loader(ds, batch_size=2, seed=5, autotune=False, **kw) as loader:
+                for e in range(3):
+                    loader.set_epoch(e)
+                    out.append(sorted(int(i) for b in loader for i in b["index"]))
+                    ds.update_cache()
+        finally:
+            ds.shutdown()
+        return out
+
+    with pytest.raises(ValueError, match="worker_kind='process'.*worker_kind='thread'"):
+        seen(num_workers=2)
+    alone = seen(num_workers=0)
+    assert [len(s) for s in alone] == [4, 4, 4] and len(set(map(tuple, alone))) == 3
+    assert len(set(alone[0]) & set(alone[1])) == 2  # half of the cache replaced each epoch
+    assert seen(num_workers=2, worker_kind="thread") == alone
+
+
+_SHADOW = pipeline()  # a global with the name of _ShadowHolder's attribute
+
+
+class _ShadowHolder:
+    def __init__(self) -> None:
+        self._SHADOW = pipeline()
+
+    def run(self, d):
+        return self._SHADOW(d)
+
+
+def test_an_attribute_named_as_a_global_is_not_taken_for_it(caplog):
+    """A method's ``self._SHADOW`` is an attribute, not the module's global ``_SHADOW``
+    (trial 155: the walk read ``co_names`` as globals, and thread workers warned that a
+    transform they had copied was shared)."""
+    with caplog.at_level("WARNING", logger="autominato"), Loader(
+            Volumes(), batch_size=4, transform=_ShadowHolder().run, seed=7, autotune=False,
+            workers=2, worker_kind="thread") as L:
+        assert sum(len(b["index"]) for b in L) == N
+    assert "shared by thread" not in caplog.text

@@ -30,6 +30,7 @@ objects themselves, as the DataLoader does.
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import logging
 import os
@@ -88,14 +89,20 @@ def _users_module(name: Any) -> bool:
     return hit
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """The names ``code`` and the code nested in it (comprehensions, inner functions) may
-    load as globals (``co_names``: cloudpickle's rule for what a function needs)."""
-    names = set(code.co_names)
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The names ``code`` and the code nested in it (comprehensions, inner functions) use as
+    globals: those of its global loads and stores (cloudpickle's rule for what a function
+    needs), not every name of ``co_names``, which holds attribute names too (trial 155: a
+    method's ``self.tf`` read the module's global ``tf``)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
-    return names
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def _function_reach(fn: types.FunctionType) -> tuple[list, dict[str, Any]]:
@@ -154,6 +161,12 @@ def _class_functions(klass: type) -> list:
 #: reached so are followed up to :data:`CODE_CONTAINER_MAX` items.
 CODE_WALK_MAX = 20_000
 CODE_CONTAINER_MAX = 256
+
+
+def _is_dataset(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.utils.data.Dataset``."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(obj, data.Dataset)
 
 
 def _own_dict(obj: Any) -> dict | None:
@@ -250,8 +263,20 @@ def isolate(root: Any, cls: type) -> Any:
         if key in done:
             return done[key]
         done[key] = obj  # a cycle back to obj keeps the original
-        if isinstance(obj, cls):
+        if isinstance(obj, cls) and not _is_dataset(obj):
             new = copy.deepcopy(obj, deep_memo)
+        elif isinstance(obj, cls):
+            # A dataset that is Randomizable itself (MONAI's SmartCacheDataset, which shuffles
+            # what it caches next in the training process): not deep-copied, which copied its
+            # cache and its lock (trial 155: every sample failed, "cannot pickle
+            # '_thread.lock'"), and froze the cache the training process replaces: a shallow
+            # copy that shares its data, with its own RandomState and copies of the random
+            # transforms it holds.
+            new = copy.copy(obj)
+            d = _own_dict(obj) or {}
+            new.__dict__.update({k: n for k, v in list(d.items())
+                                 if not _is_leaf(v) and (n := walk(v)) is not v})
+            new.R = np.random.RandomState()
         elif isinstance(obj, (functools.partial, types.MethodType)):
             new = _isolate_callable(obj, walk)
         elif isinstance(obj, types.FunctionType):
