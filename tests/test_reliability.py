@@ -1348,7 +1348,11 @@ def test_a_forked_childs_exit_leaves_the_parents_loader_alone():
     with Loader(list(range(16)), batch_size=2, num_workers=2, autotune=False) as loader:
         it = iter(loader)
         first = next(it)
+        deadline = time.monotonic() + 30
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the second worker may still be starting)
         workers = sorted(loader.worker_pids())
+        assert len(workers) == 2
         p = mp.get_context("fork").Process(target=_child_builds_its_own_loader)
         p.start()
         p.join(60)
