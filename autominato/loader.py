@@ -196,7 +196,29 @@ def _replaces_its_cache(dataset: Any) -> bool:
     replaces between epochs (trial 155: process workers trained on its first cache)."""
     data = sys.modules.get("monai.data")
     cls = getattr(data, "SmartCacheDataset", None)
-    return cls is not None and isinstance(dataset, cls)
+    if cls is None:
+        return False
+    # (also inside a Subset, a ConcatDataset or a wrapper of the user's: review 156)
+    base = torch.utils.data.Dataset
+    stack, seen = [dataset], set()
+    while stack and len(seen) < 64:
+        d = stack.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if isinstance(d, cls):
+            return True
+        try:
+            attrs = object.__getattribute__(d, "__dict__")
+        except Exception:  # noqa: BLE001 - no attributes to look in
+            continue
+        for v in list(attrs.values()) if isinstance(attrs, dict) else ():
+            if isinstance(v, base):
+                stack.append(v)
+            elif (isinstance(v, (list, tuple)) and len(v) <= 64
+                  and all(isinstance(x, base) for x in v)):
+                stack.extend(v)
+    return False
 
 
 def is_iterable_dataset(dataset: Any) -> bool:
@@ -706,8 +728,9 @@ class Loader:
         values.update(start)
         if values["workers"] > 0 and worker_kind != "thread" and _replaces_its_cache(dataset):
             raise ValueError(
-                f"{type(dataset).__name__} replaces its cache in the training process "
-                "(update_cache() before each epoch), and worker processes hold a copy of the "
+                "a SmartCacheDataset (MONAI's, in this dataset) replaces its cache in the "
+                "training process (update_cache() before each epoch), and worker processes hold "
+                "a copy of the "
                 f"dataset: with worker_kind={worker_kind!r} every epoch would train on the first "
                 "cache (MONAI: it does not work with persistent workers or spawn). Use "
                 "worker_kind='thread', whose workers share the dataset, or num_workers=0")
@@ -1628,6 +1651,11 @@ class Loader:
 
     def _close(self, wait_copies: bool) -> None:
         if self._closed:
+            return
+        if getattr(self, "_home_pid", None) not in (None, os.getpid()):
+            # A forked child's copy (os.fork): its workers, threads and shared memory are the
+            # parent's; closing them here ended the parent's workers (review 156).
+            self._closed = True
             return
         self._end_step()
         self._back(time.monotonic())  # (the time after the last epoch ends with the loader)

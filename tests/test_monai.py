@@ -433,7 +433,7 @@ def test_random_transforms_reached_through_code_are_reseeded_per_sample(how, cap
         assert all(np.array_equal(one[i], threads[i]) for i in range(N))
 
 
-def test_a_smart_cache_dataset_is_refused_by_worker_processes_and_replaced_under_threads():
+def test_a_smart_cache_dataset_is_refused_by_worker_processes_and_replaced_under_threads(caplog):
     """``SmartCacheDataset`` replaces its cache in the training process (``update_cache()``):
     worker processes hold a copy and trained on its first cache for ever (trial 155), so they
     are refused by name; thread workers share it and see each epoch's cache, as with
@@ -460,10 +460,19 @@ def test_a_smart_cache_dataset_is_refused_by_worker_processes_and_replaced_under
 
     with pytest.raises(ValueError, match="worker_kind='process'.*worker_kind='thread'"):
         seen(num_workers=2)
+    ds = SmartCacheDataset(data, transform=pipeline(), cache_num=4, progress=False)
+    for wrapped in (torch.utils.data.Subset(ds, range(4)),  # (review 156: not seen inside)
+                    torch.utils.data.ConcatDataset([ds, ds])):
+        with pytest.raises(ValueError, match="SmartCacheDataset .* replaces its cache"):
+            Loader(wrapped, batch_size=2, num_workers=2, start_method="fork", autotune=False)
     alone = seen(num_workers=0)
     assert [len(s) for s in alone] == [4, 4, 4] and len(set(map(tuple, alone))) == 3
     assert len(set(alone[0]) & set(alone[1])) == 2  # half of the cache replaced each epoch
-    assert seen(num_workers=2, worker_kind="thread") == alone
+    with caplog.at_level("WARNING", logger="autominato"):
+        assert seen(num_workers=2, worker_kind="thread") == alone
+    # each thread its own random transforms (review 156: a started dataset's replacement
+    # thread led the walk back to the original's, shared by every thread)
+    assert "shared by thread" not in caplog.text
 
 
 _SHADOW = pipeline()  # a global with the name of _ShadowHolder's attribute
@@ -486,3 +495,22 @@ def test_an_attribute_named_as_a_global_is_not_taken_for_it(caplog):
             workers=2, worker_kind="thread") as L:
         assert sum(len(b["index"]) for b in L) == N
     assert "shared by thread" not in caplog.text
+
+
+def test_the_file_an_error_names_is_a_whole_path_of_the_item(tmp_path):
+    """The name the error mentions, as a whole path (review 156: ``"image"``, a modality
+    string, was taken from "reading image file"; a relative name the error gives as an
+    absolute path named the item's label instead)."""
+    import os
+
+    from autominato.pipeline.worker import sample_path
+
+    ok = tmp_path / "ok.png"
+    ok.write_bytes(b"x")
+    ds = MonaiDataset([{"image": "corrupt.png", "modality": "image", "label": str(ok)}])
+    err = RuntimeError("broken data stream when reading image file corrupt.png")
+    assert sample_path(ds, 0, err) == "corrupt.png"
+    rel = os.path.relpath(tmp_path / "sub" / "missing.png")
+    ds = MonaiDataset([{"label": str(ok), "image": rel}])
+    assert sample_path(ds, 0, FileNotFoundError(2, "No such file", os.path.abspath(rel))) == rel
+    assert sample_path(ds, 0, None) == rel  # (no error: the listed name that is missing)

@@ -14,6 +14,7 @@ recover, leftovers found).
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import pickle
@@ -1360,4 +1361,28 @@ def test_a_forked_childs_exit_leaves_the_parents_loader_alone():
         rest = list(it)
         assert sorted(int(i) for b in [first, *rest] for i in b) == list(range(16))
         assert sorted(loader.worker_pids()) == workers
+        assert loader.snapshot().worker_restarts_total == 0
+
+
+def test_a_child_of_os_fork_that_drops_its_copy_of_a_loader_leaves_the_parents_alone():
+    """``os.fork()`` without multiprocessing: the child's copy of the Loader, dropped or left
+    to its exit, closes nothing of the parent's (review 156: its ``__del__`` ended the
+    parent's workers and fork server)."""
+    with Loader(list(range(16)), batch_size=2, num_workers=2, autotune=False) as loader:
+        it = iter(loader)
+        first = next(it)
+        pid = os.fork()
+        if pid == 0:  # the child: drop the copy, collect, leave
+            code = 0
+            try:
+                del it
+                loader.close()
+                gc.collect()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        rest = list(it)
+        assert sorted(int(i) for b in [first, *rest] for i in b) == list(range(16))
         assert loader.snapshot().worker_restarts_total == 0

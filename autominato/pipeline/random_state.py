@@ -45,9 +45,13 @@ from typing import Any
 import numpy as np
 
 #: Objects never walked into: they cannot hold a transform. (Functions and methods are walked
-#: where they are the user's code: :func:`_code_children`.)
+#: where they are the user's code: :func:`_code_children`. A thread's target, a started
+#: SmartCacheDataset's replacement thread, led the walk back to the original dataset:
+#: review 156.)
 _LEAVES = (str, bytes, bytearray, int, float, complex, type(None), np.ndarray, np.generic, type,
-           types.ModuleType, types.BuiltinFunctionType, types.CodeType)
+           types.ModuleType, types.BuiltinFunctionType, types.CodeType, threading.Thread,
+           type(threading.Lock()), type(threading.RLock()), threading.Condition,
+           threading.Event, threading.Semaphore)
 
 #: Top-level packages whose code is never walked (their functions' globals are library
 #: state, not the user's transforms): the standard library's and these.
@@ -163,10 +167,10 @@ CODE_WALK_MAX = 20_000
 CODE_CONTAINER_MAX = 256
 
 
-def _is_dataset(obj: Any) -> bool:
-    """Whether ``obj`` is a ``torch.utils.data.Dataset``."""
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and isinstance(obj, data.Dataset)
+def _replaces_cache(obj: Any) -> bool:
+    """Whether ``obj`` is MONAI's ``SmartCacheDataset``."""
+    cls = getattr(sys.modules.get("monai.data"), "SmartCacheDataset", None)
+    return cls is not None and isinstance(obj, cls)
 
 
 def _own_dict(obj: Any) -> dict | None:
@@ -263,15 +267,16 @@ def isolate(root: Any, cls: type) -> Any:
         if key in done:
             return done[key]
         done[key] = obj  # a cycle back to obj keeps the original
-        if isinstance(obj, cls) and not _is_dataset(obj):
+        if isinstance(obj, cls) and not _replaces_cache(obj):
             new = copy.deepcopy(obj, deep_memo)
         elif isinstance(obj, cls):
-            # A dataset that is Randomizable itself (MONAI's SmartCacheDataset, which shuffles
-            # what it caches next in the training process): not deep-copied, which copied its
-            # cache and its lock (trial 155: every sample failed, "cannot pickle
-            # '_thread.lock'"), and froze the cache the training process replaces: a shallow
-            # copy that shares its data, with its own RandomState and copies of the random
-            # transforms it holds.
+            # MONAI's SmartCacheDataset, Randomizable itself (it shuffles what it caches next
+            # in the training process): not deep-copied, which copied its cache and its lock
+            # (trial 155: every sample failed, "cannot pickle '_thread.lock'"), and froze the
+            # cache the training process replaces: a shallow copy that shares its data, with
+            # its own RandomState and copies of the random transforms it holds (other
+            # Randomizable datasets are deep-copied as before: a shallow copy shared their
+            # state between the threads, review 156).
             new = copy.copy(obj)
             d = _own_dict(obj) or {}
             new.__dict__.update({k: n for k, v in list(d.items())

@@ -91,6 +91,7 @@ import inspect
 import io
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -835,11 +836,21 @@ def _error_text(error: BaseException | None) -> str:
     e = error
     while isinstance(e, BaseException) and id(e) not in seen and len(seen) < 16:
         seen.add(id(e))
-        for v in (str(e), getattr(e, "filename", None), getattr(e, "filename2", None)):
+        for v in (getattr(e, "filename", None), getattr(e, "filename2", None), str(e)):
             if isinstance(v, (str, os.PathLike)):
                 parts.append(os.fspath(v))
         e = e.__cause__ or e.__context__
     return "\n".join(parts)
+
+
+def _mentions(text: str, name: str) -> bool:
+    """Whether ``text`` names the file ``name`` (as given, or as an absolute path), as a
+    whole path: not inside another word or path (``image`` in "reading image file", ``a.nii``
+    in ``a.nii.gz``, ``ok.png`` as the end of ``../d/ok.png``: review 156)."""
+    for form in {name, os.path.abspath(name)}:
+        if re.search(r"(?<![\w./\\-])" + re.escape(form) + r"(?![\w/\\-]|\.\w)", text):
+            return True
+    return False
 
 
 def sample_path(dataset: Any, index: int, error: BaseException | None = None) -> str | None:
@@ -853,12 +864,12 @@ def sample_path(dataset: Any, index: int, error: BaseException | None = None) ->
         dataset, index, names = _listed(dataset, index)
         if names is None:
             return _own_path(dataset, index)
+        exists = {p: _names_file(p) for p in names}
         if error is not None:
             text = _error_text(error)
-            for p in sorted(names, key=len, reverse=True):  # (a.nii inside a.nii.gz)
-                if p and p in text:
+            for p in names:
+                if p and (exists[p] or _looks_like_path(p)) and _mentions(text, p):
                     return p
-        exists = {p: _names_file(p) for p in names}
         for p in names:
             if not exists[p] and _looks_like_path(p):
                 return p
