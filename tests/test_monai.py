@@ -514,3 +514,17 @@ def test_the_file_an_error_names_is_a_whole_path_of_the_item(tmp_path):
     ds = MonaiDataset([{"label": str(ok), "image": rel}])
     assert sample_path(ds, 0, FileNotFoundError(2, "No such file", os.path.abspath(rel))) == rel
     assert sample_path(ds, 0, None) == rel  # (no error: the listed name that is missing)
+
+
+def test_thread_workers_see_a_dataset_attribute_rebound_between_epochs():
+    """Thread workers hold a shallow copy of a dataset on the way to its random transforms;
+    it is made again when the training process rebinds one of the dataset's attributes
+    (review 156: after ``ds.data = new`` the threads served the old list)."""
+    first = [{"image": volume(i), "label": volume(i), "index": i} for i in range(8)]
+    second = [{"image": volume(i), "label": volume(i), "index": 100 + i} for i in range(8)]
+    ds = MonaiDataset(first, transform=pipeline())
+    with Loader(ds, batch_size=2, seed=3, workers=2, worker_kind="thread", autotune=False,
+                prefetch_next_epoch=False) as L:
+        assert sorted(int(i) for b in L for i in b["index"]) == list(range(8))
+        ds.data = second
+        assert sorted(int(i) for b in L for i in b["index"]) == list(range(100, 108))

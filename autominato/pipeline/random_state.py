@@ -167,6 +167,12 @@ CODE_WALK_MAX = 20_000
 CODE_CONTAINER_MAX = 256
 
 
+def _attr_ids(obj: Any) -> tuple:
+    """``(name, id(value))`` of ``obj``'s attributes (what a shallow copy of it shares)."""
+    d = _own_dict(obj)
+    return tuple((k, id(v)) for k, v in list(d.items())) if d is not None else ()
+
+
 def _replaces_cache(obj: Any) -> bool:
     """Whether ``obj`` is MONAI's ``SmartCacheDataset``."""
     cls = getattr(sys.modules.get("monai.data"), "SmartCacheDataset", None)
@@ -366,7 +372,8 @@ def plan(spec: Any) -> Plan:
         plans = _local.plans = {}
     hit = plans.get(id(spec))
     # The spec's dataset may be replaced (persistent_workers=False sends it anew each epoch).
-    if hit is not None and hit[0]() is spec and hit[2] is spec.dataset and hit[3] is spec.transform:
+    if (hit is not None and hit[0]() is spec and hit[2] is spec.dataset
+            and hit[3] is spec.transform and (hit[4] is None or hit[4] == _attr_ids(spec.dataset))):
         return hit[1]
     cls = randomizable_class()
     dataset, transform = spec.dataset, spec.transform
@@ -402,7 +409,12 @@ def plan(spec: Any) -> Plan:
             part.R = np.random.RandomState()
     for k in [k for k, (ref, *_) in plans.items() if ref() is None]:
         del plans[k]  # plans of loaders gone
-    plans[id(spec)] = (weakref.ref(spec), p, spec.dataset, spec.transform)
+    # A thread's copy of the dataset (a shallow copy on the way to its random transforms)
+    # is made again when the training process rebinds one of the dataset's attributes
+    # (``ds.data = new_list``, SmartCacheDataset's ``set_data()``: the copy served the old
+    # ones, review 156); a change deeper down is seen where it is made in place.
+    ids = _attr_ids(spec.dataset) if p.dataset is not spec.dataset else None
+    plans[id(spec)] = (weakref.ref(spec), p, spec.dataset, spec.transform, ids)
     return p
 
 
