@@ -252,10 +252,12 @@ class Cut(Linear):
         return loader
 
 
-def _cut_order(epoch: int, sampler: bool) -> list[int]:
+def _cut_order(epoch: int, sampler: bool, n: int = 16) -> list[int]:
+    """Epoch ``epoch``'s order of ``n`` samples: the Loader's shuffle (seed 11), or a
+    ``DistributedSampler``'s (``sampler``)."""
     if not sampler:
-        return epoch_order(16, epoch=epoch, seed=11, shuffle=True)
-    s = torch.utils.data.DistributedSampler(Points(16), num_replicas=1, rank=0, shuffle=True,
+        return epoch_order(n, epoch=epoch, seed=11, shuffle=True)
+    s = torch.utils.data.DistributedSampler(Points(n), num_replicas=1, rank=0, shuffle=True,
                                             seed=11)
     s.set_epoch(epoch)
     return list(s)
@@ -288,15 +290,6 @@ class Kept(Cut):
 
     def train_dataloader(self):
         return self.loader
-
-
-def _kept_order(epoch: int, sampler: bool) -> list[int]:
-    if not sampler:
-        return epoch_order(8, epoch=epoch, seed=11, shuffle=True)
-    s = torch.utils.data.DistributedSampler(Points(), num_replicas=1, rank=0, shuffle=True,
-                                            seed=11)
-    s.set_epoch(epoch)
-    return list(s)
 
 
 @pytest.mark.parametrize("workers, sampler", [(0, False), (1, False), (1, True)])
@@ -332,8 +325,8 @@ def test_a_fit_from_an_end_of_epoch_checkpoint_and_a_second_fit_run_lightnings_e
             out.setdefault(lightning_epoch, []).extend(indices)
         return out
 
-    assert by_epoch(resumed.seen) == {e: _kept_order(e, sampler) for e in (2, 3)}
-    assert by_epoch(first.seen) == {0: _kept_order(0, sampler)}
+    assert by_epoch(resumed.seen) == {e: _cut_order(e, sampler, 8) for e in (2, 3)}
+    assert by_epoch(first.seen) == {0: _cut_order(0, sampler, 8)}
 
 
 class Stream16(torch.utils.data.IterableDataset):
