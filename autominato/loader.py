@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -189,36 +188,6 @@ def _stride(step: int, before: int | None) -> int:
     repeated, so that a single jump (a resume, an epoch set out of sequence) is not taken
     for the loop's stride; else 1."""
     return step if step in (0, 1) or (step > 1 and step == before) else 1
-
-
-def _replaces_its_cache(dataset: Any) -> bool:
-    """Whether ``dataset`` is a MONAI ``SmartCacheDataset``, whose cache the training process
-    replaces between epochs (trial 155: process workers trained on its first cache)."""
-    data = sys.modules.get("monai.data")
-    cls = getattr(data, "SmartCacheDataset", None)
-    if cls is None:
-        return False
-    # (also inside a Subset, a ConcatDataset or a wrapper of the user's: review 156)
-    base = torch.utils.data.Dataset
-    stack, seen = [dataset], set()
-    while stack and len(seen) < 64:
-        d = stack.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        if isinstance(d, cls):
-            return True
-        try:
-            attrs = object.__getattribute__(d, "__dict__")
-        except Exception:  # noqa: BLE001 - no attributes to look in
-            continue
-        for v in list(attrs.values()) if isinstance(attrs, dict) else ():
-            if isinstance(v, base):
-                stack.append(v)
-            elif (isinstance(v, (list, tuple)) and len(v) <= 64
-                  and all(isinstance(x, base) for x in v)):
-                stack.extend(v)
-    return False
 
 
 def is_iterable_dataset(dataset: Any) -> bool:
@@ -726,7 +695,10 @@ class Loader:
             for name, (lo, hi) in cfg["bounds"].items():
                 bounds[name] = (lo, hi)
         values.update(start)
-        if values["workers"] > 0 and worker_kind != "thread" and _replaces_its_cache(dataset):
+        # (its cache is replaced between epochs: not after the look-ahead read it, not in
+        # a worker process's copy)
+        self._replaces_cache = random_state.holds_smart_cache(dataset)
+        if values["workers"] > 0 and worker_kind != "thread" and self._replaces_cache:
             raise ValueError(
                 "a SmartCacheDataset (MONAI's, in this dataset) replaces its cache in the "
                 "training process (update_cache() before each epoch), and worker processes hold "
@@ -827,8 +799,6 @@ class Loader:
         self._epoch = 0
         self._epoch_set = False
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
-        # (its cache is replaced between epochs, after the look-ahead would have read it)
-        self._replaces_cache = _replaces_its_cache(dataset)
         self._epoch_step = 1  # the epoch's move expected after this pass (see _stride)
         self._epoch_moved: int | None = None  # how it moved between the last two passes
         self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
@@ -841,7 +811,6 @@ class Loader:
         self._batches_at_iter = 0
         self._sync_skipped = 0
         self._sync_cold_starts = 0  # passes with no worker (each loads from its start)
-        self._restart_colds = 0  # cold starts of passes that a set_epoch replaced (_restart_pass)
         # The training loop outside every pass (see _left): since when (time.monotonic()),
         # up to when a snapshot counted it (the total never goes back, as the step's), and
         # the seconds before
@@ -1182,9 +1151,7 @@ class Loader:
         self._progress = progress
         if self.knobs.workers == 0:
             self._sync_cold_starts += 1
-            it = _SyncIterator(self, order, groups, self._epoch, progress)
-            it._cold = 1
-            return it
+            return _SyncIterator(self, order, groups, self._epoch, progress)
         pipeline = self._ensure_pipeline()
         if self._last_pass_epoch is not None and was_epoch:
             # (after a pass that was no epoch, Lightning's check, the step is kept)
@@ -1245,7 +1212,12 @@ class Loader:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
                 raise
-            self._restart_colds += it._cold  # (one pass, one cold start)
+            # One pass, one cold start: the replaced pass's is taken back (counted in this
+            # thread: start() and the sync passes)
+            if isinstance(it, _SyncIterator):
+                self._sync_cold_starts -= 1
+            elif it._cold:
+                it.pipeline.cold_starts -= 1
             with self._step_lock:
                 self._live_passes.discard(id(it))  # (it only hands on the fresh one's batches)
                 self._live_passes.add(id(fresh))
@@ -1819,7 +1791,7 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
-            cold_starts_total=count["cold_starts"] + self._sync_cold_starts - self._restart_colds,
+            cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
             between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],
@@ -1960,7 +1932,7 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         self._asked = True
-        if self._delegate is not None or _restarts(self):
+        if self._delegate is not None or (self._began is not None and _restarts(self)):
             return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
@@ -2214,7 +2186,6 @@ class _SyncIterator:
         self._done = False
 
     _began: tuple[int, bool, dict] | None = None  # (as _EpochIterator's)
-    _cold = 0
     _delegate: Any = None
 
     def __iter__(self) -> _SyncIterator:
@@ -2224,8 +2195,7 @@ class _SyncIterator:
         return len(self.L)
 
     def __next__(self) -> Any:
-        self._asked = True
-        if self._delegate is not None or _restarts(self):
+        if self._delegate is not None or (self._began is not None and _restarts(self)):
             return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # the step of the batch returned last (as above)
@@ -2376,14 +2346,11 @@ class _SyncStreamIterator(_SyncIterator):
 
 
 def _close_all() -> None:
-    """Close the Loaders this process built (at its exit: atexit, multiprocessing's exit
-    hook). A forked child's copies of its parent's Loaders are left alone: closing them
-    there ended the parent's workers and unlinked its shared memory, through the pipes the
-    child inherited, and could hang on a lock held when it forked (review 154)."""
-    me = os.getpid()
-    for loader in list(_live):
-        if getattr(loader, "_home_pid", me) != me:
-            continue
+    """Close the live Loaders (at this process's exit: atexit, multiprocessing's exit hook).
+    A forked child's copies of its parent's Loaders close nothing (``Loader._close``: closing
+    them there ended the parent's workers and unlinked its shared memory, through the pipes
+    the child inherited, and could hang on a lock held when it forked, reviews 154, 156)."""
+    for loader in list(_live):  # (a copy from the parent is left alone by _close)
         try:
             loader.close()
         except Exception:

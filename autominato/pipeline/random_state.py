@@ -173,10 +173,42 @@ def _attr_ids(obj: Any) -> tuple:
     return tuple((k, id(v)) for k, v in list(d.items())) if d is not None else ()
 
 
+def _smart_cache_class() -> type | None:
+    """``monai.data.SmartCacheDataset`` when MONAI is imported, else None."""
+    return getattr(sys.modules.get("monai.data"), "SmartCacheDataset", None)
+
+
 def _replaces_cache(obj: Any) -> bool:
     """Whether ``obj`` is MONAI's ``SmartCacheDataset``."""
-    cls = getattr(sys.modules.get("monai.data"), "SmartCacheDataset", None)
+    cls = _smart_cache_class()
     return cls is not None and isinstance(obj, cls)
+
+
+def holds_smart_cache(dataset: Any) -> bool:
+    """Whether ``dataset`` is, or holds as a dataset, MONAI's ``SmartCacheDataset``, whose
+    cache the training process replaces between epochs (``update_cache()``; trial 155:
+    process workers trained on its first cache). Looked for in the datasets among the
+    attributes, as a ``Subset``'s ``dataset`` or a ``ConcatDataset``'s ``datasets`` (review
+    156), up to 64 datasets; ``False`` where MONAI is not imported."""
+    cls = _smart_cache_class()
+    base = getattr(sys.modules.get("torch.utils.data"), "Dataset", None)
+    if cls is None or base is None:
+        return False
+    stack, seen = [dataset], set()
+    while stack and len(seen) < 64:
+        d = stack.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if isinstance(d, cls):
+            return True
+        for v in (_own_dict(d) or {}).values():
+            if isinstance(v, base):
+                stack.append(v)
+            elif (isinstance(v, (list, tuple)) and len(v) <= 64
+                  and all(isinstance(x, base) for x in v)):
+                stack.extend(v)
+    return False
 
 
 def _own_dict(obj: Any) -> dict | None:
@@ -190,15 +222,15 @@ def _own_dict(obj: Any) -> dict | None:
     return d if isinstance(d, dict) else None
 
 
-def _children(obj: Any) -> list:
+def _children(obj: Any) -> Any:
     """What the walk follows from ``obj`` by data: a container's items, an object's
-    attributes."""
+    attributes (not copied: a dataset's list of 100k file dicts is iterated once)."""
     if isinstance(obj, (list, tuple)):
-        return list(obj)
+        return obj
     if isinstance(obj, dict):
-        return list(obj.values())
+        return obj.values()
     d = _own_dict(obj)
-    return list(d.values()) if d is not None else []
+    return d.values() if d is not None else ()
 
 
 def _follow_from_code(obj: Any, cls: tuple) -> bool:
@@ -273,21 +305,15 @@ def isolate(root: Any, cls: type) -> Any:
         if key in done:
             return done[key]
         done[key] = obj  # a cycle back to obj keeps the original
-        if isinstance(obj, cls) and not _replaces_cache(obj):
+        # MONAI's SmartCacheDataset, Randomizable itself (it shuffles what it caches next in
+        # the training process), is not deep-copied, which copied its cache and its lock
+        # (trial 155: every sample failed, "cannot pickle '_thread.lock'") and froze the cache
+        # the training process replaces: it takes the shallow copy below, which shares its
+        # data, with its own RandomState (other Randomizable datasets are deep-copied as
+        # before: a shallow copy shared their state between the threads, review 156).
+        smart = isinstance(obj, cls) and _replaces_cache(obj)
+        if isinstance(obj, cls) and not smart:
             new = copy.deepcopy(obj, deep_memo)
-        elif isinstance(obj, cls):
-            # MONAI's SmartCacheDataset, Randomizable itself (it shuffles what it caches next
-            # in the training process): not deep-copied, which copied its cache and its lock
-            # (trial 155: every sample failed, "cannot pickle '_thread.lock'"), and froze the
-            # cache the training process replaces: a shallow copy that shares its data, with
-            # its own RandomState and copies of the random transforms it holds (other
-            # Randomizable datasets are deep-copied as before: a shallow copy shared their
-            # state between the threads, review 156).
-            new = copy.copy(obj)
-            d = _own_dict(obj) or {}
-            new.__dict__.update({k: n for k, v in list(d.items())
-                                 if not _is_leaf(v) and (n := walk(v)) is not v})
-            new.R = np.random.RandomState()
         elif isinstance(obj, (functools.partial, types.MethodType)):
             new = _isolate_callable(obj, walk)
         elif isinstance(obj, types.FunctionType):
@@ -308,9 +334,11 @@ def isolate(root: Any, cls: type) -> Any:
             d = _own_dict(obj)
             changed = ({k: n for k, v in list(d.items()) if not _is_leaf(v) and (n := walk(v)) is not v}
                        if d is not None else {})
-            if changed:
+            if changed or smart:
                 new = copy.copy(obj)
                 new.__dict__.update(changed)
+                if smart:
+                    new.R = np.random.RandomState()
             else:
                 new = obj
         done[key] = new

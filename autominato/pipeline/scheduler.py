@@ -647,7 +647,7 @@ class Pipeline:
                         time.monotonic() > deadline):
                     break
         procs = self.procs
-        if done.is_set() and procs is not None and hasattr(procs, "wait_ended"):
+        if done.is_set() and procs is not None:
             procs.wait_ended(PARK_GRACE_S + 1.0, self._stop.is_set)
 
     def drop_ahead(self, run: Run) -> None:
