@@ -1618,7 +1618,10 @@ class Loader:
             p.park(_WORKERS_RESET)
 
     def close(self) -> None:
-        """Stop workers and threads and unlink shared memory. Idempotent."""
+        """Stop workers and threads and unlink shared memory. Idempotent.
+
+        A pass live then ends at its next ``next()``: with ``RuntimeError`` where a map-style
+        epoch had batches it had not taken (they are dropped), else ``StopIteration``."""
         self._close(wait_copies=True)
 
     def _close(self, wait_copies: bool) -> None:
@@ -1980,6 +1983,8 @@ class _EpochIterator:
                     fatal = self.pipeline.fatal()
                     if fatal is not None:
                         raise RuntimeError("autominato's scheduler failed") from fatal
+                    if self.L._closed and self._cut(run):
+                        raise RuntimeError(_CLOSED_LIVE.format(self.progress.batches))
                     raise StopIteration
                 left = 0.5
                 if limit > 0:
@@ -2023,6 +2028,8 @@ class _EpochIterator:
                 err.add_note(why)
             raise err
         kind = item[0]
+        if kind in ("batch", "raise"):
+            run.received += 1
         if kind != "batch":
             err = item[1] if len(item) > 1 else None
             lost = item[2] if len(item) > 2 else None  # an error's: the positions lost with it
@@ -2069,6 +2076,20 @@ class _EpochIterator:
         if L._iterable:
             L._count_yielded(self)
         return batch
+
+    def _cut(self, run: Run) -> bool:
+        """Whether ``close()`` cut this map-style pass: batches of its epoch had not reached
+        the training loop (its end not decided yet, or items before it not taken), and its
+        positions were not all delivered (the end travels behind the last batch: a loop that
+        closes the Loader after taking it has its whole epoch). An iterable dataset's pass
+        cannot tell a cut from its end (that the shards are exhausted comes after the last
+        batch): never."""
+        if self.L._iterable:
+            return False
+        if run.ends_after is not None and run.received >= run.ends_after:
+            return False
+        delivered = self.progress.delivered
+        return delivered is None or not bool(delivered.all())
 
     def _poll_h2d(self, wait: bool = False) -> None:
         """Count the host-to-device copies of delivered batches that have finished (with
@@ -2157,6 +2178,9 @@ def _run_drained(run: Run, wait_s: float = 2.0) -> bool:
 _SEED_REPLACED = ("load_state_dict() took the state's seed while an iterator of this Loader was "
                   "live: that iterator's epoch was stopped; start a new pass (iter(loader)) to "
                   "resume from the state")
+_CLOSED_LIVE = ("Loader.close() was called while this pass was live: it ended after {} batches of "
+                "its epoch, before the last (the batches not taken were dropped); a pass that "
+                "has taken its whole epoch ends with StopIteration")
 _WORKERS_RESET = ("the Loader's workers were shut down while this pass was live (loader._iterator "
                   "was reset to None, as Lightning does when a fit or validation ends): start a "
                   "new pass (iter(loader))")
@@ -2211,7 +2235,12 @@ class _SyncIterator:
 
     def _next(self, t0: float) -> Any:
         L = self.L
-        if self._done or L._closed:
+        if self._done:
+            raise StopIteration
+        if L._closed:
+            self._done = True
+            if not L._iterable and not self._drained():
+                raise RuntimeError(_CLOSED_LIVE.format(self.progress.batches))
             raise StopIteration
         if self.seeds != L._seeds_taken:
             self.stop()  # (an iterable dataset's stream is closed too)
@@ -2248,6 +2277,15 @@ class _SyncIterator:
                     self.L._pass_ended(self.progress)
                     raise StopIteration
             self._step()
+
+    def _drained(self) -> bool:
+        """Every batch of the epoch returned (its end may be decided and not yet seen), or
+        every position delivered: a pass that ``close()`` did not cut (see
+        ``_EpochIterator._cut``)."""
+        if self.ep.finished and not any(isinstance(d, (Emit, Raise)) for d in self.todo):
+            return True
+        delivered = self.progress.delivered
+        return delivered is not None and bool(delivered.all())
 
     def _step(self) -> None:
         """Load the next sample; its decisions go to ``todo``."""

@@ -652,3 +652,62 @@ def test_knobs_refuse_values_that_are_not_integers():
     with Loader(Indexed(4), 2, workers=0, autotune=False) as L:
         with pytest.raises(TypeError, match="knob depth takes an integer"):
             L.knobs.depth = "3"
+
+
+WORKER_KINDS = [dict(num_workers=2), dict(num_workers=1, worker_kind="thread"), dict(num_workers=0)]
+
+
+@pytest.mark.parametrize("kw", WORKER_KINDS, ids=["process", "thread", "none"])
+def test_a_pass_that_close_cuts_raises_and_one_it_does_not_cut_ends(kw):
+    """``close()`` while a map-style pass is live: a pass with batches of its epoch not taken
+    raises at its next ``next()`` (it ended with StopIteration before: a training loop took
+    the cut epoch for a whole one), then ends; a loop that closes the Loader after taking its
+    epoch's last batch ends as usual (its end may still travel behind that batch)."""
+    L = Loader(Indexed(20), 4, shuffle=True, seed=0, autotune=False, **kw)
+    it = iter(L)
+    got = indices([next(it), next(it)])
+    L.close()
+    with pytest.raises(RuntimeError, match=r"close\(\) was called while this pass was live: "
+                                           r"it ended after 2 batches"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert len(got) == 8
+
+    for _ in range(3):  # (the last batch and the run's end race: a few tries)
+        L = Loader(Indexed(20), 4, shuffle=True, seed=0, autotune=False, **kw)
+        seen = []
+        for k, batch in enumerate(L):
+            seen += indices([batch])
+            if k == len(L) - 1:
+                L.close()  # inside the loop's body, after its last batch
+        assert sorted(seen) == list(range(20))
+
+
+def test_a_pass_that_close_cuts_from_another_thread_raises_in_the_waiting_loop():
+    """The loop waits in ``next()`` for a slow sample while another thread closes the Loader
+    (a signal handler's shutdown, a watchdog): it raises, not ends the epoch."""
+    L = Loader(Indexed(12, slow={i: 0.5 for i in range(4, 12)}), 2, num_workers=1,
+               in_order=True, seed=0, autotune=False, prefetch_next_epoch=False)
+    it = iter(L)
+    next(it)
+    threading.Timer(0.3, L.close).start()
+    with pytest.raises(RuntimeError, match="close"):
+        for _ in it:
+            pass
+
+
+def test_an_iterable_pass_that_close_cuts_ends():
+    """An iterable dataset's pass cannot tell a cut from its end (the shards' exhaustion comes
+    after the last batch): it ends with StopIteration, as documented."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return (np.full(4, i, np.float32) for i in range(40))
+
+    L = Loader(Stream(), 4, num_workers=1, seed=0, autotune=False)
+    it = iter(L)
+    next(it)
+    L.close()
+    with pytest.raises(StopIteration):
+        next(it)

@@ -247,6 +247,13 @@ class Run:
     speculative: bool = False  # started for an iterator that does not exist yet
     pred: Run | None = None  # while speculative: the run whose window it shares
     taken: int = 0  # positions dispatched (once each: re-dispatches not counted)
+    # Items that reach ``out`` before its final one (a batch, or an error the epoch goes on
+    # after: one each per decision), counted by the scheduler thread as decided; their count
+    # once the run's end was decided (``None`` before); those the consumer took. A pass cut by
+    # ``close()`` tells its end from the cut by them (``loader._EpochIterator``).
+    emitted: int = 0
+    ends_after: int | None = None
+    received: int = 0
     # While speculative, skips and stragglers wait to be logged and counted until adoption.
     deferred: list = field(default_factory=list)
     # While speculative: (pos, attempt, error) of samples that raised, loaded again at
@@ -1642,6 +1649,7 @@ class Pipeline:
     def _decide(self, run: Run, decisions: list) -> None:
         for d in decisions:
             if isinstance(d, Emit):
+                run.emitted += 1
                 if run.speculative:
                     run.deferred.append(d.stragglers)
                 else:
@@ -1658,11 +1666,14 @@ class Pipeline:
                 else:
                     self._skip(d)
             elif isinstance(d, Raise) and not d.final:  # the epoch goes on after it
+                run.emitted += 1
                 run.uncollated += 1  # in the window until delivered, as a batch's samples
                 self.batch_stage.put((run.gen, next(self._batch_ids)),
                                      (run, _Final(("raise", d.error, d.lost), ends=False)))
             elif isinstance(d, (Raise, End)):
                 last = ("error", d.error) if isinstance(d, Raise) else ("end",)
+                if isinstance(d, End):
+                    run.ends_after = run.emitted
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
 
     def _count(self, d: Skip | int) -> None:
