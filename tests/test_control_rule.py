@@ -473,3 +473,14 @@ def test_nothing_grows_while_workers_wait_for_memory(case, share):
     else:
         assert made == []
         assert f"memory wait {share:.0%} " in w.describe(Budget(wl.cores))
+
+
+def test_workers_never_outgrow_the_pool_that_feeds_them():
+    """Each worker and read thread needs a sample in flight (``pool_size`` of them): growing
+    workers past the pool left the last ones idle while the controller said 8 workers with a
+    pool of 7 (trial 159). The pool grows first, by the workers added."""
+    wl = Workload(transform_s=0.2, step_s=0.02, cores=2, cpu_bound=False)
+    trace = run(wl, dict(depth=2, read_threads=1, workers=1, pool_size=7), steps=300)
+    assert max(k["workers"] for k in trace.knobs) >= 8
+    assert all(k["workers"] + k["read_threads"] <= k["pool_size"] for k in trace.knobs)
+    assert any(d.knob == "pool_size" and d.reason == "pool_bound" for d in trace.decisions)

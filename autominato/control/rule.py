@@ -293,6 +293,7 @@ class Trial:
     decision: Decision
     baseline: Window
     grow: bool
+    with_it: tuple[Decision, ...] = ()  # applied with it, reverted with it (``_pool_for``)
 
 
 @dataclass(frozen=True)
@@ -528,10 +529,12 @@ class StageBasedRule(Rule):
         else:
             return [], state
         decision, on_trial = replace(picked[0], detail=w.describe(budget)), picked[1]
-        return [decision], replace(
+        with_it = list(picked[2]) if len(picked) > 2 else []  # (applied first: _pool_for)
+        return [*with_it, decision], replace(
             state,
             since=b.time,
-            trial=Trial(decision, w, decision.new > decision.old) if on_trial else None,
+            trial=(Trial(decision, w, decision.new > decision.old, tuple(with_it)) if on_trial
+                   else None),
             decisions=state.decisions + 1,
         )
 
@@ -591,7 +594,9 @@ class StageBasedRule(Rule):
             f"{trial.baseline.idle:.3f} wait/batch {trial.baseline.wait_per_batch_s * 1e3:.1f} ms, "
             f"after {w.describe(budget)}; not retried for {wait} batches",
         )
-        return [revert], replace(
+        undo = [Decision(c.knob, c.new, c.old, "revert", f"with {d.knob} {d.new} -> {d.old}")
+                for c in reversed(trial.with_it)]
+        return [revert, *undo], replace(
             state,
             since=b.time,
             trial=None,
@@ -705,11 +710,14 @@ class StageBasedRule(Rule):
             new = min(new, bounds[knob][1])
             while new > old + 1 and not self._fits(knob, new, w, budget, b):
                 new -= 1  # the largest step the memory budget allows
-            if self._allowed(knob, new, old, bounds, state, b) and self._fits(
-                knob, new, w, budget, b
+            with_it = self._pool_for(knob, old, new, w, bounds)
+            grown = {knob: new, **{c.knob: c.new for c in with_it}}
+            if self._allowed(knob, new, old, bounds, state, b) and (
+                budget.memory_bytes is None
+                or predicted_memory(b, {**w.knobs, **grown}, w.batch_size) <= budget.memory_bytes
             ):
                 reason = "transform_bound" if stage == "transform" else "read_bound"
-                return Decision(knob, old, new, reason), True
+                return Decision(knob, old, new, reason), True, with_it
         if saturated:
             # The bottleneck is at its limit (cores, bounds, memory or backoff): a deeper
             # queue or a bigger pool would not raise a saturated stage's throughput.
@@ -729,6 +737,25 @@ class StageBasedRule(Rule):
             return Decision("depth", depth, new, "starved"), True
         return None
 
+    @staticmethod
+    def _pool_for(knob: str, old: int, new: int, w: Window, bounds: Bounds) -> list[Decision]:
+        """The pool's growth that goes with ``knob``'s from ``old`` to ``new`` workers (or
+        read threads): none, or the workers added where they would pass the pool. Each
+        worker and read thread needs a sample in flight (``pool_size`` of them), so one added
+        past the pool idles (trial 159: 8 workers beside a pool of 7); the pool keeps its
+        slack beyond them. Applied before the workers' change and not judged apart from it
+        (growing the pool alone does not raise a saturated stage's throughput); a revert of
+        the workers leaves it, as slack that a shrink may take back."""
+        pool = w.knobs.get("pool_size", 0)
+        others = sum(w.knobs.get(k, 0) for _, k in STAGE_KNOBS if k != knob)
+        if pool <= 0 or new + others <= pool:
+            return []
+        grown = min(bounds["pool_size"][1], pool + new - old)
+        if grown <= pool:
+            return []
+        return [Decision("pool_size", pool, grown, "pool_bound",
+                         f"with {knob} {old} -> {new}: a sample in flight for each")]
+
     def _shrink(self, w, bounds, budget, state, b):
         if w.idle >= self.idle_low or w.batches < self.shrink_batches:
             return None
@@ -741,7 +768,15 @@ class StageBasedRule(Rule):
                 continue
             new = max(bounds[knob][0], 1, math.ceil(busy / self.util_shrink), (old + 1) // 2)
             if self._allowed(knob, new, old, bounds, state, b):
-                return Decision(knob, old, new, "over_provisioned"), True
+                # The pool gives back a sample in flight for each worker removed (as it grew
+                # with them, _pool_for), down to its floor, keeping its slack beyond them.
+                pool = w.knobs.get("pool_size", 0)
+                floor = self._pool_floor({**w.knobs, knob: new}, bounds)
+                less = max(floor, pool - (old - new))
+                with_it = ([Decision("pool_size", pool, less, "over_provisioned",
+                                     f"with {knob} {old} -> {new}")]
+                           if 0 < less < pool else [])
+                return Decision(knob, old, new, "over_provisioned"), True, with_it
         pool = w.knobs.get("pool_size", 0)
         floor = self._pool_floor(w.knobs, bounds)
         if pool > floor and 0 < w.in_flight_max <= pool // 2:
