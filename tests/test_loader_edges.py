@@ -711,3 +711,37 @@ def test_an_iterable_pass_that_close_cuts_ends():
     L.close()
     with pytest.raises(StopIteration):
         next(it)
+
+
+class Batched(Indexed):
+    """A dataset with torch's batched read: ``__getitems__`` returns other data than
+    ``__getitem__`` so that which one ran shows."""
+
+    def __getitems__(self, keys):
+        return [(np.full(self.shape, 100 + i, np.float32), 100 + i) for i in keys]
+
+
+@pytest.mark.parametrize("kw", WORKER_KINDS, ids=["process", "thread", "none"])
+def test_a_dataset_s_getitems_is_read_as_the_dataloader_reads_it(kw):
+    """The DataLoader's fetcher calls ``__getitems__`` where a dataset defines it (trial 160:
+    the Loader called ``__getitem__``, other data, silently)."""
+    ds = Batched(10)
+    with Loader(ds, 2, in_order=True, seed=0, autotune=False, **kw) as L:
+        got = indices(L)
+    want = indices(DataLoader(ds, 2))
+    assert got == want == [100 + i for i in range(10)]
+    # torch's Subset defines __getitems__ too, and hands it on
+    sub = torch.utils.data.Subset(ds, [3, 1])
+    with Loader(sub, 2, in_order=True, seed=0, autotune=False, **kw) as L:
+        assert indices(L) == indices(DataLoader(sub, 2)) == [103, 101]
+
+
+def test_a_getitems_that_does_not_return_one_sample_a_key_names_itself():
+    class Wrong(Indexed):
+        def __getitems__(self, keys):
+            return None
+
+    with Loader(Wrong(4), 2, num_workers=0, seed=0, autotune=False) as L:
+        with pytest.raises(TypeError, match=r"Wrong.__getitems__\(\[0\]\) returned NoneType "
+                                            r"without a length"):
+            next(iter(L))

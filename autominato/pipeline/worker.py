@@ -897,7 +897,7 @@ def run_sample(
     t0 = time.perf_counter()
     if read:
         reseed_parts(own.dataset_parts, spec.seed, epoch, index, 0, draw)
-        sample = own.dataset[index]
+        sample = _read(own.dataset, index)
     # (not read here: a read stage timed it, and read_seconds is 0, so that the read stage's
     # figures count each sample once: audit 85)
     t1 = time.perf_counter() if read else t0
@@ -910,6 +910,35 @@ def run_sample(
     if own.trace_map:  # (MONAI's records: the training process's transforms' ids)
         random_state.retrace(sample, own.trace_map)
     return sample, t1 - t0, time.perf_counter() - t1
+
+
+def _read(dataset: Any, index: Index) -> Any:
+    """``dataset[index]``, or, where the dataset defines ``__getitems__`` (torch's batched
+    read, which the DataLoader's fetcher calls in place of ``__getitem__``: a ``Subset``, a
+    Hugging Face dataset), ``dataset.__getitems__([index])[0]``, so that both loaders read the
+    same data (trial 160: it was ignored). One index a call: samples go to the workers one by
+    one (or in chunks of fast ones), each seeded for its own index.
+
+    Raises:
+        TypeError: ``__getitems__`` did not return one sample for the one index."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if not getitems:
+        return dataset[index]
+    out = getitems([index])
+    try:
+        (sample,) = out
+    except (TypeError, ValueError):
+        raise TypeError(f"{type(dataset).__name__}.__getitems__([{index!r}]) returned "
+                        f"{type(out).__name__} {_describe_len(out)}: a sequence of one sample "
+                        "was expected (torch's __getitems__ returns one sample per index)") from None
+    return sample
+
+
+def _describe_len(out: Any) -> str:
+    try:
+        return f"of length {len(out)}"
+    except TypeError:
+        return "without a length"
 
 
 def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int,
