@@ -615,11 +615,23 @@ def _bottleneck(
         )
         if n < cap and last.samples_held_for_memory_total:
             more += _MORE_WORKERS_MEMORY
+        cheaper = ("cheaper transforms (crop before resampling, fewer random augmentations "
+                   "per sample, float16 arrays)")
+        read_s = cur.stages["read"].mean_service_s if fused and "read" in cur.stages else None
+        transform_s = cur.stages[stage].mean_service_s or 0.0
+        if read_s is not None and read_s > transform_s:
+            # The workers' CPU goes to the read (decoding, decompressing: MONAI's LoadImage
+            # of a .nii.gz, a __getitem__ that computes): the read is named, and its fix
+            # (trial 159: 45.6 ms reads beside 0.2 ms transforms were "CPU bound (transform)").
+            stage = "read"
+            where = (f"reads ({read_s * 1e3:.1f} ms a sample, the transform "
+                     f"{transform_s * 1e3:.1f} ms, in the same workers)")
+            cheaper = ("a cheaper read (less decoding: samples stored uncompressed, .npy in "
+                       "place of .nii.gz, or preprocessed once; less work in __getitem__)")
         return (
             "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
-            f"{more}, or cheaper transforms (crop before resampling, fewer random "
-            "augmentations per sample, float16 arrays)",
+            f"{more}, or {cheaper}",
         )
     bw = cur.h2d_bytes_per_s
     got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
