@@ -1055,6 +1055,8 @@ class Loader:
         ), None
 
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
+    _close_done = False  # close() ran to its end (``_closed``: it began)
+
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
                     "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved")
@@ -1625,15 +1627,20 @@ class Loader:
         self._close(wait_copies=True)
 
     def _close(self, wait_copies: bool) -> None:
-        if self._closed:
+        if self._close_done:
             return
         if getattr(self, "_home_pid", None) not in (None, os.getpid()):
             # A forked child's copy (os.fork): its workers, threads and shared memory are the
             # parent's; closing them here ended the parent's workers (review 156).
-            self._closed = True
+            self._closed = self._close_done = True
             return
-        self._end_step()
-        self._back(time.monotonic())  # (the time after the last epoch ends with the loader)
+        if not self._closed:
+            self._end_step()
+            self._back(time.monotonic())  # (the time after the last epoch ends with the loader)
+        # Closed from here on (iterators end), done only at the end: a close that an
+        # exception cut short (a second Ctrl-C inside ``with``'s close) is finished by the next
+        # call, the exit's (trial 158: it was skipped, and the exit waited for the workers'
+        # fork server for ever).
         self._closed = True
         if wait_copies and self._orphan_h2d:
             try:
@@ -1649,6 +1656,7 @@ class Loader:
         p = self._pipeline
         if p is not None:
             p.close()
+        self._close_done = True
 
     def __enter__(self) -> Loader:
         return self

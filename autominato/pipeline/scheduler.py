@@ -763,14 +763,19 @@ class Pipeline:
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop every thread and worker and unlink the shared memory. Idempotent. A live
-        iterator then ends (``StopIteration``), or with ``error`` raises it."""
-        if self._stop.is_set():
+        iterator then ends (``StopIteration``), or with ``error`` raises it. A close that an
+        exception cut short (a second Ctrl-C inside it) goes on where it was at the next call
+        (the Loader's at exit): it returned at once, the workers and the fork server (not a
+        daemon) were left running, and the exit waited for them for ever (trial 158)."""
+        if self.closed:
             return
+        first = not self._stop.is_set()
         self._stop.set()
-        reader = getattr(self, "_size_reader", None)  # (a close of a failed __init__)
-        if reader is not None:
-            reader.close()
-        self.events.put(("close",))
+        if first:
+            reader = getattr(self, "_size_reader", None)  # (a close of a failed __init__)
+            if reader is not None:
+                reader.close()
+            self.events.put(("close",))
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
         spec = self.pending
