@@ -1622,8 +1622,9 @@ class Loader:
     def close(self) -> None:
         """Stop workers and threads and unlink shared memory. Idempotent.
 
-        A pass live then ends at its next ``next()``: with ``RuntimeError`` where a map-style
-        epoch had batches it had not taken (they are dropped), else ``StopIteration``."""
+        A pass live then ends: the batches it can still hand over (a run that had finished
+        loading) come first; then ``RuntimeError`` where a map-style epoch had batches that
+        will not come (they were dropped), else ``StopIteration``."""
         self._close(wait_copies=True)
 
     def _close(self, wait_copies: bool) -> None:

@@ -736,12 +736,17 @@ def test_a_dataset_s_getitems_is_read_as_the_dataloader_reads_it(kw):
         assert indices(L) == indices(DataLoader(sub, 2)) == [103, 101]
 
 
-def test_a_getitems_that_does_not_return_one_sample_a_key_names_itself():
-    class Wrong(Indexed):
-        def __getitems__(self, keys):
-            return None
+def test_a_getitems_that_returns_no_sample_a_key_is_not_used_and_says_so():
+    """A batched ``__getitems__`` that returns columns (a dict of stacked arrays, which torch
+    hands to ``collate_fn`` whole) cannot give one sample per index: the samples are read
+    through ``__getitem__``, with a warning (review 161: a one-key dict gave its key string)."""
 
-    with Loader(Wrong(4), 2, num_workers=0, seed=0, autotune=False) as L:
-        with pytest.raises(TypeError, match=r"Wrong.__getitems__\(\[0\]\) returned NoneType "
-                                            r"without a length"):
-            next(iter(L))
+    class Columns(Indexed):
+        def __getitems__(self, keys):
+            return {"x": np.stack([np.full(self.shape, i, np.float32) for i in keys])}
+
+    with Loader(Columns(4), 2, num_workers=0, in_order=True, seed=0, autotune=False) as L:
+        with pytest.warns(UserWarning, match=r"Columns.__getitems__\(\[0\]\) returned dict of "
+                                             r"length 1, not a list of one sample"):
+            got = indices(L)
+    assert got == [0, 1, 2, 3]

@@ -229,8 +229,8 @@ def test_a_cpu_heavy_fused_read_is_cpu_bound_not_io(monkeypatch, cpu):
     assert d.kind == "cpu" and d.stage == "read"
     assert "faster storage" not in d.suggestion and "a cheaper read" in d.suggestion
     assert "no spare cores (2 usable)" in d.suggestion  # 2 workers on 2 cores already
-    assert d.summary.startswith("reads (3.0 ms a sample, the transform 2.5 ms, in the same "
-                                "workers) take 1.10x")
+    assert d.summary.startswith("reads and transforms (in the same workers: the read 3.0 ms "
+                                "a sample, the transform 2.5 ms) take 1.10x")
     assert "CPU bound (read)" in format_report(d)
     # where the transform does most, it is the transform's, as before
     d = diagnose(with_cpu(history(step_s=0.010, wait_s=0.020, read_s=0.0025, transform_s=0.003,

@@ -74,8 +74,10 @@ def test_tune_keeps_the_default_when_every_trial_is_within_noise(monkeypatch, se
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "kept the DEFAULT configuration" in out
     assert "PLACEHOLDER step_time 0.3 s" in out and "training step: sleep 0.3 s" in out
-    # baseline, trials, then the default and each finalist thrice
-    assert len(calls) == 1 + 8 + 3 * (1 + len(result.finalists)) and len(result.finalists) == 3
+    # baseline, trials, the default and each finalist thrice, then the default and the chosen
+    # one thrice more, afresh
+    assert len(calls) == 1 + 8 + 3 * (1 + len(result.finalists)) + 3 * 2
+    assert len(result.finalists) == 3
 
 
 def test_tune_writes_the_best_when_it_beats_the_default_beyond_noise(monkeypatch, setup):

@@ -529,8 +529,10 @@ class StageBasedRule(Rule):
         else:
             return [], state
         decision, on_trial = replace(picked[0], detail=w.describe(budget)), picked[1]
-        with_it = list(picked[2]) if len(picked) > 2 else []  # (applied first: _pool_for)
-        return [*with_it, decision], replace(
+        with_it = list(picked[2]) if len(picked) > 2 else []  # (_pool_for)
+        # A pool that grows comes before the workers it feeds; one that shrinks, after them.
+        ordered = [*with_it, decision] if decision.new > decision.old else [decision, *with_it]
+        return ordered, replace(
             state,
             since=b.time,
             trial=(Trial(decision, w, decision.new > decision.old, tuple(with_it)) if on_trial
@@ -596,7 +598,8 @@ class StageBasedRule(Rule):
         )
         undo = [Decision(c.knob, c.new, c.old, "revert", f"with {d.knob} {d.new} -> {d.old}")
                 for c in reversed(trial.with_it)]
-        return [revert, *undo], replace(
+        ordered = [*undo, revert] if revert.new > revert.old else [revert, *undo]
+        return ordered, replace(
             state,
             since=b.time,
             trial=None,
@@ -710,12 +713,15 @@ class StageBasedRule(Rule):
             new = min(new, bounds[knob][1])
             while new > old + 1 and not self._fits(knob, new, w, budget, b):
                 new -= 1  # the largest step the memory budget allows
-            with_it = self._pool_for(knob, old, new, w, bounds)
-            grown = {knob: new, **{c.knob: c.new for c in with_it}}
-            if self._allowed(knob, new, old, bounds, state, b) and (
-                budget.memory_bytes is None
-                or predicted_memory(b, {**w.knobs, **grown}, w.batch_size) <= budget.memory_bytes
-            ):
+            while True:  # the largest step that fits in memory with the pool it needs
+                with_it = self._pool_for(knob, old, new, w, bounds)
+                grown = {**w.knobs, knob: new, **{c.knob: c.new for c in with_it}}
+                fits = (budget.memory_bytes is None
+                        or predicted_memory(b, grown, w.batch_size) <= budget.memory_bytes)
+                if fits or new <= old + 1:
+                    break
+                new -= 1
+            if self._allowed(knob, new, old, bounds, state, b) and fits:
                 reason = "transform_bound" if stage == "transform" else "read_bound"
                 return Decision(knob, old, new, reason), True, with_it
         if saturated:
@@ -744,8 +750,8 @@ class StageBasedRule(Rule):
         worker and read thread needs a sample in flight (``pool_size`` of them), so one added
         past the pool idles (trial 159: 8 workers beside a pool of 7); the pool keeps its
         slack beyond them. Applied before the workers' change and not judged apart from it
-        (growing the pool alone does not raise a saturated stage's throughput); a revert of
-        the workers leaves it, as slack that a shrink may take back."""
+        (growing the pool alone does not raise a saturated stage's throughput), and reverted
+        with them."""
         pool = w.knobs.get("pool_size", 0)
         others = sum(w.knobs.get(k, 0) for _, k in STAGE_KNOBS if k != knob)
         if pool <= 0 or new + others <= pool:

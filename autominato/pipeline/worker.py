@@ -97,6 +97,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -912,26 +913,33 @@ def run_sample(
     return sample, t1 - t0, time.perf_counter() - t1
 
 
+#: Dataset types whose ``__getitems__`` gave something other than one sample for one index
+#: (a batched read returning columns): read through ``__getitem__`` (warned once each).
+_GETITEMS_OFF: set[type] = set()
+
+
 def _read(dataset: Any, index: Index) -> Any:
     """``dataset[index]``, or, where the dataset defines ``__getitems__`` (torch's batched
     read, which the DataLoader's fetcher calls in place of ``__getitem__``: a ``Subset``, a
     Hugging Face dataset), ``dataset.__getitems__([index])[0]``, so that both loaders read the
     same data (trial 160: it was ignored). One index a call: samples go to the workers one by
-    one (or in chunks of fast ones), each seeded for its own index.
-
-    Raises:
-        TypeError: ``__getitems__`` did not return one sample for the one index."""
+    one (or in chunks of fast ones), each seeded for its own index. A ``__getitems__`` that
+    returns no list or tuple of one sample (a batched read returning columns, which torch
+    hands to ``collate_fn`` as it is, review 161) is not used: the sample is read through
+    ``__getitem__``, as before, and a warning says so once per dataset type."""
     getitems = getattr(dataset, "__getitems__", None)
-    if not getitems:
+    if not getitems or type(dataset) in _GETITEMS_OFF:
         return dataset[index]
     out = getitems([index])
-    try:
-        (sample,) = out
-    except (TypeError, ValueError):
-        raise TypeError(f"{type(dataset).__name__}.__getitems__([{index!r}]) returned "
-                        f"{type(out).__name__} {_describe_len(out)}: a sequence of one sample "
-                        "was expected (torch's __getitems__ returns one sample per index)") from None
-    return sample
+    if isinstance(out, (list, tuple)) and len(out) == 1:
+        return out[0]
+    _GETITEMS_OFF.add(type(dataset))
+    warnings.warn(
+        f"{type(dataset).__name__}.__getitems__([{index!r}]) returned "
+        f"{type(out).__name__} {_describe_len(out)}, not a list of one sample: its samples are "
+        "read through __getitem__ (a batched __getitems__ returning columns is not used; the "
+        "DataLoader hands its result to collate_fn whole)", stacklevel=2)
+    return dataset[index]
 
 
 def _describe_len(out: Any) -> str:

@@ -624,8 +624,8 @@ def _bottleneck(
             # of a .nii.gz, a __getitem__ that computes): the read is named, and its fix
             # (trial 159: 45.6 ms reads beside 0.2 ms transforms were "CPU bound (transform)").
             stage = "read"
-            where = (f"reads ({read_s * 1e3:.1f} ms a sample, the transform "
-                     f"{transform_s * 1e3:.1f} ms, in the same workers)")
+            where = (f"reads and transforms (in the same workers: the read "
+                     f"{read_s * 1e3:.1f} ms a sample, the transform {transform_s * 1e3:.1f} ms)")
             cheaper = ("a cheaper read (less decoding: samples stored uncompressed, .npy in "
                        "place of .nii.gz, or preprocessed once; less work in __getitem__)")
         return (
