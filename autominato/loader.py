@@ -1004,6 +1004,10 @@ class Loader:
         too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
+        if self._ended is not None and self._ended[0] == self._epoch:
+            self._resume = self._ended[1]  # the ended epoch loaded, named: see load_state_dict
+        elif self._ended is not None and self._resume is self._ended[1]:
+            self._resume = None  # (named, then another: as a finished state's next epoch)
         if self._resume is not None and self._resume["epoch"] != self._epoch:
             log.warning("set_epoch(%d) after load_state_dict() of epoch %d: epoch %d starts "
                         "from its beginning", self._epoch, self._resume["epoch"], self._epoch)
@@ -1056,10 +1060,13 @@ class Loader:
 
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
     _close_done = False  # close() ran to its end (``_closed``: it began)
+    #: ``(epoch, state)`` after ``load_state_dict`` of an ended map-style epoch, until the
+    #: next pass: that epoch as a resumable state with nothing left, for a loop that names it.
+    _ended: tuple[int, dict] | None = None
 
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
-                    "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved")
+                    "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved", "_ended")
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -1117,6 +1124,12 @@ class Loader:
             progress.drained = functools.partial(_run_drained, run)
             return _EpochIterator(self, pipeline, run, progress)
         pending, self._resume = self._resume, None
+        ended, self._ended = self._ended, None
+        if (pending is None and ended is not None and self._epoch == ended[0] + 1
+                and ended[0] in resume.sampler_epochs(self).values()):
+            # The loop set its sampler to the ended epoch after the load (sampler.set_epoch,
+            # DDP's habit): that epoch is resumed, with nothing left (see load_state_dict).
+            self._epoch, pending = ended[0], ended[1]
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
@@ -1342,21 +1355,35 @@ class Loader:
                     own_s if own_s is not None and len(own_s) == n else None, given_s)
                 if self._pipeline is not None:
                     self._pipeline.restore_costs(given_s)
+            ended = int(state["epoch"]) if state["finished"] and not self._iterable else None
+            # The training loop set the ended epoch before loading (set_epoch(e); load; for
+            # ...: a loop that resumes the epoch its checkpoint was taken in): see _ended.
+            named = ended is not None and (
+                (self._epoch_set and self._epoch == ended)
+                or (ended > 0 and ended in resume.sampler_epochs(self).values()))
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
             # A finished epoch: the next iteration is the next epoch, also after set_epoch
             # (Lightning creates a resumed fit's first iterator before its set_epoch: the epoch
             # saved would run again, labelled as the next); a set_epoch before iterating wins.
-            if state["finished"]:
+            if state["finished"] and not named:
                 self._epoch += 1
             self._started = False
             self._batches_at_iter = self._batches
             self._resume = None if state["finished"] or self._iterable else state
+            # A loop that names the ended epoch (set_epoch on the Loader or its sampler, before
+            # this load or before iterating) resumes it, as a mid-epoch state: nothing of it
+            # is left, so its pass ends at once and the loop's next epoch is the next (trial
+            # 158: that epoch was delivered again in full, or the next epoch twice).
+            self._ended = (None if ended is None else
+                           (ended, {**state, "finished": False, "epoch": ended}))
+            if named:
+                self._resume = self._ended[1]
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
             self._set_sampler_epochs()
-            if not state["finished"]:
+            if not state["finished"] or named:
                 # The epoch to resume was ordered with the samplers' own epochs, which a loop
                 # that sets them itself counts (DDP's habit, from any epoch: a job restarted
                 # at epoch 3, or never set): each takes the one it had as the epoch began. An

@@ -1156,3 +1156,64 @@ def test_an_iterable_epoch_whose_loop_took_len_batches_is_saved_as_finished():
             time.sleep(0.3)  # the dropped iterator's stop reaches the scheduler
             state = L.state_dict()
             assert state["finished"] is True, state
+
+
+class _Twenty:
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return np.full(2, i, np.float32)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", ["sampler", "loader"])
+@pytest.mark.parametrize("order", ["load_then_set", "set_then_load"])
+def test_a_loop_that_resumes_the_epoch_its_last_batch_was_checkpointed_in_gets_each_once(
+        workers, mode, order):
+    """Trial 158: DDP's loop saved the Loader's state after an epoch's last batch, inside the
+    loop, with its own epoch counter; resumed, it sets that epoch again and iterates. That
+    epoch was delivered again in full (set after the load), or the next epoch twice (set
+    before it). The named ended epoch now ends at once, and the next ones follow."""
+    from torch.utils.data import DistributedSampler
+
+    def make():
+        ds = _Twenty()
+        if mode == "sampler":
+            s = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=3)
+            return Loader(ds, 4, sampler=s, num_workers=workers, autotune=False, seed=1), s
+        return Loader(ds, 4, shuffle=True, num_workers=workers, autotune=False, seed=1,
+                      rank=0, world_size=2), None
+
+    def set_epoch(L, s, e):
+        (s.set_epoch if s is not None else L.set_epoch)(e)
+
+    def ids(L):
+        return sorted(int(x) for b in L for x in b[:, 0])
+
+    L, s = make()
+    ref = {}
+    for e in range(4):
+        set_epoch(L, s, e)
+        ref[e] = ids(L)
+    L.close()
+    L, s = make()
+    set_epoch(L, s, 0)
+    list(L)
+    set_epoch(L, s, 1)
+    it = iter(L)
+    taken = sorted(int(x) for _ in range(len(L)) for x in next(it)[:, 0])
+    state = L.state_dict()  # after the epoch's last batch, before the next() that ends it
+    L.close()
+    assert state["finished"] and taken == ref[1]
+    L, s = make()
+    if order == "set_then_load":
+        set_epoch(L, s, 1)
+    L.load_state_dict(state)
+    got = {}
+    for e in range(1, 4):
+        if order == "load_then_set" or e > 1:
+            set_epoch(L, s, e)
+        got[e] = ids(L)
+    L.close()
+    assert got == {1: [], 2: ref[2], 3: ref[3]}
