@@ -1004,10 +1004,7 @@ class Loader:
         too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
         self._epoch = int(epoch)
         self._epoch_set = True
-        if self._ended is not None and self._ended[0] == self._epoch:
-            self._resume = self._ended[1]  # the ended epoch loaded, named: see load_state_dict
-        elif self._ended is not None and self._resume is self._ended[1]:
-            self._resume = None  # (named, then another: as a finished state's next epoch)
+        self._named = True
         if self._resume is not None and self._resume["epoch"] != self._epoch:
             log.warning("set_epoch(%d) after load_state_dict() of epoch %d: epoch %d starts "
                         "from its beginning", self._epoch, self._resume["epoch"], self._epoch)
@@ -1060,9 +1057,11 @@ class Loader:
 
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
     _close_done = False  # close() ran to its end (``_closed``: it began)
-    #: ``(epoch, state)`` after ``load_state_dict`` of an ended map-style epoch, until the
-    #: next pass: that epoch as a resumable state with nothing left, for a loop that names it.
-    _ended: tuple[int, dict] | None = None
+    #: After ``load_state_dict`` of an ended map-style epoch, until a pass delivers a batch:
+    #: ``(epoch, that epoch as a resumable state with nothing left, the state loaded)``, for
+    #: a loop that names the epoch (:meth:`_named_ended`) and for ``state_dict()``.
+    _ended: tuple[int, dict, dict] | None = None
+    _named = False  # set_epoch was called since the Loader was built or last loaded a state
 
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
@@ -1124,12 +1123,8 @@ class Loader:
             progress.drained = functools.partial(_run_drained, run)
             return _EpochIterator(self, pipeline, run, progress)
         pending, self._resume = self._resume, None
-        ended, self._ended = self._ended, None
-        if (pending is None and ended is not None and self._epoch == ended[0] + 1
-                and ended[0] in resume.sampler_epochs(self).values()):
-            # The loop set its sampler to the ended epoch after the load (sampler.set_epoch,
-            # DDP's habit): that epoch is resumed, with nothing left (see load_state_dict).
-            self._epoch, pending = ended[0], ended[1]
+        if pending is None:
+            pending = self._named_ended()
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
@@ -1138,6 +1133,28 @@ class Loader:
         # end of __iter__, accelerate's SeedableRandomSampler: review 152)
         it._began = (self._epoch, pending is not None, resume.sampler_epochs(self))
         return it
+
+    def _named_ended(self) -> dict | None:
+        """After ``load_state_dict`` of an ended epoch E (a state taken after its last
+        batch), whose next pass is E + 1: where the training loop names E itself, E as a
+        resumed state with nothing left (its pass ends at once; ``self._epoch`` set to E),
+        else ``None``. Named: the Loader's epoch is E (``set_epoch(E)`` before or after the
+        load), or it is E + 1 and the user's sampler is at E (``sampler.set_epoch(E)`` after
+        the load, DDP's habit, or before it for E > 0). A loop that resumes the epoch its
+        checkpoint was taken in then gets each sample once (trial 158: E was delivered again
+        in full, or E + 1 twice); Lightning, which makes its iterator and then sets E + 1,
+        gets E + 1."""
+        ended = self._ended
+        if ended is None:
+            return None
+        e = ended[0]
+        at = resume.sampler_epochs(self)
+        if self._epoch == e and all(v == e for v in at.values()):
+            return ended[1]
+        if self._epoch == e + 1 and at and all(v == e for v in at.values()):
+            self._epoch = e
+            return ended[1]
+        return None
 
     def _map_pass(self, pending: dict | None, was_epoch: bool) -> Iterator[Any]:
         """A map-style dataset's pass over ``self._epoch`` (``_start_pass``'s; resuming
@@ -1204,15 +1221,23 @@ class Loader:
         resumed from an end-of-epoch checkpoint, or a second fit on the same Loader, ran
         its first epoch as the epoch the Loader was at, order and augmentation)."""
         with self._lock:
-            if resumed and self._epoch == epoch:
+            named = None if resumed else self._named_ended()
+            if named is not None:
+                # The loop named the ended epoch of the state it loaded, after iter() (see
+                # _named_ended): that epoch, with nothing left.
+                log.info("set_epoch after the pass of epoch %d began, before its first batch: "
+                         "epoch %d, which the state loaded had ended, has nothing left",
+                         epoch, self._epoch)
+            elif resumed and self._epoch == epoch:
                 # Only the user's sampler moved on (its set_epoch, not the Loader's): the
                 # resumed epoch counts as ended, as for the sampler, and the next one begins.
                 self._epoch += 1
-            (log.warning if resumed else log.info)(
-                "set_epoch after the pass %s epoch %d began, before its first batch: epoch %d "
-                "starts from its beginning (samplers' epochs %s)",
-                "resuming" if resumed else "of", epoch, self._epoch,
-                resume.sampler_epochs(self) or "-")
+            if named is None:
+                (log.warning if resumed else log.info)(
+                    "set_epoch after the pass %s epoch %d began, before its first batch: "
+                    "epoch %d starts from its beginning (samplers' epochs %s)",
+                    "resuming" if resumed else "of", epoch, self._epoch,
+                    resume.sampler_epochs(self) or "-")
             it.stop(keep_ahead=True)
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             # A single jump, not the loop's stride (the pass that began took its move from
@@ -1222,7 +1247,7 @@ class Loader:
             if self._last_sampler_epoch is not None:
                 self._sampler_epoch_step, self._sampler_epoch_moved = 1, None
             try:
-                fresh = self._map_pass(None, False)
+                fresh = self._map_pass(named, False)
             except BaseException:  # (as __iter__: the loader as it was; the pass ends here)
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
@@ -1357,18 +1382,23 @@ class Loader:
                     self._pipeline.restore_costs(given_s)
             ended = int(state["epoch"]) if state["finished"] and not self._iterable else None
             # The training loop set the ended epoch before loading (set_epoch(e); load; for
-            # ...: a loop that resumes the epoch its checkpoint was taken in): see _ended.
+            # ...: a loop that resumes the epoch its checkpoint was taken in): see
+            # _named_ended. (A fresh sampler is at 0: only an epoch above it is named so.)
+            at = resume.sampler_epochs(self)
             named = ended is not None and (
-                (self._epoch_set and self._epoch == ended)
-                or (ended > 0 and ended in resume.sampler_epochs(self).values()))
+                (self._named and self._epoch == ended)
+                or (ended > 0 and bool(at) and all(v == ended for v in at.values())))
+            self._named = False
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
             # A finished epoch: the next iteration is the next epoch, also after set_epoch
             # (Lightning creates a resumed fit's first iterator before its set_epoch: the epoch
             # saved would run again, labelled as the next); a set_epoch before iterating wins.
-            if state["finished"] and not named:
+            if state["finished"]:
                 self._epoch += 1
+                if named and not at:  # (Loader.set_epoch named it: its epoch stays E)
+                    self._epoch = ended
             self._started = False
             self._batches_at_iter = self._batches
             self._resume = None if state["finished"] or self._iterable else state
@@ -1377,12 +1407,11 @@ class Loader:
             # is left, so its pass ends at once and the loop's next epoch is the next (trial
             # 158: that epoch was delivered again in full, or the next epoch twice).
             self._ended = (None if ended is None else
-                           (ended, {**state, "finished": False, "epoch": ended}))
-            if named:
-                self._resume = self._ended[1]
+                           (ended, {**state, "finished": False, "epoch": ended}, state))
             # The samplers' epoch too (a DistributedSampler's permutation is its epoch's), as
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
-            self._set_sampler_epochs()
+            if not named:  # (else the samplers stay at the epoch the loop named)
+                self._set_sampler_epochs()
             if not state["finished"] or named:
                 # The epoch to resume was ordered with the samplers' own epochs, which a loop
                 # that sets them itself counts (DDP's habit, from any epoch: a job restarted
@@ -1506,6 +1535,7 @@ class Loader:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it."""
+        self._ended = None  # (a pass delivered: a loaded ended epoch is behind the loop)
         with self._step_lock:
             seen = self._wait_seen
             if seen is not None and seen > now:

@@ -283,7 +283,15 @@ def build(loader: Any) -> dict[str, Any]:
         # starts its slowest samples first
         "sample_seconds": None,  # (below, likewise)
     }
-    if loader._resume is not None:  # loaded and not iterated yet: pass it on
+    loaded = getattr(loader, "_ended", None)
+    if loaded is not None and loader._resume is None:
+        # An ended epoch's state loaded, no batch delivered since: that state again (a
+        # checkpoint taken now, before the first batch, must resume as it would)
+        state.update({k: loaded[2][k] for k in ("epoch", "epoch_set", "finished",
+                                                "epoch_size", "delivered", "batches",
+                                                "samplers", "sampler_epochs")})
+        state["dataset_len"] = loaded[2]["dataset_len"]
+    elif loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})

@@ -1217,3 +1217,73 @@ def test_a_loop_that_resumes_the_epoch_its_last_batch_was_checkpointed_in_gets_e
         got[e] = ids(L)
     L.close()
     assert got == {1: [], 2: ref[2], 3: ref[3]}
+
+
+def test_an_ended_epoch_loaded_is_named_only_by_the_loop_and_survives_a_checkpoint():
+    """Review 162 of the rule above: the sampler at the ended epoch E before the load, then
+    moved on by the loop, gives E + 1 (not an empty E); naming E after iter(), before the
+    first batch, gives E empty; a second load is no naming; a state taken right after the
+    load is the loaded one (so a loop that names E after reloading it still gets E empty)."""
+    from torch.utils.data import DistributedSampler
+
+    ds = _Twenty()
+
+    def make(sampler=False):
+        if sampler:
+            s = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=3)
+            return Loader(ds, 4, sampler=s, num_workers=0, autotune=False, seed=1), s
+        return Loader(ds, 4, shuffle=True, num_workers=0, autotune=False, seed=1, rank=0,
+                      world_size=2), None
+
+    def ids(L):
+        return sorted(int(x) for b in L for x in b[:, 0])
+
+    def ended_at(E, sampler=False):
+        L, s = make(sampler)
+        for e in range(E + 1):
+            (s or L).set_epoch(e)
+            it = iter(L)
+            for _ in range(len(L)):
+                next(it)
+        return L, s, L.state_dict()
+
+    L, s = make(sampler=True)
+    ref = {}
+    for e in range(5):
+        s.set_epoch(e)
+        ref[e] = ids(L)
+    L.close()
+    L, s, state = ended_at(2, sampler=True)  # the sampler is at 2
+    L.load_state_dict(state)
+    s.set_epoch(3)  # the loop moves on
+    assert ids(L) == ref[3] and L.epoch == 3
+    L.close()
+
+    L, _, st2 = ended_at(2)
+    L.close()
+    _, _, st3 = ended_at(3)
+    L, _ = make()
+    L.load_state_dict(st2)
+    it = iter(L)
+    L.set_epoch(2)  # after iter(), before the first batch
+    assert sorted(int(x) for b in it for x in b[:, 0]) == []
+    L.set_epoch(3)
+    assert len(ids(L)) == 10
+    L.close()
+
+    L, _ = make()
+    L.load_state_dict(st2)
+    L.load_state_dict(st3)  # a second load names nothing: the next epoch is 4
+    assert len(ids(L)) == 10 and L.epoch == 4
+    L.close()
+
+    L, _ = make()
+    L.load_state_dict(st2)
+    again = L.state_dict()
+    L.close()
+    assert again["finished"] and again["epoch"] == 2
+    L, _ = make()
+    L.load_state_dict(again)
+    L.set_epoch(2)
+    assert ids(L) == []
+    L.close()
