@@ -8,6 +8,7 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -842,6 +843,7 @@ class Loader:
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._close_lock = threading.RLock()
         self._telemetry = None
         self._controller = None
         self._home_pid = os.getpid()  # (_close_all: a forked child's exit leaves it alone)
@@ -1685,6 +1687,13 @@ class Loader:
         self._close(wait_copies=True)
 
     def _close(self, wait_copies: bool) -> None:
+        lock = getattr(self, "_close_lock", None)  # (None: a Loader whose __init__ failed)
+        with lock if lock is not None else contextlib.nullcontext():
+            self._close_locked(wait_copies)
+
+    def _close_locked(self, wait_copies: bool) -> None:
+        # (two threads closing at once, a watchdog's and the loop's: the second waits for the
+        # first, review 162)
         if self._close_done:
             return
         if getattr(self, "_home_pid", None) not in (None, os.getpid()):

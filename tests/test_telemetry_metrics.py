@@ -463,6 +463,36 @@ def test_exporter_stops_when_its_last_loader_closes():
         s.bind((OWN_HOST, port))  # nothing listens there any more
 
 
+def test_a_telemetry_close_cut_short_is_finished_by_the_loader_s_next_close(monkeypatch):
+    """Review 162: the handle marked itself closed on entry, so a close that a Ctrl-C cut
+    short (here as it unregisters the loader's series) returned at once the next time: the
+    exporter kept its port and the loader's series stayed registered."""
+    from autominato.telemetry.collector import COLLECTOR
+
+    loader = Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip",
+                    metrics_port=0, metrics_host=OWN_HOST, autotune=False)
+    handle = loader._telemetry
+    port = handle.port
+    remove = COLLECTOR.remove
+    hits = []
+
+    def cut(key):
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        return remove(key)
+
+    monkeypatch.setattr(COLLECTOR, "remove", cut)
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert hits and handle._closed
+    loader.close()  # (what the exit hook calls)
+    assert handle._key not in COLLECTOR._sources
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((OWN_HOST, port))  # the exporter let its port go
+
+
 def test_two_loaders_on_port_zero_are_one_scrape_target(caplog):
     # Trial 77: each opened its own port, and each port served both loaders' series, so a
     # Prometheus scraping the two counted every series twice.

@@ -274,18 +274,21 @@ class TelemetryHandle:
 
     def close(self) -> None:
         """Log a last report (monitor on), stop the monitor, drop the hooks, the loader's
-        series and this user of the exporter. Idempotent.
+        series and this user of the exporter. Idempotent; a close that an exception cut short
+        (a Ctrl-C) goes on at the next call, the Loader's at exit (review 162), without a
+        second report.
         """
         with self._lock:
-            if self._closed:
+            if self._close_done:
                 return
-            self._closed = True
+            first, self._closed = not self._closed, True
         if self.monitor is not None:
             self.monitor.stop()
             try:
-                self.monitor.report(
-                    f"Data Monitor (rank {self.rank}), end of run", only_if_new=True
-                )
+                if first:
+                    self.monitor.report(
+                        f"Data Monitor (rank {self.rank}), end of run", only_if_new=True
+                    )
             except Exception:
                 log.exception("final Data Monitor report failed")
         for stats in self._hooked:
@@ -301,9 +304,12 @@ class TelemetryHandle:
                 _live_ranks.pop(self._key, None)
                 if _attached.get(id(self.loader)) is self:
                     del _attached[id(self.loader)]
-        if self.exporter is not None:
-            self.exporter.close()
-            self.exporter = None
+        exporter, self.exporter = self.exporter, None  # (released once, even if cut short)
+        if exporter is not None:
+            exporter.close()
+        self._close_done = True
+
+    _close_done = False  # close() ran to its end (``_closed``: it began)
 
     def __enter__(self) -> TelemetryHandle:
         return self
