@@ -528,15 +528,20 @@ def _confirm(
     names = ", ".join(str(t.number) for t in finalists)
     console.print(f"measuring the default and the best trials ({names}) {repeats} more times "
                   "each, to tell a gain from noise")
-    for _ in range(repeats):
-        for params, into in configs:
-            try:
-                m, _ = measure_config(pipeline, space, params,
-                                      memory_budget_bytes=memory_budget_bytes)
-            except (TrialFailed, MemoryBudgetExceeded) as e:
-                console.print(f"could not measure again: {e}", highlight=False)
-                continue
-            into.append(m.idle_ratio)
+
+    def in_turns(pairs: Sequence[tuple[dict[str, Any], list[float]]]) -> None:
+        # each configuration measured once a round, ``repeats`` rounds; a failed run is said
+        for _ in range(repeats):
+            for params, into in pairs:
+                try:
+                    m, _ = measure_config(pipeline, space, params,
+                                          memory_budget_bytes=memory_budget_bytes)
+                except (TrialFailed, MemoryBudgetExceeded) as e:
+                    console.print(f"could not measure again: {e}", highlight=False)
+                    continue
+                into.append(m.idle_ratio)
+
+    in_turns(configs)
     measured = [(sum(r) / len(r), i) for i, r in enumerate(runs) if r]
     if not measured:
         c = unconfirmed(default_idle)
@@ -554,15 +559,7 @@ def _confirm(
         chosen = []
         console.print(f"measuring trial {finalists[i].number} and the default {repeats} more "
                       "times each, afresh", highlight=False)
-        for _ in range(repeats):
-            for params, into in (configs[0], (configs[i + 1][0], chosen)):
-                try:
-                    m, _ = measure_config(pipeline, space, params,
-                                          memory_budget_bytes=memory_budget_bytes)
-                except (TrialFailed, MemoryBudgetExceeded) as e:
-                    console.print(f"could not measure again: {e}", highlight=False)
-                    continue
-                into.append(m.idle_ratio)
+        in_turns([configs[0], (configs[i + 1][0], chosen)])
     c = confirm_best(default_idle, chosen) if chosen else unconfirmed(default_idle)
     console.print(c.line(), highlight=False)
     return c, finalists[i]
