@@ -1127,6 +1127,8 @@ class Loader:
         pending, self._resume = self._resume, None
         if pending is None:
             pending = self._named_ended()
+            if pending is not None:
+                self._ended = None  # (consumed: E is behind the loop, review 164)
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
@@ -1225,6 +1227,7 @@ class Loader:
         with self._lock:
             named = None if resumed else self._named_ended()
             if named is not None:
+                self._ended = None  # (consumed)
                 # The loop named the ended epoch of the state it loaded, after iter() (see
                 # _named_ended): that epoch, with nothing left.
                 log.info("set_epoch after the pass of epoch %d began, before its first batch: "
@@ -1687,6 +1690,15 @@ class Loader:
         self._close(wait_copies=True)
 
     def _close(self, wait_copies: bool) -> None:
+        if self._close_done:
+            return
+        if getattr(self, "_home_pid", None) not in (None, os.getpid()):
+            # A forked child's copy (os.fork): its workers, threads and shared memory are the
+            # parent's; closing them here ended the parent's workers (review 156). Before the
+            # lock: a child forked while a thread of the parent was closing inherits it held,
+            # by a thread it does not have (review 164: the child's exit hung).
+            self._closed = self._close_done = True
+            return
         lock = getattr(self, "_close_lock", None)  # (None: a Loader whose __init__ failed)
         with lock if lock is not None else contextlib.nullcontext():
             self._close_locked(wait_copies)
@@ -1695,11 +1707,6 @@ class Loader:
         # (two threads closing at once, a watchdog's and the loop's: the second waits for the
         # first, review 162)
         if self._close_done:
-            return
-        if getattr(self, "_home_pid", None) not in (None, os.getpid()):
-            # A forked child's copy (os.fork): its workers, threads and shared memory are the
-            # parent's; closing them here ended the parent's workers (review 156).
-            self._closed = self._close_done = True
             return
         if not self._closed:
             self._end_step()

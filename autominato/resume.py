@@ -284,9 +284,9 @@ def build(loader: Any) -> dict[str, Any]:
         "sample_seconds": None,  # (below, likewise)
     }
     loaded = getattr(loader, "_ended", None)
-    if loaded is not None and loader._resume is None:
-        # An ended epoch's state loaded, no batch delivered since: that state again (a
-        # checkpoint taken now, before the first batch, must resume as it would)
+    if loaded is not None and loader._resume is None and loader._progress is None:
+        # An ended epoch's state loaded, no pass begun since: that state again (a checkpoint
+        # taken now must resume as it would)
         state.update({k: loaded[2][k] for k in ("epoch", "epoch_set", "finished",
                                                 "epoch_size", "delivered", "batches",
                                                 "samplers", "sampler_epochs")})

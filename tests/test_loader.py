@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import threading
 import time
 import traceback
@@ -443,3 +444,32 @@ def test_a_close_that_an_interrupt_cut_short_is_finished_by_the_next(monkeypatch
     assert hits and loader.worker_pids()  # cut short: the workers still run
     loader.close()  # (what the exit hook calls)
     _assert_clean(before)
+
+
+def test_a_child_forked_while_the_parent_closes_closes_its_copy_at_once():
+    """Review 164: a child forked while a thread of the parent was inside close() inherited
+    the close lock held (by a thread the child does not have) and hung when it closed its
+    copy (its exit hook, or close()). A forked child's copy closes nothing, lock or not."""
+    import threading
+
+    loader = Loader(IndexDataset(8), 4, workers=0, autotune=False)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with loader._close_lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)  # a hang ends the child with SIGALRM
+        loader.close()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    t.join()
+    loader.close()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

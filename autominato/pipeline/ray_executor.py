@@ -129,9 +129,12 @@ def guard_forks() -> None:
     child inherited: the parent's own requests to Ray then never got an answer (trial 162:
     after a Ray Loader closed, a ``DataLoader(num_workers=2)`` ran, then
     ``ray.available_resources()`` hung, 3 runs of 3; with the collector frozen in the
-    children, 12 loops of 12 answered). Frozen, a child never collects what it inherited
+    children, 7 loops of 7 answered). Frozen, a child never collects the cycles it inherited
     (whose pages it shares with the parent, copy-on-write); what it makes itself is
-    collected as usual."""
+    collected as usual. It covers children that leave with ``os._exit`` (a DataLoader's
+    workers, ``multiprocessing``'s): one that unwinds and finalizes the interpreter still
+    frees the Ray objects it inherited. The hook stays for the process's life (review
+    164)."""
     global _forks_guarded
     if not _forks_guarded and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=gc.freeze)

@@ -8,6 +8,7 @@ usable by hand on anything that offers the loader's telemetry surface (``snapsho
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -140,6 +141,7 @@ class TelemetryHandle:
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
         self._closed = False
+        self._close_lock = threading.RLock()
         # stage -> (service child, wait child) observed with (service_s, wait_s) of each
         # recorded item; the consumer's "service" is its step time between two next() calls.
         self._pairs = {
@@ -276,8 +278,13 @@ class TelemetryHandle:
         """Log a last report (monitor on), stop the monitor, drop the hooks, the loader's
         series and this user of the exporter. Idempotent; a close that an exception cut short
         (a Ctrl-C) goes on at the next call, the Loader's at exit (review 162), without a
-        second report.
+        second report; the exporter is released at most once.
         """
+        lock = getattr(self, "_close_lock", None)  # (None: a handle whose __init__ failed)
+        with lock if lock is not None else contextlib.nullcontext():
+            self._close_body()  # (two closing at once: the second waits, review 164)
+
+    def _close_body(self) -> None:
         with self._lock:
             if self._close_done:
                 return
