@@ -8,7 +8,6 @@ Loader dropped without ``close()`` is collected and frees its workers and shared
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -494,6 +493,8 @@ class Loader:
         # The arguments as given: a copy (pickle, deepcopy) is built from them (__reduce__).
         given = {k: v for k, v in locals().items() if k not in ("self", "knobs")
                  and not k.startswith("__")}
+        # (before any check: __del__ closes a Loader whose construction raised)
+        self._close_lock = threading.RLock()
         for name, flag in (("memory_aware", memory_aware), ("warm_heap", warm_heap)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -843,7 +844,6 @@ class Loader:
         self._pipeline: Pipeline | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._close_lock = threading.RLock()
         self._telemetry = None
         self._controller = None
         self._home_pid = os.getpid()  # (_close_all: a forked child's exit leaves it alone)
@@ -1699,8 +1699,7 @@ class Loader:
             # by a thread it does not have (review 164: the child's exit hung).
             self._closed = self._close_done = True
             return
-        lock = getattr(self, "_close_lock", None)  # (None: a Loader whose __init__ failed)
-        with lock if lock is not None else contextlib.nullcontext():
+        with self._close_lock:
             self._close_locked(wait_copies)
 
     def _close_locked(self, wait_copies: bool) -> None:
@@ -2170,8 +2169,7 @@ class _EpochIterator:
             return False
         if run.ends_after is not None and run.received >= run.ends_after:
             return False
-        delivered = self.progress.delivered
-        return delivered is None or not bool(delivered.all())
+        return not self.progress.all_delivered
 
     def _poll_h2d(self, wait: bool = False) -> None:
         """Count the host-to-device copies of delivered batches that have finished (with
@@ -2364,10 +2362,8 @@ class _SyncIterator:
         """Every batch of the epoch returned (its end may be decided and not yet seen), or
         every position delivered: a pass that ``close()`` did not cut (see
         ``_EpochIterator._cut``)."""
-        if self.ep.finished and not any(isinstance(d, (Emit, Raise)) for d in self.todo):
-            return True
-        delivered = self.progress.delivered
-        return delivered is not None and bool(delivered.all())
+        return (self.ep.finished and not any(isinstance(d, (Emit, Raise)) for d in self.todo)
+                ) or self.progress.all_delivered
 
     def _step(self) -> None:
         """Load the next sample; its decisions go to ``todo``."""

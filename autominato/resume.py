@@ -79,6 +79,14 @@ class Progress:
             self._digest = order_digest(self._order)
         return self._digest
 
+    @property
+    def all_delivered(self) -> bool:
+        """Every position of a map-style epoch of one or more was delivered (or lost with
+        its batch's error): the epoch has ended for a checkpoint, whether or not the
+        ``next()`` that ends it came (``False`` for an iterable's epoch, which counts no
+        positions)."""
+        return self.delivered is not None and bool(self.delivered.size and self.delivered.all())
+
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
         if self.delivered is not None:
@@ -307,7 +315,7 @@ def build(loader: Any) -> dict[str, Any]:
     elif p is not None and p.epoch == loader._epoch:
         # Every position delivered (a checkpoint after the epoch's last batch, before the
         # next() that ends it: Lightning's at a step that ends an epoch) is an ended epoch.
-        ended = p.finished or bool(p.delivered.size and p.delivered.all())
+        ended = p.finished or p.all_delivered
         state.update(epoch=p.epoch, finished=ended, epoch_size=p.size,
                      delivered=to_ranges(p.delivered), batches=p.batches)
         if not ended and p.dataset_len is not None:

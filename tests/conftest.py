@@ -31,6 +31,27 @@ _GRACE_S = 2.0
 _left: list[str] = []
 
 
+@pytest.fixture
+def interrupt_once(monkeypatch):
+    """``interrupt_once(owner, name)`` patches ``owner.name`` so that its first call raises
+    ``KeyboardInterrupt`` (a Ctrl-C landing there) and later calls run it; returns the list
+    that gets an entry when the interrupt is raised."""
+
+    def patch(owner, name: str) -> list:
+        real, hits = getattr(owner, name), []
+
+        def cut(*args, **kwargs):
+            if not hits:
+                hits.append(1)
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, cut)
+        return hits
+
+    return patch
+
+
 def _ours(before: set[threading.Thread]) -> list[threading.Thread]:
     return [t for t in threading.enumerate()
             if t.name.startswith("autominato-") and t.is_alive() and t not in before]

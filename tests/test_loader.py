@@ -420,25 +420,16 @@ def test_passes_left_early_leave_no_stage_times_behind():
         assert L._pipeline._spent == {}  # (nothing is in flight after a whole epoch)
 
 
-def test_a_close_that_an_interrupt_cut_short_is_finished_by_the_next(monkeypatch):
+def test_a_close_that_an_interrupt_cut_short_is_finished_by_the_next(interrupt_once):
     """Trial 158: a second Ctrl-C inside ``with``'s close left the Loader marked closed with
     its workers, fork server and shared memory still there; the exit's close skipped it, and
     the exit waited for the fork server (not a daemon) for ever. The next close finishes."""
     from autominato.pipeline.executors import ProcessExecutor
 
     before = _children()
-    stop = ProcessExecutor.stop
-    hits = []
-
-    def interrupted(self):
-        if not hits:
-            hits.append(1)
-            raise KeyboardInterrupt
-        return stop(self)
-
     loader = Loader(IndexDataset(40), 4, transform=noisy, workers=2, autotune=False)
     next(iter(loader))
-    monkeypatch.setattr(ProcessExecutor, "stop", interrupted)
+    hits = interrupt_once(ProcessExecutor, "stop")
     with pytest.raises(KeyboardInterrupt):
         loader.close()
     assert hits and loader.worker_pids()  # cut short: the workers still run

@@ -463,7 +463,7 @@ def test_exporter_stops_when_its_last_loader_closes():
         s.bind((OWN_HOST, port))  # nothing listens there any more
 
 
-def test_a_telemetry_close_cut_short_is_finished_by_the_loader_s_next_close(monkeypatch):
+def test_a_telemetry_close_cut_short_is_finished_by_the_loader_s_next_close(interrupt_once):
     """Review 162: the handle marked itself closed on entry, so a close that a Ctrl-C cut
     short (here as it unregisters the loader's series) returned at once the next time: the
     exporter kept its port and the loader's series stayed registered."""
@@ -473,16 +473,7 @@ def test_a_telemetry_close_cut_short_is_finished_by_the_loader_s_next_close(monk
                     metrics_port=0, metrics_host=OWN_HOST, autotune=False)
     handle = loader._telemetry
     port = handle.port
-    remove = COLLECTOR.remove
-    hits = []
-
-    def cut(key):
-        if not hits:
-            hits.append(1)
-            raise KeyboardInterrupt
-        return remove(key)
-
-    monkeypatch.setattr(COLLECTOR, "remove", cut)
+    hits = interrupt_once(COLLECTOR, "remove")
     with pytest.raises(KeyboardInterrupt):
         loader.close()
     assert hits and handle._closed

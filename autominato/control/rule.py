@@ -711,9 +711,7 @@ class StageBasedRule(Rule):
             if knob == "workers":
                 new = min(new, self.core_budget(budget).worker_cap(old, w.cpu_cores))
             new = min(new, bounds[knob][1])
-            while new > old + 1 and not self._fits(knob, new, w, budget, b):
-                new -= 1  # the largest step the memory budget allows
-            while True:  # the largest step that fits in memory with the pool it needs
+            while True:  # the largest step the memory budget allows, with the pool it needs
                 with_it = self._pool_for(knob, old, new, w, bounds)
                 grown = {**w.knobs, knob: new, **{c.knob: c.new for c in with_it}}
                 fits = (budget.memory_bytes is None

@@ -8,7 +8,6 @@ usable by hand on anything that offers the loader's telemetry surface (``snapsho
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -124,6 +123,7 @@ class TelemetryHandle:
         free_if_busy: bool = False,
         budget: CoreBudget | None = None,
     ) -> None:
+        self._close_lock = threading.RLock()  # (first: close() may follow a failure below)
         if not callable(getattr(loader, "snapshot", None)) or not isinstance(
                 getattr(loader, "stage_stats", None), dict):
             raise TypeError(
@@ -141,7 +141,6 @@ class TelemetryHandle:
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
         self._closed = False
-        self._close_lock = threading.RLock()
         # stage -> (service child, wait child) observed with (service_s, wait_s) of each
         # recorded item; the consumer's "service" is its step time between two next() calls.
         self._pairs = {
@@ -280,9 +279,8 @@ class TelemetryHandle:
         (a Ctrl-C) goes on at the next call, the Loader's at exit (review 162), without a
         second report; the exporter is released at most once.
         """
-        lock = getattr(self, "_close_lock", None)  # (None: a handle whose __init__ failed)
-        with lock if lock is not None else contextlib.nullcontext():
-            self._close_body()  # (two closing at once: the second waits, review 164)
+        with self._close_lock:  # (two closing at once: the second waits, review 164)
+            self._close_body()
 
     def _close_body(self) -> None:
         with self._lock:

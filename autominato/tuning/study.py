@@ -543,11 +543,7 @@ def _confirm(
 
     in_turns(configs)
     measured = [(sum(r) / len(r), i) for i, r in enumerate(runs) if r]
-    if not measured:
-        c = unconfirmed(default_idle)
-        console.print(c.line(), highlight=False)
-        return c, finalists[0]
-    _, i = min(measured)
+    _, i = min(measured) if measured else (None, 0)  # (none measured: the best-ranked)
     if i != 0:
         console.print(f"trial {finalists[i].number} idled least when measured again: it "
                       f"replaces trial {finalists[0].number} as the best", highlight=False)
