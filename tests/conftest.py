@@ -77,6 +77,35 @@ def _no_loader_thread_left(request):
             warnings.warn(LoaderThreadLeftWarning(_left[-1]), stacklevel=1)
 
 
+def _forget_metric_labels() -> None:
+    collector = sys.modules.get("autominato.telemetry.collector")
+    handle = sys.modules.get("autominato.telemetry.handle")
+    if collector is not None:
+        with collector.COLLECTOR._lock:
+            collector.COLLECTOR._retired.clear()
+    if handle is not None:
+        with handle._live_lock:
+            handle._retired_series.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metric_labels():
+    """Each test, and a module fixture made for it, begins as a fresh process would: no
+    ``rank`` label keeps the counters and histograms of a closed loader of an earlier test (a
+    label's next loader goes on from them, so that the series stay monotonic:
+    ``autominato.telemetry.collector``). Tests of that carry make it within the test."""
+    _forget_metric_labels()
+    yield
+    _forget_metric_labels()  # (before the next test's module fixtures are made)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_metric_labels_for_the_module():
+    """As :func:`_fresh_metric_labels`, once the last module's fixtures closed their loaders."""
+    _forget_metric_labels()
+    yield
+
+
 #: Test files by measured duration (``pytest --durations=0``, seconds on the 2-core machine),
 #: longest first: the order in which the two xdist processes take them (longest first keeps
 #: one long file from running alone at the end). Files not listed follow in their order.

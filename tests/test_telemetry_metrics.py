@@ -519,6 +519,37 @@ def test_two_loaders_on_port_zero_are_one_scrape_target(caplog):
         s.bind((OWN_HOST, port))  # the last one closed it
 
 
+def test_a_label_taken_again_goes_on_from_the_counters_its_last_loader_left():
+    """A validation loader built anew each epoch takes the label of the one closed before it:
+    its counters and histograms go on from what that one left, so that every series stays
+    monotonic (from 0 again, Prometheus read a reset, and a pass as long as the last one,
+    scraped after it passed the old count, as no increase at all)."""
+    batches = samples = 0
+    for k in range(3):
+        val = Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip", rank=3,
+                     world_size=4, metrics_port=0, metrics_host=OWN_HOST, autotune=False,
+                     seed=0)
+        try:
+            assert val.telemetry.rank == "3"  # (no other loader of rank 3 in this process)
+            got = list(val)
+            batches, samples = batches + len(got), samples + sum(len(x[1]) for x in got)
+            val.report_decision(Decision("workers", 2, 3, "transform_bound"))
+            fams = scrape(val.telemetry.url)
+            assert value(fams, "autominato_samples_total", rank="3") == samples
+            assert value(fams, "autominato_batches_total", rank="3") == batches
+            assert value(fams, "autominato_consumer_wait_seconds_count", rank="3") == batches
+            assert value(fams, "autominato_controller_decisions_total", knob="workers",
+                         reason="transform_bound", rank="3") == k + 1
+            assert value(fams, "autominato_epoch", rank="3") == 0  # a gauge: its own
+        finally:
+            val.close()
+        fams = scrape_registry()  # a closed loader's series go until the label is taken
+        for fam in ("autominato_samples", "autominato_consumer_wait_seconds",
+                    "autominato_controller_decisions"):
+            assert "3" not in {lab.get("rank") for _, lab, _ in fams[fam]["samples"]}
+    assert samples > 0
+
+
 def test_a_second_explicit_port_warns_that_it_serves_the_same_series(caplog):
     first = serve(0)
     try:

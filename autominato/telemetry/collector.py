@@ -5,6 +5,14 @@ and yields one family per name in :data:`~autominato.telemetry.metrics.COLLECTED
 series per attached loader (its ``rank`` label). Nothing is recorded per item: the loader's
 cumulative counters are read when Prometheus scrapes, so a family cannot clash between two
 loaders and an unattached loader simply disappears from the next scrape.
+
+A label outlives its loader: the counters a closed loader last had under it are carried, and
+the next loader that takes the label (a validation loader built anew each epoch, a Loader
+built again after ``close()``) exports them plus its own, so that every counter series stays
+monotonic for the process's life. A series that came back from 0 would be read as a counter
+reset, and where the new loader's count had passed the old one by the next scrape (a short
+validation pass, as long as the last), ``increase()`` and ``rate()`` saw only the
+difference, or nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -56,11 +64,22 @@ class SlidingWindow:
             return self._idle, self._bw
 
 
+#: A counter series of one label: (sample name, label values but ``rank``).
+_Key = tuple[str, tuple[str, ...]]
+
+#: The names in :data:`COLLECTED` of its counters (carried across a label's loaders).
+COUNTERS = frozenset(name for name, (kind, _, _) in COLLECTED.items() if kind == "counter")
+
+
 @dataclass
 class _Source:
     rank: str
     snapshot: Callable[[], LoaderSnapshot]
     window: SlidingWindow
+    #: what earlier loaders of the label left (added to this one's counters)
+    carried: dict[_Key, float] = field(default_factory=dict)
+    #: the counters as last exported (earlier loaders' included)
+    last: dict[_Key, float] = field(default_factory=dict)
 
 
 class SnapshotCollector(Collector):
@@ -68,23 +87,46 @@ class SnapshotCollector(Collector):
 
     def __init__(self) -> None:
         self._sources: dict[int, _Source] = {}
+        #: label -> the counters its last loader left, until another loader takes it
+        self._retired: dict[str, dict[_Key, float]] = {}
         self._lock = threading.Lock()
 
     def add(self, key: int, rank: str, snapshot: Callable[[], LoaderSnapshot]) -> None:
-        """Register a loader under ``key`` (unique per handle) with label ``rank``."""
+        """Register a loader under ``key`` (unique per handle) with label ``rank``; its counters
+        go on from those the label's last loader left."""
         with self._lock:
-            self._sources[key] = _Source(rank, snapshot, SlidingWindow())
+            self._sources[key] = _Source(rank, snapshot, SlidingWindow(),
+                                         carried=self._retired.pop(rank, {}))
 
     def relabel(self, key: int, rank: str) -> None:
-        """Give the loader registered under ``key`` the label ``rank`` (its window is kept)."""
+        """Give the loader registered under ``key`` the label ``rank`` (its window is kept).
+        The old label keeps the counters last exported under it; the new one's carried
+        counters are added to the loader's from now on."""
         with self._lock:
             src = self._sources.get(key)
-            if src is not None:
-                src.rank = rank
+            if src is not None and src.rank != rank:
+                self._retire(src, src.last)
+                src.rank, src.carried, src.last = rank, self._retired.pop(rank, {}), {}
 
-    def remove(self, key: int) -> None:
+    def remove(self, key: int, final: LoaderSnapshot | None = None) -> None:
+        """Unregister the loader of ``key``; its label keeps the counters of ``final`` (its
+        last snapshot; else those last exported) for the next loader that takes it."""
         with self._lock:
-            self._sources.pop(key, None)
+            src = self._sources.pop(key, None)
+        if src is None:
+            return
+        last = src.last
+        if final is not None:
+            fams = {m.name + ("_total" if m.type == "counter" else ""): m
+                    for m in self._families()}
+            last = {}
+            _add_samples(fams, src.rank, final, 0.0, None, src.carried, last)
+        with self._lock:
+            self._retire(src, last)
+
+    def _retire(self, src: _Source, last: dict[_Key, float]) -> None:
+        # (under _lock) counters the loader never exported keep what was carried to it
+        self._retired[src.rank] = {**src.carried, **last}
 
     def ranks(self) -> list[str]:
         with self._lock:
@@ -102,14 +144,18 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
         with self._lock:
-            sources = list(self._sources.values())
-        for src in sources:
+            sources = [(src, src.rank, src.carried) for src in self._sources.values()]
+        for src, rank, carried in sources:
             try:
                 snap = src.snapshot()
             except Exception:  # a closing loader must not break the scrape of the others
-                log.debug("snapshot of rank %s failed during scrape", src.rank, exc_info=True)
+                log.debug("snapshot of rank %s failed during scrape", rank, exc_info=True)
                 continue
-            _add_samples(fams, src.rank, snap, *src.window.update(snap))
+            last: dict[_Key, float] = {}
+            _add_samples(fams, rank, snap, *src.window.update(snap), carried, last)
+            with self._lock:
+                if src.rank == rank:  # (not relabelled meanwhile)
+                    src.last = last
         yield from fams.values()
 
 
@@ -119,8 +165,15 @@ def _add_samples(
     s: LoaderSnapshot,
     idle: float,
     bandwidth: float | None,
+    carried: dict[_Key, float],
+    last: dict[_Key, float],
 ) -> None:
+    """Add ``s``'s series under ``rank`` to ``fams``: each counter plus what ``carried`` holds
+    for it, as also written into ``last``."""
     def put(name: str, value: float, *labels: str) -> None:
+        if name in COUNTERS:
+            value += carried.get((name, labels), 0.0)
+            last[(name, labels)] = value
         fams[name].add_metric([*labels, rank], value)
 
     fused = reads_fused(s)

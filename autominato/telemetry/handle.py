@@ -94,6 +94,40 @@ def _unique_rank(key: int, rank: int, suffix: int = 0) -> str:
         return label
 
 
+#: The observed series of a label (rank its last label value): the latency histograms and
+#: the controller's decision counter.
+_SERIES = (*STAGE_HISTOGRAMS, *RANKED_HISTOGRAMS, CONTROLLER_DECISIONS)
+#: label -> its observed series (metric, label values, child) as its last loader left them,
+#: until another loader takes the label (see :mod:`autominato.telemetry.collector` for the
+#: scrape-time counters, carried alike): a histogram or counter that came back from 0 under
+#: a label would read as a reset, and one that had passed its old count by the next scrape
+#: as an increase of the difference only.
+_retired_series: dict[str, list[tuple[Any, tuple[str, ...], Any]]] = {}
+
+
+def _retire_series(rank: str) -> None:
+    """Take label ``rank``'s observed series out of the exposition and keep them for the
+    label's next loader (under ``_live_lock``). Uses prometheus_client's children table
+    (``_metrics``, ``_lock``: stable since 0.4); without it they are removed, and a label's
+    next loader begins them at 0."""
+    kept = _retired_series.setdefault(rank, [])
+    for metric in _SERIES:
+        children, lock = getattr(metric, "_metrics", None), getattr(metric, "_lock", None)
+        if not isinstance(children, dict) or lock is None:  # pragma: no cover
+            continue
+        with lock:
+            for labels in [k for k in children if k and k[-1] == rank]:
+                kept.append((metric, labels, children.pop(labels)))
+
+
+def _take_series(rank: str) -> None:
+    """Put back the observed series label ``rank``'s last loader left (under ``_live_lock``,
+    before this loader makes any of its own)."""
+    for metric, labels, child in _retired_series.pop(rank, ()):
+        with metric._lock:
+            metric._metrics.setdefault(labels, child)
+
+
 def _remove(metric: Any, *labels: str) -> None:
     """``metric.remove(*labels)``, a no-op when that child does not exist (prometheus_client
     raises ``KeyError`` then)."""
@@ -140,6 +174,8 @@ class TelemetryHandle:
         self.loader = loader
         self._key = id(self)
         self.rank = _unique_rank(self._key, int(getattr(loader, "rank", 0) or 0))
+        with _live_lock:
+            _take_series(self.rank)
         self._closed = False
         # stage -> (service child, wait child) observed with (service_s, wait_s) of each
         # recorded item; the consumer's "service" is its step time between two next() calls.
@@ -192,15 +228,22 @@ class TelemetryHandle:
         which starts the process group in ``Trainer.fit``). A ``"-n"`` suffix is kept when
         free. The controller's decision counts move to the new label; the scrape-time figures
         (counters and gauges of the loader's snapshot, the sliding window) are the loader's own
-        and keep their values; the latency histograms of the old label are removed (what they
-        held was observed before the process group existed: nothing, when no pass ran yet).
+        and keep their values; the latency histograms stay with the old label (for its next
+        loader: what they held was observed before the process group existed, nothing when no
+        pass ran yet), and the new label's, its last loader's, go on.
         """
         with self._lock:
             base, _, suffix = self.rank.partition("-")
             if self._closed or base == str(rank):
                 return
             old = self.rank
+            for knob, reason in self._decisions:  # (moved below)
+                _remove(CONTROLLER_DECISIONS, knob, reason, old)
+            with _live_lock:  # (before the label is free)
+                _retire_series(old)
             new = _unique_rank(self._key, rank, int(suffix or 0))
+            with _live_lock:
+                _take_series(new)
             self._pairs = {
                 **{stage: (STAGE_SERVICE_SECONDS.labels(stage, new),
                            STAGE_WAIT_SECONDS.labels(stage, new)) for stage in STAGES},
@@ -211,22 +254,8 @@ class TelemetryHandle:
             COLLECTOR.relabel(self._key, new)
             if self.monitor is not None:
                 self.monitor.relabel(new)
-            decisions = dict(self._decisions)
-            self._remove_series(old)
-            for (knob, reason), n in decisions.items():
+            for (knob, reason), n in self._decisions.items():
                 CONTROLLER_DECISIONS.labels(knob, reason, new).inc(n)
-            self._decisions.update(decisions)
-
-    def _remove_series(self, rank: str) -> None:
-        """Remove the histograms and decision counters of label ``rank`` (under ``_lock``)."""
-        for hist in STAGE_HISTOGRAMS:
-            for stage in STAGES:
-                _remove(hist, stage, rank)
-        for hist in RANKED_HISTOGRAMS:
-            _remove(hist, rank)
-        for knob, reason in self._decisions:
-            _remove(CONTROLLER_DECISIONS, knob, reason, rank)
-        self._decisions.clear()
 
     @property
     def port(self) -> int | None:
@@ -302,10 +331,15 @@ class TelemetryHandle:
         decision_hooks = getattr(self.loader, "decision_hooks", None)
         if decision_hooks is not None and self._on_decision in decision_hooks:
             decision_hooks.remove(self._on_decision)
+        try:  # (the counters the label keeps for its next loader: the last figures)
+            final = self._snapshot()
+        except Exception:  # noqa: BLE001 - those of the last scrape then
+            final = None
         with self._lock:
-            COLLECTOR.remove(self._key)
-            self._remove_series(self.rank)
-            with _live_lock:
+            COLLECTOR.remove(self._key, final)
+            self._decisions.clear()
+            with _live_lock:  # (before the label is free)
+                _retire_series(self.rank)
                 _live_ranks.pop(self._key, None)
                 if _attached.get(id(self.loader)) is self:
                     del _attached[id(self.loader)]
