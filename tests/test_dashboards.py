@@ -58,6 +58,7 @@ LOADER_METRICS = {
     "autominato_pool_bytes",
     "autominato_memory_wait_seconds_total",
     "autominato_loader_cpu_seconds_total",
+    "autominato_loader_runqueue_wait_seconds_total",
 }
 NVML_METRICS = {
     "autominato_gpu_utilization_ratio",

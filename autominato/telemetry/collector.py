@@ -27,7 +27,12 @@ from prometheus_client.registry import Collector
 
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.pipeline.stats import LoaderSnapshot
-from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_SECONDS_KEY, reads_fused
+from autominato.telemetry.cores import (
+    CPU_OF_WORKERS_KEY,
+    CPU_SECONDS_KEY,
+    RUNQUEUE_SECONDS_KEY,
+    reads_fused,
+)
 from autominato.telemetry.metrics import COLLECTED, REGISTRY, STAGES
 from autominato.telemetry.window import Ring
 
@@ -210,7 +215,9 @@ def _add_samples(
     if s.extra.get(CPU_OF_WORKERS_KEY) == 1.0 and CPU_SECONDS_KEY in s.extra:
         # (of worker processes only: the training process's CPU is not the loader's, and a
         # counter must not switch basis)
-        put("autominato_loader_cpu_seconds_total", s.extra[CPU_SECONDS_KEY])
+        waited = s.extra.get(RUNQUEUE_SECONDS_KEY, 0.0)
+        put("autominato_loader_cpu_seconds_total", s.extra[CPU_SECONDS_KEY] - waited)
+        put("autominato_loader_runqueue_wait_seconds_total", waited)
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

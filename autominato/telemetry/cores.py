@@ -21,6 +21,9 @@ from autominato.telemetry.process import Reading
 #: ``LoaderSnapshot.extra`` key: cumulative CPU demand (seconds on a core or waiting for
 #: one) of the loader's processes, :func:`loader_cpu_seconds`.
 CPU_SECONDS_KEY = "control.cpu_seconds_total"
+#: ``LoaderSnapshot.extra`` key: the part of :data:`CPU_SECONDS_KEY` that the processes
+#: waited runnable for a core (the run-queue wait), seconds; the rest ran on one.
+RUNQUEUE_SECONDS_KEY = "control.runqueue_seconds_total"
 #: ``LoaderSnapshot.extra`` key: 1.0 when :data:`CPU_SECONDS_KEY` counts worker processes
 #: only, 0.0 when it counts this process (no worker process seen yet). Two figures of
 #: different bases are never subtracted: the first snapshot of a loader comes before its
@@ -56,10 +59,14 @@ def _of_workers(reading: Reading) -> bool:
 
 def loader_cpu_extra(reading: Reading) -> dict[str, float]:
     """The ``LoaderSnapshot.extra`` CPU figures of a meter reading: :data:`CPU_SECONDS_KEY`
-    (:func:`loader_cpu_seconds`) and its basis, :data:`CPU_OF_WORKERS_KEY`."""
+    (:func:`loader_cpu_seconds`), the run-queue wait in it (:data:`RUNQUEUE_SECONDS_KEY`) and
+    their basis, :data:`CPU_OF_WORKERS_KEY`."""
+    workers = _of_workers(reading)
     return {
         CPU_SECONDS_KEY: loader_cpu_seconds(reading),
-        CPU_OF_WORKERS_KEY: 1.0 if _of_workers(reading) else 0.0,
+        RUNQUEUE_SECONDS_KEY: (reading.worker_runqueue_seconds_total if workers
+                               else reading.runqueue_seconds_total),
+        CPU_OF_WORKERS_KEY: 1.0 if workers else 0.0,
     }
 
 

@@ -407,13 +407,23 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "sum by (rank) (rate(autominato_loader_cpu_seconds_total{"
                         + LOADER
                         + "}[$__rate_interval]))",
-                        "cores rank {{rank}}",
+                        "ran on rank {{rank}}",
+                    ),
+                    Query(
+                        "sum by (rank) (rate(autominato_loader_cpu_seconds_total{"
+                        + LOADER
+                        + "}[$__rate_interval]) + rate(autominato_loader_runqueue_wait_seconds_total{"
+                        + LOADER
+                        + "}[$__rate_interval]))",
+                        "ran on or waited for rank {{rank}}",
                     ),
                 ),
-                "Cores the loader's worker processes ran on or waited for (CPU time plus "
-                "run-queue wait): near the usable cores with the training loop idle, the "
-                "loader is CPU bound; well below them, its workers wait (storage, a remote "
-                "read). No series with thread workers.",
+                "Cores the loader's worker processes ran on (CPU time), and ran on or waited "
+                "for (plus the run-queue wait): demand near the usable cores with the training "
+                "loop idle, the loader is CPU bound; well below them, its workers wait "
+                "(storage, a remote read); demand above what they ran on, other processes "
+                "(the training loop's threads, another job) hold the cores. No series with "
+                "thread workers.",
             ),
         ),
     ),

@@ -233,10 +233,17 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_loader_cpu_seconds_total": (
         "counter",
-        "CPU demand of the loader's worker processes: seconds they ran on a core plus seconds "
-        "they waited runnable for one (Linux run-queue wait), summed over workers, read at "
-        "each scrape (a worker that exited takes its CPU since the last read along); absent "
-        "without worker processes (thread workers share the training process).",
+        "CPU time of the loader's worker processes (user + system seconds on a core), summed "
+        "over workers, read at each scrape (a worker that exited takes its CPU since the last "
+        "read along); absent without worker processes (thread workers share the training "
+        "process).",
+        (),
+    ),
+    "autominato_loader_runqueue_wait_seconds_total": (
+        "counter",
+        "Seconds the loader's worker processes' threads waited runnable for a core (Linux "
+        "run-queue wait, /proc/PID/task/TID/schedstat; 0 where it cannot be read), summed over "
+        "workers as autominato_loader_cpu_seconds_total; with it, their CPU demand.",
         (),
     ),
     "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),

@@ -22,7 +22,7 @@ from collections import defaultdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageSnapshot
-from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_SECONDS_KEY
+from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_SECONDS_KEY, RUNQUEUE_SECONDS_KEY
 from autominato.telemetry.exporter import DEFAULT_PORT
 from autominato.telemetry.metrics import STAGES
 from autominato.telemetry.monitor import diagnose, format_report
@@ -210,10 +210,13 @@ def snapshot_from_samples(
 def _cpu_extra(samples: _Samples, rank: str) -> dict[str, float]:
     """The loader's CPU demand as the in-process snapshots carry it (worker processes'), when
     the exporter has it: the diagnosis then tells I/O-bound workers from CPU-bound ones."""
-    name = "autominato_loader_cpu_seconds_total"
+    name, waited = "autominato_loader_cpu_seconds_total", "autominato_loader_runqueue_wait_seconds_total"
     if not any(dict(k).get("rank") == rank for k in samples.get(name, {})):
         return {}
-    return {CPU_SECONDS_KEY: _get(samples, name, rank=rank), CPU_OF_WORKERS_KEY: 1.0}
+    wait = _get(samples, waited, rank=rank) if any(
+        dict(k).get("rank") == rank for k in samples.get(waited, {})) else 0.0
+    return {CPU_SECONDS_KEY: _get(samples, name, rank=rank) + wait,
+            RUNQUEUE_SECONDS_KEY: wait, CPU_OF_WORKERS_KEY: 1.0}
 
 
 def remote_reports(url: str, interval: float = 5.0, *, timeout: float = 5.0) -> dict[str, str]:
