@@ -570,6 +570,28 @@ def test_batch_size_none_delivers_samples_unbatched_as_dataloader():
         Loader(ds, batch_size=None, drop_last=True, autotune=False)
 
 
+class _Layouts:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        image = torch.arange(60.0).reshape(1, 3, 4, 5).to(memory_format=torch.channels_last)
+        return {"image": image[0] + i, "mask": np.asfortranarray(np.full((3, 4), i))}
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_unbatched_samples_keep_their_memory_layout_as_dataloader(kind):
+    # batch_size=None hands the samples over as they are: a channels-last image stays one
+    # (trial: process workers gave it back C-contiguous; values equal, strides not).
+    want = list(DataLoader(_Layouts(), batch_size=None, num_workers=2))
+    with Loader(_Layouts(), batch_size=None, num_workers=2, worker_kind=kind, in_order=True,
+                autotune=False) as L:
+        got = list(L)
+    for g, w in zip(got, want, strict=True):
+        assert g["image"].stride() == w["image"].stride() and torch.equal(g["image"], w["image"])
+        assert g["mask"].stride() == w["mask"].stride() and torch.equal(g["mask"], w["mask"])
+
+
 def test_pin_memory_without_an_accelerator_warns_and_delivers(recwarn):
     if torch.cuda.is_available():
         pytest.skip("this host has an accelerator")

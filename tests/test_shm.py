@@ -166,6 +166,29 @@ def test_non_contiguous_conjugated_and_grad_tensors_travel_as_their_values():
         assert out[4].dtype == sample[4].dtype and out[4][0] == sample[4][0]
 
 
+def test_dense_arrays_in_another_memory_order_come_back_with_their_strides():
+    # As the DataLoader's workers share a sample's tensors (batch_size=None delivers them as
+    # they are): a channels-last image, a transposed tensor, a Fortran-ordered array. Before,
+    # each came back C-contiguous. A strided slice (gaps) still travels C-contiguous.
+    sample = {
+        "cl": torch.arange(60.0).reshape(1, 3, 4, 5).to(memory_format=torch.channels_last)[0],
+        "t": torch.arange(24.0).reshape(2, 3, 4).permute(2, 0, 1),
+        "f": np.asfortranarray(np.arange(12).reshape(3, 4)),
+        "gaps": torch.arange(20.0).reshape(4, 5)[:, ::2],
+        "c": torch.zeros(2, 3),
+    }
+    for out in _round_trips(sample):
+        for k in ("cl", "t", "f"):
+            if k == "f":
+                assert out[k].strides == sample[k].strides and out[k].flags.f_contiguous
+                np.testing.assert_array_equal(out[k], sample[k])
+            else:
+                assert out[k].stride() == sample[k].stride(), k
+                assert torch.equal(out[k], sample[k])
+        assert torch.equal(out["gaps"], sample["gaps"]) and out["gaps"].is_contiguous()
+        assert out["c"].is_contiguous()
+
+
 def test_small_samples_are_sent_inline_and_large_ones_through_a_slot():
     from autominato.pipeline.shm import INLINE_MAX_BYTES, use_slot
 

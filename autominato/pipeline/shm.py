@@ -869,16 +869,25 @@ def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
     other from 0, each aligned to 64 bytes."""
     if prep.kind == _NO_ARRAYS:
         try:
-            return pickle.dumps((_NO_ARRAYS, prep.skeleton, None, None, None),
+            return pickle.dumps((_NO_ARRAYS, prep.skeleton, None, None, None, None),
                                 protocol=pickle.HIGHEST_PROTOCOL), 0
         except Exception as e:
             first = e
         tree = map_leaves(prep.skeleton, _same, is_array, portable=True)
         try:
-            return pickle.dumps((_TREE, tree, [], None, []), protocol=pickle.HIGHEST_PROTOCOL), 0
+            return pickle.dumps((_TREE, tree, [], None, [], None), protocol=pickle.HIGHEST_PROTOCOL), 0
         except Exception:
             raise first from None  # (the sample's own error: a leaf that does not pickle)
     hosts, need = prep.hosts, prep.need
+    orders = None
+    if offsets is None:  # (a batch row's offsets: the row is stacked C-contiguous)
+        # Each array in its own memory order, so that it comes back with its strides (a
+        # channels-last or transposed sample, as the DataLoader's workers share it).
+        orders = [_memory_order(h) for h in hosts]
+        if any(o is not None for o in orders):
+            hosts = [h if o is None else h.transpose(o) for h, o in zip(hosts, orders, strict=True)]
+        else:
+            orders = None
     if offsets is None and buf is not None and need <= len(buf):
         offsets = []
         off = 0
@@ -888,13 +897,24 @@ def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
     if offsets is not None and buf is not None:
         for h, off in zip(hosts, offsets, strict=True):
             np.copyto(np.ndarray(h.shape, h.dtype, buffer=buf, offset=off), h, casting="no")
-        desc = (prep.kind, prep.skeleton, prep.headers, list(offsets), None)
+        desc = (prep.kind, prep.skeleton, prep.headers, list(offsets), None, orders)
     else:
         # As bytes (a uint8 view: datetime and structured dtypes have no buffer format).
         raw = [pickle.PickleBuffer(np.ascontiguousarray(h).reshape(-1).view(np.uint8))
                for h in hosts]
-        desc = (prep.kind, prep.skeleton, prep.headers, None, raw)
+        desc = (prep.kind, prep.skeleton, prep.headers, None, raw, orders)
     return pickle.dumps(desc, protocol=pickle.HIGHEST_PROTOCOL), need
+
+
+def _memory_order(h: np.ndarray) -> tuple[int, ...] | None:
+    """The axes of ``h`` from its largest stride to its smallest where ``h`` is dense but
+    not C-contiguous (``h.transpose(order)`` is C-contiguous: a channels-last tensor, a
+    transposed or Fortran-ordered array), else ``None`` (C-contiguous, or with gaps or
+    repeats, which travel C-contiguous)."""
+    if h.ndim < 2 or h.flags.c_contiguous:
+        return None
+    order = tuple(sorted(range(h.ndim), key=lambda i: -h.strides[i]))
+    return order if h.transpose(order).flags.c_contiguous else None
 
 
 def _is_ref(x: Any) -> bool:
@@ -925,11 +945,14 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
     valid only while the slot is held, so copy (or collate) before releasing it. Arrays that
     travelled inside the descriptor own their memory (``copy`` changes nothing).
     """
-    kind, skeleton, headers, offsets, raw = pickle.loads(desc)
+    kind, skeleton, headers, offsets, raw, orders = pickle.loads(desc)
     if kind == _NO_ARRAYS:
         return skeleton
     leaves = []
     for i, (shape, dtype, *_) in enumerate(headers):
+        order = orders[i] if orders is not None else None
+        if order is not None:  # written in its memory order (pack_prepared)
+            shape = tuple(shape[j] for j in order)
         if offsets is not None:
             arr = np.ndarray(shape, dtype, buffer=buf, offset=offsets[i])
             if copy:
@@ -939,6 +962,8 @@ def unpack(desc: bytes, buf: memoryview | mmap.mmap | None, copy: bool = False) 
             if type(b) is bytes:  # a read-only source pickles as bytes: make it writable
                 b = bytearray(b)
             arr = np.ndarray(shape, dtype, buffer=b)
+        if order is not None:
+            arr = arr.transpose(np.argsort(order))
         leaves.append(_rebuild(headers[i], arr))
     if kind == _ONE:
         return leaves[0]
