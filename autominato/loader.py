@@ -1442,6 +1442,8 @@ class Loader:
             seed=self.seed,
             threads_per_worker=max(1, usable_cores() // max(1, self.knobs.workers)),
             worker_init_fn=self.worker_init_fn,
+            # (an iterable's shard: the seed of the epoch, unless persistent workers were asked)
+            seeds_each_epoch=self._draws_each_pass,
         )
 
     def _lost_to_error(self, lost: Sequence[Any]) -> None:

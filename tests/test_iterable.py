@@ -138,6 +138,44 @@ def test_augmentation_follows_seed_epoch_worker_and_position_in_the_shard():
     assert a[0][i] == rng.integers(0, 1000)
 
 
+class ShuffledShard(IterableDataset):
+    """Each worker shuffles its shard of 0..15 with a generator seeded from
+    ``get_worker_info().seed`` (the idiom of a stream that shuffles itself); a sample is
+    ``[i, seed]``."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = list(range(info.id, 16, info.num_workers))
+        np.random.default_rng(info.seed).shuffle(mine)
+        for i in mine:
+            yield np.array([i, info.seed % (1 << 62)], np.int64)
+
+
+@pytest.mark.parametrize("persistent", [None, False, True])
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_shard_shuffled_from_the_worker_seed_as_dataloader_across_epochs(persistent, kind):
+    # The DataLoader's workers start afresh each epoch with a new base seed (its default,
+    # persistent_workers=False): a shard shuffled from get_worker_info().seed comes in a new
+    # order each epoch; its persistent workers keep one seed. The Loader's default is
+    # persistent workers: that default gave one order for every epoch (trial 141's note).
+    kw = {} if persistent is None else {"persistent_workers": persistent}
+    ref = DataLoader(ShuffledShard(), batch_size=4, num_workers=2,
+                     persistent_workers=bool(persistent))
+    want = [[r[0] for r in rows(ref)] for _ in range(3)]
+    with Loader(ShuffledShard(), batch_size=4, num_workers=2, worker_kind=kind, in_order=True,
+                seed=3, autotune=False, **kw) as L:
+        got = [rows(L) for _ in range(3)]
+    orders = [[r[0] for r in g] for g in got]
+    seeds = [{r[1] for r in g} for g in got]
+    assert all(sorted(o) == list(range(16)) for o in orders)
+    if persistent:
+        assert orders[0] == orders[1] == orders[2] and want[0] == want[1] == want[2]
+        assert seeds[0] == seeds[1] == {3, 4}  # the Loader's seed plus the worker id
+    else:
+        assert len({tuple(o) for o in orders}) == 3 and len({tuple(w) for w in want}) == 3
+        assert seeds[0] == {3, 4} and not seeds[1] & seeds[0] and not seeds[2] & seeds[1]
+
+
 class FailsAt(Numbers):
     def __iter__(self):
         for row in super().__iter__():

@@ -481,6 +481,14 @@ def test_persistent_workers_false_gives_actors_the_dataset_as_it_is_at_each_epoc
         assert sorted(indices(L)) == list(range(100, 106))  # unchanged: the actors stay
 
 
+def test_actors_given_the_dataset_again_get_a_new_worker_seed_each_epoch():
+    """As process workers (tests/test_worker_info.py): a generator worker_init_fn seeds from
+    get_worker_info().seed draws anew each epoch the dataset is sent again."""
+    from test_worker_info import test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch
+
+    test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="ray")
+
+
 class GatedRay(Indexed):
     """Each sample touches ``<dir>/busy-<pid>`` and waits for ``<dir>/open``."""
 

@@ -364,6 +364,45 @@ def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persisten
         assert sorted(x for b in L for x in b.tolist()) == list(range(100, 112))
 
 
+class Drawn:
+    """Sample i is a draw of a generator that ``worker_init_fn`` seeds from the worker's
+    seed (the idiom of PyTorch's reproducibility notes for generators of one's own)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.version, self.rng = n, 0, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.array([self.rng.integers(1 << 62), torch.utils.data.get_worker_info().seed])
+
+
+def seed_own_generator(_: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    info.dataset.rng = np.random.default_rng(info.seed)
+
+
+def test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="process"):
+    # persistent_workers=False with a dataset that changes each epoch (a curriculum): the
+    # workers take the new copy and run worker_init_fn again, as the DataLoader's fresh
+    # workers; they got the same seed each time, so a generator seeded from it drew the same
+    # numbers every epoch (the DataLoader's workers get a new base_seed each epoch). Ray's
+    # actors: tests/test_ray.py.
+    ds = Drawn(8)
+    seen, draws = [], []
+    with Loader(ds, 4, num_workers=2, persistent_workers=False, worker_init_fn=seed_own_generator,
+                worker_kind=kind, seed=5, autotune=False) as L:
+        for _ in range(3):
+            rows = np.concatenate([b.numpy() for b in L])
+            draws.append(set(rows[:, 0].tolist()))
+            seen.append(set(rows[:, 1].tolist()))
+            ds.version += 1  # changed: sent again at the next epoch
+    assert seen[0] <= {5, 6}  # the first workers' seeds: the Loader's seed plus the worker id
+    assert not seen[1] & seen[0] and not seen[2] & (seen[0] | seen[1])
+    assert not draws[1] & draws[0] and not draws[2] & (draws[0] | draws[1])
+
+
 def test_persistent_workers_false_with_an_iterable_dataset():
     from test_iterable import Numbers
 
@@ -580,12 +619,18 @@ class Recorded:
         return torch.tensor(self.rec)
 
 
-def test_worker_init_fn_run_again_for_a_new_dataset_is_seeded_as_the_first_time():
+def test_worker_init_fn_run_again_for_a_new_dataset_is_seeded_from_its_epochs_seed():
     """Review 87: with persistent_workers=False the dataset sent anew runs worker_init_fn again,
     but the generators held the last sample's seeds, so torch.initial_seed() there depended on
-    which samples that worker had served."""
+    which samples that worker had served. It is seeded as a fresh worker: from the epoch's
+    base seed, which get_worker_info().seed gives too (a new one each epoch, as the
+    DataLoader's fresh workers get)."""
+    from autominato.pipeline.worker import pass_base_seed
+
     with Loader(Recorded(), batch_size=None, num_workers=1, autotune=False, seed=7,
                 worker_init_fn=_record_seeds, persistent_workers=False) as loader:
         for epoch in range(3):
             loader.dataset.epoch = epoch  # (a new dataset for the workers each epoch)
-            assert [tuple(b.tolist()) for b in loader] == [(7, 7), (7, 7)], epoch
+            seed = pass_base_seed(7, epoch)
+            assert [tuple(b.tolist()) for b in loader] == [(seed, seed)] * 2, epoch
+            assert (seed == 7) == (epoch == 0)

@@ -217,7 +217,7 @@ class SampleActor:
                                  "of the cluster")
                 raise err from None
             limit_threads(threads)
-            seed_worker(self.spec.seed, slot)  # (slot: its worker id, as get_worker_info's)
+            seed_worker(self.spec.worker_base_seed(), slot)  # (slot: its worker id, as get_worker_info's)
             start_worker(self.spec, slot, workers, self.name, process=True)
         except Exception as e:  # noqa: BLE001 - reported by ready()
             self.failed = ErrorReport.capture(e, -1, None, self.name)

@@ -547,7 +547,7 @@ class Pipeline:
                     payload = None
                 else:
                     self._dataset_sent = payload
-                    payload = self._with_trace_ids(payload, ids)
+                    payload = self._with_trace_ids(payload, ids, epoch)
         self._gen += 1
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
@@ -594,14 +594,18 @@ class Pipeline:
         return self.procs is not None or any(hasattr(st.executor, "reload")
                                              for st in self.sample_stages)
 
-    def _with_trace_ids(self, payload: bytes, ids: tuple) -> bytes:
+    def _with_trace_ids(self, payload: bytes, ids: tuple, epoch: int) -> bytes:
         """``payload`` (the dataset pickled, sent again) preceded by ``ids``, those of its and
-        the transform's MONAI invertible transforms here (``random_state.trace_ids``, read by
-        ``worker._take_dataset``), also set on the spec (Ray's actors take it whole)."""
+        the transform's MONAI invertible transforms here (``random_state.trace_ids``), and the
+        workers' base seed for ``epoch`` (``worker.pass_base_seed``), read by
+        ``worker._take_dataset``; both also set on the spec (Ray's actors take it whole)."""
         import pickle
 
+        from autominato.pipeline.worker import pass_base_seed
+
         self.spec.trace_ids = ids
-        return pickle.dumps(ids) + payload
+        self.spec.base_seed = pass_base_seed(self.spec.seed, epoch)
+        return pickle.dumps((ids, self.spec.base_seed)) + payload
 
     def _pickled_dataset(self, limit: int | None = None) -> bytes:
         """The dataset cloudpickled for the workers.

@@ -504,6 +504,35 @@ class WorkSpec:
     #: ``id()`` of the dataset's and transform's MONAI invertible transforms in the training
     #: process (``random_state.trace_ids``), for workers that hold copies.
     trace_ids: tuple = ()
+    #: The workers' base seed (DataLoader's ``base_seed``: ``get_worker_info().seed`` is it
+    #: plus the worker id, and the generators are seeded from it before ``worker_init_fn``);
+    #: ``None``: ``seed``. A dataset sent again for epoch ``e`` (``persistent_workers=False``,
+    #: where ``worker_init_fn`` runs again as in the DataLoader's fresh workers) comes with
+    #: :func:`pass_base_seed` ``(seed, e)``, so that a generator the function seeds from it
+    #: does not repeat its draws each time.
+    base_seed: int | None = None
+    #: An iterable dataset's shard sees ``get_worker_info().seed`` of the pass's epoch,
+    #: :func:`pass_base_seed` ``(seed, epoch) + shard``, as the DataLoader's workers that start
+    #: afresh each epoch (``persistent_workers=False``, its default; the Loader's default is
+    #: persistent workers, which keep theirs); ``False`` where ``persistent_workers=True`` was
+    #: asked for: one seed for the workers' life, as the DataLoader's persistent workers.
+    seeds_each_epoch: bool = False
+
+    def worker_base_seed(self) -> int:
+        return self.seed if self.base_seed is None else self.base_seed
+
+
+def pass_base_seed(seed: int, epoch: int) -> int:
+    """The workers' base seed for epoch ``epoch`` of a Loader of ``seed``: ``seed`` itself at
+    epoch 0 (the workers' first), else a 64-bit number drawn from ``SeedSequence([seed,
+    epoch])`` in ``[0, 2**63)``, as the DataLoader's fresh workers get a new ``base_seed``
+    every epoch (it draws one with ``torch.int64``'s ``random_()``, in that range, from the
+    main process's generator at each ``iter()``; here it follows the seed and the epoch, as
+    the augmentation does)."""
+    if epoch == 0:
+        return seed
+    state = np.random.SeedSequence([seed & _U64, epoch]).generate_state(1, np.uint64)[0]
+    return int(state) >> 1
 
 
 class PickleTooLarge(ValueError):
@@ -973,13 +1002,17 @@ def reseed_parts(parts: list, seed: int, epoch: int, index: Index, group: int,
 _local = threading.local()
 
 
-def make_info(spec: WorkSpec, wid: int, workers: int, thread: bool = False) -> Any:
+def make_info(spec: WorkSpec, wid: int, workers: int, thread: bool = False,
+              epoch: int | None = None) -> Any:
     """torch's ``WorkerInfo`` of worker ``wid`` of ``workers``: ``seed`` is
     :func:`worker_seed` (DataLoader's ``base_seed + worker_id``), ``dataset`` the dataset object
-    this worker holds."""
+    this worker holds. ``epoch``: an iterable dataset's pass, whose base seed is the epoch's
+    where ``spec.seeds_each_epoch``."""
     from torch.utils.data._utils.worker import WorkerInfo
 
-    return WorkerInfo(id=wid, num_workers=workers, seed=worker_seed(spec.seed, wid),
+    base = (pass_base_seed(spec.seed, epoch) if epoch is not None and spec.seeds_each_epoch
+            else spec.worker_base_seed())
+    return WorkerInfo(id=wid, num_workers=workers, seed=worker_seed(base, wid),
                       dataset=spec.dataset, worker_method="thread" if thread else "multiprocessing")
 
 
@@ -1119,7 +1152,8 @@ class Streams:
             st = self._its[key] = [None, 0]
         prev = getattr(_local, "info", None)
         if self.info:
-            set_worker_info(make_info(spec, shard, shards, thread=not self.process), self.process)
+            set_worker_info(make_info(spec, shard, shards, thread=not self.process, epoch=epoch),
+                            self.process)
         seeding = self.process
         about = (f"{where}, sample {{}} of shard {shard} of {shards} of the iterable dataset "
                  "(sample and shard counted from 0)")
@@ -1286,9 +1320,9 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             limit_threads(spec.threads_per_worker if threads is None else threads)
             _, wid, workers, payload = conn.recv()  # ("init", id, workers, dataset or None)
             worker = f"worker {wid} (process {os.getpid()})"
-            seed_worker(spec.seed, wid)  # for worker_init_fn; per sample: seed_globals
             _take_dataset(spec, payload)
             del payload  # the pickled dataset: not kept through worker_init_fn or after
+            seed_worker(spec.worker_base_seed(), wid)  # for worker_init_fn; per sample: seed_globals
             start_worker(spec, wid, workers, worker, process=True)
             cache = SlotCache()
             streams = Streams(spec, process=True)
@@ -1333,7 +1367,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             try:
                 _take_dataset(spec, payload)
                 del payload  # the pickled copy: not kept through worker_init_fn
-                seed_worker(spec.seed, wid)  # worker_init_fn runs again: seeded as the first time
+                seed_worker(spec.worker_base_seed(), wid)  # worker_init_fn runs again: the pass's seed
                 start_worker(spec, wid, workers, worker, process=True)
             except BaseException as e:  # noqa: BLE001
                 try:
@@ -1363,7 +1397,7 @@ def _take_dataset(spec: WorkSpec, payload: bytes | None) -> None:
         import pickle
 
         data = io.BytesIO(payload)
-        spec.trace_ids = pickle.load(data)  # (Pipeline._with_trace_ids)
+        spec.trace_ids, spec.base_seed = pickle.load(data)  # (Pipeline._with_trace_ids)
         spec.dataset = loads_for_worker(data)
 
 
