@@ -31,7 +31,7 @@ any worker count.
 Worker info. Every worker has an id in ``[0, workers)`` (a replacement, or a worker the
 controller adds, takes the lowest free id, as the DataLoader's ids) and
 ``torch.utils.data.get_worker_info()`` returns its ``WorkerInfo(id, num_workers, seed,
-``dataset)`` there, ``seed`` being DataLoader's ``base_seed + id`` (the loader's seed as base in the
+dataset)`` there, ``seed`` being DataLoader's ``base_seed + id`` (the loader's seed as base in the
 workers' first epoch; a new one where the DataLoader's workers would start afresh: ``WorkSpec.base_seed``).
 A process worker sets torch's own process-wide record; thread workers cannot (the training
 loop shares the process), so a thread-kind pipeline gives torch's getter, once, a body that
