@@ -315,9 +315,9 @@ class Loader:
             ``num_workers=0``; ``True`` given with ``num_workers=0`` raises ``ValueError``, as
             in DataLoader). ``False``: the dataset is sent to the
             workers again at the start of every epoch, so changes made to it between epochs
-            are seen, as by the DataLoader's fresh workers (one pickle per epoch, and a copy
-            to each worker when it changed; ``worker_init_fn`` then runs again; Ray actors are
-            then replaced by new ones).
+            are seen, and none the workers made to their copies, as by the DataLoader's
+            fresh workers (one pickle per epoch and a copy to each worker; ``worker_init_fn``
+            then runs again, from a new base seed; Ray actors are replaced by new ones).
         pin_memory_device: accepted for compatibility (deprecated in torch); use ``device``.
         in_order: deliver batches in sampler order (as the DataLoader); ``False``: completion
             order, where a slow sample joins a later batch of the same epoch. Default

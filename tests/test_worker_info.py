@@ -347,7 +347,9 @@ def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persisten
         wait_until(lambda: len(inits(tmp_path)) == 2)
         assert sorted(x for b in L for x in b.tolist()) == list(range(12))
         time.sleep(0.2)
-        assert len(inits(tmp_path)) == 2  # an unchanged dataset is not sent again
+        # persistent: one worker_init_fn a worker; else each pass but the first gets a fresh
+        # copy, as the DataLoader's fresh workers: worker_init_fn again (trial 166)
+        assert len(inits(tmp_path)) == (2 if persistent else 4)
         ds.offset = 100
         after = sorted(x for b in L for x in b.tolist())
         if persistent:
@@ -356,9 +358,8 @@ def test_persistent_workers_false_sees_a_dataset_change_between_epochs(persisten
             assert after == list(range(12))
             return
         assert after == list(range(100, 112))
-        # a changed dataset restarts each worker as DataLoader's fresh ones: worker_init_fn again
-        wait_until(lambda: len(inits(tmp_path)) == 4)
-        assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 0, 1, 1]
+        wait_until(lambda: len(inits(tmp_path)) == 6)
+        assert sorted(i for i, _, _ in inits(tmp_path)) == [0, 0, 0, 1, 1, 1]
         # a replacement worker gets the dataset as last sent, not the one it was forked with
         os.kill(L.worker_pids()[0], signal.SIGKILL)
         assert sorted(x for b in L for x in b.tolist()) == list(range(100, 112))
@@ -401,6 +402,42 @@ def test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="proc
     assert seen[0] <= {5, 6}  # the first workers' seeds: the Loader's seed plus the worker id
     assert not seen[1] & seen[0] and not seen[2] & (seen[0] | seen[1])
     assert not draws[1] & draws[0] and not draws[2] & (draws[0] | draws[1])
+
+
+class LazyLines(torch.utils.data.IterableDataset):
+    """Opens its file at the first ``__iter__``, in the worker, and shards its lines (trial
+    166's repro); ``cache`` counts the lines a copy has read."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.f, self.cache = path, None, 0
+
+    def __iter__(self):
+        if self.f is None:
+            self.f = open(self.path)  # noqa: SIM115 - the worker's copy holds it
+        info = torch.utils.data.get_worker_info()
+        for k, line in enumerate(self.f):
+            self.cache += 1
+            if info is None or k % info.num_workers == info.id:
+                yield np.int64(int(line))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_what_a_worker_changed_in_its_copy_is_gone_at_the_next_epoch_without_persistence(
+        persistent, tmp_path):
+    # persistent_workers=False: the DataLoader's workers start afresh each epoch with a fresh
+    # copy; the Loader's kept theirs while the dataset here was unchanged, so a file opened in
+    # the worker stayed at its end and epochs 2 and 3 were empty (trial 166: 12, 0, 0).
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"{i}\n" for i in range(12)))
+    ds = LazyLines(str(path))
+    ref = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2,
+                                      persistent_workers=persistent)
+    want = [len([x for b in ref for x in b]) for _ in range(3)]
+    del ref
+    with Loader(ds, batch_size=4, num_workers=2, persistent_workers=persistent,
+                autotune=False) as L:
+        got = [len([x for b in L for x in b]) for _ in range(3)]
+    assert got == want == ([12, 12, 12] if not persistent else [12, 0, 0])
 
 
 def test_persistent_workers_false_with_an_iterable_dataset():

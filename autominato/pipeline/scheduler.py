@@ -417,9 +417,9 @@ class Pipeline:
                              and not (cfg.cuda or cfg.pin_memory))
             if self._rows_ok:
                 self.procs.pool.on_claim = self.rows.claim
-            # persistent_workers=False: the dataset as the workers hold it, to send it again
-            # when it changed (see start)
+            # persistent_workers=False: the dataset as the workers hold it (see _start)
             self._dataset_sent = self._pickled_dataset() if self._resends else None
+            self._copies_used = False  # a pass ran on the workers' copies of the dataset
             self._start_warned: str | None = None  # the last start failure logged (_fail_runs)
         except BaseException:
             for st in getattr(self, "sample_stages", ()):
@@ -458,11 +458,12 @@ class Pipeline:
         epoch expected after this one, started speculatively once this run has handed out
         every sample. Call from one thread (the training loop's).
 
-        With ``persistent_workers=False`` and worker processes, the dataset is pickled here (in
-        the caller's thread) and, when the pickle differs from the one the workers hold, sent
-        to each of them before the run's first sample: changes made to it since the last
-        epoch are seen, as by the DataLoader's fresh workers, at the cost of one pickle per
-        epoch and one copy per worker when it changed."""
+        With ``persistent_workers=False`` and worker processes (or Ray actors), the dataset is
+        pickled here (in the caller's thread) and sent to each of them before the run's first
+        sample, which run ``worker_init_fn`` again: each pass but the workers' first sees a
+        fresh copy, as the DataLoader's fresh workers do (changes made to it since the last
+        epoch, and none its workers made to theirs), at the cost of one pickle per epoch and
+        one copy per worker (Ray: new actors)."""
         self._check_open()
         run = self._adopt(order, epoch, groups is None and not len(done))
         spec = None
@@ -543,11 +544,19 @@ class Pipeline:
                 # and the workers' records must then name the new one, review 144)
                 ids = (random_state.trace_ids(self.spec.dataset, self.spec.transform)
                        if self.cfg.worker_kind != "thread" else ())
-                if payload == self._dataset_sent and ids == self.spec.trace_ids:
+                # persistent_workers=False: a fresh copy at every pass but the workers' first,
+                # as the DataLoader's fresh workers (what a worker changed in its copy, a file
+                # it opened, a stream it consumed, a cache it filled, went on into the next
+                # epochs: trial 166 saw epochs 2 and 3 empty, and worker_init_fn ran once);
+                # after a park, only a changed one (the new workers fork the first).
+                fresh = self._resends and self._copies_used
+                if payload == self._dataset_sent and ids == self.spec.trace_ids and not fresh:
                     payload = None
                 else:
+                    changed = payload != self._dataset_sent or ids != self.spec.trace_ids
                     self._dataset_sent = payload
-                    payload = self._with_trace_ids(payload, ids, epoch)
+                    payload = (self._with_trace_ids(payload, ids, epoch), changed)
+        self._copies_used = True
         self._gen += 1
         run = Run(self._gen, epoch, ep)
         self.events.put(("start", run, payload))
@@ -584,7 +593,7 @@ class Pipeline:
     @property
     def _resends(self) -> bool:
         """The workers hold a copy of the dataset that ``persistent_workers=False`` renews
-        when it changed."""
+        at every pass but their first."""
         return not self.cfg.persistent_workers and self._workers_copy
 
     @property
@@ -896,7 +905,9 @@ class Pipeline:
         elif kind == "start":
             run, payload = ev[1], ev[2]
             if payload is not None:
-                self.memory.forget_sizes()  # (a new dataset: its files may differ)
+                payload, changed = payload
+                if changed:
+                    self.memory.forget_sizes()  # (a new dataset: its files may differ)
                 if self.procs is not None:
                     self.procs.pool.send_dataset(payload)
                 else:  # Ray actors: new ones, that hold the dataset as it is now
@@ -1159,7 +1170,7 @@ class Pipeline:
                          f"{self.cfg.dataset_len}: persistent_workers=True keeps the copy the "
                          "workers got when they started; pass persistent_workers=False "
                          "for a dataset that changes between epochs (they then get it again "
-                         "when it changed)")
+                         "at every epoch)")
 
     def _first_item(self, run: Run, index: int, key: tuple, draw: int) -> Any:
         """The first stage's item: ``(index, epoch, draw)`` for threads and Ray actors
