@@ -519,6 +519,9 @@ class Loader:
                                  "exclusive with drop_last (as in DataLoader)")
             batch_size = 1
         _check_int("batch_size", batch_size, 1)
+        if not isinstance(drop_last, bool) and batch_sampler is None and not unbatched:
+            # (the DataLoader's BatchSampler check, in its words; a "yes" read as True here)
+            raise ValueError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
         if num_workers is not None:

@@ -750,3 +750,11 @@ def test_a_getitems_that_returns_no_sample_a_key_is_not_used_and_says_so():
                                              r"length 1, not a list of one sample"):
             got = indices(L)
     assert got == [0, 1, 2, 3]
+
+
+def test_a_drop_last_that_is_no_bool_is_refused_as_dataloader():
+    # The DataLoader's BatchSampler refuses it in these words; "yes" was read as True (trial 166).
+    for L in (torch.utils.data.DataLoader, Loader):
+        with pytest.raises(ValueError, match="drop_last should be a boolean value, but got "
+                                             "drop_last=yes"):
+            L(list(range(4)), batch_size=2, drop_last="yes")
