@@ -1447,6 +1447,8 @@ class Loader:
             worker_init_fn=self.worker_init_fn,
             # (an iterable's shard: the seed of the epoch, unless persistent workers were asked)
             seeds_each_epoch=self._draws_each_pass,
+            # (the samples seen as they are: the strides they had; else stacked C-contiguous)
+            keep_layout=self.batch_size is None or self.collate_fn is not collate,
         )
 
     def _lost_to_error(self, lost: Sequence[Any]) -> None:

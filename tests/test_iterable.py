@@ -382,3 +382,13 @@ def test_a_pass_that_yields_more_batches_than_the_reported_length_warns_as_datal
                                      for w in said)))
         getattr(loader, "close", lambda: None)()
         assert counts == [0, 1], make
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_negative_epoch_still_gives_each_shard_a_worker_seed(kind):
+    # Review 167: the epoch's base seed refused a negative epoch (SeedSequence takes no
+    # negative entropy) and the shard's worker died; set_epoch(-1) ran before.
+    with Loader(ShuffledShard(), batch_size=4, num_workers=2, worker_kind=kind, seed=3,
+                autotune=False) as L:
+        L.set_epoch(-1)
+        assert sorted(r[0] for r in rows(L)) == list(range(16))

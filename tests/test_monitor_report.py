@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -209,14 +210,18 @@ def test_workers_on_one_core_export_the_cpu_they_ran_apart_from_their_run_queue_
         taken = len(next(it))
         for pid in loader.worker_pids():
             for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), {0})
+                with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+                    os.sched_setaffinity(int(tid), {0})
         url = loader._telemetry.url
         t0, (cpu0, wait0) = time.monotonic(), scrape(url)
         taken += sum(len(b) for b in it)
         wall, (cpu1, wait1) = time.monotonic() - t0, scrape(url)
     assert taken == 40
     ran, waited = cpu1 - cpu0, wait1 - wait0
-    assert 0.5 * wall < ran < 1.1 * wall + 0.1, (ran, waited, wall)
+    # One core: they cannot have run longer than the wall time (before: 5.3 s in 2.7 s), and
+    # one of the two waited while the other ran. (How much they ran depends on what else the
+    # machine runs on that core: other tests beside this one, review 167.)
+    assert 0 < ran < 1.1 * wall + 0.1, (ran, waited, wall)
     assert waited > 0.3 * wall, (ran, waited, wall)
 
 

@@ -930,3 +930,69 @@ def test_a_loader_is_attached_once_and_a_failed_attach_takes_no_rank_label():
         assert _live_ranks == labels
     finally:
         loader.close()
+
+
+def test_the_cpu_time_is_exported_as_read_and_a_scrape_racing_a_close_is_not_undercut():
+    """Review 167: the CPU time exported as the demand less the wait moved back by an ulp now
+    and then (100.37 -> 100.36999999999999: a counter reset to Prometheus); and a label kept
+    the close's final figures even where a scrape that raced the close exported more."""
+    from dataclasses import replace
+
+    from test_monitor_diagnosis import snapshot
+
+    from autominato.telemetry.collector import SnapshotCollector
+    from autominato.telemetry.cores import (
+        CPU_OF_WORKERS_KEY,
+        CPU_SECONDS_KEY,
+        CPU_TIME_SECONDS_KEY,
+        RUNQUEUE_SECONDS_KEY,
+    )
+
+    def with_cpu(s, cpu, wait):
+        return replace(s, extra={CPU_SECONDS_KEY: cpu + wait, RUNQUEUE_SECONDS_KEY: wait,
+                                 CPU_TIME_SECONDS_KEY: cpu, CPU_OF_WORKERS_KEY: 1.0})
+
+    box = {"snap": with_cpu(snapshot(10.0, 20, step_s=0.1, wait_s=0.01), 100.37, 60.12)}
+    col = SnapshotCollector()
+    col.add(1, "7", lambda: box["snap"])
+
+    def exported(name: str) -> float:
+        fam = {m.name: m for m in col.collect()}[name]
+        return next(s.value for s in fam.samples if s.labels.get("rank") == "7")
+
+    assert exported("autominato_loader_cpu_seconds") == 100.37  # (160.49 - 60.12 != 100.37)
+    assert exported("autominato_loader_runqueue_wait_seconds") == 60.12
+    final = box["snap"]
+    box["snap"] = replace(final, batches_total=25)  # a scrape while the close ran
+    assert exported("autominato_batches") == 25
+    col.remove(1, final)  # the close's snapshot, taken before that scrape
+    col.add(2, "7", lambda: replace(final, batches_total=0))
+    assert exported("autominato_batches") == 25  # the next loader goes on from the larger
+
+
+def test_a_relabel_leaves_the_old_label_the_decisions_an_earlier_loader_counted():
+    """Review 167: set_rank removed the old label's decision counter, with the counts a closed
+    loader of that label had left: its next loader read them back from fewer (a reset)."""
+
+    def decide(loader):
+        loader.telemetry._on_decision(Decision("workers", 2, 3, "transform_bound"))
+
+    def count(url):
+        return value(scrape(url), "autominato_controller_decisions_total", knob="workers",
+                     reason="transform_bound", rank="5")
+
+    make = lambda: Loader(Volumes(), batch_size=B, worker_kind="thread", on_error="skip",  # noqa: E731
+                          rank=5, world_size=8, metrics_port=0, metrics_host=OWN_HOST,
+                          autotune=False)
+    with make() as first:
+        decide(first)
+    second = make()
+    try:
+        decide(second)
+        assert count(second.telemetry.url) == 2
+        second.telemetry.set_rank(6)  # (as Loader does once the process group names it)
+        with make() as third:
+            decide(third)
+            assert count(third.telemetry.url) == 3
+    finally:
+        second.close()

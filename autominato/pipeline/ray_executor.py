@@ -243,7 +243,7 @@ class SampleActor:
                                                        draw)
             t = time.perf_counter()
             buf = np.empty(packed_nbytes(sample), np.uint8)
-            desc, _ = pack(sample, buf)
+            desc, _ = pack(sample, buf, keep_order=spec.keep_layout)
             return ("ok", desc, buf, read_s, transform_s, time.perf_counter() - t)
         except BaseException as e:  # noqa: BLE001 - every failure is the sample's, reported
             return ("err", ErrorReport.capture(e, index, sample_path(spec.dataset, index, e), self.name))

@@ -218,7 +218,7 @@ _MEMFD_UNUSABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
 _memfd_usable = True
 
 
-def pack_memfd(sample: Any, need: int) -> FdDesc | None:
+def pack_memfd(sample: Any, need: int, keep_order: bool = True) -> FdDesc | None:
     """Write ``sample``'s (or a :class:`Prepared` one's) arrays (``need`` bytes, :func:`packed_nbytes`) into a new anonymous
     memory file; ``None`` when the result is small, ``memfd_create`` is missing or cannot be
     used (a sandbox), or memory or descriptors are short (the caller pickles it then). The
@@ -233,7 +233,7 @@ def pack_memfd(sample: Any, need: int) -> FdDesc | None:
         buf = mmap.mmap(fd, need)
         try:
             prep = sample if type(sample) is Prepared else prepare(sample)
-            desc, _ = pack_prepared(prep, buf)
+            desc, _ = pack_prepared(prep, buf, keep_order=keep_order)
         finally:
             try:
                 buf.close()
@@ -839,7 +839,8 @@ def prepare(sample: Any) -> Prepared:
     return Prepared(kind, skeleton, hosts, headers, need)
 
 
-def pack(sample: Any, buf: memoryview | mmap.mmap | None) -> tuple[bytes, int]:
+def pack(sample: Any, buf: memoryview | mmap.mmap | None,
+         keep_order: bool = True) -> tuple[bytes, int]:
     """Write the arrays of ``sample`` into ``buf`` and return ``(descriptor, nbytes)``.
 
     Args:
@@ -858,15 +859,20 @@ def pack(sample: Any, buf: memoryview | mmap.mmap | None) -> tuple[bytes, int]:
     Raises:
         pickle.PicklingError, TypeError, AttributeError: a leaf cannot be pickled.
     """
-    return pack_prepared(prepare(sample), buf)
+    return pack_prepared(prepare(sample), buf, keep_order=keep_order)
 
 
 def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
-                  offsets: list[int] | None = None) -> tuple[bytes, int]:
+                  offsets: list[int] | None = None, keep_order: bool = True) -> tuple[bytes, int]:
     """:func:`pack` of a :func:`prepare` d sample. ``offsets``: where in ``buf`` each array
     goes (bytes; each a multiple of its dtype's item size, the regions not overlapping, as a
     :class:`~autominato.pipeline.rows.RowAllocator` row gives them); ``None``: one after the
-    other from 0, each aligned to 64 bytes."""
+    other from 0, each aligned to 64 bytes. ``keep_order``: an array dense in another memory
+    order (channels-last) is written in it and comes back with its strides (without a
+    batch row's offsets); ``False``: C-contiguous, where the default collation stacks it
+    into a C-contiguous batch anyway (the strided copy is then the worker's, not the
+    collation's in the training process: 2.6 ms against 0.9 for 32 float32 images of
+    3x224x224, review 167)."""
     if prep.kind == _NO_ARRAYS:
         try:
             return pickle.dumps((_NO_ARRAYS, prep.skeleton, None, None, None, None),
@@ -880,7 +886,7 @@ def pack_prepared(prep: Prepared, buf: memoryview | mmap.mmap | None,
             raise first from None  # (the sample's own error: a leaf that does not pickle)
     hosts, need = prep.hosts, prep.need
     orders = None
-    if offsets is None:  # (a batch row's offsets: the row is stacked C-contiguous)
+    if offsets is None and keep_order:  # (a batch row's offsets: stacked C-contiguous)
         # Each array in its own memory order, so that it comes back with its strides (a
         # channels-last or transposed sample, as the DataLoader's workers share it).
         orders = [_memory_order(h) for h in hosts]

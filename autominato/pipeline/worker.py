@@ -88,6 +88,7 @@ warm heap, its large arrays mapped on their own and unmapped when freed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
 import io
 import os
@@ -518,11 +519,16 @@ class WorkSpec:
     #: persistent workers, which keep theirs); ``False`` where ``persistent_workers=True`` was
     #: asked for: one seed for the workers' life, as the DataLoader's persistent workers.
     seeds_each_epoch: bool = False
+    #: Arrays travel in their own memory order (``shm.pack_prepared``'s ``keep_order``): where
+    #: the samples are seen as they are (``batch_size=None``, a ``collate_fn`` of the user's),
+    #: not stacked C-contiguous by the default collation.
+    keep_layout: bool = True
 
     def worker_base_seed(self) -> int:
         return self.seed if self.base_seed is None else self.base_seed
 
 
+@functools.lru_cache(maxsize=64)
 def pass_base_seed(seed: int, epoch: int) -> int:
     """The workers' base seed for epoch ``epoch`` of a Loader of ``seed``: ``seed`` itself at
     epoch 0 (the workers' first), else a 64-bit number drawn from ``SeedSequence([seed,
@@ -532,7 +538,7 @@ def pass_base_seed(seed: int, epoch: int) -> int:
     the augmentation does)."""
     if epoch == 0:
         return seed
-    state = np.random.SeedSequence([seed & _U64, epoch]).generate_state(1, np.uint64)[0]
+    state = np.random.SeedSequence([seed & _U64, epoch & _U64]).generate_state(1, np.uint64)[0]
     return int(state) >> 1
 
 
@@ -1446,11 +1452,11 @@ def _serve(spec: WorkSpec, cache: SlotCache, worker: str, msg: tuple,
                 buf = None  # it outgrew its slot
         desc: bytes | FdDesc | None = None
         if buf is not None:
-            desc, need = pack_prepared(prep, buf, offsets)
-        else:
-            desc = pack_memfd(prep, need)  # no slot or row: a memory file, else pickled
+            desc, need = pack_prepared(prep, buf, offsets, keep_order=spec.keep_layout)
+        else:  # no slot or row: a memory file, else pickled
+            desc = pack_memfd(prep, need, keep_order=spec.keep_layout)
         if desc is None:
-            desc, need = pack_prepared(prep, None)
+            desc, need = pack_prepared(prep, None, keep_order=spec.keep_layout)
         del prep
         pack_s = time.perf_counter() - t
         return ("ok", pos, desc, need, read_s, transform_s, pack_s, peak)
@@ -1515,7 +1521,8 @@ def _serve_stream(conn, spec: WorkSpec, cache: SlotCache, streams: Streams, work
                 slot = next(free)
                 t = time.perf_counter()
                 try:
-                    desc, need = pack(sample, cache.get(*slot) if slot is not None else None)
+                    desc, need = pack(sample, cache.get(*slot) if slot is not None else None,
+                                      keep_order=spec.keep_layout)
                 except BaseException as e:  # noqa: BLE001 - an unpicklable leaf, say
                     yield ("err", k, ErrorReport.capture(e, -1, None, f"{worker}, packing sample {k} of shard {shard}"))
                     continue

@@ -30,6 +30,7 @@ from autominato.pipeline.stats import LoaderSnapshot
 from autominato.telemetry.cores import (
     CPU_OF_WORKERS_KEY,
     CPU_SECONDS_KEY,
+    CPU_TIME_SECONDS_KEY,
     RUNQUEUE_SECONDS_KEY,
     reads_fused,
 )
@@ -130,8 +131,13 @@ class SnapshotCollector(Collector):
             self._retire(src, last)
 
     def _retire(self, src: _Source, last: dict[_Key, float]) -> None:
-        # (under _lock) counters the loader never exported keep what was carried to it
-        self._retired[src.rank] = {**src.carried, **last}
+        # (under _lock) counters the loader never exported keep what was carried to it; a
+        # scrape that raced the close may have exported more than the final snapshot read
+        # (the workers still counting): the larger, so the next loader never goes below it
+        kept = {**src.carried, **src.last}
+        for k, v in last.items():
+            kept[k] = max(v, kept.get(k, v))
+        self._retired[src.rank] = kept
 
     def ranks(self) -> list[str]:
         with self._lock:
@@ -215,9 +221,9 @@ def _add_samples(
     if s.extra.get(CPU_OF_WORKERS_KEY) == 1.0 and CPU_SECONDS_KEY in s.extra:
         # (of worker processes only: the training process's CPU is not the loader's, and a
         # counter must not switch basis)
-        waited = s.extra.get(RUNQUEUE_SECONDS_KEY, 0.0)
-        put("autominato_loader_cpu_seconds_total", s.extra[CPU_SECONDS_KEY] - waited)
-        put("autominato_loader_runqueue_wait_seconds_total", waited)
+        put("autominato_loader_cpu_seconds_total",
+            s.extra.get(CPU_TIME_SECONDS_KEY, s.extra[CPU_SECONDS_KEY]))
+        put("autominato_loader_runqueue_wait_seconds_total", s.extra.get(RUNQUEUE_SECONDS_KEY, 0.0))
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

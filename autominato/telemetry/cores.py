@@ -24,6 +24,10 @@ CPU_SECONDS_KEY = "control.cpu_seconds_total"
 #: ``LoaderSnapshot.extra`` key: the part of :data:`CPU_SECONDS_KEY` that the processes
 #: waited runnable for a core (the run-queue wait), seconds; the rest ran on one.
 RUNQUEUE_SECONDS_KEY = "control.runqueue_seconds_total"
+#: ``LoaderSnapshot.extra`` key: the part that ran on a core (CPU time), seconds; exported as
+#: read (not the demand less the wait: in floating point that moved back by an ulp now and
+#: then, which Prometheus reads as a counter reset, review 167).
+CPU_TIME_SECONDS_KEY = "control.cpu_time_seconds_total"
 #: ``LoaderSnapshot.extra`` key: 1.0 when :data:`CPU_SECONDS_KEY` counts worker processes
 #: only, 0.0 when it counts this process (no worker process seen yet). Two figures of
 #: different bases are never subtracted: the first snapshot of a loader comes before its
@@ -66,6 +70,8 @@ def loader_cpu_extra(reading: Reading) -> dict[str, float]:
         CPU_SECONDS_KEY: loader_cpu_seconds(reading),
         RUNQUEUE_SECONDS_KEY: (reading.worker_runqueue_seconds_total if workers
                                else reading.runqueue_seconds_total),
+        CPU_TIME_SECONDS_KEY: (reading.worker_cpu_seconds_total if workers
+                               else reading.cpu_seconds_total),
         CPU_OF_WORKERS_KEY: 1.0 if workers else 0.0,
     }
 

@@ -85,13 +85,18 @@ def _unique_rank(key: int, rank: int, suffix: int = 0) -> str:
     # ``suffix``: the n a relabelled loader had, kept when free (so that the loader built
     # second keeps "-1" whichever of the two is relabelled first).
     with _live_lock:
-        taken = {v for k, v in _live_ranks.items() if k != key}
-        label = f"{rank}-{suffix}" if suffix else str(rank)
-        n = 1
-        while label in taken:
-            label, n = f"{rank}-{n}", n + 1
-        _live_ranks[key] = label
-        return label
+        return _pick_label(key, rank, suffix)
+
+
+def _pick_label(key: int, rank: int, suffix: int = 0) -> str:
+    """:func:`_unique_rank` under ``_live_lock``."""
+    taken = {v for k, v in _live_ranks.items() if k != key}
+    label = f"{rank}-{suffix}" if suffix else str(rank)
+    n = 1
+    while label in taken:
+        label, n = f"{rank}-{n}", n + 1
+    _live_ranks[key] = label
+    return label
 
 
 #: The observed series of a label (rank its last label value): the latency histograms and
@@ -126,15 +131,6 @@ def _take_series(rank: str) -> None:
     for metric, labels, child in _retired_series.pop(rank, ()):
         with metric._lock:
             metric._metrics.setdefault(labels, child)
-
-
-def _remove(metric: Any, *labels: str) -> None:
-    """``metric.remove(*labels)``, a no-op when that child does not exist (prometheus_client
-    raises ``KeyError`` then)."""
-    try:
-        metric.remove(*labels)
-    except KeyError:
-        pass
 
 
 class TelemetryHandle:
@@ -237,12 +233,14 @@ class TelemetryHandle:
             if self._closed or base == str(rank):
                 return
             old = self.rank
-            for knob, reason in self._decisions:  # (moved below)
-                _remove(CONTROLLER_DECISIONS, knob, reason, old)
-            with _live_lock:  # (before the label is free)
-                _retire_series(old)
-            new = _unique_rank(self._key, rank, int(suffix or 0))
+            # The old label keeps its series, this loader's decisions in them too (removed,
+            # they took the counts an earlier loader of the label left: a reset for its next
+            # one, review 167), and they are counted under the new label from now on. All
+            # before the old label is free: a loader that takes it meanwhile goes on from them.
             with _live_lock:
+                _retire_series(old)
+                new = _pick_label(self._key, rank, int(suffix or 0))
+                COLLECTOR.relabel(self._key, new)
                 _take_series(new)
             self._pairs = {
                 **{stage: (STAGE_SERVICE_SECONDS.labels(stage, new),
@@ -251,7 +249,6 @@ class TelemetryHandle:
             }
             self._h2d_copy = H2D_COPY_SECONDS.labels(new)
             self.rank = new
-            COLLECTOR.relabel(self._key, new)
             if self.monitor is not None:
                 self.monitor.relabel(new)
             for (knob, reason), n in self._decisions.items():
