@@ -671,3 +671,16 @@ def test_worker_init_fn_run_again_for_a_new_dataset_is_seeded_from_its_epochs_se
             seed = pass_base_seed(7, epoch)
             assert [tuple(b.tolist()) for b in loader] == [(seed, seed)] * 2, epoch
             assert (seed == 7) == (epoch == 0)
+
+
+def test_a_first_pass_at_a_later_epoch_gives_worker_init_fn_that_epochs_seed():
+    # Review 167: a Loader whose first pass is epoch 2 (a resumed run, a Loader built anew
+    # each epoch) ran worker_init_fn from the Loader's seed, where a run from epoch 0 had
+    # epoch 2's base seed then: the seed followed the Loader's history, not the epoch.
+    from autominato.pipeline.worker import pass_base_seed
+
+    with Loader(Recorded(), batch_size=None, num_workers=1, autotune=False, seed=7,
+                worker_init_fn=_record_seeds, persistent_workers=False) as loader:
+        loader.set_epoch(2)
+        seed = pass_base_seed(7, 2)
+        assert [tuple(b.tolist()) for b in loader] == [(seed, seed)] * 2

@@ -89,6 +89,7 @@ from autominato.pipeline.worker import (
     HEAP_SLACK_BYTES,
     Streams,
     WorkSpec,
+    pass_base_seed,
     sample_files,
     sample_path,
 )
@@ -548,8 +549,13 @@ class Pipeline:
                 # as the DataLoader's fresh workers (what a worker changed in its copy, a file
                 # it opened, a stream it consumed, a cache it filled, went on into the next
                 # epochs: trial 166 saw epochs 2 and 3 empty, and worker_init_fn ran once);
-                # after a park, only a changed one (the new workers fork the first).
-                fresh = self._resends and self._copies_used
+                # after a park, only a changed one (the new workers fork the first). Nor the
+                # first where the workers' seed is not the epoch's (a first pass at epoch 2:
+                # a resumed run, a Loader built anew each epoch; review 167): the base seed
+                # follows the epoch, not the Loader's history.
+                fresh = self._resends and (
+                    self._copies_used
+                    or pass_base_seed(self.spec.seed, epoch) != self.spec.worker_base_seed())
                 if payload == self._dataset_sent and ids == self.spec.trace_ids and not fresh:
                     payload = None
                 else:
@@ -609,8 +615,6 @@ class Pipeline:
         workers' base seed for ``epoch`` (``worker.pass_base_seed``), read by
         ``worker._take_dataset``; both also set on the spec (Ray's actors take it whole)."""
         import pickle
-
-        from autominato.pipeline.worker import pass_base_seed
 
         self.spec.trace_ids = ids
         self.spec.base_seed = pass_base_seed(self.spec.seed, epoch)
