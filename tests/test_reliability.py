@@ -1386,3 +1386,40 @@ def test_a_child_of_os_fork_that_drops_its_copy_of_a_loader_leaves_the_parents_a
         rest = list(it)
         assert sorted(int(i) for b in [first, *rest] for i in b) == list(range(16))
         assert loader.snapshot().worker_restarts_total == 0
+
+
+def test_a_ctrl_c_while_the_loader_starts_its_workers_lets_the_process_exit(tmp_path):
+    """Trial 165 (high): a SIGINT that landed in the Loader's constructor after its fork
+    server started (here: raised where it landed, the first worker's request) left the fork
+    server, not a daemon, waiting on its socket, and multiprocessing's exit joined it for
+    ever (4 of 25 real Ctrl-C's). It exits by the interrupt, as the DataLoader's process does."""
+    script = tmp_path / "ctrl_c_in_init.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import autominato.pipeline.spawn as spawn
+        from autominato import Loader
+
+        def interrupted(self, *a, **k):
+            raise KeyboardInterrupt
+
+        spawn.Zygote.request = interrupted
+
+        class DS(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return torch.zeros(4)
+
+        Loader(DS(), batch_size=2, num_workers=2)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the process did not exit")
+    assert proc.returncode in (130, -signal.SIGINT), out.decode()[-2000:]
+    assert b"KeyboardInterrupt" in out

@@ -413,8 +413,16 @@ class ProcessWorkers:
         # First, while this process runs one thread: a forked zygote is started right here.
         self._zygote: Zygote | None = self._new_zygote(self.kind)
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
-        for _ in range(initial):
-            self.start_one()
+        self._collector: threading.Thread | None = None
+        try:
+            for _ in range(initial):
+                self.start_one()
+        except BaseException:
+            # (a Ctrl-C here, trial 165: nothing held this object, and its zygote, not a
+            # daemon, waited on its socket while multiprocessing's exit joined it: the
+            # process never exited)
+            self.close(timeout=1.0)
+            raise
         self._collector = threading.Thread(target=self._collect, name="autominato-collector", daemon=True)
         self._collector.start()
 
@@ -709,7 +717,8 @@ class ProcessWorkers:
             w.proc.join(max(0.0, soft - time.monotonic()))
         self._stop_collector = True
         self._wake()
-        self._collector.join(timeout=2.0)
+        if self._collector is not None:
+            self._collector.join(timeout=2.0)
         for z in self._zygotes:
             if z.exitcode is None:
                 z.close(max(0.1, deadline - time.monotonic()))
