@@ -84,8 +84,18 @@ def _forget_metric_labels() -> None:
         with collector.COLLECTOR._lock:
             collector.COLLECTOR._retired.clear()
     if handle is not None:
+        from autominato.telemetry.metrics import (
+            CONTROLLER_DECISIONS,
+            RANKED_HISTOGRAMS,
+            STAGE_HISTOGRAMS,
+        )
+
         with handle._live_lock:
-            handle._retired_series.clear()
+            live = set(handle._live_ranks.values())
+            for metric in (*STAGE_HISTOGRAMS, *RANKED_HISTOGRAMS, CONTROLLER_DECISIONS):
+                with metric._lock:
+                    for labels in [k for k in metric._metrics if k[-1] not in live]:
+                        del metric._metrics[labels]
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,9 @@ loaders and an unattached loader simply disappears from the next scrape.
 A label outlives its loader: the counters a closed loader last had under it are carried, and
 the next loader that takes the label (a validation loader built anew each epoch, a Loader
 built again after ``close()``) exports them plus its own, so that every counter series stays
-monotonic for the process's life. A series that came back from 0 would be read as a counter
+monotonic for the process's life; meanwhile they are exported as the loader left them (a pass
+that ended between two scrapes, or shorter than the scrape interval, is then counted whole:
+trial 168), while its gauges go. A series that came back from 0 would be read as a counter
 reset, and where the new loader's count had passed the old one by the next scrape (a short
 validation pass, as long as the last), ``increase()`` and ``rate()`` saw only the
 difference, or nothing.
@@ -104,19 +106,35 @@ class SnapshotCollector(Collector):
             self._sources[key] = _Source(rank, snapshot, SlidingWindow(),
                                          carried=self._retired.pop(rank, {}))
 
-    def relabel(self, key: int, rank: str) -> None:
+    def own_counters(self, snap: LoaderSnapshot) -> dict[_Key, float]:
+        """The counters of ``snap`` alone (nothing carried), as exported."""
+        fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
+        own: dict[_Key, float] = {}
+        _add_samples(fams, "", snap, 0.0, None, {}, own)
+        return own
+
+    def relabel(self, key: int, rank: str, own: dict[_Key, float] | None = None) -> None:
         """Give the loader registered under ``key`` the label ``rank`` (its window is kept).
-        The old label keeps the counters last exported under it; the new one's carried
-        counters are added to the loader's from now on."""
+        ``own``: its counters now (:meth:`own_counters`; else read from the last scrape). The
+        old label keeps them, as a closed loader's; the new one counts from now on, what its
+        last loader left plus what this loader counts after the move, as its histograms,
+        which begin there (trial 168: the items counted before the move beside a histogram
+        of those after, the remote report's means were a fifth of the truth)."""
         with self._lock:
             src = self._sources.get(key)
-            if src is not None and src.rank != rank:
-                self._retire(src, src.last)
-                src.rank, src.carried, src.last = rank, self._retired.pop(rank, {}), {}
+            if src is None or src.rank == rank:
+                return
+            if own is None:
+                own = {k: v - src.carried.get(k, 0.0) for k, v in src.last.items()}
+            self._retire(src, {k: src.carried.get(k, 0.0) + v for k, v in own.items()})
+            taken = self._retired.pop(rank, {})
+            src.carried = {k: taken.get(k, 0.0) - own.get(k, 0.0) for k in {*taken, *own}}
+            src.rank, src.last = rank, {}
 
     def remove(self, key: int, final: LoaderSnapshot | None = None) -> None:
         """Unregister the loader of ``key``; its label keeps the counters of ``final`` (its
-        last snapshot; else those last exported) for the next loader that takes it."""
+        last snapshot; else those last exported): exported as they are until another loader
+        takes the label and goes on from them."""
         with self._lock:
             src = self._sources.pop(key, None)
         if src is None:
@@ -139,6 +157,20 @@ class SnapshotCollector(Collector):
             kept[k] = max(v, kept.get(k, v))
         self._retired[src.rank] = kept
 
+    def _late(self, rank: str, exported: dict[_Key, float]) -> None:
+        """(under ``_lock``) A scrape of a loader that left label ``rank`` while it ran
+        exported ``exported``: the label's counters go on from no less (trial 168: a scrape
+        that overlapped a close exported more than the close's figures, and the next loader
+        of the label went back below them, a reset to Prometheus)."""
+        kept = self._retired.get(rank)
+        if kept is None:  # taken by another loader already: its carry
+            kept = next((s.carried for s in self._sources.values() if s.rank == rank), None)
+            if kept is None:
+                return
+        for k, v in exported.items():
+            if v > kept.get(k, float("-inf")):
+                kept[k] = v
+
     def ranks(self) -> list[str]:
         with self._lock:
             return [s.rank for s in self._sources.values()]
@@ -155,8 +187,9 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
         with self._lock:
-            sources = [(src, src.rank, src.carried) for src in self._sources.values()]
-        for src, rank, carried in sources:
+            sources = [(key, src, src.rank, src.carried) for key, src in self._sources.items()]
+        done: set[str] = set()
+        for key, src, rank, carried in sources:
             try:
                 snap = src.snapshot()
             except Exception:  # a closing loader must not break the scrape of the others
@@ -165,8 +198,17 @@ class SnapshotCollector(Collector):
             last: dict[_Key, float] = {}
             _add_samples(fams, rank, snap, *src.window.update(snap), carried, last)
             with self._lock:
-                if src.rank == rank:  # (not relabelled meanwhile)
+                if src.rank == rank and self._sources.get(key) is src:
                     src.last = last
+                else:  # closed or relabelled meanwhile
+                    self._late(rank, last)
+            done.add(rank)
+        with self._lock:  # closed loaders' labels: their counters as they left them
+            retired = [(rank, dict(kept)) for rank, kept in self._retired.items()
+                       if rank not in done]  # (one that closed during this scrape: once)
+        for rank, kept in retired:
+            for (name, labels), v in kept.items():
+                fams[name].add_metric([*labels, rank], v)
         yield from fams.values()
 
 

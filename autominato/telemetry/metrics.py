@@ -20,11 +20,11 @@ Two kinds of metric live here:
   :mod:`autominato.telemetry.collector`.
 
 All of them sit in :data:`REGISTRY`, one registry per process that the exporter serves; each
-attached loader adds its ``rank`` children and takes them out of the exposition when it
-closes, so two loaders in one process (two ranks in a test) never clash. A label keeps its
-counters and histograms for its next loader, which goes on from them (a validation loader
-built anew each epoch): every series is monotonic for the process's life, as Prometheus's
-``rate()`` and ``increase()`` need.
+attached loader adds its ``rank`` children, so two loaders in one process (two ranks in a
+test) never clash. When it closes its gauges go; its counters and histograms stay exported as
+it left them, and the label's next loader goes on from them (a validation loader built anew
+each epoch): every series is monotonic for the process's life, as Prometheus's ``rate()`` and
+``increase()`` need.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def _get(samples: _Samples, name: str, **labels: str) -> float:
 
 
 def _ranks(samples: _Samples) -> list[str]:
-    ranks = {dict(k)["rank"] for k in samples.get("autominato_batches_total", {})}
+    # Live loaders' labels: a gauge's (a closed loader's label keeps its counters exported)
+    ranks = {dict(k)["rank"] for k in samples.get("autominato_epoch", {})}
     return sorted(ranks, key=lambda r: (len(r), r))
 
 
