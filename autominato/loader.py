@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -137,6 +138,14 @@ def _copy_of(cls: type, given: dict[str, Any], seed: int, epoch: int, epoch_set:
     loader._set_ranks()
     loader._epoch, loader._epoch_set = epoch, epoch_set
     return loader
+
+
+def _monai_track_meta() -> bool | None:
+    """MONAI's ``get_track_meta()`` in this process now, where MONAI is imported (else
+    ``None``), for the workers to take (``WorkSpec.monai_track_meta``)."""
+    meta_obj = sys.modules.get("monai.data.meta_obj")
+    get = getattr(meta_obj, "get_track_meta", None)
+    return bool(get()) if get is not None else None
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:
@@ -709,8 +718,11 @@ class Loader:
                 "training process (update_cache() before each epoch), and worker processes hold "
                 "a copy of the "
                 f"dataset: with worker_kind={worker_kind!r} every epoch would train on the first "
-                "cache (MONAI: it does not work with persistent workers or spawn). Use "
-                "worker_kind='thread', whose workers share the dataset, or num_workers=0")
+                "cache (MONAI: it does not work with persistent workers or spawn; "
+                "persistent_workers=False does not help here: it sends the workers the dataset "
+                "pickled, and a started SmartCacheDataset does not pickle, its replacement "
+                "thread's lock). Use worker_kind='thread', whose workers share the dataset, or "
+                "num_workers=0")
         if persistent_workers and values["workers"] == 0:  # (the file's knobs: the
             # arguments' were refused above, before any work)
             raise ValueError("persistent_workers option needs num_workers > 0 (as in "
@@ -1449,6 +1461,7 @@ class Loader:
             seeds_each_epoch=self._draws_each_pass,
             # (the samples seen as they are: the strides they had; else stacked C-contiguous)
             keep_layout=self.batch_size is None or self.collate_fn is not collate,
+            monai_track_meta=_monai_track_meta(),
         )
 
     def _lost_to_error(self, lost: Sequence[Any]) -> None:

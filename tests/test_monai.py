@@ -528,3 +528,33 @@ def test_thread_workers_see_a_dataset_attribute_rebound_between_epochs():
         assert sorted(int(i) for b in L for i in b["index"]) == list(range(8))
         ds.data = second
         assert sorted(int(i) for b in L for i in b["index"]) == list(range(100, 108))
+
+
+class _TrackMeta(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        from monai.data import get_track_meta
+
+        return torch.tensor(int(get_track_meta()))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_set_track_meta_false_reaches_the_worker_processes(start_method):
+    """Trial 165: set_track_meta(False) (MONAI's fast-training idiom, often after a first
+    loader was built) did not reach workers forked from an earlier Loader's fork server, nor
+    those of a new interpreter (a thread ran): they made MetaTensors all the same."""
+    from monai.data import get_track_meta, set_track_meta
+
+    first = Loader(_TrackMeta(), batch_size=2, num_workers=1, start_method=start_method,
+                   autotune=False)
+    try:
+        set_track_meta(False)
+        with Loader(_TrackMeta(), batch_size=2, num_workers=2, start_method=start_method,
+                    autotune=False) as second:
+            assert [int(x) for b in second for x in b] == [0, 0, 0, 0]
+    finally:
+        set_track_meta(True)
+        first.close()
+    assert get_track_meta()

@@ -523,6 +523,12 @@ class WorkSpec:
     #: the samples are seen as they are (``batch_size=None``, a ``collate_fn`` of the user's),
     #: not stacked C-contiguous by the default collation.
     keep_layout: bool = True
+    #: MONAI's ``set_track_meta`` as the Loader was built (``None``: MONAI not imported),
+    #: set in each worker process before ``worker_init_fn``: a worker that does not descend
+    #: from the training process as it is now (a new interpreter, started because a thread
+    #: ran; or forked from the fork server of an earlier Loader) had MONAI's default, and
+    #: ``set_track_meta(False)`` gave MetaTensors all the same (trial 165).
+    monai_track_meta: bool | None = None
 
     def worker_base_seed(self) -> int:
         return self.seed if self.base_seed is None else self.base_seed
@@ -1104,6 +1110,11 @@ def start_worker(spec: WorkSpec, wid: int, workers: int, where: str, process: bo
             the cause).
     """
     set_worker_info(make_info(spec, wid, workers, thread=not process), process)
+    if process and spec.monai_track_meta is not None:
+        from monai.data import get_track_meta, set_track_meta
+
+        if get_track_meta() != spec.monai_track_meta:
+            set_track_meta(spec.monai_track_meta)
     if spec.worker_init_fn is not None:
         try:
             spec.worker_init_fn(wid)
