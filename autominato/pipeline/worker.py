@@ -527,7 +527,8 @@ class WorkSpec:
     #: set in each worker process before ``worker_init_fn``: a worker that does not descend
     #: from the training process as it is now (a new interpreter, started because a thread
     #: ran; or forked from the fork server of an earlier Loader) had MONAI's default, and
-    #: ``set_track_meta(False)`` gave MetaTensors all the same (trial 165).
+    #: ``set_track_meta(False)`` gave MetaTensors all the same (trial 165). Only where the
+    #: worker has MONAI imported (by the dataset or transform it unpickled).
     monai_track_meta: bool | None = None
 
     def worker_base_seed(self) -> int:
@@ -1110,11 +1111,12 @@ def start_worker(spec: WorkSpec, wid: int, workers: int, where: str, process: bo
             the cause).
     """
     set_worker_info(make_info(spec, wid, workers, thread=not process), process)
-    if process and spec.monai_track_meta is not None:
-        from monai.data import get_track_meta, set_track_meta
-
-        if get_track_meta() != spec.monai_track_meta:
-            set_track_meta(spec.monai_track_meta)
+    # (where the dataset or transform brought MONAI in: importing it costs a worker of a new
+    # interpreter 2 s and 170 MiB it may never use)
+    meta_obj = sys.modules.get("monai.data.meta_obj") if process else None
+    if meta_obj is not None and spec.monai_track_meta is not None:
+        if meta_obj.get_track_meta() != spec.monai_track_meta:
+            meta_obj.set_track_meta(spec.monai_track_meta)
     if spec.worker_init_fn is not None:
         try:
             spec.worker_init_fn(wid)
