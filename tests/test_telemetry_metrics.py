@@ -1014,3 +1014,43 @@ def test_a_relabel_leaves_the_old_label_the_decisions_an_earlier_loader_counted(
             assert count(third.telemetry.url) == 3
     finally:
         second.close()
+
+
+def test_a_loader_relabelled_after_a_pass_keeps_each_labels_counters_whole_and_positive():
+    """Review 169: after a relabel the carry is an offset (what the new label had, less the
+    loader's counts at the move): a close with no scrape since put it, negative, into what
+    the label kept; and a scrape that overlapped another loader's close of that label raised
+    the offset as if it were a total (80 batches counted under both labels)."""
+    from dataclasses import replace
+
+    from test_monitor_diagnosis import snapshot
+
+    from autominato.telemetry.collector import SnapshotCollector
+
+    snap = snapshot(10.0, 80, step_s=0.1, wait_s=0.01)
+    col = SnapshotCollector()
+
+    def exported(rank: str) -> float:
+        fam = {m.name: m for m in col.collect()}["autominato_batches"]
+        got = [s.value for s in fam.samples if s.labels.get("rank") == rank]
+        assert len(got) == 1, got
+        return got[0]
+
+    box = {"b": 80}
+    col.add(1, "0", lambda: replace(snap, batches_total=box["b"]))
+    assert exported("0") == 80
+    col.relabel(1, "1", col.own_counters(replace(snap, batches_total=80)))
+    assert exported("1") == 0 and exported("0") == 80  # the old label keeps them
+    box["b"] = 90
+    assert exported("1") == 10
+    col.remove(1, None)  # no final figures: those last exported
+    assert exported("1") == 10 and exported("0") == 80
+    col.add(2, "1", lambda: replace(snap, batches_total=1))
+    assert exported("1") == 11
+    # a relabelled loader closed before any scrape since the move: nothing negative kept
+    col.add(3, "5", lambda: replace(snap, batches_total=80))
+    col.relabel(3, "6", col.own_counters(replace(snap, batches_total=80)))
+    col.remove(3, None)
+    assert exported("5") == 80
+    assert all(s.value >= 0 for m in col.collect() for s in m.samples
+               if s.labels.get("rank") == "6")

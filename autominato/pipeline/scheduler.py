@@ -550,12 +550,14 @@ class Pipeline:
                 # it opened, a stream it consumed, a cache it filled, went on into the next
                 # epochs: trial 166 saw epochs 2 and 3 empty, and worker_init_fn ran once);
                 # after a park, only a changed one (the new workers fork the first). Nor the
-                # first where the workers' seed is not the epoch's (a first pass at epoch 2:
-                # a resumed run, a Loader built anew each epoch; review 167): the base seed
-                # follows the epoch, not the Loader's history.
+                # first where the process workers' seed is not the epoch's (a first pass at
+                # epoch 2: a resumed run, a Loader built anew each epoch; review 167): the
+                # base seed follows the epoch, not the Loader's history, at the cost of a
+                # second worker_init_fn a worker (not Ray's: new actors, seconds, review 169).
                 fresh = self._resends and (
                     self._copies_used
-                    or pass_base_seed(self.spec.seed, epoch) != self.spec.worker_base_seed())
+                    or (self.procs is not None and pass_base_seed(self.spec.seed, epoch)
+                        != self.spec.worker_base_seed()))
                 if payload == self._dataset_sent and ids == self.spec.trace_ids and not fresh:
                     payload = None
                 else:

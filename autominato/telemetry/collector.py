@@ -88,6 +88,9 @@ class _Source:
     carried: dict[_Key, float] = field(default_factory=dict)
     #: the counters as last exported (earlier loaders' included)
     last: dict[_Key, float] = field(default_factory=dict)
+    #: what the label had when this loader took it (totals, where ``carried`` may be an
+    #: offset after a relabel)
+    base: dict[_Key, float] = field(default_factory=dict)
 
 
 class SnapshotCollector(Collector):
@@ -103,8 +106,9 @@ class SnapshotCollector(Collector):
         """Register a loader under ``key`` (unique per handle) with label ``rank``; its counters
         go on from those the label's last loader left."""
         with self._lock:
-            self._sources[key] = _Source(rank, snapshot, SlidingWindow(),
-                                         carried=self._retired.pop(rank, {}))
+            taken = self._retired.pop(rank, {})
+            self._sources[key] = _Source(rank, snapshot, SlidingWindow(), carried=dict(taken),
+                                         base=taken)
 
     def own_counters(self, snap: LoaderSnapshot) -> dict[_Key, float]:
         """The counters of ``snap`` alone (nothing carried), as exported."""
@@ -129,30 +133,32 @@ class SnapshotCollector(Collector):
             self._retire(src, {k: src.carried.get(k, 0.0) + v for k, v in own.items()})
             taken = self._retired.pop(rank, {})
             src.carried = {k: taken.get(k, 0.0) - own.get(k, 0.0) for k in {*taken, *own}}
-            src.rank, src.last = rank, {}
+            src.rank, src.last, src.base = rank, {}, taken
 
     def remove(self, key: int, final: LoaderSnapshot | None = None) -> None:
         """Unregister the loader of ``key``; its label keeps the counters of ``final`` (its
         last snapshot; else those last exported): exported as they are until another loader
         takes the label and goes on from them."""
         with self._lock:
-            src = self._sources.pop(key, None)
+            src = self._sources.get(key)
         if src is None:
             return
-        last = src.last
-        if final is not None:
+        last = None
+        if final is not None:  # (before it leaves: a scrape finishing meanwhile finds it)
             fams = {m.name + ("_total" if m.type == "counter" else ""): m
                     for m in self._families()}
             last = {}
             _add_samples(fams, src.rank, final, 0.0, None, src.carried, last)
         with self._lock:
-            self._retire(src, last)
+            if self._sources.pop(key, None) is src:
+                self._retire(src, src.last if last is None else last)
 
     def _retire(self, src: _Source, last: dict[_Key, float]) -> None:
         # (under _lock) counters the loader never exported keep what was carried to it; a
         # scrape that raced the close may have exported more than the final snapshot read
         # (the workers still counting): the larger, so the next loader never goes below it
-        kept = {**src.carried, **src.last}
+        # (``base``, not ``carried``: after a relabel that is an offset, maybe negative)
+        kept = {**src.base, **src.last}
         for k, v in last.items():
             kept[k] = max(v, kept.get(k, v))
         self._retired[src.rank] = kept
@@ -163,13 +169,20 @@ class SnapshotCollector(Collector):
         that overlapped a close exported more than the close's figures, and the next loader
         of the label went back below them, a reset to Prometheus)."""
         kept = self._retired.get(rank)
-        if kept is None:  # taken by another loader already: its carry
-            kept = next((s.carried for s in self._sources.values() if s.rank == rank), None)
-            if kept is None:
-                return
+        if kept is not None:
+            for k, v in exported.items():
+                if v > kept.get(k, float("-inf")):
+                    kept[k] = v
+            return
+        # Taken by another loader already: it exports carried + its own, from no less than
+        # max(what it took, what it exported last); raise its carry by what that falls short.
+        src = next((s for s in self._sources.values() if s.rank == rank), None)
+        if src is None:
+            return
         for k, v in exported.items():
-            if v > kept.get(k, float("-inf")):
-                kept[k] = v
+            short = v - max(src.base.get(k, 0.0), src.last.get(k, float("-inf")))
+            if short > 0:
+                src.carried[k] = src.carried.get(k, 0.0) + short
 
     def ranks(self) -> list[str]:
         with self._lock:

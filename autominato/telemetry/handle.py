@@ -191,6 +191,8 @@ class TelemetryHandle:
         report's mean service a fifth of the truth). The gauges and the sliding window are
         the loader's own.
         """
+        if self._closed or self.rank.partition("-")[0] == str(rank):
+            return  # (the usual case, at every len() and iter(): no snapshot)
         try:  # (the loader's counters now: the old label keeps them)
             own = COLLECTOR.own_counters(self._snapshot())
         except Exception:  # noqa: BLE001 - those of the last scrape then

@@ -234,7 +234,7 @@ def remote_reports(url: str, interval: float = 5.0, *, timeout: float = 5.0) -> 
     t1, second = time.monotonic(), _samples(fetch(url, timeout), url)
     ranks = _ranks(second)
     if not ranks:
-        raise LookupError(f"{url} exposes no autominato loader metrics (autominato_batches_total)")
+        raise LookupError(f"{url} exposes no live autominato loader (no autominato_epoch series)")
     reports = {}
     for rank in ranks:
         history = [snapshot_from_samples(second, rank, t1, first)]
