@@ -112,7 +112,7 @@ class SnapshotCollector(Collector):
 
     def own_counters(self, snap: LoaderSnapshot) -> dict[_Key, float]:
         """The counters of ``snap`` alone (nothing carried), as exported."""
-        fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
+        fams = self._by_name()
         own: dict[_Key, float] = {}
         _add_samples(fams, "", snap, 0.0, None, {}, own)
         return own
@@ -145,8 +145,7 @@ class SnapshotCollector(Collector):
             return
         last = None
         if final is not None:  # (before it leaves: a scrape finishing meanwhile finds it)
-            fams = {m.name + ("_total" if m.type == "counter" else ""): m
-                    for m in self._families()}
+            fams = self._by_name()
             last = {}
             _add_samples(fams, src.rank, final, 0.0, None, src.carried, last)
         with self._lock:
@@ -197,8 +196,12 @@ class SnapshotCollector(Collector):
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield cls(name, doc, labels=[*labels, "rank"])
 
+    def _by_name(self) -> dict[str, Metric]:
+        """Empty families by the names :data:`COLLECTED` gives them (``_total`` on counters)."""
+        return {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
+
     def collect(self) -> Iterator[Metric]:
-        fams = {m.name + ("_total" if m.type == "counter" else ""): m for m in self._families()}
+        fams = self._by_name()
         with self._lock:
             sources = [(key, src, src.rank, src.carried) for key, src in self._sources.items()]
         done: set[str] = set()
