@@ -54,7 +54,6 @@ from autominato.pipeline.worker import (
     WorkSpec,
     limit_threads,
     sample_path,
-    seed_worker,
     serve_sample,
     start_worker,
 )
@@ -217,7 +216,6 @@ class SampleActor:
                                  "of the cluster")
                 raise err from None
             limit_threads(threads)
-            seed_worker(self.spec.worker_base_seed(), slot)  # (slot: its worker id, as get_worker_info's)
             start_worker(self.spec, slot, workers, self.name, process=True)
         except Exception as e:  # noqa: BLE001 - reported by ready()
             self.failed = ErrorReport.capture(e, -1, None, self.name)

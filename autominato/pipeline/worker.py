@@ -532,6 +532,7 @@ class WorkSpec:
     monai_track_meta: bool | None = None
 
     def worker_base_seed(self) -> int:
+        """The workers' base seed now: :attr:`base_seed`, else :attr:`seed`."""
         return self.seed if self.base_seed is None else self.base_seed
 
 
@@ -1104,12 +1105,16 @@ def install_thread_getter() -> None:
 
 
 def start_worker(spec: WorkSpec, wid: int, workers: int, where: str, process: bool) -> None:
-    """Set the worker info of worker ``wid`` of ``workers`` and run ``worker_init_fn(wid)``.
+    """Seed a worker process's global generators (:func:`seed_worker`, from the workers'
+    base seed), set the worker info of worker ``wid`` of ``workers`` and run
+    ``worker_init_fn(wid)``.
 
     Raises:
         WorkerInitError: ``worker_init_fn`` raised (named, with ``where``; the original is
             the cause).
     """
+    if process:  # the global generators as the DataLoader's worker loop seeds them
+        seed_worker(spec.worker_base_seed(), wid)  # (per sample after it: seed_globals)
     set_worker_info(make_info(spec, wid, workers, thread=not process), process)
     # (where the dataset or transform brought MONAI in: importing it costs a worker of a new
     # interpreter 2 s and 170 MiB it may never use)
@@ -1342,7 +1347,6 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             worker = f"worker {wid} (process {os.getpid()})"
             _take_dataset(spec, payload)
             del payload  # the pickled dataset: not kept through worker_init_fn or after
-            seed_worker(spec.worker_base_seed(), wid)  # for worker_init_fn; per sample: seed_globals
             start_worker(spec, wid, workers, worker, process=True)
             cache = SlotCache()
             streams = Streams(spec, process=True)
@@ -1387,7 +1391,6 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             try:
                 _take_dataset(spec, payload)
                 del payload  # the pickled copy: not kept through worker_init_fn
-                seed_worker(spec.worker_base_seed(), wid)  # worker_init_fn runs again: the pass's seed
                 start_worker(spec, wid, workers, worker, process=True)
             except BaseException as e:  # noqa: BLE001
                 try:
