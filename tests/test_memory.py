@@ -818,7 +818,9 @@ def test_an_outlier_runs_cold_beside_warm_heaps(monkeypatch):
     most, with the 16 MiB left warm) and not every array it made (325 MiB from the heap: the
     control); its figure, and the budget beside it, stay its working set."""
     keep, figures = _outlier_figures()
-    assert 28 * MiB <= keep <= 40 * MiB  # the 32 MiB samples set it
+    # the 32 MiB samples set it (their figures read up to 48.75 MiB under a loaded CI run's
+    # page faults: far from the outlier's 225-325 either way)
+    assert 28 * MiB <= keep <= 60 * MiB
     assert all(220 <= f <= 260 for f in figures), figures
     from autominato.pipeline.scheduler import Pipeline
 
@@ -826,7 +828,7 @@ def test_an_outlier_runs_cold_beside_warm_heaps(monkeypatch):
     monkeypatch.setattr(Pipeline, "_task_heap",
                         lambda self, item: (None if (t := trim(self, item)) and t[1] else t))
     keep, figures = _outlier_figures()
-    assert 28 * MiB <= keep <= 40 * MiB
+    assert 28 * MiB <= keep <= 60 * MiB
     assert max(figures) >= 300, figures  # from the heap: every array it made
 
 
