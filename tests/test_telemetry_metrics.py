@@ -153,7 +153,7 @@ def test_stage_histograms_and_counters_moved(ran):
         for name, lab, v in fams["autominato_stage_service_seconds"]["samples"]
         if name.endswith("_bucket") and lab["stage"] == "read"
     ]
-    assert buckets[0][0] == 0.0005 and buckets[-2][0] == 10.0
+    assert buckets[0][0] == 0.0001 and buckets[-2][0] == 100.0
     counts = [v for _, v in buckets]
     assert counts == sorted(counts)
     assert counts[-1] == value(fams, "autominato_stage_service_seconds_count", stage="read", rank=0)
@@ -740,22 +740,23 @@ def test_latency_histograms_count_values_in_prometheus_le_buckets():
 
     service, wait = STAGE_SERVICE_SECONDS.labels(*labels), STAGE_WAIT_SECONDS.labels(*labels)
     try:
-        # A value equal to a bound belongs to that bucket (le is inclusive); 20 s is over 10 s.
-        for s, w in ((0.0005, 0.0), (0.0006, 0.0), (10.0, 0.0), (20.0, 0.003)):
+        # A value equal to a bound belongs to that bucket (le is inclusive); 200 s is over
+        # the last bound, 100 s.
+        for s, w in ((0.0001, 0.0), (0.00011, 0.0), (100.0, 0.0), (200.0, 0.003)):
             service.observe(s)
             wait.observe(w)
         got = buckets(STAGE_SERVICE_SECONDS)
-        assert got["0.0005"] == 1 and got["0.001"] == 2
-        assert got["5.0"] == 2 and got["10.0"] == 3 and got["+Inf"] == 4
+        assert got["0.0001"] == 1 and got["0.000125"] == 2
+        assert got["80.0"] == 2 and got["100.0"] == 3 and got["+Inf"] == 4
         assert len(got) == len(LATENCY_BUCKETS) + 1
         total = next(
             s.value
             for s in samples(STAGE_SERVICE_SECONDS)
             if s.name == "autominato_stage_service_seconds_sum"
         )
-        assert total == pytest.approx(30.0011)
+        assert total == pytest.approx(300.00021)
         waits = buckets(STAGE_WAIT_SECONDS)
-        assert waits["0.0005"] == 3 and waits["0.0025"] == 3 and waits["0.005"] == 4
+        assert waits["0.0001"] == 3 and waits["0.0025"] == 3 and waits["0.00315"] == 4
     finally:
         STAGE_SERVICE_SECONDS.remove(*labels)
         STAGE_WAIT_SECONDS.remove(*labels)
