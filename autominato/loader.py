@@ -1903,6 +1903,7 @@ class Loader:
             worker_heap_keep_bytes=p.worker_heap_keep_bytes if p else 0.0,
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
+            worker_kind=self.worker_kind,
         )
 
 

@@ -617,3 +617,52 @@ def test_ray_actors_are_never_advised_beyond_the_clusters_free_cpus():
         assert "no more workers fit: 2 the Ray cluster's free CPUs" in d.suggestion
         d = diagnose(with_cpu(hist, cores_used=0.2), budget=CoreBudget(2))
         assert "workers 2 -> " in d.suggestion  # one machine's I/O-like workers may
+
+
+class DecodingReads(Volumes):
+    """Reads that run on a CPU for 10 ms (decoding in Python) in place of waiting."""
+
+    def __getitem__(self, i: int):
+        t = time.thread_time()
+        while time.thread_time() - t < 0.010:
+            pass
+        return np.full((8, 8, 8), i, np.float32)
+
+
+def test_real_pipeline_with_reads_that_decode_in_read_threads_is_cpu_bound_not_io():
+    """Trial 168: a read stage of its own (threads of the training process) whose reads burn
+    CPU was "I/O bound ... faster storage": the CPU figure counted worker processes only."""
+    d = diagnose(run_pipeline(DecodingReads(), cheap, step_s=0.002))
+    assert (d.kind, d.stage) == ("cpu", "read"), format_report(d)
+    assert "on a CPU in the training process's 2 read thread(s)" in d.summary
+    assert "faster storage" not in d.suggestion
+    assert "worker_kind='process'" in d.suggestion  # (thread workers: run_pipeline's)
+    # Two threads of a Python loop share the GIL: each runs on a CPU for about half its
+    # reads' time, the two on about one core in all
+    row = next(r for r in d.rows if r.metric == "read on a CPU")
+    assert row.current > 0.3, format_report(d)
+    # The same figures with the snapshots' CPU time taken away: a read that waits
+    waits = [replace(s, stages={**s.stages, "read": replace(s.stages["read"],
+                                                          cpu_seconds_total=0.0)})
+             for s in run_pipeline(Volumes(read_s=0.010), cheap, step_s=0.002)]
+    assert diagnose(waits).kind == "io"
+
+
+def test_a_read_stage_of_its_own_is_judged_by_its_cpu_share():
+    def with_cpu(share: float, kind: str) -> list[LoaderSnapshot]:
+        out = []
+        for s in history(step_s=0.010, wait_s=0.090, read_s=0.050):
+            rd = s.stages["read"]
+            rd = replace(rd, cpu_seconds_total=share * rd.service_seconds_total)
+            out.append(replace(s, stages={**s.stages, "read": rd}, worker_kind=kind))
+        return out
+
+    assert diagnose(with_cpu(0.05, "process")).kind == "io"
+    d = diagnose(with_cpu(0.9, "process"))
+    assert (d.kind, d.stage) == ("cpu", "read")
+    assert "fuse_read=True (the default): each worker process reads" in d.suggestion
+    assert "worker_kind='process'" in diagnose(with_cpu(0.9, "thread")).suggestion
+    assert "Ray worker" in diagnose(with_cpu(0.9, "ray")).suggestion
+    # Unknown (rebuilt from the metrics): both
+    both = diagnose(with_cpu(0.9, "")).suggestion
+    assert "fuse_read=True" in both and "worker_kind='process'" in both

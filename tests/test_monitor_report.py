@@ -115,11 +115,24 @@ def test_metrics_url_completes_host_port_and_path():
     assert metrics_url("https://x/y/metrics") == "https://x/y/metrics"
 
 
-def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys):
+class DecodingVolumes(Volumes):
+    """Reads that run on a CPU for ``read_s`` (decoding) in place of sleeping."""
+
+    def __getitem__(self, i: int):
+        t = time.thread_time()
+        while time.thread_time() - t < self.read_s:
+            pass
+        return np.full((4, 4, 4), i, np.float32)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["wait", "decode"])
+def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys, decode):
     stop = threading.Event()
-    # Slow reads and a fast step: the remote report must find the same I/O bottleneck.
+    # Slow reads and a fast step: the remote report must find the same bottleneck as the
+    # training process's, I/O bound where the reads wait, CPU bound where they decode (trial
+    # 168: both were "I/O bound").
     loader = Loader(
-        Volumes(n=32, read_s=0.02),
+        (DecodingVolumes if decode else Volumes)(n=32, read_s=0.02),
         batch_size=4,
         transform=lambda s, rng: s,
         worker_kind="thread",
@@ -149,7 +162,8 @@ def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys):
     assert rc == 0
     assert out.startswith("Data Monitor (rank 0)")
     assert "load latency" in out and "queue wait share" in out
-    assert "diagnosis: I/O bound (read)" in out
+    assert ("diagnosis: CPU bound (read)" if decode else "diagnosis: I/O bound (read)") in out, out
+    assert "read on a CPU" in out
 
 
 class _Work:

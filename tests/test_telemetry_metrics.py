@@ -1055,3 +1055,52 @@ def test_a_loader_relabelled_after_a_pass_keeps_each_labels_counters_whole_and_p
     assert exported("5") == 80
     assert all(s.value >= 0 for m in col.collect() for s in m.samples
                if s.labels.get("rank") == "6")
+
+
+_BLOB = __import__("zlib").compress(
+    np.random.default_rng(0).integers(0, 4, size=2_000_000, dtype=np.uint8).tobytes())
+
+
+class TimedReads:
+    """16 reads that decompress (CPU) or sleep (waiting on storage); each records the CPU
+    time of its own thread."""
+
+    def __init__(self, wait: bool) -> None:
+        self.wait = wait
+        self.cpu: list[float] = []
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        c = time.thread_time()
+        if self.wait:
+            time.sleep(0.02)
+        else:
+            for _ in range(2):
+                __import__("zlib").decompress(_BLOB)
+        self.cpu.append(time.thread_time() - c)
+        return np.full(16, i, np.float32)
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["decode", "sleep"])
+def test_the_read_stages_cpu_seconds_are_its_threads_cpu_time(wait):
+    """A read stage of its own (fuse_read=False: threads of the training process) exports
+    the CPU time its threads spent on the reads: what tells a decoding read from a waiting
+    one (trial 168: such a read was diagnosed I/O bound)."""
+    reads = TimedReads(wait)
+    with Loader(reads, batch_size=4, num_workers=2, fuse_read=False, metrics_port=0,
+                autotune=False, prefetch_next_epoch=False) as loader:
+        assert len(list(loader)) == 4
+        fams = scrape(loader._telemetry.url)
+        rank = loader._telemetry.rank  # (the module's loader may hold rank 0)
+    exported = value(fams, "autominato_stage_cpu_seconds_total", stage="read", rank=rank)
+    service = value(fams, "autominato_stage_service_seconds_sum", stage="read", rank=rank)
+    own = sum(reads.cpu)
+    assert len(reads.cpu) == 16
+    # The reads' own CPU time, plus the read threads' little around them (packing 64 bytes)
+    assert own <= exported <= 1.1 * own + 16 * 0.002, (own, exported)
+    if wait:
+        assert exported < 0.1 * service
+    else:
+        assert exported > 0.5 * service

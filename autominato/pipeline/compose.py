@@ -91,15 +91,28 @@ def compose(p: Pipeline) -> list[Stage]:
         return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
                       nbytes=packed_nbytes(sample))
 
+    read_cpu = p.stats["read"].add_cpu
+
     def read(key: tuple, item: tuple) -> Result:
         index, epoch, draw = item  # they seed a dataset's own random transforms
+        c = time.thread_time()
         try:
             sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
+        finally:
+            # (the CPU time a read thread spent on it: StageSnapshot.cpu_seconds_total)
+            read_cpu(time.thread_time() - c)
         return Result("read", key, sample, service_s=read_s, nbytes=packed_nbytes(sample))
 
     def read_packed(key: tuple, item: tuple) -> Result:
+        c = time.thread_time()
+        try:
+            return packed(key, item)
+        finally:
+            read_cpu(time.thread_time() - c)
+
+    def packed(key: tuple, item: tuple) -> Result:
         index, epoch, draw = item
         try:
             sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)

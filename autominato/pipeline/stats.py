@@ -49,6 +49,11 @@ class StageSnapshot:
     busy_workers: int
     recent_service_s: tuple[float, ...] = ()
     recent_wait_s: tuple[float, ...] = ()
+    #: CPU seconds the stage's threads in this process spent on its items
+    #: (``time.thread_time()``: a read stage of its own, in read threads), ``None`` where the
+    #: stage's work is not timed on the CPU (it runs in worker processes). With the service
+    #: time it tells a read that decodes from one that waits on storage.
+    cpu_seconds_total: float | None = None
 
     def service_quantile(self, q: float) -> float:
         """Quantile ``q`` in [0, 1] of the recent service times in seconds (0.0 if none)."""
@@ -84,6 +89,7 @@ class StageStats:
         self.workers: Callable[[], int] = lambda: 0
         self.busy = 0  # workers holding an item now, set by the scheduler
         self.hooks: list[StageHook] = []
+        self.cpu_seconds_total: float | None = None  # (see StageSnapshot)
 
     def record(self, service_s: float, wait_s: float | None = 0.0, nbytes: int = 0,
                items: int = 1) -> None:
@@ -101,6 +107,12 @@ class StageStats:
         for hook in self.hooks:
             hook(self.name, service_s, wait_s, nbytes)
 
+    def add_cpu(self, seconds: float) -> None:
+        """Add ``seconds`` of CPU time (``time.thread_time()``) a thread of this process spent
+        on one of the stage's items; called where the item ran, before it is recorded."""
+        with self._lock:
+            self.cpu_seconds_total = (self.cpu_seconds_total or 0.0) + seconds
+
     def snapshot(self) -> StageSnapshot:
         with self._lock:
             return StageSnapshot(
@@ -116,6 +128,7 @@ class StageStats:
                 busy_workers=self.busy,
                 recent_service_s=tuple(self._recent_service),
                 recent_wait_s=tuple(self._recent_wait),
+                cpu_seconds_total=self.cpu_seconds_total,
             )
 
 
@@ -201,6 +214,8 @@ class LoaderSnapshot:
             its next request of a batch or ``close()`` (a validation loop, a checkpoint):
             neither step nor wait. A pass the loop still holds after it stopped (an iterator
             kept in a variable; with no worker, an error it keeps) keeps this clock stopped.
+        worker_kind: the Loader's ``worker_kind`` (``"process"``, ``"thread"``, ``"ray"``),
+            ``""`` where unknown (a snapshot rebuilt from the exported metrics).
     """
 
     time: float
@@ -232,6 +247,7 @@ class LoaderSnapshot:
     memory_wait_seconds_total: float = 0.0
     consumer_steps_total: int = 0
     consumer_steps_seconds_total: float = 0.0
+    worker_kind: str = ""
 
     @property
     def idle_ratio(self) -> float:

@@ -137,11 +137,18 @@ STAGE_UTILISATION = (
     f"(sum by (stage) (autominato_stage_workers{{{LOADER}}}) > 0)"
 )
 
-#: (panel, refId) of queries that have no series until a batch is copied to a CUDA device:
-#: the exporter's bandwidth gauge (a bandwidth of no copies is undefined).
-DEVICE_TARGETS = frozenset({("Host-to-device bandwidth", "A")})
-#: Panels of the worker processes' figures: no series with thread workers or ``workers=0``.
-WORKER_PROCESS_PANELS = frozenset({"Loader CPU demand"})
+#: (panel, refId) of queries that have no data until a batch is copied to a CUDA device:
+#: the exporter's bandwidth gauge (a bandwidth of no copies is undefined), the bandwidth over
+#: the rate interval and the copy time's quantiles (NaN: 0 / 0, and quantiles of an empty
+#: histogram; trial 168: they were counted as data on a host without a device).
+DEVICE_TARGETS = frozenset({("Host-to-device bandwidth", "A"), ("Host-to-device bandwidth", "B"),
+                            ("Host-to-device copy time", "A"), ("Host-to-device copy time", "B")})
+#: (panel, refId) of the worker processes' figures: no series with thread workers or
+#: ``workers=0``.
+WORKER_PROCESS_TARGETS = frozenset({("Loader CPU demand", "A"), ("Loader CPU demand", "B")})
+#: (panel, refId) of a read stage of its own's figures (threads of the training process): no
+#: series where the worker processes read (``fuse_read=True``, the default).
+READ_THREAD_TARGETS = frozenset({("Loader CPU demand", "C")})
 _COUNT_THRESHOLDS = ((None, "green"), (1.0, "orange"))
 
 #: The dashboard, row by row. Titles are unique (tests and ``dashboards check`` name panels).
@@ -417,13 +424,22 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         + "}[$__rate_interval]))",
                         "ran on or waited for rank {{rank}}",
                     ),
+                    Query(
+                        "sum by (rank) (rate(autominato_stage_cpu_seconds_total{"
+                        + LOADER
+                        + ', stage="read"}[$__rate_interval]))',
+                        "read threads of rank {{rank}}",
+                    ),
                 ),
                 "Cores the loader's worker processes ran on (CPU time), and ran on or waited "
                 "for (plus the run-queue wait): demand near the usable cores with the training "
                 "loop idle, the loader is CPU bound; well below them, its workers wait "
                 "(storage, a remote read); demand above what they ran on, other processes "
                 "(the training loop's threads, another job) hold the cores. No series with "
-                "thread workers.",
+                "thread workers. Read threads: the cores a read stage of its own ran on "
+                "(fuse_read=False or thread workers: threads of the training process, which "
+                "share its GIL); near one core, or near their reads' time, the reads decode "
+                "rather than wait for storage.",
             ),
         ),
     ),
@@ -938,8 +954,9 @@ def check_series(
     data source's scrape interval setting (Grafana's default is 15 s).
 
     Returns:
-        one :class:`TargetResult` per query, in dashboard order; ``series == 0`` means the
-        panel would show "No data" for that query.
+        one :class:`TargetResult` per query, in dashboard order: its series with at least
+        one number (NaN and infinities draw nothing: a series of them is no data);
+        ``series == 0`` means the panel would show nothing for that query.
     """
     variables = resolve_variables(dash, prom, start, end)
     results = []
@@ -952,8 +969,15 @@ def check_series(
             scrape_interval_s=scrape_interval_s,
         )
         found = prom.query(q, end) if t.instant else prom.query_range(q, start, end, step_s)
-        results.append(TargetResult(t, q, len(found)))
+        results.append(TargetResult(t, q, sum(1 for f in found if _has_number(f))))
     return results
+
+
+def _has_number(series: Mapping[str, Any]) -> bool:
+    """A query result's series (``value`` of an instant query, ``values`` of a range) has a
+    finite value: Prometheus sends NaN and infinities as the strings "NaN", "+Inf", "-Inf"."""
+    points = series.get("values") or ([series["value"]] if "value" in series else [])
+    return any(math.isfinite(float(v)) for _, v in points)
 
 
 def gpu_panel_titles() -> list[str]:

@@ -341,13 +341,17 @@ def _check(args: argparse.Namespace) -> int:
                 note = "  (no GPU metrics: expected without NVML / DCGM)"
             elif where in dash.DEVICE_TARGETS and not copied:
                 note = "  (no host-to-device copy: expected without a CUDA device)"
-            elif r.target.panel in dash.WORKER_PROCESS_PANELS:
+            elif where in dash.WORKER_PROCESS_TARGETS:
                 note = "  (no worker process: expected with thread workers or workers=0)"
+            elif where in dash.READ_THREAD_TARGETS:
+                note = ("  (no read stage of its own: expected where the worker processes "
+                        "read, fuse_read=True, the default)")
             else:
                 missing += 1
         print(f"{r.series:4d} series  {r.target.panel} [{r.target.ref_id}]{note}")
     print(f"{len(results)} queries, {missing} without series (GPU panels, device queries "
-          "while nothing was copied to a device, and worker-process panels, not counted)")
+          "while nothing was copied to a device, worker-process and read-thread queries, "
+          "not counted)")
     return 1 if missing else 0
 
 

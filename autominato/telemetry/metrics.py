@@ -136,6 +136,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Workers (threads or processes) a stage runs now.",
         ("stage",),
     ),
+    "autominato_stage_cpu_seconds_total": (
+        "counter",
+        "CPU time the stage's threads in the training process spent on its items (a read "
+        "stage of its own: fuse_read=False or thread workers), seconds; beside the service "
+        "time it tells decoding from waiting on storage.",
+        ("stage",),
+    ),
     "autominato_accelerator_idle_ratio": (
         "gauge",
         "Share of the training loop's time spent blocked in next() over a sliding window, 0..1.",

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from autominato.pipeline.knobs import usable_cores
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
 from autominato.telemetry.cores import (
+    CPU_OF_WORKERS_KEY,
     CPU_SECONDS_KEY,
     CoreBudget,
     cpu_cores_used,
@@ -351,6 +352,11 @@ def diagnose(
         read_threshold = step * _effective_workers(last, "read") / _items_per_batch(last, read)
         lat, lat_mean = cur.stages["read"].mean_service_s, run.stages["read"].mean_service_s
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
+        if read.cpu_seconds_total is not None:
+            # (a read stage of its own, in threads of this process: its CPU share)
+            rows.append(Row("read on a CPU", "of time",
+                            cur.stages["read"].cpu_share if cur.batches else None,
+                            run.stages["read"].cpu_share, None, "ref"))
         # Stragglers (a heavy tail of slow samples) hide in the means: the slowest of the
         # window's samples, read and transformed (the last stats.RECENT of them at most:
         # the ring of recent times; review 110: the whole ring showed samples of earlier
@@ -470,15 +476,30 @@ def diagnose(
     )
 
 
+#: A read stage of its own (threads of the training process) whose threads ran on a CPU for
+#: at least this share of its service time decodes more than it waits: the read is CPU work
+#: (a read that waits on storage or sleeps runs on a CPU for a few percent of it: 0.6 % for a
+#: 20 ms sleep, 94 % for a zlib decompression, measured with ``time.thread_time()``) ...
+READ_CPU_SHARE = 0.5
+#: ... as it is where its threads together ran on at least this many cores: reads that hold
+#: the GIL wait for it more the more threads read (two threads of a Python loop ran on a CPU
+#: for 53 % of their reads' time, one core in all), a wait the share does not tell from
+#: storage's.
+READ_CPU_CORES = 0.5
+
 #: The most a suggestion multiplies a reader count by before it puts storage first.
 MAX_SCALE = 4
 
 
-def _cores_used(cpu: float | None, budget: CoreBudget) -> str:
-    """The diagnosis's clause on the workers' CPU demand, or nothing when unknown."""
+def _cores_used(cpu: float | None, budget: CoreBudget, snap: LoaderSnapshot) -> str:
+    """The diagnosis's clause on the workers' CPU demand, or nothing when unknown. Without
+    worker processes (thread workers) the figure is the training process's: its worker
+    threads', its read threads' and its training loop's (trial 168: it read "the workers"), as
+    it is before a process loader's workers are seen."""
     if cpu is None:
         return ""
-    return f"; the workers ran on or waited for {cpu:.2f} of {budget.cores} cores"
+    who = "the training process" if snap.extra.get(CPU_OF_WORKERS_KEY) == 0.0 else "the workers"
+    return f"; {who} ran on or waited for {cpu:.2f} of {budget.cores} cores"
 
 
 def _no_more_workers(budget: CoreBudget) -> str:
@@ -519,7 +540,7 @@ def _bottleneck(
     fused: bool,
 ) -> tuple[str, str, str, str]:
     workers = _effective_workers(last, stage)
-    used = _cores_used(cpu, budget)
+    used = _cores_used(cpu, budget, last)
     if transforms_inline(last) and stage in ("read", "transform"):
         # num_workers=0: the training loop's thread loads each sample, one after another; no
         # read thread or knob can change that (trial 146: "read_threads 2 -> 8" was advised,
@@ -556,6 +577,39 @@ def _bottleneck(
                 "locks: read in dataset[i], where read_threads or fuse_read=False can overlap "
                 "it)",
             )
+    cpu_share = cur.stages["read"].cpu_share if stage == "read" and not fused else None
+    rd = cur.stages.get("read")
+    cores = (rd.cpu_s / rd.seconds if cpu_share is not None and rd is not None
+             and rd.cpu_s is not None and rd.seconds > 0 else None)
+    if cpu_share is not None and (cpu_share >= READ_CPU_SHARE
+                                  or (cores is not None and cores >= READ_CPU_CORES)):
+        # A read stage of its own runs in threads of the training process: a read that
+        # decodes there is CPU work, which faster storage does not shorten and more read
+        # threads shorten only where the decoding lets go of the GIL (trial 168: such reads
+        # were "I/O bound ... faster storage", the CPU figure counting worker processes only).
+        lat = rd.mean_service_s or 0.0
+        n = knobs.get("read_threads", workers)
+        ran = f", {cores:.2f} cores in all" if cores is not None else ""
+        kind = last.worker_kind or ("ray" if last.nodes else "")
+        if kind == "thread":
+            move = ("worker_kind='process' (the default, with fuse_read=True, its default): "
+                    "each worker process reads on a core of its own")
+        elif kind in ("process", "ray"):
+            who = "Ray worker" if kind == "ray" else "worker process"
+            move = f"fuse_read=True (the default): each {who} reads on a core of its own"
+        else:  # (a snapshot rebuilt from the exported metrics: the kind is not exported)
+            move = ("fuse_read=True (the default) with process or Ray workers, "
+                    "worker_kind='process' in place of thread workers")
+        return (
+            "cpu", "read",
+            f"reading takes {share:.2f} of the {step * 1e3:.1f} ms step per read thread, "
+            f"the read {lat * 1e3:.1f} ms a sample, {cpu_share:.0%} of it on a CPU in the "
+            f"training process's {n} read thread(s){ran}: decoding, not waiting on "
+            f"storage{used}",
+            f"read in the workers: {move}; or a cheaper read (samples stored uncompressed, "
+            ".npy in place of .nii.gz, or preprocessed once); more read_threads help only "
+            "where the decoding releases the GIL (zlib, NumPy, PIL do; Python loops do not)",
+        )
     if stage == "read":
         lat = cur.stages["read"].mean_service_s or 0.0
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"

@@ -93,6 +93,12 @@ def _get(samples: _Samples, name: str, **labels: str) -> float:
     return 0.0
 
 
+def _find(samples: _Samples, name: str, **labels: str) -> float | None:
+    """A series' value, ``None`` where it is not exported (not measured: a stage's CPU)."""
+    want = set(labels.items())
+    return next((v for key, v in samples.get(name, {}).items() if want <= set(key)), None)
+
+
 def _ranks(samples: _Samples) -> list[str]:
     # Live loaders' labels: a gauge's (a closed loader's label keeps its counters exported)
     ranks = {dict(k)["rank"] for k in samples.get("autominato_epoch", {})}
@@ -162,6 +168,8 @@ def snapshot_from_samples(
             ),
             workers=int(g(samples, "autominato_stage_workers", stage=stage, rank=rank)),
             busy_workers=0,
+            cpu_seconds_total=_find(samples, "autominato_stage_cpu_seconds_total",
+                                    stage=stage, rank=rank),
         )
     knobs = {
         dict(k)["knob"]: int(v)

@@ -44,6 +44,8 @@ class StageRates:
         wait_s: input-queue wait summed over those items, seconds.
         workers: the stage's concurrency at the end of the window.
         queue_len / queue_capacity: the input queue at the end of the window, items.
+        cpu_s: CPU seconds the stage's threads in this process spent on its items in the
+            window (``StageSnapshot.cpu_seconds_total``), ``None`` where not measured.
     """
 
     name: str
@@ -55,6 +57,16 @@ class StageRates:
     workers: int
     queue_len: int
     queue_capacity: int
+    cpu_s: float | None = None
+
+    @property
+    def cpu_share(self) -> float | None:
+        """The share of the stage's service time its threads ran on a CPU (0..1: near 1 a
+        read that decodes, near 0 one that waits on storage); ``None`` where not measured
+        or no item finished in the window."""
+        if self.cpu_s is None or self.service_s <= 0 or self.items <= 0:
+            return None
+        return min(1.0, self.cpu_s / self.service_s)
 
     @property
     def mean_service_s(self) -> float | None:
@@ -180,6 +192,8 @@ def _stage(name: str, a: StageSnapshot | None, b: StageSnapshot, seconds: float)
         workers=b.workers,
         queue_len=b.queue_len,
         queue_capacity=b.queue_capacity,
+        cpu_s=(None if b.cpu_seconds_total is None
+               else b.cpu_seconds_total - ((a.cpu_seconds_total or 0.0) if a is not None else 0.0)),
     )
 
 
