@@ -223,6 +223,27 @@ def test_an_error_of_a_monai_file_dataset_names_the_sample_and_its_file(tmp_path
             assert err.value.sample_path == str(wrong), (workers, err.value.sample_path)
 
 
+def test_an_error_of_a_monai_image_dataset_names_its_file(tmp_path):
+    """MONAI's ``ImageDataset(image_files, seg_files)`` lists its files in two attributes
+    (trial 165: its errors named no file): the error names the image or the segmentation
+    that failed, whichever it was."""
+    from monai.data import ImageDataset
+
+    good = tmp_path / "case_00000.npy"
+    np.save(good, np.zeros((4, 4, 4), np.float32))
+    missing = tmp_path / "case_00001.npy"
+    seg_missing = tmp_path / "seg_00000.npy"
+    for images, segs, wrong in (([good, missing], [good, good], missing),
+                                ([good], [seg_missing], seg_missing)):
+        ds = ImageDataset([str(p) for p in images], seg_files=[str(p) for p in segs],
+                          image_only=True)
+        with Loader(ds, batch_size=1, workers=1, autotune=False) as loader:
+            with pytest.raises(Exception) as err:
+                list(loader)
+        assert err.value.sample_index == len(images) - 1
+        assert err.value.sample_path == str(wrong), err.value
+
+
 @pytest.mark.parametrize("kind", [
     {"multiprocessing_context": "spawn"},  # workers that unpickle the dataset
     {"multiprocessing_context": "spawn", "persistent_workers": False},  # sent again each epoch

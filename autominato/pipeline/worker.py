@@ -774,8 +774,10 @@ def seed_worker(base_seed: int, wid: int) -> None:
 #: Attributes of a dataset that list its samples' files, one item an index: MONAI's
 #: ``Dataset``, ``CacheDataset``, ``PersistentDataset`` (``data``: a file name or a dict of
 #: them per sample, MONAI's idiom), torchvision's ``DatasetFolder`` and ``ImageFolder``
-#: (``samples``: ``(path, class)``).
-FILE_LISTS = ("data", "samples")
+#: (``samples``: ``(path, class)``), MONAI's ``ImageDataset`` (``image_files`` and
+#: ``seg_files``: a sample's names are those of every list that has one item an index; trial
+#: 165: its errors named no file).
+FILE_LISTS = ("data", "samples", "image_files", "seg_files")
 
 
 #: The most strings of one sample's item that :func:`sample_files` looks at (an item that
@@ -818,13 +820,14 @@ def _listed(dataset: Any, index: int) -> tuple[Any, int, list[str] | None]:
         index, dataset = int(dataset.indices[index]), dataset.dataset
     if callable(getattr(dataset, "sample_path", None)):
         return dataset, index, None
+    names: list[str] | None = None
     for name in FILE_LISTS:
         items = getattr(dataset, name, None)
         if isinstance(items, Sequence) and not isinstance(items, (str, bytes)):
             if len(items) != len(dataset) or not 0 <= index < len(items):
                 continue
-            return dataset, index, _paths_in(items[index])
-    return dataset, index, None
+            names = (names or []) + _paths_in(items[index])
+    return dataset, index, names
 
 
 def _own_path(dataset: Any, index: int) -> str | None:
