@@ -160,10 +160,11 @@ class ArgumentTypeError(TypeError, ValueError):
     check), and code written against it catches that (trial 141)."""
 
 
-def _check_int(name: str, value: Any, low: int | None) -> int:
+def _check_int(name: str, value: Any, low: int | None, bools: bool = False) -> int:
     """``value`` as an int, or an :class:`ArgumentTypeError` (not an integer) or a
-    ``ValueError`` (under ``low``) naming the argument ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    ``ValueError`` (under ``low``) naming the argument ``name``. A bool is refused unless
+    ``bools`` (``num_workers``: the DataLoader takes ``True`` as 1, ``False`` as 0)."""
+    if (isinstance(value, bool) and not bools) or not isinstance(value, (int, np.integer)):
         raise ArgumentTypeError(
             f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if low is not None and value < low:
@@ -284,7 +285,8 @@ class Loader:
         num_workers: worker processes (or threads) to start with; the controller may change
             them (the ``workers`` knob). ``0``: no worker, every sample is loaded in the
             training loop's thread when a batch is asked for, as with the DataLoader (handy
-            under a debugger). Default: the usable cores.
+            under a debugger). A bool is taken as the int it is (``True``: 1), as by the
+            DataLoader. Default: the usable cores.
         collate_fn: builds a batch from a list of samples; default stacks arrays into pooled
             buffers like ``default_collate``.
         pin_memory: batches in page-locked host memory (needs an accelerator; without one it
@@ -534,7 +536,8 @@ class Loader:
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
         if num_workers is not None:
-            _check_int("num_workers", num_workers, 0)
+            # A bool is an int, as the DataLoader takes it (True: one worker; trial: refused)
+            num_workers = _check_int("num_workers", num_workers, 0, bools=True)
             if "workers" in knobs and knobs["workers"] != num_workers:
                 raise ValueError(f"num_workers={num_workers} and workers={knobs['workers']} "
                                  "name the same knob: give one")
@@ -968,7 +971,7 @@ class Loader:
 
     @num_workers.setter
     def num_workers(self, n: int) -> None:
-        self._set_knob("workers", "num_workers", _check_int("num_workers", n, 0))
+        self._set_knob("workers", "num_workers", _check_int("num_workers", n, 0, bools=True))
 
     @property
     def prefetch_factor(self) -> int:

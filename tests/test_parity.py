@@ -127,6 +127,22 @@ def test_num_workers_is_the_workers_knob_and_conflicts_are_refused():
         Loader(Indexed(4), 2, num_workers=2, workers=3, autotune=False)
 
 
+def test_num_workers_takes_a_bool_as_the_dataloader_does():
+    # Trial: num_workers=True was refused; the DataLoader takes a bool as the int it is
+    # (True: one worker process, False: none). Other non-integers stay refused by name.
+    for flag, workers in ((True, 1), (False, 0)):
+        want = firsts(DataLoader(Indexed(4), 2, num_workers=flag))
+        with Loader(Indexed(4), 2, num_workers=flag, in_order=True, autotune=False) as L:
+            assert L.num_workers == workers and (L._pipeline is None) == (not flag)
+            assert firsts(L) == want == [[0, 1], [2, 3]]
+    with Loader(Indexed(4), 2, num_workers=2, autotune=False) as L:
+        L.num_workers = True  # (the setter too)
+        assert L.num_workers == 1
+    for bad in ("1", 1.0):
+        with pytest.raises(TypeError, match="num_workers must be an integer"):
+            Loader(Indexed(4), 2, num_workers=bad, autotune=False)
+
+
 def test_prefetch_factor_is_the_depth_knob_and_needs_workers():
     with Loader(Indexed(4), 2, num_workers=1, prefetch_factor=5, autotune=False) as L:
         assert L.knobs.depth == L.prefetch_factor == 5
