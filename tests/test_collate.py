@@ -303,6 +303,64 @@ def test_numpy_arrays_of_strings_or_objects_raise_default_collates_type_error(va
     assert collate([np.str_("a"), np.str_("b")]) == default_collate([np.str_("a"), np.str_("b")])
 
 
+@pytest.mark.parametrize("samples", [
+    [torch.zeros(2), np.ones(2, np.float32)],
+    [torch.zeros(2), torch.ones(2), np.ones(2, np.float32), np.ones(2)],
+    [(torch.zeros(2), 1), (np.ones(2, np.float32), 2)],
+    [torch.zeros(2), 3]], ids=["tensor-array", "arrays-after-tensors", "in-a-tuple", "a-number"])
+def test_a_tensor_followed_by_an_array_raises_default_collates_type_error(samples):
+    # Trial: a batch of a tensor and a NumPy array of one shape was stacked, where
+    # default_collate's torch.stack refuses it ("expected Tensor as element 1 ..."): a dataset
+    # that returns either trained under the Loader and failed under the DataLoader.
+    with pytest.raises(TypeError) as theirs:
+        default_collate(samples)
+    with pytest.raises(TypeError) as ours:
+        collate(samples, BatchPool())
+    assert str(ours.value).startswith(str(theirs.value))  # torch's words, then which samples
+    if isinstance(samples[1], np.ndarray):
+        assert "sample 0 of the batch is a torch.Tensor" in str(ours.value)
+        assert f"samples {[i for i, s in enumerate(samples) if isinstance(s, np.ndarray)]}" \
+            f" of {len(samples)} are ['numpy.ndarray']" in str(ours.value)
+    # An array first is made a tensor with the others and stacked, as default_collate does.
+    flipped = samples[::-1] if isinstance(samples[1], np.ndarray) else None
+    if flipped is not None:
+        assert torch.equal(collate(flipped, BatchPool()), default_collate(flipped))
+    else:  # (an array then a number: made a 0-d tensor, which does not stack: RuntimeError)
+        for fn in (default_collate, collate):
+            with pytest.raises(RuntimeError):
+                fn([np.ones(2, np.float32), 3])
+
+
+class _Mixed:
+    """Odd samples are NumPy arrays, even ones tensors (one shape, one dtype)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return np.full(3, i, np.float32) if i % 2 else torch.full((3,), float(i))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_mixing_tensors_and_arrays_fails_as_the_dataloaders(workers):
+    from torch.utils.data import DataLoader
+
+    from autominato import Loader
+
+    # (the DataLoader's worker processes fail earlier in default_collate, on x.numel():
+    # AttributeError; the Loader collates in the training process, as default_collate there)
+    with pytest.raises(TypeError if not workers else AttributeError,
+                       match="expected Tensor as element 1" if not workers else "numel"):
+        next(iter(DataLoader(_Mixed(), 2, num_workers=workers)))
+    with Loader(_Mixed(), 2, num_workers=workers, in_order=True, autotune=False) as L:
+        it = iter(L)
+        with pytest.raises(TypeError, match=r"expected Tensor as element 1 .* samples \[1\]"):
+            next(it)
+        with pytest.raises(TypeError, match="expected Tensor as element 1"):
+            next(it)  # the next batch fails too, as its own error (the epoch goes on)
+        assert next(it, None) is None
+
+
 class _OneOddShape:
     """Index 3 loads with a wrong shape (no error until its batch collates); files i.npy."""
 

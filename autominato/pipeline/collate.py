@@ -254,7 +254,9 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
             dtypes are stacked with torch's type promotion, as ``default_collate`` stacks them
             (in fresh memory, not the pool's).
         TypeError: a NumPy array of strings or Python objects, ``None`` or another type that
-            ``default_collate`` refuses, as ``default_collate``.
+            ``default_collate`` refuses, as ``default_collate``; a field whose first sample
+            is a tensor and another is not (a NumPy array: torch.stack's words, then the
+            batch's positions and types concerned).
     """
     first = samples[0]
     if isinstance(first, torch.Tensor):
@@ -265,7 +267,10 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
     if isinstance(first, np.ndarray) and is_array(first):
         if all(type(s) is np.ndarray for s in samples):
             return _stack_arrays(samples, pool)
-        return _stack_tensors([_as_tensor(s) for s in samples], pool)
+        # each made a tensor (a number too, None refused), as default_collate's
+        # torch.as_tensor: then stacked as tensors
+        return _stack_tensors([_as_tensor(s) if isinstance(s, (np.ndarray, torch.Tensor))
+                               else torch.as_tensor(s) for s in samples], pool)
     if isinstance(first, (bool, int, float, np.number, np.bool_)):
         t = type(first)
         if all(type(s) is t for s in samples):  # one type: default_collate's dtype, faster
@@ -357,10 +362,36 @@ def _as_tensor(x: Any) -> Any:
     return x
 
 
+def _only_tensors(samples: Sequence[Any]) -> None:
+    """A field whose first sample is a tensor stacks only tensors: ``default_collate`` stacks
+    it with ``torch.stack``, which refuses anything else (a NumPy array of the same shape
+    too, ``TypeError: expected Tensor as element 1 in argument 0, but got numpy.ndarray``),
+    where the arrays were made tensors here and stacked (trial: a dataset returning a tensor
+    for some samples and an array for others trained under the Loader and failed under the
+    DataLoader). The other way round (an array first) ``default_collate`` makes every sample
+    a tensor and stacks them, as :func:`collate` does."""
+    odd = [(i, type(s)) for i, s in enumerate(samples) if not isinstance(s, torch.Tensor)]
+    if odd:
+        i, t = odd[0]
+        # (as torch names a type: NumPy's and others' with their module, builtins' without)
+        name = lambda c: (c.__qualname__ if c.__module__ == "builtins"  # noqa: E731
+                          else f"{c.__module__}.{c.__qualname__}")
+        raise TypeError(
+            f"expected Tensor as element {i} in argument 0, but got {name(t)} (as torch.stack "
+            f"in default_collate): sample 0 of the batch is a {name(type(samples[0]))}, "
+            f"samples {[j for j, _ in odd]} of {len(samples)} are "
+            f"{sorted({name(c) for _, c in odd})}; make the dataset return one type "
+            "(torch.as_tensor) or give a collate_fn")
+
+
 def _stack_tensors(samples: Sequence[Any], pool: BatchPool | None) -> Any:
     first = samples[0]
     cls = type(first)
     meta_tensor = getattr(sys.modules.get("monai.data.meta_tensor"), "MetaTensor", None)
+    if not (cls is not torch.Tensor and cls in default_collate_fn_map
+            and not (meta_tensor is not None and isinstance(first, meta_tensor))):
+        # (a subclass's own collate function, registered with torch, decides for itself)
+        _only_tensors(samples)
     if meta_tensor is not None and isinstance(first, meta_tensor) and has_flat_bytes(first):
         return _meta_batch(_stack_tensors([s.as_tensor() for s in samples], pool), samples)
     if (cls is not torch.Tensor and cls in default_collate_fn_map) or not has_flat_bytes(first):
