@@ -281,6 +281,8 @@ class Loader:
             exclusive with ``batch_size`` other than 1, ``shuffle``, ``sampler`` and
             ``drop_last``, as in DataLoader). A batch is delivered once all its samples are
             done: the first complete batch first, or in the sampler's order with ``in_order``.
+            An empty list is a batch too: ``collate_fn([])``, as the DataLoader calls it
+            (the default collation raises its ``IndexError`` in the batch's place).
             Ranks are the batch sampler's business (it is not split).
         num_workers: worker processes (or threads) to start with; the controller may change
             them (the ``workers`` knob). ``0``: no worker, every sample is loaded in the
@@ -1193,13 +1195,19 @@ class Loader:
         # was delivered before it, review 45)
         done = (resume.resumed_positions(pending, order, self._epoch, self._order_rank())
                 if pending is not None else [])
+        # A batch sampler's empty batches ([]) that reached the loop before the checkpoint
+        # (no position marks them): the first so many, in the order the epoch emits them
+        empty_total = 0 if groups is None else groups.count(0)
+        done_empty = (min(int(pending.get("empty_batches", 0)), empty_total)
+                      if pending is not None and pending["epoch_size"] is not None else 0)
         # A user's sampler may not rebuild the same order on resume: its fingerprint is
         # saved with a mid-epoch state and checked (the Loader's own order follows from
         # the seeds and shape that load_state_dict checks).
         user_order = self._sampler is not None or self._batch_sampler is not None
         progress = resume.Progress(self._epoch, len(order), done,
-                                   pending["batches"] if done else 0, samplers,
-                                   order if user_order else None, self._order_rank())
+                                   pending["batches"] if done or done_empty else 0, samplers,
+                                   order if user_order else None, self._order_rank(),
+                                   empties=done_empty, empty_total=empty_total)
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
         self._progress = progress
@@ -1227,7 +1235,7 @@ class Loader:
             self._sampler is None or type(self._sampler) is DistributedSampler)
         colds = pipeline.cold_starts
         run = pipeline.start(order, self._epoch, groups, done, self._next_epoch_order(),
-                             unique=unique)
+                             unique=unique, done_empty=done_empty)
         it = _EpochIterator(self, pipeline, run, progress)
         it._cold = int(pipeline.cold_starts > colds)
         return it
@@ -2143,7 +2151,7 @@ class _EpochIterator:
                 self._timed_out = False
                 self.pipeline.consumed(run, waited)
                 self.L._lost_to_error(lost or ())
-                if lost:
+                if lost is not None:  # (none: a batch sampler's [] whose collate failed)
                     self.progress.lose(lost)
             else:
                 self._finish()
@@ -2309,7 +2317,8 @@ class _SyncIterator:
         self.progress = progress
         self.ep = Epoch(order, loader._batch, drop_last=loader.drop_last, in_order=True,
                         skip_errors=loader.on_error == "skip", max_tries=1, groups=groups,
-                        done=np.flatnonzero(progress.delivered).tolist())
+                        done=np.flatnonzero(progress.delivered).tolist(),
+                        done_empty=progress.empties)
         self.todo: deque = deque(self.ep.start())
         self._done = False
 

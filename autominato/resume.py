@@ -47,11 +47,16 @@ class Progress:
             Loader's own order, rebuilt from the checked seeds and shape), for :attr:`digest`.
         order_rank: the rank whose share ``order`` is (the sampler's own ``rank`` when it
             has one: a ``DistributedSampler`` given its rank while the Loader has none).
+        empties: a ``batch_sampler``'s empty batches (``[]``, no position to mark) that
+            reached the training loop before (a resumed epoch), delivered or as their
+            collate error; they come first in their epoch's order of empty batches (see
+            ``Epoch.done_empty``).
+        empty_total: the epoch's empty batches.
     """
 
     def __init__(self, epoch: int, size: int | None, done: Iterable[int] = (), batches: int = 0,
                  samplers: dict | None = None, order: Sequence[int] | None = None,
-                 order_rank: int = 0) -> None:
+                 order_rank: int = 0, empties: int = 0, empty_total: int = 0) -> None:
         self._order = order
         self._digest: str | None = None
         self.order_rank = order_rank
@@ -61,6 +66,8 @@ class Progress:
         if self.delivered is not None:
             self.delivered[np.fromiter(done, dtype=np.int64)] = True
         self.batches = batches
+        self.empties = empties
+        self.empty_total = empty_total
         self.samplers = samplers or {}
         self.finished = False
         # An iterable's pass: whether every batch of the epoch has been delivered already
@@ -81,24 +88,30 @@ class Progress:
 
     @property
     def all_delivered(self) -> bool:
-        """Every position of a map-style epoch of one or more was delivered (or lost with
-        its batch's error): the epoch has ended for a checkpoint, whether or not the
-        ``next()`` that ends it came (``False`` for an iterable's epoch, which counts no
-        positions)."""
-        return self.delivered is not None and bool(self.delivered.size and self.delivered.all())
+        """Every position of a map-style epoch of one or more (or of one empty batch or more)
+        was delivered (or lost with its batch's error), and its empty batches too: the epoch
+        has ended for a checkpoint, whether or not the ``next()`` that ends it came
+        (``False`` for an iterable's epoch, which counts no positions)."""
+        return (self.delivered is not None and bool(self.delivered.size or self.empty_total)
+                and bool(self.delivered.all()) and self.empties >= self.empty_total)
 
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
         if self.delivered is not None:
-            self.delivered[np.fromiter(positions, dtype=np.int64)] = True
+            pos = np.fromiter(positions, dtype=np.int64)
+            self.delivered[pos] = True
+            self.empties += not pos.size  # (a batch sampler's [])
         self.batches += 1
 
     def lose(self, positions: Iterable[int]) -> None:
-        """A batch that could not be made (its error reached the training loop instead): its
-        samples are not loaded again after a resume, as the DataLoader's lost batch; it is
-        not counted as a batch yielded."""
+        """An error reached the training loop instead of a batch (one that could not be
+        made, or a sample's): its samples are not loaded again after a resume, as the
+        DataLoader's lost batch; it is not counted as a batch yielded. No position: a batch
+        sampler's empty batch (the default collate's ``IndexError``), passed all the same."""
         if self.delivered is not None:
-            self.delivered[np.fromiter(positions, dtype=np.int64)] = True
+            pos = np.fromiter(positions, dtype=np.int64)
+            self.delivered[pos] = True
+            self.empties += not pos.size
 
 
 def to_ranges(mask: np.ndarray) -> list[list[int]]:
@@ -284,6 +297,8 @@ def build(loader: Any) -> dict[str, Any]:
         "restarted": restarted,  # batches an iterable's epoch had delivered (it restarts)
         "order_digest": None,  # a user sampler's mid-epoch order (see resumed_positions)
         "order_rank": None,  # the rank whose order it is
+        # a batch sampler's empty batches ([]) that reached the loop (no position marks them)
+        "empty_batches": 0,
         # memory-aware dispatch's figures (peak bytes per index), so a resumed run holds its
         # outliers apart from its first epoch
         "sample_memory": None,  # (below: for the state's dataset_len)
@@ -303,6 +318,7 @@ def build(loader: Any) -> dict[str, Any]:
         pending = loader._resume
         state.update({k: pending[k] for k in ("epoch", "epoch_size", "delivered", "batches",
                                               "samplers")})
+        state["empty_batches"] = pending.get("empty_batches", 0)
         if pending["epoch_size"] is not None:  # its positions are of its dataset's length
             state["dataset_len"] = pending["dataset_len"]
         state["order_digest"] = pending.get("order_digest")
@@ -317,7 +333,8 @@ def build(loader: Any) -> dict[str, Any]:
         # next() that ends it: Lightning's at a step that ends an epoch) is an ended epoch.
         ended = p.finished or p.all_delivered
         state.update(epoch=p.epoch, finished=ended, epoch_size=p.size,
-                     delivered=to_ranges(p.delivered), batches=p.batches)
+                     delivered=to_ranges(p.delivered), batches=p.batches,
+                     empty_batches=0 if ended else p.empties)
         if not ended and p.dataset_len is not None:
             # the length its order was made for (the dataset may have changed since)
             state["dataset_len"] = p.dataset_len
@@ -358,6 +375,10 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in figures)):
         raise ValueError("load_state_dict: the state's sample_memory is not a list of "
                          f"{state['dataset_len']} non-negative ints (peak bytes per index)")
+    empties = state.get("empty_batches", 0)
+    if isinstance(empties, bool) or not isinstance(empties, int) or empties < 0:
+        raise ValueError("load_state_dict: the state's empty_batches is not an int >= 0 (a "
+                         f"batch sampler's empty batches delivered), got {empties!r}")
     seconds = state.get("sample_seconds")
     if seconds is not None and not (
             isinstance(seconds, list) and len(seconds) == state["dataset_len"]

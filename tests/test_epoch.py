@@ -237,7 +237,28 @@ def test_batch_sampler_groups_are_the_batches_first_complete_first():
     out = ep.start()
     for t in reversed(tasks):  # the last group completes first
         out += ep.on(Completed(t.pos, t.attempt, t.index))
-    assert batches(out) == [[5, 6], [3, 4], [0, 1, 2]] and isinstance(out[-1], End)
+    # (the empty group, a batch sampler's [], is complete at once: an empty batch first)
+    assert batches(out) == [[], [5, 6], [3, 4], [0, 1, 2]] and isinstance(out[-1], End)
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+@pytest.mark.parametrize("skip_errors", [False, True])
+def test_an_empty_group_is_an_empty_batch_at_its_turn(in_order, skip_errors):
+    # Trial: a batch sampler's [] was skipped (len(loader) batches did not come); the
+    # DataLoader calls collate_fn([]) for it. In order at its turn, else at once; a group
+    # whose samples were all skipped is no batch (no sample to deliver).
+    ep = Epoch(list(range(5)), batch_size=1, groups=[0, 2, 0, 0, 1, 2, 0], in_order=in_order,
+               skip_errors=skip_errors)
+    out = run_all(ep, fail={2} if skip_errors else set())
+    got = batches(out)
+    if in_order:
+        assert got == [[], [0, 1], [], []] + ([] if skip_errors else [[2]]) + [[3, 4], []]
+    else:
+        assert got[:4] == [[], [], [], []]
+        assert sorted(map(tuple, got[4:])) == [(0, 1)] + ([] if skip_errors else [(2,)]) + [(3, 4)]
+    assert isinstance(out[-1], End) and ep.batches == len(got)
+    # an epoch of empty groups only: its empty batches, then its end
+    assert batches(Epoch([], batch_size=1, groups=[0, 0], in_order=in_order).start()) == [[], []]
 
 
 def test_batch_sampler_groups_in_order_and_a_skip_shortens_its_group():
@@ -323,7 +344,9 @@ def test_a_resumed_epoch_delivers_the_batches_after_the_checkpoint(in_order, kw)
     whole = positions(run_all(Epoch(order, batch_size=3, in_order=in_order, **kw)))
     for k in range(len(whole) + 1):
         done = [p for b in whole[:k] for p in b]
-        ep = Epoch(order, batch_size=3, in_order=in_order, done=done, **kw)
+        # (an empty batch, a batch sampler's [], is counted: Progress.empties)
+        ep = Epoch(order, batch_size=3, in_order=in_order, done=done,
+                   done_empty=sum(not b for b in whole[:k]), **kw)
         rest = run_all(ep)
         assert positions(rest) == whole[k:]
         assert isinstance(rest[-1], End)
@@ -395,13 +418,15 @@ def test_random_interleavings_deliver_every_position_exactly_once(seed):
             while left:
                 groups.append(rng.randint(0, min(left, 2 * B)))
                 left -= groups[-1]
-        # A resumed epoch: some positions were delivered before a checkpoint.
+        # A resumed epoch: some positions were delivered before a checkpoint (and some of the
+        # empty groups' batches).
         done = rng.sample(range(n), rng.randint(0, n)) if rng.random() < 0.3 else ()
+        done_empty = rng.randint(0, 3) if done and groups else 0
         ep = Epoch(
             [rng.randrange(max(n, 1)) for _ in range(n)], batch_size=B,
             drop_last=groups is None and rng.random() < 0.4, in_order=rng.random() < 0.4,
             skip_errors=rng.random() < 0.8, max_tries=rng.randint(1, 3), groups=groups,
-            done=done,
+            done=done, done_empty=done_empty,
         )
         if rng.random() < 0.5:  # slow first, with costs that may move while the epoch runs
             costs = {i: rng.choice([0.0, 0.01, 0.5, 2.0]) for i in range(max(n, 1))}
@@ -528,17 +553,28 @@ def _check_one_run(ep: Epoch, rng: random.Random) -> None:
         starts = [sum(ep.groups[:g]) for g in range(len(ep.groups))]
         group_of = {p: g for g in range(len(ep.groups)) for p in range(starts[g], starts[g] + ep.groups[g])}
         emitted, i = [], 0
+        # The empty groups' batches: each once but the first done_empty, at once in
+        # completion order, at their turn in order.
+        empties = [g for g, k in enumerate(ep.groups) if k == 0]
+        due = iter(empties[ep.done_empty:])
         for size in sizes:
             batch = delivered[i:i + size]
             i += size
+            if not size:
+                emitted.append(next(due))
+                continue
             g = group_of[batch[0]]
             want = [p for p in range(starts[g], starts[g] + ep.groups[g])
                     if p not in skipped and p not in prior]
             assert batch == want
             emitted.append(g)
         assert len(set(emitted)) == len(emitted)
+        assert next(due, None) is None, "an empty group's batch did not come"
         if ep.in_order:
             assert emitted == sorted(emitted)
+        else:
+            due_n = max(0, len(empties) - ep.done_empty)
+            assert sizes[:due_n] == [0] * due_n  # (complete at once: first)
         return
     # Every position is final exactly once: delivered, skipped, raised, or (drop_last) dropped.
     assert len(raised) == len(set(raised)) == ep.raised and set(raised) <= dropped

@@ -368,6 +368,83 @@ def test_batch_sampler_batches_are_the_samplers_lists(in_order, workers):
         assert got.index([0, 1, 2]) > 0  # the batch with the straggler is not first
 
 
+def _empty_or_firsts(samples: list) -> object:
+    """A user's collate_fn that takes an empty batch: ``("empty", 0)`` for it."""
+    return ("empty", 0) if not samples else [int(s[0]) for s in samples]
+
+
+def _each(it) -> list:
+    """Every batch (first column, or what the collate_fn made) and error (its type's name)
+    of an iterator whose loop catches errors and goes on, in the order they came."""
+    out = []
+    while True:
+        try:
+            b = next(it)
+        except StopIteration:
+            return out
+        except Exception as e:  # noqa: BLE001 - the loop goes on, as after a DataLoader's
+            out.append(type(e).__name__)
+            continue
+        out.append(b[:, 0].tolist() if isinstance(b, torch.Tensor) else b)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("collate_fn", [None, _empty_or_firsts], ids=["default", "user"])
+@pytest.mark.parametrize("workers, kind, in_order", [
+    (0, "process", True), (2, "process", True), (2, "process", False), (2, "thread", True),
+    (2, "thread", False)])
+def test_an_empty_batch_from_the_batch_sampler_is_collated_as_the_dataloaders(
+        workers, kind, in_order, collate_fn, on_error):
+    # Trial: a batch sampler's [] was skipped, so one batch fewer than len(loader) came. The
+    # DataLoader fetches nothing and calls collate_fn([]): default_collate's IndexError takes
+    # the batch's place (the loop may catch it and go on), a user's collate_fn's result is
+    # the batch. on_error="skip" skips samples, and an empty batch has none: the same.
+    ds = Indexed(8)
+    bs = [[0, 1], [], [2, 3], [4, 5, 6], [], [7], []]
+    want = _each(iter(DataLoader(ds, batch_sampler=bs, collate_fn=collate_fn)))
+    empty = "IndexError" if collate_fn is None else ("empty", 0)
+    assert want == [[0, 1], empty, [2, 3], [4, 5, 6], empty, [7], empty]
+    with Loader(ds, batch_sampler=bs, collate_fn=collate_fn, num_workers=workers,
+                worker_kind=kind, in_order=in_order, on_error=on_error, autotune=False) as L:
+        for _ in range(2):  # (two epochs: the next pass is whole too)
+            got = _each(iter(L))
+            assert len(got) == len(L) == 7
+            if in_order or not workers:
+                assert got == want
+            else:  # (complete at once: the empty ones first, then as they complete)
+                assert got[:3] == [empty] * 3
+                assert sorted(map(str, got[3:])) == sorted(map(str, [[0, 1], [2, 3], [4, 5, 6], [7]]))
+        if collate_fn is None:
+            snap = L.snapshot()
+            assert snap.errors_raised_total == 6 and snap.samples_lost_total == 0
+        assert L.state_dict()["finished"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_batch_is_delivered_once_across_a_resume(workers):
+    # A checkpoint after the batch sampler's [] (no position marks it, Progress.empties
+    # counts it) resumes after it; one before it resumes with it: the batches after the
+    # checkpoint are those of the uninterrupted epoch.
+    ds = Indexed(6)
+    bs = [[], [0, 1], [], [2, 3], [4, 5], []]
+    kw = dict(batch_sampler=bs, collate_fn=_empty_or_firsts, num_workers=workers,
+              in_order=True, autotune=False, seed=0)
+    with Loader(ds, **kw) as L:
+        whole = list(L)
+    assert whole == [("empty", 0), [0, 1], ("empty", 0), [2, 3], [4, 5], ("empty", 0)]
+    for k in range(1, len(whole) + 1):
+        with Loader(ds, **kw) as L:
+            it = iter(L)
+            assert [next(it) for _ in range(k)] == whole[:k]
+            state = L.state_dict()
+        # (every sample delivered, the last [] not: the epoch has not ended)
+        assert state["finished"] == (k == len(whole))
+        with Loader(ds, **kw) as L:
+            L.load_state_dict(state)
+            # (an ended epoch's state: the next pass is the next epoch)
+            assert list(L) == (whole[k:] if k < len(whole) else whole), k
+
+
 def test_batch_sampler_set_epoch_reaches_its_sampler_and_excludes_batch_args():
     ds = Indexed(8)
     sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)

@@ -34,8 +34,13 @@ Rules:
   loses its whole batch and the batches after it are the ones an epoch without it delivers.
 * With ``groups`` (a ``batch_sampler``'s batches), a batch is one group, emitted when all its
   positions are final: the first complete group first (default) or in group order
-  (``in_order``); a skipped sample shortens its own group; ``drop_last`` does not apply (the
-  batch sampler decides).
+  (``in_order``); a skipped sample shortens its own group (one whose samples are all skipped
+  emits nothing); ``drop_last`` does not apply (the batch sampler decides). An empty group (a
+  batch sampler that yields ``[]``) is an empty batch, emitted (``Emit(())``) at the epoch's
+  start in completion order (it is complete at once), at its turn in order: the DataLoader
+  fetches nothing for it and calls ``collate_fn([])``, whose result (or error:
+  ``default_collate``'s ``IndexError``) takes the batch's place, so ``len(loader)`` batches
+  come, as its batch sampler's ``len()`` says.
 * ``on_error="raise"``: the error goes to the training loop and the epoch goes on, so a loop
   that catches it gets the batches after it, as from the DataLoader's iterator. Lost with it
   (:attr:`Raise.lost`): in completion order the failing sample alone (its batch is made of
@@ -203,6 +208,9 @@ class Epoch:
             ``batch_sampler``'s lists, flattened into ``order``), or ``None``.
         done: positions already final before this epoch runs (delivered before a
             checkpoint; see ``Loader.state_dict``). Repeats are ignored.
+        done_empty: with ``groups``, how many of the empty groups (in group order: the order
+            in which they are emitted, in order or not) were delivered before a checkpoint:
+            they are not emitted again.
         cost: slow first: a dataset index's predicted seconds (``costs.SampleCosts.
             estimate``); None (the default): fresh positions go in sampler order. See
             :meth:`take`.
@@ -223,6 +231,7 @@ class Epoch:
     max_tries: int = 3
     groups: Sequence[int] | None = None
     done: Iterable[int] = ()
+    done_empty: int = 0
     _cursor: int = 0
     _redo: deque = field(default_factory=deque)
     _attempt: dict = field(default_factory=dict)  # pos -> current attempt, while in flight
@@ -283,6 +292,10 @@ class Epoch:
             self._lost_groups: set = set()  # groups lost to an error (raised or waiting to be)
             self._failing: dict = {}  # lost group -> its first failure in position order, until raised
             self._next_group = 0
+            # empty groups (a batch sampler's []) still to emit as empty batches, in group
+            # order; those delivered before a checkpoint (done_empty) are not
+            empties = [g for g, k in enumerate(sizes) if k == 0]
+            self._empty_due: set = set(empties[max(0, int(self.done_empty)):])
         self._prior = bytearray(n)  # pos -> 1: final before the epoch ran
         # (read at every dispatch: computed once)
         self._min_window = (max(self._left, default=1) or 1
@@ -368,8 +381,16 @@ class Epoch:
 
     # -- transitions --------------------------------------------------------------------
     def start(self) -> list[Decision]:
-        """Decisions due before any event (an empty epoch ends at once)."""
-        return self._maybe_end([])
+        """Decisions due before any event: the empty groups' batches (in order, those before
+        the first group with a sample); an empty epoch ends at once."""
+        out: list[Decision] = []
+        if self.groups is not None and self._empty_due:
+            if self.in_order:
+                self._drain_groups(out)
+            else:  # (complete at once: the first complete first)
+                out += [self._batch([]) for _ in range(len(self._empty_due))]
+                self._empty_due.clear()
+        return self._maybe_end(out)
 
     def take(self, n: int) -> list[Task]:
         """Up to ``n`` positions to dispatch now: re-dispatches first, then fresh ones.
@@ -658,22 +679,37 @@ class Epoch:
                 out.append(self._batch(items))
             return self._maybe_end(out)
         self._complete[g] = items
-        while self._next_group in self._complete:
-            items = self._complete.pop(self._next_group)
-            self._next_group += 1
-            if isinstance(items, _Failure):
-                out.append(Raise(items.error, pos=items.pos, lost=self._span(self._next_group - 1)))
-            elif items:
-                out.append(self._batch(items))
-            self._empty_groups()
+        self._drain_groups(out)
         return self._maybe_end(out)
 
+    def _drain_groups(self, out: list[Decision]) -> None:
+        """In order: emit the groups whose turn has come, complete ones and empty ones."""
+        while True:
+            g = self._next_group
+            if g in self._complete:
+                items = self._complete.pop(g)
+            elif g in self._empty_due:  # a batch sampler's [] at its turn
+                self._empty_due.discard(g)
+                items = None
+            else:
+                return
+            self._next_group += 1
+            if isinstance(items, _Failure):
+                out.append(Raise(items.error, pos=items.pos, lost=self._span(g)))
+            elif items is None:
+                out.append(self._batch([]))
+            elif items:  # (a group whose samples were all skipped emits nothing)
+                out.append(self._batch(items))
+            self._empty_groups()
+
     def _empty_groups(self) -> None:
-        """In order, step over groups with nothing left to emit: empty ones (a batch sampler
-        may yield ``[]``) and those delivered before a checkpoint (every position ``done``)."""
+        """In order, step over groups with nothing left to emit: those delivered before a
+        checkpoint (every position ``done``; an empty one among the first ``done_empty``).
+        An empty group still due stops it: its batch is emitted at its turn."""
         if self.in_order:
             while (self._next_group < len(self._left) and self._left[self._next_group] == 0
-                   and self._next_group not in self._complete):
+                   and self._next_group not in self._complete
+                   and self._next_group not in self._empty_due):
                 self._next_group += 1
 
     def _maybe_end(self, out: list[Decision]) -> list[Decision]:
@@ -681,6 +717,8 @@ class Epoch:
             return out
         if self._final + len(self._ready) < self.size:
             return out
+        if self.groups is not None and self._empty_due:
+            return out  # (in order, an empty batch still to come: emitted at its turn)
         # Every position is final or ready: the remainder (< batch_size) is the last batch.
         if self._ready:
             if self.drop_last:

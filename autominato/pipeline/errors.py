@@ -181,7 +181,10 @@ def note_batch(error: BaseException, indices: list,
     notes = getattr(error, "__notes__", [])
     if any(n.startswith("[autominato] collating") for n in notes):
         return  # (one instance raised again: its first batch's note stays)
-    if any(int(i) < 0 for i in indices):  # an iterable dataset's: no index
+    if not indices:  # (the DataLoader too calls collate_fn([]): default_collate's IndexError)
+        error.add_note("[autominato] collating an empty batch (the batch_sampler gave []) "
+                       "failed")
+    elif any(int(i) < 0 for i in indices):  # an iterable dataset's: no index
         error.add_note("[autominato] collating a batch failed")
     else:
         paths = [path_of(int(i)) for i in indices]

@@ -447,10 +447,11 @@ class Pipeline:
     # -- any thread -------------------------------------------------------------------------
     def start(self, order: Sequence[int], epoch: int, groups: Sequence[int] | None = None,
               done: Sequence[int] = (), nxt: tuple[Sequence[int], int] | None = None,
-              unique: bool = False) -> Run:
+              unique: bool = False, done_empty: int = 0) -> Run:
         """Start a run over ``order`` (dataset indices) for augmentation epoch ``epoch``;
         ``groups``: the sizes of a ``batch_sampler``'s batches (see ``Epoch.groups``);
-        ``done``: positions delivered before a checkpoint (see ``Epoch.done``); ``unique``:
+        ``done``: positions delivered before a checkpoint (see ``Epoch.done``; ``done_empty``:
+        the empty groups, ``Epoch.done_empty``); ``unique``:
         no index repeats in ``order`` nor in ``nxt``'s (``Epoch.unique``: their repeats
         are not looked for).
 
@@ -473,7 +474,8 @@ class Pipeline:
                 cfg = self.cfg
                 ep = Epoch(order, cfg.batch_size, drop_last=cfg.drop_last,
                            in_order=cfg.in_order, skip_errors=cfg.on_error == "skip",
-                           max_tries=cfg.max_tries, groups=groups, done=done, unique=unique,
+                           max_tries=cfg.max_tries, groups=groups, done=done,
+                           done_empty=done_empty, unique=unique,
                            cost=self.costs.estimate if self._slow_first else None)
                 run = self._start(epoch, ep)
                 self.cold_starts += 1
@@ -1818,7 +1820,9 @@ class Pipeline:
         released = False
         try:
             pool = self.batch_pool
-            first = items[0][2].slots
+            # (no items: a batch sampler's [] batch, collated as the DataLoader does:
+            # collate_fn([]), the default's IndexError taking the batch's place)
+            first = items[0][2].slots if items else ()
             if first and type(first[-1]) is RowRef:
                 buf = first[-1].buf
                 if all(c.slots and type(c.slots[-1]) is RowRef and c.slots[-1].buf is buf
