@@ -743,6 +743,9 @@ class Loader:
         self._draws = 0 if seed is not None else 1  # numbers drawn for passes so far
         self._dl_passes = 0  # the passes the DataLoader would have made by now
         self._sampler_draws = 0  # passes its RandomSampler drew for (shuffle=True)
+        # its permutations drawn at a pass's end, owed by the pass about to begin
+        # (shuffle=True with a generator; see _draw_as_the_dataloader)
+        self._tail_owed = 0
         self._last_pass: int | None = None  # id() of the latest pass's iterator
         self._asks = 0  # next() calls, of every pass
         self._asks_at_pass = 0  # next() calls when the latest pass began
@@ -1065,16 +1068,18 @@ class Loader:
         # All ranks must draw one permutation (DistributedSampler's seed 0 when none is given).
         self.shuffle_seed = 0 if not self._seed_given and self.world_size > 1 else self.seed
 
-    def _order(self, epoch: int) -> tuple[list[int], list[int] | None]:
+    def _order(self, epoch: int, at_end: list | None = None) -> tuple[list[int], list[int] | None]:
         """The epoch's dataset indices in sampler order, and the sizes of the batch
-        sampler's batches (``None`` without one)."""
+        sampler's batches (``None`` without one). ``at_end``: what reads a user's
+        ``RandomSampler`` to its end is put there (``sampler.read_sampler``)."""
         if self._batch_sampler is not None:
             batches = read_sampler(self._batch_sampler, self._n, "batch_sampler",
-                                   batches=True)
+                                   batches=True, at_end=at_end)
             return [i for b in batches for i in b], [len(b) for b in batches]
         return epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=self._sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self._batch, drop_last=self.drop_last,
+            at_end=at_end,
         ), None
 
     #: What ``__iter__`` moves before its pass starts, put back when the start raises.
@@ -1189,7 +1194,8 @@ class Loader:
                 getattr(self, name).load_state_dict(sd)
         samplers = resume.sampler_states(self)
         sampler_epochs = resume.sampler_epochs(self)
-        order, groups = self._order(self._epoch)
+        at_end: list = []  # (a RandomSampler of the user's: its end, read when the pass ends)
+        order, groups = self._order(self._epoch, at_end)
         # (a checkpoint that does not match raises here and stays pending, __iter__ puts the
         # fields back: a later pass must not start the epoch afresh and deliver again what
         # was delivered before it, review 45)
@@ -1210,6 +1216,10 @@ class Loader:
                                    empties=done_empty, empty_total=empty_total)
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
+        progress.at_end = at_end
+        # (shuffle=True with a generator: the DataLoader's RandomSampler's last draw, owed by
+        # the pass that began; a pass that replaces it, _restart_pass, takes it on)
+        progress.tail_draws, self._tail_owed = self._tail_owed, 0
         self._progress = progress
         if self.knobs.workers == 0:
             self._sync_cold_starts += 1
@@ -1283,6 +1293,9 @@ class Loader:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
                     setattr(self, name, value)
                 raise
+            # The DataLoader's RandomSampler draws at its pass's end: the fresh pass owes it
+            fresh.progress.tail_draws += it.progress.tail_draws
+            it.progress.tail_draws = 0
             # One pass, one cold start: the replaced pass's is taken back (counted in this
             # thread: start() and the sync passes)
             if isinstance(it, _SyncIterator):
@@ -1315,23 +1328,31 @@ class Loader:
             self._last_pass, self._asks_at_pass = None, self._asks
         if unused:
             self._dl_passes -= 1
+            if self._progress is not None:  # (its permutation stands for this pass's: its end too)
+                self._tail_owed += self._progress.tail_draws
+                self._progress.tail_draws = 0
         self._dl_passes += 1
         owed = self._dl_passes if self._draws_each_pass else min(self._dl_passes, 1)
         while self._draws < owed:
             draw_seed(self.generator)
             self._draws += 1
         # shuffle=True: the DataLoader's RandomSampler, iterated at every pass, persistent
-        # workers or not, draws its permutation's seed from the global generator, or two
-        # permutations (a whole pass: torch's RandomSampler.__iter__) from ``generator``
-        # (trial 141: the training loop's numbers after a shuffled pass differed)
+        # workers or not, draws its permutation's seed from the global generator, or from
+        # ``generator`` a permutation as it starts and another as it ends (torch's
+        # RandomSampler.__iter__: ``randperm(n)[:0]``, the last slice of ``num_samples``),
+        # so a pass the loop leaves early draws one: the second is owed by the pass and
+        # drawn when it ends whole (_pass_ended; trial 141: the training loop's numbers
+        # after a shuffled pass differed; trial: both drawn at iter(), a pass left with a
+        # break drew one too many, and the generator's permutations after it, a
+        # RandomSampler's of the user's, were not the DataLoader's)
         if (self.shuffle and self._sampler is None and self._batch_sampler is None
                 and not self._iterable and self.world_size == 1):
             while self._sampler_draws < self._dl_passes:
                 if self.generator is None:
                     draw_seed(None)
                 else:
-                    for _ in range(2):
-                        torch.randperm(self._n, generator=self.generator)
+                    torch.randperm(self._n, generator=self.generator)
+                    self._tail_owed += 1
                 self._sampler_draws += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -1771,7 +1792,18 @@ class Loader:
         is silent there, but a trainer that sets the epoch only on a DataLoader's sampler
         (MONAI's engines check ``isinstance(loader, DataLoader)``) leaves this one at its
         epoch: every epoch the same permutation. Passes that deliver no batch (Lightning's
-        check, an ``iter()`` made before ``set_epoch``) are no epochs here."""
+        check, an ``iter()`` made before ``set_epoch``) are no epochs here.
+
+        First, what the DataLoader's sampler draws when its pass reaches the end (and a
+        pass the loop leaves early does not): ``shuffle=True``'s RandomSampler's second
+        permutation from ``generator``, a user's ``RandomSampler`` read to its end
+        (``sampler.read_sampler``'s ``at_end``)."""
+        at_end, progress.at_end = progress.at_end, []
+        for finish in at_end:
+            finish()
+        for _ in range(progress.tail_draws):
+            torch.randperm(progress.dataset_len, generator=self.generator)
+        progress.tail_draws = 0
         if not (isinstance(self._sampler, DistributedSampler) and self._sampler.shuffle):
             return
         epoch = progress.sampler_epochs.get("sampler")  # as the pass began

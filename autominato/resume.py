@@ -77,6 +77,11 @@ class Progress:
         self.dataset_len: int | None = None
         #: :func:`sampler_epochs` as the epoch began (set by the Loader; map-style)
         self.sampler_epochs: dict[str, int] = {}
+        #: what the DataLoader's sampler draws at its pass's end, done when this pass ends
+        #: whole (set by the Loader; map-style): callables, and ``shuffle=True``'s
+        #: permutations of ``len(dataset)`` from the Loader's ``generator``
+        self.at_end: list[Callable[[], Any]] = []
+        self.tail_draws = 0
 
     @property
     def digest(self) -> str | None:

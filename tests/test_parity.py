@@ -275,6 +275,45 @@ def test_a_shuffled_pass_draws_what_the_dataloaders_random_sampler_draws(kwargs,
     assert run(Loader) == run(DataLoader)
 
 
+@pytest.mark.parametrize("how", ["shuffle", "sampler", "batch_sampler"])
+@pytest.mark.parametrize("kwargs", [
+    {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}])
+def test_a_pass_left_early_draws_from_the_generator_what_the_dataloaders_draws(kwargs, how):
+    # Trial: a pass the loop left with a break drew two permutations from generator= (the
+    # DataLoader's RandomSampler draws the second only when its pass reaches the end), and
+    # a RandomSampler of the user's was read to its end, drawing one more too: with the same
+    # generator the next epochs' orders (and the loop's own draws) were not the DataLoader's.
+    from torch.utils.data import RandomSampler
+
+    ds = list(range(40))  # (10 batches: the DataLoader's workers prefetch 4 + 1 a batch)
+
+    def run(make) -> list:
+        g = torch.Generator().manual_seed(7)
+        if how == "shuffle":
+            loader = make(ds, 4, shuffle=True, generator=g, **kwargs)
+        elif how == "sampler":
+            loader = make(ds, 4, sampler=RandomSampler(ds, generator=g), generator=g, **kwargs)
+        else:
+            bs = BatchSampler(RandomSampler(ds, generator=g), 4, drop_last=False)
+            loader = make(ds, batch_sampler=bs, generator=g, **kwargs)
+        seen = []
+        for stop in (2, None, 1, None, 3):  # batches taken before a break (None: whole)
+            got = []
+            for batch in loader:
+                got.append(batch.tolist())
+                if len(got) == stop:
+                    break
+            seen += [got if how != "shuffle" else len(got),  # (the Loader's own shuffle)
+                     torch.randperm(8, generator=g).tolist()]
+        getattr(loader, "close", lambda: None)()
+        return seen
+
+    def loader(*args, **kw):
+        return Loader(*args, in_order=True, autotune=False, **kw)
+
+    assert run(loader) == run(DataLoader)
+
+
 def test_generator_seeds_shuffling_when_seed_is_not_given():
     def order(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)

@@ -8,13 +8,14 @@ the DataLoader's ``BatchSampler`` would leave in its last, short batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 #: Indices (those of a ``batch_sampler``'s batches too) read from a user's sampler in one pass
 #: at most, unless its ``len()`` says more: ``max(MAX_ORDER_PER_SAMPLE * len(dataset),
@@ -39,7 +40,28 @@ def _index(x: Any) -> int:
         raise _NotAnIndex(f"{x!r}, a {type(x).__name__}") from None
 
 
-def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = False) -> list:
+def _exact(sampler: Any, batches: bool) -> bool:
+    """Whether ``sampler`` is torch's ``RandomSampler`` as it is (its ``__iter__`` and
+    ``__len__``), or torch's ``BatchSampler`` of one: it yields exactly ``len()`` items, and
+    asked for one more it may draw from its generator before it ends (``num_samples`` a
+    multiple of ``n``, the default: ``randperm(n)[:0]``, a whole permutation)."""
+    if batches:
+        if type(sampler) is not BatchSampler:
+            return False
+        sampler = sampler.sampler
+    cls = type(sampler)
+    return (isinstance(sampler, RandomSampler) and cls.__iter__ is RandomSampler.__iter__
+            and cls.__len__ is RandomSampler.__len__)
+
+
+def _finish(it: Any) -> None:
+    """Run a sampler's iterator to its end (what it draws there)."""
+    for _ in it:
+        pass
+
+
+def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = False,
+                 at_end: list | None = None) -> list:
     """The indices of one pass over ``sampler`` (with ``batches``, a batch sampler's batches,
     each a list of ints), refusing a sampler that does not end.
 
@@ -49,6 +71,15 @@ def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = Fa
         n: the dataset's length.
         name: the argument's name in the error.
         batches: ``sampler`` yields batches (lists of indices).
+        at_end: where given and ``sampler`` is torch's ``RandomSampler`` (or a
+            ``BatchSampler`` of one), its ``len()`` items are read and the iterator is not
+            asked for more: what runs it to its end is appended to ``at_end``, for the
+            caller to run when its pass ends whole. Exhausted, a ``RandomSampler`` draws
+            one more permutation from its generator (the last, empty, slice of
+            ``num_samples``), which the DataLoader's sampler draws only when its pass
+            reaches the end: a pass the loop leaves early (a ``break``) then draws one, not
+            two, and the permutations after it are the DataLoader's (trial: with the same
+            generator they differed from the next epoch on).
 
     Raises:
         ValueError: the pass gave more than ``max(MAX_ORDER_PER_SAMPLE * n, MAX_ORDER,
@@ -57,6 +88,15 @@ def read_sampler(sampler: Any, n: int, name: str = "sampler", batches: bool = Fa
             ``2 * len(batch_sampler)`` batches): an endless sampler.
     """
     cap = max(MAX_ORDER_PER_SAMPLE * max(n, 1), MAX_ORDER)  # indices
+    if at_end is not None and _exact(sampler, batches):
+        it = iter(sampler)
+        k = len(sampler)
+        if batches:
+            out = [list(map(_index, b)) for b in itertools.islice(it, k)]
+        else:
+            out = list(map(_index, itertools.islice(it, k)))
+        at_end.append(functools.partial(_finish, it))
+        return out
     try:
         items = 2 * int(len(sampler))  # what its length allows: indices, or batches
     except Exception:  # noqa: BLE001 - no length (or one that refuses): the bound as it is
@@ -103,6 +143,7 @@ def epoch_order(
     world_size: int = 1,
     batch_size: int = 1,
     drop_last: bool = False,
+    at_end: list | None = None,
 ) -> list[int]:
     """Dataset indices of one epoch on one rank, in sampler order.
 
@@ -115,12 +156,13 @@ def epoch_order(
             as with the DataLoader: overriding it would replay the wrong epoch on resume).
         rank, world_size: this process's share (``DistributedSampler`` semantics).
         batch_size, drop_last: with ``drop_last`` the last ``len % batch_size`` are dropped.
+        at_end: see :func:`read_sampler` (``sampler``'s end, deferred).
 
     Returns:
         The list of indices (repeats allowed when the sampler repeats).
     """
     if sampler is not None:
-        order = read_sampler(sampler, n)
+        order = read_sampler(sampler, n, at_end=at_end)
     elif world_size > 1:
         ds = DistributedSampler(
             range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
