@@ -177,3 +177,24 @@ def test_dashboards_check_command_passes_against_the_scraped_loader(scraped, mon
         assert "Host-to-device bandwidth [A]" in out and "expected without a CUDA device" in out
         assert out.count("expected without a CUDA device") == len(dash.DEVICE_TARGETS)
     assert "expected where the worker processes read" in out
+
+
+def test_the_check_passes_a_run_in_which_no_knob_changed(scraped, monkeypatch, capsys):
+    """Trial 171: with autotune=False (or a controller that held), the decisions panel and
+    the knob changes' annotation have no data, and the check failed a healthy run. Here
+    Prometheus is made to answer as after such a run: no decision, no knob change."""
+    prom, start, end = scraped
+    undecided = ("autominato_controller_decisions_total", "changes(autominato_knob_value")
+    for name in ("query", "query_range"):
+        real = getattr(dash.PrometheusAPI, name)
+
+        def answer(self, expr, *a, _real=real, **kw):
+            return [] if any(m in expr for m in undecided) else _real(self, expr, *a, **kw)
+
+        monkeypatch.setattr(dash.PrometheusAPI, name, answer)
+    span = f"{int(time.time() - start) + 1}s"
+    rc = cli.main(["dashboards", "check", "--prometheus-url", prom.url, "--range", span,
+                   "--scrape-interval", "1s"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("no controller decision in the range") == len(dash.DECISION_TARGETS)

@@ -160,16 +160,31 @@ def at(t, batches, wait, busy):
     return snap(t, batches=batches, samples=batches, wait=wait, busy=busy)
 
 
-def test_ring_measures_over_the_window_and_falls_back_to_the_latest_earlier_snapshot():
+def test_ring_measures_over_the_window_nearest_its_length():
     ring = Ring(window_s=10.0)
     first = ring.add(at(0.0, 10, 1.0, 1.0))
     assert first.batches == 10 and math.isnan(first.seconds)  # nothing earlier: the start
     assert ring.add(at(5.0, 20, 1.0, 2.0)).batches == 10  # from t=0
-    r = ring.add(at(12.0, 40, 2.0, 3.0))  # t=0 left the window: from t=5
-    assert (r.start, r.batches, r.idle_ratio) == (5.0, 20, 0.5)
-    r = ring.add(at(40.0, 50, 2.0, 4.0))  # nothing within 10 s: the latest earlier, t=12
-    assert (r.start, r.batches) == (12.0, 10)
-    assert len(ring) == 2  # one snapshot outside the window kept as the fallback, plus t=40
+    r = ring.add(at(12.0, 40, 2.0, 3.0))  # 12 s from t=0 is nearer 10 s than 7 s from t=5
+    assert (r.start, r.batches) == (0.0, 30)
+    r = ring.add(at(16.0, 44, 2.0, 3.5))  # 11 s from t=5 is nearer than 4 s from t=12
+    assert (r.start, r.batches, r.idle_ratio) == (5.0, 24, 0.4)
+    r = ring.add(at(40.0, 50, 2.0, 4.0))  # nothing within 10 s: the latest earlier, t=16
+    assert (r.start, r.batches) == (16.0, 6)
+    assert len(ring) == 2  # one snapshot outside the window kept, plus t=40
+
+
+def test_a_window_of_jittered_scrapes_stays_near_its_length():
+    """Trial 171: a 30 s window of 15 s scrapes took the oldest snapshot within it, 15 s or
+    30 s back as the scrapes' jitter fell; every window is now 30 s give or take the jitter."""
+    ring = Ring(window_s=30.0)
+    t, lengths = 0.0, []
+    for k in range(40):
+        t += 15.0 + (0.02 if k % 2 else -0.02)
+        r = ring.add(at(t, k, 1.0, 1.0))
+        if k >= 2:
+            lengths.append(r.seconds)
+    assert min(lengths) > 29.9 and max(lengths) < 30.1, lengths
 
 
 def test_ring_needs_a_positive_window():

@@ -332,6 +332,11 @@ def _check(args: argparse.Namespace) -> int:
         )
     except (ConnectionError, RuntimeError, ValueError):
         copied = True  # unknown: the device queries are then checked as the others
+    try:
+        decided = bool(prom.query_range("autominato_controller_decisions_total",
+                                        end - args.range, end, max(1.0, args.range / 300)))
+    except (ConnectionError, RuntimeError, ValueError):
+        decided = True  # unknown: the decision queries are then checked as the others
     missing = 0
     for r in results:
         note = ""
@@ -341,6 +346,9 @@ def _check(args: argparse.Namespace) -> int:
                 note = "  (no GPU metrics: expected without NVML / DCGM)"
             elif where in dash.DEVICE_TARGETS and not copied:
                 note = "  (no host-to-device copy: expected without a CUDA device)"
+            elif where in dash.DECISION_TARGETS and not decided:
+                note = ("  (no controller decision in the range: expected with autotune=False "
+                        "or while the controller holds every knob)")
             elif where in dash.WORKER_PROCESS_TARGETS:
                 note = "  (no worker process: expected with thread workers or workers=0)"
             elif where in dash.READ_THREAD_TARGETS:
@@ -350,8 +358,8 @@ def _check(args: argparse.Namespace) -> int:
                 missing += 1
         print(f"{r.series:4d} series  {r.target.panel} [{r.target.ref_id}]{note}")
     print(f"{len(results)} queries, {missing} without series (GPU panels, device queries "
-          "while nothing was copied to a device, worker-process and read-thread queries, "
-          "not counted)")
+          "while nothing was copied to a device, decision queries while no knob changed, "
+          "worker-process and read-thread queries, not counted)")
     return 1 if missing else 0
 
 

@@ -602,7 +602,7 @@ def _bottleneck(
                     "worker_kind='process' in place of thread workers")
         return (
             "cpu", "read",
-            f"reading takes {share:.2f} of the {step * 1e3:.1f} ms step per read thread, "
+            f"reading takes {share:.2f}x the {step * 1e3:.1f} ms step per read thread, "
             f"the read {lat * 1e3:.1f} ms a sample, {cpu_share:.0%} of it on a CPU in the "
             f"training process's {n} read thread(s){ran}: decoding, not waiting on "
             f"storage{used}",
@@ -636,9 +636,10 @@ def _bottleneck(
         if knob == "workers":
             advice += _MORE_WORKERS_MEMORY if last.samples_held_for_memory_total else ""
         what = "reading and transforming" if fused else "reading"
+        per = "worker" if fused else "read thread"
         return (
             "io", stage,
-            f"{what} takes {share:.2f} of the {step * 1e3:.1f} ms step per worker, the read "
+            f"{what} takes {share:.2f}x the {step * 1e3:.1f} ms step per {per}, the read "
             f"{lat * 1e3:.1f} ms per sample (limit {(read_threshold or 0) * 1e3:.1f} ms){used}",
             advice,
         )

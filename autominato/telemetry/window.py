@@ -243,11 +243,13 @@ def slim(s: LoaderSnapshot) -> LoaderSnapshot:
 class Ring:
     """Snapshots of the last ``window_s`` seconds, for rates over a sliding window.
 
-    :meth:`add` returns the rates from the oldest kept snapshot taken within ``window_s``
-    seconds before the new one; when none is that recent, from the latest earlier one (the
-    window is then longer than asked), and with none at all from the loader's start. One
-    snapshot older than the window is kept as that fallback. Snapshots are kept slim
-    (:func:`slim`). Thread-safe.
+    :meth:`add` returns the rates from the earlier snapshot whose distance from the new one
+    is nearest ``window_s`` (the oldest within the window or the latest before it; the older
+    of two as near), and with none at all from the loader's start: so the window is
+    ``window_s`` give or take half the time between two snapshots (trial 171: the oldest
+    within the window made it one scrape interval short, and a 30 s window of 15 s scrapes
+    flipped between 15 and 30 s with their jitter). One snapshot older than the window is
+    kept for that. Snapshots are kept slim (:func:`slim`). Thread-safe.
 
     Args:
         window_s: length of the window, seconds (> 0).
@@ -266,7 +268,7 @@ class Ring:
         since = snap.time - self.window_s
         with self._lock:
             earlier = [s for s in self._snaps if s.time < snap.time]
-            base = next((s for s in earlier if s.time >= since), earlier[-1] if earlier else None)
+            base = min(earlier, key=lambda s: abs(s.time - since), default=None)
             # Forget what has left the window, but keep one snapshot as the fallback base.
             while len(self._snaps) > 1 and self._snaps[1].time < since:
                 self._snaps.popleft()
