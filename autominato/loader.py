@@ -1217,6 +1217,8 @@ class Loader:
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
         progress.at_end = at_end
+        progress.tail_with_last = (self._batch_sampler is None and not self.drop_last
+                                   and self._batch > 1 and len(order) % self._batch != 0)
         # (shuffle=True with a generator: the DataLoader's RandomSampler's last draw, owed by
         # the pass that began; a pass that replaces it, _restart_pass, takes it on)
         progress.tail_draws, self._tail_owed = self._tail_owed, 0
@@ -1786,6 +1788,19 @@ class Loader:
     def __enter__(self) -> Loader:
         return self
 
+    def _sampler_end(self, progress: resume.Progress) -> None:
+        """What the DataLoader's sampler draws when its pass reaches the sampler's end (and a
+        pass the loop leaves before does not): ``shuffle=True``'s RandomSampler's second
+        permutation from ``generator``, a user's ``RandomSampler`` read to its end
+        (``sampler.read_sampler``'s ``at_end``); once a pass. At the pass's end, or with its
+        last batch where that batch is short (``Progress.tail_with_last``)."""
+        at_end, progress.at_end = progress.at_end, []
+        for finish in at_end:
+            finish()
+        for _ in range(progress.tail_draws):
+            torch.randperm(progress.dataset_len, generator=self.generator)
+        progress.tail_draws = 0
+
     def _pass_ended(self, progress: resume.Progress) -> None:
         """A pass delivered its whole epoch: warn, once, when a shuffling
         ``DistributedSampler`` began it at the epoch that began the last whole pass. DataLoader
@@ -1794,16 +1809,9 @@ class Loader:
         epoch: every epoch the same permutation. Passes that deliver no batch (Lightning's
         check, an ``iter()`` made before ``set_epoch``) are no epochs here.
 
-        First, what the DataLoader's sampler draws when its pass reaches the end (and a
-        pass the loop leaves early does not): ``shuffle=True``'s RandomSampler's second
-        permutation from ``generator``, a user's ``RandomSampler`` read to its end
-        (``sampler.read_sampler``'s ``at_end``)."""
-        at_end, progress.at_end = progress.at_end, []
-        for finish in at_end:
-            finish()
-        for _ in range(progress.tail_draws):
-            torch.randperm(progress.dataset_len, generator=self.generator)
-        progress.tail_draws = 0
+        First, what the DataLoader's sampler draws when its pass reaches the end
+        (:meth:`_sampler_end`), where the last batch did not."""
+        self._sampler_end(progress)
         if not (isinstance(self._sampler, DistributedSampler) and self._sampler.shuffle):
             return
         epoch = progress.sampler_epochs.get("sampler")  # as the pass began
@@ -2206,6 +2214,8 @@ class _EpochIterator:
         self._taken += 1
         self.pipeline.consumed(run, waited, len(positions))
         self.progress.deliver(positions)
+        if self.progress.tail_with_last and self.progress.all_delivered:
+            self.L._sampler_end(self.progress)
         if h2d is not None:
             from autominato.pipeline.collate import record_stream
 
@@ -2405,6 +2415,8 @@ class _SyncIterator:
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
                     self.progress.deliver(pos for pos, _, _ in d.items)
+                    if self.progress.tail_with_last and self.progress.all_delivered:
+                        L._sampler_end(self.progress)
                     if L._iterable:
                         L._count_yielded(self)
                     return batch

@@ -82,6 +82,11 @@ class Progress:
         #: permutations of ``len(dataset)`` from the Loader's ``generator``
         self.at_end: list[Callable[[], Any]] = []
         self.tail_draws = 0
+        #: the DataLoader's BatchSampler reaches its sampler's end while it makes the last
+        #: batch (a short one, ``drop_last=False``): those draws come with the last batch
+        #: delivered, not at the ``next()`` after it (review 172: a loop of ``len(loader)``
+        #: steps never asks for that one)
+        self.tail_with_last = False
 
     @property
     def digest(self) -> str | None:

@@ -198,3 +198,25 @@ def test_the_check_passes_a_run_in_which_no_knob_changed(scraped, monkeypatch, c
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.count("no controller decision in the range") == len(dash.DECISION_TARGETS)
+
+
+def test_the_read_threads_query_is_checked_where_read_threads_are_measured(
+        scraped, monkeypatch, capsys):
+    """Review 172: the read threads' query was exempt whatever the loader, so a broken one
+    could never fail the check. Here Prometheus answers as for a loader with a read stage of
+    its own (its CPU counter exported) whose panel query finds nothing: a missing series."""
+    prom, start, end = scraped
+    real_range = dash.PrometheusAPI.query_range
+
+    def answer(self, expr, *a, **kw):
+        if expr == "autominato_stage_cpu_seconds_total":
+            return [{"metric": {"stage": "read"}, "values": [[end, "1.5"]]}]
+        return real_range(self, expr, *a, **kw)
+
+    monkeypatch.setattr(dash.PrometheusAPI, "query_range", answer)
+    span = f"{int(time.time() - start) + 1}s"
+    rc = cli.main(["dashboards", "check", "--prometheus-url", prom.url, "--range", span,
+                   "--scrape-interval", "1s"])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "1 without series" in out and "expected where the worker processes read" not in out

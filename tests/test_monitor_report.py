@@ -163,7 +163,7 @@ def test_autominato_monitor_prints_the_report_of_a_running_loader(capsys, decode
     assert out.startswith("Data Monitor (rank 0)")
     assert "load latency" in out and "queue wait share" in out
     assert ("diagnosis: CPU bound (read)" if decode else "diagnosis: I/O bound (read)") in out, out
-    assert "read on a CPU" in out
+    assert "read CPU demand" in out
 
 
 class _Work:

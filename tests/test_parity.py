@@ -314,6 +314,38 @@ def test_a_pass_left_early_draws_from_the_generator_what_the_dataloaders_draws(k
     assert run(loader) == run(DataLoader)
 
 
+@pytest.mark.parametrize("how", ["shuffle", "sampler"])
+@pytest.mark.parametrize("n", [12, 10])
+def test_a_loop_of_len_batches_draws_the_samplers_end_with_a_short_last_batch(n, how):
+    # Review 172: the DataLoader's BatchSampler runs its RandomSampler to the end (a last
+    # permutation from the generator) while it makes a short last batch; the Loader drew it
+    # only at the next() after it, which a loop of len(loader) steps never makes.
+    from torch.utils.data import RandomSampler
+
+    ds = list(range(n))
+
+    def run(make) -> list:
+        g = torch.Generator().manual_seed(7)
+        if how == "shuffle":
+            loader = make(ds, 4, shuffle=True, generator=g, num_workers=0)
+        else:
+            loader = make(ds, 4, sampler=RandomSampler(ds, generator=g), generator=g,
+                          num_workers=0)
+        seen = []
+        for _ in range(3):
+            it = iter(loader)
+            got = [next(it).tolist() for _ in range(len(loader))]  # no StopIteration asked
+            seen += [got if how != "shuffle" else len(got),
+                     torch.randperm(8, generator=g).tolist()]
+        getattr(loader, "close", lambda: None)()
+        return seen
+
+    def loader(*args, **kw):
+        return Loader(*args, in_order=True, autotune=False, **kw)
+
+    assert run(loader) == run(DataLoader)
+
+
 def test_generator_seeds_shuffling_when_seed_is_not_given():
     def order(seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)

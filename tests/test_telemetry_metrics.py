@@ -1095,12 +1095,18 @@ def test_the_read_stages_cpu_seconds_are_its_threads_cpu_time(wait):
         fams = scrape(loader._telemetry.url)
         rank = loader._telemetry.rank  # (the module's loader may hold rank 0)
     exported = value(fams, "autominato_stage_cpu_seconds_total", stage="read", rank=rank)
+    waited = value(fams, "autominato_stage_runqueue_wait_seconds_total", stage="read",
+                   rank=rank)
     service = value(fams, "autominato_stage_service_seconds_sum", stage="read", rank=rank)
     own = sum(reads.cpu)
     assert len(reads.cpu) == 16
     # The reads' own CPU time, plus the read threads' little around them (packing 64 bytes)
     assert own <= exported <= 1.1 * own + 16 * 0.002, (own, exported)
+    assert 0 <= waited <= service
+    # What they asked of the CPU: ran on one, or waited for one (on a busy machine a read
+    # that decodes runs for part of its time only: review 172 saw 45 % under two busy
+    # processes)
     if wait:
-        assert exported < 0.1 * service
+        assert exported + waited < 0.1 * service
     else:
-        assert exported > 0.5 * service
+        assert exported + waited > 0.5 * service, (exported, waited, service)

@@ -19,6 +19,7 @@ from autominato.pipeline.executor import ProcessWorkers
 from autominato.pipeline.executors import ProcessExecutor, ThreadExecutor
 from autominato.pipeline.shm import pack, packed_nbytes, use_slot
 from autominato.pipeline.stage import Result, Stage
+from autominato.pipeline.stats import thread_cpu
 from autominato.pipeline.worker import (
     Streams,
     WorkSpec,
@@ -91,26 +92,31 @@ def compose(p: Pipeline) -> list[Stage]:
         return Result("transform", key, sample, service_s=transform_s, read_s=read_s,
                       nbytes=packed_nbytes(sample))
 
-    read_cpu = p.stats["read"].add_cpu
+    add_cpu = p.stats["read"].add_cpu
+
+    def read_cpu(c: float, w: float) -> None:
+        # (what a read thread asked of the CPU for an item, from thread_cpu() at its start:
+        # StageSnapshot.cpu_seconds_total and runqueue_seconds_total)
+        c1, w1 = thread_cpu()
+        add_cpu(c1 - c, w1 - w)
 
     def read(key: tuple, item: tuple) -> Result:
         index, epoch, draw = item  # they seed a dataset's own random transforms
-        c = time.thread_time()
+        c, w = thread_cpu()
         try:
             sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
         finally:
-            # (the CPU time a read thread spent on it: StageSnapshot.cpu_seconds_total)
-            read_cpu(time.thread_time() - c)
+            read_cpu(c, w)
         return Result("read", key, sample, service_s=read_s, nbytes=packed_nbytes(sample))
 
     def read_packed(key: tuple, item: tuple) -> Result:
-        c = time.thread_time()
+        c, w = thread_cpu()
         try:
             return packed(key, item)
         finally:
-            read_cpu(time.thread_time() - c)
+            read_cpu(c, w)
 
     def packed(key: tuple, item: tuple) -> Result:
         index, epoch, draw = item
@@ -118,7 +124,7 @@ def compose(p: Pipeline) -> list[Stage]:
             sample, read_s, _ = run_sample(plain, index, epoch, read=True, draw=draw)
             t = time.perf_counter()
             nbytes = packed_nbytes(sample)
-            slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None
+            slot = p.slots.acquire(nbytes) if use_slot(nbytes) else None  # (never waits)
         except BaseException as e:  # noqa: BLE001
             return _failed("read", key, e, index, spec)
         try:

@@ -12,6 +12,7 @@ the individual observations); they run on the recording thread and must be cheap
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -23,6 +24,43 @@ import numpy as np
 #: Called as ``hook(stage, service_seconds, wait_seconds, nbytes)`` for every recorded item
 #: (``wait_seconds`` ``None``: the item waited in no queue of the stage's own).
 StageHook = Callable[[str, float, "float | None", int], None]
+
+class _SchedStat:
+    """This thread's ``/proc/thread-self/schedstat``, opened once (the file stays the
+    thread's) and closed with the thread's locals."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_THREAD = threading.local()
+_SCHEDSTAT = [os.path.exists("/proc/thread-self/schedstat")]
+
+
+def thread_cpu() -> tuple[float, float]:
+    """This thread's CPU time (``time.thread_time()``) and its run-queue wait so far (the
+    second field of Linux's ``/proc/thread-self/schedstat``: runnable, waiting for a core;
+    0.0 where it cannot be read), seconds. Their differences over an item are what the item
+    asked of the CPU: a thread that decodes on a busy machine runs for part of that and waits
+    for a core for the rest, which ``thread_time`` alone reads as not CPU work (review 172).
+    About 1.3 us a call here."""
+    cpu = time.thread_time()
+    if not _SCHEDSTAT[0]:
+        return cpu, 0.0
+    try:
+        f = getattr(_THREAD, "sched", None)
+        if f is None:
+            f = _THREAD.sched = _SchedStat()
+        return cpu, int(os.pread(f.fd, 64, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        _SCHEDSTAT[0] = False
+        return cpu, 0.0
+
 
 #: How many recent service / wait times a stage keeps for percentiles (a bounded ring, so a
 #: long run does not grow memory).
@@ -54,6 +92,10 @@ class StageSnapshot:
     #: stage's work is not timed on the CPU (it runs in worker processes). With the service
     #: time it tells a read that decodes from one that waits on storage.
     cpu_seconds_total: float | None = None
+    #: Seconds those threads waited runnable for a core during the items (Linux's run-queue
+    #: wait; 0.0 where it cannot be read), ``None`` where the CPU is not timed: with
+    #: ``cpu_seconds_total`` what the items asked of the CPU.
+    runqueue_seconds_total: float | None = None
 
     def service_quantile(self, q: float) -> float:
         """Quantile ``q`` in [0, 1] of the recent service times in seconds (0.0 if none)."""
@@ -90,6 +132,7 @@ class StageStats:
         self.busy = 0  # workers holding an item now, set by the scheduler
         self.hooks: list[StageHook] = []
         self.cpu_seconds_total: float | None = None  # (see StageSnapshot)
+        self.runqueue_seconds_total: float | None = None
 
     def record(self, service_s: float, wait_s: float | None = 0.0, nbytes: int = 0,
                items: int = 1) -> None:
@@ -107,11 +150,13 @@ class StageStats:
         for hook in self.hooks:
             hook(self.name, service_s, wait_s, nbytes)
 
-    def add_cpu(self, seconds: float) -> None:
-        """Add ``seconds`` of CPU time (``time.thread_time()``) a thread of this process spent
-        on one of the stage's items; called where the item ran, before it is recorded."""
+    def add_cpu(self, seconds: float, waited: float = 0.0) -> None:
+        """Add ``seconds`` of CPU time a thread of this process spent on one of the stage's
+        items and ``waited`` seconds it waited for a core meanwhile (differences of
+        :func:`thread_cpu`); called where the item ran, before it is recorded."""
         with self._lock:
             self.cpu_seconds_total = (self.cpu_seconds_total or 0.0) + seconds
+            self.runqueue_seconds_total = (self.runqueue_seconds_total or 0.0) + waited
 
     def snapshot(self) -> StageSnapshot:
         with self._lock:
@@ -129,6 +174,7 @@ class StageStats:
                 recent_service_s=tuple(self._recent_service),
                 recent_wait_s=tuple(self._recent_wait),
                 cpu_seconds_total=self.cpu_seconds_total,
+                runqueue_seconds_total=self.runqueue_seconds_total,
             )
 
 

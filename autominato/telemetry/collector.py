@@ -260,6 +260,8 @@ def _add_samples(
         put("autominato_stage_workers", st.workers, stage)
         if st.cpu_seconds_total is not None:
             put("autominato_stage_cpu_seconds_total", st.cpu_seconds_total, stage)
+            put("autominato_stage_runqueue_wait_seconds_total",
+                st.runqueue_seconds_total or 0.0, stage)
     put("autominato_accelerator_idle_ratio", idle)
     put("autominato_samples_total", s.samples_total)
     put("autominato_batches_total", s.batches_total)

@@ -332,11 +332,16 @@ def _check(args: argparse.Namespace) -> int:
         )
     except (ConnectionError, RuntimeError, ValueError):
         copied = True  # unknown: the device queries are then checked as the others
-    try:
-        decided = bool(prom.query_range("autominato_controller_decisions_total",
-                                        end - args.range, end, max(1.0, args.range / 300)))
-    except (ConnectionError, RuntimeError, ValueError):
-        decided = True  # unknown: the decision queries are then checked as the others
+    def exported(name: str) -> bool:
+        """``name`` has a series in the range (unknown: True, so that the queries that need
+        it are checked as the others)."""
+        try:
+            return bool(prom.query_range(name, end - args.range, end, max(1.0, args.range / 300)))
+        except (ConnectionError, RuntimeError, ValueError):
+            return True
+
+    decided = exported("autominato_controller_decisions_total")
+    read_threads = exported("autominato_stage_cpu_seconds_total")
     missing = 0
     for r in results:
         note = ""
@@ -351,7 +356,7 @@ def _check(args: argparse.Namespace) -> int:
                         "or while the controller holds every knob)")
             elif where in dash.WORKER_PROCESS_TARGETS:
                 note = "  (no worker process: expected with thread workers or workers=0)"
-            elif where in dash.READ_THREAD_TARGETS:
+            elif where in dash.READ_THREAD_TARGETS and not read_threads:
                 note = ("  (no read stage of its own: expected where the worker processes "
                         "read, fuse_read=True, the default)")
             else:

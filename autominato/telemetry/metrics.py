@@ -43,10 +43,10 @@ R10 = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
 
 #: Histogram buckets in seconds: the R10 series from 0.1 ms to 100 s (61 bounds). Prometheus's
 #: ``histogram_quantile`` interpolates linearly inside a bucket ``(a, r a]``, so a quantile
-#: ``q`` of values that all fall in one bucket reads between ``a (1 + q (r - 1))`` and
-#: ``r a``: with bounds 1.25-1.28x apart the median is off by -11 % to +14 % at most, the
-#: p99 by up to +28 % (steady values just above a bound: a 100 ms step's p99 reads 125 ms,
-#: trial 171); the mean, ``_sum / _count``, is exact. The 1-2.5-5-a-decade bounds before them
+#: reads somewhere in the bucket its value lies in: off by at most the bucket's width, -22 %
+#: to +28 % with bounds 1.25-1.28x apart (review 172). Of steady values (all in one bucket)
+#: the median reads -11 % to +14 % off, the p99 up to +28 % (values just above a bound: a
+#: 100 ms step's p99 reads 125 ms, trial 171); the mean, ``_sum / _count``, is exact. The 1-2.5-5-a-decade bounds before them
 #: (0.5 ms to 10 s) read a 20 ms transform's median as 17.5 ms, a 100 ms step's p99 as
 #: 175 ms, and any sample over 10 s (a large 3D volume's transforms) as 10 s (trial 168). Each
 #: ``observe`` walks the bounds: 1.0-3.4 us here (larger values cost more), against 1.1-2.3 us
@@ -144,6 +144,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "CPU time the stage's threads in the training process spent on its items (a read "
         "stage of its own: fuse_read=False or thread workers), seconds; beside the service "
         "time it tells decoding from waiting on storage.",
+        ("stage",),
+    ),
+    "autominato_stage_runqueue_wait_seconds_total": (
+        "counter",
+        "Seconds those threads waited runnable for a core during the stage's items (Linux "
+        "run-queue wait, /proc/thread-self/schedstat; 0 where it cannot be read): with the "
+        "CPU time, what the items asked of the CPU on a busy machine.",
         ("stage",),
     ),
     "autominato_accelerator_idle_ratio": (

@@ -354,7 +354,7 @@ def diagnose(
         rows.append(_row("load latency", "s/sample", lat, lat_mean, read_threshold))
         if read.cpu_seconds_total is not None:
             # (a read stage of its own, in threads of this process: its CPU share)
-            rows.append(Row("read on a CPU", "of time",
+            rows.append(Row("read CPU demand", "of time",
                             cur.stages["read"].cpu_share if cur.batches else None,
                             run.stages["read"].cpu_share, None, "ref"))
         # Stragglers (a heavy tail of slow samples) hide in the means: the slowest of the
@@ -476,16 +476,18 @@ def diagnose(
     )
 
 
-#: A read stage of its own (threads of the training process) whose threads ran on a CPU for
-#: at least this share of its service time decodes more than it waits: the read is CPU work
-#: (a read that waits on storage or sleeps runs on a CPU for a few percent of it: 0.6 % for a
-#: 20 ms sleep, 94 % for a zlib decompression, measured with ``time.thread_time()``) ...
+#: A read stage of its own (threads of the training process) whose threads ran on a CPU, or
+#: waited for a core, for at least this share of its service time decodes more than it
+#: waits: the read is CPU work (a read that waits on storage or sleeps runs on a CPU for a
+#: few percent of it: 0.6 % for a 20 ms sleep, 94 % for a zlib decompression; the run-queue
+#: wait counts, or a decoding read on a busy machine read 26 %: review 172) ...
 READ_CPU_SHARE = 0.5
-#: ... as it is where its threads together ran on at least this many cores: reads that hold
-#: the GIL wait for it more the more threads read (two threads of a Python loop ran on a CPU
-#: for 53 % of their reads' time, one core in all), a wait the share does not tell from
-#: storage's.
-READ_CPU_CORES = 0.5
+#: ... or whose threads together ran on at least this many cores: about what one process's
+#: GIL lets Python code run on, so more read threads add nothing (two threads of a Python
+#: loop ran on a CPU for 53 % of their reads' time, one core in all; sixteen threads that
+#: wait on storage for 94 % of theirs would read alike: the read is at the ceiling of the
+#: threads either way).
+READ_CPU_CORES = 0.75
 
 #: The most a suggestion multiplies a reader count by before it puts storage first.
 MAX_SCALE = 4
@@ -590,6 +592,11 @@ def _bottleneck(
         lat = rd.mean_service_s or 0.0
         n = knobs.get("read_threads", workers)
         ran = f", {cores:.2f} cores in all" if cores is not None else ""
+        if cpu_share >= READ_CPU_SHARE:
+            why = "decoding, not waiting on storage"
+        else:  # (the threads' ceiling: see READ_CPU_CORES)
+            why = ("about what the training process's GIL lets its threads run Python on: "
+                   "more read threads add nothing")
         kind = last.worker_kind or ("ray" if last.nodes else "")
         if kind == "thread":
             move = ("worker_kind='process' (the default, with fuse_read=True, its default): "
@@ -603,9 +610,8 @@ def _bottleneck(
         return (
             "cpu", "read",
             f"reading takes {share:.2f}x the {step * 1e3:.1f} ms step per read thread, "
-            f"the read {lat * 1e3:.1f} ms a sample, {cpu_share:.0%} of it on a CPU in the "
-            f"training process's {n} read thread(s){ran}: decoding, not waiting on "
-            f"storage{used}",
+            f"the read {lat * 1e3:.1f} ms a sample, {cpu_share:.0%} of it on or waiting for "
+            f"a CPU in the training process's {n} read thread(s){ran}: {why}{used}",
             f"read in the workers: {move}; or a cheaper read (samples stored uncompressed, "
             ".npy in place of .nii.gz, or preprocessed once); more read_threads help only "
             "where the decoding releases the GIL (zlib, NumPy, PIL do; Python loops do not)",

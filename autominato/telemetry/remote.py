@@ -170,6 +170,8 @@ def snapshot_from_samples(
             busy_workers=0,
             cpu_seconds_total=_find(samples, "autominato_stage_cpu_seconds_total",
                                     stage=stage, rank=rank),
+            runqueue_seconds_total=_find(samples, "autominato_stage_runqueue_wait_seconds_total",
+                                         stage=stage, rank=rank),
         )
     knobs = {
         dict(k)["knob"]: int(v)

@@ -46,6 +46,8 @@ class StageRates:
         queue_len / queue_capacity: the input queue at the end of the window, items.
         cpu_s: CPU seconds the stage's threads in this process spent on its items in the
             window (``StageSnapshot.cpu_seconds_total``), ``None`` where not measured.
+        runqueue_s: seconds those threads waited for a core meanwhile
+            (``StageSnapshot.runqueue_seconds_total``), ``None`` where not measured.
     """
 
     name: str
@@ -58,15 +60,17 @@ class StageRates:
     queue_len: int
     queue_capacity: int
     cpu_s: float | None = None
+    runqueue_s: float | None = None
 
     @property
     def cpu_share(self) -> float | None:
-        """The share of the stage's service time its threads ran on a CPU (0..1: near 1 a
-        read that decodes, near 0 one that waits on storage); ``None`` where not measured
-        or no item finished in the window."""
+        """The share of the stage's service time its threads ran on a CPU or waited for a
+        core (its CPU demand, 0..1: near 1 a read that decodes, near 0 one that waits on
+        storage; a thread that waits for the GIL counts in neither); ``None`` where not
+        measured or no item finished in the window."""
         if self.cpu_s is None or self.service_s <= 0 or self.items <= 0:
             return None
-        return min(1.0, self.cpu_s / self.service_s)
+        return min(1.0, (self.cpu_s + (self.runqueue_s or 0.0)) / self.service_s)
 
     @property
     def mean_service_s(self) -> float | None:
@@ -181,6 +185,12 @@ class Rates:
         return self.h2d_bytes / self.h2d_s if self.h2d_s > 0 else None
 
 
+def _grown(a: float | None, b: float | None) -> float | None:
+    """A counter's growth from ``a`` to ``b``; ``None`` where ``b`` does not count it (``a``
+    ``None``: from 0, it began counting after ``a``)."""
+    return None if b is None else b - (a or 0.0)
+
+
 def _stage(name: str, a: StageSnapshot | None, b: StageSnapshot, seconds: float) -> StageRates:
     return StageRates(
         name=name,
@@ -192,8 +202,9 @@ def _stage(name: str, a: StageSnapshot | None, b: StageSnapshot, seconds: float)
         workers=b.workers,
         queue_len=b.queue_len,
         queue_capacity=b.queue_capacity,
-        cpu_s=(None if b.cpu_seconds_total is None
-               else b.cpu_seconds_total - ((a.cpu_seconds_total or 0.0) if a is not None else 0.0)),
+        cpu_s=_grown(a.cpu_seconds_total if a is not None else None, b.cpu_seconds_total),
+        runqueue_s=_grown(a.runqueue_seconds_total if a is not None else None,
+                          b.runqueue_seconds_total),
     )
 
 
