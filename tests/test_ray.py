@@ -620,6 +620,22 @@ def test_actors_no_node_can_place_are_said_once(monkeypatch, caplog):
         train.stop()
 
 
+def test_a_validation_loader_beside_a_training_loader_shares_the_cores(caplog):
+    """Trial 173: a training Ray Loader holds every CPU of the cluster from its building, so
+    a validation Ray Loader built beside it (the usual pair, and Lightning's) waited for ever.
+    Its actors now ask for no CPU and share the cores, as two DataLoaders' workers do."""
+    with caplog.at_level(logging.WARNING, "autominato.pipeline"):
+        with Loader(Indexed(16), 4, worker_kind="ray", autotune=False, seed=0) as train, \
+                Loader(Indexed(8), 4, worker_kind="ray", autotune=False, seed=0,
+                       timeout=60) as val:
+            for _ in range(2):
+                assert sorted(indices(train)) == list(range(16))
+                assert sorted(indices(val)) == list(range(8))
+            assert val._pipeline.sample_stages[0].executor.shared
+            assert not train._pipeline.sample_stages[0].executor.shared
+    assert sum("share the cores" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
     """timeout= while none of the Loader's actors is ready (another Loader's hold every CPU):
     the error says the actors wait (trial 139: it said only that it timed out)."""
@@ -634,7 +650,9 @@ def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
                                      max_startup_deaths=3, on_fatal=lambda e: None)
     try:
         _placed(train, 2)
+        # (num_cpus given: a request to wait for CPUs of its own, not to share the cores)
         with Loader(Indexed(4), 2, worker_kind="ray", workers=1, timeout=1.0,
+                    ray_actor_options={"num_cpus": 1},
                     autotune=False, prefetch_next_epoch=False) as L:
             with pytest.raises(RuntimeError, match="timed out after 1 seconds") as e:
                 next(iter(L))
@@ -666,3 +684,38 @@ def test_processes_forked_after_a_ray_loader_leave_its_garbage_alone():
     os.waitpid(pid, 0)
     assert got == b"1"
     assert ray.available_resources().get("CPU", 0) >= 1  # and Ray answers
+
+
+def test_without_an_address_a_cluster_ray_finds_on_this_machine_is_joined(monkeypatch):
+    """Trial 173: with a cluster started on this machine (ray start --head, or a Cluster)
+    and RAY_ADDRESS unset, ray.init(num_cpus=...) finds it by its address file and refuses
+    num_cpus: the Loader failed with Ray's ValueError, naming no ray_address. It joins it."""
+    from autominato.pipeline import ray_executor
+
+    calls = []
+
+    class FakeRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kw):
+            calls.append(kw)
+            if "num_cpus" in kw:
+                raise ValueError("When connecting to an existing cluster, num_cpus and "
+                                 "num_gpus must not be provided.")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    monkeypatch.setattr(ray_executor, "_ray", FakeRay)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_executor.connect(None)
+    assert calls[0]["num_cpus"] >= 1 and calls[1:] == ["shutdown", {"address": "auto"}]
+    calls.clear()
+
+    def other(self, **kw):  # another ValueError is not this case: raised as it is
+        raise ValueError("something else")
+
+    monkeypatch.setattr(FakeRay, "init", other)
+    with pytest.raises(ValueError, match="something else"):
+        ray_executor.connect(None)

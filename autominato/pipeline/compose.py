@@ -198,7 +198,8 @@ def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
 
     ex = RayExecutor("transform", spec, p.post, 0, actor_options(p.cfg.ray_actor_options),
                      copy=p.cfg.collate_fn is not None, max_startup_deaths=p.cfg.max_tries,
-                     on_fatal=p._fail_runs, on_capacity=bound)
+                     on_fatal=p._fail_runs, on_capacity=bound,
+                     share="num_cpus" not in (p.cfg.ray_actor_options or {}))
     ex.resize(k.workers)  # within the bound just read
     return ex
 

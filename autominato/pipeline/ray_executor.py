@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,10 @@ from autominato.pipeline.worker import (
 )
 
 log = logging.getLogger("autominato.pipeline")
+
+#: This process's Ray executors (one a Loader): a Loader built while the others hold the
+#: cluster's CPUs shares their cores (:class:`RayExecutor`'s ``share``).
+_EXECUTORS: weakref.WeakSet = weakref.WeakSet()
 
 #: Seconds between two reads of the cluster's free CPUs (``ray.available_resources()`` asks
 #: the cluster's control store: about a millisecond, not for every dispatch round).
@@ -98,10 +103,12 @@ def connect(address: str | None = None) -> None:
     """Connect this process to Ray, once.
 
     Args:
-        address: ``None``: the cluster in ``RAY_ADDRESS`` when that is set, else a new local
-            Ray instance sized to the usable cores (:func:`usable_cores`); ``"auto"`` or
-            ``"ray://host:port"`` (Ray Client) or ``"host:port"``, as ``ray.init`` takes them.
-            Ignored when this process is connected already (``ray.is_initialized()``).
+        address: ``None``: the cluster in ``RAY_ADDRESS`` when that is set, else one started
+            on this machine (``ray start --head``: Ray finds it by the address file it
+            wrote), else a new local Ray instance sized to the usable cores
+            (:func:`usable_cores`); ``"auto"`` or ``"ray://host:port"`` (Ray Client) or
+            ``"host:port"``, as ``ray.init`` takes them. Ignored when this process is
+            connected already (``ray.is_initialized()``).
 
     Raises:
         ImportError: Ray is not installed.
@@ -111,10 +118,22 @@ def connect(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        ray.init(num_cpus=usable_cores(), include_dashboard=False)
-    else:
+    if address is not None:
         ray.init(address=address)
+        return
+    try:
+        ray.init(num_cpus=usable_cores(), include_dashboard=False)
+    except ValueError as e:
+        # ray.init() without an address joins a cluster started on this machine (its
+        # address file), and then refuses num_cpus (trial 173: "When connecting to an
+        # existing cluster, num_cpus and num_gpus must not be provided", the README's
+        # `ray start --head` then the script): join it as it is
+        if "existing cluster" not in str(e):
+            raise
+        ray.shutdown()  # (the refused call's half-made state: its actors died at start)
+        ray.init(address="auto")
+        log.info("joined the Ray cluster started on this machine (ray start --head; "
+                 "ray_address='local' starts a new instance instead)")
 
 
 _forks_guarded = False
@@ -299,7 +318,8 @@ class RayExecutor:
     def __init__(self, name: str, spec: WorkSpec, post: Callable[[Result], None], size: int,
                  options: dict, copy: bool, max_startup_deaths: int,
                  on_fatal: Callable[[BaseException], None],
-                 on_capacity: Callable[[int], None] | None = None) -> None:
+                 on_capacity: Callable[[int], None] | None = None,
+                 share: bool = False) -> None:
         ray = _ray()
         guard_forks()
         self._ray = ray
@@ -309,6 +329,22 @@ class RayExecutor:
         self._opts = dict(options)
         self._cpus = float(self._opts["num_cpus"])
         self._threads = max(1, int(self._cpus))
+        self._stopped = False
+        self._actors: dict[int, _Actor] = {}
+        # Another Loader of this process holds the CPUs (a training Loader beside which a
+        # validation one is built: trial 173, the second waited for ever, in a plain loop
+        # and under Lightning): this one's actors ask for no CPU and share the cores, as
+        # two DataLoaders' worker processes do. Only where num_cpus is the default (a
+        # number the user gave is a request to wait for).
+        self.shared = share and self._others_hold_the_cpus()
+        if self.shared:
+            self._opts["num_cpus"] = 0
+            log.warning(
+                "another Loader of this process holds (or is placing) actors on the Ray "
+                "cluster's CPUs, leaving none for this one: its transform actors share the "
+                "cores with them (num_cpus=0, as worker processes of two DataLoaders share "
+                "them); pass ray_actor_options={'num_cpus': ...} to wait for CPUs of their own "
+                "instead")
         self._cls = ray.remote(SampleActor).options(**self._opts, **OWN_OPTIONS)
         self._spec_ref = ray.put(spec)
         self._here = ray.get_runtime_context().get_node_id()
@@ -317,7 +353,6 @@ class RayExecutor:
         self.on_capacity = on_capacity
         self.restarts = 0
         self._lock = threading.Lock()
-        self._actors: dict[int, _Actor] = {}
         self._pending: list[tuple[Any, Any]] = []  # submitted, not yet sent
         self._next_wid = 0
         self._startup_deaths = 0
@@ -327,7 +362,6 @@ class RayExecutor:
         self._spec_gen = 0  # bumped by reload: actors of an older spec are not kept
         self._doomed: list[_Actor] = []  # to kill (retired, or dead) from the scheduler thread
         self._nodes: dict[str, _Node] = {}
-        self._stopped = False
         self._capacity: int | None = None
         self._next_capacity = 0.0
         self._last_kill = -math.inf
@@ -336,6 +370,7 @@ class RayExecutor:
         _quiet_read_only_warning()
         self._refresh_capacity()
         self.resize(size)
+        _EXECUTORS.add(self)  # (whole: another Loader's construction reads it)
 
     # -- the Executor protocol (scheduler thread) ----------------------------------------------
     # Ray is called only from here, never from its own callback threads (an actor started or
@@ -489,7 +524,7 @@ class RayExecutor:
             # Shut down by the training script first: its actors went with it, and a kill
             # would start a new local Ray instance (review 140).
             return
-        held = len(live) * self._cpus
+        held = 0.0 if self.shared else len(live) * self._cpus  # (shared: none held)
         before = self._free_cpus() if held else None
         self._kill(actors)
         if before is not None:
@@ -506,6 +541,20 @@ class RayExecutor:
                 now = time.monotonic()
                 if free > last:
                     rose, last = now, free
+
+    def _others_hold_the_cpus(self) -> bool:
+        """The other live executors of this process hold, or are placing, actors whose CPUs
+        leave the cluster's CPUs no room for one of these (their actors still being placed
+        are not in the free CPUs yet: counted by what they want)."""
+        others = [e for e in list(_EXECUTORS) if e is not self and not e._stopped and not e.shared]
+        held = sum(e._cpus * max(e.want, e._live()) for e in others)
+        if held <= 0:
+            return False
+        try:
+            total = float(self._ray.cluster_resources().get("CPU", 0.0))
+        except Exception:  # noqa: BLE001 - the cluster did not answer: no sharing
+            return False
+        return held + self._cpus > total + 1e-9
 
     def _free_cpus(self) -> float | None:
         """The cluster's free CPUs now, ``None`` where Ray does not answer (shut down)."""
@@ -564,7 +613,10 @@ class RayExecutor:
                 return  # an actor being placed holds CPUs that its readiness does not show yet
             placed = sum(1 for a in self._actors.values() if a.ready)
         try:
-            cap = max(1, placed + free_actors(self._cpus))
+            if self.shared:  # (no CPU asked: as many as the cluster has, as process workers)
+                cap = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+            else:
+                cap = max(1, placed + free_actors(self._cpus))
         except Exception:  # noqa: BLE001 - the cluster did not answer: keep the last bound
             log.debug("could not read the Ray cluster's free CPUs", exc_info=True)
             return
