@@ -708,6 +708,21 @@ class Loader:
             cores = _ray_capacity(ray_address, ray_actor_options)
         start = dict(knobs)
         if cfg is not None:
+            # An argument wins over the file's knob: said, since a DataLoader call converted
+            # as it was (num_workers=, prefetch_factor=) loses the tuned values without a
+            # word otherwise (trial 173)
+            said = {"workers": "num_workers" if num_workers is not None else "workers",
+                    "depth": "prefetch_factor" if prefetch_factor is not None else "depth"}
+            over = [(said.get(k, k), v, k, cfg["knobs"][k]) for k, v in knobs.items()
+                    if k in cfg["knobs"] and cfg["knobs"][k] != v]
+            if over:
+                log.warning(
+                    "%s given to the Loader override%s the configuration's %s (%s): an "
+                    "argument wins; leave %s out to use the configuration's",
+                    ", ".join(f"{a}={v}" for a, v, _, _ in over), "" if len(over) > 1 else "s",
+                    ", ".join(f"{k}={c}" for _, _, k, c in over),
+                    config if isinstance(config, (str, os.PathLike)) else "config=",
+                    "it" if len(over) == 1 else "them")
             start = {**cfg["knobs"], **start}
         values, bounds = default_knobs(self._batch, cores, start.get("workers"))
         if cfg is not None:
@@ -756,9 +771,12 @@ class Loader:
         if "workers" not in knobs and values["workers"] > bounds["workers"][1]:
             # A configuration tuned on a bigger machine: say so rather than oversubscribe.
             log.warning("the configuration asks for %d workers, more than the workers bound "
-                        "of %d (the configuration's bounds, within this machine's %d usable "
-                        "cores); using %d", values["workers"], bounds["workers"][1], cores,
-                        bounds["workers"][1])
+                        "of %d (the configuration's bounds, else 4 a usable core and at least "
+                        "8; this machine has %d usable cores); using %d", values["workers"],
+                        bounds["workers"][1], cores, bounds["workers"][1])
+            if "pool_size" not in start:  # (sized for the workers used: trial 173, 109)
+                values["pool_size"] = default_knobs(self._batch, cores,
+                                                    bounds["workers"][1])[0]["pool_size"]
         #: knobs whose upper bound a user's value raised: the bound it raised (see _set_knob)
         self._raised: dict[str, int] = {}
         for name in knobs:  # the user's explicit choice raises the bound the controller keeps

@@ -168,7 +168,28 @@ def test_a_configuration_beyond_this_machines_cores_is_clamped_with_a_warning(ca
     with Loader(Indexed(4), 2, config=cfg, autotune=False, worker_kind="thread") as L:
         assert L.knobs.workers < 99
         assert L.knobs.workers == L.knobs.bounds("workers")[1]
+        # the pool sized for the workers used (trial 173: for 99, 109 samples in flight)
+        assert L.knobs.pool_size == 2 * 2 + L.knobs.workers + 2
     assert "99 workers" in caplog.text
+
+
+def test_knob_arguments_that_override_a_configuration_are_said(caplog):
+    """Trial 173: a DataLoader call converted as it was (num_workers=, prefetch_factor=)
+    beside config= ran with the call's values, the tuned ones lost without a word."""
+    caplog.set_level(logging.WARNING, "autominato.pipeline")
+    cfg = {"knobs": {"workers": 1, "depth": 3, "pool_size": 9}}
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, worker_kind="thread",
+                num_workers=2, prefetch_factor=2) as L:
+        assert (L.knobs.workers, L.knobs.depth, L.knobs.pool_size) == (2, 2, 9)
+    said = [r.getMessage() for r in caplog.records if "override" in r.getMessage()]
+    assert len(said) == 1
+    assert ("num_workers=2, prefetch_factor=2 given to the Loader override the "
+            "configuration's workers=1, depth=3") in said[0]
+    caplog.clear()
+    with Loader(Indexed(4), 2, config=cfg, autotune=False, worker_kind="thread",
+                num_workers=1) as L:  # (the same value: nothing lost, nothing said)
+        pass
+    assert not [r for r in caplog.records if "override" in r.getMessage()]
 
 
 @pytest.mark.parametrize("in_order", [True, False])
