@@ -95,7 +95,26 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
 
     opts = actor_options(options)
     connect(address)
+    _say_if_no_node_fits(opts["num_cpus"])
     return max(1, free_actors(opts["num_cpus"]))
+
+
+def _say_if_no_node_fits(cpus: float) -> None:
+    """Warn at once where no node of the cluster has ``cpus`` CPUs: its actors wait until
+    one joins (an autoscaler may add it), where a warning came after 30 s (trial 173:
+    ``num_cpus=8`` on a 2-CPU cluster waited for ever)."""
+    import ray
+
+    try:
+        largest = max((n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
+                       if n.get("Alive")), default=0.0)
+    except Exception:  # noqa: BLE001 - the cluster did not answer: nothing to say
+        return
+    if largest < cpus:
+        log.warning("no node of the Ray cluster has %g CPUs (ray_actor_options num_cpus; the "
+                    "largest has %g): the transform actors wait until such a node joins (an "
+                    "autoscaler), and the samples with them; ask for fewer CPUs an actor",
+                    cpus, largest)
 
 
 def fixed_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
@@ -704,7 +723,9 @@ class Loader:
         self.decisions: deque = deque(maxlen=1000)
 
         cores = usable_cores()
-        if worker_kind == "ray":  # the cluster's free CPUs bound the actors, not this machine's
+        if worker_kind == "ray" and knobs.get("workers") != 0:
+            # the cluster's free CPUs bound the actors, not this machine's (with no worker
+            # there is no actor: no Ray to start, trial 173 waited 5-7 s for one)
             cores = _ray_capacity(ray_address, ray_actor_options)
         start = dict(knobs)
         if cfg is not None:

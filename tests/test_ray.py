@@ -719,3 +719,26 @@ def test_without_an_address_a_cluster_ray_finds_on_this_machine_is_joined(monkey
     monkeypatch.setattr(FakeRay, "init", other)
     with pytest.raises(ValueError, match="something else"):
         ray_executor.connect(None)
+
+
+def test_actors_no_node_can_hold_are_said_at_once(caplog):
+    """Trial 173: num_cpus=8 on a 2-CPU cluster waited in silence for 30 s, then for ever."""
+    with caplog.at_level(logging.WARNING, "autominato.pipeline"):
+        L = Loader(Indexed(4), 2, worker_kind="ray", num_workers=1, autotune=False,
+                   ray_actor_options={"num_cpus": 8})
+        L.close()
+    said = [r.getMessage() for r in caplog.records if "no node of the Ray cluster" in r.getMessage()]
+    assert len(said) == 1 and "has 8 CPUs" in said[0] and "the largest has 2" in said[0], said
+
+
+def test_a_ray_loader_without_workers_needs_no_ray(monkeypatch):
+    """Trial 173: worker_kind='ray' with num_workers=0 started a local Ray instance (5-7 s)
+    for actors it never has."""
+    from autominato import loader as loader_module
+
+    def no(*a, **kw):
+        raise AssertionError("Ray was asked for")
+
+    monkeypatch.setattr(loader_module, "_ray_capacity", no)
+    with Loader(Indexed(4), 2, worker_kind="ray", num_workers=0, autotune=False) as L:
+        assert sorted(indices(L)) == [0, 1, 2, 3]

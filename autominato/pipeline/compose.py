@@ -186,9 +186,10 @@ def _ray_executor(p: Pipeline, spec: WorkSpec) -> Any:
             return
         now = k.workers
         if now > actors:
-            log.warning("the Ray cluster's free CPUs hold %d transform actors of %s CPU now; "
-                        "workers goes from %d to %d until they hold more", actors,
-                        actor_options(p.cfg.ray_actor_options)["num_cpus"], now, actors)
+            log.warning("the Ray cluster has room for %d transform actors of %s CPU now (its "
+                        "placed ones and those its free CPUs hold; one is asked for even "
+                        "where none fits); workers goes from %d to %d until it has more",
+                        actors, actor_options(p.cfg.ray_actor_options)["num_cpus"], now, actors)
             asked[:] = [now]
         k.set_bounds("workers", min(lo, actors), actors)
         if asked and actors > hi and now == hi:  # room again, and nobody moved the knob since
