@@ -59,7 +59,11 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{where}: top level must be a mapping, got {type(raw).__name__}")
     for key in raw:
         if key not in TOP_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r} (expected one of {', '.join(TOP_KEYS)})")
+            hint = ("; it reads as a search space (autominato tune --space), not the "
+                    "configuration tune writes (OUT/loader.yaml)"
+                    if key in ("params", "trial", "pruner") else "")
+            raise ConfigError(f"{where}: unknown key {key!r} (expected one of "
+                              f"{', '.join(TOP_KEYS)}){hint}")
     out: dict[str, Any] = {"knobs": {}, "bounds": {}, "loader": {}, "study": dict(raw.get("study") or {})}
     for name, value in (raw.get("knobs") or {}).items():
         if name not in KNOB_NAMES:

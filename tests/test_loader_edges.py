@@ -239,6 +239,9 @@ def test_a_configuration_tuned_with_another_batch_size_is_said(tmp_path):
     bad.write_text("knobs: {depth: 3}\nloader: {batch_size: '4'}\n")
     with pytest.raises(ConfigError, match="loader.batch_size: expected a positive integer"):
         load_config(bad)
+    # A search space given as a configuration says what it is (trial 173: "unknown key")
+    with pytest.raises(ConfigError, match="reads as a search space"):
+        load_config({"params": {"workers": {"type": "int", "low": 1, "high": 4}}})
 
 
 def test_a_kept_timeout_error_does_not_keep_a_dropped_iterators_epoch_loading():

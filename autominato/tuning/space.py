@@ -259,6 +259,9 @@ def _check_value(key: str, name: str, value: Any) -> Any:
 
 
 def _bound(key: str, name: str, value: Any, cores: int) -> int:
+    if isinstance(value, str) and value != "cores":  # (trial 173: the word was not named)
+        raise SpaceError(f"{key}: expected an integer >= {MINIMUM[name]} or the word `cores` "
+                         f"(this machine's usable cores, {cores}), got {value!r}")
     return _check_count(key, cores if value == "cores" else value, MINIMUM[name])
 
 
