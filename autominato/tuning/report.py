@@ -120,8 +120,16 @@ def print_summary(console: Console, result: Any) -> None:
             f"idle {result.baseline.idle_ratio:.3f}"
         )
     if result.best is not None:
+        lower = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+                 and t.value < result.best.value]
+        # (trial 173: a trial lower in the table beside "best" read as a mistake: the pick is
+        # the study's selection rule's, which measures the best few again)
+        why = (f" in its trial; picked over {len(lower)} lower by the study's selection rule "
+               "(docs/tune.md, \"Choosing the best trial\": within the tolerance, less CPU and "
+               "memory; the finalists measured again)"
+               if lower else "")
         console.print(
-            f"best: trial {result.best.number}, idle {result.best.value:.3f}, "
+            f"best: trial {result.best.number}, idle {result.best.value:.3f}{why}, "
             f"{fmt_params(result.best.params)}"
         )
     if result.confirmation is not None:
