@@ -90,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("search")
     s.add_argument("--space", type=Path, help="search-space YAML (default tuner/default.yaml)")
     s.add_argument(
-        "--trials", type=int_at_least(1), default=20, help="trials to add in this run (default 20)"
+        "--trials", type=int_at_least(0), default=20,
+        help="trials to add in this run (default 20; 0: none, the study's trials so far are "
+             "confirmed and written: the end of an interrupted study)"
     )
     s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     s.add_argument(

@@ -144,6 +144,13 @@ def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
     assert [t.number for t in study.trials] == [0, 1, 2, 3]
     cfg = load_config(out / "loader.yaml")
     assert cfg["study"]["trials_total"] == 4
+    # --trials 0: no trial added, the configuration of the trials so far written again (the
+    # end of a study interrupted in its confirmation: trial 173 had to add a trial for it)
+    (out / "loader.yaml").unlink()
+    assert tune(*[a if a != "2" or argv[i - 1] != "--trials" else "0"
+                  for i, a in enumerate(argv)]) == 0
+    assert len(optuna.load_study(study_name="small", storage=storage).trials) == 4
+    assert load_config(out / "loader.yaml")["study"]["trials_total"] == 4
 
     with autominato.Loader(make_dataset(), 2, config=out / "loader.yaml", autotune=False) as loader:
         assert loader.knobs.workers == cfg["knobs"]["workers"]
