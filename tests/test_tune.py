@@ -440,3 +440,20 @@ def test_the_best_line_says_why_a_lower_trial_was_not_picked():
 
     assert "picked over 1 lower by the study's selection rule" in said(best)
     assert "picked over" not in said(lower)
+
+
+def test_a_trial_cut_by_ctrl_c_is_stored_with_its_reason(tmp_path, space, monkeypatch):
+    """Trial 173: a trial interrupted by Ctrl-C was stored as failed with no reason, where
+    docs/tune.md says each trial's is stored."""
+    from autominato.tuning import study as study_module
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study_module, "measure_config", interrupted)
+    out = tmp_path / "out"
+    assert tune(*pipeline_args(), "--space", str(space), "--trials", "1", "--out", str(out),
+                "--no-baseline", "--study-name", "cut") == 130
+    (trial,) = optuna.load_study(study_name="cut", storage=f"sqlite:///{out / 'study.db'}").trials
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs["failure"].startswith("interrupted (Ctrl-C)")

@@ -211,6 +211,14 @@ def _objective(pipeline: Pipeline, space: SearchSpace, memory_budget_bytes: int 
         except (MemoryBudgetExceeded, TrialFailed, PipelineFailed) as e:
             trial.set_user_attr("failure", str(e))
             raise
+        except KeyboardInterrupt:
+            # (Optuna stores the trial as failed: its reason too, trial 173 found none)
+            try:
+                trial.set_user_attr("failure", "interrupted (Ctrl-C) while it ran: not a "
+                                    "measurement; the study resumes with the same command")
+            except Exception:  # noqa: BLE001 - the storage refused: the interrupt goes on
+                pass
+            raise
         for key, value in m.as_dict().items():
             trial.set_user_attr(key, value)
         trial.set_user_attr("cpu_s_per_sample", m.cpu_s_per_sample)
