@@ -91,12 +91,26 @@ OTHER_ARGS = {
 def _ray_capacity(address: str | None, options: dict | None) -> int:
     """Connect to Ray (:func:`~autominato.pipeline.ray_executor.connect`) and return the
     transform actors the cluster's free CPUs hold (at least 1)."""
-    from autominato.pipeline.ray_executor import actor_options, connect, free_actors
+    from autominato.pipeline.ray_executor import (
+        actor_options,
+        connect,
+        free_actors,
+        others_hold_the_cpus,
+    )
 
     opts = actor_options(options)
     connect(address)
     _say_if_no_node_fits(opts["num_cpus"])
-    return max(1, free_actors(opts["num_cpus"]))
+    free = free_actors(opts["num_cpus"])
+    if (free < 1 and "num_cpus" not in (options or {})
+            and others_hold_the_cpus(opts["num_cpus"])):
+        # Its actors will share the cores with this process's other Ray Loaders'
+        # (RayExecutor's ``shared``): sized on the cluster's CPUs, as process workers on the
+        # machine's (review 174: one actor)
+        import ray
+
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1, free)
 
 
 def _say_if_no_node_fits(cpus: float) -> None:
@@ -792,9 +806,10 @@ class Loader:
         if "workers" not in knobs and values["workers"] > bounds["workers"][1]:
             # A configuration tuned on a bigger machine: say so rather than oversubscribe.
             log.warning("the configuration asks for %d workers, more than the workers bound "
-                        "of %d (the configuration's bounds, else 4 a usable core and at least "
-                        "8; this machine has %d usable cores); using %d", values["workers"],
-                        bounds["workers"][1], cores, bounds["workers"][1])
+                        "of %d (the configuration's bounds, else 4 a %s and at least 8; %d "
+                        "here); using %d", values["workers"], bounds["workers"][1],
+                        "CPU of the Ray cluster free for actors" if worker_kind == "ray"
+                        else "usable core", cores, bounds["workers"][1])
             if "pool_size" not in start:  # (sized for the workers used: trial 173, 109)
                 values["pool_size"] = default_knobs(self._batch, cores,
                                                     bounds["workers"][1])[0]["pool_size"]
@@ -1256,8 +1271,13 @@ class Loader:
         progress.dataset_len = self._n
         progress.sampler_epochs = sampler_epochs
         progress.at_end = at_end
-        progress.tail_with_last = (self._batch_sampler is None and not self.drop_last
-                                   and self._batch > 1 and len(order) % self._batch != 0)
+        # The DataLoader reads its sampler's end before it hands out the last batch where its
+        # BatchSampler makes a short one, and with workers always (its prefetching is ahead:
+        # review 174); only without workers and batches that come out even at the next()
+        # after the last
+        progress.tail_with_last = self._batch_sampler is None and (
+            self.knobs.workers > 0
+            or (not self.drop_last and self._batch > 1 and len(order) % self._batch != 0))
         # (shuffle=True with a generator: the DataLoader's RandomSampler's last draw, owed by
         # the pass that began; a pass that replaces it, _restart_pass, takes it on)
         progress.tail_draws, self._tail_owed = self._tail_owed, 0
@@ -2232,6 +2252,8 @@ class _EpochIterator:
                 self.L._lost_to_error(lost or ())
                 if lost is not None:  # (none: a batch sampler's [] whose collate failed)
                     self.progress.lose(lost)
+                if self.progress.tail_with_last and self.progress.all_delivered:
+                    self.L._sampler_end(self.progress)  # (its last batch raised: review 174)
             else:
                 self._finish()
                 if kind == "end":
@@ -2450,6 +2472,8 @@ class _SyncIterator:
                         # after a resume; the epoch goes on
                         self.progress.lose(pos for pos, _, _ in d.items)
                         L._lost_to_error(d.items)
+                        if self.progress.tail_with_last and self.progress.all_delivered:
+                            L._sampler_end(self.progress)
                         raise
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
@@ -2464,6 +2488,8 @@ class _SyncIterator:
                 elif isinstance(d, Raise):
                     self._done = d.final  # a sample's error: the epoch goes on after it
                     self.progress.lose(d.lost)  # not loaded again after a resume
+                    if self.progress.tail_with_last and self.progress.all_delivered:
+                        L._sampler_end(self.progress)  # (its last batch raised: review 174)
                     if not d.final:
                         L._lost_to_error(d.lost)
                     raise d.error

@@ -39,6 +39,7 @@ LOADER_METRICS = {
     "autominato_stage_items_total",
     "autominato_stage_bytes_total",
     "autominato_stage_cpu_seconds_total",
+    "autominato_stage_runqueue_wait_seconds_total",
     "autominato_stage_queue_items",
     "autominato_stage_queue_capacity_items",
     "autominato_stage_workers",

@@ -674,6 +674,11 @@ def test_a_read_stage_of_its_own_is_judged_by_its_cpu_demand():
     assert "decoding" not in d.summary
     # ... where at 2 % (0.24 cores) they wait on storage
     assert diagnose(with_cpu(0.02, "process", threads=16, read_s=0.3)).kind == "io"
+    # On a busy machine GIL-bound threads wait in the run queue too: 0.48 cores ran, 0.96
+    # asked for (review 174: the ran figure alone read as waiting on storage)
+    d = diagnose(with_cpu(0.04, "process", waited=0.04, threads=16, read_s=0.3))
+    assert (d.kind, d.stage) == ("cpu", "read"), format_report(d)
+    assert "0.96 cores in all" in d.summary
     d = diagnose(with_cpu(0.9, "process"))
     assert (d.kind, d.stage) == ("cpu", "read")
     assert "fuse_read=True (the default): each worker process reads" in d.suggestion

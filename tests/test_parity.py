@@ -315,11 +315,13 @@ def test_a_pass_left_early_draws_from_the_generator_what_the_dataloaders_draws(k
 
 
 @pytest.mark.parametrize("how", ["shuffle", "sampler"])
-@pytest.mark.parametrize("n", [12, 10])
-def test_a_loop_of_len_batches_draws_the_samplers_end_with_a_short_last_batch(n, how):
+@pytest.mark.parametrize(("n", "workers"), [(12, 0), (10, 0), (12, 2), (10, 2)])
+def test_a_loop_of_len_batches_draws_the_samplers_end_where_the_dataloader_does(n, workers, how):
     # Review 172: the DataLoader's BatchSampler runs its RandomSampler to the end (a last
-    # permutation from the generator) while it makes a short last batch; the Loader drew it
-    # only at the next() after it, which a loop of len(loader) steps never makes.
+    # permutation from the generator) while it makes a short last batch, and with workers
+    # its prefetching reads the end before the last batch whatever its size (review 174);
+    # the Loader drew it only at the next() after it, which a loop of len(loader) steps
+    # never makes.
     from torch.utils.data import RandomSampler
 
     ds = list(range(n))
@@ -327,10 +329,10 @@ def test_a_loop_of_len_batches_draws_the_samplers_end_with_a_short_last_batch(n,
     def run(make) -> list:
         g = torch.Generator().manual_seed(7)
         if how == "shuffle":
-            loader = make(ds, 4, shuffle=True, generator=g, num_workers=0)
+            loader = make(ds, 4, shuffle=True, generator=g, num_workers=workers)
         else:
             loader = make(ds, 4, sampler=RandomSampler(ds, generator=g), generator=g,
-                          num_workers=0)
+                          num_workers=workers)
         seen = []
         for _ in range(3):
             it = iter(loader)

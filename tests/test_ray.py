@@ -633,7 +633,15 @@ def test_a_validation_loader_beside_a_training_loader_shares_the_cores(caplog):
                 assert sorted(indices(val)) == list(range(8))
             assert val._pipeline.sample_stages[0].executor.shared
             assert not train._pipeline.sample_stages[0].executor.shared
-    assert sum("share the cores" in r.getMessage() for r in caplog.records) == 1
+            # sized on the cluster's CPUs, as process workers on the machine's (review 174:
+            # one actor), and a count given is kept (it was cut to the cluster's CPUs)
+            assert val.knobs.workers == 2
+            with Loader(Indexed(8), 4, worker_kind="ray", autotune=False, num_workers=3,
+                        timeout=60) as third:
+                assert sorted(indices(third)) == list(range(8))
+                assert third.knobs.workers == 3
+    assert sum("share the cores" in r.getMessage() for r in caplog.records) == 2
+    assert not any("has room for" in r.getMessage() for r in caplog.records)
 
 
 def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):

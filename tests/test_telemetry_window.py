@@ -223,3 +223,34 @@ def test_a_loaders_snapshots_count_the_steps_that_ended():
     assert (r.batches, r.steps) == (12, 12)
     assert 0.095 <= r.step_s <= 0.13, r.step_s
     assert b.consumer_busy_seconds_total - b.consumer_steps_seconds_total >= 0.045  # under way
+
+
+def test_a_thread_whose_schedstat_cannot_be_read_counts_no_wait_and_spoils_no_other():
+    """Review 174: one thread's failure to open its schedstat (EMFILE) turned the reading
+    off for every thread, whose items in flight then added minus their whole wait."""
+    import threading
+
+    from autominato.pipeline import stats
+
+    if not stats._SCHEDSTAT[0]:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    before = stats.thread_cpu()
+    got = {}
+
+    def broken():
+        def refuse(self):
+            raise OSError(24, "Too many open files")
+
+        real = stats._SchedStat.__init__
+        stats._SchedStat.__init__ = refuse
+        try:
+            got["cpu"], got["wait"] = stats.thread_cpu()
+        finally:
+            stats._SchedStat.__init__ = real
+
+    t = threading.Thread(target=broken)
+    t.start()
+    t.join()
+    assert got["wait"] is None and got["cpu"] >= 0
+    after = stats.thread_cpu()  # this thread's reading goes on
+    assert after[1] is not None and after[1] >= before[1]

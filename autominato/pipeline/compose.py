@@ -94,11 +94,12 @@ def compose(p: Pipeline) -> list[Stage]:
 
     add_cpu = p.stats["read"].add_cpu
 
-    def read_cpu(c: float, w: float) -> None:
+    def read_cpu(c: float, w: float | None) -> None:
         # (what a read thread asked of the CPU for an item, from thread_cpu() at its start:
-        # StageSnapshot.cpu_seconds_total and runqueue_seconds_total)
+        # StageSnapshot.cpu_seconds_total and runqueue_seconds_total; no wait where either
+        # end could not read it)
         c1, w1 = thread_cpu()
-        add_cpu(c1 - c, w1 - w)
+        add_cpu(c1 - c, w1 - w if w is not None and w1 is not None else 0.0)
 
     def read(key: tuple, item: tuple) -> Result:
         index, epoch, draw = item  # they seed a dataset's own random transforms

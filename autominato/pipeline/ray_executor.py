@@ -181,6 +181,25 @@ def actor_options(options: dict | None) -> dict:
     return opts
 
 
+def others_hold_the_cpus(cpus: float, me: Any = None) -> bool:
+    """This process's live Ray executors (``me`` left out) hold, or are placing, actors whose
+    CPUs leave the cluster's CPUs no room for an actor of ``cpus`` (their actors still being
+    placed are not in the free CPUs yet: counted by what they want)."""
+    held = 0.0
+    for e in list(_EXECUTORS):
+        if e is me or e._stopped or e.shared:
+            continue
+        with e._lock:  # (its actors change in Ray's callback threads: review 174)
+            held += e._cpus * max(e.want, e._live())
+    if held <= 0:
+        return False
+    try:
+        total = float(_ray().cluster_resources().get("CPU", 0.0))
+    except Exception:  # noqa: BLE001 - the cluster did not answer: no sharing
+        return False
+    return held + cpus > total + 1e-9
+
+
 def free_actors(cpus_per_actor: float) -> int:
     """Actors of ``cpus_per_actor`` CPUs that the cluster's free CPUs hold now."""
     free = _ray().available_resources().get("CPU", 0.0)
@@ -336,7 +355,7 @@ class RayExecutor:
         # and under Lightning): this one's actors ask for no CPU and share the cores, as
         # two DataLoaders' worker processes do. Only where num_cpus is the default (a
         # number the user gave is a request to wait for).
-        self.shared = share and self._others_hold_the_cpus()
+        self.shared = share and others_hold_the_cpus(self._cpus, self)
         if self.shared:
             self._opts["num_cpus"] = 0
             log.warning(
@@ -542,20 +561,6 @@ class RayExecutor:
                 if free > last:
                     rose, last = now, free
 
-    def _others_hold_the_cpus(self) -> bool:
-        """The other live executors of this process hold, or are placing, actors whose CPUs
-        leave the cluster's CPUs no room for one of these (their actors still being placed
-        are not in the free CPUs yet: counted by what they want)."""
-        others = [e for e in list(_EXECUTORS) if e is not self and not e._stopped and not e.shared]
-        held = sum(e._cpus * max(e.want, e._live()) for e in others)
-        if held <= 0:
-            return False
-        try:
-            total = float(self._ray.cluster_resources().get("CPU", 0.0))
-        except Exception:  # noqa: BLE001 - the cluster did not answer: no sharing
-            return False
-        return held + self._cpus > total + 1e-9
-
     def _free_cpus(self) -> float | None:
         """The cluster's free CPUs now, ``None`` where Ray does not answer (shut down)."""
         try:
@@ -612,11 +617,13 @@ class RayExecutor:
             if any(now - a.born < PLACEMENT_GRACE_S for a in starting):
                 return  # an actor being placed holds CPUs that its readiness does not show yet
             placed = sum(1 for a in self._actors.values() if a.ready)
+        if self.shared:
+            # No CPU asked: nothing of the cluster's bounds them; the Loader bounds them as it
+            # bounds process workers (review 174: cut to the cluster's CPUs, num_workers given
+            # included, with a warning of CPUs that held them)
+            return
         try:
-            if self.shared:  # (no CPU asked: as many as the cluster has, as process workers)
-                cap = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
-            else:
-                cap = max(1, placed + free_actors(self._cpus))
+            cap = max(1, placed + free_actors(self._cpus))
         except Exception:  # noqa: BLE001 - the cluster did not answer: keep the last bound
             log.debug("could not read the Ray cluster's free CPUs", exc_info=True)
             return

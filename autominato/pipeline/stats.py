@@ -35,31 +35,37 @@ class _SchedStat:
         self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
 
     def __del__(self) -> None:
-        os.close(self.fd)
+        fd = getattr(self, "fd", None)  # (None: its open failed)
+        if fd is not None:
+            os.close(fd)
 
 
 _THREAD = threading.local()
 _SCHEDSTAT = [os.path.exists("/proc/thread-self/schedstat")]
 
 
-def thread_cpu() -> tuple[float, float]:
+def thread_cpu() -> tuple[float, float | None]:
     """This thread's CPU time (``time.thread_time()``) and its run-queue wait so far (the
     second field of Linux's ``/proc/thread-self/schedstat``: runnable, waiting for a core;
-    0.0 where it cannot be read), seconds. Their differences over an item are what the item
-    asked of the CPU: a thread that decodes on a busy machine runs for part of that and waits
-    for a core for the rest, which ``thread_time`` alone reads as not CPU work (review 172).
-    About 1.3 us a call here."""
+    ``None`` where it cannot be read: not Linux, or this thread's file would not open or
+    read), seconds. Their differences over an item are what the item asked of the CPU: a
+    thread that decodes on a busy machine runs for part of that and waits for a core for the
+    rest, which ``thread_time`` alone reads as not CPU work (review 172). About 1.3 us a call
+    here."""
     cpu = time.thread_time()
-    if not _SCHEDSTAT[0]:
-        return cpu, 0.0
+    if not _SCHEDSTAT[0] or getattr(_THREAD, "off", False):
+        return cpu, None
     try:
         f = getattr(_THREAD, "sched", None)
         if f is None:
             f = _THREAD.sched = _SchedStat()
         return cpu, int(os.pread(f.fd, 64, 0).split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        _SCHEDSTAT[0] = False
-        return cpu, 0.0
+        # (this thread's only: one that could not open its file, EMFILE say, turned it off
+        # for every thread, whose items in flight then counted minus their wait: review 174)
+        _THREAD.off = True
+        _THREAD.sched = None
+        return cpu, None
 
 
 #: How many recent service / wait times a stage keeps for percentiles (a bounded ring, so a

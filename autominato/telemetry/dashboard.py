@@ -152,7 +152,7 @@ WORKER_PROCESS_TARGETS = frozenset({("Loader CPU demand", "A"), ("Loader CPU dem
 DECISION_TARGETS = frozenset({("Controller decisions", "A"), ("annotation: Knob changes", "")})
 #: (panel, refId) of a read stage of its own's figures (threads of the training process): no
 #: series where the worker processes read (``fuse_read=True``, the default).
-READ_THREAD_TARGETS = frozenset({("Loader CPU demand", "C")})
+READ_THREAD_TARGETS = frozenset({("Loader CPU demand", "C"), ("Loader CPU demand", "D")})
 _COUNT_THRESHOLDS = ((None, "green"), (1.0, "orange"))
 
 #: The dashboard, row by row. Titles are unique (tests and ``dashboards check`` name panels).
@@ -432,7 +432,16 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "sum by (rank) (rate(autominato_stage_cpu_seconds_total{"
                         + LOADER
                         + ', stage="read"}[$__rate_interval]))',
-                        "read threads of rank {{rank}}",
+                        "read threads ran on, rank {{rank}}",
+                    ),
+                    Query(
+                        "sum by (rank) (rate(autominato_stage_cpu_seconds_total{"
+                        + LOADER
+                        + ', stage="read"}[$__rate_interval]) + '
+                        "rate(autominato_stage_runqueue_wait_seconds_total{"
+                        + LOADER
+                        + ', stage="read"}[$__rate_interval]))',
+                        "read threads ran on or waited for, rank {{rank}}",
                     ),
                 ),
                 "Cores the loader's worker processes ran on (CPU time), and ran on or waited "
@@ -442,8 +451,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "(the training loop's threads, another job) hold the cores. No series with "
                 "thread workers. Read threads: the cores a read stage of its own ran on "
                 "(fuse_read=False or thread workers: threads of the training process, which "
-                "share its GIL); near one core, or near their reads' time, the reads decode "
-                "rather than wait for storage.",
+                "share its GIL), and ran on or waited for (plus their run-queue wait); near one "
+                "core, or near their reads' time, the reads decode rather than wait for storage.",
             ),
         ),
     ),

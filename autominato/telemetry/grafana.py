@@ -342,6 +342,7 @@ def _check(args: argparse.Namespace) -> int:
 
     decided = exported("autominato_controller_decisions_total")
     read_threads = exported("autominato_stage_cpu_seconds_total")
+    processes = exported("autominato_loader_cpu_seconds_total")
     missing = 0
     for r in results:
         note = ""
@@ -354,7 +355,7 @@ def _check(args: argparse.Namespace) -> int:
             elif where in dash.DECISION_TARGETS and not decided:
                 note = ("  (no controller decision in the range: expected with autotune=False "
                         "or while the controller holds every knob)")
-            elif where in dash.WORKER_PROCESS_TARGETS:
+            elif where in dash.WORKER_PROCESS_TARGETS and not processes:
                 note = "  (no worker process: expected with thread workers or workers=0)"
             elif where in dash.READ_THREAD_TARGETS and not read_threads:
                 note = ("  (no read stage of its own: expected where the worker processes "
@@ -362,9 +363,10 @@ def _check(args: argparse.Namespace) -> int:
             else:
                 missing += 1
         print(f"{r.series:4d} series  {r.target.panel} [{r.target.ref_id}]{note}")
-    print(f"{len(results)} queries, {missing} without series (GPU panels, device queries "
-          "while nothing was copied to a device, decision queries while no knob changed, "
-          "worker-process and read-thread queries, not counted)")
+    print(f"{len(results)} queries, {missing} without series (not counted: GPU panels, "
+          "device queries while nothing was copied to a device, decision queries while no "
+          "knob changed, worker-process and read-thread queries while their figures are not "
+          "exported)")
     return 1 if missing else 0
 
 

@@ -482,8 +482,8 @@ def diagnose(
 #: few percent of it: 0.6 % for a 20 ms sleep, 94 % for a zlib decompression; the run-queue
 #: wait counts, or a decoding read on a busy machine read 26 %: review 172) ...
 READ_CPU_SHARE = 0.5
-#: ... or whose threads together ran on at least this many cores: about what one process's
-#: GIL lets Python code run on, so more read threads add nothing (two threads of a Python
+#: ... or whose threads together ran on, or waited for, at least this many cores: about what
+#: one process's GIL lets Python code run on, so more read threads add nothing (two threads of a Python
 #: loop ran on a CPU for 53 % of their reads' time, one core in all; sixteen threads that
 #: wait on storage for 94 % of theirs would read alike: the read is at the ceiling of the
 #: threads either way).
@@ -581,8 +581,11 @@ def _bottleneck(
             )
     cpu_share = cur.stages["read"].cpu_share if stage == "read" and not fused else None
     rd = cur.stages.get("read")
-    cores = (rd.cpu_s / rd.seconds if cpu_share is not None and rd is not None
-             and rd.cpu_s is not None and rd.seconds > 0 else None)
+    # (cores asked for: ran on or waited for; on a busy machine GIL-bound threads wait in
+    # the run queue too, and their CPU time alone read as waiting on storage: review 174)
+    cores = ((rd.cpu_s + (rd.runqueue_s or 0.0)) / rd.seconds
+             if cpu_share is not None and rd is not None and rd.cpu_s is not None
+             and rd.seconds > 0 else None)
     if cpu_share is not None and (cpu_share >= READ_CPU_SHARE
                                   or (cores is not None and cores >= READ_CPU_CORES)):
         # A read stage of its own runs in threads of the training process: a read that
