@@ -345,8 +345,10 @@ def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monk
     # Ray actors are bounded by the cluster's free CPUs (here 16), not this machine's: the
     # report's "workers N -> M" / "no spare cores" must use that budget too.
     monkeypatch.setattr("autominato.loader._ray_capacity", lambda address, options: 16)
-    with Loader(Volumes(8), batch_size=2, worker_kind="ray", workers=0,
-                monitor_interval=60) as loader:  # workers=0: no actor, no Ray started
+    # (workers=1: with none there is no actor, and no Ray to ask; never iterated, so no
+    # actor starts)
+    with Loader(Volumes(8), batch_size=2, worker_kind="ray", workers=1,
+                monitor_interval=60) as loader:
         assert loader.controller.budget.cores == 16
         assert loader.telemetry.monitor.budget is not None
         assert loader.telemetry.monitor.budget.cores == loader.controller.budget.cores
