@@ -275,6 +275,11 @@ def test_a_shuffled_pass_draws_what_the_dataloaders_random_sampler_draws(kwargs,
     assert run(Loader) == run(DataLoader)
 
 
+def _ordered(*args, **kw) -> Loader:
+    """A Loader in the sampler's order, no controller: to set beside a DataLoader."""
+    return Loader(*args, in_order=True, autotune=False, **kw)
+
+
 @pytest.mark.parametrize("how", ["shuffle", "sampler", "batch_sampler"])
 @pytest.mark.parametrize("kwargs", [
     {"num_workers": 0}, {"num_workers": 2}, {"num_workers": 2, "persistent_workers": True}])
@@ -308,10 +313,7 @@ def test_a_pass_left_early_draws_from_the_generator_what_the_dataloaders_draws(k
         getattr(loader, "close", lambda: None)()
         return seen
 
-    def loader(*args, **kw):
-        return Loader(*args, in_order=True, autotune=False, **kw)
-
-    assert run(loader) == run(DataLoader)
+    assert run(_ordered) == run(DataLoader)
 
 
 @pytest.mark.parametrize("how", ["shuffle", "sampler"])
@@ -342,10 +344,7 @@ def test_a_loop_of_len_batches_draws_the_samplers_end_where_the_dataloader_does(
         getattr(loader, "close", lambda: None)()
         return seen
 
-    def loader(*args, **kw):
-        return Loader(*args, in_order=True, autotune=False, **kw)
-
-    assert run(loader) == run(DataLoader)
+    assert run(_ordered) == run(DataLoader)
 
 
 def test_generator_seeds_shuffling_when_seed_is_not_given():
