@@ -25,6 +25,7 @@ import numpy as np
 #: (``wait_seconds`` ``None``: the item waited in no queue of the stage's own).
 StageHook = Callable[[str, float, "float | None", int], None]
 
+
 class _SchedStat:
     """This thread's ``/proc/thread-self/schedstat``, opened once (the file stays the
     thread's) and closed with the thread's locals."""
@@ -41,7 +42,7 @@ class _SchedStat:
 
 
 _THREAD = threading.local()
-_SCHEDSTAT = [os.path.exists("/proc/thread-self/schedstat")]
+_SCHEDSTAT = os.path.exists("/proc/thread-self/schedstat")  # (Linux)
 
 
 def thread_cpu() -> tuple[float, float | None]:
@@ -53,7 +54,7 @@ def thread_cpu() -> tuple[float, float | None]:
     rest, which ``thread_time`` alone reads as not CPU work (review 172). About 1.3 us a call
     here."""
     cpu = time.thread_time()
-    if not _SCHEDSTAT[0] or getattr(_THREAD, "off", False):
+    if not _SCHEDSTAT or getattr(_THREAD, "off", False):
         return cpu, None
     try:
         f = getattr(_THREAD, "sched", None)
