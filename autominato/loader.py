@@ -93,42 +93,24 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
     transform actors the cluster's free CPUs hold (at least 1)."""
     from autominato.pipeline.ray_executor import (
         actor_options,
+        cluster_cpus,
         connect,
         free_actors,
         others_hold_the_cpus,
+        say_if_no_node_fits,
     )
 
     opts = actor_options(options)
     connect(address)
-    _say_if_no_node_fits(opts["num_cpus"])
+    say_if_no_node_fits(opts["num_cpus"])
     free = free_actors(opts["num_cpus"])
     if (free < 1 and "num_cpus" not in (options or {})
             and others_hold_the_cpus(opts["num_cpus"])):
         # Its actors will share the cores with this process's other Ray Loaders'
         # (RayExecutor's ``shared``): sized on the cluster's CPUs, as process workers on the
         # machine's (review 174: one actor)
-        import ray
-
-        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return max(1, int(cluster_cpus()))
     return max(1, free)
-
-
-def _say_if_no_node_fits(cpus: float) -> None:
-    """Warn at once where no node of the cluster has ``cpus`` CPUs: its actors wait until
-    one joins (an autoscaler may add it), where a warning came after 30 s (trial 173:
-    ``num_cpus=8`` on a 2-CPU cluster waited for ever)."""
-    import ray
-
-    try:
-        largest = max((n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes()
-                       if n.get("Alive")), default=0.0)
-    except Exception:  # noqa: BLE001 - the cluster did not answer: nothing to say
-        return
-    if largest < cpus:
-        log.warning("no node of the Ray cluster has %g CPUs (ray_actor_options num_cpus; the "
-                    "largest has %g): the transform actors wait until such a node joins (an "
-                    "autoscaler), and the samples with them; ask for fewer CPUs an actor",
-                    cpus, largest)
 
 
 def fixed_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
@@ -1847,6 +1829,13 @@ class Loader:
     def __enter__(self) -> Loader:
         return self
 
+    def _last_batch_out(self, progress: resume.Progress) -> None:
+        """A batch (or its error) reached the training loop: where it was the epoch's last
+        and the DataLoader's sampler has read its end by then (``Progress.tail_with_last``),
+        what it draws there (:meth:`_sampler_end`)."""
+        if progress.tail_with_last and progress.all_delivered:
+            self._sampler_end(progress)
+
     def _sampler_end(self, progress: resume.Progress) -> None:
         """What the DataLoader's sampler draws when its pass reaches the sampler's end (and a
         pass the loop leaves before does not): ``shuffle=True``'s RandomSampler's second
@@ -2252,8 +2241,7 @@ class _EpochIterator:
                 self.L._lost_to_error(lost or ())
                 if lost is not None:  # (none: a batch sampler's [] whose collate failed)
                     self.progress.lose(lost)
-                if self.progress.tail_with_last and self.progress.all_delivered:
-                    self.L._sampler_end(self.progress)  # (its last batch raised: review 174)
+                self.L._last_batch_out(self.progress)  # (its last batch raised: review 174)
             else:
                 self._finish()
                 if kind == "end":
@@ -2275,8 +2263,7 @@ class _EpochIterator:
         self._taken += 1
         self.pipeline.consumed(run, waited, len(positions))
         self.progress.deliver(positions)
-        if self.progress.tail_with_last and self.progress.all_delivered:
-            self.L._sampler_end(self.progress)
+        self.L._last_batch_out(self.progress)
         if h2d is not None:
             from autominato.pipeline.collate import record_stream
 
@@ -2472,14 +2459,12 @@ class _SyncIterator:
                         # after a resume; the epoch goes on
                         self.progress.lose(pos for pos, _, _ in d.items)
                         L._lost_to_error(d.items)
-                        if self.progress.tail_with_last and self.progress.all_delivered:
-                            L._sampler_end(self.progress)
+                        L._last_batch_out(self.progress)
                         raise
                     now = time.monotonic()
                     L._delivered(now, now - t0, n, id(self))
                     self.progress.deliver(pos for pos, _, _ in d.items)
-                    if self.progress.tail_with_last and self.progress.all_delivered:
-                        L._sampler_end(self.progress)
+                    L._last_batch_out(self.progress)
                     if L._iterable:
                         L._count_yielded(self)
                     return batch
@@ -2488,8 +2473,7 @@ class _SyncIterator:
                 elif isinstance(d, Raise):
                     self._done = d.final  # a sample's error: the epoch goes on after it
                     self.progress.lose(d.lost)  # not loaded again after a resume
-                    if self.progress.tail_with_last and self.progress.all_delivered:
-                        L._sampler_end(self.progress)  # (its last batch raised: review 174)
+                    L._last_batch_out(self.progress)  # (its last batch raised: review 174)
                     if not d.final:
                         L._lost_to_error(d.lost)
                     raise d.error

@@ -65,6 +65,9 @@ class Progress:
         self.delivered = None if size is None else np.zeros(size, dtype=bool)
         if self.delivered is not None:
             self.delivered[np.fromiter(done, dtype=np.int64)] = True
+        # positions not delivered yet: all_delivered is read after every batch, and
+        # delivered.all() made that O(epoch) a batch
+        self._left = 0 if size is None else size - int(np.count_nonzero(self.delivered))
         self.batches = batches
         self.empties = empties
         self.empty_total = empty_total
@@ -103,14 +106,11 @@ class Progress:
         has ended for a checkpoint, whether or not the ``next()`` that ends it came
         (``False`` for an iterable's epoch, which counts no positions)."""
         return (self.delivered is not None and bool(self.delivered.size or self.empty_total)
-                and bool(self.delivered.all()) and self.empties >= self.empty_total)
+                and self._left == 0 and self.empties >= self.empty_total)
 
     def deliver(self, positions: Iterable[int]) -> None:
         """One batch (its positions in the epoch's order) reached the training loop."""
-        if self.delivered is not None:
-            pos = np.fromiter(positions, dtype=np.int64)
-            self.delivered[pos] = True
-            self.empties += not pos.size  # (a batch sampler's [])
+        self._mark(positions)
         self.batches += 1
 
     def lose(self, positions: Iterable[int]) -> None:
@@ -118,10 +118,19 @@ class Progress:
         made, or a sample's): its samples are not loaded again after a resume, as the
         DataLoader's lost batch; it is not counted as a batch yielded. No position: a batch
         sampler's empty batch (the default collate's ``IndexError``), passed all the same."""
-        if self.delivered is not None:
-            pos = np.fromiter(positions, dtype=np.int64)
-            self.delivered[pos] = True
-            self.empties += not pos.size
+        self._mark(positions)
+
+    def _mark(self, positions: Iterable[int]) -> None:
+        """Positions reached the training loop, as a batch or with its error; none: a batch
+        sampler's empty batch (``[]``)."""
+        if self.delivered is None:
+            return
+        pos = np.fromiter(positions, dtype=np.int64)
+        if not pos.size:
+            self.empties += 1
+            return
+        self._left -= int(np.count_nonzero(~self.delivered[np.unique(pos)]))
+        self.delivered[pos] = True
 
 
 def to_ranges(mask: np.ndarray) -> list[list[int]]:

@@ -194,10 +194,31 @@ def others_hold_the_cpus(cpus: float, me: Any = None) -> bool:
     if held <= 0:
         return False
     try:
-        total = float(_ray().cluster_resources().get("CPU", 0.0))
+        total = cluster_cpus()
     except Exception:  # noqa: BLE001 - the cluster did not answer: no sharing
         return False
     return held + cpus > total + 1e-9
+
+
+def cluster_cpus() -> float:
+    """The Ray cluster's CPUs, free or not (``ray.cluster_resources()``)."""
+    return float(_ray().cluster_resources().get("CPU", 0.0))
+
+
+def say_if_no_node_fits(cpus: float) -> None:
+    """Warn at once where no node of the cluster has ``cpus`` CPUs: its actors wait until
+    one joins (an autoscaler may add it), where a warning came after 30 s (trial 173:
+    ``num_cpus=8`` on a 2-CPU cluster waited for ever)."""
+    try:
+        largest = max((n.get("Resources", {}).get("CPU", 0.0) for n in _ray().nodes()
+                       if n.get("Alive")), default=0.0)
+    except Exception:  # noqa: BLE001 - the cluster did not answer: nothing to say
+        return
+    if largest < cpus:
+        log.warning("no node of the Ray cluster has %g CPUs (ray_actor_options num_cpus; the "
+                    "largest has %g): the transform actors wait until such a node joins (an "
+                    "autoscaler), and the samples with them; ask for fewer CPUs an actor",
+                    cpus, largest)
 
 
 def free_actors(cpus_per_actor: float) -> int:

@@ -86,11 +86,9 @@ def _samples(text: str, url: str = "") -> _Samples:
 
 
 def _get(samples: _Samples, name: str, **labels: str) -> float:
-    want = set(labels.items())
-    for key, value in samples.get(name, {}).items():
-        if want <= set(key):
-            return value
-    return 0.0
+    """A series' value, 0.0 where it is not exported."""
+    value = _find(samples, name, **labels)
+    return 0.0 if value is None else value
 
 
 def _find(samples: _Samples, name: str, **labels: str) -> float | None:
