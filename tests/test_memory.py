@@ -644,6 +644,30 @@ def test_small_samples_alike_that_need_no_new_page_never_wait():
     assert snap.samples_held_for_memory_total == 0
 
 
+def test_workers_samples_at_the_no_new_page_bound_fit_together():
+    """Samples of 8 MiB alike, two first run on pages the heap kept (each counted at the
+    bound, 16 MiB, until measured): with four workers all four start (the budget was
+    1.35 x max(16, 4 x 8) = 43 MiB, and two bounds beside two 8 MiB samples, 48, were held
+    apart: test_small_samples_alike_that_need_no_new_page_never_wait failed under load)."""
+    from autominato.pipeline.memory import KEPT_HEAP_BYTES, NO_RISE
+
+    for least, fits in ((0.0, False), (KEPT_HEAP_BYTES, True)):
+        m = SampleMemory(24, least_figure=least)
+        for i in range(2, 24):
+            m.learn(i, 8 * MiB)
+        m.learn(0, NO_RISE)
+        m.learn(1, NO_RISE)
+        assert m.estimate(0) == m.estimate(1) == KEPT_HEAP_BYTES
+        in_flight = [m.estimate(0), m.estimate(2), m.estimate(3)]
+        assert m.admit(1, in_flight, workers=4) is fits, least
+    # Larger samples: the floor changes nothing (1.35 x max(240, 4 x 120) either way).
+    a, b = SampleMemory(8), SampleMemory(8, least_figure=KEPT_HEAP_BYTES)
+    for m in (a, b):
+        for i in range(8):
+            m.learn(i, (240 if i == 0 else 120) * MiB)
+    assert a.budget(4) == b.budget(4) == pytest.approx(1.35 * 480 * MiB)
+
+
 def test_the_warm_heap_of_every_other_worker_fits_beside_the_largest_sample():
     """``heap_keep``: a worker's warm heap comes out of the budget's room (the pool at its
     full share), never on top of it."""

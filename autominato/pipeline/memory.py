@@ -230,8 +230,11 @@ class SampleMemory:
 
     def __init__(self, n: int | None, margin: float = MARGIN,
                  pool_share: float | None = None,
-                 size_of: Callable[[int], float | None] | None = None) -> None:
+                 size_of: Callable[[int], float | None] | None = None,
+                 least_figure: float = 0.0) -> None:
         self.margin = float(margin)
+        #: bytes that ``workers`` of, together, always fit in the budget (:meth:`_base`)
+        self.least_figure = float(least_figure)
         #: ``index -> bytes of its file`` (``None``: none known), or ``None``: estimates of
         #: indices not measured are the median (see :meth:`estimate`)
         self.size_of = size_of
@@ -539,8 +542,13 @@ class SampleMemory:
     def _base(self, workers: int, largest: float = 0.0) -> float:
         """``max(largest, workers x upper quartile)``, bytes: what the budget's headroom and
         the pool's share are fractions of; ``largest`` a larger estimate than the largest
-        figure, of a sample in flight or asking (a size estimate, :meth:`admit`)."""
-        return max(self.largest, largest, max(1, workers) * self.upper_quartile)
+        figure, of a sample in flight or asking (a size estimate, :meth:`admit`). At least
+        ``workers x`` :data:`KEPT_HEAP_BYTES` once there is a figure: ``workers`` samples
+        that needed no new page (each counted at that bound until measured) fit together,
+        else samples of a few MiB alike were held apart by their bounds (two at 16 MiB
+        beside two measured at 8 in a budget of 43 MiB, under load: a flaky test)."""
+        base = max(self.largest, largest, max(1, workers) * self.upper_quartile)
+        return max(base, max(1, workers) * self.least_figure) if base > 0 else base
 
     def budget(self, workers: int, largest: float = 0.0) -> float:
         """Bytes of working sets that may be in flight together (0: no figure yet)."""

@@ -69,6 +69,7 @@ from autominato.pipeline.memory import (
     FILE_MEDIAN_MIN,
     FILE_PREREAD,
     FILE_WAIT_S,
+    KEPT_HEAP_BYTES,
     SCAN_REFUSALS,
     SampleMemory,
     SizeReader,
@@ -377,7 +378,7 @@ class Pipeline:
             self._est_top = 0.0  # the largest estimate in flight or asking at the last ask
             self.memory = SampleMemory(
                 cfg.dataset_len if not cfg.iterable else None,
-                size_of=self._file_bytes)
+                size_of=self._file_bytes, least_figure=KEPT_HEAP_BYTES)
             # (the files' sizes of each epoch's indices, read off the scheduler's thread)
             self._size_reader = SizeReader(self.memory)
             self._sizes_wanted = None  # the order of the epoch begun last, until an ask
