@@ -457,3 +457,23 @@ def test_a_trial_cut_by_ctrl_c_is_stored_with_its_reason(tmp_path, space, monkey
     (trial,) = optuna.load_study(study_name="cut", storage=f"sqlite:///{out / 'study.db'}").trials
     assert trial.state == optuna.trial.TrialState.FAIL
     assert trial.user_attrs["failure"].startswith("interrupted (Ctrl-C)")
+
+
+def test_a_knob_the_space_dropped_is_not_reported_as_applied(tmp_path):
+    """Trial 173: ``read_threads=2`` stood in the default configuration's line, the stored
+    knobs and the written file of a study whose process workers read inside themselves,
+    where the space does not search it and it does nothing."""
+    from autominato.tuning.pipeline import Pipeline, SleepStep
+    from autominato.tuning.space import load_space
+    from autominato.tuning.study import measure_config
+
+    pipeline = Pipeline(make_dataset(), None, 2, SleepStep(0.001), {"dataset": "x"})
+    trial = "trial: {warmup_batches: 1, window_batches: 2, report_every: 1}\n"
+    for kind, shown in (("process", False), ("thread", True)):
+        path = tmp_path / f"{kind}.yaml"
+        path.write_text(f"params:\n  depth: 2\n  workers: 1\n  worker_kind: {kind}\n" + trial)
+        space = load_space(path)
+        assert ("read_threads" in space.dropped) is not shown
+        _, knobs = measure_config(pipeline, space, dict(space.fixed))
+        assert ("read_threads" in knobs) is shown, (kind, knobs)
+        assert knobs["depth"] == 2 and knobs["workers"] == 1

@@ -152,7 +152,8 @@ def measure_config(
     """Build the loader for ``params``, measure it, close it.
 
     Returns:
-        The measurement and the knob values the loader applied (after its clamping).
+        The measurement and the knob values the loader applied (after its clamping), less
+        the knobs the space dropped (:attr:`SearchSpace.dropped`: they do nothing there).
 
     Raises:
         PipelineFailed: the dataset or transform raised for a sample.
@@ -163,7 +164,9 @@ def measure_config(
     batch_size = int(params.get("batch_size", pipeline.batch_size))
     try:
         with pipeline.build_loader(params) as loader:
-            knobs = loader.knobs.as_dict()
+            # (a knob the space dropped does nothing in this loader, read_threads where the
+            # workers read: not shown, stored or written as if it had been tuned, trial 173)
+            knobs = {k: v for k, v in loader.knobs.as_dict().items() if k not in space.dropped}
             m = measure(
                 loader,
                 pipeline.step_for(batch_size),
