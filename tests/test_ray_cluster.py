@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -20,14 +22,30 @@ from autominato import Loader  # noqa: E402
 def two_nodes():
     if ray.is_initialized():
         ray.shutdown()
-    cluster = cluster_utils.Cluster(initialize_head=True,
-                                    head_node_args={"num_cpus": 1, "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    yield cluster, worker
-    ray.shutdown()
-    cluster.shutdown()
+    # A temp dir of its own: Cluster writes its address where ray.init() looks for a local
+    # cluster to join (RAY_TMPDIR, else /tmp/ray), so a Ray loader of another test process
+    # (pytest-xdist) would have joined this cluster and lost its actors with the node.
+    tmp = tempfile.mkdtemp(prefix="rc")  # short: Ray's socket paths live under it
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    os.mkdir(os.path.join(tmp, "ray"))  # (where the address is written)
+    try:
+        cluster = cluster_utils.Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "include_dashboard": False,
+                            "temp_dir": os.path.join(tmp, "ray")})
+        worker = cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        yield cluster, worker
+        ray.shutdown()
+        cluster.shutdown()
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Slow:
