@@ -412,3 +412,40 @@ def test_shared_memory_given_back_leaves_the_figure_before_the_next_rollup(child
     # and the figure agrees with a rollup read now
     fresh = ProcessMeter(child.proc.pid, pss=True).read()
     assert abs(fresh.pss_bytes - punched.pss_bytes) < 8 * MiB
+
+
+def test_a_process_named_after_it_started_counts_from_its_first_reading(tmp_path):
+    """A Ray actor is named (``pids``) once ready: the CPU it spent starting (importing torch,
+    unpickling the dataset) before that reading is not the loader's work in the window
+    (trial 173: a sleep-bound dataset read "CPU bound, 1.61 cores" in a Ray loader's first
+    window). What it burns after its first reading counts in full; a process named at the
+    meter's first reading, or started after the reading before, counts from its start."""
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        "while time.process_time() < 0.4: pass\n"  # its start-up
+        "print('started', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\n"  # the loader's work
+        "print('burned', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    kid = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert kid.stdout.readline().strip() == "started"
+        meter = ProcessMeter()  # (children=False: the child is read only where named)
+        fresh = ProcessMeter()
+        assert fresh.read([kid.pid]).worker_cpu_seconds_total >= 0.38  # first reading: all
+        meter.read()  # the reading before: it runs, unnamed
+        first = meter.read([kid.pid])
+        assert [p.pid for p in first.workers] == [kid.pid]
+        assert first.worker_cpu_seconds_total < 0.1, first  # its start-up left out
+        go.touch()
+        assert kid.stdout.readline().strip() == "burned"
+        later = meter.read([kid.pid])
+        assert 0.28 <= later.worker_cpu_seconds_total - first.worker_cpu_seconds_total < 0.5
+        assert later.worker_cpu_seconds_total < 0.5  # not the 0.7 s of its whole life
+    finally:
+        kid.kill()
+        kid.wait()
