@@ -687,3 +687,19 @@ def test_a_read_stage_of_its_own_is_judged_by_its_cpu_demand():
     # Unknown (rebuilt from the metrics): both
     both = diagnose(with_cpu(0.9, "")).suggestion
     assert "fuse_read=True" in both and "worker_kind='process'" in both
+
+
+def test_one_worker_busy_on_one_core_of_two_is_cpu_bound_not_io():
+    """Trial 175: one worker (num_workers=1) spinning on a CPU in its read, on 2 cores,
+    demand 1.00 of 2: "I/O bound (read) ... faster storage", where the controller grew the
+    workers as transform-bound. The CPU is weighed against the workers where fewer."""
+    from autominato.telemetry.cores import CoreBudget
+
+    hist = history(step_s=0.010, wait_s=0.020, read_s=0.003, transform_s=0.0025,
+                   read_workers=0, transform_workers=1)
+    busy = diagnose(with_cpu(hist, cores_used=1.0), budget=CoreBudget(2))
+    assert busy.kind == "cpu", format_report(busy)
+    assert "storage" not in busy.suggestion
+    # the same worker mostly waiting is I/O bound still
+    waiting = diagnose(with_cpu(hist, cores_used=0.3), budget=CoreBudget(2))
+    assert waiting.kind == "io" and "storage" in waiting.suggestion

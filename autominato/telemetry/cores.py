@@ -140,9 +140,13 @@ class CoreBudget:
     cpu_saturated: float = CPU_SATURATED
     placed: bool = False
 
-    def io_like(self, cpu_cores: float | None) -> bool:
-        """The loader used less than ``cpu_busy`` of the cores (False when unknown)."""
-        return cpu_cores is not None and cpu_cores < self.cpu_busy * self.cores
+    def io_like(self, cpu_cores: float | None, workers: int | None = None) -> bool:
+        """The loader used less than ``cpu_busy`` of the cores (False when unknown); with
+        ``workers`` fewer than the cores, of ``workers`` cores (each worker runs one sample
+        at a time: one worker busy on a core of two is CPU bound, trial 175 read it as
+        I/O bound and sent it to faster storage)."""
+        cores = min(self.cores, workers) if workers is not None and workers > 0 else self.cores
+        return cpu_cores is not None and cpu_cores < self.cpu_busy * cores
 
     def worker_cap(self, workers: int, cpu_cores: float | None) -> int:
         """The most transform workers worth running, from ``workers`` using ``cpu_cores``.

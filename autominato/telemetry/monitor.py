@@ -19,7 +19,8 @@ with the largest share is the bottleneck if that share is at least :data:`SATURA
 stage means **I/O bound**, the transform stage **CPU bound**, the batch stage (``collate_fn``,
 one thread of the training process) **collate bound**, the transfer stage **transfer bound**. When one set of workers reads and transforms (a fused read, the default,
 or ``workers=0``) their shares add up, and the pair is **CPU bound** unless the loader's
-processes used less than :data:`~autominato.telemetry.cores.CPU_BUSY` of the cores (then the
+processes used less than :data:`~autominato.telemetry.cores.CPU_BUSY` of the cores, or of the
+workers where they are fewer (then the
 workers mostly wait: **I/O bound**); decompressing a ``.nii.gz`` in the read is CPU work. When
 no stage is saturated yet the consumer still waits, the stages keep up on average but their
 jitter is not absorbed: **synchronisation bound**, deepen the prefetch.
@@ -456,7 +457,7 @@ def diagnose(
         if top >= SATURATED:
             # Which work fills them is told by the CPU they use: a read that decompresses
             # is CPU work; only workers that mostly wait make the pair I/O bound.
-            stage = "read" if budget.io_like(cpu) else "transform"
+            stage = "read" if budget.io_like(cpu, knobs.get("workers")) else "transform"
     if stage is not None and top >= SATURATED:
         kind, stage, summary, suggestion = _bottleneck(
             stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused
