@@ -1566,3 +1566,31 @@ def test_a_bounded_dump_stops_before_it_copies_a_large_array():
     with pytest.raises(PickleTooLarge):
         dumps_for_worker({"t": torch.ones(1 << 20)}, limit=1 << 20)  # (4 MiB)
     assert len(dumps_for_worker({"a": np.ones(1000)}, limit=1 << 20)) > 8000  # (under it)
+
+
+def test_the_ranks_torchrun_starts_on_a_node_share_its_cores(monkeypatch):
+    """Trial 175: two ranks of ``torchrun --nproc_per_node=2`` on 2 cores each counted both
+    cores (default workers, the Data Monitor's verdict): a rank takes its share, unless the
+    ranks are pinned to CPUs of their own."""
+    import os
+
+    from autominato.pipeline import knobs
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(knobs, "open", lambda *a, **k: (_ for _ in ()).throw(OSError()),
+                        raising=False)  # no cgroup quota
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert knobs.usable_cores() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert knobs.usable_cores() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert knobs.usable_cores() == 1  # at least one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    assert knobs.usable_cores() == 8  # not a count: ignored
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # pinned: its share
+    assert knobs.usable_cores() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    with Loader(list(range(8)), batch_size=2, worker_kind="thread") as loader:
+        assert loader.knobs.workers == 4

@@ -17,11 +17,19 @@ import numpy as np
 
 
 def usable_cores() -> int:
-    """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``)."""
+    """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``),
+    shared with the other ranks of this node where the launcher says how many run here
+    (``LOCAL_WORLD_SIZE``: ``torchrun`` / ``torch.distributed.run``, which Accelerate and
+    DeepSpeed launch through) and left each rank every CPU (an affinity mask as wide as the
+    machine: a rank pinned to CPUs of its own, ``numactl``, SLURM's ``--cpus-per-task``,
+    has its share already). Trial 175: two ranks of a ``torchrun --nproc_per_node=2`` on 2
+    cores each took both cores, their default workers and the Data Monitor's verdict
+    counted on 2 cores each."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
+    pinned = n < (os.cpu_count() or n)
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
@@ -29,7 +37,18 @@ def usable_cores() -> int:
             n = min(n, max(1, int(int(quota) / int(period))))
     except (OSError, ValueError):
         pass
+    if not pinned:
+        n //= max(1, local_ranks())
     return max(1, n)
+
+
+def local_ranks() -> int:
+    """Processes of one distributed job on this node, as the launcher's ``LOCAL_WORLD_SIZE``
+    says (1 where it is unset or not a positive integer)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 @dataclass
