@@ -692,7 +692,10 @@ def _bottleneck(
             where = (f"reads and transforms (in the same workers: the read "
                      f"{read_s * 1e3:.1f} ms a sample, the transform {transform_s * 1e3:.1f} ms)")
             cheaper = ("a cheaper read (less decoding: samples stored uncompressed, .npy in "
-                       "place of .nii.gz, or preprocessed once; less work in __getitem__)")
+                       "place of .nii.gz, or preprocessed once; less work in __getitem__, "
+                       "where a dataset's own transforms run, MONAI's Dataset(transform=...) "
+                       "among them: passed as Loader(transform=...) they are timed apart from "
+                       "the read)")
         return (
             "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
