@@ -33,7 +33,7 @@ from autominato import resume
 # Imported with the Loader, not in its constructor: the controller runs by default, and
 # importing it (and the telemetry switch) there delayed the first batch by tens of ms.
 from autominato.control import Controller
-from autominato.pipeline import random_state
+from autominato.pipeline import cleanup, random_state
 from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
@@ -1144,6 +1144,11 @@ class Loader:
                 with self._step_lock:
                     self._live_passes.add(id(it))
                 self._last_pass = id(it)
+                if self._pipeline is not None:
+                    # Its SIGTERM clean-up (only the main thread can set a handler: a Loader
+                    # built in another thread had none, and SIGTERM left its shared memory
+                    # in /dev/shm, trial 176); at once where it is set already.
+                    cleanup.install()
                 return it
             except BaseException:
                 for name, value in zip(self._PASS_FIELDS, saved, strict=True):
