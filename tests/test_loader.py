@@ -368,7 +368,9 @@ def test_a_sample_known_to_be_slow_starts_right_after_the_first_batch(in_order):
             if epoch == 0 or in_order:
                 assert ds.starts.index(6) >= 5, (epoch, ds.starts)
             else:
-                assert ds.starts.index(6) <= 2, (epoch, ds.starts)
+                # (a thread that finished its first sample before the first batch formed
+                # takes the next in order: on a loaded machine 6 starts fourth, not third)
+                assert ds.starts.index(6) <= 3, (epoch, ds.starts)
 
 
 def test_a_resumed_run_starts_the_samples_known_to_be_slow_first_in_its_first_epoch():
@@ -389,7 +391,7 @@ def test_a_resumed_run_starts_the_samples_known_to_be_slow_first_in_its_first_ep
                     prefetch_next_epoch=False, in_order=False) as M:
             M.load_state_dict(given)
             assert sorted(int(x) for b in M for x in b[:, 0]) == list(range(12))
-            assert (ds.starts.index(6) <= 2) is early, ds.starts
+            assert (ds.starts.index(6) <= 3) is early, ds.starts  # (3: see the test above)
             # (its own figures of the epoch now; the state's are passed on until then)
             assert M.state_dict()["sample_seconds"][6] > 0.25
 
