@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -907,7 +908,22 @@ class Loader:
         self._controller = None
         self._home_pid = os.getpid()  # (_close_all: a forked child's exit leaves it alone)
         _live.add(self)
+        with _HeldInterrupt() as held:
+            try:
+                self._start(values, worker_kind, start_method, cores, cfg, autotune,
+                            metrics_port, metrics_host, monitor_interval)
+            except BaseException:
+                self.close()  # what started before the error
+                raise
+        if held.hit:  # Ctrl-C while it started: it ends as if it had come before
+            self.close()
+            raise KeyboardInterrupt
 
+    def _start(self, values: dict, worker_kind: str, start_method: str, cores: int,
+               cfg: dict | None, autotune: bool, metrics_port: int | None,
+               metrics_host: str, monitor_interval: float | None) -> None:
+        """The end of ``__init__``: the workers (where they start with the Loader), the
+        telemetry and the controller."""
         if values["workers"] > 0 and worker_kind == "process" and start_method in ("auto", "fork"):
             # Start the workers now, before telemetry and the controller start threads, so
             # that they can fork (see start_method).
@@ -1609,10 +1625,16 @@ class Loader:
             # (the dataset's length now: what the workers' copy and the memory figures hold)
             cfg = dataclasses.replace(self._cfg, dataset_len=self._n)
             _arm_close_at_exit()
-            self._pipeline = Pipeline(cfg, spec, self.knobs, self.stage_stats, on_skip=on_skip)
-            self._pipeline.restore_memory(self._memory_figures)
-            self._pipeline.restore_costs(self._sample_seconds)
-            self.knobs.subscribe(self._pipeline.knobs_changed)
+            # (Ctrl-C held while its threads and processes start: then raised with the
+            # pipeline where close() finds it, see _HeldInterrupt)
+            with _HeldInterrupt() as held:
+                self._pipeline = Pipeline(cfg, spec, self.knobs, self.stage_stats,
+                                          on_skip=on_skip)
+                self._pipeline.restore_memory(self._memory_figures)
+                self._pipeline.restore_costs(self._sample_seconds)
+                self.knobs.subscribe(self._pipeline.knobs_changed)
+            if held.hit:
+                raise KeyboardInterrupt
         return self._pipeline
 
     def _count_yielded(self, it: Any) -> None:
@@ -2049,6 +2071,33 @@ class EpochSampler(torch.utils.data.Sampler):
         L = self._loader()
         if not (L._epoch_set and L.epoch == int(epoch)):  # (Loader.set_epoch calls back)
             L.set_epoch(epoch)
+
+
+class _HeldInterrupt:
+    """Ctrl-C held while a Loader starts its threads, fork server and workers: a
+    ``KeyboardInterrupt`` raised in the middle (a thread's start, a fork) left what was started
+    so far where nothing could reach or close it (trial 176: child processes, threads, file
+    descriptors and /dev/shm locks that piled up over interrupted constructions, until the
+    interpreter exited). In the main thread, where SIGINT raises ``KeyboardInterrupt`` as
+    Python's default handler does, the signal is noted instead; :attr:`hit` says so once
+    the block ends, and the caller, with everything assigned where ``close()`` finds it, then
+    raises it. Elsewhere (another thread, an application's own SIGINT handler) nothing
+    changes. Nested blocks: the outermost holds."""
+
+    def __enter__(self) -> _HeldInterrupt:
+        self.hit = False
+        self._old: Any = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._old = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 class _Observed:

@@ -1437,3 +1437,69 @@ def test_a_ctrl_c_while_the_loader_starts_its_workers_lets_the_process_exit(tmp_
         pytest.fail("the process did not exit")
     assert proc.returncode in (130, -signal.SIGINT), out.decode()[-2000:]
     assert b"KeyboardInterrupt" in out
+
+
+CTRL_C_IN_CONSTRUCTOR = textwrap.dedent("""
+    import gc, os, signal, threading, time
+    import numpy as np
+    import psutil
+    from autominato import Loader
+    from autominato.control import Controller
+    from autominato.pipeline.scheduler import Pipeline
+
+    class DS:
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return np.zeros(1 << 16, np.float32)
+
+    def ctrl_c_in(cls, name):
+        # Ctrl-C as the Loader starts (the pipeline's threads, its controller)
+        original = getattr(cls, name)
+
+        def interrupted(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # (where Python raises it, unless it is held)
+            return original(self, *a, **k)
+
+        setattr(cls, name, interrupted)
+        return lambda: setattr(cls, name, original)
+
+    caught = 0
+    for cls, name in ((Pipeline, "_wire_stats"), (Controller, "start")):
+        undo = ctrl_c_in(cls, name)
+        try:
+            Loader(DS(), batch_size=4, shuffle=True, num_workers=2)
+        except KeyboardInterrupt:
+            caught += 1
+        undo()
+    gc.collect()
+    time.sleep(0.5)
+    me = psutil.Process()
+    shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"autominato_{os.getpid()}_")]
+    print("RESULT", caught, len(me.children(recursive=True)), threading.active_count(),
+          len(shm), flush=True)
+    with Loader(DS(), batch_size=4, num_workers=2) as loader:
+        print("NEXT", sum(len(b) for b in loader), flush=True)
+""")
+
+
+@pytest.mark.slow  # a fresh Python that imports torch
+def test_ctrl_c_while_a_loader_starts_leaves_nothing_running(tmp_path):
+    """Trial 176: a KeyboardInterrupt inside ``Loader(...)`` (a thread's start, the fork
+    server's fork) left child processes, threads, descriptors and /dev/shm locks that nothing
+    could reach or close, piling up over interrupted constructions until the interpreter
+    exited. Ctrl-C is held while the Loader starts and raised once it can be closed."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_CONSTRUCTOR)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+                         env=env, timeout=60)  # (before: it hung, the leaked fork server kept)
+    lines = dict(ln.split(maxsplit=1) for ln in out.stdout.splitlines() if ln[:1].isupper())
+    assert "RESULT" in lines, out.stderr[-3000:]
+    caught, children, threads, shm = map(int, lines["RESULT"].split())
+    assert caught == 2, out.stderr[-3000:]  # each Ctrl-C raised, as the constructor's
+    assert (children, threads, shm) == (0, 1, 0), (lines, out.stderr[-3000:])
+    assert lines.get("NEXT") == "40", out.stderr[-3000:]  # and the next Loader works
