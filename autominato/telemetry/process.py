@@ -77,9 +77,7 @@ class Reading:
         cpu_seconds_total: user + system CPU seconds of every process the meter has seen,
             each up to its latest reading. Cumulative and never decreasing: the difference
             of two readings is the CPU used between them (a process that started in between
-            counts from its start, one that exited up to its last reading; one that ``pids``
-            alone names and that was running, unnamed, at the reading before counts from its
-            first reading: a Ray actor's start-up before the loader named it is not counted).
+            counts from its start, one that exited up to its last reading).
         processes: the live processes read, the root first when it is alive.
         worker_cpu_seconds_total: the part of ``cpu_seconds_total`` of processes other than
             the root (cumulative in the same way).
@@ -208,11 +206,6 @@ class ProcessMeter:
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
         self._waited: dict[tuple[int, float], float] = {}
-        # CPU and run-queue seconds a named process had at its first reading where it was
-        # started before the reading before (see Reading.cpu_seconds_total), by key
-        self._before: dict[tuple[int, float], tuple[float, float]] = {}
-        self._named: set[int] = set()  # the last _tree's processes that ``pids`` alone named
-        self._last_wall: float | None = None  # time.time() of the last reading's start
         # The machine's shared memory and the processes' Pss_Shmem at the first reading.
         self._shmem0: tuple[int, int] | None = None
         self._split = False  # a rollup of this reading showed new sharers (read())
@@ -251,15 +244,11 @@ class ProcessMeter:
                 except psutil.Error:
                     self._kids = []
             found = list(self._kids)
-        listed = len(found)
         found += [(pid, None) for pid in pids]
-        self._named = set()  # read only because ``pids`` named them
-        for i, (pid, proc) in enumerate(found):
+        for pid, proc in found:
             if pid in seen:
                 continue
             seen.add(pid)
-            if i >= listed:
-                self._named.add(pid)
             p = self._process(pid, proc)
             if p is not None:
                 out.append(p)
@@ -270,7 +259,6 @@ class ProcessMeter:
     def read(self, pids: Iterable[int] = ()) -> Reading:
         """Read every process now; ``pids`` adds processes outside the root's tree."""
         self._split = False
-        wall = time.time()  # (psutil's start times are wall-clock seconds)
         rolled: dict[tuple[int, float], tuple[int | None, int | None]] = {}  # read now
         reading = self._read(pids, rolled)
         if self._split:
@@ -284,7 +272,6 @@ class ProcessMeter:
             self._walked = -math.inf
             reading = self._read(pids, rolled, again=True)
         self.rollups_read = frozenset(pid for pid, _ in rolled)
-        self._last_wall = wall
         return reading
 
     def _found(self, pids: Iterable[int]) -> list:
@@ -334,22 +321,10 @@ class ProcessMeter:
                 continue
             read.add(key)
             cpu = times.user + times.system
-            waited = _runqueue_s(p.pid) if self.runqueue else 0.0
-            if (key not in self._cpu and p.pid in self._named and self._last_wall is not None
-                    and key[1] < self._last_wall):
-                # Named by ``pids`` only, and there unnamed at the reading before (a Ray actor
-                # named once ready): what it spent until now was its start-up (a Python
-                # importing torch, unpickling the dataset: 1-2 CPU-s), not the loader's work
-                # in this window (trial 173: a sleep-bound dataset read "CPU bound, 1.61
-                # cores" in a Ray loader's first window). One that started since counts from
-                # its start.
-                self._before[key] = (cpu, waited)
-            cpu0, waited0 = self._before.get(key, (0.0, 0.0))
-            cpu = max(0.0, cpu - cpu0)
             self._cpu[key] = cpu
             if self.runqueue:
                 # A thread that exited takes its figure along: never let the total go down.
-                self._waited[key] = max(self._waited.get(key, 0.0), max(0.0, waited - waited0))
+                self._waited[key] = max(self._waited.get(key, 0.0), _runqueue_s(p.pid))
             pss, shmem_pss = rollup if rollup is not None else (None, None)
             usages.append(
                 ProcessUsage(
