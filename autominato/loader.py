@@ -2081,8 +2081,11 @@ class _HeldInterrupt:
     interpreter exited). In the main thread, where SIGINT raises ``KeyboardInterrupt`` as
     Python's default handler does, the signal is noted instead; :attr:`hit` says so once
     the block ends, and the caller, with everything assigned where ``close()`` finds it, then
-    raises it. Elsewhere (another thread, an application's own SIGINT handler) nothing
-    changes. Nested blocks: the outermost holds."""
+    raises it. A second Ctrl-C is not held: it raises at once, as before (the block runs
+    user code too, pickling the dataset for ``persistent_workers=False``, spawned workers or
+    Ray, which may take seconds or never return: review 177 saw the first Ctrl-C wait 4 s for
+    a slow ``__getstate__``). Elsewhere (another thread, an application's own SIGINT handler)
+    nothing changes. Nested blocks: the outermost holds."""
 
     def __enter__(self) -> _HeldInterrupt:
         self.hit = False
@@ -2093,6 +2096,10 @@ class _HeldInterrupt:
         return self
 
     def _note(self, signum: int, frame: Any) -> None:
+        if self.hit:  # the second: at once
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+            raise KeyboardInterrupt
         self.hit = True
 
     def __exit__(self, *exc: Any) -> None:

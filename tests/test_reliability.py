@@ -1474,6 +1474,20 @@ CTRL_C_IN_CONSTRUCTOR = textwrap.dedent("""
         except KeyboardInterrupt:
             caught += 1
         undo()
+
+    class SlowToPickle(DS):  # pickled for persistent_workers=False as the Loader starts
+        def __getstate__(self):
+            time.sleep(60)
+            return self.__dict__
+
+    # a second Ctrl-C is not held: it raises at once
+    t0 = time.monotonic()
+    for at in (0.3, 0.6):
+        threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        Loader(SlowToPickle(), batch_size=4, num_workers=2, persistent_workers=False)
+    except KeyboardInterrupt:
+        print("SECOND", round(time.monotonic() - t0, 2), flush=True)
     gc.collect()
     time.sleep(0.5)
     me = psutil.Process()
@@ -1503,3 +1517,4 @@ def test_ctrl_c_while_a_loader_starts_leaves_nothing_running(tmp_path):
     assert caught == 2, out.stderr[-3000:]  # each Ctrl-C raised, as the constructor's
     assert (children, threads, shm) == (0, 1, 0), (lines, out.stderr[-3000:])
     assert lines.get("NEXT") == "40", out.stderr[-3000:]  # and the next Loader works
+    assert 0.5 < float(lines["SECOND"]) < 5.0, lines  # (review 177: held for the whole 60 s)
