@@ -1570,27 +1570,29 @@ def test_a_bounded_dump_stops_before_it_copies_a_large_array():
 
 def test_the_ranks_torchrun_starts_on_a_node_share_its_cores(monkeypatch):
     """Trial 175: two ranks of ``torchrun --nproc_per_node=2`` on 2 cores each counted both
-    cores (default workers, the Data Monitor's verdict): a rank takes its share, unless the
-    ranks are pinned to CPUs of their own."""
+    cores (default workers, the Data Monitor's verdict): a rank takes its share of its
+    launcher's CPUs, unless a wrapper pinned it to CPUs of its own (a mask narrower than its
+    parent's: review 177, a container's cpuset or a job's allocation is shared all the same)."""
     import os
 
     from autominato.pipeline import knobs
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    masks = {0: set(range(8)), os.getppid(): set(range(8))}  # this rank's, the launcher's
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # (a machine wider than the job)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: masks[pid])
     monkeypatch.setattr(knobs, "open", lambda *a, **k: (_ for _ in ()).throw(OSError()),
                         raising=False)  # no cgroup quota
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert knobs.usable_cores() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert knobs.usable_cores() == 4
+    assert knobs.usable_cores() == 4  # the job's 8 CPUs (a cpuset), shared by 2 ranks
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert knobs.usable_cores() == 1  # at least one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     assert knobs.usable_cores() == 8  # not a count: ignored
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # pinned: its share
+    masks[0] = {0, 1, 2}  # pinned by a wrapper (numactl -C 0-2): its share already
     assert knobs.usable_cores() == 3
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    masks[0] = set(range(8))
     with Loader(list(range(8)), batch_size=2, worker_kind="thread") as loader:
         assert loader.knobs.workers == 4

@@ -20,16 +20,22 @@ def usable_cores() -> int:
     """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``),
     shared with the other ranks of this node where the launcher says how many run here
     (``LOCAL_WORLD_SIZE``: ``torchrun`` / ``torch.distributed.run``, which Accelerate and
-    DeepSpeed launch through) and left each rank every CPU (an affinity mask as wide as the
-    machine: a rank pinned to CPUs of its own, ``numactl``, SLURM's ``--cpus-per-task``,
-    has its share already). Trial 175: two ranks of a ``torchrun --nproc_per_node=2`` on 2
-    cores each took both cores, their default workers and the Data Monitor's verdict
-    counted on 2 cores each."""
+    DeepSpeed launch through) and left each rank its own CPUs (an affinity mask as wide as
+    the launcher's, its parent process: a rank pinned to CPUs of its own by a wrapper,
+    ``numactl -C``, has its share already; a mask the whole job shares, a container's
+    cpuset, a job scheduler's allocation, is divided). Trial 175: two ranks of a ``torchrun
+    --nproc_per_node=2`` on 2 cores each took both cores, their default workers and the
+    Data Monitor's verdict counted on 2 cores each. Lightning's own launchers set no
+    ``LOCAL_WORLD_SIZE``: under them each rank counts every core."""
     try:
-        n = len(os.sched_getaffinity(0))
+        mine = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    pinned = n < (os.cpu_count() or n)
+        mine = None
+    n = len(mine) if mine else (os.cpu_count() or 1)
+    try:
+        pinned = mine is not None and len(mine) < len(os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError):  # (no parent to read: as wide as the machine's)
+        pinned = n < (os.cpu_count() or n)
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
