@@ -543,7 +543,8 @@ class SampleMemory:
         """``max(largest, workers x upper quartile)``, bytes: what the budget's headroom and
         the pool's share are fractions of; ``largest`` a larger estimate than the largest
         figure, of a sample in flight or asking (a size estimate, :meth:`admit`). At least
-        ``workers x`` :data:`KEPT_HEAP_BYTES` once there is a figure: ``workers`` samples
+        ``workers x`` :attr:`least_figure` (the pipeline's: :data:`KEPT_HEAP_BYTES`) once
+        there is a figure: ``workers`` samples
         that needed no new page (each counted at that bound until measured) fit together,
         else samples of a few MiB alike were held apart by their bounds (two at 16 MiB
         beside two measured at 8 in a budget of 43 MiB, under load: a flaky test)."""
