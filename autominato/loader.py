@@ -2103,7 +2103,9 @@ class _HeldInterrupt:
         self.hit = True
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
+        # (a handler that code in the block installed, a dataset's __getstate__, a library
+        # imported there, stays: review 178)
+        if self._old is not None and signal.getsignal(signal.SIGINT) == self._note:
             signal.signal(signal.SIGINT, self._old)
 
 

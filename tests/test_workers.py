@@ -1570,9 +1570,9 @@ def test_a_bounded_dump_stops_before_it_copies_a_large_array():
 
 def test_the_ranks_torchrun_starts_on_a_node_share_its_cores(monkeypatch):
     """Trial 175: two ranks of ``torchrun --nproc_per_node=2`` on 2 cores each counted both
-    cores (default workers, the Data Monitor's verdict): a rank takes its share of its
-    launcher's CPUs, unless a wrapper pinned it to CPUs of its own (a mask narrower than its
-    parent's: review 177, a container's cpuset or a job's allocation is shared all the same)."""
+    cores (default workers, the Data Monitor's verdict): a rank takes at most its share of its
+    launcher's CPUs (a container's cpuset or a job's allocation is shared, review 177; so is a
+    NUMA node torchrun binds several ranks to, review 178), and at most its own mask."""
     import os
 
     from autominato.pipeline import knobs
@@ -1593,6 +1593,11 @@ def test_the_ranks_torchrun_starts_on_a_node_share_its_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     masks[0] = {0, 1, 2}  # pinned by a wrapper (numactl -C 0-2): its share already
     assert knobs.usable_cores() == 3
+    # torchrun --numa-binding=node: four ranks bound to one node's 4 CPUs of the job's 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    masks[0] = {0, 1, 2, 3}
+    assert knobs.usable_cores() == 1  # (8 CPUs over 8 ranks: its node's 4 over its 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     masks[0] = set(range(8))
     with Loader(list(range(8)), batch_size=2, worker_kind="thread") as loader:
         assert loader.knobs.workers == 4

@@ -20,31 +20,34 @@ def usable_cores() -> int:
     """CPU cores this process may use: affinity mask and cgroup v2 CPU quota (``cpu.max``),
     shared with the other ranks of this node where the launcher says how many run here
     (``LOCAL_WORLD_SIZE``: ``torchrun`` / ``torch.distributed.run``, which Accelerate and
-    DeepSpeed launch through) and left each rank its own CPUs (an affinity mask as wide as
-    the launcher's, its parent process: a rank pinned to CPUs of its own by a wrapper,
-    ``numactl -C``, has its share already; a mask the whole job shares, a container's
-    cpuset, a job scheduler's allocation, is divided). Trial 175: two ranks of a ``torchrun
-    --nproc_per_node=2`` on 2 cores each took both cores, their default workers and the
-    Data Monitor's verdict counted on 2 cores each. Lightning's own launchers set no
-    ``LOCAL_WORLD_SIZE``: under them each rank counts every core."""
+    DeepSpeed launch through): a rank takes at most its share of the launcher's CPUs (its
+    parent process's mask) and of the quota, and at most its own mask. So ranks that share a
+    container's cpuset or a job's allocation divide it, ranks that ``torchrun
+    --numa-binding=node`` binds four to a NUMA node take a quarter of it each (review 178),
+    and a rank a wrapper pinned to fewer CPUs than its share keeps those. Trial 175: two
+    ranks of a ``torchrun --nproc_per_node=2`` on 2 cores each took both cores, their default
+    workers and the Data Monitor's verdict counted on 2 cores each. Limits: a rank started
+    by a shell that a wrapper pinned (without ``exec``) divides its own CPUs again; Lightning's
+    own launchers set no ``LOCAL_WORLD_SIZE``, so under them each rank counts every core."""
     try:
-        mine = os.sched_getaffinity(0)
+        mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        mine = None
-    n = len(mine) if mine else (os.cpu_count() or 1)
-    try:
-        pinned = mine is not None and len(mine) < len(os.sched_getaffinity(os.getppid()))
-    except (AttributeError, OSError):  # (no parent to read: as wide as the machine's)
-        pinned = n < (os.cpu_count() or n)
+        mine = os.cpu_count() or 1
+    ranks = local_ranks()
+    n = mine
+    if ranks > 1:
+        try:
+            launcher = len(os.sched_getaffinity(os.getppid()))
+        except (AttributeError, OSError):  # (no parent to read: its own mask is the job's)
+            launcher = mine
+        n = min(mine, max(1, launcher // ranks))
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
         if quota != "max":
-            n = min(n, max(1, int(int(quota) / int(period))))
+            n = min(n, max(1, int(int(quota) / int(period)) // ranks))
     except (OSError, ValueError):
         pass
-    if not pinned:
-        n //= max(1, local_ranks())
     return max(1, n)
 
 
