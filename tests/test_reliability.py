@@ -635,14 +635,23 @@ def finish(child: subprocess.Popen, timeout_s: float = 60.0) -> str:
             f"the child did not exit within {timeout_s:g} s; its stacks:\n{err}") from None
 
 
+#: The repository's root: the working directory of the training scripts run as children.
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def repo_env() -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH``, for a child
+    Python that imports autominato as the tests do."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+
+
 def run_child_until_ready(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "train.py"
     script.write_text(CHILD)
     # A session of its own, so that a signal to its process group is what Ctrl-C in a
     # terminal sends (the main process, its workers and the forkserver all get it).
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, cwd=root, env=env,
+    env = repo_env()
+    child = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, cwd=REPO, env=env,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     line = child.stdout.readline()
     assert line.startswith("READY"), child.communicate(timeout=60)
@@ -735,10 +744,9 @@ def test_a_sigterm_handler_installed_later_that_calls_the_loaders(tmp_path, hand
     handler that returns would have its SIGTERM swallowed: review 148)."""
     script = tmp_path / "chained.py"
     script.write_text(CHAINED)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = repo_env()
     child = subprocess.Popen([sys.executable, str(script), handler], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     out, err = child.communicate(timeout=120)
     pids = [int(p) for p in out.splitlines()[0].split()[1:]]
     if handler == "lightning":
@@ -1507,9 +1515,8 @@ def test_ctrl_c_while_a_loader_starts_leaves_nothing_running(tmp_path):
     exited. Ctrl-C is held while the Loader starts and raised once it can be closed."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_IN_CONSTRUCTOR)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root,
+    env = repo_env()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=60)  # (before: it hung, the leaked fork server kept)
     lines = dict(ln.split(maxsplit=1) for ln in out.stdout.splitlines() if ln[:1].isupper())
     assert "RESULT" in lines, out.stderr[-3000:]
