@@ -246,6 +246,32 @@ def test_prepare_on_ray_writes_what_the_local_run_writes(tmp_path):
         assert {**on_ray["cases"][case], "seconds": 0} == {**entry, "seconds": 0}
 
 
+def test_the_meters_count_an_actor_from_its_constructor_not_from_rays_start_of_it():
+    """Ray starts an actor's process (its imports, connecting) before the actor's constructor
+    runs; that is not the loader's work (trial 173: a sleep-bound Ray loader's first Data
+    Monitor window read 1.5-2.4 cores and "CPU bound (read)", the later ones 0.2). Each
+    actor's CPU-seconds in a meter are its process's less what it had spent when its
+    constructor began."""
+    import psutil
+
+    from autominato.telemetry import process
+
+    with Loader(Indexed(8), 4, worker_kind="ray", workers=2, autotune=False) as loader:
+        deadline = time.monotonic() + 60
+        while len(loader.worker_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reading = process.ProcessMeter().read(loader.worker_pids())
+        assert len(reading.workers) == 2
+        for u in reading.workers:
+            p = psutil.Process(u.pid)
+            t = p.cpu_times()  # read after the meter
+            before, _ = process._BEFORE[(u.pid, p.create_time())]
+            assert before > 0.1, "Ray's start of the process took CPU"
+            assert t.user + t.system - before - 0.05 <= u.cpu_s <= t.user + t.system - before
+        assert reading.worker_cpu_seconds_total == pytest.approx(
+            sum(u.cpu_s for u in reading.workers))
+
+
 def test_metrics_and_data_monitor_show_the_actors_by_node():
     from prometheus_client.parser import text_string_to_metric_families
 

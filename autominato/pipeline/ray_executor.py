@@ -58,6 +58,7 @@ from autominato.pipeline.worker import (
     serve_sample,
     start_worker,
 )
+from autominato.telemetry.process import count_from, own_usage
 
 log = logging.getLogger("autominato.pipeline")
 
@@ -248,6 +249,9 @@ class SampleActor:
 
     def __init__(self, wid: int, spec_box: list, sys_path: list[str], threads: int,
                  slot: int = 0, workers: int = 1) -> None:
+        # Where this process begins working for the loader: Ray's start of it before (its
+        # imports, connecting) is not the loader's (process.count_from, in the driver).
+        self.usage0 = own_usage()
         for p in sys_path:
             if p and p not in sys.path and os.path.isdir(p):
                 sys.path.append(p)
@@ -280,11 +284,12 @@ class SampleActor:
             self.failed = ErrorReport.capture(e, -1, None, self.name)
 
     def ready(self) -> tuple:
-        """``(pid, node id, node IP address)``, or ``("fatal", ErrorReport)`` when the
-        actor's start raised."""
+        """``(pid, node id, node IP address, usage)``, ``usage`` the process's
+        :func:`~autominato.telemetry.process.own_usage` when its constructor began, or
+        ``("fatal", ErrorReport)`` when the actor's start raised."""
         if self.failed is not None:
             return ("fatal", self.failed)
-        return os.getpid(), self.node_id, self.ip
+        return os.getpid(), self.node_id, self.ip, self.usage0
 
     def run(self, index: int, epoch: int, draw: int = 0, sample: Any = None) -> tuple:
         """Read (unless ``sample`` is given) and transform sample ``index`` (``draw``: see
@@ -714,10 +719,13 @@ class RayExecutor:
         if reply[0] == "fatal":  # its start raised: the same in every actor, raised at once
             self._startup_failed(a, reply[1].to_exception(), fatal=True)
             return
-        pid, node_id, ip = reply
+        pid, node_id, ip, usage0 = reply
         with self._lock:
             if self._stopped or a.wid not in self._actors:
                 return
+            if node_id == self._here and usage0[0] == pid:
+                # metered here (pids()): from its constructor on, before pids() names it
+                count_from(*usage0)
             a.ready, a.ready_at, a.pid = True, time.monotonic(), pid
             a.node, a.local = self._label(node_id, ip), node_id == self._here
             self._startup_deaths = 0

@@ -29,6 +29,9 @@ were runnable but waited for a core (the run-queue wait, second field of
 ``/proc/PID/task/TID/schedstat``). On a machine whose cores other jobs keep busy, a CPU-bound
 worker gets little CPU time yet waits on the run queue: the sum of both is its CPU demand,
 which tells CPU work from waiting on I/O (a read blocked on storage is not runnable).
+A process that began working for the loader long after it started (a Ray actor: Ray starts
+its worker process, imports and connects before the actor's constructor runs) counts from
+where it began (:func:`count_from`), so that its start-up is not read as the loader's work.
 """
 
 from __future__ import annotations
@@ -42,6 +45,33 @@ from dataclasses import dataclass
 
 import psutil
 
+#: ``(pid, start time)`` -> ``(CPU seconds, run-queue seconds)`` a process had spent when it
+#: began working for a loader (:func:`count_from`); every meter counts it out. At most
+#: :data:`_BEFORE_MAX` entries, the oldest dropped first (a process long gone: its key, with
+#: its start time, never matches another process).
+_BEFORE: dict[tuple[int, float], tuple[float, float]] = {}
+_BEFORE_MAX = 4096
+
+
+def own_usage() -> tuple[int, float, float, float]:
+    """This process's ``(pid, start time, CPU seconds, run-queue seconds)`` now (psutil's
+    ``create_time()``, user + system time, the threads' run-queue wait as the meter reads
+    them): what :func:`count_from` takes, measured where the process begins working for a
+    loader (a Ray actor's constructor) and sent to the process that meters it."""
+    p = psutil.Process()
+    times = p.cpu_times()
+    return p.pid, p.create_time(), times.user + times.system, _runqueue_s(p.pid)
+
+
+def count_from(pid: int, start_time: float, cpu_s: float, runqueue_s: float) -> None:
+    """Count process ``pid`` (started at ``start_time``, psutil's ``create_time()``) from
+    ``cpu_s`` CPU seconds and ``runqueue_s`` run-queue seconds on, in every meter of this
+    process: what it spent before (a Ray worker's start, its imports) is not the loader's
+    work. Thread-safe (one dictionary write under the GIL)."""
+    if len(_BEFORE) >= _BEFORE_MAX:
+        _BEFORE.pop(next(iter(_BEFORE)), None)
+    _BEFORE[(pid, start_time)] = (float(cpu_s), float(runqueue_s))
+
 
 @dataclass(frozen=True)
 class ProcessUsage:
@@ -50,7 +80,8 @@ class ProcessUsage:
     Attributes:
         pid: the process id.
         root: the process the meter was built for (else a child or a listed worker).
-        cpu_s: user + system CPU seconds since the process started.
+        cpu_s: user + system CPU seconds since the process started (since it began working
+            for a loader where :func:`count_from` says when).
         rss_bytes / private_bytes: resident and private memory, bytes (see the module doc;
             private equals RSS where the platform does not report shared pages).
         pss_bytes: proportional set size, bytes; ``None`` unless the meter reads PSS and the
@@ -320,11 +351,14 @@ class ProcessMeter:
             except psutil.Error:
                 continue
             read.add(key)
-            cpu = times.user + times.system
+            cpu_before, waited_before = _BEFORE.get(key, (0.0, 0.0))  # (count_from)
+            # (never down: a process read before count_from named it keeps its figure)
+            cpu = max(self._cpu.get(key, 0.0), times.user + times.system - cpu_before)
             self._cpu[key] = cpu
             if self.runqueue:
                 # A thread that exited takes its figure along: never let the total go down.
-                self._waited[key] = max(self._waited.get(key, 0.0), _runqueue_s(p.pid))
+                self._waited[key] = max(self._waited.get(key, 0.0),
+                                        _runqueue_s(p.pid) - waited_before)
             pss, shmem_pss = rollup if rollup is not None else (None, None)
             usages.append(
                 ProcessUsage(
