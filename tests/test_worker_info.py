@@ -384,7 +384,7 @@ def seed_own_generator(_: int) -> None:
     info.dataset.rng = np.random.default_rng(info.seed)
 
 
-def test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="process"):
+def test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="process", epochs=3):
     # persistent_workers=False with a dataset that changes each epoch (a curriculum): the
     # workers take the new copy and run worker_init_fn again, as the DataLoader's fresh
     # workers; they got the same seed each time, so a generator seeded from it drew the same
@@ -394,14 +394,14 @@ def test_a_dataset_sent_again_comes_with_a_new_worker_seed_each_epoch(kind="proc
     seen, draws = [], []
     with Loader(ds, 4, num_workers=2, persistent_workers=False, worker_init_fn=seed_own_generator,
                 worker_kind=kind, seed=5, autotune=False) as L:
-        for _ in range(3):
+        for _ in range(epochs):
             rows = np.concatenate([b.numpy() for b in L])
             draws.append(set(rows[:, 0].tolist()))
             seen.append(set(rows[:, 1].tolist()))
             ds.version += 1  # changed: sent again at the next epoch
     assert seen[0] <= {5, 6}  # the first workers' seeds: the Loader's seed plus the worker id
-    assert not seen[1] & seen[0] and not seen[2] & (seen[0] | seen[1])
-    assert not draws[1] & draws[0] and not draws[2] & (draws[0] | draws[1])
+    for e in range(1, epochs):
+        assert not seen[e] & set().union(*seen[:e]) and not draws[e] & set().union(*draws[:e])
 
 
 class LazyLines(torch.utils.data.IterableDataset):
