@@ -41,14 +41,23 @@ def test_default_space_searches_the_three_live_knobs_with_cores_resolved():
     # read_threads: the process workers read inside themselves (trial 138), so no value of
     # it changes the loader measured
     assert set(space.searched) == {"depth", "workers", "pool_size"}
-    assert space.searched["workers"] == IntDistribution(1, 6)  # (0: no worker processes)
+    # (0: no worker processes; up to the online controller's own bound, 4 x cores: trial
+    # 180's I/O-bound pipeline was held at the cores by the range written as its bounds)
+    assert space.searched["workers"] == IntDistribution(1, 24, log=True)
     assert space.searched["pool_size"].log is True
     # Trial 88: a tuned thread kind changed what worker_init_fn and get_worker_info() do and
     # the draws of the global generators, without a word: only a user's space searches it
     assert space.fixed == {"in_order": False, "worker_kind": "process"}  # (batch_size: null)
     assert space.trial["window_batches"] >= 1 and space.pruner["n_startup_trials"] >= 0
-    assert space.knob_bounds()["workers"] == (1, 6)
+    assert space.knob_bounds()["workers"] == (1, 24)
     assert "worker_kind" not in space.knob_bounds()
+
+
+@pytest.mark.parametrize(("bound", "value"), [("cores", 3), ("2*cores", 6), (" 4 * cores ", 12)])
+def test_a_bound_may_be_a_multiple_of_the_cores(tmp_path, bound, value):
+    space = load_space(write(tmp_path, f"params:\n  workers: {{type: int, low: 1, high: '{bound}'}}\n"),
+                       cores=3)
+    assert space.searched["workers"] == IntDistribution(1, value)
 
 
 def test_user_file_overrides_default_keys_and_keeps_the_rest(tmp_path):
@@ -74,7 +83,7 @@ def test_suggest_draws_inside_the_ranges_and_adds_fixed_values(tmp_path):
     for _ in range(20):
         params = space.suggest(study.ask())
         assert params["depth"] == 3
-        assert 0 <= params["workers"] <= 4 and 4 <= params["pool_size"] <= 64
+        assert 1 <= params["workers"] <= 16 and 4 <= params["pool_size"] <= 64
         assert params["in_order"] in (False, True)
 
 
@@ -83,6 +92,8 @@ def test_suggest_draws_inside_the_ranges_and_adds_fixed_values(tmp_path):
     [
         ("params:\n  wrokers: 2\n", "params.wrokers: unknown parameter"),
         ("params:\n  workers: {type: int, low: 0, high: many}\n", "params.workers.high"),
+        ("params:\n  workers: {type: int, low: 0, high: 2*core}\n", "or `N*cores`, got '2*core'"),
+        ("params:\n  depth: {type: int, low: 1, high: 0*cores}\n", "params.depth.high: expected an integer >= 1"),
         ("params:\n  workers: {type: int, low: 5, high: 2}\n", "params.workers: low 5 > high 2"),
         ("params:\n  depth: {type: int, low: 0, high: 4}\n", "params.depth.low: expected an integer >= 1"),
         ("params:\n  depth: {type: int, high: 4}\n", "params.depth.low: missing"),
@@ -203,7 +214,7 @@ def test_best_config_round_trips_and_bounds_are_the_search_ranges(tmp_path):
     path = save_config(cfg, tmp_path / "loader.yaml")
     back = load_config(path)
     assert back["knobs"] == {"depth": 3, "read_threads": 2, "workers": 4, "pool_size": 12}
-    assert back["bounds"] == {"depth": (1, 8), "read_threads": (1, 4), "workers": (1, 4), "pool_size": (4, 64)}
+    assert back["bounds"] == {"depth": (1, 8), "read_threads": (1, 4), "workers": (1, 16), "pool_size": (4, 64)}
     assert back["loader"] == {"worker_kind": "thread", "in_order": False, "batch_size": 2}
     assert back["study"]["idle_ratio"] == 0.01
     json_back = load_config(save_config(cfg, tmp_path / "loader.json"))

@@ -12,7 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.table import Table
 
-from autominato.tuning.select import has_variation, ranked
+from autominato.tuning.select import has_variation, ranked, select_best
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,19 @@ def print_summary(console: Console, result: Any) -> None:
         lower = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
                  and t.value < result.best.value]
         # (trial 173: a trial lower in the table beside "best" read as a mistake: the pick is
-        # the study's selection rule's, which measures the best few again)
-        why = (f" in its trial; picked over {len(lower)} lower by the study's selection rule "
-               "(docs/tune.md, \"Choosing the best trial\": within the tolerance, less CPU and "
-               "memory; the finalists measured again)"
-               if lower else "")
+        # the study's selection rule's, or the finalists' measured again; trial 180: name the
+        # one that made it)
+        ruled = select_best(trials)
+        if not lower:
+            why = ""
+        elif ruled is not None and ruled.number != result.best.number:
+            why = (f" in its trial; picked over {len(lower)} lower in theirs: it idled least "
+                   "when the best few were measured again (above; docs/tune.md, \"Choosing the "
+                   "best trial\")")
+        else:
+            why = (f" in its trial; picked over {len(lower)} lower by the study's selection "
+                   "rule (docs/tune.md, \"Choosing the best trial\": within the idle "
+                   "tolerance, less CPU, then less memory)")
         console.print(
             f"best: trial {result.best.number}, idle {result.best.value:.3f}{why}, "
             f"{fmt_params(result.best.params)}"

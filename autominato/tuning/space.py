@@ -19,6 +19,7 @@ what it changes. Every error names the file and the key (``space.yaml: params.wo
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -259,10 +260,16 @@ def _check_value(key: str, name: str, value: Any) -> Any:
 
 
 def _bound(key: str, name: str, value: Any, cores: int) -> int:
-    if isinstance(value, str) and value != "cores":  # (trial 173: the word was not named)
-        raise SpaceError(f"{key}: expected an integer >= {MINIMUM[name]} or the word `cores` "
-                         f"(this machine's usable cores, {cores}), got {value!r}")
-    return _check_count(key, cores if value == "cores" else value, MINIMUM[name])
+    """An integer bound, or the word ``cores`` (this machine's usable cores), or ``N*cores``
+    (``N`` times them: ``4*cores`` is the online controller's own bound on workers,
+    ``loader.default_knobs``)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(?:(\d+)\s*\*\s*)?cores\s*", value)
+        if m is None:  # (trial 173: the word was not named)
+            raise SpaceError(f"{key}: expected an integer >= {MINIMUM[name]}, the word `cores` "
+                             f"(this machine's usable cores, {cores}) or `N*cores`, got {value!r}")
+        value = cores * int(m.group(1) or 1)
+    return _check_count(key, value, MINIMUM[name])
 
 
 def _distribution(
