@@ -39,7 +39,7 @@ from autominato.pipeline.collate import batch_nbytes, collate, pin, to_device
 from autominato.pipeline.costs import SampleCosts
 from autominato.pipeline.epoch import Completed, Emit, End, Epoch, Failed, Raise, Skip
 from autominato.pipeline.errors import ErrorReport, log_skip, note_batch
-from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores
+from autominato.pipeline.knobs import KNOB_NAMES, Knobs, usable_cores, workers_bound
 from autominato.pipeline.memory import SampleMemory
 from autominato.pipeline.sampler import epoch_order, read_sampler
 from autominato.pipeline.scheduler import Pipeline, PipelineConfig, Run
@@ -75,7 +75,7 @@ def default_knobs(batch_size: int, cores: int, workers: int | None = None) -> tu
     bounds = {
         "depth": (1, 32),
         "read_threads": (1, 32),
-        "workers": (0, 0) if w == 0 else (1, max(4 * cores, 8)),
+        "workers": (0, 0) if w == 0 else (1, workers_bound(cores)),
         "pool_size": (batch_size, max(64 * batch_size, 256)),
     }
     return values, bounds

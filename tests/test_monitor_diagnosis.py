@@ -703,3 +703,22 @@ def test_one_worker_busy_on_one_core_of_two_is_cpu_bound_not_io():
     # the same worker mostly waiting is I/O bound still
     waiting = diagnose(with_cpu(hist, cores_used=0.3), budget=CoreBudget(2))
     assert waiting.kind == "io" and "storage" in waiting.suggestion
+
+
+def test_more_workers_than_the_controller_takes_says_how_to_get_them(monkeypatch):
+    """Trial 180: 30 ms sleeping reads on 2 cores, the controller at its bound of 8 workers,
+    and the report advised "workers 8 -> 32" without a word that the controller stops at 8:
+    the advice names num_workers= where it goes past that bound, and only there."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    hist = history(step_s=0.002, wait_s=0.015, read_s=0.030, transform_s=0.0001,
+                   read_workers=0, transform_workers=8)
+    d = diagnose(with_cpu(hist, cores_used=0.2))
+    assert d.kind == "io" and d.stage == "read", format_report(d)
+    assert "workers 8 -> 32 (num_workers=32 given to the Loader: its online controller " \
+        "takes at most 8 by itself" in d.suggestion
+    # within the controller's bound: no such note
+    hist = history(step_s=0.010, wait_s=0.010, read_s=0.006, transform_s=0.0001,
+                   read_workers=0, transform_workers=2)
+    d = diagnose(with_cpu(hist, cores_used=0.2))
+    assert d.kind == "io" and "workers 2 -> " in d.suggestion, format_report(d)
+    assert "num_workers=" not in d.suggestion

@@ -60,6 +60,13 @@ def local_ranks() -> int:
         return 1
 
 
+def workers_bound(cores: int) -> int:
+    """The most transform workers the online controller takes by itself: ``4 * cores``, at
+    least 8 (workers that wait on I/O leave cores idle; ``loader.default_knobs``). A
+    ``workers=`` or ``num_workers=`` given above it raises it."""
+    return max(4 * cores, 8)
+
+
 @dataclass
 class Knob:
     """One tunable integer with inclusive bounds ``[low, high]``."""

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from autominato.pipeline.knobs import usable_cores
+from autominato.pipeline.knobs import usable_cores, workers_bound
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
 from autominato.telemetry.cores import (
     CPU_OF_WORKERS_KEY,
@@ -510,6 +510,16 @@ def _no_more_workers(budget: CoreBudget) -> str:
     return f"no more workers fit: {budget.cores} {where}, one a worker"
 
 
+def _beyond_controller(knob: str, current: int, target: int, budget: CoreBudget) -> str:
+    """Where more workers are advised than the online controller takes by itself, how to get
+    them (trial 180: "workers 8 -> 32" advised to a loader whose controller stopped at 8)."""
+    bound = workers_bound(budget.cores)
+    if knob != "workers" or budget.placed or not current <= bound < target:
+        return ""
+    return (f" (num_workers={target} given to the Loader: its online controller takes at most "
+            f"{bound} by itself, 4 a usable core and at least 8)")
+
+
 def _needed(current: int, share: float) -> int:
     # Scale the worker count so the stage's share would land at 80 % of the step.
     return max(current + 1, math.ceil(current * share / WARN_FRACTION))
@@ -569,7 +579,8 @@ def _bottleneck(
             # slept was blamed on a 0.0 ms read, with faster storage as the fix).
             n = knobs.get("workers", _effective_workers(last, "transform"))
             need = min(_needed(max(n, 1), share), max(n, budget.worker_cap(n, cpu)))
-            more = (f"more workers to overlap the waits (workers {n} -> {need})" if need > n
+            more = (f"more workers to overlap the waits (workers {n} -> {need}"
+                    f"{_beyond_controller('workers', n, need, budget)})" if need > n
                     else f"more CPUs ({_no_more_workers(budget)})")
             return (
                 "io", "transform",
@@ -633,12 +644,13 @@ def _bottleneck(
             # network share: the storage is the fix, more readers only a stopgap.
             advice = (
                 f"{storage}: at this latency the step needs about {need} readers; meanwhile "
-                f"{knob} {n} -> {MAX_SCALE * n}"
+                f"{knob} {n} -> {MAX_SCALE * n}{_beyond_controller(knob, n, MAX_SCALE * n, budget)}"
             )
         elif need <= n:  # (workers placed one a CPU, all placed: Ray's)
             advice = f"{storage}, or more CPUs: {_no_more_workers(budget)}"
         else:
-            advice = f"more readers ({knob} {n} -> {need}), or {storage}"
+            advice = (f"more readers ({knob} {n} -> {need}"
+                      f"{_beyond_controller(knob, n, need, budget)}), or {storage}")
         if fused:
             advice += "; or a separate read stage in threads (fuse_read=False"
             advice += (", which turns memory-aware dispatch off: its reads are not measured)"
