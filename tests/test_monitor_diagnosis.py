@@ -722,3 +722,34 @@ def test_more_workers_than_the_controller_takes_says_how_to_get_them(monkeypatch
     d = diagnose(with_cpu(hist, cores_used=0.2))
     assert d.kind == "io" and "workers 2 -> " in d.suggestion, format_report(d)
     assert "num_workers=" not in d.suggestion
+
+
+def test_workers_that_wait_for_cores_more_than_they_run_are_not_sent_to_a_cheaper_read(
+        monkeypatch):
+    """Trial 180: 32 workers sleeping 30 ms in their reads on 2 cores, beside a step that
+    spun on a core: "ran on or waited for 1.98 of 2 cores", 0.5 of it run, and the advice
+    was "a cheaper read" (0.09 ms of CPU). Where the workers wait for a core more than they
+    run, other work holds the cores: the advice says so; where they run, it is unchanged."""
+    from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_TIME_SECONDS_KEY
+
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+
+    def split(demand: float, ran: float) -> list[LoaderSnapshot]:
+        hist = history(step_s=0.0039, wait_s=0.0027, read_s=0.0306, transform_s=0.0004,
+                       read_workers=0, transform_workers=32)
+        return [replace(s, knobs={**s.knobs, "workers": 32},
+                        extra={CPU_SECONDS_KEY: demand * s.time,
+                               CPU_TIME_SECONDS_KEY: ran * s.time, CPU_OF_WORKERS_KEY: 1.0})
+                for s in hist]
+
+    d = diagnose(split(1.98, 0.5))
+    assert d.kind == "cpu" and d.stage == "read", format_report(d)
+    assert "ran on or waited for 1.98 of 2 cores (ran on 0.50, waited runnable for 1.48)" \
+        in d.summary
+    assert d.suggestion.startswith("free cores for the workers: they waited for one more "
+                                   "than they ran")
+    assert "fewer workers: 32 take turns on 2 cores" in d.suggestion
+    assert "a cheaper read helps only as far as it needs the CPU it waits for" in d.suggestion
+    d = diagnose(split(1.98, 1.9))  # the workers run on the cores: the read's CPU is the cost
+    assert d.kind == "cpu" and "free cores" not in d.suggestion
+    assert "a cheaper read (less decoding" in d.suggestion

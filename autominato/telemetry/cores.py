@@ -83,15 +83,18 @@ def loader_cpu_extra(reading: Reading) -> dict[str, float]:
 MIN_CPU_WINDOW_S = 0.5
 
 
-def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
-    """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later), or None
+def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot,
+                   key: str = CPU_SECONDS_KEY) -> float | None:
+    """Mean cores the loader used between snapshots ``a`` and ``b`` (``b`` later): ran on or
+    waited for (``key`` :data:`CPU_SECONDS_KEY`, the default), or ran on
+    (:data:`CPU_TIME_SECONDS_KEY`); or None
     when either lacks :data:`CPU_SECONDS_KEY` or they count different processes
     (:data:`CPU_OF_WORKERS_KEY`). When ``a`` came before the worker processes existed (its
     figure is this process's) and ``b`` counts theirs, ``b``'s figure is all their CPU since
     they started, which lies inside the window: the end-of-run report of a run shorter than
     the report interval compares the first snapshot with the last, and had no CPU row. None
     too for a window under :data:`MIN_CPU_WINDOW_S`."""
-    if CPU_SECONDS_KEY not in a.extra or CPU_SECONDS_KEY not in b.extra:
+    if key not in a.extra or key not in b.extra:
         return None
     seconds = b.time - a.time
     if seconds < MIN_CPU_WINDOW_S:
@@ -99,9 +102,9 @@ def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
     of_a, of_b = a.extra.get(CPU_OF_WORKERS_KEY), b.extra.get(CPU_OF_WORKERS_KEY)
     if of_a != of_b:
         if of_a == 0.0 and of_b == 1.0:
-            return max(0.0, b.extra[CPU_SECONDS_KEY]) / seconds
+            return max(0.0, b.extra[key]) / seconds
         return None
-    return max(0.0, b.extra[CPU_SECONDS_KEY] - a.extra[CPU_SECONDS_KEY]) / seconds
+    return max(0.0, b.extra[key] - a.extra[key]) / seconds
 
 
 def transforms_inline(snap: LoaderSnapshot) -> bool:

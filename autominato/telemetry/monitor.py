@@ -44,6 +44,7 @@ from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
 from autominato.telemetry.cores import (
     CPU_OF_WORKERS_KEY,
     CPU_SECONDS_KEY,
+    CPU_TIME_SECONDS_KEY,
     CoreBudget,
     cpu_cores_used,
     loader_cpu_extra,
@@ -343,8 +344,10 @@ def diagnose(
     first = history[0] if len(history) > 1 else None
     # CPU over the latest window, else over the history kept.
     cpu = cpu_cores_used(history[-2], last) if len(history) > 1 else None
+    ran = cpu_cores_used(history[-2], last, CPU_TIME_SECONDS_KEY) if len(history) > 1 else None
     if cpu is None and first is not None:
         cpu = cpu_cores_used(first, last)
+        ran = cpu_cores_used(first, last, CPU_TIME_SECONDS_KEY)
     fused = _fused(last)
 
     read = last.stages.get("read")
@@ -460,7 +463,7 @@ def diagnose(
             stage = "read" if budget.io_like(cpu, knobs.get("workers")) else "transform"
     if stage is not None and top >= SATURATED:
         kind, stage, summary, suggestion = _bottleneck(
-            stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused
+            stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused, ran
         )
         return Diagnosis(kind, stage, summary, suggestion, **base)
     depth = knobs.get("depth", 0)
@@ -551,7 +554,9 @@ def _bottleneck(
     budget: CoreBudget,
     cpu: float | None,
     fused: bool,
+    ran: float | None = None,
 ) -> tuple[str, str, str, str]:
+    """``cpu``: cores the workers ran on or waited for; ``ran``: those they ran on."""
     workers = _effective_workers(last, stage)
     used = _cores_used(cpu, budget, last)
     if transforms_inline(last) and stage in ("read", "transform"):
@@ -708,6 +713,24 @@ def _bottleneck(
                        "where a dataset's own transforms run, MONAI's Dataset(transform=...) "
                        "among them: passed as Loader(transform=...) they are timed apart from "
                        "the read)")
+        if (cpu is not None and ran is not None and ran < budget.cpu_busy * budget.cores
+                and cpu - ran > ran):
+            # The workers waited for a core more than they ran, on few of the cores: other
+            # work holds them (trial 180: 32 workers sleeping in their reads beside a step
+            # that spun on a core, "ran on or waited for 1.98 of 2 cores", 0.5 of it run,
+            # were sent to "a cheaper read" of 0.09 ms of CPU).
+            used += f" (ran on {ran:.2f}, waited runnable for {cpu - ran:.2f})"
+            over = (f"; fewer workers: {n} take turns on {budget.cores} cores"
+                    if n > budget.cores else "")
+            return (
+                "cpu", stage,
+                f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
+                "free cores for the workers: they waited for one more than they ran, so other "
+                "work holds the cores (the training process: a step that spins on the CPU, "
+                "such as a busy wait on the GPU, or its threads; other jobs on the machine)"
+                f"{over}; a cheaper {stage} helps only as far as it needs the CPU it waits "
+                "for",
+            )
         return (
             "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
