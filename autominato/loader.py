@@ -855,6 +855,9 @@ class Loader:
         # busy total never goes back between two snapshots (see snapshot)
         self._step_seen: float | None = None
         self._batches = 0
+        # whether the next() of each recent batch found no batch ready (snapshot's
+        # consumer_empty_recent)
+        self._empty_recent: deque[bool] = deque(maxlen=RECENT)
         self._samples = 0
         self._h2d_bytes = 0
         self._h2d_seconds = 0.0
@@ -1658,10 +1661,12 @@ class Loader:
                     "for examples.")
         warnings.warn(msg, stacklevel=4)
 
-    def _delivered(self, now: float, wait: float, samples: int, owner: int) -> None:
+    def _delivered(self, now: float, wait: float, samples: int, owner: int,
+                   empty: bool = True) -> None:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
-        ``owner``: ``id()`` of the iterator that returned it."""
+        ``owner``: ``id()`` of the iterator that returned it; ``empty``: that ``next()`` found
+        no batch ready."""
         self._ended = None  # (a pass delivered: a loaded ended epoch is behind the loop)
         with self._step_lock:
             seen = self._wait_seen
@@ -1674,6 +1679,7 @@ class Loader:
             opened = (now, wait, samples, owner)
             self._consumer_wait += wait
             self._batches += 1
+            self._empty_recent.append(empty)
             self._samples += samples
             self._step_open = opened
             self._step_seen = None
@@ -2000,11 +2006,13 @@ class Loader:
             if self._away_since is not None:
                 away += max(0.0, now - self._away_since)
                 self._away_seen = now
+            empty = tuple(self._empty_recent)
         return LoaderSnapshot(
             time=now,
             stages=stages,
             consumer_wait_seconds_total=wait,
             consumer_wait_recent_s=cons.recent_wait_s[-RECENT:],
+            consumer_empty_recent=empty,
             consumer_busy_seconds_total=busy,
             consumer_steps_total=steps,
             consumer_steps_seconds_total=steps_s,
@@ -2233,6 +2241,7 @@ class _EpochIterator:
             # None, which leaves the pipeline's count of batches taken at once alone.
             filled = self._found or run.warm or self._taken >= self._fill
             waited = True if self._timed_out else (not run.out if filled else None)
+            empty = not run.out  # (the Data Monitor's queue wait share)
             if run.out and run.out[0][0] == "batch":
                 self._found = True
             while not run.out:
@@ -2338,7 +2347,7 @@ class _EpochIterator:
         now = time.monotonic()
         wait = now - t0
         L = self.L
-        L._delivered(now, wait, len(indices), id(self))
+        L._delivered(now, wait, len(indices), id(self), empty)
         if L._iterable:
             L._count_yielded(self)
         return batch

@@ -169,6 +169,21 @@ def test_waiting_with_no_saturated_stage_is_synchronisation_bound():
     assert queue.current == pytest.approx(1 / 3, abs=0.01)
 
 
+def test_the_queue_wait_share_counts_the_batches_whose_next_found_none_ready():
+    """Trial 180: a loader ahead of a slow step read 23-31 % queue wait share ("bad") at 1 %
+    idle: its next() took over 1 ms to hand over a batch that was ready. Where the loader
+    says which next() found no batch ready, those are the share; the waits above the floor
+    only for a snapshot rebuilt from the exported metrics (no flags)."""
+    waits = (0.0015,) * 510  # each next() 1.5 ms: over the 1 ms floor
+    hist = history(step_s=0.050, wait_s=0.0015, waits=waits)
+    row = lambda h: next(r for r in diagnose(h).rows if r.metric == "queue wait share")  # noqa: E731
+    assert row(hist).current == pytest.approx(1.0)  # (rebuilt: the waits)
+    flags = (False, False, False, True) * 128  # one in four found the queue empty
+    hist = [replace(s, consumer_empty_recent=flags[: min(s.batches_total, 512)]) for s in hist]
+    assert row(hist).current == pytest.approx(0.25)
+    assert row(hist).mean == pytest.approx(0.25)
+
+
 def test_thresholds_scale_with_the_measured_step_time():
     fast = diagnose(history(step_s=0.010, wait_s=0.0))
     slow = diagnose(history(step_s=0.040, wait_s=0.0))

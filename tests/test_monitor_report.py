@@ -394,3 +394,36 @@ def test_no_line_of_a_report_ends_in_spaces():
     assert lines[0].strip().startswith("Data Monitor (rank 0)")
     assert len(lines) > 5 and all(line == line.rstrip() for line in lines)
 
+
+
+class Napping:
+    """Sample i: (4,) float32, after ``seconds`` of sleep."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        if self.seconds:
+            time.sleep(self.seconds)
+        return np.full(4, i, np.float32)
+
+
+@pytest.mark.parametrize(("sample_s", "step_s", "ahead"), [(0.0, 0.02, True), (0.03, 0.0, False)])
+def test_the_loader_says_which_next_found_no_batch_ready(sample_s, step_s, ahead):
+    """The queue wait share's flags (trial 180): a loader ahead of a slow step has its batches
+    ready at (nearly) every next() after the first, however long the hand-over takes; one
+    whose samples take longer than the loop has none ready (nearly) every time."""
+    with Loader(Napping(sample_s), batch_size=4, num_workers=1, autotune=False) as loader:
+        for _ in loader:
+            if step_s:
+                time.sleep(step_s)
+        flags = loader.snapshot().consumer_empty_recent
+    assert len(flags) == 16
+    later = flags[4:]
+    if ahead:
+        assert sum(later) <= 1, flags
+    else:
+        assert sum(later) >= len(later) - 1, flags

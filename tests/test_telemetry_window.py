@@ -153,6 +153,7 @@ def test_idle_ratio_is_wait_over_wait_plus_busy():
 def test_slim_drops_the_rings_and_keeps_every_total():
     s = slim(B)
     assert s.consumer_wait_recent_s == () and s.stages["read"].recent_service_s == ()
+    assert slim(replace(B, consumer_empty_recent=(True,) * 8)).consumer_empty_recent == ()
     assert between(A, s) == between(A, B)
 
 

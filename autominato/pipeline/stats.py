@@ -269,6 +269,11 @@ class LoaderSnapshot:
             kept in a variable; with no worker, an error it keeps) keeps this clock stopped.
         worker_kind: the Loader's ``worker_kind`` (``"process"``, ``"thread"``, ``"ray"``),
             ``""`` where unknown (a snapshot rebuilt from the exported metrics).
+        consumer_empty_recent: for up to :data:`RECENT` latest batches, whether the
+            ``next()`` that returned it found no batch ready (it waited for one; loaded in the
+            training loop's thread, ``num_workers=0``: always), oldest first; empty where
+            unknown (a snapshot rebuilt from the exported metrics). The wait of a ``next()``
+            that found its batch ready is the loader's own cost of handing it over.
     """
 
     time: float
@@ -301,6 +306,7 @@ class LoaderSnapshot:
     consumer_steps_total: int = 0
     consumer_steps_seconds_total: float = 0.0
     worker_kind: str = ""
+    consumer_empty_recent: tuple[bool, ...] = ()
 
     @property
     def idle_ratio(self) -> float:

@@ -248,7 +248,7 @@ def slim(s: LoaderSnapshot) -> LoaderSnapshot:
     snapshots with five rings of 512 hold ~100 MB of Python floats).
     """
     stages = {n: replace(st, recent_service_s=(), recent_wait_s=()) for n, st in s.stages.items()}
-    return replace(s, stages=stages, consumer_wait_recent_s=())
+    return replace(s, stages=stages, consumer_wait_recent_s=(), consumer_empty_recent=())
 
 
 class Ring:
