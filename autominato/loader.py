@@ -117,22 +117,27 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
 def fixed_order(dataset: Any, shuffle: bool | None, sampler: Any, batch_sampler: Any) -> bool:
     """Whether an epoch takes a map-style dataset in an order fixed in advance: its own,
     ``0 .. n - 1`` (or a rank's share of it: no ``shuffle`` and no sampler, a
-    ``SequentialSampler``, a ``DistributedSampler`` with ``shuffle=False``), or a list,
-    tuple, ``range`` or array of indices given as the sampler (a validation split), also as a
-    ``batch_sampler``'s ``sampler``. That is how evaluation and prediction run, where an
-    output is matched to its sample by position, so the Loader's ``in_order`` defaults to it.
-    An iterable dataset, a shuffle, any other sampler (random, weighted, bucketing, a user's
-    class) or a batch sampler without a ``sampler`` attribute: ``False`` (its order is drawn,
-    or not known)."""
+    ``SequentialSampler`` or a subclass that keeps its ``__iter__``, a ``DistributedSampler``
+    with ``shuffle=False``), or a list, tuple, ``range``, array or tensor of indices given as
+    the sampler (a validation split), also as a ``batch_sampler``'s ``sampler``, or a list or
+    tuple of batches given as the ``batch_sampler``. That is how evaluation and prediction
+    run, where an output is matched to its sample by position, so the Loader's ``in_order``
+    defaults to it. An iterable dataset, a shuffle, any other sampler (random, weighted,
+    bucketing, a user's class) or a batch sampler without a ``sampler`` attribute: ``False``
+    (its order is drawn, or not known). (Trial 179: a tensor of indices, a subclass of
+    ``SequentialSampler`` and a list of batches came back in completion order.)"""
     if shuffle or is_iterable_dataset(dataset):
         return False
     if batch_sampler is not None:
+        if isinstance(batch_sampler, (list, tuple)):
+            return True
         sampler = getattr(batch_sampler, "sampler", None)
         if sampler is None:
             return False
-    if sampler is None or type(sampler) is SequentialSampler:
+    if sampler is None or (isinstance(sampler, SequentialSampler)
+                           and type(sampler).__iter__ is SequentialSampler.__iter__):
         return True
-    if isinstance(sampler, (list, tuple, range, np.ndarray)):
+    if isinstance(sampler, (list, tuple, range, np.ndarray, torch.Tensor)):
         return True
     return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 

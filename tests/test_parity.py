@@ -72,6 +72,15 @@ def test_without_shuffle_batches_come_in_the_datasets_order_as_evaluation_needs(
     assert got != want and sorted(i for b in got for i in b) == list(range(12))
 
 
+class KeptSequential(SequentialSampler):
+    """A subclass for a name or an attribute: its order is SequentialSampler's."""
+
+
+class ReversedSequential(SequentialSampler):
+    def __iter__(self):
+        return iter(range(len(self.data_source) - 1, -1, -1))
+
+
 @pytest.mark.parametrize("kwargs, in_order", [
     ({}, True),
     ({"shuffle": True}, False),
@@ -84,12 +93,19 @@ def test_without_shuffle_batches_come_in_the_datasets_order_as_evaluation_needs(
     ({"sampler": range(8)}, True),
     ({"sampler": np.array([0, 2, 4])}, True),
     ({"batch_sampler": BatchSampler(SequentialSampler(range(8)), 2, False)}, True),
-    ({"batch_sampler": [[0, 1], [2, 3]]}, False),
+    ({"batch_sampler": [[0, 1], [2, 3]]}, True),
+    ({"sampler": torch.arange(0, 8, 2)}, True),
+    ({"sampler": KeptSequential(range(8))}, True),
+    ({"sampler": ReversedSequential(range(8))}, False),
+    ({"batch_sampler": BatchSampler(KeptSequential(range(8)), 2, False)}, True),
 ], ids=["none", "shuffle", "sequential", "dist-noshuffle", "dist-shuffle", "random",
-        "subset-random", "list", "range", "array", "batch-sequential", "batch-list"])
+        "subset-random", "list", "range", "array", "batch-sequential", "batch-list", "tensor",
+        "sequential-subclass", "sequential-subclass-own-iter", "batch-sequential-subclass"])
 def test_in_order_defaults_to_whether_the_epochs_order_is_fixed_in_advance(kwargs, in_order):
     """Trial 102: a validation split given as a list (or ``range``) of indices came in
-    completion order; a list fixes the order as much as ``shuffle=False`` does."""
+    completion order; a list fixes the order as much as ``shuffle=False`` does. Trial 179: so
+    do a tensor of indices (``torch.nonzero(mask).flatten()``), a subclass of
+    ``SequentialSampler`` that keeps its order, and a list of batches."""
 
     batch = {} if "batch_sampler" in kwargs else {"batch_size": 2}
     with Loader(Indexed(8), num_workers=0, **batch, **kwargs) as L:
