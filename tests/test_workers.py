@@ -150,10 +150,29 @@ def test_a_dataset_that_cannot_be_pickled_runs_in_forked_workers():
 
 def test_a_dataset_that_cannot_be_pickled_is_named_when_workers_need_a_new_interpreter():
     loader = Loader(HoldsALock(10), 4, workers=2, start_method="forkserver", seed=0, autotune=False)
-    with pytest.raises(ValueError, match="must be picklable to run in worker processes"):
+    with pytest.raises(ValueError, match="must be picklable to run in worker processes") as err:
         iter(loader)
     loader.close()
     assert leftover_segments(os.getpid()) == []  # the half-built pipeline let its pool go
+    assert "__main__" not in str(err.value)  # (a class of a module: travels by reference)
+
+
+def test_a_script_class_that_cannot_be_pickled_is_told_it_travels_with_its_globals():
+    """Trial 179: a class of the script whose __getitem__ used a module-level sqlite3
+    connection failed in a second Loader with "cannot pickle 'sqlite3.Connection'", while
+    pickle.dumps of the dataset worked: the script's classes travel by value, their globals
+    with them, and the error says so and what to do."""
+    from autominato.pipeline.worker import script_classes_note
+
+    Script = type("Script", (HoldsALock,), {"__module__": "__main__"})
+    loader = Loader(Script(10), 4, workers=2, start_method="forkserver", seed=0, autotune=False)
+    with pytest.raises(ValueError, match="must be picklable to run in worker processes") as err:
+        iter(loader)
+    loader.close()
+    assert "The script's own class Script (defined in __main__) travels by value, with the " \
+        "module globals their methods use" in str(err.value)
+    assert "define the class in a module the workers can import" in str(err.value)
+    assert script_classes_note(HoldsALock(1), None) == ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -430,7 +430,7 @@ class ProcessWorkers:
     def _pickled(self) -> bytes:
         if self._payload is None:
 
-            from autominato.pipeline.worker import dumps_for_worker
+            from autominato.pipeline.worker import dumps_for_worker, script_classes_note
 
             try:
                 self._payload = dumps_for_worker(self.spec)
@@ -455,7 +455,8 @@ class ProcessWorkers:
                 raise ValueError(
                     f"the dataset and transform must be picklable to run in worker processes "
                     f"({type(e).__name__}: {e}): {why}. Use {ways}; or worker_kind='thread', "
-                    "or num_workers=0"
+                    "or num_workers=0."
+                    + script_classes_note(self.spec.dataset, self.spec.transform)
                 ) from e
         return self._payload
 

@@ -658,6 +658,24 @@ def _mp_main_by_value(cloudpickle: Any, module: Any, step: int) -> None:
 _SCRIPT_MODULES = ("__main__", "__mp_main__")
 
 
+def script_classes_note(*objs: Any) -> str:
+    """Where one of ``objs`` (a dataset, a transform) is an instance of a class defined in the
+    training script, a sentence for an error of its pickle: such classes travel by value,
+    with the module globals their methods use, so ``pickle.dumps`` of the object can succeed
+    where the worker's pickle fails (trial 179: a module-level ``sqlite3`` connection used
+    in ``__getitem__``). Else ``""``."""
+    names = sorted({type(o).__qualname__ for o in objs
+                    if o is not None and type(o).__module__ in _SCRIPT_MODULES})
+    if not names:
+        return ""
+    return (f" The script's own class{'es' if len(names) > 1 else ''} "
+            f"{', '.join(names)} (defined in __main__) travel{'' if len(names) > 1 else 's'} "
+            "by value, with the module globals their methods use (an open connection, file "
+            "or lock among them): define the class in a module the workers can import, or "
+            "open such a resource in the worker (worker_init_fn, or at first use in "
+            "__getitem__).")
+
+
 def loads_for_worker(data: bytes | Any) -> Any:
     """The object of :func:`dumps_for_worker` (``data``: its bytes, or a file positioned at
     them), after putting the script's classes it carried into this process's ``__main__``."""
