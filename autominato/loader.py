@@ -1039,9 +1039,11 @@ class Loader:
         self._set_knob("workers", "num_workers", _check_int("num_workers", n, 0, bools=True))
 
     @property
-    def prefetch_factor(self) -> int:
-        """Batches prepared ahead now (the ``depth`` knob); setting it sets the knob."""
-        return self.knobs.depth
+    def prefetch_factor(self) -> int | None:
+        """Batches prepared ahead now (the ``depth`` knob); ``None`` with ``num_workers=0``,
+        where nothing is prepared ahead, as the DataLoader's (trial 179: it read 2); setting
+        it sets the knob."""
+        return self.knobs.depth if self.knobs.workers > 0 else None
 
     @prefetch_factor.setter
     def prefetch_factor(self, n: int) -> None:

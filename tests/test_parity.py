@@ -164,6 +164,9 @@ def test_prefetch_factor_is_the_depth_knob_and_needs_workers():
         assert L.knobs.depth == L.prefetch_factor == 5
     with pytest.raises(ValueError, match="prefetch_factor"):
         Loader(Indexed(4), 2, num_workers=0, prefetch_factor=2, autotune=False)
+    # without workers nothing is prepared ahead: None, as the DataLoader's (trial 179: 2)
+    with Loader(Indexed(4), 2, num_workers=0, autotune=False) as L:
+        assert L.prefetch_factor is DataLoader(Indexed(4), 2).prefetch_factor is None
 
 
 def test_persistent_workers_given_without_workers_is_refused_as_by_dataloader():
