@@ -94,6 +94,12 @@ def test_collate_matches_default_collate_on_nested_samples_and_rejects_ragged_sh
         with pytest.raises(RuntimeError, match="shapes differ") as info:
             collate(bad, BatchPool())
         assert isinstance(info.value, ValueError)
+    # the field whose shapes differ is named, nested ones from the inside out (trial 179)
+    nested = [{"meta": {"img": np.zeros((4, 4 + i))}, "i": i} for i in range(2)]
+    with pytest.raises(RuntimeError, match="shapes differ") as info:
+        collate(nested, BatchPool())
+    assert info.value.__notes__ == ["[autominato] in the samples' field 'img'",
+                                    "[autominato] in the samples' field 'meta'"]
 
 
 @pytest.mark.parametrize("samples", [

@@ -284,7 +284,13 @@ def collate(samples: Sequence[Any], pool: BatchPool | None = None) -> Any:
         out = [map_leaves(s, _owned, is_array) for s in samples]
         return tuple(out) if isinstance(samples, tuple) else out
     if isinstance(first, dict):
-        out = {k: collate([s[k] for s in samples], pool) for k in first}
+        out = {}
+        for k in first:
+            try:
+                out[k] = collate([s[k] for s in samples], pool)
+            except CollateError as e:  # (trial 179: which field's shapes differ was not said)
+                e.add_note(f"[autominato] in the samples' field {k!r}")
+                raise
         if type(first) is dict:
             return out
         try:  # an OrderedDict, a MONAI or user mapping stays one, as default_collate keeps it
