@@ -1669,11 +1669,12 @@ class Loader:
         warnings.warn(msg, stacklevel=4)
 
     def _delivered(self, now: float, wait: float, samples: int, owner: int,
-                   empty: bool = True) -> None:
+                   empty: bool | None = None) -> None:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it; ``empty``: that ``next()`` found
-        no batch ready."""
+        no batch ready (``None``: no batch is made ahead, ``num_workers=0``, where the Data
+        Monitor's queue wait share reads the waits instead: review 181)."""
         self._ended = None  # (a pass delivered: a loaded ended epoch is behind the loop)
         with self._step_lock:
             seen = self._wait_seen
@@ -1686,7 +1687,8 @@ class Loader:
             opened = (now, wait, samples, owner)
             self._consumer_wait += wait
             self._batches += 1
-            self._empty_recent.append(empty)
+            if empty is not None:
+                self._empty_recent.append(empty)
             self._samples += samples
             self._step_open = opened
             self._step_seen = None
@@ -2045,6 +2047,7 @@ class Loader:
             errors_raised_total=self._errors_raised,
             samples_lost_total=self._samples_lost,
             worker_kind=self.worker_kind,
+            workers_bound=self.knobs.bounds("workers")[1] if self._controller is not None else 0,
         )
 
 

@@ -727,14 +727,23 @@ def test_more_workers_than_the_controller_takes_says_how_to_get_them(monkeypatch
     monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
     hist = history(step_s=0.002, wait_s=0.015, read_s=0.030, transform_s=0.0001,
                    read_workers=0, transform_workers=8)
-    d = diagnose(with_cpu(hist, cores_used=0.2))
+
+    def bound(h: list[LoaderSnapshot], n: int) -> list[LoaderSnapshot]:
+        return [replace(s, workers_bound=n) for s in with_cpu(h, cores_used=0.2)]
+
+    d = diagnose(bound(hist, 8))
     assert d.kind == "io" and d.stage == "read", format_report(d)
-    assert "workers 8 -> 32 (num_workers=32 given to the Loader: its online controller " \
-        "takes at most 8 by itself" in d.suggestion
+    assert "workers 8 -> 32 (num_workers=32 given to the Loader: its online controller goes " \
+        "no higher than 8 by itself: 4 a usable core, at least 8)" in d.suggestion
+    # a configuration's bound (review 181: the default's was named where it was not the one)
+    assert "no higher than 12 by itself: a configuration's bounds" in diagnose(
+        bound(hist, 12)).suggestion
+    # no controller (autotune=False): the advice alone
+    assert "num_workers=" not in diagnose(bound(hist, 0)).suggestion
     # within the controller's bound: no such note
     hist = history(step_s=0.010, wait_s=0.010, read_s=0.006, transform_s=0.0001,
                    read_workers=0, transform_workers=2)
-    d = diagnose(with_cpu(hist, cores_used=0.2))
+    d = diagnose(bound(hist, 8))
     assert d.kind == "io" and "workers 2 -> " in d.suggestion, format_report(d)
     assert "num_workers=" not in d.suggestion
 

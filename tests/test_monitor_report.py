@@ -427,3 +427,17 @@ def test_the_loader_says_which_next_found_no_batch_ready(sample_s, step_s, ahead
         assert sum(later) <= 1, flags
     else:
         assert sum(later) >= len(later) - 1, flags
+
+
+def test_without_workers_no_flag_and_the_bound_only_where_a_controller_runs():
+    """num_workers=0 makes no batch ahead: no flag, so the queue wait share reads the waits
+    (review 181: every batch flagged, 100 % "bad" at 1 % idle); the snapshot's workers
+    bound is the controller's, 0 where none runs."""
+    with Loader(Napping(0.0), batch_size=4, num_workers=0) as loader:
+        assert len(list(loader)) == 16
+        snap = loader.snapshot()
+    assert snap.consumer_empty_recent == () and snap.batches_total == 16
+    with Loader(Napping(0.0), batch_size=4, num_workers=2) as loader:
+        assert loader.snapshot().workers_bound == loader.knobs.bounds("workers")[1] >= 8
+    with Loader(Napping(0.0), batch_size=4, num_workers=2, autotune=False) as loader:
+        assert loader.snapshot().workers_bound == 0

@@ -412,3 +412,24 @@ def test_shared_memory_given_back_leaves_the_figure_before_the_next_rollup(child
     # and the figure agrees with a rollup read now
     fresh = ProcessMeter(child.proc.pid, pss=True).read()
     assert abs(fresh.pss_bytes - punched.pss_bytes) < 8 * MiB
+
+
+def test_a_full_registry_of_counted_from_drops_processes_gone_before_live_ones(monkeypatch):
+    """Review 181: dropping the oldest entry alone dropped a live Ray actor's, whose start-up
+    CPU then landed in one window."""
+    import psutil
+
+    from autominato.telemetry import process
+
+    monkeypatch.setattr(process, "_BEFORE", {})
+    monkeypatch.setattr(process, "_BEFORE_MAX", 3)
+    me = psutil.Process()
+    process.count_from(me.pid, me.create_time(), 0.1, 0.0)  # the oldest, alive
+    process.count_from(2**22 + 1, 1.0, 1.0, 0.0)  # (no such processes)
+    process.count_from(2**22 + 2, 1.0, 1.0, 0.0)
+    process.count_from(2**22 + 3, 1.0, 1.0, 0.0)
+    assert set(process._BEFORE) == {(me.pid, me.create_time()), (2**22 + 3, 1.0)}
+    # counted from there: this process's CPU less the 0.1 s (it spent more importing)
+    cpu = process.ProcessMeter().read().cpu_seconds_total
+    t = me.cpu_times()
+    assert t.user + t.system - 0.1 - 0.05 <= cpu <= t.user + t.system - 0.1

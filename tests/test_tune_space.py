@@ -93,6 +93,7 @@ def test_suggest_draws_inside_the_ranges_and_adds_fixed_values(tmp_path):
         ("params:\n  wrokers: 2\n", "params.wrokers: unknown parameter"),
         ("params:\n  workers: {type: int, low: 0, high: many}\n", "params.workers.high"),
         ("params:\n  workers: {type: int, low: 0, high: 2*core}\n", "or `N*cores`, got '2*core'"),
+        ("params:\n  workers: {type: int, low: 0, high: \"\u0663*cores\"}\n", "or `N*cores`, got"),
         ("params:\n  depth: {type: int, low: 1, high: 0*cores}\n", "params.depth.high: expected an integer >= 1"),
         ("params:\n  workers: {type: int, low: 5, high: 2}\n", "params.workers: low 5 > high 2"),
         ("params:\n  depth: {type: int, low: 0, high: 4}\n", "params.depth.low: expected an integer >= 1"),

@@ -270,10 +270,12 @@ class LoaderSnapshot:
         worker_kind: the Loader's ``worker_kind`` (``"process"``, ``"thread"``, ``"ray"``),
             ``""`` where unknown (a snapshot rebuilt from the exported metrics).
         consumer_empty_recent: for up to :data:`RECENT` latest batches, whether the
-            ``next()`` that returned it found no batch ready (it waited for one; loaded in the
-            training loop's thread, ``num_workers=0``: always), oldest first; empty where
-            unknown (a snapshot rebuilt from the exported metrics). The wait of a ``next()``
-            that found its batch ready is the loader's own cost of handing it over.
+            ``next()`` that returned it found no batch ready (it waited for one), oldest
+            first; the wait of a ``next()`` that found its batch ready is the loader's own
+            cost of handing it over. Empty where no batch is made ahead (``num_workers=0``)
+            and where unknown (a snapshot rebuilt from the exported metrics).
+        workers_bound: the most workers the online controller may set (the ``workers``
+            knob's upper bound); 0 where no controller runs, or unknown.
     """
 
     time: float
@@ -307,6 +309,7 @@ class LoaderSnapshot:
     consumer_steps_seconds_total: float = 0.0
     worker_kind: str = ""
     consumer_empty_recent: tuple[bool, ...] = ()
+    workers_bound: int = 0
 
     @property
     def idle_ratio(self) -> float:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from autominato.pipeline.knobs import usable_cores, workers_bound
-from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
+from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageSnapshot
 from autominato.telemetry.cores import (
     CPU_OF_WORKERS_KEY,
     CPU_SECONDS_KEY,
@@ -244,7 +244,7 @@ def _shares(w: Rates, snap: LoaderSnapshot, step_s: float) -> dict[str, float]:
 def _blocked_share(snap: LoaderSnapshot, batches: int | None, step_s: float) -> float | None:
     # batches=None: every recent batch kept (the running mean, over up to RECENT batches).
     empty = snap.consumer_empty_recent
-    if empty:
+    if empty and len(empty) >= min(snap.batches_total, RECENT):
         # Whether each next() found no batch ready, as the loader saw it: a next() that found
         # one ready but took over a millisecond to hand it over (median 0.7-0.8 ms, 90th
         # percentile 1.8 ms beside the loader's threads on 2 cores; the DataLoader's median
@@ -524,14 +524,16 @@ def _no_more_workers(budget: CoreBudget) -> str:
     return f"no more workers fit: {budget.cores} {where}, one a worker"
 
 
-def _beyond_controller(knob: str, current: int, target: int, budget: CoreBudget) -> str:
-    """Where more workers are advised than the online controller takes by itself, how to get
-    them (trial 180: "workers 8 -> 32" advised to a loader whose controller stopped at 8)."""
-    bound = workers_bound(budget.cores)
-    if knob != "workers" or budget.placed or not current <= bound < target:
+def _beyond_controller(knob: str, current: int, target: int, snap: LoaderSnapshot) -> str:
+    """Where more workers are advised than the online controller may set, how to get them
+    (trial 180: "workers 8 -> 32" advised to a loader whose controller stopped at 8)."""
+    bound = snap.workers_bound  # (0: no controller runs)
+    if knob != "workers" or not bound or not current <= bound < target:
         return ""
-    return (f" (num_workers={target} given to the Loader: its online controller takes at most "
-            f"{bound} by itself, 4 a usable core and at least 8)")
+    default = ("4 a usable core, at least 8" if bound == workers_bound(usable_cores())
+               else "a configuration's bounds, or workers= given above the default")
+    return (f" (num_workers={target} given to the Loader: its online controller goes no "
+            f"higher than {bound} by itself: {default})")
 
 
 def _needed(current: int, share: float) -> int:
@@ -596,7 +598,7 @@ def _bottleneck(
             n = knobs.get("workers", _effective_workers(last, "transform"))
             need = min(_needed(max(n, 1), share), max(n, budget.worker_cap(n, cpu)))
             more = (f"more workers to overlap the waits (workers {n} -> {need}"
-                    f"{_beyond_controller('workers', n, need, budget)})" if need > n
+                    f"{_beyond_controller('workers', n, need, last)})" if need > n
                     else f"more CPUs ({_no_more_workers(budget)})")
             return (
                 "io", "transform",
@@ -660,13 +662,13 @@ def _bottleneck(
             # network share: the storage is the fix, more readers only a stopgap.
             advice = (
                 f"{storage}: at this latency the step needs about {need} readers; meanwhile "
-                f"{knob} {n} -> {MAX_SCALE * n}{_beyond_controller(knob, n, MAX_SCALE * n, budget)}"
+                f"{knob} {n} -> {MAX_SCALE * n}{_beyond_controller(knob, n, MAX_SCALE * n, last)}"
             )
         elif need <= n:  # (workers placed one a CPU, all placed: Ray's)
             advice = f"{storage}, or more CPUs: {_no_more_workers(budget)}"
         else:
             advice = (f"more readers ({knob} {n} -> {need}"
-                      f"{_beyond_controller(knob, n, need, budget)}), or {storage}")
+                      f"{_beyond_controller(knob, n, need, last)}), or {storage}")
         if fused:
             advice += "; or a separate read stage in threads (fuse_read=False"
             advice += (", which turns memory-aware dispatch off: its reads are not measured)"

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,10 +48,11 @@ import psutil
 
 #: ``(pid, start time)`` -> ``(CPU seconds, run-queue seconds)`` a process had spent when it
 #: began working for a loader (:func:`count_from`); every meter counts it out. At most
-#: :data:`_BEFORE_MAX` entries, the oldest dropped first (a process long gone: its key, with
-#: its start time, never matches another process).
+#: :data:`_BEFORE_MAX` entries: when full, those of processes gone are dropped (a key, with
+#: its start time, never matches another process), and only if none is, the oldest.
 _BEFORE: dict[tuple[int, float], tuple[float, float]] = {}
 _BEFORE_MAX = 4096
+_BEFORE_LOCK = threading.Lock()
 
 
 def own_usage() -> tuple[int, float, float, float]:
@@ -67,10 +69,23 @@ def count_from(pid: int, start_time: float, cpu_s: float, runqueue_s: float) -> 
     """Count process ``pid`` (started at ``start_time``, psutil's ``create_time()``) from
     ``cpu_s`` CPU seconds and ``runqueue_s`` run-queue seconds on, in every meter of this
     process: what it spent before (a Ray worker's start, its imports) is not the loader's
-    work. Thread-safe (one dictionary write under the GIL)."""
-    if len(_BEFORE) >= _BEFORE_MAX:
-        _BEFORE.pop(next(iter(_BEFORE)), None)
-    _BEFORE[(pid, start_time)] = (float(cpu_s), float(runqueue_s))
+    work. Thread-safe."""
+    with _BEFORE_LOCK:
+        if len(_BEFORE) >= _BEFORE_MAX:
+            # (review 181: dropping the oldest alone could drop a live actor's, whose start-up
+            # then landed in one window)
+            for key in [k for k in _BEFORE if not _alive(*k)]:
+                del _BEFORE[key]
+            if len(_BEFORE) >= _BEFORE_MAX:
+                del _BEFORE[next(iter(_BEFORE))]
+        _BEFORE[(pid, start_time)] = (float(cpu_s), float(runqueue_s))
+
+
+def _alive(pid: int, start_time: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == start_time
+    except psutil.Error:
+        return False
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ def _bound(key: str, name: str, value: Any, cores: int) -> int:
     (``N`` times them: ``4*cores`` is the online controller's own bound on workers,
     ``loader.default_knobs``)."""
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*(?:(\d+)\s*\*\s*)?cores\s*", value)
+        m = re.fullmatch(r"\s*(?:([0-9]+)\s*\*\s*)?cores\s*", value)
         if m is None:  # (trial 173: the word was not named)
             raise SpaceError(f"{key}: expected an integer >= {MINIMUM[name]}, the word `cores` "
                              f"(this machine's usable cores, {cores}) or `N*cores`, got {value!r}")
