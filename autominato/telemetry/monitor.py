@@ -246,7 +246,7 @@ def _blocked_share(snap: LoaderSnapshot, batches: int | None, step_s: float) -> 
     empty = snap.consumer_empty_recent
     if empty and len(empty) >= min(snap.batches_total, RECENT):
         # Whether each next() found no batch ready, as the loader saw it: a next() that found
-        # one ready but took over a millisecond to hand it over (median 0.7-0.8 ms, 90th
+        # one ready but took over a millisecond to hand it over (median 0.3-0.8 ms, 90th
         # percentile 1.8 ms beside the loader's threads on 2 cores; the DataLoader's median
         # 1.7-3.0 ms) did not wait on the queue, and deeper prefetch would not shorten it
         # (trial 180: 23-31 % "bad" at 1 % idle).
