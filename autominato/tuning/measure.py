@@ -149,6 +149,16 @@ def measure(
         with meter_lock:
             return meter.read(list(pids_fn()) if callable(pids_fn) else [])
 
+    # CPU at the window's ends from a meter of its own, without PSS: a full PSS read of every
+    # process (due again once the workers started) took tens of ms between the warm-up and
+    # the window, which the loader spent stocking batches that the window then ate (trial
+    # 182: 6 workers on 2 cores read 0.41-0.44 idle in a 24-batch window, 0.49-0.50 in 120,
+    # and tune wrote them as a gain over the default's 0.51).
+    cpu_meter = ProcessMeter(runqueue=False)
+
+    def cpu_s() -> float:
+        return cpu_meter.read(list(pids_fn()) if callable(pids_fn) else []).cpu_seconds_total
+
     read()  # the baseline of shared memory (Reading.footprint_bytes): before the trial's batches
 
     batches = _batches(loader)
@@ -174,8 +184,8 @@ def measure(
     t0 = time.perf_counter()
     for _ in range(warmup_batches):
         step(next(batches))
+    cpu0 = cpu_s()
     t1 = time.perf_counter()
-    cpu0 = read().cpu_seconds_total
     reporter = _Reporter(on_window_report) if report_every else None
     watch = _Watch(check_memory, MEMORY_EVERY_S)
     finished = False
@@ -207,9 +217,8 @@ def measure(
     watch.raise_error()
     if reporter is not None:
         reporter.raise_error()
-    end = read()
-    cpu = end.cpu_seconds_total - cpu0
-    check_memory(end)
+    cpu = cpu_s() - cpu0
+    check_memory()
     return Measurement(
         idle_ratio=idle_ratio(wait, busy),
         wait_s=wait,
