@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import replace
 
@@ -777,3 +778,25 @@ def test_workers_that_wait_for_cores_more_than_they_run_are_not_sent_to_a_cheape
     d = diagnose(split(1.98, 1.9))  # the workers run on the cores: the read's CPU is the cost
     assert d.kind == "cpu" and "free cores" not in d.suggestion
     assert "a cheaper read (less decoding" in d.suggestion
+
+
+def test_one_worker_that_keeps_up_is_not_told_fewer_would_starve_the_loop():
+    """Trial 182: "read+transform needs 0.00 of each step with 1 worker(s), so fewer would
+    make it the bottleneck": fewer than one is no worker process at all."""
+    hist = history(step_s=0.050, wait_s=0.0005, read_s=0.0001, transform_s=0.0001,
+                   read_workers=0, transform_workers=1)
+    d = diagnose([replace(s, knobs={**s.knobs, "workers": 1}) for s in hist])
+    assert d.kind == "consumer", format_report(d)
+    assert d.suggestion.startswith("nothing to change on the loader (read+transform needs")
+    assert "fewer" not in d.suggestion
+
+
+def test_the_readers_the_step_needs_are_said_uncapped(monkeypatch):
+    """Trial 182: "the step needs about 74 readers" was the core budget's cap of the count,
+    where the share called for 129."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    hist = history(step_s=0.002, wait_s=0.015, read_s=0.030, transform_s=0.0001,
+                   read_workers=0, transform_workers=8)
+    d = diagnose(with_cpu(hist, cores_used=0.2))
+    share = d.shares["read"] + d.shares["transform"]
+    assert f"needs about {math.ceil(8 * share / 0.8)} readers" in d.suggestion, d.suggestion

@@ -452,9 +452,12 @@ def diagnose(
             advice = ("nothing to change on the loader; if CPU is short, fewer workers would "
                       f"do ({name} needs {load:.2f} of each step with {n} workers, "
                       f"{load * n / (n - 1):.2f} with {n - 1})")
-        elif n > 0:
+        elif n > 1:
             advice = (f"nothing to change on the loader; {name} needs {load:.2f} of each step "
-                      f"with {n} worker(s), so fewer would make it the bottleneck")
+                      f"with {n} workers, so fewer would make it the bottleneck")
+        elif n == 1:  # (trial 182: "fewer would make it the bottleneck" of 1 worker at 0.00)
+            advice = (f"nothing to change on the loader ({name} needs {load:.2f} of each step "
+                      "with its one worker)")
         else:
             advice = "nothing to change on the loader"
         return Diagnosis(
@@ -654,14 +657,16 @@ def _bottleneck(
         storage = "faster storage (local NVMe, page cache, samples preprocessed to .npy)"
         knob = "workers" if fused else "read_threads"
         n = knobs.get(knob, workers)
-        need = _needed(n, share)
+        need = wanted = _needed(n, share)
         if knob == "workers":
             need = min(need, max(n, budget.worker_cap(n, cpu)))
         if need > MAX_SCALE * n:
             # More readers than a few times the current count rarely scale on one disk or
-            # network share: the storage is the fix, more readers only a stopgap.
+            # network share: the storage is the fix, more readers only a stopgap. (The
+            # count the step needs, not the core budget's cap of it: trial 182 read "74
+            # readers" where the share called for 129.)
             advice = (
-                f"{storage}: at this latency the step needs about {need} readers; meanwhile "
+                f"{storage}: at this latency the step needs about {wanted} readers; meanwhile "
                 f"{knob} {n} -> {MAX_SCALE * n}{_beyond_controller(knob, n, MAX_SCALE * n, last)}"
             )
         elif need <= n:  # (workers placed one a CPU, all placed: Ray's)
