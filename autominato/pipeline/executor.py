@@ -454,8 +454,10 @@ class ProcessWorkers:
                             "thread starts")
                 raise ValueError(
                     f"the dataset and transform must be picklable to run in worker processes "
-                    f"({type(e).__name__}: {e}): {why}. Use {ways}; or worker_kind='thread', "
-                    "or num_workers=0."
+                    f"({type(e).__name__}: {e}): {why}. Use {ways}; or worker_kind='thread' "
+                    "(threads share this process's objects, which must then allow use from "
+                    "other threads: an sqlite3 connection refuses it unless opened with "
+                    "check_same_thread=False), or num_workers=0."
                     + script_classes_note(self.spec.dataset, self.spec.transform)
                 ) from e
         return self._payload
