@@ -397,13 +397,14 @@ def test_no_line_of_a_report_ends_in_spaces():
 
 
 class Napping:
-    """Sample i: (4,) float32, after ``seconds`` of sleep."""
+    """``n`` samples; sample i: (4,) float32, after ``seconds`` of sleep (also
+    tests/test_tune_measure.py's)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, n: int = 64) -> None:
+        self.seconds, self.n = seconds, n
 
     def __len__(self) -> int:
-        return 64
+        return self.n
 
     def __getitem__(self, i: int):
         if self.seconds:

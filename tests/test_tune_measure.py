@@ -221,20 +221,6 @@ def test_the_peak_memory_of_a_window_counts_a_working_set_between_its_reports():
 
 
 
-class Slept:
-    """Sample i: (4,) float32 after ``seconds`` of sleep in the worker."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def __len__(self) -> int:
-        return 400
-
-    def __getitem__(self, i: int):
-        time.sleep(self.seconds)
-        return np.full(4, i, np.float32)
-
-
 def test_no_memory_read_between_the_warm_up_and_the_window_lets_the_loader_stock(monkeypatch):
     """Trial 182: a full PSS read of every process between the warm-up and the window (tens
     of ms with 6 workers) let the loader stock batches that the window then ate: 0.41-0.44
@@ -242,6 +228,8 @@ def test_no_memory_read_between_the_warm_up_and_the_window_lets_the_loader_stock
     meter's reads take 0.3 s: one worker of 20 ms a sample against a 10 ms step is idle about
     half the time all the same."""
     import importlib
+
+    from test_monitor_report import Napping  # (pytest puts the tests' folder on sys.path)
 
     from autominato import Loader
 
@@ -256,7 +244,7 @@ def test_no_memory_read_between_the_warm_up_and_the_window_lets_the_loader_stock
             return super().read(pids)
 
     monkeypatch.setattr(measure_module, "ProcessMeter", SlowPss)
-    with Loader(Slept(0.02), batch_size=1, num_workers=1, pool_size=16, autotune=False,
+    with Loader(Napping(0.02, n=400), batch_size=1, num_workers=1, pool_size=16, autotune=False,
                 seed=0) as loader:
         m = measure(loader, SleepStep(0.01), warmup_batches=2, window_batches=12)
     assert m.idle_ratio > 0.35, m  # (stocking for 0.3 s: below 0.1)
