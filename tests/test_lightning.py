@@ -451,8 +451,10 @@ class TwoLoaders(Linear):
 
     def __init__(self) -> None:
         super().__init__()
+        # (start_method="fork": in a suite run a thread another test left running made the
+        # default start pickle this dataset, which it cannot, twice in sessions 48-49)
         self.train_loader = Loader(LockedPoints(), batch_size=4, shuffle=True, seed=3,
-                                   num_workers=2)
+                                   num_workers=2, start_method="fork")
         # (built while the first one's threads run: its workers start from a new
         # interpreter, which gets its dataset pickled)
         self.val_loader = Loader(Points(), batch_size=4, num_workers=1)
