@@ -8,10 +8,10 @@ new interpreters: 599 s, where ~450 s is usual). After each test (and its
 fixtures) this waits briefly for the loader threads it started to end and lists, at the end of the run,
 the tests that left some behind, with what each thread was doing.
 
-Under pytest-xdist (``make test`` runs two processes, ``--dist loadfile``): each test file
+Under pytest-xdist (``make test`` runs three processes, ``--dist loadfile``): each test file
 runs whole in one process (its module fixtures, a Prometheus server, a Ray cluster, are set
-up once), the Ray files share one process (one local Ray instance at a time), and the files
-that take longest go first, so that the two processes end together.
+up once), the Ray files share one process (one local Ray instance), and the files
+that take longest go first, so that the processes end together.
 """
 
 from __future__ import annotations
@@ -55,6 +55,23 @@ def interrupt_once(monkeypatch):
 def _ours(before: set[threading.Thread]) -> list[threading.Thread]:
     return [t for t in threading.enumerate()
             if t.name.startswith("autominato-") and t.is_alive() and t not in before]
+
+
+def forget_ray_callback_threads() -> None:
+    """After ``ray.shutdown()``: drop the ``_DummyThread`` entries of Ray's C++ threads that
+    ran the Ray executor's ``ObjectRef.future()`` callbacks. Those threads outlive
+    ``ray.shutdown()`` idle, and their entries stay in :mod:`threading` for the life of the
+    process, so every later loader in that test process started its workers from a new
+    interpreter (``spawn.can_fork_now``; 2-3 s a loader: one suite run lost ~100 s to it
+    after the Ray files). A process whose Ray threads never called Python (no callback ran)
+    forks after ``ray.shutdown()`` as it is; this puts the later test files in that state,
+    as a fresh process would be. Only threads not running Python now (no frame): an idle
+    C++ thread holds no Python lock."""
+    in_python = sys._current_frames()
+    with threading._active_limbo_lock:
+        for ident, t in list(threading._active.items()):
+            if isinstance(t, threading._DummyThread) and ident not in in_python:
+                del threading._active[ident]
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +134,7 @@ def _fresh_metric_labels_for_the_module():
 
 
 #: Test files by measured duration (``pytest --durations=0``, seconds on the 2-core machine),
-#: longest first: the order in which the two xdist processes take them (longest first keeps
+#: longest first: the order in which the xdist processes take them (longest first keeps
 #: one long file from running alone at the end). Files not listed follow in their order.
 _LONGEST_FIRST = ("ray", "test_workers", "test_bench", "test_reliability", "test_tune",
                   "test_loader", "test_parity", "test_iterable", "test_lightning",

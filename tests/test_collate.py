@@ -349,15 +349,19 @@ class _Mixed:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_batch_mixing_tensors_and_arrays_fails_as_the_dataloaders(workers):
+    from test_parity import shut_down  # (pytest puts the tests' folder on sys.path)
     from torch.utils.data import DataLoader
 
     from autominato import Loader
 
     # (the DataLoader's worker processes fail earlier in default_collate, on x.numel():
     # AttributeError; the Loader collates in the training process, as default_collate there)
+    dl_it = iter(DataLoader(_Mixed(), 2, num_workers=workers))
     with pytest.raises(TypeError if not workers else AttributeError,
                        match="expected Tensor as element 1" if not workers else "numel"):
-        next(iter(DataLoader(_Mixed(), 2, num_workers=workers)))
+        next(dl_it)
+    if workers:  # (an iterator without workers has none to stop)
+        shut_down(dl_it)
     with Loader(_Mixed(), 2, num_workers=workers, in_order=True, autotune=False) as L:
         it = iter(L)
         with pytest.raises(TypeError, match=r"expected Tensor as element 1 .* samples \[1\]"):

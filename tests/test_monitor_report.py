@@ -344,14 +344,25 @@ def test_monitor_urls_that_can_be_fetched_pass_the_check(url):
 def test_with_ray_workers_the_monitor_budgets_the_cores_the_controller_does(monkeypatch):
     # Ray actors are bounded by the cluster's free CPUs (here 16), not this machine's: the
     # report's "workers N -> M" / "no spare cores" must use that budget too.
+    from conftest import forget_ray_callback_threads  # (tests/ is on sys.path)
+
+    ray = pytest.importorskip("ray")
     monkeypatch.setattr("autominato.loader._ray_capacity", lambda address, options: 16)
-    # (workers=1: with none there is no actor, and no Ray to ask; never iterated, so no
-    # actor starts)
-    with Loader(Volumes(8), batch_size=2, worker_kind="ray", workers=1,
-                monitor_interval=60) as loader:
-        assert loader.controller.budget.cores == 16
-        assert loader.telemetry.monitor.budget is not None
-        assert loader.telemetry.monitor.budget.cores == loader.controller.budget.cores
+    # (workers=1: with none there is no actor. The Loader starts its actor when built, on a
+    # Ray instance of this test's own: "local", as one Ray's auto-init started would join
+    # another test process's by its address file. Shut down after: its threads left running
+    # made this file's later loaders start their workers from a new interpreter.)
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with Loader(Volumes(8), batch_size=2, worker_kind="ray", workers=1,
+                    monitor_interval=60) as loader:
+            assert loader.controller.budget.cores == 16
+            assert loader.telemetry.monitor.budget is not None
+            assert loader.telemetry.monitor.budget.cores == loader.controller.budget.cores
+    finally:
+        ray.shutdown()
+        forget_ray_callback_threads()
 
 
 @pytest.mark.parametrize(("kind", "hint"), [("cpu", True), ("sync", True), ("io", True),

@@ -403,7 +403,8 @@ def test_each_pass_draws_from_the_generator_where_the_dataloader_would(kwargs, h
         loader, seen = make(g, RandomSampler(ds) if shuffled else None), []
         if how == "copy":
             if loader_side:
-                loader = copy.deepcopy(loader)
+                original, loader = loader, copy.deepcopy(loader)
+                original.close()  # (left open, its threads made later loaders spawn)
             torch.manual_seed(0)  # the rank's own seeding
             if g is not None:
                 g.manual_seed(gen)
@@ -825,11 +826,24 @@ class Growing(Indexed):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_samples_that_do_not_stack_raise_runtime_error_as_dataloader(workers):
+    dl_it = iter(DataLoader(Growing(4), 2, num_workers=workers))
     with pytest.raises(RuntimeError, match="equal size"):
-        next(iter(DataLoader(Growing(4), 2, num_workers=workers)))
+        next(dl_it)
+    if workers:  # (an iterator without workers has none to stop)
+        shut_down(dl_it)
     with Loader(Growing(4), 2, num_workers=workers, autotune=False) as loader:
         with pytest.raises(RuntimeError, match="shapes differ"):
             next(iter(loader))
+
+
+def shut_down(dl_iterator) -> None:
+    """Stop a DataLoader iterator's workers now. One that raised is held by a reference cycle
+    (the error's frames) until the garbage collector frees it, and then Python may close its
+    index queues' feeder threads before it asks its workers to stop: each worker then sits out
+    its join timeout, 5 s (``torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL``), and the
+    feeder threads left meanwhile make a later loader start its workers from a new
+    interpreter. (The DataLoader has no public close.)"""
+    dl_iterator._shutdown_workers()
 
 
 class FailsAt(Indexed):

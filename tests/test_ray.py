@@ -19,6 +19,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from conftest import forget_ray_callback_threads  # noqa: E402  (tests/ is on sys.path)
+
 from autominato import Loader  # noqa: E402
 from autominato.cli import main as cli_main  # noqa: E402
 from autominato.data.prepare import prepare_kits19  # noqa: E402
@@ -33,6 +35,7 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    forget_ray_callback_threads()
 
 
 @pytest.fixture(autouse=True)
@@ -592,7 +595,7 @@ def test_stop_returns_once_the_cluster_has_the_actors_cpus_back():
     from autominato.pipeline.worker import WorkSpec
 
     spec = WorkSpec(dataset=list(range(4)), transform=None, transform_takes_rng=False, seed=0)
-    for dead in (False, False, True):
+    for dead in (False, True):  # (the second is built right after the first closed)
         ex = ray_executor.RayExecutor("transform", spec, post=lambda r: None, size=2,
                                       options={"num_cpus": 1}, copy=False,
                                       max_startup_deaths=3, on_fatal=lambda e: None)

@@ -15,6 +15,8 @@ import pytest
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
+from conftest import forget_ray_callback_threads  # noqa: E402  (tests/ is on sys.path)
+
 from autominato import Loader  # noqa: E402
 
 
@@ -39,6 +41,7 @@ def two_nodes():
         cluster.wait_for_nodes()
         yield cluster, worker
         ray.shutdown()
+        forget_ray_callback_threads()
         cluster.shutdown()
     finally:
         if before is None:
