@@ -20,6 +20,9 @@ from autominato.telemetry.remote import metrics_url
 
 
 class Volumes:
+    """``n`` samples; sample i: (4, 4, 4) float32 of i, after ``read_s`` of sleep (also
+    tests/test_tune_measure.py's)."""
+
     def __init__(self, n: int = 24, read_s: float = 0.0) -> None:
         self.n, self.read_s = n, read_s
 
@@ -407,28 +410,12 @@ def test_no_line_of_a_report_ends_in_spaces():
 
 
 
-class Napping:
-    """``n`` samples; sample i: (4,) float32, after ``seconds`` of sleep (also
-    tests/test_tune_measure.py's)."""
-
-    def __init__(self, seconds: float, n: int = 64) -> None:
-        self.seconds, self.n = seconds, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if self.seconds:
-            time.sleep(self.seconds)
-        return np.full(4, i, np.float32)
-
-
 @pytest.mark.parametrize(("sample_s", "step_s", "ahead"), [(0.0, 0.02, True), (0.03, 0.0, False)])
 def test_the_loader_says_which_next_found_no_batch_ready(sample_s, step_s, ahead):
     """The queue wait share's flags (trial 180): a loader ahead of a slow step has its batches
     ready at (nearly) every next() after the first, however long the hand-over takes; one
     whose samples take longer than the loop has none ready (nearly) every time."""
-    with Loader(Napping(sample_s), batch_size=4, num_workers=1, autotune=False) as loader:
+    with Loader(Volumes(64, sample_s), batch_size=4, num_workers=1, autotune=False) as loader:
         for _ in loader:
             if step_s:
                 time.sleep(step_s)
@@ -445,11 +432,11 @@ def test_without_workers_no_flag_and_the_bound_only_where_a_controller_runs():
     """num_workers=0 makes no batch ahead: no flag, so the queue wait share reads the waits
     (review 181: every batch flagged, 100 % "bad" at 1 % idle); the snapshot's workers
     bound is the controller's, 0 where none runs."""
-    with Loader(Napping(0.0), batch_size=4, num_workers=0) as loader:
+    with Loader(Volumes(64), batch_size=4, num_workers=0) as loader:
         assert len(list(loader)) == 16
         snap = loader.snapshot()
     assert snap.consumer_empty_recent == () and snap.batches_total == 16
-    with Loader(Napping(0.0), batch_size=4, num_workers=2) as loader:
+    with Loader(Volumes(64), batch_size=4, num_workers=2) as loader:
         assert loader.snapshot().workers_bound == loader.knobs.bounds("workers")[1] >= 8
-    with Loader(Napping(0.0), batch_size=4, num_workers=2, autotune=False) as loader:
+    with Loader(Volumes(64), batch_size=4, num_workers=2, autotune=False) as loader:
         assert loader.snapshot().workers_bound == 0

@@ -229,7 +229,7 @@ def test_no_memory_read_between_the_warm_up_and_the_window_lets_the_loader_stock
     half the time all the same."""
     import importlib
 
-    from test_monitor_report import Napping  # (pytest puts the tests' folder on sys.path)
+    from test_monitor_report import Volumes  # (pytest puts the tests' folder on sys.path)
 
     from autominato import Loader
 
@@ -244,7 +244,7 @@ def test_no_memory_read_between_the_warm_up_and_the_window_lets_the_loader_stock
             return super().read(pids)
 
     monkeypatch.setattr(measure_module, "ProcessMeter", SlowPss)
-    with Loader(Napping(0.02, n=400), batch_size=1, num_workers=1, pool_size=16, autotune=False,
+    with Loader(Volumes(400, 0.02), batch_size=1, num_workers=1, pool_size=16, autotune=False,
                 seed=0) as loader:
         m = measure(loader, SleepStep(0.01), warmup_batches=2, window_batches=12)
     assert m.idle_ratio > 0.35, m  # (stocking for 0.3 s: below 0.1)
