@@ -1354,6 +1354,8 @@ class Loader:
                     "resuming" if resumed else "of", epoch, self._epoch,
                     resume.sampler_epochs(self) or "-")
             it.stop(keep_ahead=True)
+            if not isinstance(it, _SyncIterator):
+                it.pipeline.unadopt(it.run)  # (what it loaded ahead is discarded now)
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             # A single jump, not the loop's stride (the pass that began took its move from
             # the epoch it began at: a second fit's stride 0 loaded that epoch again ahead,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -619,6 +620,78 @@ def test_a_sample_that_timed_out_while_loaded_ahead_is_loaded_again_when_its_epo
         got, _ = _one_pass(iter(L))
         assert sorted(got) == list(range(12))
         assert L.snapshot().skipped_total == 0 and _lines(tries) >= 3
+
+
+class _KillsOnceArmed:
+    """Index 6 kills its worker process (``os._exit``) once while the file ``armed`` exists
+    (it removes it first); every sample takes 10 ms (sent alone, not in chunks)."""
+
+    def __init__(self, armed: Path) -> None:
+        self.armed = str(armed)
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        if i == 6 and os.path.exists(self.armed):
+            os.unlink(self.armed)
+            os._exit(1)
+        time.sleep(0.01)
+        return np.full(2, i, np.float32)
+
+
+@pytest.mark.parametrize("death", ["raise", "retry-skip"])
+def test_a_sample_that_killed_its_worker_while_loaded_ahead_is_loaded_again_when_its_epoch_begins(
+        tmp_path, death):
+    """Review 185: a death while the next epoch was loaded ahead was acted on at once. With
+    ``on_worker_death="raise"`` the error went into that epoch behind its batches: adopted,
+    the epoch raised ``WorkerDied`` after a few batches (else it was discarded, depending on
+    how far the error had got); with ``"retry"``, ``max_tries=1`` and ``on_error="skip"``
+    the sample was skipped in an epoch it never loaded in. As the README says, it is loaded
+    again when its epoch begins, and the epoch loaded ahead is kept."""
+    armed = tmp_path / "armed"
+    kw = ({"on_worker_death": "raise"} if death == "raise"
+          else {"on_worker_death": "retry", "max_tries": 1, "on_error": "skip"})
+    with Loader(_KillsOnceArmed(armed), 2, num_workers=2, pool_size=8, depth=2,
+                autotune=False, **kw) as L:
+        got = []
+        for k, b in enumerate(L):
+            got += [int(x) for x in b[:, 0]]
+            if k == 10:
+                armed.touch()  # (index 6 ran long ago in this epoch)
+            if k == 19:  # the last step: epoch 1 loads ahead meanwhile, index 6 with it
+                wait_for(lambda: not armed.exists(), "index 6 loaded ahead")
+                wait_for(lambda: L.snapshot().worker_restarts_total >= 1, "the death seen")
+        assert sorted(got) == list(range(40))
+        adopted = L._pipeline.speculative_adopted
+        got = [int(x) for b in L for x in b[:, 0]]
+        assert sorted(got) == list(range(40))
+        assert L._pipeline.speculative_adopted == adopted + 1  # (not discarded for the death)
+        assert L.snapshot().speculative_discarded_total == 0
+        assert L.snapshot().skipped_total == 0
+
+
+def test_a_pass_restarted_after_it_adopted_the_epoch_loaded_ahead_counts_that_work_discarded():
+    """Review 185: ``set_epoch`` out of sequence between ``iter()`` and the first batch of a
+    pass that had adopted the epoch loaded ahead threw those samples away, counted as
+    adopted and not in ``speculative_discarded_total``."""
+    n = 32
+    with Loader(StragglerTail(n), batch_size=4, shuffle=True, in_order=True, transform=tag_epoch,
+                seed=SEED, workers=2, pool_size=8, autotune=False) as L:
+        for _ in range(2):
+            batches_of(L)
+        p = L._pipeline
+        wait_for(lambda: p.pending is not None and p.pending.taken > 0, "epoch 2 loading ahead")
+        adopted = p.speculative_adopted
+        it = iter(L)  # epoch 2: adopts it
+        assert p.speculative_adopted == adopted + 1
+        L.set_epoch(0)  # out of sequence, before the first batch: the pass restarts as epoch 0
+        got = [i for idx, _ in batches_of(it) for i in idx]
+        assert got == epoch_order(n, epoch=0, seed=SEED, shuffle=True)
+        assert p.speculative_adopted == adopted
+        ahead = it.run.taken_ahead
+        assert ahead > 0
+        wait_for(lambda: L.snapshot().speculative_discarded_total == ahead, "the discard counted")
 
 
 def test_a_next_epoch_never_asked_for_before_close_is_counted_as_discarded():

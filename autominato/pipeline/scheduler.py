@@ -263,6 +263,7 @@ class Run:
     parked: list = field(default_factory=list)
     # Once adopted: (pos, attempt) of the samples it had in flight then (loaded ahead too)
     ahead: set = field(default_factory=set)
+    taken_ahead: int = 0  # once adopted: ``taken`` then (the samples loaded ahead)
 
     def waiting_for_loop(self) -> int:
         """Samples of collated batches waiting for the training loop: this run's
@@ -582,6 +583,16 @@ class Pipeline:
         self.memory.epoch_indices = ep.distinct
         return Run(self._gen, epoch, ep)
 
+    def unadopt(self, run: Run) -> None:
+        """The pass that adopted ``run`` with samples loaded ahead of it was started again as
+        another epoch before its first batch (``Loader._restart_pass``, which stops it): what
+        was loaded ahead is discarded after all, and counted so in
+        :attr:`speculative_discarded` (by the scheduler thread, as every discard; review 185:
+        it counted as adopted and nothing as discarded)."""
+        if run.warm:
+            self.speculative_adopted -= 1
+            self.events.put(("unadopt", run))
+
     def _adopt(self, order: Sequence[int], epoch: int, adoptable: bool = True) -> Run | None:
         """The pending speculative run if it is this epoch's (else it is discarded; so is it
         when the new run is not ``adoptable``: a batch sampler's or a resumed epoch)."""
@@ -592,9 +603,10 @@ class Pipeline:
         if (adoptable and spec.epoch_no == epoch and not spec.stopped and not spec.failed()
                 and list(spec.epoch.order) == list(order)):
             self.speculative_adopted += 1
-            if spec.taken == 0:  # (its predecessor was left before it handed out every sample)
+            spec.taken_ahead = spec.taken
+            if spec.taken_ahead == 0:  # (its predecessor was left before it handed out every sample)
                 self.cold_starts += 1
-            spec.warm = spec.taken > 0
+            spec.warm = spec.taken_ahead > 0
             self.events.put(("adopt", spec))
             return spec
         spec.stopped = True
@@ -956,6 +968,8 @@ class Pipeline:
             spec.ahead = set(spec.epoch.attempts())
             if spec in self._waiting:
                 self._activate(spec)
+        elif kind == "unadopt":
+            self.speculative_discarded += ev[1].taken_ahead
         elif kind == "discard":
             spec = ev[1]
             if spec in self._waiting:
@@ -1531,19 +1545,25 @@ class Pipeline:
         if run is None or run.epoch.finished:
             return
         index = run.epoch.order[pos]
+        # Loaded ahead, before the training loop's code between the epochs ran: a sample
+        # that raised, passed sample_timeout or killed its worker is loaded again once the
+        # epoch is adopted, as the DataLoader would load it then, not counted against
+        # max_tries nor raised by on_worker_death="raise" (trial 79: a file repaired
+        # between epochs still failed, read before the repair; review 81: so did a read
+        # that timed out, a stalled mount fixed between the epochs; review 185: a death
+        # raised or counted at once, so that an epoch adopted with the error behind its
+        # batches raised after a few of them, as the README says it does not).
+        ahead = (not r.requeue and run.epoch.is_current(pos, attempt)
+                 and (run.speculative or (pos, attempt) in run.ahead))
         note = None
-        if r.lost and not r.timed_out and not r.requeue and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries:
+        if (not ahead and r.lost and not r.timed_out and not r.requeue
+                and run.epoch.deaths(pos) + 1 >= self.cfg.max_tries):
             note = f"it killed {run.epoch.deaths(pos) + 1} workers, so it is not retried"
         if (isinstance(r.error, IndexError) and not r.lost and self.cfg.persistent_workers
                 and self.procs is not None and hasattr(r.error, "add_note")):
             self._note_stale_copy(r.error)
         err = _about_sample(r.error, index, sample_path(self.spec.dataset, index, r.error), note)
-        if ((not r.lost or r.timed_out) and not r.requeue and run.epoch.is_current(pos, attempt)
-                and (run.speculative or (pos, attempt) in run.ahead)):
-            # Loaded ahead, before the training loop's code between the epochs ran: loaded
-            # again once the epoch is adopted, as the DataLoader would load it then (trial 79:
-            # a file repaired between epochs still failed, read before the repair; review 81:
-            # so did a read that timed out, a stalled mount fixed between the epochs).
+        if ahead:
             if run.speculative:
                 run.parked.append((pos, attempt, err))
             else:  # (it failed after the adoption: at once)
@@ -1551,10 +1571,12 @@ class Pipeline:
                 self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
             return
         if (r.lost and not r.timed_out and self.cfg.on_worker_death == "raise"
-                and (not r.requeue or isinstance(r.error, WorkerDied))):
+                and (not r.requeue or isinstance(r.error, WorkerDied)) and not run.speculative):
             # As DataLoader's, at the first death: also of a worker that held a chunk, whose
             # samples were each requeued (which one killed it is unknown: the error names
-            # none of them; review 99).
+            # none of them; review 99). Not while loaded ahead: the chunk's samples are
+            # requeued alone (below), and one that kills its worker again is loaded again
+            # once its epoch is adopted (above).
             if r.requeue:
                 err = r.error
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])
