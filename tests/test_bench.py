@@ -101,7 +101,9 @@ def test_every_arm_runs_the_tiny_workload_with_consistent_figures(all_arms):
     assert (
         recs["dataloader-best"].detail
         == "num_workers=2 prefetch_factor=2 pin_memory=True in_order=False persistent_workers=True"
-    )
+        " (the grid's pick is dataloader-unordered's setting: one setting, run twice)"
+    )  # (trial 184: the report did not say that two arms ran one setting)
+    assert recs["dataloader-unordered"].detail.endswith("persistent_workers=True")
 
 
 def test_limit_is_the_steps_when_the_accelerator_is_the_bottleneck(all_arms):

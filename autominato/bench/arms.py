@@ -107,14 +107,16 @@ class Arm:
     name: str
     kind: str
     params: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # said after the settings (``dataloader-best``: another arm's setting)
 
     def describe(self) -> str:
         """The settings, as the report lists them under the table (with what the arm sets
-        without a parameter: the DataLoader's ``persistent_workers``, see ``_dataloader``)."""
+        without a parameter: the DataLoader's ``persistent_workers``, see ``_dataloader``),
+        then :attr:`note` in brackets."""
         text = " ".join(f"{k}={v}" for k, v in self.params.items())
         if self.kind == "dataloader" and int(self.params.get("num_workers", 0)) > 0:
             text += " persistent_workers=True"
-        return text
+        return f"{text} ({self.note})" if self.note else text
 
 
 def default_arms(ctx: Context) -> dict[str, Arm]:

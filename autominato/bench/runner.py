@@ -604,6 +604,12 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 why = f"error: every grid setting failed ({note})"
             else:
                 arm.params = dict(cfg)
+                # (trial 184: two arms of one setting; the goals' best peer is then the
+                # faster of two runs of it)
+                same = [o for o in opts.arms if o != name and arms[o].kind == "dataloader"
+                        and arms[o].describe() == arm.describe()]
+                if same:
+                    arm.note = f"the grid's pick is {same[0]}'s setting: one setting, run twice"
         if why is not None:
             opts.log(f"[{wl.name}] {name}: {why}")
             records.append(RunRecord(wl.name, name, 0, 0, why, arm.describe(), limit_s=limit))

@@ -182,7 +182,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Stragglers in range", "stat", "short",
                 (_in_range("autominato_stragglers_total"),),
-                "Samples whose transform was slow enough that they joined a later batch.",
+                "Samples that joined a later batch than their place in the epoch's order (not ready "
+                "when an earlier batch filled: any sample slower than those after it).",
                 w=4, h=4, thresholds=_COUNT_THRESHOLDS,
             ),
             PanelSpec(

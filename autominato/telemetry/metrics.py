@@ -169,7 +169,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "autominato_stragglers_total": (
         "counter",
-        "Slow samples deferred to a later batch of the same epoch.",
+        "Samples delivered in a later batch of the epoch than their place in its order (not "
+        "ready when an earlier batch filled: any sample slower than those after it).",
         (),
     ),
     "autominato_samples_skipped_total": (
