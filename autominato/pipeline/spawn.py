@@ -161,7 +161,14 @@ def zygote_kind(start_method: str) -> str:
     if start_method == "auto":
         if can_fork_now():
             return "fork"
-        return "nested" if clean_zygote() is not None else "fresh"
+        if clean_zygote() is not None:
+            return "nested"
+        if log.isEnabledFor(logging.DEBUG):  # (why, for a rare "fresh" seen in a test run)
+            me = os.getpid()
+            log.debug("no clean zygote to fork this loader's from: %s",
+                      [(z.pid, "gone" if z.gone else "broken" if z.broken else "fatal")
+                       for z in list(_clean) if z.owner == me] or "none was forked here")
+        return "fresh"
     return {"fork": "fork", "forkserver": "fresh", "spawn": "spawn"}[start_method]
 
 
