@@ -263,7 +263,8 @@ class Run:
     parked: list = field(default_factory=list)
     # Once adopted: (pos, attempt) of the samples it had in flight then (loaded ahead too)
     ahead: set = field(default_factory=set)
-    taken_ahead: int = 0  # once adopted: ``taken`` then (the samples loaded ahead)
+    adopted: bool = False  # the next epoch's run, adopted by a pass (``Pipeline._adopt``)
+    taken_ahead: int = 0  # ``taken`` when the scheduler thread saw it adopted (loaded ahead)
 
     def waiting_for_loop(self) -> int:
         """Samples of collated batches waiting for the training loop: this run's
@@ -589,7 +590,8 @@ class Pipeline:
         was loaded ahead is discarded after all, and counted so in
         :attr:`speculative_discarded` (by the scheduler thread, as every discard; review 185:
         it counted as adopted and nothing as discarded)."""
-        if run.warm:
+        if run.adopted:
+            run.adopted = False
             self.speculative_adopted -= 1
             self.events.put(("unadopt", run))
 
@@ -603,10 +605,10 @@ class Pipeline:
         if (adoptable and spec.epoch_no == epoch and not spec.stopped and not spec.failed()
                 and list(spec.epoch.order) == list(order)):
             self.speculative_adopted += 1
-            spec.taken_ahead = spec.taken
-            if spec.taken_ahead == 0:  # (its predecessor was left before it handed out every sample)
+            spec.adopted = True
+            if spec.taken == 0:  # (its predecessor was left before it handed out every sample)
                 self.cold_starts += 1
-            spec.warm = spec.taken_ahead > 0
+            spec.warm = spec.taken > 0
             self.events.put(("adopt", spec))
             return spec
         spec.stopped = True
@@ -826,8 +828,18 @@ class Pipeline:
         # when it stopped: review 99, a load_state_dict that replaced the seeds) end too,
         # else their iterator would wait for ever.
         for ev in self._take_events():
-            if type(ev) is tuple and ev[0] in ("start", "adopt") and not ev[1].closed:
+            if type(ev) is not tuple:
+                continue
+            if ev[0] in ("start", "adopt") and not ev[1].closed:
                 self.runs.setdefault(ev[1].gen, ev[1])
+            # what the scheduler thread would have counted (review 186: a pass restarted
+            # right before close() had its look-ahead counted nowhere)
+            if ev[0] == "adopt":
+                ev[1].taken_ahead = ev[1].taken
+            elif ev[0] == "unadopt":
+                self.speculative_discarded += ev[1].taken_ahead
+            elif ev[0] == "discard":
+                self.speculative_discarded += ev[1].taken
         for run in list(self.runs.values()):
             run.finish(None if error is None else ("error", error))
         self.runs.clear()
@@ -957,6 +969,7 @@ class Pipeline:
             self._waiting.append(ev[1])
         elif kind == "adopt":
             spec = ev[1]
+            spec.taken_ahead = spec.taken  # (dispatched as the next epoch's until now)
             spec.speculative = False
             spec.pred = None  # a window of its own from now on
             for d in spec.deferred:
@@ -1570,19 +1583,24 @@ class Pipeline:
                 run.ahead.discard((pos, attempt))
                 self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
             return
+        was_ahead = r.requeue and (pos, attempt) in run.ahead
         if (r.lost and not r.timed_out and self.cfg.on_worker_death == "raise"
-                and (not r.requeue or isinstance(r.error, WorkerDied)) and not run.speculative):
+                and (not r.requeue or isinstance(r.error, WorkerDied))
+                and not run.speculative and not was_ahead):
             # As DataLoader's, at the first death: also of a worker that held a chunk, whose
             # samples were each requeued (which one killed it is unknown: the error names
-            # none of them; review 99). Not while loaded ahead: the chunk's samples are
+            # none of them; review 99). Not while loaded ahead, nor for a chunk loaded
+            # ahead that died after the adoption (review 186): the chunk's samples are
             # requeued alone (below), and one that kills its worker again is loaded again
-            # once its epoch is adopted (above).
+            # once its epoch is adopted (above), or raises then.
             if r.requeue:
                 err = r.error
             self._decide(run, [Raise(err, final=True), *run.epoch.abort()])
         else:
             current = run.epoch.is_current(pos, attempt)  # else the event is stale: ignored
             if r.requeue:
+                if was_ahead:
+                    run.ahead.discard((pos, attempt))
                 decisions = run.epoch.on(Lost(pos, attempt, err, count=False))
             elif r.lost:
                 decisions = run.epoch.on(Lost(pos, attempt, err, retry=not r.timed_out))

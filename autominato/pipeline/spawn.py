@@ -167,7 +167,9 @@ def zygote_kind(start_method: str) -> str:
             me = os.getpid()
             log.debug("no clean zygote to fork this loader's from: %s",
                       [(z.pid, "gone" if z.gone else "broken" if z.broken else "fatal")
-                       for z in list(_clean) if z.owner == me] or "none was forked here")
+                       for z in list(_clean) if z.owner == me]
+                      or "none left (none forked while one thread ran, or dropped: its hello "
+                         "did not come, or its loader was collected)")
         return "fresh"
     return {"fork": "fork", "forkserver": "fresh", "spawn": "spawn"}[start_method]
 
