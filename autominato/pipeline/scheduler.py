@@ -1583,7 +1583,7 @@ class Pipeline:
                 run.ahead.discard((pos, attempt))
                 self._decide(run, run.epoch.on(Lost(pos, attempt, err, count=False)))
             return
-        was_ahead = r.requeue and (pos, attempt) in run.ahead
+        was_ahead = r.requeue and (pos, attempt) in run.ahead and run.epoch.is_current(pos, attempt)
         if (r.lost and not r.timed_out and self.cfg.on_worker_death == "raise"
                 and (not r.requeue or isinstance(r.error, WorkerDied))
                 and not run.speculative and not was_ahead):
