@@ -1448,7 +1448,10 @@ def test_a_ctrl_c_while_the_loader_starts_its_workers_lets_the_process_exit(tmp_
 
 
 CTRL_C_IN_CONSTRUCTOR = textwrap.dedent("""
-    import gc, os, signal, threading, time
+    import faulthandler, gc, os, signal, threading, time
+    # (the CI run of session 51 saw this script pass the test's 60 s once, with no output
+    # to tell where: every thread's stack is written to stderr, and the script ends, at 45 s)
+    faulthandler.dump_traceback_later(45, exit=True)
     import numpy as np
     import psutil
     from autominato import Loader
@@ -1519,7 +1522,7 @@ def test_ctrl_c_while_a_loader_starts_leaves_nothing_running(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=60)  # (before: it hung, the leaked fork server kept)
     lines = dict(ln.split(maxsplit=1) for ln in out.stdout.splitlines() if ln[:1].isupper())
-    assert "RESULT" in lines, out.stderr[-3000:]
+    assert "RESULT" in lines, (out.stdout, out.stderr[-12000:])  # (the stacks at 45 s)
     caught, children, threads, shm = map(int, lines["RESULT"].split())
     assert caught == 2, out.stderr[-3000:]  # each Ctrl-C raised, as the constructor's
     assert (children, threads, shm) == (0, 1, 0), (lines, out.stderr[-3000:])
