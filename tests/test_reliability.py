@@ -1452,6 +1452,10 @@ CTRL_C_IN_CONSTRUCTOR = textwrap.dedent("""
     # (the CI run of session 51 saw this script pass the test's 60 s once, with no output
     # to tell where: every thread's stack is written to stderr, and the script ends, at 45 s)
     faulthandler.dump_traceback_later(45, exit=True)
+    # Ctrl-C as in a terminal, whatever this script inherited: a shell that runs a job in the
+    # background without job control starts it with SIGINT ignored (POSIX), and Python then
+    # installs no KeyboardInterrupt handler (session 51's CI runs, started so, failed here)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import psutil
     from autominato import Loader
