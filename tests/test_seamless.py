@@ -624,10 +624,11 @@ def test_a_sample_that_timed_out_while_loaded_ahead_is_loaded_again_when_its_epo
 
 class _KillsOnceArmed:
     """Index 6 kills its worker process (``os._exit``) once while the file ``armed`` exists
-    (it removes it first); every sample takes 10 ms (sent alone, not in chunks)."""
+    (it removes it first), after the file ``die`` exists where one is named; every other
+    load takes ``sample_s`` (10 ms: sent alone, not in chunks; 0: in chunks)."""
 
-    def __init__(self, armed: Path) -> None:
-        self.armed = str(armed)
+    def __init__(self, armed: Path, die: Path | None = None, sample_s: float = 0.01) -> None:
+        self.armed, self.die, self.sample_s = str(armed), die and str(die), sample_s
 
     def __len__(self) -> int:
         return 40
@@ -635,8 +636,11 @@ class _KillsOnceArmed:
     def __getitem__(self, i: int):
         if i == 6 and os.path.exists(self.armed):
             os.unlink(self.armed)
+            deadline = time.monotonic() + 60
+            while self.die and not os.path.exists(self.die) and time.monotonic() < deadline:
+                time.sleep(0.005)
             os._exit(1)
-        time.sleep(0.01)
+        time.sleep(self.sample_s)
         return np.full(2, i, np.float32)
 
 
@@ -671,26 +675,6 @@ def test_a_sample_that_killed_its_worker_while_loaded_ahead_is_loaded_again_when
         assert L.snapshot().skipped_total == 0
 
 
-class _KillsLateArmed:
-    """Fast samples (sent in chunks); index 6, once while the file ``armed`` exists (it
-    removes it first), waits for the file ``die``, then kills its worker process."""
-
-    def __init__(self, armed: Path, die: Path) -> None:
-        self.armed, self.die = str(armed), str(die)
-
-    def __len__(self) -> int:
-        return 40
-
-    def __getitem__(self, i: int):
-        if i == 6 and os.path.exists(self.armed):
-            os.unlink(self.armed)
-            deadline = time.monotonic() + 60
-            while not os.path.exists(self.die) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            os._exit(1)
-        return np.full(2, i, np.float32)
-
-
 def test_a_chunk_loaded_ahead_whose_worker_dies_after_its_epoch_began_is_sent_again(
         tmp_path, monkeypatch):
     """Review 186: a chunk of samples loaded ahead (index 6 and others, sent together) whose
@@ -703,7 +687,7 @@ def test_a_chunk_loaded_ahead_whose_worker_dies_after_its_epoch_began_is_sent_ag
 
     monkeypatch.setattr(executors, "CHUNK_BUDGET_S", 1.0)
     armed, die = tmp_path / "armed", tmp_path / "die"
-    with Loader(_KillsLateArmed(armed, die), 2, num_workers=2, pool_size=8, depth=2,
+    with Loader(_KillsOnceArmed(armed, die, sample_s=0.0), 2, num_workers=2, pool_size=8, depth=2,
                 autotune=False, on_worker_death="raise") as L:
         got = []
         for k, b in enumerate(L):
