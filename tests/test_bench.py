@@ -6,7 +6,9 @@ import argparse
 import csv
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -593,6 +595,95 @@ def test_the_floor_runs_the_samples_on_a_warm_heap(tmp_path):
     assert int((tmp_path / "default").read_text()) >= 64 << 20
 
 
+class KillsItself:
+    """A dataset whose read of ``index`` kills its own process (as the kernel's out-of-memory
+    killer does) where that is a floor process, and whose read of ``slow`` sleeps 60 s; the
+    others take no time."""
+
+    def __init__(self, n: int, index: int = -1, slow: int = -1) -> None:
+        self.n, self.index, self.slow = n, index, slow
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        from autominato.bench import workload
+
+        if i == self.index and workload._floor_fn is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if i == self.slow:
+            time.sleep(60)
+        return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.0}
+
+
+def _floor_in_thread(wl, **kw):
+    """``measure_floor(wl, CORES, **kw)`` in a thread: (what it returned or raised, seconds),
+    or (None, None) if it had not ended after 90 s (the thread is left behind)."""
+    out: list = []
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            out.append(measure_floor(wl, CORES, **kw))
+        except BaseException as e:  # noqa: BLE001 -- the test looks at it
+            out.append(e)
+        out.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(90)
+    return (out[0], out[1]) if len(out) == 2 else (None, None)
+
+
+def _children_left(before: set[int]) -> set[int]:
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while True:
+        left = {p.pid for p in psutil.Process().children(recursive=True)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE} - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_a_floor_process_killed_ends_the_floor_with_an_error_not_a_hang():
+    """Review 187: a floor process killed (by the kernel out of memory: the floor's processes
+    keep their largest working set warm) left ``multiprocessing.Pool.imap`` waiting forever
+    for its sample, and the bench with it. Now the floor raises, says how the process
+    ended, and leaves no process behind."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    wl = replace(tiny(8, cost_s=0.0), dataset=KillsItself(8, index=5))
+    got, took = _floor_in_thread(wl)
+    assert got is not None, "the floor still waited after 90 s"
+    assert isinstance(got, RuntimeError), got
+    assert "a floor process died (exit code -9" in str(got) and "out-of-memory" in str(got)
+    assert not _children_left(before)
+
+
+def test_a_floor_that_runs_past_its_time_limit_raises_and_ends_its_processes():
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    wl = replace(tiny(8, cost_s=0.0), dataset=KillsItself(8, slow=3))
+    got, took = _floor_in_thread(wl, timeout_s=5.0)
+    assert isinstance(got, TimeoutError), got
+    assert "more than 5 s" in str(got) and took < 30
+    assert not _children_left(before)
+
+
+def test_a_floor_that_fails_is_logged_and_the_arms_still_run(tmp_path):
+    wl = replace(tiny(4, cost_s=0.0), dataset=KillsItself(4, index=3))
+    said: list[str] = []
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], log=said.append))
+    assert res.floor_s == []
+    assert any("floor #0: not measured: RuntimeError: a floor process died" in m
+               for m in said), said
+    assert [r.arm for r in res.records] == ["dataloader"] and res.records[0].ok
+
+
 class LoggedRead:
     """A dataset that appends each index it reads to the file ``log``."""
 
@@ -670,7 +761,7 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
 
     durs = ((2.0, 0.1, 0.1, 0.1), (0.1,) * 4, (0.1,) * 4)
     monkeypatch.setattr(runner, "measure_floor",
-                        lambda wl, cores, epochs: Floor(0.01, 0.01, durs[:epochs]))
+                        lambda wl, cores, epochs, timeout_s=None: Floor(0.01, 0.01, durs[:epochs]))
     serial = np.full(12, 5.0)  # alone, each sample slower than two at once: the floor's count
     monkeypatch.setattr(runner, "measure_serial", lambda wl, samples=None, epochs=1: SerialCost(
         serial, serial, 12))
@@ -697,7 +788,7 @@ def test_the_bound_no_loader_beats_is_computed_from_the_floors_samples(tmp_path,
     serial[0] = 5.0
     floors = iter([durs, ((0.5, 0.1, 0.1, 0.1), *durs[1:])])
     monkeypatch.setattr(runner, "measure_floor",
-                        lambda wl, cores, epochs: Floor(0.01, 0.01, next(floors)))
+                        lambda wl, cores, epochs, timeout_s=None: Floor(0.01, 0.01, next(floors)))
     res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=3, repeats=2))
     assert res.records[0].floor_bound_s == pytest.approx((0.5 + 1.1) / 2 + 0.01)
 
@@ -708,7 +799,8 @@ def test_a_run_below_the_floor_is_called_untrustworthy(tmp_path, monkeypatch):
     import autominato.bench.runner as runner
     from autominato.bench.workload import Floor
 
-    monkeypatch.setattr(runner, "measure_floor", lambda wl, cores, epochs: Floor(100.0, 90.0))
+    monkeypatch.setattr(runner, "measure_floor",
+                        lambda wl, cores, epochs, timeout_s=None: Floor(100.0, 90.0))
     said: list[str] = []
     res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], log=said.append))
     assert res.records[0].ratio_to_floor < 1
@@ -739,7 +831,7 @@ def test_floors_far_apart_say_that_the_machines_speed_moved(tmp_path, monkeypatc
     for floors, said_so in (([0.1, 0.2], True), ([0.1, 0.12], False)):
         it = iter(floors)
         monkeypatch.setattr(runner, "measure_floor",
-                            lambda wl, cores, epochs, it=it: Floor(next(it), 0.05))
+                            lambda wl, cores, epochs, timeout_s=None, it=it: Floor(next(it), 0.05))
         said: list[str] = []
         res = run_workload(tiny(4), options(tmp_path, arms=["dataloader"], repeats=2,
                                             log=said.append))
@@ -758,7 +850,7 @@ def test_a_step_calibrated_to_the_floor_is_the_first_floor_over_the_runs_batches
     floors = iter([1.2, 1.5])
     calls: list[float] = []
 
-    def fake_floor(wl, cores, epochs):
+    def fake_floor(wl, cores, epochs, timeout_s=None):
         calls.append(next(floors))
         return Floor(calls[-1], calls[-1] / 2)
 
@@ -984,7 +1076,9 @@ def test_every_arm_draws_each_epochs_augmentation_in_that_epoch():
 _FORKED_SAMPLER_PROBE = """
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np

@@ -432,6 +432,20 @@ def _least(floors: Sequence[tuple], serial: SerialCost) -> tuple:
     return tuple(out)
 
 
+def _floor(opts: Options, wl: Workload, serial: SerialCost, rep: int) -> Floor | None:
+    """Repeat ``rep``'s floor (:func:`measure_floor`), or None, logged, where it failed (a
+    process killed, the time limit: ``opts.timeout_s``, or 10 x the serial CPU over the
+    cores + 120 s, as the arms'; the workload raising): the arms still run, ratios to the
+    floor then come from the other repeats' floors, or are left out."""
+    timeout_s = (opts.timeout_s if opts.timeout_s is not None
+                 else 10 * serial.cpu_total_s / opts.ctx.cores + 120)
+    try:
+        return measure_floor(wl, opts.ctx.cores, opts.epochs, timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 -- as an arm's failure: logged, the bench goes on
+        opts.log(f"[{wl.name}] floor #{rep}: not measured: {type(e).__name__}: {e}")
+        return None
+
+
 def _log_floor(opts: Options, wl: Workload, rep: int, f: Floor, why: str = "") -> None:
     opts.log(f"[{wl.name}] floor #{rep}: {f.s:.2f} s ({opts.ctx.cores} processes, reads' CPU + "
              f"transforms; the transforms alone {f.transform_s:.2f} s){why}")
@@ -577,8 +591,11 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     if opts.step == "sleep" and wl.step_s is None and wl.step_basis == "floor":
         if opts.floor:
             # the step is calibrated to it; it is also repeat 0's floor
-            first_floor = measure_floor(wl, cores, E)
-            _log_floor(opts, wl, 0, first_floor, " (the step is calibrated to it)")
+            first_floor = _floor(opts, wl, serial, 0)
+            if first_floor is not None:
+                _log_floor(opts, wl, 0, first_floor, " (the step is calibrated to it)")
+            else:
+                opts.log(f"[{wl.name}] the step is calibrated to the serial CPU instead")
         else:
             opts.log(f"[{wl.name}] --no-floor: the step is calibrated to the serial CPU "
                      "instead of the floor")
@@ -623,12 +640,14 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
             if rep == 0 and first_floor is not None:
                 f = first_floor  # logged when it was measured
             else:
-                f = measure_floor(wl, cores, E)
-                _log_floor(opts, wl, rep, f)
-            floors.append(f.s)
-            transform_floors.append(f.transform_s)
-            if f.epochs_s:
-                timings.append(f.epochs_s)
+                f = _floor(opts, wl, serial, rep)
+                if f is not None:
+                    _log_floor(opts, wl, rep, f)
+            if f is not None:
+                floors.append(f.s)
+                transform_floors.append(f.transform_s)
+                if f.epochs_s:
+                    timings.append(f.epochs_s)
         for pos, arm in enumerate(run_order(runnable, rep)):
             spec = RunSpec(wl, arm, opts.ctx, step, opts.sampler_interval, opts.nvml,
                            epochs=E)

@@ -470,6 +470,10 @@ def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = No
 
 _floor_fn: Any = None
 
+#: Seconds a floor process waits at start-up for the others to be ready (each has imported
+#: the work and run one sample), after which it gives up and the floor raises.
+_FLOOR_START_S = 600.0
+
 
 def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
     """Floor worker start-up (outside the timed span): unpickle the work, cap the threads as
@@ -493,7 +497,9 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
     heap_only(True)
     _floor_fn = cloudpickle.loads(payload)
     _floor_fn(0)
-    barrier.wait()
+    # (a process that died before it got here breaks the pool, which ends the others:
+    # the timeout only bounds a wait that nothing else would end)
+    barrier.wait(timeout=_FLOOR_START_S)
 
 
 def _floor_task(task: tuple[int, int]) -> tuple[float, float]:
@@ -545,7 +551,8 @@ class Floor:
     epochs_s: tuple[tuple[float, ...], ...] = ()
 
 
-def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
+def measure_floor(workload: Workload, cores: int, epochs: int = 1,
+                  timeout_s: float | None = None) -> Floor:
     """Seconds that the work of every sample of ``epochs`` epochs takes in ``cores``
     processes with nothing else running, taken in the arms' order.
 
@@ -564,26 +571,67 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1) -> Floor:
     ``2 - 1/cores`` of the best order, Graham 1966; the CPU-sum limit, :func:`physical_limit`,
     bounds any order).
 
+    ``timeout_s``: seconds the floor may take in all, its processes' start-up included,
+    ``None``: no limit. Every process is ended when the floor returns or raises.
+
     Raises:
         ValueError: ``cores < 1``.
+        RuntimeError: a floor process died (killed, e.g. by the kernel out of memory: a
+            process keeps the largest working set it ran warm, see :func:`_floor_init`),
+            or failed to start; the message gives its exit code.
+        TimeoutError: the samples took longer than ``timeout_s``.
         Exception: whatever the workload's read or transform raises for a sample.
     """
     import multiprocessing as mp
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
 
     import cloudpickle
 
     from autominato.pipeline.worker import threads_per_worker
 
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(cores + 1)
     payload = cloudpickle.dumps(SampleFn(workload))
     # each epoch in the order the arms take it (EpochIndices, Loader(shuffle, seed)): the
     # makespan of greedy dispatch depends on where the long samples fall
     tasks = [(e, i) for e in range(epochs) for i in workload.epoch_indices(e)]
     threads = threads_per_worker(cores, cores)
-    with ctx.Pool(cores, initializer=_floor_init, initargs=(payload, threads, barrier)) as pool:
-        barrier.wait()
-        parts = list(pool.imap(_floor_task, tasks, chunksize=1))
+    # the executor starts a process per task submitted while none is idle: all of them, as
+    # every task is submitted before one can end (fewer where there are fewer tasks). It
+    # takes the tasks in order as its processes come free (multiprocessing.Pool.imap did
+    # the same, but waited forever for the task of a process that was killed, review 187)
+    n = max(1, min(cores, len(tasks)))
+    barrier = ctx.Barrier(n)
+    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_floor_init,
+                               initargs=(payload, threads, barrier))
+    procs: dict = {}
+    try:
+        futures = [pool.submit(_floor_task, t) for t in tasks]
+        procs = dict(getattr(pool, "_processes", None) or {})  # (started by submit)
+        done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+        if pending:
+            raise TimeoutError(f"the floor took more than {timeout_s:.0f} s ({len(done)} of "
+                               f"its {len(tasks)} samples done)")
+        parts = [f.result() for f in futures]
+    except BrokenProcessPool as e:
+        codes = sorted({p.exitcode for p in procs.values() if p.exitcode not in (None, 0)})
+        why = (f"exit code {', '.join(map(str, codes))}"
+               + (" (a negative code is the signal that ended it: -9, SIGKILL, is the "
+                  "kernel's out-of-memory killer's)" if any(c < 0 for c in codes) else "")
+               if codes else "no exit code")
+        raise RuntimeError(f"a floor process died ({why}); the floor was not measured") from e
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(5)
     both = [r + t for r, t in parts]
     per: dict[int, list[float]] = {}
     for (e, _), d in zip(tasks, both, strict=True):
