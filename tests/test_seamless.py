@@ -985,3 +985,56 @@ def test_a_pass_never_asked_for_a_batch_lets_the_epoch_loaded_ahead_of_it_go():
         del it  # (asked once: the epoch after it stays loaded ahead)
         assert p.pending is not None and p.pending.epoch_no == 2
         assert L.snapshot().speculative_discarded_total == 0
+
+
+class SlowFirst:
+    """Sample ``i`` is ``{"index": i}``; index 0 sleeps ``slow_s`` first, in every epoch: with
+    sequential order and completion-order batches it is a straggler of every epoch."""
+
+    def __init__(self, n: int, slow_s: float = 0.3) -> None:
+        self.n, self.slow_s = n, slow_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if i == 0:
+            time.sleep(self.slow_s)
+        return {"index": np.int64(i)}
+
+
+def test_stragglers_of_an_epoch_loaded_ahead_are_not_counted_when_its_pass_restarts():
+    """Review 186 (low): the stragglers (and skips) of batches made while the next epoch was
+    loaded ahead were counted when a pass adopted it, and stayed counted when ``set_epoch``
+    then restarted that pass as another epoch, whose batches were thrown away. They count once
+    the loop takes the adopted pass's first batch."""
+    n, bs = 12, 2
+    with Loader(SlowFirst(n), batch_size=bs, transform=tag_epoch, seed=SEED, workers=2,
+                in_order=False, pool_size=16, prefetch_factor=8, autotune=False) as L:
+        for _ in range(2):
+            batches_of(L)
+        p = L._pipeline
+        wait_for(lambda: sum(d for d in getattr(p.pending, "deferred", ())
+                             if isinstance(d, int)) > 0, "a straggler of epoch 2 loaded ahead")
+        wait_for(lambda: L.snapshot().stragglers_total == p.stragglers, "the counts settled")
+        before = p.stragglers
+        it = iter(L)  # epoch 2: adopts the look-ahead
+        L.set_epoch(0)  # before its first batch: the pass restarts as epoch 0
+        got = batches_of(it)
+        assert sorted(i for idx, _ in got for i in idx) == list(range(n))
+        assert {epoch_of(i, d, range(3)) for idx, dr in got
+                for i, d in zip(idx, dr, strict=True)} == {0}
+        own = it._delegate.run.epoch.stragglers  # the restarted pass's own
+        assert it._delegate.run is not it.run and it.run.epoch.stragglers > 0
+        wait_for(lambda: L.snapshot().speculative_discarded_total > 0, "the discard counted")
+        assert p.stragglers == before + own, (p.stragglers, before, own)
+        # an adopted pass that runs counts those of its batches made ahead, once each
+        wait_for(lambda: p.pending is not None and p.pending.taken > 0, "the next loaded ahead")
+        wait_for(lambda: L.snapshot().stragglers_total == p.stragglers, "the counts settled")
+        before = p.stragglers
+        L.set_epoch(p.pending.epoch_no)  # (the epoch loaded ahead: the pass adopts it)
+        it = iter(L)
+        assert it.run.adopted
+        batches_of(it)
+        wait_for(lambda: p.stragglers == before + it.run.epoch.stragglers,
+                 f"{before} + the adopted pass's {it.run.epoch.stragglers} (got {p.stragglers})")

@@ -256,8 +256,11 @@ class Run:
     emitted: int = 0
     ends_after: int | None = None
     received: int = 0
-    # While speculative, skips and stragglers wait to be logged and counted until adoption.
+    # While speculative, skips and stragglers wait to be logged and counted until adoption;
+    # once adopted, until the loop takes its first item (before it, the pass may be started
+    # again as another epoch, Pipeline.unadopt, which drops them) or the run ends.
     deferred: list = field(default_factory=list)
+    counts_held: list = field(default_factory=list)
     # While speculative: (pos, attempt, error) of samples that raised, loaded again at
     # adoption (after the training loop's code between the epochs ran: a file repaired there)
     parked: list = field(default_factory=list)
@@ -972,9 +975,8 @@ class Pipeline:
             spec.taken_ahead = spec.taken  # (dispatched as the next epoch's until now)
             spec.speculative = False
             spec.pred = None  # a window of its own from now on
-            for d in spec.deferred:
-                self._count(d)
-            spec.deferred.clear()
+            # (counted once the loop takes its first item: "consumed"; an unadopt drops them)
+            spec.counts_held, spec.deferred = spec.deferred, []
             for pos, attempt, err in spec.parked:  # (not counted against max_tries)
                 self._decide(spec, spec.epoch.on(Lost(pos, attempt, err, count=False)))
             spec.parked.clear()
@@ -983,6 +985,7 @@ class Pipeline:
                 self._activate(spec)
         elif kind == "unadopt":
             self.speculative_discarded += ev[1].taken_ahead
+            ev[1].counts_held = []  # (its batches are thrown away: their stragglers too)
         elif kind == "discard":
             spec = ev[1]
             if spec in self._waiting:
@@ -991,6 +994,7 @@ class Pipeline:
             self._end_run(spec, None)
             spec.finish(None)  # a run that had already ended holds its batches until now
         elif kind == "consumed":  # room in a run's output: the batch stage is pumped below
+            self._count_held(ev[1])
             ev[1].unconsumed -= ev[3]
             if ev[2]:
                 self.full_lead_left = LEAD_WAITS
@@ -1745,6 +1749,15 @@ class Pipeline:
                     run.ends_after = run.emitted
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
 
+    def _count_held(self, run: Run) -> None:
+        """Count the skips and stragglers ``run`` deferred while it was loaded ahead, now that
+        its pass can no longer be started again as another epoch (the loop took an item of it,
+        or the run ends): review 186 found them counted at adoption, and kept when
+        ``Pipeline.unadopt`` then discarded the batches they belonged to."""
+        held, run.counts_held = run.counts_held, []
+        for d in held:
+            self._count(d)
+
     def _count(self, d: Skip | int) -> None:
         """Count a deferred skip, or stragglers (an int), of a speculative run now adopted."""
         if isinstance(d, Skip):
@@ -1765,6 +1778,7 @@ class Pipeline:
         are freed when they arrive), then close it with ``last`` (``None``: the consumer left)."""
         if self.runs.pop(run.gen, None) is None:
             return
+        self._count_held(run)  # (an unadopt before this dropped them)
         self.rows.close_run(run.gen)
         self._decide(run, run.epoch.abort())
         gone = lambda k, g=run.gen: k[0] != g  # noqa: E731
