@@ -619,6 +619,8 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1,
                                f"its {len(tasks)} samples done)")
         parts = [f.result() for f in futures]
     except BrokenProcessPool as e:
+        for p in procs.values():
+            p.join(1)  # (the dead one's code, once reaped; the others end below)
         codes = sorted({p.exitcode for p in procs.values() if p.exitcode not in (None, 0)})
         why = (f"exit code {', '.join(map(str, codes))}"
                + (" (a negative code is the signal that ended it: -9, SIGKILL, is the "
