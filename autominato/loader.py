@@ -1353,9 +1353,9 @@ class Loader:
                     "epoch %d starts from its beginning (samplers' epochs %s)",
                     "resuming" if resumed else "of", epoch, self._epoch,
                     resume.sampler_epochs(self) or "-")
-            it.stop(keep_ahead=True)
             if not isinstance(it, _SyncIterator):
                 it.pipeline.unadopt(it.run)  # (what it loaded ahead is discarded now)
+            it.stop(keep_ahead=True)
             saved = [getattr(self, name) for name in self._PASS_FIELDS]
             # A single jump, not the loop's stride (the pass that began took its move from
             # the epoch it began at: a second fit's stride 0 loaded that epoch again ahead,

@@ -1003,20 +1003,29 @@ class SlowFirst:
         return {"index": np.int64(i)}
 
 
-def test_stragglers_of_an_epoch_loaded_ahead_are_not_counted_when_its_pass_restarts():
+@pytest.mark.parametrize("n,pool_size,prefetch_factor,live", [
+    (12, 16, 8, False),  # the whole next epoch loaded ahead: its run has ended
+    (60, 4, 2, True),  # part of it: its run still runs when the pass restarts (review 188)
+])
+def test_stragglers_of_an_epoch_loaded_ahead_are_not_counted_when_its_pass_restarts(
+        n, pool_size, prefetch_factor, live):
     """Review 186 (low): the stragglers (and skips) of batches made while the next epoch was
     loaded ahead were counted when a pass adopted it, and stayed counted when ``set_epoch``
     then restarted that pass as another epoch, whose batches were thrown away. They count once
-    the loop takes the adopted pass's first batch."""
-    n, bs = 12, 2
+    the loop takes an item of the adopted pass."""
+    bs = 2
     with Loader(SlowFirst(n), batch_size=bs, transform=tag_epoch, seed=SEED, workers=2,
-                in_order=False, pool_size=16, prefetch_factor=8, autotune=False) as L:
+                in_order=False, pool_size=pool_size, prefetch_factor=prefetch_factor,
+                autotune=False) as L:
         for _ in range(2):
             batches_of(L)
         p = L._pipeline
         wait_for(lambda: sum(d for d in getattr(p.pending, "deferred", ())
                              if isinstance(d, int)) > 0, "a straggler of epoch 2 loaded ahead")
         wait_for(lambda: L.snapshot().stragglers_total == p.stragglers, "the counts settled")
+        if live:
+            time.sleep(0.2)  # (its window full: it waits for the loop)
+        assert (p.pending.gen in p.runs) == live
         before = p.stragglers
         it = iter(L)  # epoch 2: adopts the look-ahead
         L.set_epoch(0)  # before its first batch: the pass restarts as epoch 0

@@ -434,11 +434,12 @@ def _least(floors: Sequence[tuple], serial: SerialCost) -> tuple:
 
 def _floor(opts: Options, wl: Workload, serial: SerialCost, rep: int) -> Floor | None:
     """Repeat ``rep``'s floor (:func:`measure_floor`), or None, logged, where it failed (a
-    process killed, the time limit: ``opts.timeout_s``, or 10 x the serial CPU over the
-    cores + 120 s, as the arms'; the workload raising): the arms still run, ratios to the
-    floor then come from the other repeats' floors, or are left out."""
+    process killed, the time limit: ``opts.timeout_s``, else 10 x the serial measurement's
+    total over the cores + 120 s, its CPU or, where more, its wall time: a floor process
+    waits out each read; the workload raising): the arms still run, ratios to the floor
+    then come from the other repeats' floors, or are left out."""
     timeout_s = (opts.timeout_s if opts.timeout_s is not None
-                 else 10 * serial.cpu_total_s / opts.ctx.cores + 120)
+                 else 10 * max(serial.cpu_total_s, serial.wall_total_s) / opts.ctx.cores + 120)
     try:
         return measure_floor(wl, opts.ctx.cores, opts.epochs, timeout_s=timeout_s)
     except Exception as e:  # noqa: BLE001 -- as an arm's failure: logged, the bench goes on
@@ -588,10 +589,11 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     E = opts.epochs
     serial = measure_serial(wl, samples=opts.serial_samples, epochs=E)
     first_floor: Floor | None = None
+    first_tried = False  # (a first floor that failed is not measured again for repeat 0)
     if opts.step == "sleep" and wl.step_s is None and wl.step_basis == "floor":
         if opts.floor:
             # the step is calibrated to it; it is also repeat 0's floor
-            first_floor = _floor(opts, wl, serial, 0)
+            first_floor, first_tried = _floor(opts, wl, serial, 0), True
             if first_floor is not None:
                 _log_floor(opts, wl, 0, first_floor, " (the step is calibrated to it)")
             else:
@@ -637,8 +639,8 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
     timings: list[tuple] = []  # each floor's per-sample durations (Floor.epochs_s)
     for rep in range(opts.repeats):
         if opts.floor and runnable:
-            if rep == 0 and first_floor is not None:
-                f = first_floor  # logged when it was measured
+            if rep == 0 and first_tried:
+                f = first_floor  # logged when it was measured (or failed)
             else:
                 f = _floor(opts, wl, serial, rep)
                 if f is not None:

@@ -469,6 +469,7 @@ def measure_serial(workload: Workload, warmup: int = 1, samples: int | None = No
 
 
 _floor_fn: Any = None
+_floor_error: BaseException | None = None  # what the warm-up sample raised (_floor_init)
 
 #: Seconds a floor process waits at start-up for the others to be ready (each has imported
 #: the work and run one sample), after which it gives up and the floor raises.
@@ -492,11 +493,14 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
 
     from autominato.pipeline.worker import heap_only, limit_threads
 
-    global _floor_fn
+    global _floor_fn, _floor_error
     limit_threads(threads)
     heap_only(True)
     _floor_fn = cloudpickle.loads(payload)
-    _floor_fn(0)
+    try:
+        _floor_fn(0)
+    except Exception as e:  # noqa: BLE001 -- raised by the first task (the executor would
+        _floor_error = e  # log an initializer's error and end the process: "died", review 188)
     # (a process that died before it got here breaks the pool, which ends the others:
     # the timeout only bounds a wait that nothing else would end)
     barrier.wait(timeout=_FLOOR_START_S)
@@ -510,6 +514,8 @@ def _floor_task(task: tuple[int, int]) -> tuple[float, float]:
     overlap a read's waits (storage latency) with other samples' transforms, but not the CPU a
     read spends (a copy out of the page cache, a decode) on cores the transforms already fill.
     """
+    if _floor_error is not None:
+        raise _floor_error
     epoch, index = task
     fn = _floor_fn
     c0 = time.process_time()
@@ -578,11 +584,14 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1,
         ValueError: ``cores < 1``.
         RuntimeError: a floor process died (killed, e.g. by the kernel out of memory: a
             process keeps the largest working set it ran warm, see :func:`_floor_init`),
-            or failed to start; the message gives its exit code.
+            or failed to start (or waited more than ``_FLOOR_START_S`` s for the others to);
+            the message gives its exit code.
         TimeoutError: the samples took longer than ``timeout_s``.
-        Exception: whatever the workload's read or transform raises for a sample.
+        Exception: whatever the workload's read or transform raises for a sample (the
+            warm-up sample's too).
     """
     import multiprocessing as mp
+    import signal
     from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
@@ -606,10 +615,16 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1,
     barrier = ctx.Barrier(n)
     pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_floor_init,
                                initargs=(payload, threads, barrier))
-    procs: dict = {}
+    procs: dict = {}  # every process started (submit starts them), to end them all
+
+    def started() -> None:
+        procs.update(getattr(pool, "_processes", None) or {})
+
     try:
-        futures = [pool.submit(_floor_task, t) for t in tasks]
-        procs = dict(getattr(pool, "_processes", None) or {})  # (started by submit)
+        futures = []
+        for t in tasks:
+            futures.append(pool.submit(_floor_task, t))
+            started()
         done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
         for f in futures:
             if f in done and f.exception() is not None:
@@ -619,15 +634,20 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1,
                                f"its {len(tasks)} samples done)")
         parts = [f.result() for f in futures]
     except BrokenProcessPool as e:
+        started()
         for p in procs.values():
             p.join(1)  # (the dead one's code, once reaped; the others end below)
         codes = sorted({p.exitcode for p in procs.values() if p.exitcode not in (None, 0)})
+        # (the executor SIGTERMs the others once one died: their -15 is not the cause)
+        codes = [c for c in codes if c != -signal.SIGTERM] or codes
         why = (f"exit code {', '.join(map(str, codes))}"
                + (" (a negative code is the signal that ended it: -9, SIGKILL, is the "
                   "kernel's out-of-memory killer's)" if any(c < 0 for c in codes) else "")
                if codes else "no exit code")
         raise RuntimeError(f"a floor process died ({why}); the floor was not measured") from e
     finally:
+        started()
+        barrier.abort()  # (a process still waiting there gives up: after a cut-short start)
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs.values():
             if p.is_alive():

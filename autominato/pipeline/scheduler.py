@@ -257,8 +257,9 @@ class Run:
     ends_after: int | None = None
     received: int = 0
     # While speculative, skips and stragglers wait to be logged and counted until adoption;
-    # once adopted, until the loop takes its first item (before it, the pass may be started
-    # again as another epoch, Pipeline.unadopt, which drops them) or the run ends.
+    # once adopted, until the loop takes an item of the run (before it, the pass may be
+    # started again as another epoch, Pipeline.unadopt, which drops them; a pass left before
+    # its first item never counts them, as a look-ahead discarded).
     deferred: list = field(default_factory=list)
     counts_held: list = field(default_factory=list)
     # While speculative: (pos, attempt, error) of samples that raised, loaded again at
@@ -839,10 +840,14 @@ class Pipeline:
             # right before close() had its look-ahead counted nowhere)
             if ev[0] == "adopt":
                 ev[1].taken_ahead = ev[1].taken
+                ev[1].counts_held, ev[1].deferred = ev[1].deferred, []
             elif ev[0] == "unadopt":
                 self.speculative_discarded += ev[1].taken_ahead
+                ev[1].counts_held = []
             elif ev[0] == "discard":
                 self.speculative_discarded += ev[1].taken
+            elif ev[0] == "consumed":
+                self._count_held(ev[1])
         for run in list(self.runs.values()):
             run.finish(None if error is None else ("error", error))
         self.runs.clear()
@@ -1751,9 +1756,11 @@ class Pipeline:
 
     def _count_held(self, run: Run) -> None:
         """Count the skips and stragglers ``run`` deferred while it was loaded ahead, now that
-        its pass can no longer be started again as another epoch (the loop took an item of it,
-        or the run ends): review 186 found them counted at adoption, and kept when
-        ``Pipeline.unadopt`` then discarded the batches they belonged to."""
+        the loop took an item of it (its pass can no longer be started again as another
+        epoch): review 186 found them counted at adoption, and kept when ``Pipeline.unadopt``
+        then discarded the batches they belonged to. A pass left before its first item never
+        counts them (whether its run had ended or not, review 188), as a discarded
+        look-ahead."""
         held, run.counts_held = run.counts_held, []
         for d in held:
             self._count(d)
@@ -1778,7 +1785,6 @@ class Pipeline:
         are freed when they arrive), then close it with ``last`` (``None``: the consumer left)."""
         if self.runs.pop(run.gen, None) is None:
             return
-        self._count_held(run)  # (an unadopt before this dropped them)
         self.rows.close_run(run.gen)
         self._decide(run, run.epoch.abort())
         gone = lambda k, g=run.gen: k[0] != g  # noqa: E731
