@@ -1380,3 +1380,31 @@ def test_a_synthetic_scenario_is_judged_on_its_one_goal():
     for r in kits:
         r["workload"] = "kits19-rank0of2"
     assert len(goals(kits, "kits19-rank0of2")) == 5
+
+
+class RaisesInWorkers:
+    """A dataset whose every read raises outside the process that made it (the loaders'
+    workers, the floor's processes), not in it (the bench's serial measurement)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict:
+        if os.getpid() != self.pid:
+            raise ValueError(f"sample {i} is broken")
+        return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.0}
+
+
+def test_a_bench_whose_every_arm_failed_writes_its_tables_and_no_plot(tmp_path):
+    """Trial 189: with every run timed out the report raised (an empty figure) before the
+    goals, and the bench exited 1."""
+    from autominato.bench.report import write_all
+
+    wl = replace(tiny(4, cost_s=0.0), dataset=RaisesInWorkers())
+    res = run_workload(wl, options(tmp_path, arms=["dataloader", "autominato"]))
+    assert res.records and not any(r.ok for r in res.records)
+    out = write_all([res], tmp_path / "out")
+    assert out["plots"] == [] and out["runs"].exists() and out["summary"].exists()

@@ -117,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=None,
-        help="seconds one run may take (default 10x the limit + 120)",
+        help="seconds one run may take, its process's start-up and the loader's build "
+        "included (default 10x the limit + 120), and the floor (default 10x the serial "
+        "measurement's CPU or wall time, whichever is more, over the cores + 120)",
     )
 
     g = parser.add_argument_group("consumer (accelerator)")

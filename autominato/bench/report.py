@@ -424,7 +424,8 @@ def _median_run(records: Sequence[RunRecord]) -> RunRecord:
 
 
 def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
-    """Write ``<workload>_time.png`` and ``<workload>_utilisation.png`` under ``out``."""
+    """Write ``<workload>_time.png`` and ``<workload>_utilisation.png`` under ``out``; none
+    where no arm has a successful run (their paths are returned)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -432,6 +433,8 @@ def plot(result: WorkloadResult, rows: Sequence[dict[str, Any]], out: Path) -> l
 
     name = result.workload.name
     mine = [r for r in rows if r["workload"] == name and r["runs"] > 0]
+    if not mine:
+        return []  # no arm ran to the end (trial 189: an empty figure raised)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
 
