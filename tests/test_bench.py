@@ -1408,3 +1408,24 @@ def test_a_bench_whose_every_arm_failed_writes_its_tables_and_no_plot(tmp_path):
     assert res.records and not any(r.ok for r in res.records)
     out = write_all([res], tmp_path / "out")
     assert out["plots"] == [] and out["runs"].exists() and out["summary"].exists()
+
+
+def test_a_floor_far_from_the_serial_cpu_is_said_and_failed_rows_keep_their_epochs(
+        tmp_path, monkeypatch):
+    """Trial 189: a floor 2.3x the serial CPU over the cores (a loaded machine) went unsaid,
+    and a timed-out run's row said 1 epoch where 2 were asked for."""
+    import autominato.bench.runner as runner
+    from autominato.bench.workload import Floor, SerialCost
+
+    monkeypatch.setattr(runner, "measure_serial", lambda wl, samples=None, epochs=1: SerialCost(
+        np.full(8, 0.1), np.full(8, 0.1), 8))  # 0.8 CPU-s over 2 cores: 0.4 s
+    for floor_s, said_so in ((1.0, True), (0.45, False), (0.2, True)):
+        monkeypatch.setattr(runner, "measure_floor",
+                            lambda wl, cores, epochs, timeout_s=None, f=floor_s: Floor(f, f))
+        said: list[str] = []
+        run_workload(tiny(4), options(tmp_path, arms=["dataloader"], log=said.append))
+        assert any("the floor" in m and "the serial CPU over the cores" in m
+                   for m in said) == said_so, (floor_s, said)
+    wl = replace(tiny(4, cost_s=0.0), dataset=RaisesInWorkers())
+    res = run_workload(wl, options(tmp_path, arms=["dataloader"], epochs=2, floor=False))
+    assert [(r.ok, r.epochs) for r in res.records] == [(False, 2)]
