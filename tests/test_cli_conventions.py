@@ -51,6 +51,11 @@ def test_kits19_from_labels_says_how_many_cases_it_prepares_before_it_starts(tmp
     kits19_workload(labels=labels, cases=1, scale=0.25, step_s=0.0, cache=tmp_path / "c",
                     log=logged.append)
     assert logged[0].startswith("kits19: preparing 1 of the 3 cases in")
+    # the second time, from the cache: said so, not "preparing" (trial 189)
+    logged.clear()
+    kits19_workload(labels=labels, cases=1, scale=0.25, step_s=0.0, cache=tmp_path / "c",
+                    log=logged.append)
+    assert logged[0].startswith("kits19: 1 of the 3 cases in") and "prepared before" in logged[0]
 
 
 def test_a_grid_of_fewer_than_two_levels_is_refused_before_the_study_runs(capsys):

@@ -108,7 +108,8 @@ def prepared_folder(
         FileNotFoundError: ``labels`` is given but missing.
         RuntimeError: a case failed to prepare.
     """
-    from autominato.data.prepare import prepare_kits19
+    from autominato.data.kits19 import image_file, label_file
+    from autominato.data.prepare import find_cases, prepare_kits19
 
     cache = cache or default_cache()
     if labels is not None and not Path(labels).is_dir():
@@ -121,11 +122,18 @@ def prepared_folder(
         source = "labels"
     out = cache / f"kits19-{source}-{cases or 'all'}-scale{scale:g}"
     if source == "labels":
-        n = len([p for p in Path(labels).iterdir() if p.name.startswith("case_")])
-        todo = min(n, cases) if cases else n
-        log(f"kits19: preparing {todo} of the {n} cases in {labels} at scale {scale:g} into "
-            f"{out} (once; cached). At scale 1 a case takes tens of MB and seconds to "
-            "minutes: --cases N or --scale 0.5 make it smaller, --data DIR uses a prepared set")
+        found = find_cases(labels)
+        n, chosen = len(found), found[:cases] if cases else found
+        ready = sum(1 for c in chosen
+                    if image_file(out, c.name).exists() and label_file(out, c.name).exists())
+        if ready == len(chosen):  # (trial 189: "preparing" was said at every run)
+            log(f"kits19: {len(chosen)} of the {n} cases in {labels} at scale {scale:g}, "
+                f"prepared before in {out}")
+        else:
+            log(f"kits19: preparing {len(chosen) - ready} of the {n} cases in {labels} at "
+                f"scale {scale:g} into {out} (once; cached; {ready} there already). At scale 1 "
+                "a case takes tens of MB and seconds to minutes: --cases N or --scale 0.5 make "
+                "it smaller, --data DIR uses a prepared set")
     else:
         log(f"kits19: no --data and no --labels: {cases} generated DEMO cases (not patient "
             f"data) at scale {scale:g} in {out}")
