@@ -696,8 +696,9 @@ def run_workload(wl: Workload, opts: Options) -> WorkloadResult:
                 f"[{wl.name}] the floor ({floor:.2f} s) is {floor / cpu_share:.2f}x the serial "
                 f"CPU over the cores ({cpu_share:.2f} s), the same work measured in parallel "
                 "and serially: one ran slower (other jobs, or the first reads of the files in a "
-                "while, which cost the kernel more: measure on a quieter machine), or the transforms wait (the floor counts their wall time, "
-                "the serial measurement their CPU), so x floor and x limit disagree"
+                "while, which cost the kernel more: measure on a quieter machine), or the "
+                "transforms wait (the floor counts their wall time, the serial measurement "
+                "their CPU), so x floor and x limit disagree"
             )
         if len(floors) > 1 and max(floors) > FLOOR_SPREAD * min(floors):
             opts.log(
