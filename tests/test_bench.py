@@ -700,20 +700,24 @@ def test_a_floor_that_fails_is_logged_and_the_arms_still_run(tmp_path):
     assert res.records[0].ok
 
 
-class RaisesOnce:
-    """A dataset whose read of index 0 raises (the floor's warm-up sample)."""
+class RaisesInWorkers:
+    """A dataset whose every read raises outside the process that made it (the loaders'
+    workers, the floor's processes), not in it (the bench's serial measurement)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, i: int) -> dict:
-        if i == 0:
-            raise ValueError("sample 0 is broken")
+        if os.getpid() != self.pid:
+            raise ValueError(f"sample {i} is broken")
         return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.0}
 
 
 def test_a_warm_up_sample_that_raises_is_raised_by_the_floor_not_called_a_death():
-    got, _ = _floor_in_thread(replace(tiny(4, cost_s=0.0), dataset=RaisesOnce()))
+    got, _ = _floor_in_thread(replace(tiny(4, cost_s=0.0), dataset=RaisesInWorkers()))
     assert isinstance(got, ValueError) and "sample 0 is broken" in str(got), got
 
 
@@ -1380,22 +1384,6 @@ def test_a_synthetic_scenario_is_judged_on_its_one_goal():
     for r in kits:
         r["workload"] = "kits19-rank0of2"
     assert len(goals(kits, "kits19-rank0of2")) == 5
-
-
-class RaisesInWorkers:
-    """A dataset whose every read raises outside the process that made it (the loaders'
-    workers, the floor's processes), not in it (the bench's serial measurement)."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, i: int) -> dict:
-        if os.getpid() != self.pid:
-            raise ValueError(f"sample {i} is broken")
-        return {"image": np.zeros((1, 16), np.float32), "cost_s": 0.0}
 
 
 def test_a_bench_whose_every_arm_failed_writes_its_tables_and_no_plot(tmp_path):

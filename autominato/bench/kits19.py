@@ -108,8 +108,7 @@ def prepared_folder(
         FileNotFoundError: ``labels`` is given but missing.
         RuntimeError: a case failed to prepare.
     """
-    from autominato.data.kits19 import image_file, label_file
-    from autominato.data.prepare import find_cases, prepare_kits19
+    from autominato.data.prepare import find_cases, is_prepared, prepare_kits19
 
     cache = cache or default_cache()
     if labels is not None and not Path(labels).is_dir():
@@ -124,8 +123,7 @@ def prepared_folder(
     if source == "labels":
         found = find_cases(labels)
         n, chosen = len(found), found[:cases] if cases else found
-        ready = sum(1 for c in chosen
-                    if image_file(out, c.name).exists() and label_file(out, c.name).exists())
+        ready = sum(1 for c in chosen if is_prepared(out, c.name))
         if ready == len(chosen):  # (trial 189: "preparing" was said at every run)
             log(f"kits19: {len(chosen)} of the {n} cases in {labels} at scale {scale:g}, "
                 f"prepared before in {out}")

@@ -58,6 +58,11 @@ class Case:
     label: Path
 
 
+def is_prepared(out: str | Path, name: str) -> bool:
+    """Whether case ``name``'s image and label are in the prepared folder ``out``."""
+    return image_file(out, name).exists() and label_file(out, name).exists()
+
+
 def find_cases(raw: str | Path) -> list[Case]:
     """The cases of a KiTS19 folder (``case_*/`` sub-folders) or a flat folder of masks.
 
@@ -291,8 +296,7 @@ def prepare_kits19(
             "SYNTHETIC (painted on the real masks), not patient data")
     todo, skipped = [], []
     for c in found:
-        done = image_file(out, c.name).exists() and label_file(out, c.name).exists()
-        (skipped if done and not force else todo).append(c)
+        (skipped if is_prepared(out, c.name) and not force else todo).append(c)
     if skipped:
         log(f"[prepare] {len(skipped)} case(s) already in {out}: skipped")
     failed: dict[str, str] = {}

@@ -839,11 +839,9 @@ class Pipeline:
             # what the scheduler thread would have counted (review 186: a pass restarted
             # right before close() had its look-ahead counted nowhere)
             if ev[0] == "adopt":
-                ev[1].taken_ahead = ev[1].taken
-                ev[1].counts_held, ev[1].deferred = ev[1].deferred, []
+                self._adopted_counts(ev[1])
             elif ev[0] == "unadopt":
-                self.speculative_discarded += ev[1].taken_ahead
-                ev[1].counts_held = []
+                self._unadopted_counts(ev[1])
             elif ev[0] == "discard":
                 self.speculative_discarded += ev[1].taken
             elif ev[0] == "consumed":
@@ -977,11 +975,9 @@ class Pipeline:
             self._waiting.append(ev[1])
         elif kind == "adopt":
             spec = ev[1]
-            spec.taken_ahead = spec.taken  # (dispatched as the next epoch's until now)
+            self._adopted_counts(spec)
             spec.speculative = False
             spec.pred = None  # a window of its own from now on
-            # (counted once the loop takes its first item: "consumed"; an unadopt drops them)
-            spec.counts_held, spec.deferred = spec.deferred, []
             for pos, attempt, err in spec.parked:  # (not counted against max_tries)
                 self._decide(spec, spec.epoch.on(Lost(pos, attempt, err, count=False)))
             spec.parked.clear()
@@ -989,8 +985,7 @@ class Pipeline:
             if spec in self._waiting:
                 self._activate(spec)
         elif kind == "unadopt":
-            self.speculative_discarded += ev[1].taken_ahead
-            ev[1].counts_held = []  # (its batches are thrown away: their stragglers too)
+            self._unadopted_counts(ev[1])
         elif kind == "discard":
             spec = ev[1]
             if spec in self._waiting:
@@ -1754,6 +1749,20 @@ class Pipeline:
                     run.ends_after = run.emitted
                 self.batch_stage.put((run.gen, next(self._batch_ids)), (run, _Final(last)))
 
+    def _adopted_counts(self, run: Run) -> None:
+        """At ``run``'s adoption (the scheduler thread's "adopt", or ``close()`` finding it
+        queued): the samples it dispatched as the next epoch's until now are its look-ahead
+        (:attr:`Run.taken_ahead`), and what it deferred is held until the loop takes an item
+        of it (:meth:`_count_held`)."""
+        run.taken_ahead = run.taken
+        run.counts_held, run.deferred = run.deferred, []
+
+    def _unadopted_counts(self, run: Run) -> None:
+        """``Pipeline.unadopt``'s counts: the look-ahead is discarded after all, and the
+        skips and stragglers held with it go with its batches."""
+        self.speculative_discarded += run.taken_ahead
+        run.counts_held = []
+
     def _count_held(self, run: Run) -> None:
         """Count the skips and stragglers ``run`` deferred while it was loaded ahead, now that
         the loop took an item of it (its pass can no longer be started again as another
@@ -1761,6 +1770,8 @@ class Pipeline:
         then discarded the batches they belonged to. A pass left before its first item never
         counts them (whether its run had ended or not, review 188), as a discarded
         look-ahead."""
+        if not run.counts_held:  # (every batch's "consumed" asks: nothing to do mostly)
+            return
         held, run.counts_held = run.counts_held, []
         for d in held:
             self._count(d)
