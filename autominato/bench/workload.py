@@ -635,8 +635,14 @@ def measure_floor(workload: Workload, cores: int, epochs: int = 1,
         parts = [f.result() for f in futures]
     except BrokenProcessPool as e:
         started()
-        for p in procs.values():
-            p.join(1)  # (the dead one's code, once reaped; the others end below)
+        # Every code, once reaped: the executor's own thread ends and reaps them too, and a
+        # process it reaped first reads None here until it has stored the code (a clean-clone
+        # CI run read only the -15 of the one it terminated, the -9 not yet there)
+        deadline = time.monotonic() + 5
+        while (any(p.exitcode is None for p in procs.values())
+               and time.monotonic() < deadline):
+            for p in procs.values():
+                p.join(0.05)
         codes = sorted({p.exitcode for p in procs.values() if p.exitcode not in (None, 0)})
         # (the executor SIGTERMs the others once one died: their -15 is not the cause)
         codes = [c for c in codes if c != -signal.SIGTERM] or codes
