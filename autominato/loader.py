@@ -1088,7 +1088,9 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the shuffle and augmentation seeds of every iteration until the
         next call (as ``DistributedSampler.set_epoch``); a sampler with ``set_epoch`` gets it
-        too. Without any call, each pass over the Loader that delivers a batch is a new epoch."""
+        too. Without any call, each pass over the Loader that delivers a batch is a new epoch,
+        moved up to a ``DistributedSampler``'s epoch of the user's where the loop set it above
+        (docs/parity.md)."""
         self._epoch = int(epoch)
         self._epoch_set = True
         self._named = True
@@ -1200,6 +1202,10 @@ class Loader:
             # still held: Lightning starts a pass it never uses before each reloaded epoch
             # (review 62), which cannot be told from zip(loader, loader)'s two passes.
             self._epoch += 1
+        followed = self._followed_epoch()
+        if followed is not None and self._resume is None and self._ended is None:
+            # (a state loaded names its epoch itself: load_state_dict, _named_ended)
+            self._epoch = followed
         self._batches_at_iter = self._batches
         self._started = True
         self._end_step()
@@ -1229,6 +1235,31 @@ class Loader:
         # end of __iter__, accelerate's SeedableRandomSampler: review 152)
         it._began = (self._epoch, pending is not None, resume.sampler_epochs(self))
         return it
+
+    def _followed_epoch(self, sampler: Any = None) -> int | None:
+        """The epoch of the user's ``DistributedSampler`` (given as ``sampler``, or as the
+        ``sampler`` of a batch sampler; ``sampler``: a copy of it to read instead) where it is
+        above the Loader's (``self._epoch``, as counted for the pass) and ``loader.set_epoch``
+        was never called, else ``None``: the pass's epoch then moves up to it.
+
+        A training loop that sets its sampler's epoch itself (DDP's habit:
+        ``sampler.set_epoch(e)`` every epoch) and resumes at epoch ``e`` sets ``e`` on its first
+        pass: that pass's augmentation and ``epoch`` are then ``e``'s, as its order (trial 189:
+        pass 0's augmentation with epoch ``e``'s order). A sampler's epoch at or below the
+        Loader's leaves the count as it is: every pass still draws anew, as the DataLoader's
+        workers do (review 68: a loop that makes two passes an epoch, training and
+        evaluation, drew the next epoch's augmentation in the second where the Loader took
+        the sampler's epoch as it was), also where the loop never sets the sampler's epoch (0
+        throughout: its order repeats, warned, the augmentation moves on) or sets it back.
+        Only a ``DistributedSampler`` itself (a subclass may move its own epoch,
+        accelerate's ``SeedableRandomSampler``) and not with an iterable dataset."""
+        if self._epoch_set or self._iterable:
+            return None
+        for s in ((sampler,) if sampler is not None
+                  else (self._sampler, getattr(self._batch_sampler, "sampler", None))):
+            if type(s) is DistributedSampler and resume._is_epoch(s.epoch):
+                return int(s.epoch) if int(s.epoch) > self._epoch else None
+        return None
 
     def _named_ended(self) -> dict | None:
         """After ``load_state_dict`` of an ended epoch E (a state taken after its last
@@ -1347,6 +1378,10 @@ class Loader:
                 # Only the user's sampler moved on (its set_epoch, not the Loader's): the
                 # resumed epoch counts as ended, as for the sampler, and the next one begins.
                 self._epoch += 1
+            elif not resumed and self._ended is None:
+                followed = self._followed_epoch()
+                if followed is not None:
+                    self._epoch = followed
             if named is None:
                 (log.warning if resumed else log.info)(
                     "set_epoch after the pass %s epoch %d began, before its first batch: "
@@ -1613,6 +1648,7 @@ class Loader:
             # The training loop sets the sampler's epoch itself (DDP's habit) or through
             # set_epoch: either way the next one is expected to follow.
             sampler.set_epoch(sampler.epoch + self._sampler_epoch_step)
+            epoch = max(epoch, self._followed_epoch(sampler) or epoch)  # (as the pass will)
         order = epoch_order(
             self._n, epoch=epoch, seed=self.shuffle_seed, shuffle=self.shuffle, sampler=sampler,
             rank=self.rank, world_size=self.world_size, batch_size=self._batch,

@@ -878,6 +878,70 @@ def test_a_user_samplers_set_epoch_after_iter_names_the_passs_order(workers):
         assert [i for idx, _ in batches_of(it) for i in idx] == list(want)
 
 
+def _epochs_of(batches, epochs: range) -> set[int]:
+    return {epoch_of(i, d, epochs) for idx, dr in batches for i, d in zip(idx, dr, strict=True)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_distributed_samplers_epoch_set_by_the_loop_is_the_loaders_epoch(workers, batched):
+    """DDP's loop resumed at epoch 3 that sets only its sampler's epoch: each pass is that
+    epoch, order and augmentation (trial 189: pass 0's augmentation with epoch 3's order),
+    ``loader.epoch`` too, and what was loaded ahead is used; also where the loop sets it
+    after ``iter()`` (Lightning's order) and with the sampler in a ``BatchSampler``."""
+    from torch.utils.data import BatchSampler
+
+    n = 12
+    sampler = DistributedSampler(range(n), num_replicas=2, rank=1, shuffle=True, seed=3)
+    kw = (dict(batch_sampler=BatchSampler(sampler, 2, drop_last=False)) if batched
+          else dict(batch_size=2, sampler=sampler))
+    with Loader(StragglerTail(n), transform=tag_epoch, seed=SEED, workers=workers,
+                in_order=True, autotune=False, **kw) as L:
+        for e in range(3, 6):
+            sampler.set_epoch(e)
+            got = batches_of(L)
+            assert [i for idx, _ in got for i in idx] == list(copy.copy(sampler))
+            assert _epochs_of(got, range(8)) == {e}
+            assert L.epoch == e and L.snapshot().epoch == e  # (the autominato_epoch gauge's)
+        it = iter(L)  # (Lightning: the iterator first, then set_epoch)
+        sampler.set_epoch(7)
+        got = batches_of(it)
+        assert [i for idx, _ in got for i in idx] == list(copy.copy(sampler))
+        assert _epochs_of(got, range(9)) == {7} and L.epoch == 7
+        if workers and not batched:
+            assert L._pipeline.speculative_adopted == 2  # epochs 4 and 5 were loaded ahead
+        L.set_epoch(1)  # the Loader's own set_epoch names both from now on
+        sampler.set_epoch(6)
+        got = batches_of(L)
+        assert _epochs_of(got, range(8)) == {1} and L.epoch == 1
+
+
+def test_a_distributed_samplers_epoch_at_or_below_the_loaders_leaves_it_counting_passes():
+    """A loop that never sets the sampler's epoch: the order repeats (warned), but the
+    augmentation moves on each pass, as the DataLoader's draws do; a loop resumed at epoch 3
+    that makes two passes an epoch (training, then evaluation over the training loader)
+    draws anew in each (review 68), from epoch 3 on."""
+    n = 8
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=3)
+    with Loader(StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch,
+                seed=SEED, workers=1, in_order=True, autotune=False) as L:
+        for e in range(3):
+            got = batches_of(L)
+            assert _epochs_of(got, range(4)) == {e} and L.epoch == e
+            assert [i for idx, _ in got for i in idx] == list(copy.copy(sampler))
+    with Loader(StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch,
+                seed=SEED, workers=1, in_order=True, autotune=False) as L:
+        epochs = []
+        for e in range(3, 5):
+            sampler.set_epoch(e)
+            for _ in range(2):
+                got = batches_of(L)
+                assert [i for idx, _ in got for i in idx] == list(copy.copy(sampler))
+                (drawn,) = _epochs_of(got, range(8))
+                epochs.append(drawn)
+        assert epochs == [3, 4, 5, 6]
+
+
 class SelfMoving(DistributedSampler):
     """A sampler that moves its own epoch on at the end of ``__iter__`` (accelerate's
     ``SeedableRandomSampler``), and records the epochs it was read at."""
