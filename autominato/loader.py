@@ -221,6 +221,20 @@ def _stride(step: int, before: int | None) -> int:
     return step if step in (0, 1) or (step > 1 and step == before) else 1
 
 
+def _samplers_name(at: dict[str, int], saved: dict[str, int] | None, ended: int) -> bool:
+    """Whether the user's samplers at epochs ``at`` (``resume.sampler_epochs``) name the
+    ended epoch ``ended`` of a state whose pass ran with the samplers at ``saved`` (its
+    ``sampler_epochs``): they are back at those epochs. A loop that sets its sampler's epoch
+    itself counts in its own numbers, which may not be the Loader's (review 190: a loop of
+    two passes an epoch, resumed at epoch 3, sets its sampler to 5 where the Loader's ended
+    epoch is 5 and its sampler's was 4: taken as named, that epoch delivered nothing). A
+    state without them (of an earlier autominato, or no sampler with an epoch then): at
+    ``ended``, the Loader's number."""
+    if saved:
+        return all(saved.get(name) == v for name, v in at.items())
+    return all(v == ended for v in at.values())
+
+
 def is_iterable_dataset(dataset: Any) -> bool:
     """Whether ``dataset`` is iterated rather than indexed: a ``torch.utils.data.IterableDataset``,
     or any iterable without ``__getitem__`` (a webdataset pipeline, a generator)."""
@@ -1202,10 +1216,6 @@ class Loader:
             # still held: Lightning starts a pass it never uses before each reloaded epoch
             # (review 62), which cannot be told from zip(loader, loader)'s two passes.
             self._epoch += 1
-        followed = self._followed_epoch()
-        if followed is not None and self._resume is None and self._ended is None:
-            # (a state loaded names its epoch itself: load_state_dict, _named_ended)
-            self._epoch = followed
         self._batches_at_iter = self._batches
         self._started = True
         self._end_step()
@@ -1230,6 +1240,8 @@ class Loader:
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
+        if pending is None:  # (a state resumed names its epoch itself)
+            self._epoch = self._followed_epoch() or self._epoch
         it = self._map_pass(pending, was_epoch)
         # (the samplers' epochs as the order left them: a sampler may move its own on at the
         # end of __iter__, accelerate's SeedableRandomSampler: review 152)
@@ -1251,13 +1263,17 @@ class Loader:
         evaluation, drew the next epoch's augmentation in the second where the Loader took
         the sampler's epoch as it was), also where the loop never sets the sampler's epoch (0
         throughout: its order repeats, warned, the augmentation moves on) or sets it back.
-        Only a ``DistributedSampler`` itself (a subclass may move its own epoch,
-        accelerate's ``SeedableRandomSampler``) and not with an iterable dataset."""
+        A ``DistributedSampler`` or a subclass (only the epoch is read), not other samplers
+        with ``set_epoch`` (an epoch of their own: accelerate's ``SeedableRandomSampler``
+        moves it as it is read), and not with an iterable dataset; not while a state loaded
+        names the pass's epoch (``load_state_dict``: the resumed pass is the state's epoch;
+        a state taken before a pass that would follow records the followed epoch,
+        ``resume.build``)."""
         if self._epoch_set or self._iterable:
             return None
         for s in ((sampler,) if sampler is not None
                   else (self._sampler, getattr(self._batch_sampler, "sampler", None))):
-            if type(s) is DistributedSampler and resume._is_epoch(s.epoch):
+            if isinstance(s, DistributedSampler) and resume._is_epoch(s.epoch):
                 return int(s.epoch) if int(s.epoch) > self._epoch else None
         return None
 
@@ -1276,9 +1292,10 @@ class Loader:
             return None
         e = ended[0]
         at = resume.sampler_epochs(self)
-        if self._epoch == e and all(v == e for v in at.values()):
+        names = bool(at) and _samplers_name(at, ended[2].get("sampler_epochs"), e)
+        if self._epoch == e and (all(v == e for v in at.values()) or names):
             return ended[1]
-        if self._epoch == e + 1 and at and all(v == e for v in at.values()):
+        if self._epoch == e + 1 and names:
             self._epoch = e
             return ended[1]
         return None
@@ -1378,10 +1395,8 @@ class Loader:
                 # Only the user's sampler moved on (its set_epoch, not the Loader's): the
                 # resumed epoch counts as ended, as for the sampler, and the next one begins.
                 self._epoch += 1
-            elif not resumed and self._ended is None:
-                followed = self._followed_epoch()
-                if followed is not None:
-                    self._epoch = followed
+            if named is None:
+                self._epoch = self._followed_epoch() or self._epoch
             if named is None:
                 (log.warning if resumed else log.info)(
                     "set_epoch after the pass %s epoch %d began, before its first batch: "
@@ -1550,7 +1565,8 @@ class Loader:
             at = resume.sampler_epochs(self)
             named = ended is not None and (
                 (self._named and self._epoch == ended)
-                or (ended > 0 and bool(at) and all(v == ended for v in at.values())))
+                or (bool(at) and all(v > 0 for v in at.values())
+                    and _samplers_name(at, state.get("sampler_epochs"), ended)))
             self._named = False
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])

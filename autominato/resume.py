@@ -326,6 +326,11 @@ def build(loader: Any) -> dict[str, Any]:
         "sample_seconds": None,  # (below, likewise)
     }
     loaded = getattr(loader, "_ended", None)
+    if p is None and loader._resume is None and loaded is None:
+        # No pass yet: the first follows a DistributedSampler's epoch set above the Loader's
+        # (Loader._followed_epoch; review 190: a resumed job's checkpoint before its first
+        # pass resumed pass 0's augmentation)
+        state["epoch"] = loader._followed_epoch() or state["epoch"]
     if loaded is not None and loader._resume is None and loader._progress is None:
         # An ended epoch's state loaded, no pass begun since: that state again (a checkpoint
         # taken now must resume as it would)
@@ -354,6 +359,11 @@ def build(loader: Any) -> dict[str, Any]:
         state.update(epoch=p.epoch, finished=ended, epoch_size=p.size,
                      delivered=to_ranges(p.delivered), batches=p.batches,
                      empty_batches=0 if ended else p.empties)
+        if ended:
+            # the samplers' epochs as the ended epoch began: a loop that sets them names
+            # that epoch by setting them back (Loader._named_ended), not by setting the one
+            # after it before the checkpoint
+            state["sampler_epochs"] = p.sampler_epochs
         if not ended and p.dataset_len is not None:
             # the length its order was made for (the dataset may have changed since)
             state["dataset_len"] = p.dataset_len

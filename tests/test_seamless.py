@@ -942,6 +942,96 @@ def test_a_distributed_samplers_epoch_at_or_below_the_loaders_leaves_it_counting
         assert epochs == [3, 4, 5, 6]
 
 
+def _ddp(n: int, **kw):
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=3)
+    return sampler, Loader(StragglerTail(n), batch_size=2, sampler=sampler, transform=tag_epoch,
+                           seed=SEED, in_order=True, autotune=False, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("lightning", [False, True])
+def test_a_checkpoint_before_a_resumed_jobs_first_pass_resumes_the_samplers_epoch(
+        workers, lightning):
+    """Review 190: a job resumed at epoch 3 that checkpoints before its first pass (the
+    state's epoch was the Loader's count, 0) resumed pass 0's augmentation."""
+    n = 8
+    s, L = _ddp(n, workers=workers)
+    with L:
+        s.set_epoch(3)
+        state = L.state_dict()
+    assert state["epoch"] == 3
+    s, L = _ddp(n, workers=workers)
+    with L:
+        L.load_state_dict(state)
+        if lightning:
+            it = iter(L)
+            s.set_epoch(3)
+        else:
+            s.set_epoch(3)
+            it = iter(L)
+        got = batches_of(it)
+        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
+        assert _epochs_of(got, range(6)) == {3} and L.epoch == 3
+        s.set_epoch(4)
+        assert _epochs_of(batches_of(L), range(6)) == {4}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_of_two_passes_an_epoch_resumed_after_its_training_pass_loses_no_epoch(workers):
+    """Review 190: a loop resumed at epoch 3 that makes a training pass, checkpoints, then
+    an evaluation pass, each sampler epoch: the Loader's ended epoch (5) is the number the
+    loop sets its sampler to next, which was taken as the loop naming that ended epoch, and
+    the resumed epoch delivered nothing."""
+    n = 8
+    s, L = _ddp(n, workers=workers)
+    with L:
+        for e in (3, 4):
+            s.set_epoch(e)
+            list(L)
+            state = L.state_dict()
+            list(L)  # (evaluation over the training loader)
+    assert state["finished"] and state["epoch"] == 5 and state["sampler_epochs"] == {"sampler": 4}
+    s, L = _ddp(n, workers=workers)
+    with L:
+        L.load_state_dict(state)
+        s.set_epoch(5)
+        got = batches_of(L)
+        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
+        assert L.epoch > 5  # (a new epoch's augmentation: not one the run drew)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_earlier_autominatos_state_below_its_samplers_epoch_resumes_each_sample_once(
+        workers, monkeypatch):
+    """A mid-epoch state of a loop that sets only its sampler's epoch, taken before the Loader
+    followed it (epoch 1 with the sampler at 8): an iterator made and dropped unused
+    (Lightning's check) leaves it pending, and the pass after it resumes it, each sample
+    once (review 190: the pass followed the sampler to epoch 8 and delivered from the
+    epoch's start again)."""
+    n = 12
+    s, L = _ddp(n, workers=workers)
+    with monkeypatch.context() as m, L:
+        m.setattr(Loader, "_followed_epoch", lambda self, sampler=None: None)
+        list(L)
+        s.set_epoch(8)
+        it = iter(L)
+        part = [next(it) for _ in range(2)]
+        state = L.state_dict()
+    assert state["epoch"] == 1 and state["sampler_epochs"] == {"sampler": 8}
+    s, L = _ddp(n, workers=workers)
+    with L:
+        L.load_state_dict(state)
+        s.set_epoch(8)
+        del it
+        unused = iter(L)
+        del unused
+        rest = [i for b in L for i in b["index"].tolist()]
+        assert L.epoch == 1
+        s.set_epoch(9)
+        assert _epochs_of(batches_of(L), range(12)) == {9}
+    assert sorted(rest + [i for b in part for i in b["index"].tolist()]) == list(range(n))
+
+
 class SelfMoving(DistributedSampler):
     """A sampler that moves its own epoch on at the end of ``__iter__`` (accelerate's
     ``SeedableRandomSampler``), and records the epochs it was read at."""
