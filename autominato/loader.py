@@ -223,13 +223,15 @@ def _stride(step: int, before: int | None) -> int:
 
 def _samplers_name(at: dict[str, int], saved: dict[str, int] | None, ended: int) -> bool:
     """Whether the user's samplers at epochs ``at`` (``resume.sampler_epochs``) name the
-    ended epoch ``ended`` of a state whose pass ran with the samplers at ``saved`` (its
-    ``sampler_epochs``): they are back at those epochs. A loop that sets its sampler's epoch
-    itself counts in its own numbers, which may not be the Loader's (review 190: a loop of
-    two passes an epoch, resumed at epoch 3, sets its sampler to 5 where the Loader's ended
-    epoch is 5 and its sampler's was 4: taken as named, that epoch delivered nothing). A
-    state without them (of an earlier autominato, or no sampler with an epoch then): at
-    ``ended``, the Loader's number."""
+    ended epoch ``ended`` of a state whose pass began with the samplers at ``saved`` (its
+    ``began_sampler_epochs``): they are back at those epochs. A loop that sets its sampler's
+    epoch itself counts in its own numbers, which may not be the Loader's (review 190: a
+    loop of two passes an epoch, resumed at epoch 3, sets its sampler to 5 where the
+    Loader's ended epoch is 5 and its sampler's was 4: taken as named, that epoch delivered
+    nothing). A state without them (of an autominato before December 2026, whose
+    ``sampler_epochs`` of an ended epoch are as the checkpoint found them, maybe the next
+    epoch's already: review 191), or no sampler with an epoch then: at ``ended``, the
+    Loader's number."""
     if saved:
         return all(saved.get(name) == v for name, v in at.items())
     return all(v == ended for v in at.values())
@@ -887,6 +889,7 @@ class Loader:
         self._epoch_moved: int | None = None  # how it moved between the last two passes
         self._same_order_told = False  # warned that a DistributedSampler's epoch stood still
         self._last_whole_dist_epoch: int | None = None  # (see _pass_ended)
+        self._same_dist_epoch_passes = 0  # whole passes in a row that began at it
         self._sampler_epoch_step = 1  # the same of a DistributedSampler's epoch
         self._sampler_epoch_moved: int | None = None
         self._last_sampler_epoch: int | None = None
@@ -1249,8 +1252,9 @@ class Loader:
         return it
 
     def _followed_epoch(self, sampler: Any = None) -> int | None:
-        """The epoch of the user's ``DistributedSampler`` (given as ``sampler``, or as the
-        ``sampler`` of a batch sampler; ``sampler``: a copy of it to read instead) where it is
+        """The epoch of the user's ``DistributedSampler`` (given as ``sampler``, as
+        ``batch_sampler``, a subclass that yields batches, or as the ``sampler`` of a batch
+        sampler; ``sampler``: a copy of it to read instead) where it is
         above the Loader's (``self._epoch``, as counted for the pass) and ``loader.set_epoch``
         was never called, else ``None``: the pass's epoch then moves up to it.
 
@@ -1272,7 +1276,8 @@ class Loader:
         if self._epoch_set or self._iterable:
             return None
         for s in ((sampler,) if sampler is not None
-                  else (self._sampler, getattr(self._batch_sampler, "sampler", None))):
+                  else (self._sampler, self._batch_sampler,
+                        getattr(self._batch_sampler, "sampler", None))):
             if isinstance(s, DistributedSampler) and resume._is_epoch(s.epoch):
                 return int(s.epoch) if int(s.epoch) > self._epoch else None
         return None
@@ -1292,7 +1297,7 @@ class Loader:
             return None
         e = ended[0]
         at = resume.sampler_epochs(self)
-        names = bool(at) and _samplers_name(at, ended[2].get("sampler_epochs"), e)
+        names = bool(at) and _samplers_name(at, ended[2].get("began_sampler_epochs"), e)
         if self._epoch == e and (all(v == e for v in at.values()) or names):
             return ended[1]
         if self._epoch == e + 1 and names:
@@ -1566,7 +1571,7 @@ class Loader:
             named = ended is not None and (
                 (self._named and self._epoch == ended)
                 or (bool(at) and all(v > 0 for v in at.values())
-                    and _samplers_name(at, state.get("sampler_epochs"), ended)))
+                    and _samplers_name(at, state.get("began_sampler_epochs"), ended)))
             self._named = False
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
@@ -1591,6 +1596,13 @@ class Loader:
             # set_epoch would: else the rest of the epoch is cut from another epoch's order.
             if not named:  # (else the samplers stay at the epoch the loop named)
                 self._set_sampler_epochs()
+                began = state.get("began_sampler_epochs") if state["finished"] else None
+                if began:
+                    # each sampler the one after its own (its numbers may not be the
+                    # Loader's: set to the Loader's next, one at the ended epoch's began
+                    # value read as the loop naming it, and the pass delivered nothing,
+                    # review 191)
+                    resume.set_sampler_epochs(self, {k: v + 1 for k, v in began.items()})
             if not state["finished"] or named:
                 # The epoch to resume was ordered with the samplers' own epochs, which a loop
                 # that sets them itself counts (DDP's habit, from any epoch: a job restarted
@@ -1947,11 +1959,14 @@ class Loader:
 
     def _pass_ended(self, progress: resume.Progress) -> None:
         """A pass delivered its whole epoch: warn, once, when a shuffling
-        ``DistributedSampler`` began it at the epoch that began the last whole pass. DataLoader
-        is silent there, but a trainer that sets the epoch only on a DataLoader's sampler
-        (MONAI's engines check ``isinstance(loader, DataLoader)``) leaves this one at its
-        epoch: every epoch the same permutation. Passes that deliver no batch (Lightning's
-        check, an ``iter()`` made before ``set_epoch``) are no epochs here.
+        ``DistributedSampler`` began it at the epoch that began the two whole passes before
+        it, and ``loader.set_epoch`` was never called. DataLoader is silent there, but a
+        trainer that sets the epoch only on a DataLoader's sampler (MONAI's engines check
+        ``isinstance(loader, DataLoader)``) leaves this one at its epoch: every epoch the same
+        permutation. Two passes at one epoch are a loop's training and evaluation passes over
+        the training loader, and a loop that calls ``loader.set_epoch`` names its epochs
+        (trial 191: both were told to call set_epoch, which they did). Passes that deliver no
+        batch (Lightning's check, an ``iter()`` made before ``set_epoch``) are no epochs here.
 
         First, what the DataLoader's sampler draws when its pass reaches the end
         (:meth:`_sampler_end`), where the last batch did not."""
@@ -1961,12 +1976,15 @@ class Loader:
         epoch = progress.sampler_epochs.get("sampler")  # as the pass began
         if epoch is None:
             return
-        if epoch == self._last_whole_dist_epoch and not self._same_order_told:
-            self._same_order_told = True
-            log.warning("the DistributedSampler's epoch was %d for two whole epochs in a row: "
-                        "both took the same permutation; call loader.set_epoch(epoch) (or "
-                        "sampler.set_epoch) before each epoch", epoch)
+        self._same_dist_epoch_passes = (self._same_dist_epoch_passes + 1
+                                        if epoch == self._last_whole_dist_epoch else 1)
         self._last_whole_dist_epoch = epoch
+        if (self._same_dist_epoch_passes >= 3 and not self._epoch_set
+                and not self._same_order_told):
+            self._same_order_told = True
+            log.warning("the DistributedSampler's epoch was %d for three whole passes in a "
+                        "row: all took the same permutation; call sampler.set_epoch(epoch) "
+                        "(or loader.set_epoch) before each epoch", epoch)
 
     def __reduce__(self) -> tuple:
         """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments

@@ -337,6 +337,8 @@ def build(loader: Any) -> dict[str, Any]:
         state.update({k: loaded[2][k] for k in ("epoch", "epoch_set", "finished",
                                                 "epoch_size", "delivered", "batches",
                                                 "samplers", "sampler_epochs")})
+        if loaded[2].get("began_sampler_epochs") is not None:
+            state["began_sampler_epochs"] = loaded[2]["began_sampler_epochs"]
         state["dataset_len"] = loaded[2]["dataset_len"]
     elif loader._resume is not None:  # loaded and not iterated yet: pass it on
         pending = loader._resume
@@ -352,6 +354,13 @@ def build(loader: Any) -> dict[str, Any]:
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
+    elif (p is not None and p.epoch == loader._epoch and p.batches == 0 and not p.finished
+          and not p.delivered.any() and sampler_epochs(loader) != p.sampler_epochs):
+        # A pass whose sampler's epoch the loop set after iter(), before its first batch
+        # (Lightning's order): its first next() starts it again as that epoch
+        # (Loader._restart_pass), so it is the state of that epoch, not begun (review 191:
+        # the pass count was recorded, the followed epoch's augmentation lost)
+        state["epoch"] = loader._followed_epoch() or loader._epoch
     elif p is not None and p.epoch == loader._epoch:
         # Every position delivered (a checkpoint after the epoch's last batch, before the
         # next() that ends it: Lightning's at a step that ends an epoch) is an ended epoch.
@@ -362,8 +371,9 @@ def build(loader: Any) -> dict[str, Any]:
         if ended:
             # the samplers' epochs as the ended epoch began: a loop that sets them names
             # that epoch by setting them back (Loader._named_ended), not by setting the one
-            # after it before the checkpoint
-            state["sampler_epochs"] = p.sampler_epochs
+            # after it before the checkpoint (a key of its own: ``sampler_epochs`` is as the
+            # checkpoint found them, in states of earlier versions too, review 191)
+            state["began_sampler_epochs"] = p.sampler_epochs
         if not ended and p.dataset_len is not None:
             # the length its order was made for (the dataset may have changed since)
             state["dataset_len"] = p.dataset_len
@@ -460,11 +470,12 @@ def check(loader: Any, state: Any) -> dict[str, Any]:
             "come again)")
     if state["epoch_size"] is not None:
         from_ranges(state["delivered"], state["epoch_size"])  # malformed ranges fail here
-    epochs = state.get("sampler_epochs")
-    if epochs is not None and not (isinstance(epochs, dict) and all(
-            k in SAMPLER_PATHS and _is_epoch(v) for k, v in epochs.items())):
-        raise ValueError("load_state_dict: the state's sampler_epochs is not a dict of "
-                         f"{', '.join(SAMPLER_PATHS)} to int epochs")
+    for key in ("sampler_epochs", "began_sampler_epochs"):
+        epochs = state.get(key)
+        if epochs is not None and not (isinstance(epochs, dict) and all(
+                k in SAMPLER_PATHS and _is_epoch(v) for k, v in epochs.items())):
+            raise ValueError(f"load_state_dict: the state's {key} is not a dict of "
+                             f"{', '.join(SAMPLER_PATHS)} to int epochs")
     for name in state["samplers"]:
         obj = _sampler_at(loader, name) if name in ("sampler", "batch_sampler") else None
         if not hasattr(obj, "load_state_dict"):

@@ -357,6 +357,9 @@ def test_malformed_states_are_refused():
             loader.load_state_dict({k: v for k, v in state.items() if k != "knobs"})
         with pytest.raises(ValueError, match="outside the epoch's 30 positions"):
             loader.load_state_dict({**state, "delivered": [[0, 31]]})
+        for key in ("sampler_epochs", "began_sampler_epochs"):
+            with pytest.raises(ValueError, match=f"{key} is not a dict"):
+                loader.load_state_dict({**state, key: {"sampler": "3"}})
 
 
 def test_a_stateful_samplers_state_needs_a_stateful_sampler():
