@@ -1124,6 +1124,11 @@ class Loader:
 
     @property
     def epoch(self) -> int:
+        """The epoch of the latest pass (its shuffle and augmentation seeds); before the
+        first, the one it will take (a DistributedSampler's set above the count, see
+        docs/parity.md)."""
+        if not self._started and self._resume is None and self._ended is None:
+            return self._followed_epoch() or self._epoch
         return self._epoch
 
     def _set_ranks(self) -> None:
@@ -1170,10 +1175,14 @@ class Loader:
     #: a loop that names the epoch (:meth:`_named_ended`) and for ``state_dict()``.
     _ended: tuple[int, dict, dict] | None = None
     _named = False  # set_epoch was called since the Loader was built or last loaded a state
+    #: The latest map-style pass's epoch as counted, before a DistributedSampler's moved it up
+    #: (_followed_epoch): a set_epoch before its first batch restarts it from this count.
+    _pass_counted: int | None = None
 
     _PASS_FIELDS = ("_epoch", "_batches_at_iter", "_started", "_progress", "_resume",
                     "_resumed", "_epoch_step", "_sampler_epoch_step", "_last_pass_epoch",
-                    "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved", "_ended")
+                    "_last_sampler_epoch", "_epoch_moved", "_sampler_epoch_moved", "_ended",
+                    "_pass_counted")
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -1243,6 +1252,7 @@ class Loader:
         if (pending is None and not was_epoch and self._resumed is not None
                 and prev is not None and prev.epoch == self._epoch and not prev.finished):
             pending = self._resumed  # the resumed pass delivered no batch: resume again
+        self._pass_counted = self._epoch
         if pending is None:  # (a state resumed names its epoch itself)
             self._epoch = self._followed_epoch() or self._epoch
         it = self._map_pass(pending, was_epoch)
@@ -1251,11 +1261,12 @@ class Loader:
         it._began = (self._epoch, pending is not None, resume.sampler_epochs(self))
         return it
 
-    def _followed_epoch(self, sampler: Any = None) -> int | None:
+    def _followed_epoch(self, sampler: Any = None, above: int | None = None) -> int | None:
         """The epoch of the user's ``DistributedSampler`` (given as ``sampler``, as
         ``batch_sampler``, a subclass that yields batches, or as the ``sampler`` of a batch
         sampler; ``sampler``: a copy of it to read instead) where it is
-        above the Loader's (``self._epoch``, as counted for the pass) and ``loader.set_epoch``
+        above the Loader's (``above``, else ``self._epoch``: as counted for the pass) and
+        ``loader.set_epoch``
         was never called, else ``None``: the pass's epoch then moves up to it.
 
         A training loop that sets its sampler's epoch itself (DDP's habit:
@@ -1279,10 +1290,11 @@ class Loader:
                   else (self._sampler, self._batch_sampler,
                         getattr(self._batch_sampler, "sampler", None))):
             if isinstance(s, DistributedSampler) and resume._is_epoch(s.epoch):
-                return int(s.epoch) if int(s.epoch) > self._epoch else None
+                base = self._epoch if above is None else above
+                return int(s.epoch) if int(s.epoch) > base else None
         return None
 
-    def _named_ended(self) -> dict | None:
+    def _named_ended(self, epoch: int | None = None, peek: bool = False) -> dict | None:
         """After ``load_state_dict`` of an ended epoch E (a state taken after its last
         batch), whose next pass is E + 1: where the training loop names E itself, E as a
         resumed state with nothing left (its pass ends at once; ``self._epoch`` set to E),
@@ -1291,19 +1303,32 @@ class Loader:
         the load, DDP's habit, or before it for E > 0). A loop that resumes the epoch its
         checkpoint was taken in then gets each sample once (trial 158: E was delivered again
         in full, or E + 1 twice); Lightning, which makes its iterator and then sets E + 1,
-        gets E + 1."""
+        gets E + 1. ``epoch``: the pass's epoch (else ``self._epoch``); ``peek``: nothing is
+        changed (``resume.build``)."""
         ended = self._ended
         if ended is None:
             return None
         e = ended[0]
+        epoch = self._epoch if epoch is None else epoch
         at = resume.sampler_epochs(self)
         names = bool(at) and _samplers_name(at, ended[2].get("began_sampler_epochs"), e)
-        if self._epoch == e and (all(v == e for v in at.values()) or names):
+        if epoch == e and (all(v == e for v in at.values()) or names):
             return ended[1]
-        if self._epoch == e + 1 and names:
-            self._epoch = e
+        if epoch == e + 1 and names:
+            if not peek:
+                self._epoch = e
             return ended[1]
         return None
+
+    def _restart_epoch(self, resumed: bool) -> int:
+        """The epoch a pass restarted by a ``set_epoch`` before its first batch counts from
+        (``_restart_pass``): the Loader's, where ``loader.set_epoch`` named it or the pass
+        resumes a state; else the pass's count before a DistributedSampler moved it up at
+        ``iter()`` (review 192: a sampler left at epoch 3 by an earlier fit, set to 0 after
+        ``iter()``, ran the fit at augmentation epochs 3, 4, ... with orders 0, 1, ...)."""
+        if resumed or self._epoch_set or self._pass_counted is None:
+            return self._epoch
+        return self._pass_counted
 
     def _map_pass(self, pending: dict | None, was_epoch: bool) -> Iterator[Any]:
         """A map-style dataset's pass over ``self._epoch`` (``_start_pass``'s; resuming
@@ -1388,6 +1413,7 @@ class Loader:
         resumed from an end-of-epoch checkpoint, or a second fit on the same Loader, ran
         its first epoch as the epoch the Loader was at, order and augmentation)."""
         with self._lock:
+            self._epoch = self._restart_epoch(resumed)
             named = None if resumed else self._named_ended()
             if named is not None:
                 self._ended = None  # (consumed)
@@ -1958,9 +1984,9 @@ class Loader:
         progress.tail_draws = 0
 
     def _pass_ended(self, progress: resume.Progress) -> None:
-        """A pass delivered its whole epoch: warn, once, when a shuffling
-        ``DistributedSampler`` began it at the epoch that began the two whole passes before
-        it, and ``loader.set_epoch`` was never called. DataLoader is silent there, but a
+        """A pass delivered its whole epoch: count the whole passes in a row that a shuffling
+        ``DistributedSampler`` began at one epoch, to warn (``_same_order_check``) when a
+        third begins at it and ``loader.set_epoch`` was never called. DataLoader is silent there, but a
         trainer that sets the epoch only on a DataLoader's sampler (MONAI's engines check
         ``isinstance(loader, DataLoader)``) leaves this one at its epoch: every epoch the same
         permutation. Two passes at one epoch are a loop's training and evaluation passes over
@@ -1979,12 +2005,24 @@ class Loader:
         self._same_dist_epoch_passes = (self._same_dist_epoch_passes + 1
                                         if epoch == self._last_whole_dist_epoch else 1)
         self._last_whole_dist_epoch = epoch
-        if (self._same_dist_epoch_passes >= 3 and not self._epoch_set
-                and not self._same_order_told):
-            self._same_order_told = True
-            log.warning("the DistributedSampler's epoch was %d for three whole passes in a "
-                        "row: all took the same permutation; call sampler.set_epoch(epoch) "
-                        "(or loader.set_epoch) before each epoch", epoch)
+
+    def _same_order_check(self) -> None:
+        """At a pass's first ``next()`` (its sampler's epoch then final): warn, once, where a
+        shuffling ``DistributedSampler`` takes a third pass in a row at the epoch of the two
+        whole passes before it (``_pass_ended``) and ``loader.set_epoch`` was never called.
+        Checked at the third pass's start, not at the second's end: ignite (MONAI's engines)
+        ends a pass only at the next epoch's first ``next()``, so a warning at the third's
+        end came an epoch later than before (review 192)."""
+        sampler = self._sampler
+        if (self._same_order_told or self._epoch_set or self._same_dist_epoch_passes < 2
+                or not (isinstance(sampler, DistributedSampler) and sampler.shuffle)
+                or sampler.epoch != self._last_whole_dist_epoch):
+            return
+        self._same_order_told = True
+        log.warning("the DistributedSampler's epoch was %d for two whole passes in a row and "
+                    "a third begins at it: all take the same permutation; call "
+                    "sampler.set_epoch(epoch) (or loader.set_epoch) before each epoch",
+                    sampler.epoch)
 
     def __reduce__(self) -> tuple:
         """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments
@@ -2099,7 +2137,7 @@ class Loader:
             consumer_steps_seconds_total=steps_s,
             batches_total=batches,
             samples_total=samples,
-            epoch=self._epoch,
+            epoch=self.epoch,
             stragglers_total=count["stragglers"],
             skipped_total=count["skipped"] + self._sync_skipped,
             worker_restarts_total=count["worker_restarts"],
@@ -2497,6 +2535,8 @@ def _restarts(it: Any) -> bool:
     ``it._delegate`` is the new epoch's pass (``Loader._restart_pass``)."""
     began, it._began = it._began, None
     L = it.L
+    if began is not None:
+        L._same_order_check()
     # Only the Loader's latest pass follows (an older one that another pass followed keeps
     # its epoch, and the Loader's state stays the latest's: review 152), and not while a
     # loaded state waits for the next pass (load_state_dict applies at the next iter()).

@@ -326,12 +326,22 @@ def build(loader: Any) -> dict[str, Any]:
         "sample_seconds": None,  # (below, likewise)
     }
     loaded = getattr(loader, "_ended", None)
+    # A pass whose sampler's epoch the loop set after iter(), before its first batch
+    # (Lightning's order): its first next() starts it again (Loader._restart_pass), as the
+    # ended epoch of a state loaded where that names it, else as the epoch it then takes
+    restart = (p is not None and p.epoch == loader._epoch and p.batches == 0
+               and not p.finished and not p.delivered.any() and loader._resumed is None
+               and not loader._iterable and sampler_epochs(loader) != p.sampler_epochs)
+    restart_epoch = loader._restart_epoch(False) if restart else None
+    names_loaded = (restart and loaded is not None
+                    and loader._named_ended(restart_epoch, peek=True) is not None)
     if p is None and loader._resume is None and loaded is None:
         # No pass yet: the first follows a DistributedSampler's epoch set above the Loader's
         # (Loader._followed_epoch; review 190: a resumed job's checkpoint before its first
         # pass resumed pass 0's augmentation)
         state["epoch"] = loader._followed_epoch() or state["epoch"]
-    if loaded is not None and loader._resume is None and loader._progress is None:
+    if loaded is not None and loader._resume is None and (loader._progress is None
+                                                          or names_loaded):
         # An ended epoch's state loaded, no pass begun since: that state again (a checkpoint
         # taken now must resume as it would)
         state.update({k: loaded[2][k] for k in ("epoch", "epoch_set", "finished",
@@ -354,13 +364,11 @@ def build(loader: Any) -> dict[str, Any]:
     elif loader._iterable:  # an epoch ended, or not started: no positions are counted
         if started and ended:
             state.update(finished=True, batches=p.batches)
-    elif (p is not None and p.epoch == loader._epoch and p.batches == 0 and not p.finished
-          and not p.delivered.any() and sampler_epochs(loader) != p.sampler_epochs):
-        # A pass whose sampler's epoch the loop set after iter(), before its first batch
-        # (Lightning's order): its first next() starts it again as that epoch
-        # (Loader._restart_pass), so it is the state of that epoch, not begun (review 191:
-        # the pass count was recorded, the followed epoch's augmentation lost)
-        state["epoch"] = loader._followed_epoch() or loader._epoch
+    elif restart:
+        # the state of the epoch it restarts as, not begun (review 191: the pass count was
+        # recorded, the followed epoch's augmentation lost; review 192: from the count
+        # before a follow at iter())
+        state["epoch"] = loader._followed_epoch(above=restart_epoch) or restart_epoch
     elif p is not None and p.epoch == loader._epoch:
         # Every position delivered (a checkpoint after the epoch's last batch, before the
         # next() that ends it: Lightning's at a step that ends an epoch) is an ended epoch.
