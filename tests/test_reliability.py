@@ -701,6 +701,65 @@ def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path,
         0, 0, t1 - t0, "none" if not segs and not survivors else f"{survivors} {segs}")
 
 
+KILLED = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from autominato.pipeline import shm
+    shm.PREFIX = sys.argv[1]  # (segments no other test's pool reaps)
+    from autominato import Loader
+
+    class Big:
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            return np.full((256, 256), i, np.float32)
+
+    if __name__ == "__main__":
+        loader = Loader(Big(), 4, workers=2, autotune=False)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        print("READY", flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.mark.slow  # a fresh Python that imports torch
+def test_sigkill_of_the_main_process_leaves_no_segment_once_its_fork_server_ends(tmp_path):
+    """Trial 193: the kernel's out-of-memory killer SIGKILLs the training process; its pools'
+    segments stayed in /dev/shm (holding memory) until a pool of a later run reaped them. The
+    fork server outlives it: it ends its workers and removes them."""
+    import uuid
+
+    prefix = f"amtest{uuid.uuid4().hex[:8]}_"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    child = subprocess.Popen([sys.executable, str(script), prefix], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=repo_env(),
+                             start_new_session=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("READY"), child.communicate(timeout=60)
+        tree = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+        mine = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        assert any(not n.endswith(".lock") for n in mine), mine  # (what there is to clean)
+        os.kill(child.pid, signal.SIGKILL)
+        child.communicate(timeout=30)
+        assert not wait_gone(tree, 10.0), "the fork server or a worker outlived the loader"
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix):
+                os.unlink(os.path.join("/dev/shm", n))
+    assert left == []
+    row("SIGKILL of the main process", "fork server ends workers, unlinks segments", 0, 0,
+        None, "none" if not left else str(left))
+
+
 CHAINED = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np

@@ -571,6 +571,33 @@ def reap_stale_segments() -> int:
     return removed
 
 
+def close_inherited_locks() -> int:
+    """Close this process's descriptors of pool locks (``<tag>.lock`` under
+    :data:`SHM_DIR`), returning how many: a process forked from the training process (a
+    worker's fork server) holds its pools' locks with it, so that, the training process
+    killed (SIGKILL: its pools cannot clean up), the locks outlived it and
+    :func:`reap_stale_segments` could not tell that its segments were left, until a new
+    pool of a later run. Linux (``/proc/self/fd``); elsewhere nothing is closed."""
+    closed = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    where = os.path.join(SHM_DIR, PREFIX)
+    for name in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # (the listing's own descriptor, closed since)
+        if target.startswith(where) and target.endswith(LOCK_SUFFIX):
+            try:
+                os.close(int(name))
+                closed += 1
+            except OSError:
+                pass
+    return closed
+
+
 def leftover_segments(pid: int | None = None) -> list[str]:
     """Names of this library's segments under ``/dev/shm`` (of process ``pid`` if given)."""
     tag = PREFIX if pid is None else f"{PREFIX}{pid}_"
