@@ -1228,6 +1228,13 @@ class Loader:
             # still held: Lightning starts a pass it never uses before each reloaded epoch
             # (review 62), which cannot be told from zip(loader, loader)'s two passes.
             self._epoch += 1
+        elif (self._started and not was_epoch and not self._epoch_set
+              and self._pass_counted is not None):
+            # The pass before delivered nothing, so this one is its epoch: as counted, not
+            # as that pass followed a sampler (review 193: Lightning's check iter(), then the
+            # fit's iter(), then set_epoch(0) on a sampler left at 3 by an earlier fit: the
+            # fit counted from 3)
+            self._epoch = self._pass_counted
         self._batches_at_iter = self._batches
         self._started = True
         self._end_step()
@@ -1599,6 +1606,7 @@ class Loader:
                 or (bool(at) and all(v > 0 for v in at.values())
                     and _samplers_name(at, state.get("began_sampler_epochs"), ended)))
             self._named = False
+            self._pass_counted = None  # (review 193: an earlier pass's count, not the state's)
             self._epoch = int(state["epoch"])
             self._epoch_set = bool(state["epoch_set"])
             self._progress = None
@@ -1969,6 +1977,8 @@ class Loader:
         what it draws there (:meth:`_sampler_end`)."""
         if progress.tail_with_last and progress.all_delivered:
             self._sampler_end(progress)
+        if progress.same_order and progress.all_delivered:
+            self._same_order_warn(progress)
 
     def _sampler_end(self, progress: resume.Progress) -> None:
         """What the DataLoader's sampler draws when its pass reaches the sampler's end (and a
@@ -2006,23 +2016,28 @@ class Loader:
                                         if epoch == self._last_whole_dist_epoch else 1)
         self._last_whole_dist_epoch = epoch
 
-    def _same_order_check(self) -> None:
-        """At a pass's first ``next()`` (its sampler's epoch then final): warn, once, where a
-        shuffling ``DistributedSampler`` takes a third pass in a row at the epoch of the two
-        whole passes before it (``_pass_ended``) and ``loader.set_epoch`` was never called.
-        Checked at the third pass's start, not at the second's end: ignite (MONAI's engines)
-        ends a pass only at the next epoch's first ``next()``, so a warning at the third's
-        end came an epoch later than before (review 192)."""
+    def _same_order_check(self, progress: resume.Progress) -> None:
+        """At a pass's first ``next()`` (its sampler's epoch then final): where a shuffling
+        ``DistributedSampler`` takes a third pass in a row at the epoch of the two whole
+        passes before it (``_pass_ended``) and ``loader.set_epoch`` was never called, mark
+        the pass (``progress.same_order``), to warn once it has delivered its last batch
+        (``_last_batch_out``; a peek, ``next(iter(loader))``, is not a pass: review 193).
+        Not at the third pass's end: ignite (MONAI's engines) ends a pass only at the next
+        epoch's first ``next()``, so a warning there came an epoch later (review 192)."""
         sampler = self._sampler
-        if (self._same_order_told or self._epoch_set or self._same_dist_epoch_passes < 2
-                or not (isinstance(sampler, DistributedSampler) and sampler.shuffle)
-                or sampler.epoch != self._last_whole_dist_epoch):
+        progress.same_order = not (
+            self._same_order_told or self._epoch_set or self._same_dist_epoch_passes < 2
+            or not (isinstance(sampler, DistributedSampler) and sampler.shuffle)
+            or sampler.epoch != self._last_whole_dist_epoch)
+
+    def _same_order_warn(self, progress: resume.Progress) -> None:
+        if not progress.same_order or self._same_order_told:
             return
         self._same_order_told = True
         log.warning("the DistributedSampler's epoch was %d for two whole passes in a row and "
-                    "a third begins at it: all take the same permutation; call "
+                    "a third took it: all took the same permutation; call "
                     "sampler.set_epoch(epoch) (or loader.set_epoch) before each epoch",
-                    sampler.epoch)
+                    progress.sampler_epochs.get("sampler"))
 
     def __reduce__(self) -> tuple:
         """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments
@@ -2534,13 +2549,19 @@ def _restarts(it: Any) -> bool:
     ``loader.sampler.set_epoch``: a ``DistributedSampler``'s, review 150), then
     ``it._delegate`` is the new epoch's pass (``Loader._restart_pass``)."""
     began, it._began = it._began, None
+    restarted = began is not None and _restart(it, began)
+    if began is not None:  # (the pass that delivers: the new one where it restarted)
+        it.L._same_order_check((it._delegate if restarted else it).progress)
+    return restarted
+
+
+def _restart(it: Any, began: tuple) -> bool:
+    """``_restarts``'s decision and restart."""
     L = it.L
-    if began is not None:
-        L._same_order_check()
     # Only the Loader's latest pass follows (an older one that another pass followed keeps
     # its epoch, and the Loader's state stays the latest's: review 152), and not while a
     # loaded state waits for the next pass (load_state_dict applies at the next iter()).
-    if began is None or L._closed or L._last_pass != id(it) or L._resume is not None:
+    if L._closed or L._last_pass != id(it) or L._resume is not None:
         return False
     epoch, resumed, samplers = began
     loader_moved = L._epoch_set and L._epoch != epoch

@@ -90,6 +90,9 @@ class Progress:
         #: delivered, not at the ``next()`` after it (review 172: a loop of ``len(loader)``
         #: steps never asks for that one)
         self.tail_with_last = False
+        #: the DistributedSampler's epoch repeats for a third pass: warned once this pass has
+        #: delivered its last batch (Loader._same_order_check)
+        self.same_order = False
 
     @property
     def digest(self) -> str | None:

@@ -1185,6 +1185,37 @@ def test_a_sampler_set_back_after_iter_restarts_the_pass_from_its_count(workers)
         it = iter(L)
         s.set_epoch(1)
         assert _epochs_of(batches_of(it), range(6)) == {1} and L.epoch == 1
+    s, L = _ddp(n, workers=workers)
+    s.set_epoch(3)
+    with L:  # Lightning's order (review 193): a check iter(), the fit's iter(), set_epoch
+        iter(L)
+        it = iter(L)
+        s.set_epoch(0)
+        assert L.state_dict()["epoch"] == 0
+        assert _epochs_of(batches_of(it), range(6)) == {0} and L.epoch == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_under_an_iterator_made_before_it_keeps_the_states_epoch(workers):
+    """Review 193: an iterator made before ``load_state_dict`` of an ended epoch restarted,
+    at its first ``next()``, from the count of the Loader's earlier passes (5), not the
+    state's next epoch (2)."""
+    n = 8
+    s, L = _ddp(n, workers=workers)
+    with L:
+        for e in range(2):
+            s.set_epoch(e)
+            list(L)
+        ended = L.state_dict()
+    s, L = _ddp(n, workers=workers)
+    with L:
+        for _ in range(5):
+            list(L)
+        it = iter(L)
+        L.load_state_dict(ended)
+        got = batches_of(it)
+        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
+        assert _epochs_of(got, range(8)) == {2} and L.epoch == 2
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -1239,6 +1270,14 @@ def test_a_sampler_never_set_is_warned_at_the_third_epochs_start_under_ignite(ca
                 warned_at = epoch
     assert warned_at == 3
     assert caplog.text.count("two whole passes") == 1
+    caplog.clear()
+    s, L = _ddp(n, workers=1)
+    with caplog.at_level("WARNING", logger="autominato"), L:
+        for e in range(3):  # training, evaluation, then a peek at a batch (review 193)
+            s.set_epoch(e)
+            list(L), list(L)
+            next(iter(L))
+    assert "whole passes" not in caplog.text
 
 
 class SelfMoving(DistributedSampler):
