@@ -702,7 +702,7 @@ def test_sigterm_of_the_main_process_unlinks_segments_and_ends_workers(tmp_path,
 
 
 KILLED = textwrap.dedent("""
-    import os, sys, time
+    import multiprocessing as mp, os, sys, time
     import numpy as np
     from autominato.pipeline import shm
     shm.PREFIX = sys.argv[1]  # (segments no other test's pool reaps)
@@ -721,6 +721,8 @@ KILLED = textwrap.dedent("""
         it = iter(loader)
         for _ in range(3):
             next(it)
+        # a child of the user's forked after the pool (a DataLoader's worker, a Pool)
+        mp.get_context("fork").Process(target=time.sleep, args=(60,)).start()
         print("READY", flush=True)
         time.sleep(120)
 """)
@@ -730,7 +732,9 @@ KILLED = textwrap.dedent("""
 def test_sigkill_of_the_main_process_leaves_no_segment_once_its_fork_server_ends(tmp_path):
     """Trial 193: the kernel's out-of-memory killer SIGKILLs the training process; its pools'
     segments stayed in /dev/shm (holding memory) until a pool of a later run reaped them. The
-    fork server outlives it: it ends its workers and removes them."""
+    fork server outlives it: it ends its workers and removes them, also while a child of
+    the user's forked from the training process still runs (review 194: it held the pool's
+    lock, so none could be taken)."""
     import uuid
 
     prefix = f"amtest{uuid.uuid4().hex[:8]}_"
@@ -742,16 +746,24 @@ def test_sigkill_of_the_main_process_leaves_no_segment_once_its_fork_server_ends
     try:
         line = child.stdout.readline()
         assert line.startswith("READY"), child.communicate(timeout=60)
-        tree = [p.pid for p in psutil.Process(child.pid).children(recursive=True)]
+        kids = psutil.Process(child.pid).children()
+        sleeper = [p.pid for p in kids if not p.children()]  # (the fork server has workers)
+        tree = [p.pid for p in psutil.Process(child.pid).children(recursive=True)
+                if p.pid not in sleeper]
+        assert len(sleeper) == 1 and len(tree) >= 3, [(p.pid, p.name()) for p in kids]
         mine = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
         assert any(not n.endswith(".lock") for n in mine), mine  # (what there is to clean)
         os.kill(child.pid, signal.SIGKILL)
-        child.communicate(timeout=30)
+        child.wait(timeout=30)  # (not its pipes: the user's child holds them)
         assert not wait_gone(tree, 10.0), "the fork server or a worker outlived the loader"
         left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        assert alive(sleeper), "the user's child must still run (it held the lock)"
     finally:
-        if child.poll() is None:
+        try:  # (the child, and what is left of its session: the user's child)
             os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.communicate(timeout=30)
         for n in os.listdir("/dev/shm"):
             if n.startswith(prefix):
                 os.unlink(os.path.join("/dev/shm", n))

@@ -515,3 +515,55 @@ def test_classes_that_pickle_their_own_way_keep_their_state():
     out = unpack(pack(m, buf)[0], buf)
     assert type(out) is MixedIn and out.n == 2 and len(out) == 2
     del out
+
+
+def test_a_pool_being_made_is_never_reaped_and_its_lock_is_not_held_by_fork_children(
+        monkeypatch):
+    """Review 194: a reaper (another process's new pool, a fork server on its way out)
+    that ran between the creation of a pool's lock file and its flock took the lock and
+    unlinked the file, so the pool's segments were never reaped once its owner died. And a
+    child forked from the owner held a copy of the lock (trial 193)."""
+    import fcntl
+
+    from autominato.pipeline import shm
+
+    real = fcntl.flock
+    ran = []
+
+    def flock_after_a_reaper(fd, op):
+        if op == fcntl.LOCK_EX and not ran:  # (the pool's own, blocking)
+            ran.append(True)
+            pid = os.fork()
+            if pid == 0:  # a reaper in another process, in the window
+                shm.reap_stale_segments()
+                os._exit(0)
+            os.waitpid(pid, 0)
+        return real(fd, op)
+
+    monkeypatch.setattr(shm.fcntl, "flock", flock_after_a_reaper)
+    pool = SlotPool(max_slots=2, budget_bytes=1 << 20)
+    monkeypatch.setattr(shm.fcntl, "flock", real)
+    try:
+        assert ran and os.path.exists(pool._lockfile)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a child of the owner: it holds no copy of the lock
+            os.close(r)
+            fds = [f for f in os.listdir("/proc/self/fd")
+                   if os.path.realpath(f"/proc/self/fd/{f}") == os.path.realpath(pool._lockfile)]
+            os.write(w, str(len(fds)).encode())
+            os._exit(0)
+        os.close(w)
+        held = int(os.read(r, 16))
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert held == 0
+        # the owner's own lock is held: no reaper takes it
+        fd = os.open(pool._lockfile, os.O_RDWR)
+        try:
+            with pytest.raises(OSError):
+                real(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        pool.close()

@@ -328,9 +328,16 @@ class SlotPool:
         reap_stale_segments()
         # Held for the pool's life: a lock that anyone can take marks an owner that died
         # without cleaning up (SIGKILL, a crash), whose segments reap_stale_segments removes.
+        # Taken under another name, then renamed: a reaper between the file's creation and
+        # the flock took the lock and unlinked the file, and the pool's segments were never
+        # reaped after its owner died (review 194).
+        self._owner = os.getpid()
         self._lockfile = os.path.join(SHM_DIR, f"{self._tag}{LOCK_SUFFIX}")
-        self._lockfd = os.open(self._lockfile, os.O_CREAT | os.O_RDWR, 0o600)
+        taking = f"{self._lockfile}.new"
+        self._lockfd = os.open(taking, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         fcntl.flock(self._lockfd, fcntl.LOCK_EX)
+        os.rename(taking, self._lockfile)
+        _LOCK_FDS.add(self._lockfd)
 
     def set_max_slots(self, n: int) -> None:
         with self._lock:
@@ -520,13 +527,15 @@ class SlotPool:
             self._free.clear()
             self._orphans.clear()
             self.bytes = 0
-            if self._lockfd is not None:
+            if self._lockfd is not None and os.getpid() == self._owner:
+                # (a forked copy's descriptor number is no longer its lock: _drop_lock_fds)
                 try:
                     os.unlink(self._lockfile)
                 except FileNotFoundError:
                     pass
+                _LOCK_FDS.discard(self._lockfd)
                 os.close(self._lockfd)
-                self._lockfd = None
+            self._lockfd = None
 
 
 def reap_stale_segments() -> int:
@@ -571,31 +580,29 @@ def reap_stale_segments() -> int:
     return removed
 
 
-def close_inherited_locks() -> int:
-    """Close this process's descriptors of pool locks (``<tag>.lock`` under
-    :data:`SHM_DIR`), returning how many: a process forked from the training process (a
-    worker's fork server) holds its pools' locks with it, so that, the training process
-    killed (SIGKILL: its pools cannot clean up), the locks outlived it and
-    :func:`reap_stale_segments` could not tell that its segments were left, until a new
-    pool of a later run. Linux (``/proc/self/fd``); elsewhere nothing is closed."""
-    closed = 0
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    where = os.path.join(SHM_DIR, PREFIX)
-    for name in fds:
+#: The descriptors of this process's pool locks (``<tag>.lock``), closed in every child
+#: forked from it (:func:`_drop_lock_fds`).
+_LOCK_FDS: set[int] = set()
+
+
+def _drop_lock_fds() -> None:
+    """In a child just forked (the workers' fork server, a DataLoader's or a
+    ``multiprocessing`` worker, ``ddp_fork``): close its copies of the parent's pool locks.
+    A lock is held while any copy of its descriptor is open, so, the parent killed
+    (SIGKILL: its pools cannot clean up), a child that kept one kept
+    :func:`reap_stale_segments` from seeing that the segments were left (trial 193: until a
+    pool of a later run; review 194: a fork child of the user's too). The set is emptied:
+    the numbers may be reused in the child, and its own children must not close those."""
+    for fd in _LOCK_FDS:
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
+            os.close(fd)
         except OSError:
-            continue  # (the listing's own descriptor, closed since)
-        if target.startswith(where) and target.endswith(LOCK_SUFFIX):
-            try:
-                os.close(int(name))
-                closed += 1
-            except OSError:
-                pass
-    return closed
+            pass
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_lock_fds)
 
 
 def leftover_segments(pid: int | None = None) -> list[str]:

@@ -564,7 +564,7 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str, loader: int | None = None)
     It ends when the loader's end of ``ctrl`` closes, or when the loader is gone: its parent
     changed, or, for a nested zygote (whose parent is another zygote), process ``loader``
     ended."""
-    from autominato.pipeline.shm import close_inherited_locks, reap_stale_segments
+    from autominato.pipeline.shm import reap_stale_segments
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the loader
@@ -576,8 +576,6 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str, loader: int | None = None)
         def alive() -> bool:
             return _pid_runs(loader)
     if kind != "spawn":
-        # (the training process's pool locks: see the clean-up on the way out below)
-        close_inherited_locks()
         try:
             import threadpoolctl
 
@@ -678,8 +676,9 @@ def _serve(ctrl: socket.socket, spec: Any, kind: str, loader: int | None = None)
                 time.sleep(0.01)
         # A loader killed (SIGKILL, the kernel's out-of-memory killer) cannot unlink its
         # segments: they stayed in /dev/shm, holding memory, until a pool of a later run
-        # reaped them (trial 193). Its fork server outlives it and does so now; a pool alive
-        # holds its lock, so only the segments of owners gone are removed.
+        # reaped them (trial 193). Its fork server outlives it and does so now (a fork child
+        # holds no copy of a pool's lock: shm._drop_lock_fds); a pool alive holds its lock,
+        # so only the segments of owners gone are removed.
         try:
             reap_stale_segments()
         except Exception:  # noqa: BLE001 - best effort on the way out
