@@ -961,6 +961,17 @@ def _ddp(n: int, **kw):
                            seed=SEED, in_order=True, autotune=False, **kw)
 
 
+def _ended_state(n: int, workers: int, epochs: int) -> dict:
+    """The state after a DDP loop's epochs ``0 .. epochs - 1`` (each ``sampler.set_epoch(e)``,
+    one pass), taken after the last: an ended epoch's."""
+    s, L = _ddp(n, workers=workers)
+    with L:
+        for e in range(epochs):
+            s.set_epoch(e)
+            list(L)
+        return L.state_dict()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("lightning", [False, True])
 def test_a_checkpoint_before_a_resumed_jobs_first_pass_resumes_the_samplers_epoch(
@@ -1201,12 +1212,7 @@ def test_a_state_loaded_under_an_iterator_made_before_it_keeps_the_states_epoch(
     at its first ``next()``, from the count of the Loader's earlier passes (5), not the
     state's next epoch (2)."""
     n = 8
-    s, L = _ddp(n, workers=workers)
-    with L:
-        for e in range(2):
-            s.set_epoch(e)
-            list(L)
-        ended = L.state_dict()
+    ended = _ended_state(n, workers, 2)
     s, L = _ddp(n, workers=workers)
     with L:
         for _ in range(5):
@@ -1224,12 +1230,7 @@ def test_a_checkpoint_after_iter_and_a_set_epoch_naming_the_ended_epoch_is_that_
     to that epoch (its pass has nothing left): a checkpoint before the first batch recorded
     the next epoch, not begun, and a job resumed from it delivered the ended epoch again."""
     n = 8
-    s, L = _ddp(n, workers=workers)
-    with L:
-        for e in range(3):
-            s.set_epoch(e)
-            list(L)
-        ended = L.state_dict()
+    ended = _ended_state(n, workers, 3)
     s, L = _ddp(n, workers=workers)
     with L:
         L.load_state_dict(ended)
