@@ -1271,10 +1271,9 @@ class Loader:
     def _followed_epoch(self, sampler: Any = None, above: int | None = None) -> int | None:
         """The epoch of the user's ``DistributedSampler`` (given as ``sampler``, as
         ``batch_sampler``, a subclass that yields batches, or as the ``sampler`` of a batch
-        sampler; ``sampler``: a copy of it to read instead) where it is
-        above the Loader's (``above``, else ``self._epoch``: as counted for the pass) and
-        ``loader.set_epoch``
-        was never called, else ``None``: the pass's epoch then moves up to it.
+        sampler; ``sampler``: a copy of it to read instead) where it is above the Loader's
+        (``above``, else ``self._epoch``: as counted for the pass) and ``loader.set_epoch`` was
+        never called, else ``None``: the pass's epoch then moves up to it.
 
         A training loop that sets its sampler's epoch itself (DDP's habit:
         ``sampler.set_epoch(e)`` every epoch) and resumes at epoch ``e`` sets ``e`` on its first
@@ -1435,7 +1434,6 @@ class Loader:
                 self._epoch += 1
             if named is None:
                 self._epoch = self._followed_epoch() or self._epoch
-            if named is None:
                 (log.warning if resumed else log.info)(
                     "set_epoch after the pass %s epoch %d began, before its first batch: "
                     "epoch %d starts from its beginning (samplers' epochs %s)",
@@ -1995,8 +1993,8 @@ class Loader:
 
     def _pass_ended(self, progress: resume.Progress) -> None:
         """A pass delivered its whole epoch: count the whole passes in a row that a shuffling
-        ``DistributedSampler`` began at one epoch, to warn (``_same_order_check``) when a
-        third begins at it and ``loader.set_epoch`` was never called. DataLoader is silent there, but a
+        ``DistributedSampler`` began at one epoch, to warn (``_same_order_check``) when a third
+        takes it and ``loader.set_epoch`` was never called. DataLoader is silent there, but a
         trainer that sets the epoch only on a DataLoader's sampler (MONAI's engines check
         ``isinstance(loader, DataLoader)``) leaves this one at its epoch: every epoch the same
         permutation. Two passes at one epoch are a loop's training and evaluation passes over
