@@ -2029,6 +2029,7 @@ class Loader:
             or sampler.epoch != self._last_whole_dist_epoch)
 
     def _same_order_warn(self, progress: resume.Progress) -> None:
+        """The warning ``_same_order_check`` marked ``progress`` for, once a Loader."""
         if not progress.same_order or self._same_order_told:
             return
         self._same_order_told = True

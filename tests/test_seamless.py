@@ -961,6 +961,18 @@ def _ddp(n: int, **kw):
                            seed=SEED, in_order=True, autotune=False, **kw)
 
 
+def _resumed_pass(state: dict, n: int, workers: int, epoch: int) -> tuple[list, int]:
+    """A new job's first pass from ``state``, the loop setting its sampler to ``epoch`` after
+    the load: its batches (checked to be in the sampler's order) and ``loader.epoch``."""
+    s, L = _ddp(n, workers=workers)
+    with L:
+        L.load_state_dict(state)
+        s.set_epoch(epoch)
+        got = batches_of(L)
+        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
+        return got, L.epoch
+
+
 def _ended_state(n: int, workers: int, epochs: int) -> dict:
     """The state after a DDP loop's epochs ``0 .. epochs - 1`` (each ``sampler.set_epoch(e)``,
     one pass), taken after the last: an ended epoch's."""
@@ -1015,13 +1027,8 @@ def test_a_loop_of_two_passes_an_epoch_resumed_after_its_training_pass_loses_no_
             state = L.state_dict()
             list(L)  # (evaluation over the training loader)
     assert state["finished"] and state["epoch"] == 5 and state["sampler_epochs"] == {"sampler": 4}
-    s, L = _ddp(n, workers=workers)
-    with L:
-        L.load_state_dict(state)
-        s.set_epoch(5)
-        got = batches_of(L)
-        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
-        assert L.epoch > 5  # (a new epoch's augmentation: not one the run drew)
+    _, epoch = _resumed_pass(state, n, workers, 5)
+    assert epoch > 5  # (a new epoch's augmentation: not one the run drew)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -1143,13 +1150,8 @@ def test_a_checkpoint_between_iter_and_the_samplers_set_epoch_records_the_epoch_
         state = L.state_dict()
         del it
     assert state["epoch"] == 3 and state["epoch_size"] is None
-    s, L = _ddp(n, workers=workers)
-    with L:
-        L.load_state_dict(state)
-        s.set_epoch(3)
-        got = batches_of(L)
-        assert [i for idx, _ in got for i in idx] == list(copy.copy(s))
-        assert _epochs_of(got, range(6)) == {3} and L.epoch == 3
+    got, epoch = _resumed_pass(state, n, workers, 3)
+    assert _epochs_of(got, range(6)) == {3} and epoch == 3
 
 
 class BucketSampler(DistributedSampler):

@@ -487,8 +487,9 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
     sample pays for faulting in and zeroing pages that the one before it gave back. A floor
     without it was no floor: on the KiTS19 bench (42 cases, 6 epochs, 2 cores) it read
     20.5-23.6 s where the same processes with it read 14.9-17.6 s, interleaved, and
-    autominato's loader ran under it (0.95x) at a step that left it the bottleneck. Where the allocator refuses (not glibc 2.33 or later, or tuned by the
-    user's environment) it is left as it is."""
+    autominato's loader ran under it (0.95x) at a step that left it the bottleneck. Where
+    the allocator refuses (not glibc 2.33 or later, or tuned by the user's environment) it
+    is left as it is."""
     import cloudpickle
 
     from autominato.pipeline.worker import heap_only, limit_threads
