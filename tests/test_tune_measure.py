@@ -53,13 +53,31 @@ def test_window_counts_batches_and_samples_across_epochs():
 
 def test_intermediate_idle_ratios_are_reported_every_n_batches():
     seen: list[tuple[int, float]] = []
+    reported = threading.Event()
+
+    def report(i: int, idle: float) -> None:
+        seen.append((i, idle))
+        reported.set()
+
+    steps = 0
+
+    def step(batch) -> None:
+        # The step after a report waits for it: a report still pending when the next one is
+        # posted is replaced by it (by design), which made [8] a right outcome on a busy
+        # machine (a CI run saw it).
+        nonlocal steps
+        steps += 1
+        if steps % 4 == 1 and steps > 1:
+            assert reported.wait(10.0), f"no report after batch {steps - 1}"
+            reported.clear()
+
     measure(
         FakeLoader(n=50),
-        SleepStep(0.0),
+        step,
         warmup_batches=0,
         window_batches=12,
         report_every=4,
-        on_report=lambda i, idle: seen.append((i, idle)),
+        on_report=report,
     )
     assert [i for i, _ in seen] == [4, 8]  # the 12th is the trial's final value
     assert all(0.0 <= idle <= 1.0 for _, idle in seen)
