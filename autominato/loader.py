@@ -910,7 +910,8 @@ class Loader:
         # counters of a pipeline closed and rebuilt (load_state_dict): the totals go on from them
         self._retired = dict.fromkeys(_PIPELINE_COUNTERS, 0)
         # Guards only the swap of a retired pipeline for its counts (load_state_dict) against
-        # snapshot(); never held around user code (self._lock is: samplers run under it).
+        # snapshot(), and the once-only warning of _same_order_warn; never held around user
+        # code (self._lock is: samplers run under it).
         self._counts_lock = threading.Lock()
         self._progress: resume.Progress | None = None  # the most recent iterator's
         self._resume: dict | None = None  # a loaded state, until the next iteration
@@ -2030,9 +2031,12 @@ class Loader:
 
     def _same_order_warn(self, progress: resume.Progress) -> None:
         """The warning ``_same_order_check`` marked ``progress`` for, once a Loader."""
-        if not progress.same_order or self._same_order_told:
+        if not progress.same_order:
             return
-        self._same_order_told = True
+        with self._counts_lock:  # (two iterators' last batches at once warn once)
+            told, self._same_order_told = self._same_order_told, True
+        if told:
+            return
         log.warning("the DistributedSampler's epoch was %d for two whole passes in a row and "
                     "a third took it: all took the same permutation; call "
                     "sampler.set_epoch(epoch) (or loader.set_epoch) before each epoch",
