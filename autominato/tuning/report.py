@@ -129,9 +129,9 @@ def print_summary(console: Console, result: Any) -> None:
         if not lower:
             why = ""
         elif ruled is not None and ruled.number != result.best.number:
-            why = (f" in its trial; picked over {len(lower)} lower in theirs: it idled least "
-                   "when the best few were measured again (above; docs/tune.md, \"Beating the "
-                   "default beyond the noise\")")
+            why = (f" in its trial; picked over {len(lower)} lower in theirs when the best "
+                   "few were measured again (above; docs/tune.md, \"Beating the default "
+                   "beyond the noise\")")
         else:
             why = (f" in its trial; picked over {len(lower)} lower by the study's selection "
                    "rule (docs/tune.md, \"Choosing the best trial\": within the idle "

@@ -55,12 +55,34 @@ def select_best(
     done = completed(trials)
     if not done:
         return None
-    low = min(t.value for t in done)  # type: ignore[type-var]
-    tied = [t for t in done if t.value <= low + idle_tolerance]  # type: ignore[operator]
-    low_cpu = min(_cpu(t) for t in tied)
+    return done[pick([float(t.value) for t in done], done,  # type: ignore[arg-type]
+                     idle_tolerance=idle_tolerance, cpu_tolerance=cpu_tolerance)]
+
+
+def pick(
+    idle: Sequence[float],
+    trials: Sequence[FrozenTrial],
+    *,
+    idle_tolerance: float = IDLE_TOLERANCE,
+    cpu_tolerance: float = CPU_TOLERANCE,
+) -> int:
+    """The module docstring's rule over ``trials`` whose idle ratios are ``idle`` (their
+    trial values, or their means when measured again, see ``tuning.study._confirm``): the
+    position of the winner. Ties left after memory go to the lower idle ratio, then to the
+    earlier position. CPU seconds per sample and peak memory are the trials' attributes.
+
+    Raises:
+        ValueError: no trials, or ``idle`` and ``trials`` of different lengths.
+    """
+    if not trials or len(idle) != len(trials):
+        raise ValueError(f"pick needs as many idle ratios as trials, at least one: got "
+                         f"{len(idle)} and {len(trials)}")
+    low = min(idle)
+    tied = [i for i, v in enumerate(idle) if v <= low + idle_tolerance]
+    low_cpu = min(_cpu(trials[i]) for i in tied)
     if math.isfinite(low_cpu):
-        tied = [t for t in tied if _cpu(t) <= low_cpu * (1.0 + cpu_tolerance)]
-    return min(tied, key=lambda t: (_memory(t), t.value, t.number))
+        tied = [i for i in tied if _cpu(trials[i]) <= low_cpu * (1.0 + cpu_tolerance)]
+    return min(tied, key=lambda i: (_memory(trials[i]), idle[i], trials[i].number, i))
 
 
 def ranked(trials: Iterable[FrozenTrial]) -> list[FrozenTrial]:

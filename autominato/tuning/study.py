@@ -40,9 +40,11 @@ from autominato.tuning.pipeline import Pipeline
 from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.report import fmt_params, save_plots, trial_line
 from autominato.tuning.select import (
+    IDLE_TOLERANCE,
     Confirmation,
     completed,
     confirm_best,
+    pick,
     ranked,
     select_best,
     unconfirmed,
@@ -526,8 +528,9 @@ def _confirm(
     console: Console,
 ) -> tuple[Confirmation, FrozenTrial]:
     """Measure the default and each finalist ``repeats`` more times, in turns (so that a
-    drift of the machine's load hits all alike); the finalist whose runs idled least
-    (ties: the better-ranked) is then compared with the default. When no finalist could be
+    drift of the machine's load hits all alike); the finalist that :func:`~autominato.
+    tuning.select.pick` takes on the means of their runs (the cheapest within the tie
+    tolerance of the lowest mean) is then compared with the default. When no finalist could be
     measured again, the default is kept (:func:`~autominato.tuning.select.unconfirmed`) and
     the best-ranked is returned. Where several were measured, the one chosen is measured
     ``repeats`` times again, beside the default, and compared on those runs alone (the
@@ -553,10 +556,17 @@ def _confirm(
                 into.append(m.idle_ratio)
 
     in_turns(configs)
-    measured = [(sum(r) / len(r), i) for i, r in enumerate(runs) if r]
-    _, i = min(measured) if measured else (None, 0)  # (none measured: the best-ranked)
+    measured = [i for i, r in enumerate(runs) if r]
+    i = 0  # (none measured: the best-ranked)
+    if measured:
+        # The study's rule again (select.pick) on the means measured now: the cheapest of
+        # those within the tie tolerance of the lowest, not the lowest mean (trial 197: a
+        # 6-worker finalist 0.01 lower replaced the 4 workers that kept up at less CPU).
+        means = [sum(runs[j]) / len(runs[j]) for j in measured]
+        i = measured[pick(means, [finalists[j] for j in measured])]
     if i != 0:
-        console.print(f"trial {finalists[i].number} idled least when measured again: it "
+        console.print(f"trial {finalists[i].number} wins when measured again (idle within "
+                      f"{IDLE_TOLERANCE} of the lowest, then the least CPU and memory): it "
                       f"replaces trial {finalists[0].number} as the best", highlight=False)
     chosen = runs[i]
     if len(measured) > 1:
