@@ -865,6 +865,7 @@ class Loader:
         self._wait_since: float | None = None
         self._wait_seen: float | None = None
         self._consumer_wait = 0.0
+        self._cold_wait = 0.0  # of it, for cold passes' first batches (_delivered's cold)
         # The step of the batch returned last: (return time, its wait, its samples, the id of
         # the iterator that returned it), closed by the training loop's next request (see
         # _EpochIterator).
@@ -1249,9 +1250,12 @@ class Loader:
                 self._sync_cold_starts += 1
                 return _SyncStreamIterator(self, self._epoch, progress)
             pipeline = self._ensure_pipeline()
+            colds = pipeline.cold_starts
             run = pipeline.start_stream(self._epoch)
             progress.drained = functools.partial(_run_drained, run)
-            return _EpochIterator(self, pipeline, run, progress)
+            it = _EpochIterator(self, pipeline, run, progress)
+            it._cold = int(pipeline.cold_starts > colds)
+            return it
         pending, self._resume = self._resume, None
         if pending is None:
             pending = self._named_ended()
@@ -1768,12 +1772,14 @@ class Loader:
         warnings.warn(msg, stacklevel=4)
 
     def _delivered(self, now: float, wait: float, samples: int, owner: int,
-                   empty: bool | None = None) -> None:
+                   empty: bool | None = None, cold: bool = False) -> None:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it; ``empty``: that ``next()`` found
         no batch ready (``None``: no batch is made ahead, ``num_workers=0``, where the Data
-        Monitor's queue wait share reads the waits instead: review 181)."""
+        Monitor's queue wait share reads the waits instead: review 181); ``cold``: the first
+        batch of a pass that started cold (its wait is also counted in
+        ``cold_start_wait_seconds_total``)."""
         self._ended = None  # (a pass delivered: a loaded ended epoch is behind the loop)
         with self._step_lock:
             seen = self._wait_seen
@@ -1785,6 +1791,8 @@ class Loader:
             self._wait_since = self._wait_seen = None  # (``wait`` covers the whole next())
             opened = (now, wait, samples, owner)
             self._consumer_wait += wait
+            if cold:
+                self._cold_wait += wait
             self._batches += 1
             if empty is not None:
                 self._empty_recent.append(empty)
@@ -2129,6 +2137,7 @@ class Loader:
         with self._step_lock:
             now = time.monotonic()
             wait, batches, samples = self._consumer_wait, self._batches, self._samples
+            cold_wait = self._cold_wait
             # the step under way counts as far as it went: its batch's wait is in ``wait``
             # already, so a window that ends mid-step would else read idle high
             busy = steps_s = self._consumer_busy
@@ -2167,6 +2176,7 @@ class Loader:
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
             cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
+            cold_start_wait_seconds_total=cold_wait,
             between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],
@@ -2485,7 +2495,8 @@ class _EpochIterator:
         now = time.monotonic()
         wait = now - t0
         L = self.L
-        L._delivered(now, wait, len(indices), id(self), empty)
+        L._delivered(now, wait, len(indices), id(self), empty,
+                     cold=bool(self._cold) and self._taken == 1)
         if L._iterable:
             L._count_yielded(self)
         return batch

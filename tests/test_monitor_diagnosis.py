@@ -800,3 +800,60 @@ def test_the_readers_the_step_needs_are_said_uncapped(monkeypatch):
     d = diagnose(with_cpu(hist, cores_used=0.2))
     share = d.shares["read"] + d.shares["transform"]
     assert f"needs about {math.ceil(8 * share / 0.8)} readers" in d.suggestion, d.suggestion
+
+
+def test_a_slow_start_is_left_out_of_the_verdict_and_said_in_the_summary():
+    """Trial 197: a 1.5 s worker_init_fn, then one batch of 69 waited: the idle (the first
+    batch's wait) read "synchronisation bound: deeper prefetch", which changed nothing. The
+    waits for cold passes' first batches are left out of the verdict's idle."""
+    def cold(s: LoaderSnapshot, wait: float, starts: int = 1) -> LoaderSnapshot:
+        return replace(s, consumer_wait_seconds_total=s.consumer_wait_seconds_total + wait,
+                       cold_start_wait_seconds_total=wait, cold_starts_total=starts)
+
+    steady = dict(step_s=0.050, wait_s=0.0005, read_s=0.005, transform_s=0.005)
+    one = cold(snapshot(5.0, 69, **steady), 1.56)
+    d = diagnose([one])
+    assert d.idle_ratio > IDLE_THRESHOLD  # the row: the whole wait, the first batch's too
+    assert d.kind == "consumer", format_report(d)
+    assert "1.56 s of it for the first batch of 1 pass that started cold" in d.summary
+    assert "prefetch_next_epoch" not in d.suggestion  # one cold start: the first
+    rows = {r.metric: r for r in d.rows}
+    assert rows["cold-start wait"].mean == pytest.approx(1.56 / (69 * 0.0505 + 1.56))
+    # Without the figure (an exporter from before it) the same history reads as before.
+    assert diagnose([replace(one, cold_start_wait_seconds_total=0.0)]).kind == "sync"
+    # Every epoch cold (persistent_workers=False): the advice names the defaults that fix it.
+    every = diagnose([cold(snapshot(5.0, 69, **steady), 1.56, starts=6)])
+    assert every.kind == "consumer" and "persistent_workers=True" in every.suggestion
+    # A pipeline that is slow between the cold starts too is still diagnosed on that.
+    slow = diagnose([cold(snapshot(5.0, 69, step_s=0.010, wait_s=0.040, read_s=0.001,
+                                   transform_s=0.025), 1.56)])
+    assert slow.kind == "cpu", format_report(slow)
+
+
+def test_the_cold_start_wait_is_the_first_batchs_wait_of_each_cold_pass():
+    """The counter's truth on a real loader: a worker_init_fn of 0.6 s makes the first
+    batch wait, the epoch's other batches are ready; persistent_workers=False starts every
+    epoch cold. The counter equals the first next()'s waits, measured here, and the report
+    calls the run consumer bound."""
+    from autominato import Loader
+
+    def init(_):
+        time.sleep(0.6)
+
+    with Loader(Volumes(), batch_size=B, num_workers=2, worker_init_fn=init,
+                persistent_workers=False, autotune=False, seed=0) as loader:
+        firsts = []
+        for _ in range(2):
+            t = time.monotonic()
+            for i, _ in enumerate(loader):
+                if i == 0:
+                    firsts.append(time.monotonic() - t)
+                time.sleep(0.03)
+        s = loader.snapshot()
+    assert s.cold_starts_total == 2
+    assert min(firsts) > 0.5  # (the worker_init_fn's sleep)
+    assert s.cold_start_wait_seconds_total == pytest.approx(sum(firsts), abs=0.01)
+    assert s.cold_start_wait_seconds_total <= s.consumer_wait_seconds_total
+    d = diagnose([s])
+    assert d.kind == "consumer", format_report(d)
+    assert "persistent_workers=True" in d.suggestion

@@ -261,6 +261,11 @@ class LoaderSnapshot:
             no worker, a batch sampler, a sampler other than ``DistributedSampler``, an
             iterable dataset, a resumed epoch), and a prefetched pass that was discarded or
             adopted before it took a sample (the pass before it was left early).
+        cold_start_wait_seconds_total: seconds of ``consumer_wait_seconds_total`` that the
+            training loop waited for the first batch of a pass that started cold (see
+            ``cold_starts_total``: workers starting, ``worker_init_fn``, the pipeline filling),
+            counted when that batch arrives; not with ``num_workers=0``, where the first
+            batch costs what every batch does.
         between_epochs_seconds_total: seconds the training loop spent between passes: from
             the end of the last live pass (``StopIteration``, an error that ends it, or the
             iterator dropped, e.g. after a ``break`` or an error caught outside the loop) to
@@ -300,6 +305,7 @@ class LoaderSnapshot:
     errors_raised_total: int = 0
     samples_lost_total: int = 0
     cold_starts_total: int = 0
+    cold_start_wait_seconds_total: float = 0.0
     between_epochs_seconds_total: float = 0.0
     samples_held_for_memory_total: int = 0
     sample_memory_budget_bytes: float = 0.0

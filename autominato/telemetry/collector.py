@@ -275,6 +275,7 @@ def _add_samples(
     put("autominato_worker_restarts_total", s.worker_restarts_total)
     put("autominato_speculative_samples_discarded_total", s.speculative_discarded_total)
     put("autominato_epoch_cold_starts_total", s.cold_starts_total)
+    put("autominato_epoch_cold_start_wait_seconds_total", s.cold_start_wait_seconds_total)
     put("autominato_between_epochs_seconds_total", s.between_epochs_seconds_total)
     put("autominato_samples_held_for_memory_total", s.samples_held_for_memory_total)
     put("autominato_sample_memory_budget_bytes", s.sample_memory_budget_bytes)

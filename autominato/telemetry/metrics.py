@@ -205,6 +205,14 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "before it took a sample (the pass before it was left early).",
         (),
     ),
+    "autominato_epoch_cold_start_wait_seconds_total": (
+        "counter",
+        "Seconds the training loop waited for the first batch of an epoch (pass) that started "
+        "cold (autominato_epoch_cold_starts_total: workers starting, worker_init_fn, the "
+        "pipeline filling), counted when that batch arrives; part of "
+        "autominato_consumer_wait_seconds_sum. Not with num_workers=0.",
+        (),
+    ),
     "autominato_between_epochs_seconds_total": (
         "counter",
         "Seconds the training loop spent between epochs: from the end of its last live pass "

@@ -14,7 +14,10 @@ per batch, spread over its workers, fits in one step::
     share_s = load_s / T                                       # < 1 keeps up
 
 When the accelerator idle share (consumer wait / (wait + step)) is at or below
-``idle_threshold`` the loader keeps up and the run is **consumer bound**. Otherwise the stage
+``idle_threshold`` the loader keeps up and the run is **consumer bound**; the waits for the
+first batch of passes that started cold (workers starting, ``worker_init_fn``, an epoch not
+prefetched: ``cold_start_wait_seconds_total``) are left out of the share that decides it, so
+that a slow start is not read as the pipeline's pace. Otherwise the stage
 with the largest share is the bottleneck if that share is at least :data:`SATURATED`: the read
 stage means **I/O bound**, the transform stage **CPU bound**, the batch stage (``collate_fn``,
 one thread of the training process) **collate bound**, the transfer stage **transfer bound**. When one set of workers reads and transforms (a fused read, the default,
@@ -52,7 +55,7 @@ from autominato.telemetry.cores import (
     transforms_inline,
 )
 from autominato.telemetry.process import ProcessMeter
-from autominato.telemetry.window import Rates, between
+from autominato.telemetry.window import Rates, between, idle_ratio
 
 LOGGER_NAME = "autominato.monitor"
 logger = logging.getLogger(LOGGER_NAME)
@@ -409,6 +412,18 @@ def diagnose(
         rows.append(Row("loader CPU demand", "cores", cpu, None, float(budget.cores), "ref"))
     idle = basis.idle_ratio
     rows.append(_row("accelerator idle", "of time", idle, run.idle_ratio, idle_threshold))
+    # The waits for the first batch of passes that started cold (workers starting,
+    # worker_init_fn, an epoch not prefetched) are no measure of the pipeline's pace: the
+    # verdict reads the idle without them (trial 197: a 1.5 s worker_init_fn, then one batch
+    # of 69 waited, was "synchronisation bound: deeper prefetch", which changed nothing).
+    cold_s = basis.cold_wait_s
+    if cold_s > 0 or run.cold_wait_s > 0:
+        rows.append(Row("cold-start wait", "of time",
+                        idle_ratio(cold_s, basis.wait_s - cold_s + basis.busy_s)
+                        if cold_s > 0 else 0.0,
+                        idle_ratio(run.cold_wait_s, run.wait_s - run.cold_wait_s + run.busy_s),
+                        None, "ref"))
+    steady = basis.steady_idle_ratio
 
     base = dict(
         rows=tuple(rows),
@@ -441,7 +456,7 @@ def diagnose(
         for n in pair:
             del candidates[n]
         candidates[lead] = sum(shares[n] for n in pair)
-    if idle <= idle_threshold:
+    if steady <= idle_threshold:
         # "Fewer workers" is about the stage the workers knob drives (read+transform when
         # fused, else the transform): one fewer must keep it below saturation.
         n = knobs.get("workers", 0)
@@ -460,14 +475,12 @@ def diagnose(
                       "with its one worker)")
         else:
             advice = "nothing to change on the loader"
-        return Diagnosis(
-            "consumer",
-            None,
-            f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
-            f"its step of {step * 1e3:.1f} ms is the pace",
-            advice,
-            **base,
-        )
+        summary = (f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
+                   f"its step of {step * 1e3:.1f} ms is the pace")
+        if idle > idle_threshold:
+            summary, advice = _cold_verdict(basis, idle, steady, idle_threshold, step, advice,
+                                            last)
+        return Diagnosis("consumer", None, summary, advice, **base)
     stage = max(candidates, key=candidates.__getitem__) if candidates else None
     top = candidates.get(stage, 0.0) if stage else 0.0
     if stage in ("read", "transform") and fused:
@@ -482,16 +495,40 @@ def diagnose(
         return Diagnosis(kind, stage, summary, suggestion, **base)
     depth = knobs.get("depth", 0)
     waited = f" on {blocked:.0%} of batches" if blocked is not None else ""
+    cold = (f" ({steady:.0%} without the waits for cold starts' first batches, "
+            f"{cold_s:.2f} s)" if cold_s > 0 else "")
     return Diagnosis(
         "sync",
         None,
-        f"idle {idle:.0%} although every stage keeps up on average (largest share "
+        f"idle {idle:.0%}{cold} although every stage keeps up on average (largest share "
         f"{top:.2f} of the step, {stage or '-'}): next() blocked{waited}",
         f"deeper prefetch to absorb the jitter: depth {depth} -> {max(2, 2 * depth)}, "
         f"and pool_size {knobs.get('pool_size', 0)} -> {2 * knobs.get('pool_size', 0)} "
         "so that more samples are in flight",
         **base,
     )
+
+
+def _cold_verdict(basis: Rates, idle: float, steady: float, threshold: float, step: float,
+                  advice: str, last: LoaderSnapshot) -> tuple[str, str]:
+    """The consumer-bound verdict's summary and advice where the idle over the threshold is
+    the wait for cold passes' first batches (``Rates.cold_wait_s``): the pipeline keeps up
+    between them."""
+    n = basis.cold_starts
+    starts = (f"{n} pass{'es' if n != 1 else ''} that started cold" if n > 0
+              else "a pass that started cold")
+    summary = (f"the training loop waited {idle:.0%} of the time, {basis.cold_wait_s:.2f} s of "
+               f"it for the first batch of {starts} (workers starting, worker_init_fn, an "
+               f"epoch not prefetched); without those waits {steady:.0%} (<= {threshold:.0%}): "
+               f"its step of {step * 1e3:.1f} ms is the pace")
+    if last.cold_starts_total > 1:
+        # (every epoch cold: persistent_workers=False, prefetch_next_epoch=False, or one of
+        # the passes the loader cannot prefetch, docs/controller.md)
+        advice = (f"{advice}; each epoch starts cold ({last.cold_starts_total} cold starts so "
+                  "far): persistent_workers=True with prefetch_next_epoch=True (the defaults) "
+                  "start an epoch's samples while the one before ends, where the sampler "
+                  "allows (docs/controller.md lists the passes that start cold)")
+    return summary, advice
 
 
 #: A read stage of its own (threads of the training process) whose threads ran on a CPU, or

@@ -205,6 +205,8 @@ def snapshot_from_samples(
         speculative_discarded_total=int(
             g(samples, "autominato_speculative_samples_discarded_total", rank=rank)),
         cold_starts_total=int(g(samples, "autominato_epoch_cold_starts_total", rank=rank)),
+        cold_start_wait_seconds_total=g(
+            samples, "autominato_epoch_cold_start_wait_seconds_total", rank=rank),
         between_epochs_seconds_total=g(samples, "autominato_between_epochs_seconds_total",
                                        rank=rank),
         samples_held_for_memory_total=int(

@@ -123,6 +123,11 @@ class Rates:
         stages: per stage present at the end of the window, its :class:`StageRates`.
         steps / steps_s: the training loop's steps that ended in the window and their
             seconds (0 where the snapshots do not count them).
+        cold_wait_s: the part of ``wait_s`` spent waiting for the first batch of passes that
+            started cold (``LoaderSnapshot.cold_start_wait_seconds_total``), at most
+            ``wait_s`` (that wait is counted when its batch arrives, and a window may hold
+            only its end).
+        cold_starts: passes that started cold in the window.
     """
 
     start: float
@@ -136,6 +141,8 @@ class Rates:
     stages: dict[str, StageRates] = field(default_factory=dict)
     steps: int = 0
     steps_s: float = 0.0
+    cold_wait_s: float = 0.0
+    cold_starts: int = 0
 
     @property
     def seconds(self) -> float:
@@ -146,6 +153,12 @@ class Rates:
     def idle_ratio(self) -> float:
         """Accelerator-idle ratio over the window, :func:`idle_ratio` of the consumer's times."""
         return idle_ratio(self.wait_s, self.busy_s)
+
+    @property
+    def steady_idle_ratio(self) -> float:
+        """:attr:`idle_ratio` with the waits for cold passes' first batches left out (worker
+        start-up, an epoch not prefetched): the share that the pipeline's pace leaves."""
+        return idle_ratio(self.wait_s - self.cold_wait_s, self.busy_s)
 
     @property
     def samples_per_s(self) -> float:
@@ -233,6 +246,9 @@ def between(a: LoaderSnapshot | None, b: LoaderSnapshot) -> Rates:
         h2d_s=d("h2d_seconds_total"),
         steps=int(d("consumer_steps_total")),
         steps_s=d("consumer_steps_seconds_total"),
+        cold_wait_s=min(max(0.0, d("cold_start_wait_seconds_total")),
+                        max(0.0, d("consumer_wait_seconds_total"))),
+        cold_starts=int(d("cold_starts_total")),
         stages={
             name: _stage(name, a.stages.get(name) if a is not None else None, st, seconds)
             for name, st in b.stages.items()
