@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     s.add_argument(
-        "--warmup", type=int, help="warm-up batches per trial (overrides the space file)"
+        "--warmup", type=int_at_least(0), help="warm-up batches per trial (overrides the space file)"
     )
     s.add_argument(
         "--window", type=int_at_least(1), help="measured batches per trial (overrides the space file)"

@@ -80,7 +80,10 @@ def test_shared_argument_types_refuse_bad_values_with_exit_status_2(capsys):
 
     for argv in (["run", "--metrics-port", "99999"], ["run", "--steps", "0"],
                  ["tune", "--dataset", "m:f", "--step-time", "-1"],
-                 ["tune", "--dataset", "m:f", "--grid-levels", "1"]):
+                 ["tune", "--dataset", "m:f", "--grid-levels", "1"],
+                 ["tune", "--dataset", "m:f", "--warmup", "-1"],  # (trial 197: blamed the
+                 ["tune", "--dataset", "m:f", "--warmup", "abc"]):  # space file)
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
+        assert f"argument {argv[-2]}" in capsys.readouterr().err, argv
