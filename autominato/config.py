@@ -18,6 +18,10 @@ from typing import Any
 
 from autominato.pipeline.knobs import KNOB_NAMES
 
+#: The least value of each knob in a configuration, as the Loader's arguments take them
+#: (``prefetch_factor=0`` is refused there; ``workers: 0`` loads in the training loop).
+KNOB_MIN = {"depth": 1, "read_threads": 1, "workers": 0, "pool_size": 1}
+
 LOADER_KEYS = ("worker_kind", "in_order", "batch_size", "drop_last", "shuffle")
 TOP_KEYS = ("knobs", "bounds", "loader", "study")
 
@@ -68,8 +72,9 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     for name, value in (raw.get("knobs") or {}).items():
         if name not in KNOB_NAMES:
             raise ConfigError(f"{where}: knobs.{name}: unknown knob (knobs are {', '.join(KNOB_NAMES)})")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{where}: knobs.{name}: expected a non-negative integer, got {value!r}")
+        low = KNOB_MIN[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{where}: knobs.{name}: expected an integer >= {low}, got {value!r}")
         out["knobs"][name] = value
     for name, value in (raw.get("bounds") or {}).items():
         if name not in KNOB_NAMES:
@@ -83,6 +88,12 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         if not ok:
             raise ConfigError(f"{where}: bounds.{name}: expected [low, high] integers with low <= high, got {value!r}")
         out["bounds"][name] = (int(value[0]), int(value[1]))
+    for name, value in out["knobs"].items():
+        lo, hi = out["bounds"].get(name, (value, value))
+        if not lo <= value <= hi:
+            # (the Loader clamped it without a word: trial 197)
+            raise ConfigError(f"{where}: knobs.{name}: {value} is outside bounds.{name} "
+                              f"[{lo}, {hi}]")
     for name, value in (raw.get("loader") or {}).items():
         if name not in LOADER_KEYS:
             raise ConfigError(f"{where}: loader.{name}: unknown setting (expected one of {', '.join(LOADER_KEYS)})")

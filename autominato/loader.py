@@ -826,6 +826,18 @@ class Loader:
         bounds["pool_size"] = (max(self._batch, bounds["pool_size"][0]),
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
+        if cfg is not None:
+            moved = [(k, v, self.knobs.as_dict()[k]) for k, v in cfg["knobs"].items()
+                     if k not in knobs and k != "workers" and self.knobs.as_dict()[k] != v]
+            if moved:
+                # (workers above the bound are said above; the rest were clamped without a
+                # word: trial 197's pool_size below the batch size)
+                log.warning("the configuration's %s %s outside the Loader's bounds here "
+                            "(%s): using %s",
+                            ", ".join(f"{k}={v}" for k, v, _ in moved),
+                            "is" if len(moved) == 1 else "are",
+                            ", ".join(f"{k} {list(self.knobs.bounds(k))}" for k, _, _ in moved),
+                            ", ".join(f"{k}={n}" for k, _, n in moved))
         if self.timeout > 0 and values["workers"] == 0:
             # The DataLoader refuses it (an AssertionError at iter()); the Loader goes on,
             # but says once that it is not applied (trial 111: silently ignored).

@@ -173,6 +173,17 @@ def test_a_configuration_beyond_this_machines_cores_is_clamped_with_a_warning(ca
     assert "99 workers" in caplog.text
 
 
+def test_a_configurations_knob_below_the_loaders_bounds_is_said(caplog):
+    """Trial 197: a pool_size below the batch size was raised to it without a word."""
+    caplog.set_level(logging.WARNING, "autominato.pipeline")
+    with Loader(Indexed(8), 4, config={"knobs": {"pool_size": 2, "depth": 3}}, autotune=False,
+                worker_kind="thread", num_workers=1) as L:
+        assert (L.knobs.pool_size, L.knobs.depth) == (4, 3)
+    said = [r.getMessage() for r in caplog.records if "outside the Loader's bounds" in r.getMessage()]
+    assert said == ["the configuration's pool_size=2 is outside the Loader's bounds here "
+                    "(pool_size [4, 256]): using pool_size=4"]
+
+
 def test_knob_arguments_that_override_a_configuration_are_said(caplog):
     """Trial 173: a DataLoader call converted as it was (num_workers=, prefetch_factor=)
     beside config= ran with the call's values, the tuned ones lost without a word."""

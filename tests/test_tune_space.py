@@ -378,3 +378,32 @@ def test_a_study_whose_loader_reads_in_threads_searches_read_threads(tmp_path, m
         with pytest.raises(Seen):
             study.run_study(pipeline, space, n_trials=1, out_dir=tmp_path, progress=False)
     assert ["read_threads" in s for s in seen] == [False, True]
+
+
+def test_a_knob_the_loader_ran_outside_the_searched_range_widens_the_bounds_written(tmp_path):
+    """Trial 197: a pool_size range [1, 2] at batch 4 ran at 4 (the Loader holds a batch's
+    samples at least) and the file said pool_size 4 with bounds [1, 2]."""
+    space = load_space(write(tmp_path, "params:\n  pool_size: {type: int, low: 1, high: 2}\n"),
+                       cores=2)
+    best = create_trial(
+        value=0.01, params={"pool_size": 2}, distributions={"pool_size": space.searched["pool_size"]},
+        user_attrs={"knobs": {"depth": 2, "read_threads": 2, "workers": 2, "pool_size": 4}},
+    )
+    pipeline = Pipeline([0], None, 4, SleepStep(0.1), {"dataset": "x:y"})
+    back = load_config(save_config(best_config(best, space, pipeline, {}), tmp_path / "l.yaml"))
+    assert back["knobs"]["pool_size"] == 4 and back["bounds"]["pool_size"] == (1, 4)
+
+
+@pytest.mark.parametrize("knobs, bounds, said", [
+    ({"depth": 0}, {}, "knobs.depth: expected an integer >= 1, got 0"),
+    ({"pool_size": 0}, {}, "knobs.pool_size: expected an integer >= 1, got 0"),
+    ({"depth": 9}, {"depth": [1, 8]}, "knobs.depth: 9 is outside bounds.depth [1, 8]"),
+])
+def test_a_configurations_knob_that_the_loader_would_clamp_is_refused(knobs, bounds, said):
+    """Trial 197: depth 0 loaded as 1, depth 9 with bounds [1, 8] as 8, without a word, where
+    the same values as arguments are refused."""
+    from autominato.config import ConfigError
+
+    with pytest.raises(ConfigError, match=said.replace("[", r"\[").replace("]", r"\]")):
+        load_config({"knobs": knobs, "bounds": bounds})
+    assert load_config({"knobs": {"workers": 0}})["knobs"] == {"workers": 0}

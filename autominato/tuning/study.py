@@ -258,7 +258,15 @@ def _config(
     }
     loader = {k: params[k] for k in STATIC_NAMES if k in params}
     loader.setdefault("batch_size", pipeline.batch_size)
-    return {"knobs": knobs, "bounds": space.knob_bounds(), "loader": loader, "study": provenance}
+    # A value the Loader applied outside the searched range (it raises pool_size to the batch
+    # size: trial 197's range [1, 2] at batch 4 wrote pool_size 4 with bounds [1, 2]) widens
+    # the range written, so that the file holds what ran and the controller may keep it.
+    bounds = space.knob_bounds()
+    for k, v in knobs.items():
+        if k in bounds:
+            lo, hi = bounds[k]
+            bounds[k] = (min(lo, v), max(hi, v))
+    return {"knobs": knobs, "bounds": bounds, "loader": loader, "study": provenance}
 
 
 def default_storage(out_dir: Path) -> str:
@@ -341,6 +349,13 @@ def run_study(
     )
     console.print(f"training step: {pipeline.identity.get('step')} per batch of "
                   f"{pipeline.batch_size} ({pipeline.step_note or 'as given'})", highlight=False)
+    batch = space.fixed.get("batch_size") or pipeline.batch_size
+    pool = space.knob_bounds().get("pool_size")
+    if pool is not None and "batch_size" not in space.searched and pool[0] < batch:
+        # (trial 197: a range [1, 2] at batch 4 ran every trial at 4, and nothing said so)
+        console.print(f"pool_size below the batch size ({batch}) runs as {batch}: the Loader "
+                      f"holds at least one batch's samples in flight (the space's range: "
+                      f"[{pool[0]}, {pool[1]}])", highlight=False)
     base: Measurement | None = None
     base_knobs: dict[str, int] = {}
     default = _default_params(pipeline, space, console) if baseline else dict(space.fixed)
