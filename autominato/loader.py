@@ -856,6 +856,11 @@ class Loader:
                 "DataLoader's default) to say which", stacklevel=2)
 
         fused = True if fuse_read is None else bool(fuse_read)
+        if not fused and self._iterable:
+            # (accepted without a word: trial 197, after the Data Monitor advised it)
+            warnings.warn(f"fuse_read=False does not apply to {type(dataset).__name__}, an "
+                          "IterableDataset: each worker iterates it, reading as it goes "
+                          "(docs/workers.md)", stacklevel=2)
         avail = psutil.virtual_memory().available
         shm_budget = (int(memory_budget_bytes) if memory_budget_bytes is not None
                       else int(min(shm_free_bytes() * 0.5, avail * 0.25)))
@@ -2189,6 +2194,7 @@ class Loader:
             speculative_discarded_total=count["speculative_discarded"],
             cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
             cold_start_wait_seconds_total=cold_wait,
+            iterable=self._iterable,
             between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from autominato.pipeline.stats import LoaderSnapshot, StageSnapshot
 from autominato.telemetry import diagnose, format_report
@@ -857,3 +858,38 @@ def test_the_cold_start_wait_is_the_first_batchs_wait_of_each_cold_pass():
     d = diagnose([s])
     assert d.kind == "consumer", format_report(d)
     assert "persistent_workers=True" in d.suggestion
+
+
+class SlowStream(torch.utils.data.IterableDataset):
+    """48 samples, each after a 20 ms wait (storage), shared among the workers."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(k, N, n):
+            time.sleep(0.02)
+            yield np.full((8, 8, 8), i, np.float32)
+
+
+def test_an_io_bound_iterable_dataset_is_not_advised_a_read_stage_it_cannot_have():
+    """Trial 197: the advice for an I/O-bound IterableDataset named fuse_read=False, which
+    does nothing there (its workers iterate it), and the Loader took fuse_read=False without
+    a word."""
+    from autominato import Loader
+    from autominato.control.controller import process_figures
+    from autominato.telemetry.process import ProcessMeter
+
+    meter, snaps = ProcessMeter(), []
+    with Loader(SlowStream(), batch_size=B, num_workers=2, autotune=False) as loader:
+        for _ in range(2):
+            for _ in loader:
+                time.sleep(0.001)
+            # (the workers' CPU, as the monitor reads it: they mostly wait)
+            figures = process_figures(meter.read(list(loader.worker_pids())))
+            snaps.append(replace(loader.snapshot(), extra=figures))
+    assert snaps[-1].iterable
+    d = diagnose(snaps)
+    assert d.kind == "io", format_report(d)
+    assert "fuse_read" not in d.suggestion
+    with pytest.warns(UserWarning, match="fuse_read=False does not apply to SlowStream"):
+        Loader(SlowStream(), batch_size=B, num_workers=2, fuse_read=False).close()

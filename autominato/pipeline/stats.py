@@ -281,6 +281,8 @@ class LoaderSnapshot:
             and where unknown (a snapshot rebuilt from the exported metrics).
         workers_bound: the most workers the online controller may set (the ``workers``
             knob's upper bound); 0 where no controller runs, or unknown.
+        iterable: the dataset is an ``IterableDataset`` (its workers iterate it: no read
+            stage of its own can be split off); False where unknown.
     """
 
     time: float
@@ -316,6 +318,7 @@ class LoaderSnapshot:
     worker_kind: str = ""
     consumer_empty_recent: tuple[bool, ...] = ()
     workers_bound: int = 0
+    iterable: bool = False
 
     @property
     def idle_ratio(self) -> float:

@@ -646,8 +646,9 @@ def _bottleneck(
                 f"{step * 1e3:.1f} ms step, per worker, mostly waiting in the transform: "
                 f"{tf * 1e3:.1f} ms a sample against the read's {lat * 1e3:.1f} ms{used}",
                 f"{more}, or take the wait out of the transform (file or network access, sleeps, "
-                "locks: read in dataset[i], where read_threads or fuse_read=False can overlap "
-                "it)",
+                + ("locks)" if last.iterable else
+                   "locks: read in dataset[i], where read_threads or fuse_read=False can "
+                   "overlap it)"),
             )
     cpu_share = cur.stages["read"].cpu_share if stage == "read" and not fused else None
     rd = cur.stages.get("read")
@@ -711,7 +712,7 @@ def _bottleneck(
         else:
             advice = (f"more readers ({knob} {n} -> {need}"
                       f"{_beyond_controller(knob, n, need, last)}), or {storage}")
-        if fused:
+        if fused and not last.iterable:  # (an iterable dataset's workers read as they go)
             advice += "; or a separate read stage in threads (fuse_read=False"
             advice += (", which turns memory-aware dispatch off: its reads are not measured)"
                        if last.samples_held_for_memory_total else ")")
