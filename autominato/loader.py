@@ -882,7 +882,8 @@ class Loader:
         self._wait_since: float | None = None
         self._wait_seen: float | None = None
         self._consumer_wait = 0.0
-        self._cold_wait = 0.0  # of it, for cold passes' first batches (_delivered's cold)
+        self._cold_wait = 0.0  # of it, for cold passes' first batches (_back's cold)
+        self._wait_cold = False  # the next() under way waits for a cold pass's first batch
         # The step of the batch returned last: (return time, its wait, its samples, the id of
         # the iterator that returned it), closed by the training loop's next request (see
         # _EpochIterator).
@@ -1789,14 +1790,14 @@ class Loader:
         warnings.warn(msg, stacklevel=4)
 
     def _delivered(self, now: float, wait: float, samples: int, owner: int,
-                   empty: bool | None = None, cold: bool = False) -> None:
+                   empty: bool | None = None) -> None:
         """A batch of ``samples`` reached the training loop at ``now`` (``time.monotonic()``
         seconds) after ``wait`` seconds in ``next()``; its step opens (see :meth:`_end_step`).
         ``owner``: ``id()`` of the iterator that returned it; ``empty``: that ``next()`` found
         no batch ready (``None``: no batch is made ahead, ``num_workers=0``, where the Data
-        Monitor's queue wait share reads the waits instead: review 181); ``cold``: the first
-        batch of a pass that started cold (its wait is also counted in
-        ``cold_start_wait_seconds_total``)."""
+        Monitor's queue wait share reads the waits instead: review 181). The wait of a
+        ``next()`` that :meth:`_back` was told is cold counts in
+        ``cold_start_wait_seconds_total`` too."""
         self._ended = None  # (a pass delivered: a loaded ended epoch is behind the loop)
         with self._step_lock:
             seen = self._wait_seen
@@ -1808,8 +1809,9 @@ class Loader:
             self._wait_since = self._wait_seen = None  # (``wait`` covers the whole next())
             opened = (now, wait, samples, owner)
             self._consumer_wait += wait
-            if cold:
+            if self._wait_cold:
                 self._cold_wait += wait
+                self._wait_cold = False
             self._batches += 1
             if empty is not None:
                 self._empty_recent.append(empty)
@@ -1869,15 +1871,22 @@ class Loader:
             end = now if self._wait_seen is None else max(now, self._wait_seen)
             self._wait_since = self._wait_seen = None
             self._consumer_wait += max(0.0, end - since)
+            if self._wait_cold:  # (a snapshot may have counted it so: the total goes on)
+                self._cold_wait += max(0.0, end - since)
+                self._wait_cold = False
 
-    def _back(self, now: float, asking: bool = False) -> None:
+    def _back(self, now: float, asking: bool = False, cold: bool = False) -> None:
         """The training loop asks for a batch at ``now``: the time since it left a pass
         counts in ``between_epochs_seconds_total``. With ``asking`` (it entered ``next()``),
         until that returns, a snapshot counts the time so far as wait (:meth:`_delivered`
-        then records the whole wait, :meth:`_unasked` the wait of one that gave no batch)."""
+        then records the whole wait, :meth:`_unasked` the wait of one that gave no batch);
+        with ``cold`` (the first batch of a pass that started cold) as cold-start wait too
+        (``cold_start_wait_seconds_total``: a report whose window ends in that wait reads
+        it as such, review 198)."""
         with self._step_lock:
             if asking:
                 self._wait_since, self._wait_seen = now, None
+                self._wait_cold = cold
                 self._asks += 1
             since = self._away_since
             if since is None:
@@ -2164,6 +2173,8 @@ class Loader:
                 self._step_seen = now
             if self._wait_since is not None:  # blocked in next() now (the first batch too)
                 wait += max(0.0, now - self._wait_since)
+                if self._wait_cold:
+                    cold_wait += max(0.0, now - self._wait_since)
                 self._wait_seen = now
             away = self._away_s
             if self._away_since is not None:
@@ -2377,7 +2388,7 @@ class _EpochIterator:
             return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
-        L._back(t0, asking=True)
+        L._back(t0, asking=True, cold=bool(self._cold) and self._taken == 0)
         try:
             return self._next(t0)
         except BaseException:
@@ -2513,8 +2524,7 @@ class _EpochIterator:
         now = time.monotonic()
         wait = now - t0
         L = self.L
-        L._delivered(now, wait, len(indices), id(self), empty,
-                     cold=bool(self._cold) and self._taken == 1)
+        L._delivered(now, wait, len(indices), id(self), empty)
         if L._iterable:
             L._count_yielded(self)
         return batch

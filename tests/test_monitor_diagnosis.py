@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from dataclasses import replace
 
@@ -829,6 +830,34 @@ def test_a_slow_start_is_left_out_of_the_verdict_and_said_in_the_summary():
     slow = diagnose([cold(snapshot(5.0, 69, step_s=0.010, wait_s=0.040, read_s=0.001,
                                    transform_s=0.025), 1.56)])
     assert slow.kind == "cpu", format_report(slow)
+    # Review 198: passes all short (a loop of next(iter(loader))) are all cold starts; a
+    # pipeline far slower than the step is no consumer-bound one for that.
+    short = diagnose([cold(snapshot(5.0, 69, step_s=0.010, wait_s=0.0005, read_s=0.001,
+                                    transform_s=0.5), 30.0, starts=69)])
+    assert short.kind == "cpu", format_report(short)
+
+
+def test_the_cpu_demand_leaves_out_the_wait_for_a_cold_pass(monkeypatch):
+    """Trial 199: a CPU-bound transform after a 4 s worker_init_fn read 0.73 of 2 cores over
+    its window (the workers asleep for most of it) and was "I/O bound (transform)", told to
+    add workers beyond the cores. The CPU demand is over the time not spent waiting for a
+    cold pass's first batch."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    a = snapshot(10.0, 10, step_s=0.010, wait_s=0.040, read_s=0.0001, transform_s=0.020,
+                 read_workers=0)
+    b = snapshot(15.0, 110, step_s=0.010, wait_s=0.0001, read_s=0.0001, transform_s=0.020,
+                 read_workers=0)
+    # 4 s of the 5 s window waited for the first batch; the workers ran 1.9 cores the rest
+    a = replace(a, extra={CPU_SECONDS_KEY: 10.0})
+    b = replace(b, extra={CPU_SECONDS_KEY: 11.9}, cold_starts_total=1,
+                cold_start_wait_seconds_total=4.0,
+                consumer_wait_seconds_total=a.consumer_wait_seconds_total + 4.2)
+    d = diagnose([a, b])
+    assert (d.kind, d.stage) == ("cpu", "transform"), format_report(d)
+    row = next(r for r in d.rows if r.metric == "loader CPU demand")
+    assert row.current == pytest.approx(1.9)
+    # the same window without the cold wait: its 0.38 cores read as workers that wait
+    assert diagnose([a, replace(b, cold_start_wait_seconds_total=0.0)]).kind == "io"
 
 
 def test_the_cold_start_wait_is_the_first_batchs_wait_of_each_cold_pass():
@@ -843,18 +872,30 @@ def test_the_cold_start_wait_is_the_first_batchs_wait_of_each_cold_pass():
 
     with Loader(Volumes(), batch_size=B, num_workers=2, worker_init_fn=init,
                 persistent_workers=False, autotune=False, seed=0) as loader:
-        firsts = []
-        for _ in range(2):
+        firsts, mid = [], []
+        for epoch in range(2):
+            it = iter(loader)  # (outside the clock: the wait is next()'s)
+            if epoch == 1:
+                # a snapshot while the loop waits for the first batch counts the wait so far
+                # as cold-start wait too (review 198: a report window ending there read the
+                # whole of it as the pipeline's)
+                before = loader.snapshot()
+                timer = threading.Timer(0.3, lambda: mid.append(loader.snapshot()))
+                timer.start()
             t = time.monotonic()
-            for i, _ in enumerate(loader):
+            for i, _ in enumerate(it):
                 if i == 0:
                     firsts.append(time.monotonic() - t)
                 time.sleep(0.03)
+        timer.join()
         s = loader.snapshot()
     assert s.cold_starts_total == 2
     assert min(firsts) > 0.5  # (the worker_init_fn's sleep)
     assert s.cold_start_wait_seconds_total == pytest.approx(sum(firsts), abs=0.01)
     assert s.cold_start_wait_seconds_total <= s.consumer_wait_seconds_total
+    grew = mid[0].cold_start_wait_seconds_total - before.cold_start_wait_seconds_total
+    waited = mid[0].consumer_wait_seconds_total - before.consumer_wait_seconds_total
+    assert grew >= 0.25 and grew == pytest.approx(waited, abs=0.01)
     d = diagnose([s])
     assert d.kind == "consumer", format_report(d)
     assert "persistent_workers=True" in d.suggestion
@@ -881,12 +922,15 @@ def test_an_io_bound_iterable_dataset_is_not_advised_a_read_stage_it_cannot_have
 
     meter, snaps = ProcessMeter(), []
     with Loader(SlowStream(), batch_size=B, num_workers=2, autotune=False) as loader:
-        for _ in range(2):
+        for epoch in range(3):
             for _ in loader:
                 time.sleep(0.001)
-            # (the workers' CPU, as the monitor reads it: they mostly wait)
-            figures = process_figures(meter.read(list(loader.worker_pids())))
-            snaps.append(replace(loader.snapshot(), extra=figures))
+            if epoch != 1:
+                # (the workers' CPU, as the monitor reads it: they mostly wait; over two
+                # epochs, ~1 s: one of ~0.5 s is near MIN_CPU_WINDOW_S, below which no CPU
+                # figure is read, and a pair without one reads CPU bound: review 198)
+                figures = process_figures(meter.read(list(loader.worker_pids())))
+                snaps.append(replace(loader.snapshot(), extra=figures))
     assert snaps[-1].iterable
     d = diagnose(snaps)
     assert d.kind == "io", format_report(d)

@@ -397,13 +397,29 @@ def test_a_knob_the_loader_ran_outside_the_searched_range_widens_the_bounds_writ
 @pytest.mark.parametrize("knobs, bounds, said", [
     ({"depth": 0}, {}, "knobs.depth: expected an integer >= 1, got 0"),
     ({"pool_size": 0}, {}, "knobs.pool_size: expected an integer >= 1, got 0"),
-    ({"depth": 9}, {"depth": [1, 8]}, "knobs.depth: 9 is outside bounds.depth [1, 8]"),
+    ({}, {"depth": [0, 8]}, "bounds.depth: the low bound must be >= 1, got 0"),
+    ({}, {"pool_size": [-4, 64]}, "bounds.pool_size: the low bound must be >= 1, got -4"),
+    ({}, {"pool_size": [9, 8]}, "bounds.pool_size: low 9 > high 8"),
 ])
-def test_a_configurations_knob_that_the_loader_would_clamp_is_refused(knobs, bounds, said):
-    """Trial 197: depth 0 loaded as 1, depth 9 with bounds [1, 8] as 8, without a word, where
-    the same values as arguments are refused."""
+def test_a_configurations_knob_or_bound_below_its_least_value_is_refused(knobs, bounds, said):
+    """Trial 197: depth 0 loaded as 1 without a word, where prefetch_factor=0 is refused;
+    trial 199: a bound of 0 was taken for depth, and a negative one named the wrong fault."""
     from autominato.config import ConfigError
 
     with pytest.raises(ConfigError, match=said.replace("[", r"\[").replace("]", r"\]")):
         load_config({"knobs": knobs, "bounds": bounds})
     assert load_config({"knobs": {"workers": 0}})["knobs"] == {"workers": 0}
+
+
+def test_a_knob_outside_its_files_bounds_stands_and_the_bounds_take_it_in(caplog):
+    """Trial 197: depth 9 with bounds [1, 8] loaded as 8 without a word. Review 198: refused,
+    it failed the files tune wrote before (pool_size raised to a batch size of 128 above the
+    space's [4, 64]); the knob stands, the range takes it in, and a warning says so."""
+    import logging
+
+    caplog.set_level(logging.WARNING, "autominato.config")
+    old = load_config({"knobs": {"pool_size": 128, "depth": 2},
+                       "bounds": {"pool_size": [4, 64], "depth": [1, 8]}})
+    assert old["knobs"]["pool_size"] == 128 and old["bounds"]["pool_size"] == (4, 128)
+    assert "knobs.pool_size: 128 is outside bounds.pool_size [4, 64]: the bounds taken are " \
+        "[4, 128]" in caplog.text

@@ -359,9 +359,18 @@ def diagnose(
     # CPU over the latest window, else over the history kept.
     cpu = cpu_cores_used(history[-2], last) if len(history) > 1 else None
     ran = cpu_cores_used(history[-2], last, CPU_TIME_SECONDS_KEY) if len(history) > 1 else None
+    since = history[-2] if len(history) > 1 else None
     if cpu is None and first is not None:
         cpu = cpu_cores_used(first, last)
         ran = cpu_cores_used(first, last, CPU_TIME_SECONDS_KEY)
+        since = first
+    if since is not None and cpu is not None:
+        # Over the time the training loop did not wait for a cold pass's first batch: the
+        # workers spent that in worker_init_fn or starting, not on the samples (trial 199: a
+        # CPU-bound transform after a 4 s worker_init_fn read 0.73 of 2 cores, "I/O bound
+        # (transform)", the verdict's idle having left that wait out).
+        cpu, ran = (c / _uncold_share(since, last) if c is not None else None
+                    for c in (cpu, ran))
     fused = _fused(last)
 
     read = last.stages.get("read")
@@ -456,7 +465,14 @@ def diagnose(
         for n in pair:
             del candidates[n]
         candidates[lead] = sum(shares[n] for n in pair)
-    if steady <= idle_threshold:
+    stage = max(candidates, key=candidates.__getitem__) if candidates else None
+    top = candidates.get(stage, 0.0) if stage else 0.0
+    # The idle over the threshold was the cold passes' first batches, and every stage keeps
+    # up: the pipeline's pace is the step's. Not where a stage is saturated: passes all
+    # short (a loop of next(iter(loader))) are all cold starts, and a pipeline 1496x too
+    # slow read "keeps up" (review 198).
+    cold_only = idle > idle_threshold and steady <= idle_threshold and top < SATURATED
+    if idle <= idle_threshold or cold_only:
         # "Fewer workers" is about the stage the workers knob drives (read+transform when
         # fused, else the transform): one fewer must keep it below saturation.
         n = knobs.get("workers", 0)
@@ -477,12 +493,10 @@ def diagnose(
             advice = "nothing to change on the loader"
         summary = (f"the training loop waited {idle:.0%} of the time (<= {idle_threshold:.0%}); "
                    f"its step of {step * 1e3:.1f} ms is the pace")
-        if idle > idle_threshold:
+        if cold_only:
             summary, advice = _cold_verdict(basis, idle, steady, idle_threshold, step, advice,
                                             last)
         return Diagnosis("consumer", None, summary, advice, **base)
-    stage = max(candidates, key=candidates.__getitem__) if candidates else None
-    top = candidates.get(stage, 0.0) if stage else 0.0
     if stage in ("read", "transform") and fused:
         if top >= SATURATED:
             # Which work fills them is told by the CPU they use: a read that decompresses
@@ -509,6 +523,17 @@ def diagnose(
     )
 
 
+def _uncold_share(a: LoaderSnapshot, b: LoaderSnapshot) -> float:
+    """The share of the window from ``a`` to ``b`` that the training loop did not spend
+    waiting for a cold pass's first batch (``cold_start_wait_seconds_total``), at least a
+    tenth; 1.0 for no such wait or a window of no length."""
+    seconds = b.time - a.time
+    cold = b.cold_start_wait_seconds_total - a.cold_start_wait_seconds_total
+    if seconds <= 0 or cold <= 0:
+        return 1.0
+    return max(0.1, 1.0 - cold / seconds)
+
+
 def _cold_verdict(basis: Rates, idle: float, steady: float, threshold: float, step: float,
                   advice: str, last: LoaderSnapshot) -> tuple[str, str]:
     """The consumer-bound verdict's summary and advice where the idle over the threshold is
@@ -521,7 +546,17 @@ def _cold_verdict(basis: Rates, idle: float, steady: float, threshold: float, st
                f"it for the first batch of {starts} (workers starting, worker_init_fn, an "
                f"epoch not prefetched); without those waits {steady:.0%} (<= {threshold:.0%}): "
                f"its step of {step * 1e3:.1f} ms is the pace")
-    if last.cold_starts_total > 1:
+    # Most passes cold, not one left early or resumed among many (review 198): several in
+    # the window, or at least half the epochs so far.
+    every = basis.cold_starts >= 2 or (last.cold_starts_total >= 2
+                                       and 2 * last.cold_starts_total >= last.epoch + 1)
+    if every and last.iterable:
+        # (trial 199: the advice below named the defaults, which an iterable dataset had)
+        advice = (f"{advice}; each epoch starts cold ({last.cold_starts_total} cold starts so "
+                  "far): an IterableDataset's workers begin each pass anew (no epoch of it is "
+                  "prefetched), so set-up done in __iter__ (opening files, loading an index) "
+                  "is paid every epoch: do it once, in __init__ or worker_init_fn")
+    elif every:
         # (every epoch cold: persistent_workers=False, prefetch_next_epoch=False, or one of
         # the passes the loader cannot prefetch, docs/controller.md)
         advice = (f"{advice}; each epoch starts cold ({last.cold_starts_total} cold starts so "

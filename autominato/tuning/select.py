@@ -69,7 +69,7 @@ def pick(
     """The module docstring's rule over ``trials`` whose idle ratios are ``idle`` (their
     trial values, or their means when measured again, see ``tuning.study._confirm``): the
     position of the winner. Ties left after memory go to the lower idle ratio, then to the
-    earlier position. CPU seconds per sample and peak memory are the trials' attributes.
+    lower trial number. CPU seconds per sample and peak memory are the trials' attributes.
 
     Raises:
         ValueError: no trials, or ``idle`` and ``trials`` of different lengths.

@@ -99,8 +99,9 @@ class TuneResult:
         confirmation: the default and the best measured again (``None`` without a baseline,
             a best, or with ``confirm_repeats=0``); when the best did not beat the default
             beyond the noise, or could not be measured again, ``config`` is the default's.
-            ``best`` is then the finalist whose runs again idled least (see
-            :data:`FINALISTS`), not necessarily the trial :func:`select_best` picked.
+            ``best`` is then the finalist that :func:`~autominato.tuning.select.pick` takes
+            on the means of their runs again (see :data:`FINALISTS`), not necessarily the
+            trial :func:`select_best` picked.
         finalists: the trial numbers measured again beside the default, best-ranked first.
     """
 
