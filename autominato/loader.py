@@ -2388,7 +2388,9 @@ class _EpochIterator:
             return next(self._delegate)
         L = self.L
         t0 = L._end_step(time.monotonic())  # (where a snapshot counted the step to)
-        L._back(t0, asking=True, cold=bool(self._cold) and self._taken == 0)
+        # (no batch nor error received yet: a next() after one that raised waits for the
+        # pass's samples, not its start, review 200)
+        L._back(t0, asking=True, cold=bool(self._cold) and self.run.received == 0)
         try:
             return self._next(t0)
         except BaseException:

@@ -364,14 +364,18 @@ def diagnose(
         cpu = cpu_cores_used(first, last)
         ran = cpu_cores_used(first, last, CPU_TIME_SECONDS_KEY)
         since = first
-    if since is not None and cpu is not None:
-        # Over the time the training loop did not wait for a cold pass's first batch: the
-        # workers spent that in worker_init_fn or starting, not on the samples (trial 199: a
-        # CPU-bound transform after a 4 s worker_init_fn read 0.73 of 2 cores, "I/O bound
-        # (transform)", the verdict's idle having left that wait out).
-        cpu, ran = (c / _uncold_share(since, last) if c is not None else None
-                    for c in (cpu, ran))
     fused = _fused(last)
+    if since is not None and cpu is not None:
+        # Over the time the training loop did not wait for a cold pass's start: the workers
+        # spent that in worker_init_fn or starting, not on the samples (trial 199: a CPU-bound
+        # transform after a 4 s worker_init_fn read 0.73 of 2 cores, "I/O bound (transform)",
+        # the verdict's idle having left that wait out). Only the part of each cold wait
+        # beyond what its first batch takes the stages to make: in a loop of short passes
+        # that part is the samples' (review 200: a transform that sleeps read 1.6 cores).
+        pair = sum(shares.get(n, 0.0) for n in ("read", "transform")) if fused else 0.0
+        per_batch = step * max([pair, *shares.values()], default=0.0)
+        cpu, ran = (c / _uncold_share(since, last, per_batch) if c is not None else None
+                    for c in (cpu, ran))
 
     read = last.stages.get("read")
     read_threshold = None
@@ -523,12 +527,16 @@ def diagnose(
     )
 
 
-def _uncold_share(a: LoaderSnapshot, b: LoaderSnapshot) -> float:
+def _uncold_share(a: LoaderSnapshot, b: LoaderSnapshot, per_batch_s: float = 0.0) -> float:
     """The share of the window from ``a`` to ``b`` that the training loop did not spend
-    waiting for a cold pass's first batch (``cold_start_wait_seconds_total``), at least a
-    tenth; 1.0 for no such wait or a window of no length."""
+    waiting for a cold pass to start: its waits for cold passes' first batches
+    (``cold_start_wait_seconds_total``) less ``per_batch_s`` (what the stages take to make
+    a batch, seconds) for each cold pass that began in it, at least a tenth; 1.0 for no such
+    wait or a window of no length."""
     seconds = b.time - a.time
     cold = b.cold_start_wait_seconds_total - a.cold_start_wait_seconds_total
+    starts = max(0, b.cold_starts_total - a.cold_starts_total)
+    cold -= starts * max(0.0, per_batch_s)
     if seconds <= 0 or cold <= 0:
         return 1.0
     return max(0.1, 1.0 - cold / seconds)
@@ -546,16 +554,19 @@ def _cold_verdict(basis: Rates, idle: float, steady: float, threshold: float, st
                f"it for the first batch of {starts} (workers starting, worker_init_fn, an "
                f"epoch not prefetched); without those waits {steady:.0%} (<= {threshold:.0%}): "
                f"its step of {step * 1e3:.1f} ms is the pace")
-    # Most passes cold, not one left early or resumed among many (review 198): several in
-    # the window, or at least half the epochs so far.
-    every = basis.cold_starts >= 2 or (last.cold_starts_total >= 2
-                                       and 2 * last.cold_starts_total >= last.epoch + 1)
+    # Most passes cold, not one left early or resumed among many (review 198): at least half
+    # the epochs so far, or three in a window (a loop that set its epoch far ahead).
+    every = last.cold_starts_total >= 2 and (
+        2 * last.cold_starts_total >= last.epoch + 1
+        or (math.isfinite(basis.seconds) and basis.cold_starts >= 3))
     if every and last.iterable:
         # (trial 199: the advice below named the defaults, which an iterable dataset had)
         advice = (f"{advice}; each epoch starts cold ({last.cold_starts_total} cold starts so "
                   "far): an IterableDataset's workers begin each pass anew (no epoch of it is "
                   "prefetched), so set-up done in __iter__ (opening files, loading an index) "
-                  "is paid every epoch: do it once, in __init__ or worker_init_fn")
+                  "is paid every epoch: do it once, in __init__ or worker_init_fn, with "
+                  "persistent_workers=True (the default; without it both run again each "
+                  "epoch)")
     elif every:
         # (every epoch cold: persistent_workers=False, prefetch_next_epoch=False, or one of
         # the passes the loader cannot prefetch, docs/controller.md)
