@@ -365,6 +365,17 @@ def diagnose(
         ran = cpu_cores_used(first, last, CPU_TIME_SECONDS_KEY)
         since = first
     fused = _fused(last)
+    # One set of workers does both read and transform when fused, so their shares add up on
+    # those workers, and the sum competes with the other stages (the table's
+    # "read+transform share" row): read 0.6 + transform 0.6 is a saturated pair even beside
+    # a collate share of 0.7.
+    candidates = dict(shares)
+    pair = [n for n in ("read", "transform") if n in shares]
+    if fused and pair:
+        lead = max(pair, key=shares.__getitem__)
+        for n in pair:
+            del candidates[n]
+        candidates[lead] = sum(shares[n] for n in pair)
     if since is not None and cpu is not None:
         # Over the time the training loop did not wait for a cold pass's start: the workers
         # spent that in worker_init_fn or starting, not on the samples (trial 199: a CPU-bound
@@ -372,8 +383,7 @@ def diagnose(
         # the verdict's idle having left that wait out). Only the part of each cold wait
         # beyond what its first batch takes the stages to make: in a loop of short passes
         # that part is the samples' (review 200: a transform that sleeps read 1.6 cores).
-        pair = sum(shares.get(n, 0.0) for n in ("read", "transform")) if fused else 0.0
-        per_batch = step * max([pair, *shares.values()], default=0.0)
+        per_batch = step * max(candidates.values(), default=0.0)
         cpu, ran = (c / _uncold_share(since, last, per_batch) if c is not None else None
                     for c in (cpu, ran))
 
@@ -458,17 +468,6 @@ def diagnose(
             "none", None, "no batch delivered yet", "wait for the first batches", **base
         )
     knobs = last.knobs
-    # One set of workers does both read and transform when fused, so their shares add up on
-    # those workers, and the sum competes with the other stages (the table's
-    # "read+transform share" row): read 0.6 + transform 0.6 is a saturated pair even beside
-    # a collate share of 0.7.
-    candidates = dict(shares)
-    pair = [n for n in ("read", "transform") if n in shares]
-    if fused and pair:
-        lead = max(pair, key=shares.__getitem__)
-        for n in pair:
-            del candidates[n]
-        candidates[lead] = sum(shares[n] for n in pair)
     stage = max(candidates, key=candidates.__getitem__) if candidates else None
     top = candidates.get(stage, 0.0) if stage else 0.0
     # The idle over the threshold was the cold passes' first batches, and every stage keeps
