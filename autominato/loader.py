@@ -883,6 +883,7 @@ class Loader:
         self._wait_seen: float | None = None
         self._consumer_wait = 0.0
         self._cold_wait = 0.0  # of it, for cold passes' first batches (_back's cold)
+        self._cold_shown = 0  # the most cold starts a snapshot showed (_cold_starts_shown)
         self._wait_cold = False  # the next() under way waits for a cold pass's first batch
         # The step of the batch returned last: (return time, its wait, its samples, the id of
         # the iterator that returned it), closed by the training loop's next request (see
@@ -2153,6 +2154,16 @@ class Loader:
         for hook in list(self.decision_hooks):
             hook(decision)
 
+    def _cold_starts_shown(self, n: int) -> int:
+        """``n`` cold starts, or the most a snapshot showed before: a counter never goes back.
+        ``_restart_pass`` takes back the cold start of the pass it replaces once the fresh
+        pass has begun (one pass, one cold start), and a snapshot in between read one more
+        (review 200); Prometheus reads a counter that falls as reset to 0, its rate then
+        the whole count. Such a snapshot's extra one stays until the next cold start."""
+        with self._counts_lock:
+            n = self._cold_shown = max(n, self._cold_shown)
+        return n
+
     def snapshot(self) -> LoaderSnapshot:
         """A frozen copy of every figure the telemetry and the controller read."""
         with self._counts_lock:  # the pipeline, or the counts of the one load_state_dict retired
@@ -2203,7 +2214,8 @@ class Loader:
             pool_bytes=p.pool_bytes if p else 0,
             nodes=p.nodes() if p else (),
             speculative_discarded_total=count["speculative_discarded"],
-            cold_starts_total=count["cold_starts"] + self._sync_cold_starts,
+            cold_starts_total=self._cold_starts_shown(count["cold_starts"]
+                                                      + self._sync_cold_starts),
             cold_start_wait_seconds_total=cold_wait,
             iterable=self._iterable,
             between_epochs_seconds_total=away,

@@ -371,6 +371,27 @@ def test_cold_starts_count_the_epochs_that_were_not_prefetched(workers):
         assert L.snapshot().cold_starts_total == 3
 
 
+def test_the_cold_start_count_never_goes_back_across_a_restarted_pass(monkeypatch):
+    """Review 200: a pass restarted by set_epoch after iter() takes back the cold start of
+    the pass it replaces once the fresh one began; a snapshot in between read one more, and
+    the exported counter then fell (Prometheus reads that as a reset to 0)."""
+    with Loader(StragglerTail(6), batch_size=2, seed=SEED, workers=2, autotune=False) as L:
+        it = iter(L)  # epoch 0's pass (the first: cold)
+        seen = []
+        begin = Loader._map_pass
+
+        def spy(self, *a, **kw):
+            fresh = begin(self, *a, **kw)
+            seen.append(self.snapshot().cold_starts_total)  # the fresh pass began
+            return fresh
+
+        monkeypatch.setattr(Loader, "_map_pass", spy)
+        L.set_epoch(5)  # before the first batch: the pass restarts as epoch 5 (cold)
+        rest = [next(it)] + list(it)
+        assert len(rest) == 3 and seen == [2]
+        assert L.snapshot().cold_starts_total == 2  # not 1 after 2
+
+
 def test_time_between_epochs_is_counted_apart_from_steps_and_waits():
     # The training loop sleeps 0.1 s a step and 0.5 s between epochs (a validation loop);
     # after a break it also leaves the pass. Steps, waits and the time between epochs add up
