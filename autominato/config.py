@@ -17,11 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from autominato.pipeline.knobs import KNOB_NAMES
-
-#: The least value of each knob in a configuration, as the Loader's arguments take them
-#: (``prefetch_factor=0`` is refused there; ``workers: 0`` loads in the training loop).
-KNOB_MIN = {"depth": 1, "read_threads": 1, "workers": 0, "pool_size": 1}
+from autominato.pipeline.knobs import KNOB_MIN, KNOB_NAMES
 
 log = logging.getLogger("autominato.config")
 

@@ -827,8 +827,9 @@ class Loader:
                                max(self._batch, bounds["pool_size"][1]))
         self.knobs = Knobs(values, bounds)
         if cfg is not None:
-            moved = [(k, v, self.knobs.as_dict()[k]) for k, v in cfg["knobs"].items()
-                     if k not in knobs and k != "workers" and self.knobs.as_dict()[k] != v]
+            applied = self.knobs.as_dict()
+            moved = [(k, v, applied[k]) for k, v in cfg["knobs"].items()
+                     if k not in knobs and k != "workers" and applied[k] != v]
             if moved:
                 # (workers above the bound are said above; the rest were clamped without a
                 # word: trial 197's pool_size below the batch size)

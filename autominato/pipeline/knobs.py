@@ -84,6 +84,11 @@ class Knob:
 #: Names in the order they are documented; the controller and the tuner use these names.
 KNOB_NAMES = ("depth", "read_threads", "workers", "pool_size")
 
+#: The least value of each knob that a user may set (``prefetch_factor=0`` is refused;
+#: ``workers=0`` loads in the training loop's thread): configuration files
+#: (``autominato.config``) and search spaces (``tuning.space``) hold to it.
+KNOB_MIN = {"depth": 1, "read_threads": 1, "workers": 0, "pool_size": 1}
+
 
 class Knobs:
     """The loader's live knobs.

@@ -55,7 +55,7 @@ from autominato.telemetry.cores import (
     transforms_inline,
 )
 from autominato.telemetry.process import ProcessMeter
-from autominato.telemetry.window import Rates, between, idle_ratio
+from autominato.telemetry.window import Rates, between
 
 LOGGER_NAME = "autominato.monitor"
 logger = logging.getLogger(LOGGER_NAME)
@@ -441,11 +441,8 @@ def diagnose(
     # of 69 waited, was "synchronisation bound: deeper prefetch", which changed nothing).
     cold_s = basis.cold_wait_s
     if cold_s > 0 or run.cold_wait_s > 0:
-        rows.append(Row("cold-start wait", "of time",
-                        idle_ratio(cold_s, basis.wait_s - cold_s + basis.busy_s)
-                        if cold_s > 0 else 0.0,
-                        idle_ratio(run.cold_wait_s, run.wait_s - run.cold_wait_s + run.busy_s),
-                        None, "ref"))
+        rows.append(Row("cold-start wait", "of time", basis.cold_wait_ratio,
+                        run.cold_wait_ratio, None, "ref"))
     steady = basis.steady_idle_ratio
 
     base = dict(

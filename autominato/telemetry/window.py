@@ -155,6 +155,11 @@ class Rates:
         return idle_ratio(self.wait_s, self.busy_s)
 
     @property
+    def cold_wait_ratio(self) -> float:
+        """The part of :attr:`idle_ratio` that was the wait for cold passes' first batches."""
+        return idle_ratio(self.cold_wait_s, self.wait_s - self.cold_wait_s + self.busy_s)
+
+    @property
     def steady_idle_ratio(self) -> float:
         """:attr:`idle_ratio` with the waits for cold passes' first batches left out (worker
         start-up, an epoch not prefetched): the share that the pipeline's pace leaves."""

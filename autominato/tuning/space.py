@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 import yaml
 
-from autominato.pipeline.knobs import KNOB_NAMES, usable_cores
+from autominato.pipeline.knobs import KNOB_MIN, KNOB_NAMES, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ DEFAULT_SPACE = TUNER_DIR / "default.yaml"
 STATIC_NAMES = ("worker_kind", "in_order", "batch_size")
 PARAM_NAMES = (*KNOB_NAMES, *STATIC_NAMES)
 #: Smallest meaningful value of each integer parameter (0 workers = transform in-process).
-MINIMUM = {"depth": 1, "read_threads": 1, "workers": 0, "pool_size": 1, "batch_size": 1}
+MINIMUM = {**KNOB_MIN, "batch_size": 1}
 SECTIONS = {
     "params": None,
     "trial": {"warmup_batches": 0, "window_batches": 1, "report_every": 1},
