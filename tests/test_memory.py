@@ -737,15 +737,15 @@ class Alike64:
         return np.full(4, i + int(a[0]) - 1, np.float32)
 
 
-def _later_system_time(memory_aware: bool) -> tuple[float, int, list[float]]:
+def _later_system_time(warm_heap: bool) -> tuple[float, int, list[float]]:
     """(system CPU-seconds of the workers over epochs 2-5, the heap kept, the figures)."""
     import psutil
 
-    with Loader(Alike64(), 2, workers=2, seed=0, autotune=False, memory_aware=memory_aware,
+    with Loader(Alike64(), 2, workers=2, seed=0, autotune=False, warm_heap=warm_heap,
                 prefetch_next_epoch=False) as loader:
         assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
         pool = loader._pipeline.procs.pool
-        deadline = time.monotonic() + (5.0 if memory_aware else 0.6)
+        deadline = time.monotonic() + (5.0 if warm_heap else 0.6)
         while not pool.heap_keep and time.monotonic() < deadline:
             time.sleep(0.05)  # (sent at the scheduler's next tick)
         procs = [psutil.Process(p) for p in loader.worker_pids()]
@@ -760,7 +760,7 @@ def _later_system_time(memory_aware: bool) -> tuple[float, int, list[float]]:
 @needs_warm_heap
 def test_workers_keep_a_warm_heap_and_their_samples_figures_stay_true():
     """After the first figures the workers keep a sample's worth of heap warm: the later
-    epochs' samples take no new pages, where without memory-aware dispatch (no warm heap)
+    epochs' samples take no new pages, where without the warm heap (``warm_heap=False``)
     the kernel faults in and zeroes each one's 64 MiB anew (system time); and the figures
     stay the samples' 64 MiB. (System time, not page faults: with transparent huge pages a
     64 MiB array is 32 faults either way. A loaded machine inflates it: one CI run read
@@ -982,7 +982,7 @@ def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     assert Pipeline._idle_warm(fake, 2) == []
     sent = []
     keeps = iter([100 * MiB, 100 * MiB + MiB, 100 * MiB - MiB, 120 * MiB])
-    fake = SimpleNamespace(cfg=SimpleNamespace(warm_heap=True), _held_key=None,
+    fake = SimpleNamespace(cfg=SimpleNamespace(warm_heap=True), _held_key=None, _keep_all=False,
                            memory=SimpleNamespace(known=True, heap_keep=lambda w: next(keeps)),
                            procs=SimpleNamespace(size=2, pool=SimpleNamespace(heap_keep=0,
                                                                              workers={})),
@@ -1061,6 +1061,49 @@ def test_idle_workers_give_their_warm_heaps_back_and_take_them_again(monkeypatch
         assert pool.heap_keep >= 30 * MiB  # kept again
 
 
+@needs_warm_heap
+@pytest.mark.parametrize("warm_heap", [True, False])
+def test_without_memory_awareness_workers_keep_their_whole_heap_warm_until_idle(
+        monkeypatch, warm_heap):
+    """``memory_aware=False``: no budget bounds the warm heap, so each worker keeps all of
+    it between samples (``worker.KEEP_ALL``; before, it gave every freed page back after
+    each sample, and turning memory awareness off to go faster made the KiTS19 bench slower:
+    7.8 s against the defaults' 7.1) until the workers idle ``WARM_IDLE_S``; with
+    ``warm_heap=False`` the pages go back after each sample, as before."""
+    import math
+
+    import psutil
+
+    from autominato.pipeline import scheduler
+    from autominato.pipeline.worker import KEEP_ALL
+
+    monkeypatch.setattr(scheduler, "WARM_IDLE_S", 3.0)
+    with Loader(Alike32(), 2, workers=2, autotune=False, prefetch_next_epoch=False,
+                memory_aware=False, warm_heap=warm_heap) as loader:
+        pool = loader._pipeline.procs.pool
+        for _ in range(40):  # (the scheduler's tick sends the keep: 0.25 s)
+            assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
+            if pool.heap_keep or not warm_heap and _ >= 2:
+                break
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(8))
+        uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
+        if not warm_heap:
+            assert pool.heap_keep == 0 and loader.snapshot().worker_heap_keep_bytes == 0
+            assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+            return
+        assert pool.heap_keep == KEEP_ALL
+        assert loader.snapshot().worker_heap_keep_bytes == math.inf
+        # each worker ran 32 MiB samples and kept their pages (12 MiB a worker without)
+        assert min(uss) >= 32 * MiB, [u / MiB for u in uss]
+        deadline = time.monotonic() + 8
+        while pool.heap_keep and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.heap_keep == 0
+        time.sleep(0.3)
+        uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
+        assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+
+
 def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     """A knob change that starts workers recomputes the keep in the same pass (before, new
     workers took the old count's keep until the scheduler's next tick: with 3 workers
@@ -1079,7 +1122,7 @@ def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
     fake = SimpleNamespace(
         cfg=SimpleNamespace(warm_heap=True, iterable=False), _held_key=None, memory=m,
         procs=procs, knobs=SimpleNamespace(workers=3, pool_size=8, depth=2), sample_stages=[stage], runs={},
-        _memory_aware=True, slots=SimpleNamespace(set_max_slots=lambda n: None),
+        _memory_aware=True, _keep_all=False, slots=SimpleNamespace(set_max_slots=lambda n: None),
         _workers_busy_at=time.monotonic(), _parked=False,
         batch_pool=SimpleNamespace(max_per_key=0))
     fake._want = lambda st: fake.knobs.workers

@@ -38,7 +38,8 @@ autominato-in-order    ``autominato.Loader(in_order=True)``, controller on: the 
                        (sampler order, reproducible), against the ``dataloader`` arm like for
                        like (opt-in: not in :data:`DEFAULT_ARMS`)
 autominato-memory-off  ``autominato.Loader(memory_aware=False)``, controller on: no sample held
-                       back for memory (docs/memory.md), the trade in one run (opt-in)
+                       back for memory and each worker's whole freed heap kept warm
+                       (docs/memory.md), the trade in one run (opt-in)
 autominato-cold-heap   ``autominato.Loader(warm_heap=False)``, controller on: workers give all
                        their free heap back after each sample (docs/memory.md, "The warm
                        heap"), the trade in one run (opt-in)

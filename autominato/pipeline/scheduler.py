@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -88,6 +89,7 @@ from autominato.pipeline.stats import StageStats
 from autominato.pipeline.stream import Pull, PullDone, ShardLost, Stream, Yielded, YieldFailed
 from autominato.pipeline.worker import (
     HEAP_SLACK_BYTES,
+    KEEP_ALL,
     Streams,
     WorkSpec,
     pass_base_seed,
@@ -407,6 +409,9 @@ class Pipeline:
             # ((Stage.scans, SampleMemory.version), key -> estimate, the pool's bytes): _admit
             self._scan_ests: tuple[tuple[int, int], dict, int] = ((0, 0), {}, 0)
             self._memory_aware = False
+            # memory_aware=False: no budget bounds the warm heap, the workers keep it all
+            # (worker.KEEP_ALL) until they idle WARM_IDLE_S (_update_heap_keep)
+            self._keep_all = self.procs is not None and cfg.warm_heap and not cfg.memory_aware
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
@@ -771,8 +776,12 @@ class Pipeline:
     @property
     def worker_heap_keep_bytes(self) -> float:
         """Bytes of free heap each worker process may keep warm between samples now, as
-        last sent to them (``_update_heap_keep``); 0 without process workers."""
-        return float(self.procs.pool.heap_keep) if self.procs is not None else 0.0
+        last sent to them (``_update_heap_keep``); 0 without process workers; ``inf`` where
+        they keep all of it (``memory_aware=False``, ``worker.KEEP_ALL``)."""
+        if self.procs is None:
+            return 0.0
+        keep = self.procs.pool.heap_keep
+        return math.inf if keep >= KEEP_ALL else float(keep)
 
     def workers_ready_at(self) -> float | None:
         """``time.monotonic()`` since when a worker process (or Ray actor) has been ready to
@@ -927,7 +936,7 @@ class Pipeline:
                                 and self.procs.chunk == 1)
                     self.slots.decay(now, keep=0 if ahead or held or measured else None)
                     self.batch_pool.decay(now, at_once=held or measured)
-                    if self._memory_aware:
+                    if self._memory_aware or self._keep_all:
                         self._update_heap_keep()
         except BaseException as e:  # a bug here must surface in the training loop, not hang it
             log.exception("autominato scheduler failed")
@@ -1414,7 +1423,9 @@ class Pipeline:
         memory: a worker left idle by the hold gives its warm heap back at once (it would
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
-        after their sample. None either once every worker has idled :data:`WARM_IDLE_S`."""
+        after their sample. None either once every worker has idled :data:`WARM_IDLE_S`.
+        Without ``memory_aware`` (``_keep_all``): all of it
+        (:data:`~autominato.pipeline.worker.KEEP_ALL`) until they idled that long."""
         if not self.cfg.warm_heap:
             return
         now = time.monotonic()
@@ -1428,8 +1439,11 @@ class Pipeline:
         # training, a loop that stopped): their warm heaps go back (review 118: 72 MiB against
         # 8 a worker, 3 s after the last epoch); the next sample takes it again.
         idle = now - self._workers_busy_at >= WARM_IDLE_S
-        keep = (int(self.memory.heap_keep(self.procs.size))
-                if self.memory.known and self._held_key is None and not idle else 0)
+        if self._keep_all:
+            keep = 0 if idle else KEEP_ALL
+        else:
+            keep = (int(self.memory.heap_keep(self.procs.size))
+                    if self.memory.known and self._held_key is None and not idle else 0)
         last = self.procs.pool.heap_keep
         # (a smaller keep goes at once: the budget leaves that much less beside the largest)
         if keep < last or (keep > last and (not last or keep - last >= HEAP_SLACK_BYTES)):

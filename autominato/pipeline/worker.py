@@ -243,6 +243,12 @@ def heap_only(on: bool = True) -> bool:
 #: time alike within the noise in both.
 HEAP_SLACK_BYTES = 16 << 20
 
+#: A keep (``("heap", KEEP_ALL)``, :meth:`HeapTrim.set_keep`) at which a worker gives none of
+#: its free heap back between tasks: ``Loader(memory_aware=False)`` with ``warm_heap``, where
+#: no memory budget bounds the warm heap (``Pipeline._update_heap_keep``). A smaller keep
+#: (0 after the workers idled ``scheduler.WARM_IDLE_S``) gives it back as any smaller keep.
+KEEP_ALL = 1 << 62
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -366,6 +372,11 @@ class HeapTrim:
             self._statm = None
 
     def _give_back(self) -> None:
+        if self.keep >= KEEP_ALL:
+            # (malloc_trim(pad) would still give back the free blocks inside the heap,
+            # whatever the pad: the next sample would fault them in again)
+            self.base = self.resident_bytes()
+            return
         if give_back_free_heap(self.keep):
             self.given += 1
         self.base = self.resident_bytes()
