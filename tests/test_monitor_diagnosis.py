@@ -963,3 +963,41 @@ def test_an_io_bound_iterable_dataset_is_not_advised_a_read_stage_it_cannot_have
     assert "fuse_read" not in d.suggestion
     with pytest.warns(UserWarning, match="fuse_read=False does not apply to SlowStream"):
         Loader(SlowStream(), batch_size=B, num_workers=2, fuse_read=False).close()
+
+
+def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel(monkeypatch):
+    """Workers that spend 30% or more of their CPU time in the kernel (the KiTS19 bench:
+    45-50%, fresh pages zeroed after the memory given back between samples) are told that
+    ``memory_aware=False`` keeps their freed heaps warm; not below that share, not where
+    they keep them already (``memory_aware=False``: keep +Inf), not for thread workers."""
+    import re
+
+    from autominato.telemetry.cores import (
+        CPU_OF_WORKERS_KEY,
+        CPU_TIME_SECONDS_KEY,
+        KERNEL_SECONDS_KEY,
+    )
+
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+
+    def run(kernel: float, keep: float = 70.0 * 2**20, kind: str = "process"):
+        hist = history(step_s=0.010, wait_s=0.040, transform_s=0.025)
+        return diagnose([replace(s, worker_kind=kind, worker_heap_keep_bytes=keep,
+                                 extra={CPU_SECONDS_KEY: 1.95 * s.time,
+                                        CPU_TIME_SECONDS_KEY: 1.9 * s.time,
+                                        KERNEL_SECONDS_KEY: kernel * 1.9 * s.time,
+                                        CPU_OF_WORKERS_KEY: 1.0})
+                         for s in hist])
+
+    d = run(0.47)
+    assert d.kind == "cpu" and d.stage == "transform", format_report(d)
+    assert ("the workers spent 47% of their CPU time in the kernel" in d.suggestion
+            and "memory_aware=False keeps each worker's freed heap warm" in d.suggestion)
+    row = next(r for r in d.rows if r.metric == "workers' kernel time")
+    assert row.current == pytest.approx(0.47)
+    assert re.search(r"workers' kernel time\s.*47%", format_report(d, width=200))
+    for quiet in (run(0.2), run(0.47, keep=math.inf), run(0.47, kind="thread")):
+        assert quiet.kind == "cpu" and "kernel" not in quiet.suggestion
+    # no kernel figure (a remote exporter before December 2026, no worker process): no row
+    d = diagnose(with_cpu(history(step_s=0.010, wait_s=0.040, transform_s=0.025), 1.95))
+    assert all(r.metric != "workers' kernel time" for r in d.rows)

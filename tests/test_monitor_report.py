@@ -207,6 +207,39 @@ def test_the_loader_cpu_time_exported_is_what_its_workers_spent(burn):
         assert 0 <= cpu < 0.3 * 24 * 0.04, cpu  # (CPU time in 10 ms ticks: 0 is true)
 
 
+class _FreshPages:
+    """Each sample writes two fresh 64 MiB arrays (mapped on their own, unmapped when freed):
+    the kernel faults in and zeroes every page."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        for _ in range(2):
+            a = np.ones(64 << 20, np.uint8)
+            del a
+        return np.full(4, i, np.float32)
+
+
+def test_the_workers_kernel_time_exported_is_their_system_time():
+    """``autominato_loader_cpu_system_seconds_total`` is the workers' system time (psutil's
+    reading of the same processes, within ticks), and for samples that take fresh pages it
+    is most of their CPU time (``warm_heap=False``: every freed page goes back)."""
+    import psutil
+
+    from autominato.telemetry.remote import _get, _samples, fetch
+
+    with Loader(_FreshPages(), 4, workers=2, autotune=False, seed=0, warm_heap=False,
+                prefetch_next_epoch=False, metrics_port=0) as loader:
+        assert sorted(int(x) for b in loader for x in b[:, 0]) == list(range(16))
+        got = _samples(fetch(loader._telemetry.url))
+        system = sum(psutil.Process(p).cpu_times().system for p in loader.worker_pids())
+    kernel = _get(got, "autominato_loader_cpu_system_seconds_total", rank="0")
+    cpu = _get(got, "autominato_loader_cpu_seconds_total", rank="0")
+    assert kernel == pytest.approx(system, abs=0.05)
+    assert 0.3 * cpu <= kernel <= cpu, (kernel, cpu)
+
+
 @pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat")
                     or not hasattr(os, "sched_setaffinity"), reason="no Linux schedstat")
 def test_workers_on_one_core_export_the_cpu_they_ran_apart_from_their_run_queue_wait():

@@ -27,6 +27,11 @@ for line in sys.stdin:
         end = time.process_time() + float(arg)
         while time.process_time() < end:
             pass
+    elif cmd == "fresh":  # 64 MiB arrays (each mapped on its own) written and freed, this
+        for _ in range(int(arg)):  # many times: the kernel faults in and zeroes every page
+            np.ones(64 << 20, np.uint8)
+    elif cmd == "spin":  # this many million additions in Python (no system call: "burn"
+        sum(range(int(float(arg) * 1e6)))  # reads the CPU clock, a system call each time)
     elif cmd == "alloc":  # this many bytes, every page written
         held.append(np.ones(int(arg), np.uint8))
     elif cmd in ("shm", "shmmap"):  # this many bytes written into a memory file; "shm":
@@ -182,6 +187,27 @@ def test_pss_is_read_only_when_asked_for(child):
     assert r.processes[0].pss_bytes is None
     assert r.pss_bytes == r.processes[0].rss_bytes  # RSS stands in
     assert r.shmem_bytes is None and r.footprint_bytes == r.pss_bytes
+
+
+def test_the_workers_kernel_time_is_their_system_time(child):
+    """``worker_system_seconds_total`` is the workers' system time as the kernel counts it
+    (psutil's reading of the same process, within ticks): near all of it for fresh pages
+    faulted in and zeroed, near none for a loop that computes."""
+    meter = ProcessMeter()  # this process is the root, the child a listed worker
+    proc = psutil.Process(child.proc.pid)
+    before, times0 = meter.read([child.proc.pid]), proc.cpu_times()
+    child.do("fresh", 40)
+    mid, times1 = meter.read([child.proc.pid]), proc.cpu_times()
+    kernel = mid.worker_system_seconds_total - before.worker_system_seconds_total
+    ran = mid.worker_cpu_seconds_total - before.worker_cpu_seconds_total
+    assert kernel == pytest.approx(times1.system - times0.system, abs=0.03)
+    assert kernel >= 0.5 * ran > 0, (kernel, ran)
+    child.do("spin", 30)
+    after = meter.read([child.proc.pid])
+    ran = after.worker_cpu_seconds_total - mid.worker_cpu_seconds_total
+    assert after.worker_system_seconds_total - mid.worker_system_seconds_total <= 0.1 * ran
+    assert ran >= 0.1
+    assert before.worker_system_seconds_total <= before.worker_cpu_seconds_total
 
 
 def test_a_listed_worker_counts_as_a_worker_and_its_cpu_outlives_it(child):

@@ -33,6 +33,7 @@ from autominato.telemetry.cores import (
     CPU_OF_WORKERS_KEY,
     CPU_SECONDS_KEY,
     CPU_TIME_SECONDS_KEY,
+    KERNEL_SECONDS_KEY,
     RUNQUEUE_SECONDS_KEY,
     reads_fused,
 )
@@ -287,6 +288,8 @@ def _add_samples(
         put("autominato_loader_cpu_seconds_total",
             s.extra.get(CPU_TIME_SECONDS_KEY, s.extra[CPU_SECONDS_KEY]))
         put("autominato_loader_runqueue_wait_seconds_total", s.extra.get(RUNQUEUE_SECONDS_KEY, 0.0))
+        if KERNEL_SECONDS_KEY in s.extra:
+            put("autominato_loader_cpu_system_seconds_total", s.extra[KERNEL_SECONDS_KEY])
     for knob in KNOB_NAMES:
         if knob in s.knobs:
             put("autominato_knob_value", s.knobs[knob], knob)

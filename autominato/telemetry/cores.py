@@ -28,6 +28,10 @@ RUNQUEUE_SECONDS_KEY = "control.runqueue_seconds_total"
 #: read (not the demand less the wait: in floating point that moved back by an ulp now and
 #: then, which Prometheus reads as a counter reset, review 167).
 CPU_TIME_SECONDS_KEY = "control.cpu_time_seconds_total"
+#: ``LoaderSnapshot.extra`` key: the part of :data:`CPU_TIME_SECONDS_KEY` that worker
+#: processes spent in the kernel (system time: page faults and the zeroing of fresh pages,
+#: file reads, other system calls), seconds; only where the figures count worker processes.
+KERNEL_SECONDS_KEY = "control.worker_system_seconds_total"
 #: ``LoaderSnapshot.extra`` key: 1.0 when :data:`CPU_SECONDS_KEY` counts worker processes
 #: only, 0.0 when it counts this process (no worker process seen yet). Two figures of
 #: different bases are never subtracted: the first snapshot of a loader comes before its
@@ -63,10 +67,13 @@ def _of_workers(reading: Reading) -> bool:
 
 def loader_cpu_extra(reading: Reading) -> dict[str, float]:
     """The ``LoaderSnapshot.extra`` CPU figures of a meter reading: :data:`CPU_SECONDS_KEY`
-    (:func:`loader_cpu_seconds`), the run-queue wait in it (:data:`RUNQUEUE_SECONDS_KEY`) and
-    their basis, :data:`CPU_OF_WORKERS_KEY`."""
+    (:func:`loader_cpu_seconds`), the run-queue wait in it (:data:`RUNQUEUE_SECONDS_KEY`),
+    the CPU time (:data:`CPU_TIME_SECONDS_KEY`) and, with worker processes, its kernel part
+    (:data:`KERNEL_SECONDS_KEY`), and their basis, :data:`CPU_OF_WORKERS_KEY`."""
     workers = _of_workers(reading)
+    kernel = {KERNEL_SECONDS_KEY: reading.worker_system_seconds_total} if workers else {}
     return {
+        **kernel,
         CPU_SECONDS_KEY: loader_cpu_seconds(reading),
         RUNQUEUE_SECONDS_KEY: (reading.worker_runqueue_seconds_total if workers
                                else reading.runqueue_seconds_total),
@@ -105,6 +112,25 @@ def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot,
             return max(0.0, b.extra[key]) / seconds
         return None
     return max(0.0, b.extra[key] - a.extra[key]) / seconds
+
+
+#: Least CPU time of the workers in a window whose kernel share :func:`kernel_share` tells,
+#: seconds: ticks of 10 ms per process, 5 of them at most 1% of it each side.
+MIN_KERNEL_CPU_S = 1.0
+
+
+def kernel_share(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
+    """The share (0..1) of the worker processes' CPU time between snapshots ``a`` and ``b``
+    that they spent in the kernel (:data:`KERNEL_SECONDS_KEY` over
+    :data:`CPU_TIME_SECONDS_KEY`), or None: either lacks the figures (no worker process,
+    no meter), or the workers ran under :data:`MIN_KERNEL_CPU_S` in between."""
+    keys = (KERNEL_SECONDS_KEY, CPU_TIME_SECONDS_KEY)
+    if any(k not in s.extra for k in keys for s in (a, b)):
+        return None
+    ran = b.extra[CPU_TIME_SECONDS_KEY] - a.extra[CPU_TIME_SECONDS_KEY]
+    if ran < MIN_KERNEL_CPU_S:
+        return None
+    return min(1.0, max(0.0, b.extra[KERNEL_SECONDS_KEY] - a.extra[KERNEL_SECONDS_KEY]) / ran)
 
 
 def transforms_inline(snap: LoaderSnapshot) -> bool:

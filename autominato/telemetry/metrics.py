@@ -262,6 +262,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "process).",
         (),
     ),
+    "autominato_loader_cpu_system_seconds_total": (
+        "counter",
+        "The part of autominato_loader_cpu_seconds_total the worker processes spent in the "
+        "kernel (system time: page faults and the zeroing of fresh pages, file reads, other "
+        "system calls), summed over workers as it.",
+        (),
+    ),
     "autominato_loader_runqueue_wait_seconds_total": (
         "counter",
         "Seconds the loader's worker processes' threads waited runnable for a core (Linux "

@@ -50,6 +50,7 @@ from autominato.telemetry.cores import (
     CPU_TIME_SECONDS_KEY,
     CoreBudget,
     cpu_cores_used,
+    kernel_share,
     loader_cpu_extra,
     reads_fused,
     transforms_inline,
@@ -433,6 +434,9 @@ def diagnose(
     rows.append(_row("queue wait share", "of batches", blocked, blocked_mean, queue_wait_threshold))
     if cpu is not None:
         rows.append(Row("loader CPU demand", "cores", cpu, None, float(budget.cores), "ref"))
+    kernel = kernel_share(since, last) if since is not None else None
+    if kernel is not None:
+        rows.append(Row("workers' kernel time", "of CPU", kernel, None, None, "ref"))
     idle = basis.idle_ratio
     rows.append(_row("accelerator idle", "of time", idle, run.idle_ratio, idle_threshold))
     # The waits for the first batch of passes that started cold (workers starting,
@@ -504,7 +508,8 @@ def diagnose(
             stage = "read" if budget.io_like(cpu, knobs.get("workers")) else "transform"
     if stage is not None and top >= SATURATED:
         kind, stage, summary, suggestion = _bottleneck(
-            stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused, ran
+            stage, top, last, basis, step, read_threshold, knobs, budget, cpu, fused, ran,
+            kernel,
         )
         return Diagnosis(kind, stage, summary, suggestion, **base)
     depth = knobs.get("depth", 0)
@@ -650,8 +655,10 @@ def _bottleneck(
     cpu: float | None,
     fused: bool,
     ran: float | None = None,
+    kernel: float | None = None,
 ) -> tuple[str, str, str, str]:
-    """``cpu``: cores the workers ran on or waited for; ``ran``: those they ran on."""
+    """``cpu``: cores the workers ran on or waited for; ``ran``: those they ran on;
+    ``kernel``: the share of that the worker processes spent in the kernel."""
     workers = _effective_workers(last, stage)
     used = _cores_used(cpu, budget, last)
     if transforms_inline(last) and stage in ("read", "transform"):
@@ -832,7 +839,7 @@ def _bottleneck(
         return (
             "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
-            f"{more}, or {cheaper}",
+            f"{more}, or {cheaper}{_kernel_hint(kernel, last)}",
         )
     bw = cur.h2d_bytes_per_s
     got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
@@ -842,6 +849,30 @@ def _bottleneck(
         "pinned host memory (page-locked buffers copy 2-3x faster and asynchronously), "
         "larger batches to amortise each copy, or fewer bytes per sample (float16, crops)",
     )
+
+
+#: Share of the worker processes' CPU time in the kernel from which a CPU-bound verdict adds
+#: that ``memory_aware=False`` keeps their freed heaps warm (:func:`_kernel_hint`). A project
+#: choice: on the KiTS19 bench the workers spent 45-50% of their CPU time in the kernel with
+#: the defaults, most of it zeroing fresh pages, and ran 1.2-1.3x faster with their heaps
+#: kept (docs/memory.md, "Measured"); a transform that computes in Python or numpy spends
+#: a few percent there.
+KERNEL_HINT_SHARE = 0.3
+
+
+def _kernel_hint(kernel: float | None, last: LoaderSnapshot) -> str:
+    """The CPU-bound advice's note on the workers' kernel time (``kernel``: its share of
+    their CPU time), where it is :data:`KERNEL_HINT_SHARE` or more and process workers give
+    freed memory back between samples (memory-aware, ``worker_heap_keep_bytes`` finite); ""
+    otherwise."""
+    if (kernel is None or kernel < KERNEL_HINT_SHARE or last.worker_kind != "process"
+            or not math.isfinite(last.worker_heap_keep_bytes)):
+        return ""
+    return (f"; the workers spent {kernel:.0%} of their CPU time in the kernel: where that is "
+            "the zeroing of fresh pages for each sample's arrays (memory given back between "
+            "samples, within the memory budget) rather than file reads, memory_aware=False "
+            "keeps each worker's freed heap warm, faster at the cost of peak memory "
+            "(docs/memory.md)")
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -854,7 +885,7 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value:.0f} B/s"
     if unit.startswith("s/"):
         return f"{value * 1e3:.2f} ms"
-    return f"{value:.0%}" if unit in ("of time", "of batches") else f"{value:.2f}"
+    return f"{value:.0%}" if unit in ("of time", "of batches", "of CPU") else f"{value:.2f}"
 
 
 def _count(n: int, noun: str) -> str:

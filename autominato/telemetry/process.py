@@ -131,6 +131,10 @@ class Reading:
             threads waited on a run queue for a core, cumulative in the same way (0.0 where
             ``/proc/PID/task/TID/schedstat`` is not readable: not Linux, or no schedstats;
             and from a meter built with ``runqueue=False``).
+        worker_system_seconds_total: the part of ``worker_cpu_seconds_total`` spent in the
+            kernel (system time: page faults, the zeroing of fresh pages, system calls),
+            cumulative in the same way (a process that :func:`count_from` named counts from
+            its first reading).
         shmem_bytes: the processes' shared memory, bytes: their ``Pss_Shmem`` now, or their
             ``Pss_Shmem`` at the meter's first reading plus the shared memory the machine
             gained since (``Shmem`` of ``/proc/meminfo``), whichever is more (see the module
@@ -144,6 +148,7 @@ class Reading:
     runqueue_seconds_total: float = 0.0
     worker_runqueue_seconds_total: float = 0.0
     shmem_bytes: int | None = None
+    worker_system_seconds_total: float = 0.0
 
     @property
     def workers(self) -> tuple[ProcessUsage, ...]:
@@ -252,6 +257,10 @@ class ProcessMeter:
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
         self._waited: dict[tuple[int, float], float] = {}
+        # system (kernel) CPU seconds, and where count_from named the process the system
+        # seconds it had at its first reading (counted from there: its "before" is not split)
+        self._system: dict[tuple[int, float], float] = {}
+        self._system0: dict[tuple[int, float], float] = {}
         # The machine's shared memory and the processes' Pss_Shmem at the first reading.
         self._shmem0: tuple[int, int] | None = None
         self._split = False  # a rollup of this reading showed new sharers (read())
@@ -370,6 +379,8 @@ class ProcessMeter:
             # (never down: a process read before count_from named it keeps its figure)
             cpu = max(self._cpu.get(key, 0.0), times.user + times.system - cpu_before)
             self._cpu[key] = cpu
+            base = self._system0.setdefault(key, times.system if key in _BEFORE else 0.0)
+            self._system[key] = min(cpu, max(self._system.get(key, 0.0), times.system - base))
             if self.runqueue:
                 # A thread that exited takes its figure along: never let the total go down.
                 self._waited[key] = max(self._waited.get(key, 0.0),
@@ -401,7 +412,9 @@ class ProcessMeter:
         waited = sum(self._waited.values())
         workers_waited = sum(w for (pid, _), w in self._waited.items() if pid != root)
         return Reading(
-            t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited, shmem_bytes
+            t, sum(self._cpu.values()), tuple(usages), workers, waited, workers_waited, shmem_bytes,
+            worker_system_seconds_total=sum(s for (pid, _), s in self._system.items()
+                                            if pid != root),
         )
 
     #: Bytes of a process's resident set beyond its PSS (pages it shares with others) from

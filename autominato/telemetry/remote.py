@@ -22,7 +22,13 @@ from collections import defaultdict
 from prometheus_client.parser import text_string_to_metric_families
 
 from autominato.pipeline.stats import RECENT, LoaderSnapshot, StageSnapshot
-from autominato.telemetry.cores import CPU_OF_WORKERS_KEY, CPU_SECONDS_KEY, RUNQUEUE_SECONDS_KEY
+from autominato.telemetry.cores import (
+    CPU_OF_WORKERS_KEY,
+    CPU_SECONDS_KEY,
+    CPU_TIME_SECONDS_KEY,
+    KERNEL_SECONDS_KEY,
+    RUNQUEUE_SECONDS_KEY,
+)
 from autominato.telemetry.exporter import DEFAULT_PORT
 from autominato.telemetry.metrics import STAGES
 from autominato.telemetry.monitor import diagnose, format_report
@@ -224,10 +230,15 @@ def _cpu_extra(samples: _Samples, rank: str) -> dict[str, float]:
     name, waited = "autominato_loader_cpu_seconds_total", "autominato_loader_runqueue_wait_seconds_total"
     if not any(dict(k).get("rank") == rank for k in samples.get(name, {})):
         return {}
-    wait = _get(samples, waited, rank=rank) if any(
-        dict(k).get("rank") == rank for k in samples.get(waited, {})) else 0.0
-    return {CPU_SECONDS_KEY: _get(samples, name, rank=rank) + wait,
-            RUNQUEUE_SECONDS_KEY: wait, CPU_OF_WORKERS_KEY: 1.0}
+    def has(metric: str) -> bool:
+        return any(dict(k).get("rank") == rank for k in samples.get(metric, {}))
+
+    wait = _get(samples, waited, rank=rank) if has(waited) else 0.0
+    ran = _get(samples, name, rank=rank)
+    kernel = "autominato_loader_cpu_system_seconds_total"
+    return {CPU_SECONDS_KEY: ran + wait, CPU_TIME_SECONDS_KEY: ran,
+            RUNQUEUE_SECONDS_KEY: wait, CPU_OF_WORKERS_KEY: 1.0,
+            **({KERNEL_SECONDS_KEY: _get(samples, kernel, rank=rank)} if has(kernel) else {})}
 
 
 def remote_reports(url: str, interval: float = 5.0, *, timeout: float = 5.0) -> dict[str, str]:
