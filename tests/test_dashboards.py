@@ -61,6 +61,7 @@ LOADER_METRICS = {
     "autominato_memory_wait_seconds_total",
     "autominato_loader_cpu_seconds_total",
     "autominato_loader_runqueue_wait_seconds_total",
+    "autominato_loader_cpu_system_seconds_total",
 }
 NVML_METRICS = {
     "autominato_gpu_utilization_ratio",

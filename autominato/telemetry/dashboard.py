@@ -430,6 +430,12 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "ran on or waited for rank {{rank}}",
                     ),
                     Query(
+                        "sum by (rank) (rate(autominato_loader_cpu_system_seconds_total{"
+                        + LOADER
+                        + "}[$__rate_interval]))",
+                        "in the kernel, rank {{rank}}",
+                    ),
+                    Query(
                         "sum by (rank) (rate(autominato_stage_cpu_seconds_total{"
                         + LOADER
                         + ', stage="read"}[$__rate_interval]))',
@@ -449,7 +455,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "for (plus the run-queue wait): demand near the usable cores with the training "
                 "loop idle, the loader is CPU bound; well below them, its workers wait "
                 "(storage, a remote read); demand above what they ran on, other processes "
-                "(the training loop's threads, another job) hold the cores. No series with "
+                "(the training loop's threads, another job) hold the cores. In the kernel: "
+                "the part of their CPU time in system time (page faults and the zeroing of "
+                "fresh pages, file reads); a large part of it in a CPU-bound loader is often "
+                "memory given back between samples and faulted in again, which "
+                "memory_aware=False trades for peak memory (docs/memory.md). No series with "
                 "thread workers. Read threads: the cores a read stage of its own ran on "
                 "(fuse_read=False or thread workers: threads of the training process, which "
                 "share its GIL), and ran on or waited for (plus their run-queue wait); near one "
