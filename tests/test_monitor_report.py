@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from autominato import Loader
 from autominato.cli import main as cli_main
@@ -473,3 +475,32 @@ def test_without_workers_no_flag_and_the_bound_only_where_a_controller_runs():
         assert loader.snapshot().workers_bound == loader.knobs.bounds("workers")[1] >= 8
     with Loader(Volumes(64), batch_size=4, num_workers=2, autotune=False) as loader:
         assert loader.snapshot().workers_bound == 0
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id if info else 0, 8, info.num_workers if info else 1):
+            yield np.full(4, i, np.float32)
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_autominato_monitor_reads_what_the_loader_runs_and_the_kept_heap(iterable):
+    """``autominato monitor URL`` rebuilds the worker kind, whether the dataset is iterable,
+    the workers' kernel time and an unbounded warm heap (``memory_aware=False``: +Inf) as the
+    training process has them: without them its report advised ``fuse_read=False`` to an
+    iterable dataset, and never told the workers' kernel time."""
+    from autominato.telemetry.cores import KERNEL_SECONDS_KEY
+    from autominato.telemetry.remote import _samples, fetch, snapshot_from_samples
+
+    ds = _Stream() if iterable else _Work(8, 0.0, False)
+    with Loader(ds, 4, workers=2, autotune=False, seed=0, memory_aware=False,
+                prefetch_next_epoch=False, metrics_port=0) as loader:
+        assert len([b for b in loader]) == 2
+        time.sleep(0.3)  # (the scheduler's tick sends the keep: 0.25 s)
+        local = loader.snapshot()
+        remote = snapshot_from_samples(_samples(fetch(loader._telemetry.url)), "0", 0.0)
+    assert (remote.worker_kind, remote.iterable) == ("process", iterable)
+    assert (local.worker_kind, local.iterable) == ("process", iterable)
+    assert remote.worker_heap_keep_bytes == local.worker_heap_keep_bytes == math.inf
+    assert KERNEL_SECONDS_KEY in remote.extra

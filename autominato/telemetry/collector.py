@@ -295,6 +295,8 @@ def _add_samples(
             put("autominato_knob_value", s.knobs[knob], knob)
     put("autominato_pool_bytes", s.pool_bytes)
     put("autominato_epoch", s.epoch)
+    if s.worker_kind:
+        put("autominato_loader_info", 1.0, s.worker_kind, "true" if s.iterable else "false")
     for nd in s.nodes:
         put("autominato_remote_workers", nd.workers, nd.node)
         put("autominato_remote_samples_total", nd.items_total, nd.node)

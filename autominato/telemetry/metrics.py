@@ -279,6 +279,13 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_knob_value": ("gauge", "Current value of a loader knob.", ("knob",)),
     "autominato_pool_bytes": ("gauge", "Memory held by the buffer pool (slots and batch buffers that have their pages), bytes.", ()),
     "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),
+    "autominato_loader_info": (
+        "gauge",
+        "1, labelled with what the loader runs: worker_kind (process, thread, ray) and "
+        "iterable (true for an IterableDataset), so that autominato monitor URL advises as "
+        "the training process's own report does.",
+        ("worker_kind", "iterable"),
+    ),
     # Remote transform workers (worker_kind="ray"), by node: a bounded label (MAX_NODES).
     "autominato_remote_workers": (
         "gauge",

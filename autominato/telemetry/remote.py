@@ -187,9 +187,13 @@ def snapshot_from_samples(
         _buckets(previous, name, rank) if previous is not None else [],
         _buckets(samples, name, rank),
     )
+    info = [dict(k) for k in samples.get("autominato_loader_info", {})
+            if dict(k).get("rank") == rank]
     return LoaderSnapshot(
         time=at,
         stages=stages,
+        worker_kind=info[0].get("worker_kind", "") if info else "",
+        iterable=bool(info) and info[0].get("iterable") == "true",
         consumer_wait_seconds_total=g(samples, name + "_sum", rank=rank),
         consumer_wait_recent_s=waits,
         consumer_busy_seconds_total=g(samples, "autominato_consumer_step_seconds_sum", rank=rank),
