@@ -1006,6 +1006,21 @@ class Alike32:
         return np.full(4, i + int(a[0]) - 1, np.float32)
 
 
+def _warm_heaps_given_back(loader: Loader, within: float) -> None:
+    """Wait up to ``within`` seconds for the workers' keep to go to 0 (they idled
+    ``WARM_IDLE_S``), then check that each worker holds under 24 MiB."""
+    import psutil
+
+    pool = loader._pipeline.procs.pool
+    deadline = time.monotonic() + within
+    while pool.heap_keep and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.heap_keep == 0
+    time.sleep(0.3)
+    uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
+    assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+
+
 @needs_warm_heap
 def test_a_rank_of_a_fixed_shard_keeps_a_warm_heap_once_its_own_indices_are_measured():
     """The keep waits for figures of half the dataset's indices, or of an epoch's where
@@ -1033,7 +1048,6 @@ def test_idle_workers_give_their_warm_heaps_back_and_take_them_again(monkeypatch
     """Workers idle for ``scheduler.WARM_IDLE_S`` (a validation pass, the end of training;
     1 s here) give their warm heaps back (review 118: 72 MiB a worker 3 s after the last
     epoch, against 8 without the warm heap); the next epoch keeps them again."""
-    import psutil
 
     from autominato.pipeline import scheduler
 
@@ -1050,13 +1064,7 @@ def test_idle_workers_give_their_warm_heaps_back_and_take_them_again(monkeypatch
 
         epochs_until_kept()
         assert pool.heap_keep >= 30 * MiB  # while the epochs run
-        deadline = time.monotonic() + 5
-        while pool.heap_keep and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pool.heap_keep == 0
-        time.sleep(0.3)
-        uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
-        assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+        _warm_heaps_given_back(loader, 5.0)
         epochs_until_kept()
         assert pool.heap_keep >= 30 * MiB  # kept again
 
@@ -1095,13 +1103,7 @@ def test_without_memory_awareness_workers_keep_their_whole_heap_warm_until_idle(
         assert loader.snapshot().worker_heap_keep_bytes == math.inf
         # each worker ran 32 MiB samples and kept their pages (12 MiB a worker without)
         assert min(uss) >= 32 * MiB, [u / MiB for u in uss]
-        deadline = time.monotonic() + 8
-        while pool.heap_keep and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pool.heap_keep == 0
-        time.sleep(0.3)
-        uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
-        assert max(uss) < 24 * MiB, [u / MiB for u in uss]
+        _warm_heaps_given_back(loader, 8.0)
 
 
 def test_workers_the_controller_adds_get_the_keep_for_the_new_count_at_once():
