@@ -479,8 +479,9 @@ class Loader:
             the budget (docs/memory.md,
             "The warm heap", for the figures). With ``memory_aware=False`` no budget bounds
             it: each worker keeps all of its freed heap warm (the fastest setting; on the
-            KiTS19 bench at 21 samples an epoch 7.5 s against the defaults' 9.5 and 1231 MiB
-            against 971, the DataLoader's 935) until the workers idled 10 s.
+            KiTS19 bench 1.16x and 1.31x the defaults' speed at 21 and 42 samples an epoch,
+            at 1168 and 1343 MiB against the defaults' 958 and 994 and the DataLoader's 945
+            and 1155, docs/memory.md, "Measured") until the workers idled 10 s.
             ``False``: every freed page goes back after each sample, as before December
             2026. Off, too, where the environment tunes the
             C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
@@ -2225,6 +2226,8 @@ class Loader:
                                                       + self._sync_cold_starts),
             cold_start_wait_seconds_total=cold_wait,
             iterable=self._iterable,
+            memory_aware=self._cfg.memory_aware,
+            warm_heap=self._cfg.warm_heap,
             between_epochs_seconds_total=away,
             samples_held_for_memory_total=count["memory_held"],
             memory_wait_seconds_total=count["memory_wait_s"],

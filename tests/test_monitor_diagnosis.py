@@ -969,7 +969,9 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
     """Workers that spend 30% or more of their CPU time in the kernel (the KiTS19 bench:
     45-50%, fresh pages zeroed after the memory given back between samples) are told that
     ``memory_aware=False`` keeps their freed heaps warm; not below that share, not where
-    they keep them already (``memory_aware=False``: keep +Inf), not for thread workers."""
+    they keep them already (``memory_aware=False``), nor where it would change nothing
+    (``warm_heap=False``, an allocator the environment tunes: review 202), nor for thread
+    workers."""
     import re
 
     from autominato.telemetry.cores import (
@@ -980,9 +982,9 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
 
     monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
 
-    def run(kernel: float, keep: float = 70.0 * 2**20, kind: str = "process"):
+    def run(kernel: float, aware: bool = True, warm: bool = True, kind: str = "process"):
         hist = history(step_s=0.010, wait_s=0.040, transform_s=0.025)
-        return diagnose([replace(s, worker_kind=kind, worker_heap_keep_bytes=keep,
+        return diagnose([replace(s, worker_kind=kind, memory_aware=aware, warm_heap=warm,
                                  extra={CPU_SECONDS_KEY: 1.95 * s.time,
                                         CPU_TIME_SECONDS_KEY: 1.9 * s.time,
                                         KERNEL_SECONDS_KEY: kernel * 1.9 * s.time,
@@ -996,8 +998,20 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
     row = next(r for r in d.rows if r.metric == "workers' kernel time")
     assert row.current == pytest.approx(0.47)
     assert re.search(r"workers' kernel time\s.*47%", format_report(d, width=200))
-    for quiet in (run(0.2), run(0.47, keep=math.inf), run(0.47, kind="thread")):
+    for quiet in (run(0.2), run(0.47, aware=False), run(0.47, warm=False),
+                  run(0.47, kind="thread")):
         assert quiet.kind == "cpu" and "kernel" not in quiet.suggestion
     # no kernel figure (a remote exporter before December 2026, no worker process): no row
     d = diagnose(with_cpu(history(step_s=0.010, wait_s=0.040, transform_s=0.025), 1.95))
     assert all(r.metric != "workers' kernel time" for r in d.rows)
+    # a first snapshot from before the workers existed (this process's CPU, no kernel figure:
+    # a short run's end-of-run report) reads the later one's totals (review 202: no row)
+    hist = history(step_s=0.010, wait_s=0.040, transform_s=0.025)
+    a = replace(hist[0], worker_kind="process", memory_aware=True, warm_heap=True,
+                extra={CPU_SECONDS_KEY: 3.0, CPU_TIME_SECONDS_KEY: 3.0, CPU_OF_WORKERS_KEY: 0.0})
+    b = replace(hist[1], worker_kind="process", memory_aware=True, warm_heap=True,
+                extra={CPU_SECONDS_KEY: 19.5, CPU_TIME_SECONDS_KEY: 19.0,
+                       KERNEL_SECONDS_KEY: 9.5, CPU_OF_WORKERS_KEY: 1.0})
+    d = diagnose([a, b])
+    row = next(r for r in d.rows if r.metric == "workers' kernel time")
+    assert row.current == pytest.approx(0.5) and "spent 50% of their CPU" in d.suggestion

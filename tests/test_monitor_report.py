@@ -500,7 +500,7 @@ def test_autominato_monitor_reads_what_the_loader_runs_and_the_kept_heap(iterabl
         time.sleep(0.3)  # (the scheduler's tick sends the keep: 0.25 s)
         local = loader.snapshot()
         remote = snapshot_from_samples(_samples(fetch(loader._telemetry.url)), "0", 0.0)
-    assert (remote.worker_kind, remote.iterable) == ("process", iterable)
-    assert (local.worker_kind, local.iterable) == ("process", iterable)
+    got = [(s.worker_kind, s.iterable, s.memory_aware, s.warm_heap) for s in (local, remote)]
+    assert got[0] == got[1] == ("process", iterable, False, True)
     assert remote.worker_heap_keep_bytes == local.worker_heap_keep_bytes == math.inf
     assert KERNEL_SECONDS_KEY in remote.extra

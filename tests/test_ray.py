@@ -268,11 +268,18 @@ def test_the_meters_count_an_actor_from_its_constructor_not_from_rays_start_of_i
         for u in reading.workers:
             p = psutil.Process(u.pid)
             t = p.cpu_times()  # read after the meter
-            before, _ = process._BEFORE[(u.pid, p.create_time())]
+            before, _, system_before = process._BEFORE[(u.pid, p.create_time())]
             assert before > 0.1, "Ray's start of the process took CPU"
             assert t.user + t.system - before - 0.05 <= u.cpu_s <= t.user + t.system - before
+            assert 0 < system_before <= before
         assert reading.worker_cpu_seconds_total == pytest.approx(
             sum(u.cpu_s for u in reading.workers))
+        # the kernel part counted from the same point (review 202: from the meter's first
+        # reading, which lagged the constructor's figure)
+        system = sum(psutil.Process(u.pid).cpu_times().system
+                     - process._BEFORE[(u.pid, psutil.Process(u.pid).create_time())][2]
+                     for u in reading.workers)
+        assert reading.worker_system_seconds_total == pytest.approx(system, abs=0.05)
 
 
 def test_metrics_and_data_monitor_show_the_actors_by_node():

@@ -287,7 +287,8 @@ def test_without_a_device_the_copy_figures_stay_empty(ran):
 
 def test_labels_have_bounded_cardinality(ran):
     _, fams, _, _ = ran
-    allowed = {"rank", "stage", "knob", "reason", "le", "gpu", "UUID", "worker_kind", "iterable"}
+    allowed = {"rank", "stage", "knob", "reason", "le", "gpu", "UUID", "worker_kind", "iterable",
+               "memory_aware", "warm_heap"}
     for name, fam in fams.items():
         if not name.startswith("autominato_"):
             continue
@@ -295,7 +296,8 @@ def test_labels_have_bounded_cardinality(ran):
             assert set(labels) <= allowed, (name, labels)
             assert labels.get("stage", "read") in ("read", "transform", "batch", "transfer")
             assert labels.get("worker_kind", "ray") in ("process", "thread", "ray")
-            assert labels.get("iterable", "true") in ("true", "false")
+            for flag in ("iterable", "memory_aware", "warm_heap"):
+                assert labels.get(flag, "true") in ("true", "false")
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

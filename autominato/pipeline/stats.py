@@ -283,6 +283,9 @@ class LoaderSnapshot:
             knob's upper bound); 0 where no controller runs, or unknown.
         iterable: the dataset is an ``IterableDataset`` (its workers iterate it: no read
             stage of its own can be split off); False where unknown.
+        memory_aware / warm_heap: the Loader's ``memory_aware`` setting, and whether its
+            process workers may keep freed heap warm (``warm_heap``, off too where the
+            environment tunes the C allocator); False where unknown.
     """
 
     time: float
@@ -319,6 +322,8 @@ class LoaderSnapshot:
     consumer_empty_recent: tuple[bool, ...] = ()
     workers_bound: int = 0
     iterable: bool = False
+    memory_aware: bool = False
+    warm_heap: bool = False
 
     @property
     def idle_ratio(self) -> float:

@@ -296,7 +296,8 @@ def _add_samples(
     put("autominato_pool_bytes", s.pool_bytes)
     put("autominato_epoch", s.epoch)
     if s.worker_kind:
-        put("autominato_loader_info", 1.0, s.worker_kind, "true" if s.iterable else "false")
+        put("autominato_loader_info", 1.0, s.worker_kind,
+            *("true" if flag else "false" for flag in (s.iterable, s.memory_aware, s.warm_heap)))
     for nd in s.nodes:
         put("autominato_remote_workers", nd.workers, nd.node)
         put("autominato_remote_samples_total", nd.items_total, nd.node)

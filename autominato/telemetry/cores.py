@@ -115,22 +115,33 @@ def cpu_cores_used(a: LoaderSnapshot, b: LoaderSnapshot,
 
 
 #: Least CPU time of the workers in a window whose kernel share :func:`kernel_share` tells,
-#: seconds: ticks of 10 ms per process, 5 of them at most 1% of it each side.
-MIN_KERNEL_CPU_S = 1.0
+#: seconds per worker process (at least 1 s): the kernel splits a process's CPU time into
+#: user and system time by clock ticks (10 ms), so each process's share may be off by a
+#: tick or two: 2-4% of half a second.
+MIN_KERNEL_CPU_S = 0.5
 
 
 def kernel_share(a: LoaderSnapshot, b: LoaderSnapshot) -> float | None:
     """The share (0..1) of the worker processes' CPU time between snapshots ``a`` and ``b``
     that they spent in the kernel (:data:`KERNEL_SECONDS_KEY` over
-    :data:`CPU_TIME_SECONDS_KEY`), or None: either lacks the figures (no worker process,
-    no meter), or the workers ran under :data:`MIN_KERNEL_CPU_S` in between."""
+    :data:`CPU_TIME_SECONDS_KEY`), or None: ``b`` lacks the figures (no worker process,
+    no meter), ``a`` lacks them but counted worker processes too, or the workers ran under
+    :data:`MIN_KERNEL_CPU_S` each (1 s at least) in between. Where ``a`` came before the
+    worker processes existed (:data:`CPU_OF_WORKERS_KEY` 0.0), ``b``'s figures are all
+    theirs, as in :func:`cpu_cores_used`."""
     keys = (KERNEL_SECONDS_KEY, CPU_TIME_SECONDS_KEY)
-    if any(k not in s.extra for k in keys for s in (a, b)):
+    if any(k not in b.extra for k in keys):
         return None
-    ran = b.extra[CPU_TIME_SECONDS_KEY] - a.extra[CPU_TIME_SECONDS_KEY]
-    if ran < MIN_KERNEL_CPU_S:
+    if all(k in a.extra for k in keys):
+        start = (a.extra[KERNEL_SECONDS_KEY], a.extra[CPU_TIME_SECONDS_KEY])
+    elif a.extra.get(CPU_OF_WORKERS_KEY) == 0.0 and b.extra.get(CPU_OF_WORKERS_KEY) == 1.0:
+        start = (0.0, 0.0)  # (review 202: a short run's end-of-run report had no figure)
+    else:
         return None
-    return min(1.0, max(0.0, b.extra[KERNEL_SECONDS_KEY] - a.extra[KERNEL_SECONDS_KEY]) / ran)
+    ran = b.extra[CPU_TIME_SECONDS_KEY] - start[1]
+    if ran < max(1.0, MIN_KERNEL_CPU_S * b.knobs.get("workers", 1)):
+        return None
+    return min(1.0, max(0.0, b.extra[KERNEL_SECONDS_KEY] - start[0]) / ran)
 
 
 def transforms_inline(snap: LoaderSnapshot) -> bool:

@@ -281,10 +281,11 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_epoch": ("gauge", "Current epoch of the loader.", ()),
     "autominato_loader_info": (
         "gauge",
-        "1, labelled with what the loader runs: worker_kind (process, thread, ray) and "
-        "iterable (true for an IterableDataset), so that autominato monitor URL advises as "
-        "the training process's own report does.",
-        ("worker_kind", "iterable"),
+        "1, labelled with what the loader runs: worker_kind (process, thread, ray), "
+        "iterable (true for an IterableDataset), memory_aware (its setting) and warm_heap "
+        "(process workers may keep freed heap warm), so that autominato monitor URL advises "
+        "as the training process's own report does.",
+        ("worker_kind", "iterable", "memory_aware", "warm_heap"),
     ),
     # Remote transform workers (worker_kind="ray"), by node: a bounded label (MAX_NODES).
     "autominato_remote_workers": (

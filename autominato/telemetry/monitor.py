@@ -853,26 +853,27 @@ def _bottleneck(
 
 #: Share of the worker processes' CPU time in the kernel from which a CPU-bound verdict adds
 #: that ``memory_aware=False`` keeps their freed heaps warm (:func:`_kernel_hint`). A project
-#: choice: on the KiTS19 bench the workers spent 45-50% of their CPU time in the kernel with
-#: the defaults, most of it zeroing fresh pages, and ran 1.2-1.3x faster with their heaps
-#: kept (docs/memory.md, "Measured"); a transform that computes in Python or numpy spends
-#: a few percent there.
+#: choice: on the KiTS19 bench the workers spent 45-51% of their CPU time in the kernel with
+#: the defaults, most of it zeroing fresh pages, and the loader ran 1.16-1.31x faster with
+#: their heaps kept (docs/memory.md, "Measured"); a transform that computes in Python or
+#: numpy spends a few percent there.
 KERNEL_HINT_SHARE = 0.3
 
 
 def _kernel_hint(kernel: float | None, last: LoaderSnapshot) -> str:
     """The CPU-bound advice's note on the workers' kernel time (``kernel``: its share of
     their CPU time), where it is :data:`KERNEL_HINT_SHARE` or more and process workers give
-    freed memory back between samples (memory-aware, ``worker_heap_keep_bytes`` finite); ""
-    otherwise."""
+    freed memory back between samples that ``memory_aware=False`` would keep
+    (``LoaderSnapshot.memory_aware`` and ``warm_heap``: review 202, the note went to loaders
+    with ``warm_heap=False`` or an allocator the environment tunes, where it changes
+    nothing); "" otherwise."""
     if (kernel is None or kernel < KERNEL_HINT_SHARE or last.worker_kind != "process"
-            or not math.isfinite(last.worker_heap_keep_bytes)):
+            or not (last.memory_aware and last.warm_heap)):
         return ""
     return (f"; the workers spent {kernel:.0%} of their CPU time in the kernel: where that is "
             "the zeroing of fresh pages for each sample's arrays (memory given back between "
-            "samples, within the memory budget) rather than file reads, memory_aware=False "
-            "keeps each worker's freed heap warm, faster at the cost of peak memory "
-            "(docs/memory.md)")
+            "samples) rather than file reads, memory_aware=False keeps each worker's freed "
+            "heap warm, faster at the cost of peak memory (docs/memory.md)")
 
 
 def _fmt(value: float | None, unit: str) -> str:

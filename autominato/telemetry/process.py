@@ -50,26 +50,28 @@ import psutil
 #: began working for a loader (:func:`count_from`); every meter counts it out. At most
 #: :data:`_BEFORE_MAX` entries: when full, those of processes gone are dropped (a key, with
 #: its start time, never matches another process), and only if none is, the oldest.
-_BEFORE: dict[tuple[int, float], tuple[float, float]] = {}
+_BEFORE: dict[tuple[int, float], tuple[float, float, float]] = {}
 _BEFORE_MAX = 4096
 _BEFORE_LOCK = threading.Lock()
 
 
-def own_usage() -> tuple[int, float, float, float]:
-    """This process's ``(pid, start time, CPU seconds, run-queue seconds)`` now (psutil's
-    ``create_time()``, user + system time, the threads' run-queue wait as the meter reads
-    them): what :func:`count_from` takes, measured where the process begins working for a
-    loader (a Ray actor's constructor) and sent to the process that meters it."""
+def own_usage() -> tuple[int, float, float, float, float]:
+    """This process's ``(pid, start time, CPU seconds, run-queue seconds, system seconds)``
+    now (psutil's ``create_time()``, user + system time, the threads' run-queue wait as the
+    meter reads them, system time): what :func:`count_from` takes, measured where the
+    process begins working for a loader (a Ray actor's constructor) and sent to the process
+    that meters it."""
     p = psutil.Process()
     times = p.cpu_times()
-    return p.pid, p.create_time(), times.user + times.system, _runqueue_s(p.pid)
+    return p.pid, p.create_time(), times.user + times.system, _runqueue_s(p.pid), times.system
 
 
-def count_from(pid: int, start_time: float, cpu_s: float, runqueue_s: float) -> None:
+def count_from(pid: int, start_time: float, cpu_s: float, runqueue_s: float,
+               system_s: float = 0.0) -> None:
     """Count process ``pid`` (started at ``start_time``, psutil's ``create_time()``) from
-    ``cpu_s`` CPU seconds and ``runqueue_s`` run-queue seconds on, in every meter of this
-    process: what it spent before (a Ray worker's start, its imports) is not the loader's
-    work. Thread-safe."""
+    ``cpu_s`` CPU seconds, ``runqueue_s`` run-queue seconds and ``system_s`` system seconds
+    (the part of ``cpu_s`` in the kernel) on, in every meter of this process: what it spent
+    before (a Ray worker's start, its imports) is not the loader's work. Thread-safe."""
     with _BEFORE_LOCK:
         if len(_BEFORE) >= _BEFORE_MAX:
             # (review 181: dropping the oldest alone could drop a live actor's, whose start-up
@@ -78,7 +80,7 @@ def count_from(pid: int, start_time: float, cpu_s: float, runqueue_s: float) -> 
                 del _BEFORE[key]
             if len(_BEFORE) >= _BEFORE_MAX:
                 del _BEFORE[next(iter(_BEFORE))]
-        _BEFORE[(pid, start_time)] = (float(cpu_s), float(runqueue_s))
+        _BEFORE[(pid, start_time)] = (float(cpu_s), float(runqueue_s), float(system_s))
 
 
 def _alive(pid: int, start_time: float) -> bool:
@@ -133,8 +135,7 @@ class Reading:
             and from a meter built with ``runqueue=False``).
         worker_system_seconds_total: the part of ``worker_cpu_seconds_total`` spent in the
             kernel (system time: page faults, the zeroing of fresh pages, system calls),
-            cumulative in the same way (a process that :func:`count_from` named counts from
-            its first reading).
+            cumulative in the same way.
         shmem_bytes: the processes' shared memory, bytes: their ``Pss_Shmem`` now, or their
             ``Pss_Shmem`` at the meter's first reading plus the shared memory the machine
             gained since (``Shmem`` of ``/proc/meminfo``), whichever is more (see the module
@@ -257,10 +258,8 @@ class ProcessMeter:
         self._procs: dict[int, psutil.Process] = {}
         self._cpu: dict[tuple[int, float], float] = {}
         self._waited: dict[tuple[int, float], float] = {}
-        # system (kernel) CPU seconds, and where count_from named the process the system
-        # seconds it had at its first reading (counted from there: its "before" is not split)
+        # system (kernel) CPU seconds, counted as _cpu (from count_from's figure on)
         self._system: dict[tuple[int, float], float] = {}
-        self._system0: dict[tuple[int, float], float] = {}
         # The machine's shared memory and the processes' Pss_Shmem at the first reading.
         self._shmem0: tuple[int, int] | None = None
         self._split = False  # a rollup of this reading showed new sharers (read())
@@ -375,12 +374,12 @@ class ProcessMeter:
             except psutil.Error:
                 continue
             read.add(key)
-            cpu_before, waited_before = _BEFORE.get(key, (0.0, 0.0))  # (count_from)
+            cpu_before, waited_before, system_before = _BEFORE.get(key, (0.0, 0.0, 0.0))
             # (never down: a process read before count_from named it keeps its figure)
             cpu = max(self._cpu.get(key, 0.0), times.user + times.system - cpu_before)
             self._cpu[key] = cpu
-            base = self._system0.setdefault(key, times.system if key in _BEFORE else 0.0)
-            self._system[key] = min(cpu, max(self._system.get(key, 0.0), times.system - base))
+            self._system[key] = min(cpu, max(self._system.get(key, 0.0),
+                                             times.system - system_before))
             if self.runqueue:
                 # A thread that exited takes its figure along: never let the total go down.
                 self._waited[key] = max(self._waited.get(key, 0.0),

@@ -194,6 +194,8 @@ def snapshot_from_samples(
         stages=stages,
         worker_kind=info[0].get("worker_kind", "") if info else "",
         iterable=bool(info) and info[0].get("iterable") == "true",
+        memory_aware=bool(info) and info[0].get("memory_aware") == "true",
+        warm_heap=bool(info) and info[0].get("warm_heap") == "true",
         consumer_wait_seconds_total=g(samples, name + "_sum", rank=rank),
         consumer_wait_recent_s=waits,
         consumer_busy_seconds_total=g(samples, "autominato_consumer_step_seconds_sum", rank=rank),
