@@ -982,9 +982,11 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
 
     monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
 
-    def run(kernel: float, aware: bool = True, warm: bool = True, kind: str = "process"):
-        hist = history(step_s=0.010, wait_s=0.040, transform_s=0.025)
+    def run(kernel: float, aware: bool = True, warm: bool = True, kind: str = "process",
+            budget: float = 0.0, **kw):
+        hist = history(**{"step_s": 0.010, "wait_s": 0.040, "transform_s": 0.025, **kw})
         return diagnose([replace(s, worker_kind=kind, memory_aware=aware, warm_heap=warm,
+                                 sample_memory_budget_bytes=budget,
                                  extra={CPU_SECONDS_KEY: 1.95 * s.time,
                                         CPU_TIME_SECONDS_KEY: 1.9 * s.time,
                                         KERNEL_SECONDS_KEY: kernel * 1.9 * s.time,
@@ -1001,6 +1003,14 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
     for quiet in (run(0.2), run(0.47, aware=False), run(0.47, warm=False),
                   run(0.47, kind="thread")):
         assert quiet.kind == "cpu" and "kernel" not in quiet.suggestion
+    # Fused reads (memory-aware dispatch): not before its figures, when the defaults' warm
+    # heap is not decided yet (trial 201: 63% in the first report, 0-1% a window later)
+    fused = {"read_workers": 0, "read_s": 0.001}
+    assert "kernel" not in run(0.47, **fused).suggestion
+    assert "spent 47% of their CPU time in the kernel" in run(0.47, budget=1e9, **fused).suggestion
+    # a verdict that names the read: the kernel's part is likely the file reads (trial 201)
+    d = run(0.94, budget=1e9, read_workers=0, read_s=0.030, transform_s=0.001)
+    assert (d.kind, d.stage) == ("cpu", "read") and "kernel" not in d.suggestion, d.suggestion
     # no kernel figure (a remote exporter before December 2026, no worker process): no row
     d = diagnose(with_cpu(history(step_s=0.010, wait_s=0.040, transform_s=0.025), 1.95))
     assert all(r.metric != "workers' kernel time" for r in d.rows)
@@ -1015,3 +1025,18 @@ def test_a_cpu_bound_verdict_says_when_the_workers_spend_their_cpu_in_the_kernel
     d = diagnose([a, b])
     row = next(r for r in d.rows if r.metric == "workers' kernel time")
     assert row.current == pytest.approx(0.5) and "spent 50% of their CPU" in d.suggestion
+
+
+def test_thread_workers_short_of_the_cores_are_pointed_to_process_workers(monkeypatch):
+    """A CPU-bound transform in thread workers that use under 0.9 of the cores is held by the
+    GIL (trial 201: a Python transform, 1.21 of 2 cores, was told "no spare cores")."""
+    monkeypatch.setattr("autominato.telemetry.monitor.usable_cores", lambda: 2)
+    hist = history(step_s=0.010, wait_s=0.040, transform_s=0.025)
+    d = diagnose([replace(s, worker_kind="thread") for s in with_cpu(hist, 1.21)])
+    assert d.kind == "cpu" and d.stage == "transform", format_report(d)
+    assert d.suggestion.startswith("worker_kind='process' (thread workers share the training "
+                                   "process's GIL"), d.suggestion
+    assert "here 1.21 of 2" in d.suggestion
+    for s in ([replace(s, worker_kind="thread") for s in with_cpu(hist, 1.95)],
+              [replace(s, worker_kind="process") for s in with_cpu(hist, 1.21)]):
+        assert "worker_kind='process'" not in diagnose(s).suggestion

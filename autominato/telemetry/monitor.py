@@ -802,6 +802,13 @@ def _bottleneck(
         )
         if n < cap and last.samples_held_for_memory_total:
             more += _MORE_WORKERS_MEMORY
+        if (last.worker_kind == "thread" and cpu is not None
+                and cpu < budget.cpu_saturated * budget.cores):
+            # (trial 201: a Python transform in thread workers, 1.21 of 2 cores used, was
+            # told "no spare cores"; the GIL, not the cores, held it)
+            more = (f"worker_kind='process' (thread workers share the training process's "
+                    f"GIL: Python work in them runs on about one core in all, here "
+                    f"{cpu:.2f} of {budget.cores}), {more}")
         cheaper = ("cheaper transforms (crop before resampling, fewer random augmentations "
                    "per sample, float16 arrays)")
         read_s = cur.stages["read"].mean_service_s if fused and "read" in cur.stages else None
@@ -839,7 +846,7 @@ def _bottleneck(
         return (
             "cpu", stage,
             f"{where} take {share:.2f}x the {step * 1e3:.1f} ms step, per worker{used}",
-            f"{more}, or {cheaper}{_kernel_hint(kernel, last)}",
+            f"{more}, or {cheaper}{_kernel_hint(kernel, last) if stage == 'transform' else ''}",
         )
     bw = cur.h2d_bytes_per_s
     got = f" at {bw / 1e9:.2f} GB/s" if bw else ""
@@ -866,9 +873,16 @@ def _kernel_hint(kernel: float | None, last: LoaderSnapshot) -> str:
     freed memory back between samples that ``memory_aware=False`` would keep
     (``LoaderSnapshot.memory_aware`` and ``warm_heap``: review 202, the note went to loaders
     with ``warm_heap=False`` or an allocator the environment tunes, where it changes
-    nothing); "" otherwise."""
+    nothing), once memory-aware dispatch has its figures (its budgeted warm heap decided);
+    "" otherwise. Only for a verdict that names the transform: where the read takes the
+    workers' time the kernel's part is likely the file reads (trial 201: 94% beside a
+    warm heap of a whole sample, and memory_aware=False changed nothing)."""
     if (kernel is None or kernel < KERNEL_HINT_SHARE or last.worker_kind != "process"
             or not (last.memory_aware and last.warm_heap)):
+        return ""
+    if not last.iterable and reads_fused(last) and last.sample_memory_budget_bytes <= 0:
+        # Memory-aware dispatch before its figures: the defaults' warm heap is not decided
+        # yet (trial 201: 63% in the first report, 0-1% one window later)
         return ""
     return (f"; the workers spent {kernel:.0%} of their CPU time in the kernel: where that is "
             "the zeroing of fresh pages for each sample's arrays (memory given back between "
