@@ -400,3 +400,20 @@ def test_queue_fill_leaves_out_a_stage_without_a_queue_rather_than_dividing_by_z
     r = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_exempt_targets_name_the_queries_they_exempt():
+    """The (panel, refId) pairs that ``dashboards check`` exempts are the queries of the
+    figures they are exempt for: a query added before them shifts their refIds (the kernel
+    series shifted the read-thread ones, and the check failed a healthy run)."""
+    exprs = {(t.panel, t.ref_id): t.expr
+             for t in dash.dashboard_targets(json.loads(dash.dashboard_json()))}
+    for targets, metric in ((dash.WORKER_PROCESS_TARGETS, "autominato_loader_"),
+                            (dash.READ_THREAD_TARGETS, 'stage="read"'),
+                            (dash.DEVICE_TARGETS, "autominato_h2d_"),
+                            (dash.DECISION_TARGETS, "autominato_")):
+        for where in targets:
+            assert metric in exprs[where], (where, exprs.get(where))
+    assert all('stage="read"' not in exprs[w] for w in dash.WORKER_PROCESS_TARGETS)
+    assert {w: exprs[w] for w in dash.DECISION_TARGETS
+            if "decisions" not in exprs[w] and "autominato_knob_value" not in exprs[w]} == {}

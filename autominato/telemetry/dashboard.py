@@ -145,14 +145,15 @@ DEVICE_TARGETS = frozenset({("Host-to-device bandwidth", "A"), ("Host-to-device 
                             ("Host-to-device copy time", "A"), ("Host-to-device copy time", "B")})
 #: (panel, refId) of the worker processes' figures: no series with thread workers or
 #: ``workers=0``.
-WORKER_PROCESS_TARGETS = frozenset({("Loader CPU demand", "A"), ("Loader CPU demand", "B")})
+WORKER_PROCESS_TARGETS = frozenset({("Loader CPU demand", "A"), ("Loader CPU demand", "B"),
+                                    ("Loader CPU demand", "C")})
 #: (panel, refId) of the controller's decisions and the knob changes' annotation: no data
 #: while no knob changed (``autotune=False``, or a controller that held every knob; trial
 #: 171: the check failed such a healthy run).
 DECISION_TARGETS = frozenset({("Controller decisions", "A"), ("annotation: Knob changes", "")})
 #: (panel, refId) of a read stage of its own's figures (threads of the training process): no
 #: series where the worker processes read (``fuse_read=True``, the default).
-READ_THREAD_TARGETS = frozenset({("Loader CPU demand", "C"), ("Loader CPU demand", "D")})
+READ_THREAD_TARGETS = frozenset({("Loader CPU demand", "D"), ("Loader CPU demand", "E")})
 _COUNT_THRESHOLDS = ((None, "green"), (1.0, "orange"))
 
 #: The dashboard, row by row. Titles are unique (tests and ``dashboards check`` name panels).
