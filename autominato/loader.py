@@ -481,7 +481,9 @@ class Loader:
             it: each worker keeps all of its freed heap warm (the fastest setting; on the
             KiTS19 bench 1.16x and 1.31x the defaults' speed at 21 and 42 samples an epoch,
             at 1168 and 1343 MiB against the defaults' 958 and 994 and the DataLoader's 945
-            and 1155, docs/memory.md, "Measured") until the workers idled 10 s.
+            and 1155, docs/memory.md, "Measured") until the workers idled 10 s, up to half
+            the memory available when the loader started, split between the workers (beyond
+            it a worker gives the rest back).
             ``False``: every freed page goes back after each sample, as before December
             2026. Off, too, where the environment tunes the
             C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,

@@ -400,6 +400,9 @@ class ProcessWorkers:
         #: Bytes of free heap each worker keeps warm between samples (:meth:`set_heap_keep`),
         #: sent to every worker and to those started later.
         self.heap_keep: int = 0
+        #: The keep is a cap, not a budgeted share: a worker gives nothing back while its
+        #: free heap is within it (``memory_aware=False``, ``worker.HeapTrim.set_keep``).
+        self.heap_whole: bool = False
         self._payload: bytes | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -627,7 +630,7 @@ class ProcessWorkers:
     def _send_heap(self, w: ProcWorker) -> None:
         if w.heap_sent != self.heap_keep:
             w.heap_sent = self.heap_keep
-            self._send_control(w, ("heap", self.heap_keep))
+            self._send_control(w, ("heap", self.heap_keep, self.heap_whole))
 
     def _send_due(self, w: ProcWorker) -> None:
         self._send_heap(w)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -38,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from autominato.pipeline import cleanup, random_state
 from autominato.pipeline.collate import BatchPool, batch_nbytes, collate, pin, to_device
@@ -89,7 +90,6 @@ from autominato.pipeline.stats import StageStats
 from autominato.pipeline.stream import Pull, PullDone, ShardLost, Stream, Yielded, YieldFailed
 from autominato.pipeline.worker import (
     HEAP_SLACK_BYTES,
-    KEEP_ALL,
     Streams,
     WorkSpec,
     pass_base_seed,
@@ -153,6 +153,14 @@ PARK_RESEND_MAX_BYTES = 64 * 2**20
 #: samples sent meanwhile running cold); jemalloc decays its idle pages over the same 10 s
 #: (``dirty_decay_ms``).
 WARM_IDLE_S = 10.0
+
+#: ``memory_aware=False``: the share of the memory available when the loader started that the
+#: workers' warm heaps may hold together (each worker ``1 / workers`` of it), beyond which a
+#: worker gives its free heap back (``worker.HeapTrim.set_keep``'s ``whole``). Without a
+#: cap a worker held the high-water mark of every sample it ran, an outlier's included, as
+#: long as the loop ran (8 workers that each once ran a 5 GB volume: 40 GB); the DataLoader's
+#: workers unmap each array over glibc's mmap threshold when it is freed. A project choice.
+WHOLE_HEAP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -409,9 +417,13 @@ class Pipeline:
             # ((Stage.scans, SampleMemory.version), key -> estimate, the pool's bytes): _admit
             self._scan_ests: tuple[tuple[int, int], dict, int] = ((0, 0), {}, 0)
             self._memory_aware = False
-            # memory_aware=False: no budget bounds the warm heap, the workers keep it all
-            # (worker.KEEP_ALL) until they idle WARM_IDLE_S (_update_heap_keep)
+            # memory_aware=False: no budget bounds the warm heap, the workers keep all of it
+            # up to a cap (WHOLE_HEAP_SHARE) until they idle WARM_IDLE_S (_update_heap_keep)
             self._keep_all = self.procs is not None and cfg.warm_heap and not cfg.memory_aware
+            self._whole_cap = 0
+            if self._keep_all:
+                self.procs.pool.heap_whole = True
+                self._whole_cap = int(WHOLE_HEAP_SHARE * psutil.virtual_memory().available)
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
@@ -776,12 +788,10 @@ class Pipeline:
     @property
     def worker_heap_keep_bytes(self) -> float:
         """Bytes of free heap each worker process may keep warm between samples now, as
-        last sent to them (``_update_heap_keep``); 0 without process workers; ``inf`` where
-        they keep all of it (``memory_aware=False``, ``worker.KEEP_ALL``)."""
-        if self.procs is None:
-            return 0.0
-        keep = self.procs.pool.heap_keep
-        return math.inf if keep >= KEEP_ALL else float(keep)
+        last sent to them (``_update_heap_keep``); 0 without process workers. With
+        ``memory_aware=False`` the cap of each worker's whole free heap
+        (:data:`WHOLE_HEAP_SHARE`)."""
+        return float(self.procs.pool.heap_keep) if self.procs is not None else 0.0
 
     def workers_ready_at(self) -> float | None:
         """``time.monotonic()`` since when a worker process (or Ray actor) has been ready to
@@ -1057,8 +1067,8 @@ class Pipeline:
                              st.executor.size)
                 continue
             self._resize(st, self._want(st))
-        if self._memory_aware:  # the keep depends on the worker count: started workers take
-            self._update_heap_keep()  # the new one now, not the old at the next tick (0.25 s)
+        if self._memory_aware or self._keep_all:  # the keep depends on the worker count:
+            self._update_heap_keep()  # started workers take the new one now, not at the tick
         self.slots.set_max_slots(0 if self._parked else 2 * k.pool_size)
         self.batch_pool.max_per_key = k.depth + 3
         for run in self.runs.values():
@@ -1424,8 +1434,9 @@ class Pipeline:
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
         after their sample. None either once every worker has idled :data:`WARM_IDLE_S`.
-        Without ``memory_aware`` (``_keep_all``): all of it
-        (:data:`~autominato.pipeline.worker.KEEP_ALL`) until they idled that long."""
+        Without ``memory_aware`` (``_keep_all``): all of it, up to :data:`WHOLE_HEAP_SHARE`
+        of the memory available at the start split between the workers, until they idled
+        that long."""
         if not self.cfg.warm_heap:
             return
         now = time.monotonic()
@@ -1440,7 +1451,7 @@ class Pipeline:
         # 8 a worker, 3 s after the last epoch); the next sample takes it again.
         idle = now - self._workers_busy_at >= WARM_IDLE_S
         if self._keep_all:
-            keep = 0 if idle else KEEP_ALL
+            keep = 0 if idle else self._whole_cap // max(1, self.procs.size)
         else:
             keep = (int(self.memory.heap_keep(self.procs.size))
                     if self.memory.known and self._held_key is None and not idle else 0)

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import inspect
 import io
 import os
@@ -243,11 +244,6 @@ def heap_only(on: bool = True) -> bool:
 #: time alike within the noise in both.
 HEAP_SLACK_BYTES = 16 << 20
 
-#: A keep (``("heap", KEEP_ALL)``, :meth:`HeapTrim.set_keep`) at which a worker gives none of
-#: its free heap back between tasks: ``Loader(memory_aware=False)`` with ``warm_heap``, where
-#: no memory budget bounds the warm heap (``Pipeline._update_heap_keep``). A smaller keep
-#: (0 after the workers idled ``scheduler.WARM_IDLE_S``) gives it back as any smaller keep.
-KEEP_ALL = 1 << 62
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -262,6 +258,7 @@ class HeapTrim:
     def __init__(self, slack: int = HEAP_SLACK_BYTES) -> None:
         self.slack = slack
         self.keep = 0  # bytes of free heap kept warm at each give-back (set_keep)
+        self.whole = False  # keep is a cap on all of the free heap (set_keep)
         self.heap_mode = False  # heap_only() is on: every block comes from the heap
         self.cold = False  # a task runs with heap_only() off (trim_for(cold=True))
         self.given = 0  # times the heap was given back
@@ -298,22 +295,33 @@ class HeapTrim:
 
     def after_dataset(self) -> None:
         """Called after a new copy of the dataset replaced the old one (``persistent_workers=
-        False``: once a pass): with :data:`KEEP_ALL`, gives back the whole free heap now (the
+        False``: once a pass): keeping its whole heap (:meth:`set_keep`'s ``whole``), gives
+        back all of its free heap now (the
         old copy and the pickled bytes, freed below the new copy: review 202 saw a worker
         of a 120 MiB dataset hold 518 MiB after five passes, 133 without), which the samples
         then take again; otherwise :meth:`after_task` gives it back as after a task."""
-        if self.keep >= KEEP_ALL:
+        if self.whole and self.keep:
+            # The old copy may sit in a reference cycle, freed only by a collection inside a
+            # later sample, below the new copy: kept there, as the whole heap is, one copy
+            # more a pass (137, 257, 377, 497 MiB over four passes of a 120 MiB dataset
+            # that refers to itself; CI saw one more where it could not be reproduced).
+            gc.collect()
             if give_back_free_heap(0):
                 self.given += 1
             self.base = self.resident_bytes()
 
-    def set_keep(self, keep: int) -> None:
+    def set_keep(self, keep: int, whole: bool = False) -> None:
         """Keep up to ``keep`` bytes of free heap warm from now on (between tasks: the
-        worker's ``("heap", keep)``). A ``keep`` above 0 makes the allocator heap-only
+        worker's ``("heap", keep, whole)``). A ``keep`` above 0 makes the allocator heap-only
         (:func:`heap_only`); a smaller one gives back the excess now; 0 gives it all back and
-        puts the allocator back to mapping large blocks on their own. Nothing changes where
+        puts the allocator back to mapping large blocks on their own. ``whole``
+        (``memory_aware=False``): ``keep`` is a cap, and the worker gives nothing back while
+        all of its free heap (``mallinfo2().fordblks``) is within it, else all but ``keep``
+        bytes at the top; without it each give-back keeps ``keep`` bytes at the top and
+        releases the free blocks inside the heap (``malloc_trim``). Nothing changes where
         the C library is not glibc 2.33 or later."""
         keep = max(0, int(keep))
+        self.whole = bool(whole)
         if keep == self.keep:
             return
         if keep and not self.heap_mode:
@@ -383,9 +391,9 @@ class HeapTrim:
             self._statm = None
 
     def _give_back(self) -> None:
-        if self.keep >= KEEP_ALL:
-            # (malloc_trim(pad) would still give back the free blocks inside the heap,
-            # whatever the pad: the next sample would fault them in again)
+        if self.whole and self.keep and int(_mallinfo2().fordblks) <= self.keep:
+            # (malloc_trim(pad) would give back the free blocks inside the heap whatever the
+            # pad, and the next sample would fault them in again)
             self.base = self.resident_bytes()
             return
         if give_back_free_heap(self.keep):
@@ -1423,7 +1431,7 @@ def process_main(wid: int, conn, spec: WorkSpec | bytes, threads: int | None = N
             limit_threads(msg[1])
             continue
         if kind == "heap":
-            heap.set_keep(msg[1])
+            heap.set_keep(msg[1], *msg[2:])
             continue
         if kind == "drop":
             streams.drop(msg[1])
