@@ -244,7 +244,6 @@ def heap_only(on: bool = True) -> bool:
 #: time alike within the noise in both.
 HEAP_SLACK_BYTES = 16 << 20
 
-
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -296,10 +295,10 @@ class HeapTrim:
     def after_dataset(self) -> None:
         """Called after a new copy of the dataset replaced the old one (``persistent_workers=
         False``: once a pass): keeping its whole heap (:meth:`set_keep`'s ``whole``), gives
-        back all of its free heap now (the
-        old copy and the pickled bytes, freed below the new copy: review 202 saw a worker
-        of a 120 MiB dataset hold 518 MiB after five passes, 133 without), which the samples
-        then take again; otherwise :meth:`after_task` gives it back as after a task."""
+        back all of its free heap now, after a garbage collection (the old copy and the
+        pickled bytes, freed below the new copy: review 202 saw a worker of a 120 MiB
+        dataset hold 518 MiB after four passes, 133 without), which the samples then take
+        again; otherwise :meth:`after_task` gives it back as after a task."""
         if self.whole and self.keep:
             # The old copy may sit in a reference cycle, freed only by a collection inside a
             # later sample, below the new copy: kept there, as the whole heap is, one copy
