@@ -1623,3 +1623,43 @@ def test_the_ranks_torchrun_starts_on_a_node_share_its_cores(monkeypatch):
     masks[0] = set(range(8))
     with Loader(list(range(8)), batch_size=2, worker_kind="thread") as loader:
         assert loader.knobs.workers == 4
+
+
+_WHOLE_HEAP_PROBE = """
+import numpy as np
+from autominato.pipeline import worker
+if worker.warm_heap_refused() is not None:
+    print("none")
+    raise SystemExit
+MiB = 1 << 20
+h = worker.HeapTrim()
+h.set_keep(1 << 30, whole=True)  # memory_aware=False: a cap of 1 GiB
+a = np.ones(96 * MiB, np.uint8)
+before = h.resident_bytes()
+del a
+h.after_task()
+kept = h.resident_bytes()  # the freed 96 MiB stay: within the cap
+h.after_dataset()
+given = h.resident_bytes()  # all of the free heap goes back
+h.set_keep(16 * MiB, whole=True)  # a cap under the next sample's arrays
+b = np.ones(64 * MiB, np.uint8)
+del b
+h.after_task()
+capped = h.resident_bytes()  # all but the cap's 16 MiB goes back
+print(before, kept, given, capped)
+"""
+
+
+def test_a_worker_keeping_its_whole_heap_keeps_it_within_its_cap_and_gives_it_back_after_a_dataset():
+    """``HeapTrim.set_keep(cap, whole=True)`` (``memory_aware=False``): a sample's freed
+    arrays stay warm while the free heap is within the cap, and go back beyond it (all but the
+    cap's bytes); after a new copy of the dataset (``after_dataset``) all of the free heap
+    goes back (review 202: the old copies stayed, 518 MiB after four passes of 120)."""
+    out = subprocess.run([sys.executable, "-c", _WHOLE_HEAP_PROBE], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    if out == ["none"]:
+        pytest.skip("no warm heap here (worker.warm_heap_refused)")
+    before, kept, given, capped = (int(x) / (1 << 20) for x in out)
+    assert kept >= before - 4, (before, kept)
+    assert given <= kept - 88, (kept, given)
+    assert capped <= given + 24, (given, capped)
