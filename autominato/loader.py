@@ -482,8 +482,8 @@ class Loader:
             KiTS19 bench 1.16x and 1.31x the defaults' speed at 21 and 42 samples an epoch,
             at 1168 and 1343 MiB against the defaults' 958 and 994 and the DataLoader's 945
             and 1155, docs/memory.md, "Measured") until the workers idled 10 s, up to half
-            the memory available when the loader started, split between the workers (beyond
-            it a worker gives the rest back).
+            the memory available at the first pass (the cgroup's limit where lower), split
+            between the workers (beyond it a worker gives the rest back).
             ``False``: every freed page goes back after each sample, as before December
             2026. Off, too, where the environment tunes the
             C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,

@@ -154,13 +154,34 @@ PARK_RESEND_MAX_BYTES = 64 * 2**20
 #: (``dirty_decay_ms``).
 WARM_IDLE_S = 10.0
 
-#: ``memory_aware=False``: the share of the memory available when the loader started that the
+#: ``memory_aware=False``: the share of the memory available at the first pass that the
 #: workers' warm heaps may hold together (each worker ``1 / workers`` of it), beyond which a
 #: worker gives its free heap back (``worker.HeapTrim.set_keep``'s ``whole``). Without a
 #: cap a worker held the high-water mark of every sample it ran, an outlier's included, as
 #: long as the loop ran (8 workers that each once ran a 5 GB volume: 40 GB); the DataLoader's
 #: workers unmap each array over glibc's mmap threshold when it is freed. A project choice.
 WHOLE_HEAP_SHARE = 0.5
+
+
+def available_memory() -> int:
+    """Bytes of memory available to this process now: the machine's (psutil's
+    ``available``), at most what its cgroup v2 limit leaves (``memory.max`` less
+    ``memory.current`` of ``/sys/fs/cgroup``: a container limited to 16 GiB on a larger
+    host, review 203)."""
+    avail = int(psutil.virtual_memory().available)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return avail
+    if limit == "max":
+        return avail
+    try:
+        return max(0, min(avail, int(limit) - used))
+    except ValueError:
+        return avail
 
 
 @dataclass(frozen=True)
@@ -423,7 +444,7 @@ class Pipeline:
             self._whole_cap = 0
             if self._keep_all:
                 self.procs.pool.heap_whole = True
-                self._whole_cap = int(WHOLE_HEAP_SHARE * psutil.virtual_memory().available)
+                self._whole_cap = int(WHOLE_HEAP_SHARE * available_memory())
             for st in self.sample_stages:
                 if st.executor is self.procs and self.procs is not None:
                     st.prepare = self._give_slot
@@ -1435,8 +1456,8 @@ class Pipeline:
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
         after their sample. None either once every worker has idled :data:`WARM_IDLE_S`.
         Without ``memory_aware`` (``_keep_all``): all of it, up to :data:`WHOLE_HEAP_SHARE`
-        of the memory available at the start split between the workers, until they idled
-        that long."""
+        of the memory available at the first pass (:func:`available_memory`) split between
+        the workers, until they idled that long."""
         if not self.cfg.warm_heap:
             return
         now = time.monotonic()

@@ -257,7 +257,8 @@ class HeapTrim:
     def __init__(self, slack: int = HEAP_SLACK_BYTES) -> None:
         self.slack = slack
         self.keep = 0  # bytes of free heap kept warm at each give-back (set_keep)
-        self.whole = False  # keep is a cap on all of the free heap (set_keep)
+        self.whole = False  # keep is a cap on the growth since the last give-back (set_keep)
+        self.floor: int | None = None  # resident bytes after the last give-back
         self.heap_mode = False  # heap_only() is on: every block comes from the heap
         self.cold = False  # a task runs with heap_only() off (trim_for(cold=True))
         self.given = 0  # times the heap was given back
@@ -307,7 +308,7 @@ class HeapTrim:
             gc.collect()
             if give_back_free_heap(0):
                 self.given += 1
-            self.base = self.resident_bytes()
+            self.base = self.floor = self.resident_bytes()
 
     def set_keep(self, keep: int, whole: bool = False) -> None:
         """Keep up to ``keep`` bytes of free heap warm from now on (between tasks: the
@@ -315,10 +316,11 @@ class HeapTrim:
         (:func:`heap_only`); a smaller one gives back the excess now; 0 gives it all back and
         puts the allocator back to mapping large blocks on their own. ``whole``
         (``memory_aware=False``): ``keep`` is a cap, and the worker gives nothing back while
-        all of its free heap (``mallinfo2().fordblks``) is within it, else all but ``keep``
-        bytes at the top; without it each give-back keeps ``keep`` bytes at the top and
-        releases the free blocks inside the heap (``malloc_trim``). Nothing changes where
-        the C library is not glibc 2.33 or later."""
+        its resident memory grew by at most that since its last give-back, else all but
+        ``keep`` bytes at the top of the heap and every free block inside it; without it
+        each give-back keeps ``keep`` bytes at the top and releases the free blocks inside
+        the heap (``malloc_trim``). Nothing changes where the C library is not glibc 2.33
+        or later."""
         keep = max(0, int(keep))
         self.whole = bool(whole)
         if keep == self.keep:
@@ -390,14 +392,20 @@ class HeapTrim:
             self._statm = None
 
     def _give_back(self) -> None:
-        if self.whole and self.keep and int(_mallinfo2().fordblks) <= self.keep:
-            # (malloc_trim(pad) would give back the free blocks inside the heap whatever the
-            # pad, and the next sample would fault them in again)
-            self.base = self.resident_bytes()
-            return
+        if self.whole and self.keep:
+            # Nothing while the resident memory grew by at most the cap since the last
+            # give-back (malloc_trim(pad) would give back the free blocks inside the heap
+            # whatever the pad, and the next sample would fault them in again). Not glibc's
+            # free bytes (mallinfo2().fordblks): they keep counting the blocks whose pages a
+            # trim gave back, so after one hole over the cap every later task trimmed
+            # (review 203).
+            rss = self.resident_bytes()
+            if rss is not None and self.floor is not None and rss - self.floor <= self.keep:
+                self.base = rss
+                return
         if give_back_free_heap(self.keep):
             self.given += 1
-        self.base = self.resident_bytes()
+        self.base = self.floor = self.resident_bytes()
 
 
 class PeakMeter:
