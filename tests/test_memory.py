@@ -1105,7 +1105,13 @@ def test_without_memory_awareness_workers_keep_their_whole_heap_warm_until_idle(
         assert pool.heap_whole and loader.snapshot().worker_heap_keep_bytes == pool.heap_keep
         if mode == "capped":
             assert 3.5 * MiB <= pool.heap_keep <= 4.5 * MiB
-            assert max(uss) < 24 * MiB, [u / MiB for u in uss]  # (over 4 MiB: given back)
+            # (over 4 MiB: given back; a worker does so once it replied, so it may still be
+            # at it when the epoch ends: CI read 40 MiB at once)
+            deadline = time.monotonic() + 3.0
+            while max(uss) >= 24 * MiB and time.monotonic() < deadline:
+                time.sleep(0.05)
+                uss = [psutil.Process(p).memory_full_info().uss for p in loader.worker_pids()]
+            assert max(uss) < 24 * MiB, [u / MiB for u in uss]
             return
         # half of the memory available, split between the 2 workers
         assert pool.heap_keep >= 0.2 * psutil.virtual_memory().available
