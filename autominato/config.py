@@ -4,7 +4,8 @@ A configuration is YAML or JSON with these top-level keys (all optional)::
 
     knobs:  {depth: 4, read_threads: 2, workers: 2, pool_size: 16}   # starting values
     bounds: {depth: [1, 16], workers: [1, 8]}                        # the controller's range
-    loader: {worker_kind: process, in_order: false, batch_size: 2}   # static settings
+    loader: {worker_kind: process, in_order: false, batch_size: 2,   # static settings
+             memory_aware: true}
     study:  {...}                                                    # provenance, free form
 
 The online controller starts from ``knobs`` and stays inside ``bounds``.
@@ -21,7 +22,7 @@ from autominato.pipeline.knobs import KNOB_MIN, KNOB_NAMES
 
 log = logging.getLogger("autominato.config")
 
-LOADER_KEYS = ("worker_kind", "in_order", "batch_size", "drop_last", "shuffle")
+LOADER_KEYS = ("worker_kind", "in_order", "batch_size", "drop_last", "shuffle", "memory_aware")
 TOP_KEYS = ("knobs", "bounds", "loader", "study")
 
 
@@ -112,6 +113,10 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     kind = out["loader"].get("worker_kind")
     if kind is not None and kind not in ("process", "thread"):
         raise ConfigError(f"{where}: loader.worker_kind: expected 'process' or 'thread', got {kind!r}")
+    for name in ("in_order", "memory_aware"):
+        flag = out["loader"].get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise ConfigError(f"{where}: loader.{name}: expected true or false, got {flag!r}")
     return out
 
 

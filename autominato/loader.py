@@ -427,8 +427,8 @@ class Loader:
             ``"forkserver"`` force the first or the last; ``"spawn"`` starts each worker as a
             new interpreter. Workers never import ``__main__``.
         config: a file written by ``autominato tune`` (or its dict): starting knobs and bounds,
-            and ``worker_kind`` and ``in_order`` where the call does not give them (knobs and
-            settings given as arguments win).
+            and ``worker_kind``, ``in_order`` and ``memory_aware`` where the call does not
+            give them (knobs and settings given as arguments win).
         metrics_port, metrics_host, monitor_interval: telemetry (see ``autominato.telemetry``).
         autotune: run the online controller (``autominato.control``).
         prefetch_next_epoch: start the next epoch's samples in the workers that the tail of
@@ -449,7 +449,8 @@ class Loader:
             ``persistent_workers=False`` (the dataset may change between epochs). The
             controller's windows span prefetched epochs only: with every epoch started cold
             it acts only on epochs of 12 batches or more (docs/controller.md).
-        memory_aware: process workers measure each sample's peak memory (the resident
+        memory_aware: (``True`` unless the ``config`` file says otherwise) process
+            workers measure each sample's peak memory (the resident
             set's high-water mark, Linux), and a sample whose working set would not fit
             beside those in flight waits for them: at most ``1.35 * max(the largest sample's
             peak, workers * the upper quartile's)`` in flight, so that an outlier several
@@ -466,7 +467,8 @@ class Loader:
             ``samples_held_for_memory_total``; the workers' idle time in
             ``memory_wait_seconds_total``. ``False`` also lets each process worker keep its
             whole freed heap warm (``warm_heap``): faster, and more memory than the
-            DataLoader's.
+            DataLoader's. ``autominato tune`` measures both and writes ``False`` in its file
+            only where it idles less beyond the noise (docs/tune.md).
         warm_heap: with ``memory_aware``, once samples are measured each process worker
             keeps part of its free heap warm between samples instead of giving it all back
             (Linux, glibc): as much as the memory budget leaves beside the largest sample
@@ -545,7 +547,7 @@ class Loader:
         monitor_interval: float | None = None,
         autotune: bool = True,
         prefetch_next_epoch: bool = True,
-        memory_aware: bool = True,
+        memory_aware: bool | None = None,
         warm_heap: bool = True,
         **knobs: int,
     ) -> None:
@@ -555,7 +557,8 @@ class Loader:
         # (before any check: __del__ closes a Loader whose construction raised)
         self._close_lock = threading.RLock()
         for name, flag in (("memory_aware", memory_aware), ("warm_heap", warm_heap)):
-            if not isinstance(flag, (bool, np.bool_)):
+            if not isinstance(flag, (bool, np.bool_)) and not (name == "memory_aware"
+                                                               and flag is None):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         given.update(knobs)
         unknown = set(knobs) - set(KNOB_NAMES)
@@ -621,7 +624,10 @@ class Loader:
                 worker_kind = static.get("worker_kind")
             if in_order is None:
                 in_order = static.get("in_order")
+            if memory_aware is None:
+                memory_aware = static.get("memory_aware")
         worker_kind = "process" if worker_kind is None else worker_kind
+        memory_aware = True if memory_aware is None else bool(memory_aware)
         in_order = False if in_order is None else bool(in_order)
         if worker_kind not in ("process", "thread", "ray"):
             raise ValueError(f"worker_kind must be 'process', 'thread' or 'ray', got {worker_kind!r}")

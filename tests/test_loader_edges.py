@@ -224,6 +224,27 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
         assert L.in_order is False
 
 
+def test_a_configuration_may_turn_memory_aware_dispatch_off_and_an_argument_wins(tmp_path):
+    """``autominato tune`` measures ``memory_aware`` (its default space searches it) and
+    writes it in the file's ``loader`` section: a Loader built from the file runs with it,
+    a ``memory_aware`` given to the call wins, and a value that is not a boolean is refused
+    with its key."""
+    from autominato.config import ConfigError, load_config, save_config
+
+    path = save_config(load_config({"loader": {"memory_aware": False}}), tmp_path / "l.yaml")
+    with Loader(Indexed(4), 2, config=path, autotune=False, workers=1) as L:
+        assert L._ensure_pipeline().cfg.memory_aware is False
+    with Loader(Indexed(4), 2, config=path, autotune=False, workers=1,
+                memory_aware=True) as L:
+        assert L._ensure_pipeline().cfg.memory_aware is True
+    with Loader(Indexed(4), 2, config={"loader": {}}, autotune=False, workers=1) as L:
+        assert L._ensure_pipeline().cfg.memory_aware is True  # the default, not the file's
+    with pytest.raises(ConfigError, match=r"loader\.memory_aware: expected true or false"):
+        load_config({"loader": {"memory_aware": "no"}})
+    with pytest.raises(TypeError, match="memory_aware must be True or False"):
+        Loader(Indexed(4), 2, memory_aware="no")
+
+
 def test_a_configuration_tuned_with_another_batch_size_is_said(tmp_path):
     """A tuned file's batch size is the tune's (its depth counts batches and its pool
     samples of that size); a Loader built with another is warned, at the caller's line,

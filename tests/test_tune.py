@@ -77,6 +77,7 @@ params:
   workers: {type: int, low: 1, high: 8}
   pool_size: 24
   worker_kind: thread
+  memory_aware: true
 trial: {warmup_batches: 3, window_batches: 8, report_every: 2}
 pruner: {n_startup_trials: 3, n_warmup_steps: 1, margin: 0.02}
 """
@@ -132,7 +133,8 @@ def test_small_study_writes_sqlite_and_config_and_resumes_with_the_same_command(
     cfg = load_config(out / "loader.yaml")
     assert cfg["bounds"] == {"workers": (1, 8)}
     assert 1 <= cfg["knobs"]["workers"] <= 8 and cfg["knobs"]["depth"] == 2
-    assert cfg["loader"] == {"worker_kind": "thread", "in_order": False, "batch_size": 2}
+    assert cfg["loader"] == {"worker_kind": "thread", "in_order": False, "memory_aware": True,
+                             "batch_size": 2}
     assert cfg["study"]["trials_complete"] == 2
     assert (out / "objective.png").stat().st_size > 0
     text = capsys.readouterr().out
@@ -441,7 +443,7 @@ def test_the_best_line_says_why_a_lower_trial_was_not_picked():
         out = io.StringIO()
         print_summary(Console(file=out, width=200), SimpleNamespace(
             study=study, elapsed_s=1.0, baseline=None, best=pick, confirmation=None,
-            config_path=None, kept_default=False, plots={}))
+            config=None, config_path=None, kept_default=False, plots={}))
         return next(line for line in out.getvalue().splitlines() if line.startswith("best:"))
 
     assert "picked over 1 lower by the study's selection rule" in said(ruled)

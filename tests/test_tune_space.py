@@ -36,11 +36,12 @@ def write(tmp_path: Path, text: str, name: str = "space.yaml") -> Path:
     return path
 
 
-def test_default_space_searches_the_three_live_knobs_with_cores_resolved():
+def test_default_space_searches_the_three_live_knobs_and_memory_aware_with_cores_resolved():
     space = load_space(cores=6)
     # read_threads: the process workers read inside themselves (trial 138), so no value of
     # it changes the loader measured
-    assert set(space.searched) == {"depth", "workers", "pool_size"}
+    assert set(space.searched) == {"depth", "workers", "pool_size", "memory_aware"}
+    assert space.searched["memory_aware"] == CategoricalDistribution([False, True])
     # (0: no worker processes; up to the online controller's own bound, 4 x cores: trial
     # 180's I/O-bound pipeline was held at the cores by the range written as its bounds)
     assert space.searched["workers"] == IntDistribution(1, 24, log=True)
@@ -167,6 +168,45 @@ def test_select_best_breaks_idle_ties_by_cpu_then_memory():
     assert select_best(ts, idle_tolerance=0.0).number == 0
     assert select_best(ts, cpu_tolerance=0.0).number == 1
     assert [t.number for t in ranked(ts)] == [2, 0, 1, 3]
+
+
+def test_select_best_turns_memory_aware_dispatch_off_only_for_a_lower_idle_ratio():
+    """``memory_aware: false`` spends less CPU (no fresh pages zeroed for each sample), so
+    the CPU rule alone would take it at equal idle: it trades peak memory, and the hold of
+    large samples apart, for speed, taken only where the idle ratio is lower beyond the
+    tolerance."""
+    def t(number, idle, cpu, mem, aware):
+        return create_trial(
+            value=idle, params={"memory_aware": aware},
+            distributions={"memory_aware": CategoricalDistribution([False, True])},
+            user_attrs={"cpu_s_per_sample": cpu, "peak_memory_bytes": mem})
+
+    tie = with_numbers([t(0, 0.005, 0.010, 3 * 2**30, False),  # cheaper, a tie on idle
+                        t(1, 0.010, 0.020, 2 * 2**30, True)])
+    assert select_best(tie).number == 1
+    faster = with_numbers([t(0, 0.100, 0.010, 3 * 2**30, False),
+                           t(1, 0.200, 0.020, 2 * 2**30, True)])
+    assert select_best(faster).number == 0
+    # where the space does not search it, every trial runs with it on (the Loader's default)
+    assert select_best(with_numbers([trial(0, 0.01, 0.02, 0), trial(1, 0.012, 0.01, 0)])
+                       ).number == 1
+
+
+def test_memory_aware_is_searched_for_process_workers_only(tmp_path):
+    space = load_space(write(tmp_path, "params:\n  memory_aware: {type: bool}\n"), cores=2)
+    assert "memory_aware" in space.searched
+    thread = load_space(write(tmp_path, "params:\n  memory_aware: {type: bool}\n"
+                                        "  worker_kind: thread\n"), cores=2)
+    assert "memory_aware" not in thread.searched  # thread workers are never held back
+    both = load_space(write(tmp_path, "params:\n  memory_aware: {type: bool}\n  worker_kind: "
+                                      "{type: categorical, choices: [process, thread]}\n"), cores=2)
+    assert "memory_aware" in both.searched
+    fixed = load_space(write(tmp_path, "params:\n  memory_aware: false\n"), cores=2)
+    assert fixed.fixed["memory_aware"] is False and "memory_aware" not in fixed.searched
+    with pytest.raises(SpaceError, match=r"params\.memory_aware: expected true or false"):
+        load_space(write(tmp_path, "params:\n  memory_aware: sometimes\n"), cores=2)
+    with pytest.raises(SpaceError, match="bool applies to in_order and memory_aware only"):
+        load_space(write(tmp_path, "params:\n  depth: {type: bool}\n"), cores=2)
 
 
 def test_select_best_without_completed_trials_is_none():

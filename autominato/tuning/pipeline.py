@@ -165,7 +165,7 @@ class Pipeline:
         """An ``autominato.Loader`` for one configuration, controller off (the trial holds it).
 
         ``params`` holds knob values and the static settings ``worker_kind``, ``in_order``,
-        ``batch_size``; absent ones keep the Loader's defaults. A map-style dataset is
+        ``memory_aware``, ``batch_size``; absent ones keep the Loader's defaults. A map-style dataset is
         shuffled with a fixed seed so that every trial sees the same sample order.
         """
         from autominato import Loader
@@ -175,7 +175,8 @@ class Pipeline:
         # Loader's ValueError for an argument the user never gave; review 150: a duck-typed one)
         shuffle = not is_iterable_dataset(self.dataset)
         kwargs: dict[str, Any] = {"shuffle": shuffle, "seed": 0, **self.loader_kwargs}
-        kwargs.update({k: params[k] for k in ("worker_kind", "in_order") if k in params})
+        kwargs.update({k: params[k] for k in ("worker_kind", "in_order", "memory_aware")
+                       if k in params})
         kwargs.update({k: int(params[k]) for k in KNOB_NAMES if k in params})
         return Loader(
             self.dataset,

@@ -104,6 +104,23 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
     return path
 
 
+def memory_aware_line(result: Any) -> str:
+    """What the configuration written gives up with ``memory_aware: false``: its trial's
+    peak memory against the default configuration's (this process and its workers, PSS)."""
+    peak = (result.best.user_attrs.get("peak_memory_bytes") if result.best is not None
+            else None)
+    base = result.baseline.peak_memory_bytes if result.baseline is not None else None
+    figures = ""
+    if peak and base:
+        figures = (f": peak memory {peak / 2**30:.2f} GiB in its trial against the default "
+                   f"configuration's {base / 2**30:.2f} GiB")
+    return (f"memory_aware: false in the configuration written (faster here){figures}; its "
+            "workers keep their freed heap warm and large samples are no longer held apart: "
+            "where large samples meet in a long run, its peak can pass what the trials saw "
+            "(docs/memory.md; --memory-budget fails the trials above it, memory_aware: true "
+            "in the space keeps the budget)")
+
+
 def print_summary(console: Console, result: Any) -> None:
     """The closing lines: the table, the baseline comparison, where things were written."""
     trials = result.study.get_trials(deepcopy=False)
@@ -135,13 +152,15 @@ def print_summary(console: Console, result: Any) -> None:
         else:
             why = (f" in its trial; picked over {len(lower)} lower by the study's selection "
                    "rule (docs/tune.md, \"Choosing the best trial\": within the idle "
-                   "tolerance, less CPU, then less memory)")
+                   "tolerance, memory-aware dispatch on, less CPU, then less memory)")
         console.print(
             f"best: trial {result.best.number}, idle {result.best.value:.3f}{why}, "
             f"{fmt_params(result.best.params)}"
         )
     if result.confirmation is not None:
         console.print(result.confirmation.line(), highlight=False)
+    if result.config is not None and result.config["loader"].get("memory_aware") is False:
+        console.print(memory_aware_line(result), highlight=False)
     if result.config_path is not None:
         what = "the DEFAULT configuration" if result.kept_default else "configuration"
         console.print(f"{what} written to {result.config_path}")

@@ -1,10 +1,14 @@
-"""Choosing the best trial: lowest idle ratio, ties broken by CPU seconds, then memory.
+"""Choosing the best trial: lowest idle ratio, ties broken by memory-aware dispatch, CPU
+seconds, then memory.
 
 Pure functions of finished trials, so that the rule is tested without running a study.
 Measured idle ratios carry noise (a few hundredths on a busy machine), so "tied" means within
 a tolerance, not equal: among the trials whose idle ratio is within ``idle_tolerance`` of the
-lowest, those within ``cpu_tolerance`` (relative) of the fewest CPU seconds per sample are
-kept, and of these the one with the least peak memory wins.
+lowest, those with ``memory_aware`` on are kept where any is (turning it off trades peak
+memory, and the protection against large samples running together, for speed: taken only
+where it buys a lower idle ratio; it also spends less CPU in the kernel, so the CPU rule
+alone would pick it at equal idle), then those within ``cpu_tolerance`` (relative) of the
+fewest CPU seconds per sample, and of these the one with the least peak memory wins.
 
 :func:`confirm_best` then decides whether the winner beats the default configuration beyond
 the noise of measuring them again (the same default measured 0.431 and 0.356 in two runs on
@@ -69,7 +73,8 @@ def pick(
     """The module docstring's rule over ``trials`` whose idle ratios are ``idle`` (their
     trial values, or their means when measured again, see ``tuning.study._confirm``): the
     position of the winner. Ties left after memory go to the lower idle ratio, then to the
-    lower trial number. CPU seconds per sample and peak memory are the trials' attributes.
+    lower trial number. CPU seconds per sample and peak memory are the trials' attributes;
+    ``memory_aware`` their parameter (on where not searched).
 
     Raises:
         ValueError: no trials, or ``idle`` and ``trials`` of different lengths.
@@ -79,6 +84,7 @@ def pick(
                          f"{len(idle)} and {len(trials)}")
     low = min(idle)
     tied = [i for i, v in enumerate(idle) if v <= low + idle_tolerance]
+    tied = [i for i in tied if trials[i].params.get("memory_aware", True)] or tied
     low_cpu = min(_cpu(trials[i]) for i in tied)
     if math.isfinite(low_cpu):
         tied = [i for i in tied if _cpu(trials[i]) <= low_cpu * (1.0 + cpu_tolerance)]
@@ -86,7 +92,8 @@ def pick(
 
 
 def ranked(trials: Iterable[FrozenTrial]) -> list[FrozenTrial]:
-    """Completed trials, best first: :func:`select_best`'s winner, then by idle, CPU, memory."""
+    """Completed trials, best first: :func:`select_best`'s winner, then by idle, CPU, memory
+    (the report's order)."""
     done = completed(trials)
     best = select_best(done)
     rest = sorted(

@@ -48,7 +48,7 @@ TUNER_DIR = _tuner_dir()
 DEFAULT_SPACE = TUNER_DIR / "default.yaml"
 
 #: Loader settings that are not live knobs but may be searched (they need a new loader).
-STATIC_NAMES = ("worker_kind", "in_order", "batch_size")
+STATIC_NAMES = ("worker_kind", "in_order", "memory_aware", "batch_size")
 PARAM_NAMES = (*KNOB_NAMES, *STATIC_NAMES)
 #: Smallest meaningful value of each integer parameter (0 workers = transform in-process).
 MINIMUM = {**KNOB_MIN, "batch_size": 1}
@@ -204,6 +204,13 @@ def load_space(
                  "runs with worker_kind thread)",
                  " + ".join(sources), fixed.get("worker_kind", "process"))
         dropped["read_threads"] = searched.pop("read_threads")
+    if "memory_aware" in searched and "worker_kind" not in searched \
+            and fixed.get("worker_kind") == "thread":
+        # Thread workers are never held back for memory and keep no warm heap of their own:
+        # both values would measure the same loader.
+        log.info("%s: memory_aware is not searched: thread workers are not held back for "
+                 "memory and keep no warm heap", " + ".join(sources))
+        del searched["memory_aware"]
     return SearchSpace(
         searched, fixed, settings["trial"], settings["pruner"], " + ".join(sources), cores,
         dropped,
@@ -251,7 +258,7 @@ def _check_value(key: str, name: str, value: Any) -> Any:
     if name == "worker_kind":
         if value not in ("process", "thread"):
             raise SpaceError(f"{key}: expected 'process' or 'thread', got {value!r}")
-    elif name == "in_order":
+    elif name in ("in_order", "memory_aware"):
         if not isinstance(value, bool):
             raise SpaceError(f"{key}: expected true or false, got {value!r}")
     else:
@@ -285,8 +292,8 @@ def _distribution(
             f"{key}.{extra}: not a key of a {kind} range (expected {', '.join(sorted(allowed[kind]))})"
         )
     if kind == "bool":
-        if name != "in_order":
-            raise SpaceError(f"{key}.type: bool applies to in_order only")
+        if name not in ("in_order", "memory_aware"):
+            raise SpaceError(f"{key}.type: bool applies to in_order and memory_aware only")
         return optuna.distributions.CategoricalDistribution([False, True])
     if kind == "categorical":
         choices = spec.get("choices")

@@ -241,7 +241,7 @@ def best_config(
 
     ``knobs``: the values the best trial's loader applied; ``bounds``: the searched knobs'
     ranges (the online controller stays inside them); ``loader``: the static settings
-    (``worker_kind``, ``in_order`` where set, and the batch size).
+    (``worker_kind``, ``in_order``, ``memory_aware`` where set, and the batch size).
     """
     return _config({**space.fixed, **best.params}, best.user_attrs.get("knobs") or {}, space,
                    pipeline, provenance)
