@@ -582,7 +582,8 @@ def _confirm(
         i = measured[pick(means, [finalists[j] for j in measured])]
     if i != 0:
         console.print(f"trial {finalists[i].number} wins when measured again (idle within "
-                      f"{IDLE_TOLERANCE} of the lowest, then the least CPU and memory): it "
+                      f"{IDLE_TOLERANCE} of the lowest, then memory-aware dispatch on, the "
+                      "least CPU and memory): it "
                       f"replaces trial {finalists[0].number} as the best", highlight=False)
     chosen = runs[i]
     if len(measured) > 1:
