@@ -96,7 +96,7 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
         actor_options,
         cluster_cpus,
         connect,
-        free_actors,
+        free_actors_beside_mine,
         others_hold_the_cpus,
         say_if_no_node_fits,
     )
@@ -104,7 +104,7 @@ def _ray_capacity(address: str | None, options: dict | None) -> int:
     opts = actor_options(options)
     connect(address)
     say_if_no_node_fits(opts["num_cpus"])
-    free = free_actors(opts["num_cpus"])
+    free = free_actors_beside_mine(opts["num_cpus"])
     if (free < 1 and "num_cpus" not in (options or {})
             and others_hold_the_cpus(opts["num_cpus"])):
         # Its actors will share the cores with this process's other Ray Loaders'

@@ -680,6 +680,52 @@ def test_a_validation_loader_beside_a_training_loader_shares_the_cores(caplog):
     assert not any("has room for" in r.getMessage() for r in caplog.records)
 
 
+def test_the_free_cpus_leave_out_the_actors_another_loader_is_still_placing(monkeypatch):
+    """A validation Loader built just after a training one, before the training Loader's
+    second actor was placed: the cluster's free CPUs still showed that actor's CPU (CI: the
+    validation Loader sized one actor of its own, not shared, and took that CPU). The free
+    CPUs count at most the cluster's less what this process's executors hold or place."""
+    import threading
+
+    from autominato import loader as loader_module
+    from autominato.pipeline import ray_executor
+
+    class Cluster:  # two CPUs, one held by the training Loader's first actor, placed
+        @staticmethod
+        def available_resources():
+            return {"CPU": 1.0}
+
+        @staticmethod
+        def cluster_resources():
+            return {"CPU": 2.0}
+
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "Resources": {"CPU": 2.0}}]
+
+    class Training:  # wants 2 actors of 1 CPU; one of them placed
+        _stopped = shared = False
+        _cpus = 1.0
+        want = 2
+        _lock = threading.Lock()
+
+        @staticmethod
+        def _live():
+            return 2
+
+    training = Training()
+    monkeypatch.setattr(ray_executor, "_ray", lambda: Cluster)
+    monkeypatch.setattr(ray_executor, "connect", lambda address: None)
+    monkeypatch.setattr(ray_executor, "_EXECUTORS", {training})
+    assert ray_executor.free_actors(1.0) == 1  # what the cluster says
+    assert ray_executor.free_actors_beside_mine(1.0) == 0
+    # the validation Loader's actors share the cores, sized on the cluster's CPUs
+    assert loader_module._ray_capacity(None, None) == 2
+    assert ray_executor.others_hold_the_cpus(1.0)
+    monkeypatch.setattr(ray_executor, "_EXECUTORS", set())  # nothing of this process's
+    assert ray_executor.free_actors_beside_mine(1.0) == 1
+
+
 def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
     """timeout= while none of the Loader's actors is ready (another Loader's hold every CPU):
     the error says the actors wait (trial 139: it said only that it timed out)."""

@@ -182,16 +182,24 @@ def actor_options(options: dict | None) -> dict:
     return opts
 
 
-def others_hold_the_cpus(cpus: float, me: Any = None) -> bool:
-    """This process's live Ray executors (``me`` left out) hold, or are placing, actors whose
-    CPUs leave the cluster's CPUs no room for an actor of ``cpus`` (their actors still being
-    placed are not in the free CPUs yet: counted by what they want)."""
+def _held_here(me: Any = None) -> float:
+    """CPUs that this process's live Ray executors (``me`` left out; those that share the
+    cores ask for none) hold or are placing actors on: what they want, as their actors still
+    being placed are not out of the cluster's free CPUs yet."""
     held = 0.0
     for e in list(_EXECUTORS):
         if e is me or e._stopped or e.shared:
             continue
         with e._lock:  # (its actors change in Ray's callback threads: review 174)
             held += e._cpus * max(e.want, e._live())
+    return held
+
+
+def others_hold_the_cpus(cpus: float, me: Any = None) -> bool:
+    """This process's live Ray executors (``me`` left out) hold, or are placing, actors whose
+    CPUs leave the cluster's CPUs no room for an actor of ``cpus`` (their actors still being
+    placed are not in the free CPUs yet: counted by what they want)."""
+    held = _held_here(me)
     if held <= 0:
         return False
     try:
@@ -226,6 +234,20 @@ def free_actors(cpus_per_actor: float) -> int:
     """Actors of ``cpus_per_actor`` CPUs that the cluster's free CPUs hold now."""
     free = _ray().available_resources().get("CPU", 0.0)
     return int(math.floor(free / cpus_per_actor + 1e-9))
+
+
+def free_actors_beside_mine(cpus_per_actor: float) -> int:
+    """:func:`free_actors`, less the actors that this process's live Ray executors are still
+    placing: the cluster's free CPUs do not show those yet (a validation Loader built just
+    after a training one read the second training actor's CPU as free, took it with one
+    actor of its own, and the training Loader's second actor waited), so the free CPUs are
+    at most the cluster's CPUs less what those executors hold or are placing."""
+    free = free_actors(cpus_per_actor)
+    held = _held_here()
+    if held <= 0:
+        return free
+    room = cluster_cpus() - held
+    return max(0, min(free, int(math.floor(room / cpus_per_actor + 1e-9))))
 
 
 class SampleActor:
