@@ -626,6 +626,14 @@ class Loader:
                 in_order = static.get("in_order")
             if memory_aware is None:
                 memory_aware = static.get("memory_aware")
+            elif static.get("memory_aware") not in (None, bool(memory_aware)):
+                # (said as a knob given over the file's is: the tuned trade is lost otherwise
+                # without a word)
+                log.warning("memory_aware=%s given to the Loader overrides the "
+                            "configuration's memory_aware=%s (%s): an argument wins; leave it "
+                            "out to use the configuration's", bool(memory_aware),
+                            static["memory_aware"],
+                            config if isinstance(config, (str, os.PathLike)) else "config=")
         worker_kind = "process" if worker_kind is None else worker_kind
         memory_aware = True if memory_aware is None else bool(memory_aware)
         in_order = False if in_order is None else bool(in_order)

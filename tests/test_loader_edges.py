@@ -224,7 +224,8 @@ def test_settings_given_as_arguments_win_over_a_configurations(in_order):
         assert L.in_order is False
 
 
-def test_a_configuration_may_turn_memory_aware_dispatch_off_and_an_argument_wins(tmp_path):
+def test_a_configuration_may_turn_memory_aware_dispatch_off_and_an_argument_wins(tmp_path,
+                                                                                   caplog):
     """``autominato tune`` measures ``memory_aware`` (its default space searches it) and
     writes it in the file's ``loader`` section: a Loader built from the file runs with it,
     a ``memory_aware`` given to the call wins, and a value that is not a boolean is refused
@@ -234,9 +235,18 @@ def test_a_configuration_may_turn_memory_aware_dispatch_off_and_an_argument_wins
     path = save_config(load_config({"loader": {"memory_aware": False}}), tmp_path / "l.yaml")
     with Loader(Indexed(4), 2, config=path, autotune=False, workers=1) as L:
         assert L._ensure_pipeline().cfg.memory_aware is False
-    with Loader(Indexed(4), 2, config=path, autotune=False, workers=1,
-                memory_aware=True) as L:
-        assert L._ensure_pipeline().cfg.memory_aware is True
+    with caplog.at_level(logging.WARNING, "autominato"):
+        with Loader(Indexed(4), 2, config=path, autotune=False, workers=1,
+                    memory_aware=True) as L:
+            assert L._ensure_pipeline().cfg.memory_aware is True
+    assert any("memory_aware=True given to the Loader overrides the configuration's "
+               "memory_aware=False" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "autominato"):
+        with Loader(Indexed(4), 2, config=path, autotune=False, workers=1,
+                    memory_aware=False):
+            pass  # (the file's value: nothing lost, nothing said)
+    assert not [r for r in caplog.records if "override" in r.getMessage()]
     with Loader(Indexed(4), 2, config={"loader": {}}, autotune=False, workers=1) as L:
         assert L._ensure_pipeline().cfg.memory_aware is True  # the default, not the file's
     with pytest.raises(ConfigError, match=r"loader\.memory_aware: expected true or false"):

@@ -201,12 +201,18 @@ def test_memory_aware_is_searched_for_process_workers_only(tmp_path):
     both = load_space(write(tmp_path, "params:\n  memory_aware: {type: bool}\n  worker_kind: "
                                       "{type: categorical, choices: [process, thread]}\n"), cores=2)
     assert "memory_aware" in both.searched
+    no_workers = load_space(write(tmp_path, "params:\n  memory_aware: {type: bool}\n"
+                                            "  workers: 0\n"), cores=2)
+    assert "memory_aware" not in no_workers.searched  # loads in the training loop's thread
     fixed = load_space(write(tmp_path, "params:\n  memory_aware: false\n"), cores=2)
     assert fixed.fixed["memory_aware"] is False and "memory_aware" not in fixed.searched
     with pytest.raises(SpaceError, match=r"params\.memory_aware: expected true or false"):
         load_space(write(tmp_path, "params:\n  memory_aware: sometimes\n"), cores=2)
     with pytest.raises(SpaceError, match="bool applies to in_order and memory_aware only"):
         load_space(write(tmp_path, "params:\n  depth: {type: bool}\n"), cores=2)
+    with pytest.raises(SpaceError, match=r"memory_aware is not an integer; use \{type: bool\}"):
+        load_space(write(tmp_path, "params:\n  memory_aware: {type: int, low: 0, high: 1}\n"),
+                   cores=2)
 
 
 def test_select_best_without_completed_trials_is_none():

@@ -12,7 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.table import Table
 
-from autominato.tuning.select import has_variation, ranked, select_best
+from autominato.tuning.select import TWIN_ATTR, has_variation, ranked, select_best
 
 log = logging.getLogger(__name__)
 
@@ -104,21 +104,33 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
     return path
 
 
-def memory_aware_line(result: Any) -> str:
-    """What the configuration written gives up with ``memory_aware: false``: its trial's
-    peak memory against the default configuration's (this process and its workers, PSS)."""
-    peak = (result.best.user_attrs.get("peak_memory_bytes") if result.best is not None
-            else None)
-    base = result.baseline.peak_memory_bytes if result.baseline is not None else None
-    figures = ""
-    if peak and base:
-        figures = (f": peak memory {peak / 2**30:.2f} GiB in its trial against the default "
-                   f"configuration's {base / 2**30:.2f} GiB")
-    return (f"memory_aware: false in the configuration written (faster here){figures}; its "
-            "workers keep their freed heap warm and large samples are no longer held apart: "
-            "where large samples meet in a long run, its peak can pass what the trials saw "
-            "(docs/memory.md; --memory-budget fails the trials above it, memory_aware: true "
-            "in the space keeps the budget)")
+def memory_aware_line(result: Any) -> str | None:
+    """What the configuration written gives up where the study turned ``memory_aware`` off
+    (searched, and the best trial's, not the default kept): its idle ratio and peak memory
+    against the same settings with it on (``study.TWIN_ATTR``, measured in turns after the
+    study), or that they were not measured (no confirmation: ``--no-baseline``). ``None``
+    where there is nothing to say (a space that fixes it says it itself)."""
+    best = result.best
+    if (result.config is None or result.config["loader"].get("memory_aware") is not False
+            or best is None or best.params.get("memory_aware") is not False
+            or result.kept_default):
+        return None
+    check = result.study.user_attrs.get(TWIN_ATTR) or {}
+    if check.get("trial") == best.number and check.get("off_wins"):
+        on, off = check["on_idle"], check["off_idle"]
+        figures = (f"idle {sum(off) / len(off):.3f} over {len(off)} runs against "
+                   f"{sum(on) / len(on):.3f} with it on at the same knobs")
+        if check.get("on_peak_memory_bytes") and check.get("off_peak_memory_bytes"):
+            figures += (f", peak memory {check['off_peak_memory_bytes'] / 2**30:.2f} GiB in "
+                        f"its trial against {check['on_peak_memory_bytes'] / 2**30:.2f} GiB")
+        said = f"memory_aware: false in the configuration written ({figures})"
+    else:
+        said = ("memory_aware: false in the configuration written (not measured against the "
+                "same settings with it on: the study's pick was not confirmed)")
+    return (f"{said}; its workers keep their freed heap warm and large samples are no longer "
+            "held apart: where large samples meet in a long run, its peak can pass what the "
+            "trials saw (docs/memory.md; --memory-budget fails the trials above it, and "
+            "memory_aware: true in the search space keeps memory-aware dispatch)")
 
 
 def print_summary(console: Console, result: Any) -> None:
@@ -159,8 +171,9 @@ def print_summary(console: Console, result: Any) -> None:
         )
     if result.confirmation is not None:
         console.print(result.confirmation.line(), highlight=False)
-    if result.config is not None and result.config["loader"].get("memory_aware") is False:
-        console.print(memory_aware_line(result), highlight=False)
+    said = memory_aware_line(result)
+    if said is not None:
+        console.print(said, highlight=False)
     if result.config_path is not None:
         what = "the DEFAULT configuration" if result.kept_default else "configuration"
         console.print(f"{what} written to {result.config_path}")

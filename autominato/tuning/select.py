@@ -30,6 +30,9 @@ from scipy.stats import t as student_t
 IDLE_TOLERANCE = 0.01
 #: CPU seconds per sample within this fraction of the lowest are a tie.
 CPU_TOLERANCE = 0.10
+#: Study user attribute that holds the check of a chosen ``memory_aware: false`` against the
+#: same settings with it on (``tuning.study._memory_aware_twin``; the summary reads it).
+TWIN_ATTR = "memory_aware_check"
 
 
 def completed(trials: Iterable[FrozenTrial]) -> list[FrozenTrial]:
@@ -119,6 +122,10 @@ def has_variation(study: optuna.Study) -> bool:
 NOISE_ALPHA = 0.025
 
 
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
 @dataclass(frozen=True)
 class Confirmation:
     """The default against the best trial, each measured again (:func:`confirm_best`).
@@ -147,8 +154,8 @@ class Confirmation:
                     f"again: default idle {self.default_mean:.3f} over "
                     f"{len(self.default_idle)} runs")
         figures = (
-            f"default idle {self.default_mean:.3f} over {len(self.default_idle)} runs, best "
-            f"{self.best_mean:.3f} over {len(self.best_idle)} runs (noise sd "
+            f"default idle {self.default_mean:.3f} over {_runs(len(self.default_idle))}, best "
+            f"{self.best_mean:.3f} over {_runs(len(self.best_idle))} (noise sd "
             f"{self.noise_sd:.3f}, margin {self.margin:.3f})"
         )
         if self.keep_best:

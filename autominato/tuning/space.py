@@ -204,12 +204,14 @@ def load_space(
                  "runs with worker_kind thread)",
                  " + ".join(sources), fixed.get("worker_kind", "process"))
         dropped["read_threads"] = searched.pop("read_threads")
-    if "memory_aware" in searched and "worker_kind" not in searched \
-            and fixed.get("worker_kind") == "thread":
-        # Thread workers are never held back for memory and keep no warm heap of their own:
-        # both values would measure the same loader.
-        log.info("%s: memory_aware is not searched: thread workers are not held back for "
-                 "memory and keep no warm heap", " + ".join(sources))
+    threads = "worker_kind" not in searched and fixed.get("worker_kind") == "thread"
+    if "memory_aware" in searched and (threads or fixed.get("workers") == 0):
+        # Thread workers are never held back for memory and keep no warm heap of their own,
+        # and workers 0 loads in the training loop's thread: both values would measure the
+        # same loader.
+        log.info("%s: memory_aware is not searched: %s", " + ".join(sources),
+                 "thread workers are not held back for memory and keep no warm heap"
+                 if threads else "workers 0 loads each sample in the training loop's thread")
         del searched["memory_aware"]
     return SearchSpace(
         searched, fixed, settings["trial"], settings["pruner"], " + ".join(sources), cores,
@@ -303,7 +305,9 @@ def _distribution(
             [_check_value(f"{key}.choices", name, c) for c in choices]
         )
     if name not in MINIMUM:
-        raise SpaceError(f"{key}.type: {name} is not an integer; use categorical")
+        hint = ("{type: bool}" if name in ("in_order", "memory_aware")
+                else "{type: categorical, choices: [...]}")
+        raise SpaceError(f"{key}.type: {name} is not an integer; use {hint}")
     for bound in ("low", "high"):
         if bound not in spec:
             raise SpaceError(f"{key}.{bound}: missing")

@@ -41,6 +41,7 @@ from autominato.tuning.pruner import MarginMedianPruner
 from autominato.tuning.report import fmt_params, save_plots, trial_line
 from autominato.tuning.select import (
     IDLE_TOLERANCE,
+    TWIN_ATTR,
     Confirmation,
     completed,
     confirm_best,
@@ -259,6 +260,8 @@ def _config(
     }
     loader = {k: params[k] for k in STATIC_NAMES if k in params}
     loader.setdefault("batch_size", pipeline.batch_size)
+    if "memory_aware" in space.searched:
+        loader.setdefault("memory_aware", True)  # (the default configuration: the Loader's)
     # A value the Loader applied outside the searched range (it raises pool_size to the batch
     # size: trial 197's range [1, 2] at batch 4 wrote pool_size 4 with bounds [1, 2]) widens
     # the range written, so that the file holds what ran and the controller may keep it.
@@ -268,6 +271,27 @@ def _config(
             lo, hi = bounds[k]
             bounds[k] = (min(lo, v), max(hi, v))
     return {"knobs": knobs, "bounds": bounds, "loader": loader, "study": provenance}
+
+
+def _other_studies(pipeline: Pipeline, name: str, url: str,
+                   out: Path) -> list[tuple[str, int, Path]]:
+    """Studies of ``pipeline`` under another search space (another name's suffix): in the
+    storage ``url`` (of the folder ``out``), and in the folders beside ``out``
+    (``runs/tune/NAME`` each by default), as ``(name, trials, folder)``; a storage that
+    cannot be read is passed over."""
+    prefix = f"{pipeline.study_name()}-s"
+    found: list[tuple[str, int, Path]] = []
+    places = [(url, out)] + [(default_storage(d), d)
+                             for d in sorted(out.parent.glob(f"{prefix}*"))
+                             if d != out and (d / "study.db").is_file()]
+    for storage, where in places:
+        try:
+            summaries = optuna.get_all_study_summaries(storage)
+        except Exception:  # noqa: BLE001 - not a study database: nothing to say
+            continue
+        found += [(s.study_name, s.n_trials, where) for s in summaries
+                  if s.study_name.startswith(prefix) and s.study_name != name]
+    return found
 
 
 def default_storage(out_dir: Path) -> str:
@@ -348,6 +372,14 @@ def run_study(
         f"(window {space.trial['window_batches']} batches after {space.trial['warmup_batches']} "
         f"warm-up, space {space.source})"
     )
+    if not existing:
+        for other, trials, folder in _other_studies(pipeline, name, url, out):
+            console.print(
+                f"another study of this pipeline, with another search space, is stored: "
+                f"{other!r} ({trials} trials) in {folder}. An edited space, or a default that "
+                "searches more (memory_aware since December 2026), starts a study of its own; "
+                f"to add to that one, rerun with its space and --study-name {other} --out "
+                f"{folder}", highlight=False)
     console.print(f"training step: {pipeline.identity.get('step')} per batch of "
                   f"{pipeline.batch_size} ({pipeline.step_note or 'as given'})", highlight=False)
     batch = space.fixed.get("batch_size") or pipeline.batch_size
@@ -369,8 +401,9 @@ def run_study(
             console.print(f"default configuration could not be measured: {e}", highlight=False)
         else:
             console.print(
-                f"default configuration: idle {base.idle_ratio:.3f}  {fmt_params(base_knobs)}"
-            )
+                f"default configuration: idle {base.idle_ratio:.3f}  mem "
+                f"{base.peak_memory_bytes / 2**30:.2f} GiB  {fmt_params(base_knobs)}"
+                + ("  memory_aware=True" if "memory_aware" in space.searched else ""))
             study.set_user_attr("baseline", {"idle_ratio": base.idle_ratio, "knobs": base_knobs})
 
     bar = (
@@ -442,7 +475,7 @@ def run_study(
         picks = _finalists(trials, space)
         finalists = tuple(t.number for t in picks)
         confirmation, best = _confirm(pipeline, space, picks, base, default, confirm_repeats,
-                                      memory_budget_bytes, console)
+                                      memory_budget_bytes, console, study)
     if best is not None:
         provenance = {
             "name": name,
@@ -524,7 +557,9 @@ def _finalists(trials: Sequence[FrozenTrial], space: SearchSpace) -> list[Frozen
     out: list[FrozenTrial] = []
     seen: set[str] = set()
     for t in ranked(trials):
-        key = repr(sorted({**space.fixed, **t.params}.items()))
+        # (a trial stored before the space searched memory_aware ran with the default, on)
+        aware = {"memory_aware": True} if "memory_aware" in space.searched else {}
+        key = repr(sorted({**aware, **space.fixed, **t.params}.items()))
         if key not in seen:
             seen.add(key)
             out.append(t)
@@ -542,6 +577,7 @@ def _confirm(
     repeats: int,
     memory_budget_bytes: int | None,
     console: Console,
+    study: optuna.Study | None = None,
 ) -> tuple[Confirmation, FrozenTrial]:
     """Measure the default and each finalist ``repeats`` more times, in turns (so that a
     drift of the machine's load hits all alike); the finalist that :func:`~autominato.
@@ -550,24 +586,28 @@ def _confirm(
     measured again, the default is kept (:func:`~autominato.tuning.select.unconfirmed`) and
     the best-ranked is returned. Where several were measured, the one chosen is measured
     ``repeats`` times again, beside the default, and compared on those runs alone (the
-    runs it was chosen on read low). Returns the comparison and that finalist."""
+    runs it was chosen on read low). A chosen finalist that turns a searched ``memory_aware``
+    off is measured beside the same settings with it on (:func:`_memory_aware_twin`): where
+    it does not beat them beyond the noise, those (added to ``study`` as a trial) are the
+    finalist. Returns the comparison and that finalist."""
     default_idle: list[float] = [base.idle_ratio]
     runs: list[list[float]] = [[] for _ in finalists]
-    configs = [(default, default_idle)] + [({**space.fixed, **t.params}, into)
-                                           for t, into in zip(finalists, runs, strict=True)]
+    configs = [("the default", default, default_idle)] + [
+        (f"trial {t.number}", {**space.fixed, **t.params}, into)
+        for t, into in zip(finalists, runs, strict=True)]
     names = ", ".join(str(t.number) for t in finalists)
     console.print(f"measuring the default and the best trials ({names}) {repeats} more times "
                   "each, to tell a gain from noise")
 
-    def in_turns(pairs: Sequence[tuple[dict[str, Any], list[float]]]) -> None:
+    def in_turns(triples: Sequence[tuple[str, dict[str, Any], list[float]]]) -> None:
         # each configuration measured once a round, ``repeats`` rounds; a failed run is said
         for _ in range(repeats):
-            for params, into in pairs:
+            for label, params, into in triples:
                 try:
                     m, _ = measure_config(pipeline, space, params,
                                           memory_budget_bytes=memory_budget_bytes)
                 except (TrialFailed, MemoryBudgetExceeded) as e:
-                    console.print(f"could not measure again: {e}", highlight=False)
+                    console.print(f"could not measure again ({label}): {e}", highlight=False)
                     continue
                 into.append(m.idle_ratio)
 
@@ -581,10 +621,11 @@ def _confirm(
         means = [sum(runs[j]) / len(runs[j]) for j in measured]
         i = measured[pick(means, [finalists[j] for j in measured])]
     if i != 0:
+        rule = ("memory-aware dispatch on, the least CPU and memory"
+                if "memory_aware" in space.searched else "the least CPU and memory")
         console.print(f"trial {finalists[i].number} wins when measured again (idle within "
-                      f"{IDLE_TOLERANCE} of the lowest, then memory-aware dispatch on, the "
-                      "least CPU and memory): it "
-                      f"replaces trial {finalists[0].number} as the best", highlight=False)
+                      f"{IDLE_TOLERANCE} of the lowest, then {rule}): it replaces trial "
+                      f"{finalists[0].number} as the best", highlight=False)
     chosen = runs[i]
     if len(measured) > 1:
         # Its runs were picked for being the lowest of several: compared with the default
@@ -593,7 +634,82 @@ def _confirm(
         chosen = []
         console.print(f"measuring trial {finalists[i].number} and the default {repeats} more "
                       "times each, afresh", highlight=False)
-        in_turns([configs[0], (configs[i + 1][0], chosen)])
+        in_turns([configs[0], (configs[i + 1][0], configs[i + 1][1], chosen)])
+    best = finalists[i]
+    if chosen and study is not None and "memory_aware" in space.searched \
+            and best.params.get("memory_aware") is False:
+        best, chosen = _memory_aware_twin(pipeline, space, study, best, configs[i + 1][1],
+                                          chosen, default, default_idle, repeats,
+                                          memory_budget_bytes, console)
     c = confirm_best(default_idle, chosen) if chosen else unconfirmed(default_idle)
     console.print(c.line(), highlight=False)
-    return c, finalists[i]
+    return c, best
+
+
+def _memory_aware_twin(
+    pipeline: Pipeline,
+    space: SearchSpace,
+    study: optuna.Study,
+    best: FrozenTrial,
+    params: dict[str, Any],
+    off_runs: list[float],
+    default: dict[str, Any],
+    default_idle: list[float],
+    repeats: int,
+    memory_budget_bytes: int | None,
+    console: Console,
+) -> tuple[FrozenTrial, list[float]]:
+    """The chosen finalist turns ``memory_aware`` off: measure the same settings with it on,
+    ``repeats`` times in turns with it off and the default (the finalist's runs so far are
+    ``off_runs``, the default's ``default_idle``: both grow). It trades peak memory and the
+    hold of large samples apart for speed, so it is kept only where it beats them on beyond
+    the noise (:func:`~autominato.tuning.select.confirm_best`): the study's tie rule
+    compares single noisy trials, and a search may never have drawn the same knobs with it
+    on (review 204: with no effect of it at all, 6 of 12 noisy studies wrote it off). Else
+    the settings with it on are added to ``study`` as a trial (its value their mean idle)
+    and returned with their runs. Their check is stored in the study's :data:`TWIN_ATTR`."""
+    on_params = {**params, "memory_aware": True}
+    on_runs: list[float] = []
+    on: tuple[Measurement, dict[str, int]] | None = None
+    console.print(f"trial {best.number} turns memory_aware off: measuring the same settings "
+                  f"with it on {repeats} times, in turns with it off and the default, to tell "
+                  "its gain from noise", highlight=False)
+    for _ in range(repeats):
+        for label, which, into in (("the default", default, default_idle),
+                                   ("memory_aware off", params, off_runs),
+                                   ("memory_aware on", on_params, on_runs)):
+            try:
+                m, knobs = measure_config(pipeline, space, which,
+                                          memory_budget_bytes=memory_budget_bytes)
+            except (TrialFailed, MemoryBudgetExceeded) as e:
+                console.print(f"could not measure again ({label}): {e}", highlight=False)
+                continue
+            into.append(m.idle_ratio)
+            if which is on_params:
+                on = (m, knobs)
+    if not on_runs or on is None:
+        console.print("the settings with memory_aware on could not be measured: trial "
+                      f"{best.number}'s stand", highlight=False)
+        return best, off_runs
+    check = confirm_best(on_runs, off_runs)
+    off_peak = best.user_attrs.get("peak_memory_bytes")
+    study.set_user_attr(TWIN_ATTR, {
+        "trial": best.number, "on_idle": on_runs, "off_idle": list(off_runs),
+        "margin": check.margin, "off_wins": check.keep_best,
+        "on_peak_memory_bytes": on[0].peak_memory_bytes, "off_peak_memory_bytes": off_peak})
+    figures = (f"on idle {check.default_mean:.3f} over {len(on_runs)} runs, off "
+               f"{check.best_mean:.3f} over {len(off_runs)} (margin {check.margin:.3f})")
+    if check.keep_best:
+        console.print(f"memory_aware off beats it on beyond the noise: {figures}",
+                      highlight=False)
+        return best, off_runs
+    m, knobs = on
+    attrs: dict[str, Any] = dict(m.as_dict())
+    attrs.update(cpu_s_per_sample=m.cpu_s_per_sample, knobs=knobs, twin_of=best.number)
+    study.add_trial(optuna.trial.create_trial(
+        params={**best.params, "memory_aware": True}, distributions=best.distributions,
+        value=sum(on_runs) / len(on_runs), user_attrs=attrs))
+    twin = study.get_trials(deepcopy=False)[-1]
+    console.print(f"memory_aware off does not beat it on beyond the noise ({figures}): the "
+                  f"same settings with it on are taken (trial {twin.number})", highlight=False)
+    return twin, on_runs
