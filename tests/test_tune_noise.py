@@ -248,6 +248,11 @@ def test_finalists_measured_again_are_picked_by_the_studys_rule_not_the_lowest_m
     assert load_config(result.config_path)["knobs"]["workers"] == 4
 
 
+def _fake_pipeline() -> Pipeline:
+    return Pipeline(dataset=list(range(8)), transform=None, batch_size=2, step=SleepStep(0.3),
+                    identity={"dataset": "fake", "step": "sleep"}, step_note="")
+
+
 def _memory_aware_study(monkeypatch, tmp_path, idle_of, seed=0, n_trials=6,
                         params="depth: 2\n  workers: {type: int, low: 1, high: 4}"):
     """A study of a space that searches ``memory_aware`` beside ``params`` (YAML lines),
@@ -258,9 +263,7 @@ def _memory_aware_study(monkeypatch, tmp_path, idle_of, seed=0, n_trials=6,
         "trial: {warmup_batches: 3, window_batches: 8, report_every: 2}\n")
     space = load_space(tmp_path / "space.yaml")
     assert "memory_aware" in space.searched
-    pipeline = Pipeline(dataset=list(range(8)), transform=None, batch_size=2,
-                        step=SleepStep(0.3), identity={"dataset": "fake", "step": "sleep"},
-                        step_note="")
+    pipeline = _fake_pipeline()
     count: dict = {}
 
     def fake(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
@@ -308,6 +311,17 @@ def test_a_study_writes_memory_aware_off_where_it_beats_the_same_settings_with_i
     assert ("memory_aware: false in the configuration written (idle 0.050 over 4 runs "
             "against 0.400 with it on at the same knobs, peak memory 3.00 GiB in its trial "
             "against 2.00 GiB)") in out.getvalue()
+    # Confirmed again (--trials 0) where it no longer helps: the default replaces the file,
+    # and what it held is said (trial 205: without a word)
+    capsys.readouterr()
+    monkeypatch.setattr(study_module, "measure_config", lambda pipeline, space, params, **kw: (
+        Measurement(0.4, 0.4, 0.6, 4, 8, 0.1, 1 << 30, 0.1, 0.1),
+        {"depth": 2, "read_threads": 2, "workers": 2, "pool_size": 24}))
+    again = run_study(_fake_pipeline(), load_space(tmp_path / "space.yaml"), n_trials=0,
+                      out_dir=tmp_path / "out", progress=False)
+    said = " ".join(capsys.readouterr().out.split())
+    assert again.kept_default and "held another configuration, replaced: " in said
+    assert "memory_aware=False" in said
 
 
 def test_memory_aware_off_that_won_its_trial_by_noise_is_not_written(monkeypatch, tmp_path,

@@ -32,7 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autominato.config import save_config
+from autominato.config import ConfigError, load_config, save_config
 from autominato.pipeline.errors import SampleError, SampleTimeout, WorkerDied
 from autominato.pipeline.knobs import KNOB_NAMES
 from autominato.tuning.measure import Measurement, MemoryBudgetExceeded, measure
@@ -294,6 +294,24 @@ def _other_studies(pipeline: Pipeline, name: str, url: str,
     return found
 
 
+def _say_replaced(path: Path, config: dict[str, Any], console: Console) -> None:
+    """Say what a configuration written before at ``path`` held where ``config`` changes
+    its knobs or static settings (trial 205: ``--trials 0`` replaced a confirmed
+    ``memory_aware: false`` by the default, the noise of the runs again, without a word)."""
+    try:
+        old = load_config(path) if path.is_file() else None
+    except ConfigError:
+        return
+    if old is None:
+        return
+    before = {**old["knobs"], **old["loader"]}
+    after = {**config["knobs"], **config["loader"]}
+    if before != after:
+        console.print(f"{path} held another configuration, replaced: {fmt_params(before)} "
+                      f"(study: {old['study'].get('confirmation', 'no confirmation')})",
+                      highlight=False)
+
+
 def default_storage(out_dir: Path) -> str:
     """``sqlite:///OUT/study.db``: one file that survives interruption and that
     ``optuna-dashboard`` opens."""
@@ -502,7 +520,9 @@ def run_study(
             config = _config(default, base_knobs, space, pipeline, provenance)
         else:
             config = best_config(best, space, pipeline, provenance)
-        written = save_config(config, config_path or out / "loader.yaml")
+        target = Path(config_path or out / "loader.yaml")
+        _say_replaced(target, config, console)
+        written = save_config(config, target)
     plots = save_plots(study, out, base.idle_ratio if base else None)
     return TuneResult(
         study=study,
