@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,33 @@ class ConfigError(ValueError):
     """A configuration file or mapping is invalid; the message names the file and the key."""
 
 
-def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+class LoadedConfig(os.PathLike):
+    """A configuration read from a file, carried with its path: what a copy of a Loader
+    (pickled to a spawned rank, deep-copied) is built from, so that it runs with what the
+    original read, not with the file as it is then (rewritten by a later ``autominato tune``,
+    gone, or a relative path read from another working directory: trial 205). Reads as its
+    path (``os.fspath``, ``str``) in messages."""
+
+    def __init__(self, path: str | Path, cfg: dict[str, Any]) -> None:
+        self.path = str(path)
+        self.cfg = cfg
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"LoadedConfig({self.path!r})"
+
+
+def load_config(source: str | Path | LoadedConfig | dict[str, Any]) -> dict[str, Any]:
     """Read and validate a configuration.
 
     Args:
-        source: a path to a ``.yaml``/``.yml``/``.json`` file, or an already parsed mapping.
+        source: a path to a ``.yaml``/``.yml``/``.json`` file, an already parsed mapping,
+            or a :class:`LoadedConfig` (validated again, its path naming it).
 
     Returns:
         ``{"knobs": {name: int}, "bounds": {name: (low, high)}, "loader": {...}, "study": {...}}``.
@@ -43,7 +66,9 @@ def load_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         ConfigError: unreadable file, unknown key, or a value of the wrong type or range.
     """
     where = "<dict>"
-    if isinstance(source, (str, Path)):
+    if isinstance(source, LoadedConfig):
+        where, raw = source.path, source.cfg
+    elif isinstance(source, (str, Path)):
         where = str(source)
         try:
             text = Path(source).read_text()

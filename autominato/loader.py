@@ -610,9 +610,12 @@ class Loader:
             in_order = True
         cfg = None
         if config is not None:
-            from autominato.config import load_config
+            from autominato.config import LoadedConfig, load_config
 
             cfg = load_config(config)
+            if isinstance(config, (str, os.PathLike)) and not isinstance(config, LoadedConfig):
+                # a copy is built from what this Loader read, not from the file as it is then
+                given["config"] = LoadedConfig(config, cfg)
             # A tuned file's static settings fill what the call left out; an argument given
             # wins, as an explicit knob argument does over the file's knobs.
             static = cfg["loader"]
@@ -2104,7 +2107,8 @@ class Loader:
     def __reduce__(self) -> tuple:
         """Pickled and copied (``copy``, ``deepcopy``) as the DataLoader is: as its arguments
         (the dataset, sampler, functions must pickle, as there), so that Lightning's
-        ``ddp_spawn`` can send it to each rank. The copy keeps the seed this Loader drew, so
+        ``ddp_spawn`` can send it to each rank (a ``config`` file as the configuration this
+        Loader read from it, not the file as it is then). The copy keeps the seed this Loader drew, so
         that every copy draws the same orders and augmentation, and starts workers of its own
         when it is built; it begins at this Loader's epoch (the one ``set_epoch`` gave, or the
         one it is in), and carries nothing else of its state (progress in an epoch, tuned

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import os
+import pickle
 import threading
 import time
 import warnings
@@ -232,9 +234,20 @@ def test_a_configuration_may_turn_memory_aware_dispatch_off_and_an_argument_wins
     with its key."""
     from autominato.config import ConfigError, load_config, save_config
 
-    path = save_config(load_config({"loader": {"memory_aware": False}}), tmp_path / "l.yaml")
+    path = save_config(load_config({"loader": {"memory_aware": False}, "knobs": {"depth": 3}}),
+                       tmp_path / "l.yaml")
     with Loader(Indexed(4), 2, config=path, autotune=False, workers=1) as L:
         assert L._ensure_pipeline().cfg.memory_aware is False
+        # A copy (a spawned rank's, deep-copied) runs with what this one read, not with the
+        # file as it is then (trial 205: a later tune rewrote it, or it is gone)
+        save_config(load_config({"loader": {"memory_aware": True}}), path)
+        with copy.deepcopy(L) as C:
+            assert C._ensure_pipeline().cfg.memory_aware is False and C.knobs.depth == 3
+        path.unlink()
+        with pickle.loads(pickle.dumps(L)) as P:
+            assert P._ensure_pipeline().cfg.memory_aware is False
+            assert sorted(indices(P)) == [0, 1, 2, 3]
+    path = save_config(load_config({"loader": {"memory_aware": False}}), tmp_path / "l.yaml")
     with caplog.at_level(logging.WARNING, "autominato"):
         with Loader(Indexed(4), 2, config=path, autotune=False, workers=1,
                     memory_aware=True) as L:
