@@ -726,9 +726,11 @@ def test_the_free_cpus_leave_out_the_actors_another_loader_is_still_placing(monk
     assert ray_executor.free_actors_beside_mine(1.0) == 1
 
 
-def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
+def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch, caplog):
     """timeout= while none of the Loader's actors is ready (another Loader's hold every CPU):
-    the error says the actors wait (trial 139: it said only that it timed out)."""
+    the error says the actors wait (trial 139: it said only that it timed out), and the
+    Loader said so when it was built, with the way out (trial 207: the README's num_cpus
+    beside a training Loader waited for ever, told after 30 s to ask for fewer CPUs)."""
     from autominato import loader as loader_module
     from autominato.pipeline import ray_executor
     from autominato.pipeline.worker import WorkSpec
@@ -741,9 +743,13 @@ def test_a_timeout_while_no_actor_is_ready_says_why(monkeypatch):
     try:
         _placed(train, 2)
         # (num_cpus given: a request to wait for CPUs of its own, not to share the cores)
-        with Loader(Indexed(4), 2, worker_kind="ray", workers=1, timeout=1.0,
-                    ray_actor_options={"num_cpus": 1},
-                    autotune=False, prefetch_next_epoch=False) as L:
+        with caplog.at_level(logging.WARNING, "autominato"), \
+                Loader(Indexed(4), 2, worker_kind="ray", workers=1, timeout=1.0,
+                       ray_actor_options={"num_cpus": 1},
+                       autotune=False, prefetch_next_epoch=False) as L:
+            assert any("wait for CPUs of their own until that Loader's actors give some back"
+                       in r.getMessage() and "Leave num_cpus out" in r.getMessage()
+                       for r in caplog.records)
             with pytest.raises(RuntimeError, match="timed out after 1 seconds") as e:
                 next(iter(L))
             assert any("none of this Loader's Ray actors is ready" in n

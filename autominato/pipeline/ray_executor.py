@@ -410,8 +410,21 @@ class RayExecutor:
                 "another Loader of this process holds (or is placing) actors on the Ray "
                 "cluster's CPUs, leaving none for this one: its transform actors share the "
                 "cores with them (num_cpus=0, as worker processes of two DataLoaders share "
-                "them); pass ray_actor_options={'num_cpus': ...} to wait for CPUs of their own "
-                "instead")
+                "them); ray_actor_options={'num_cpus': ...} would make them wait for CPUs of "
+                "their own instead, until the other Loader's actors give some back (close it, "
+                "or give it fewer workers)")
+        elif not share and others_hold_the_cpus(self._cpus, self):
+            # (trial 207: the README's example, num_cpus given, beside a training Loader:
+            # the validation Loader waited for ever, told only after 30 s, and told to ask
+            # for fewer CPUs when it asked for 1)
+            log.warning(
+                "another Loader of this process holds (or is placing) actors on every CPU of "
+                "the Ray cluster: this one's actors, asking for num_cpus=%g each "
+                "(ray_actor_options), wait for CPUs of their own until that Loader's actors "
+                "give some back, and its samples with them. Leave num_cpus out of "
+                "ray_actor_options to share the cores with them, as two DataLoaders' worker "
+                "processes do, or close the other Loader or give it fewer workers first",
+                self._cpus)
         self._cls = ray.remote(SampleActor).options(**self._opts, **OWN_OPTIONS)
         self._spec_ref = ray.put(spec)
         self._here = ray.get_runtime_context().get_node_id()
@@ -629,8 +642,9 @@ class RayExecutor:
             "free (other actors, another Loader's or another job's, may hold them), or its "
             "start is slow (a runtime_env to install, worker_init_fn, the dataset to "
             "unpickle); its samples wait meanwhile. Where the CPUs are taken: give the other "
-            "Loader fewer workers, close it first, or pass ray_actor_options={'num_cpus': ...} "
-            "with less", sum(1 for a in list(self._actors.values()) if not a.retiring),
+            "Loader fewer workers, close it first, pass ray_actor_options={'num_cpus': ...} "
+            "with less, or, where this process's other Loader holds them, leave num_cpus out "
+            "to share the cores with it", sum(1 for a in list(self._actors.values()) if not a.retiring),
             self._cpus, PLACEMENT_GRACE_S, "?" if free is None else f"{free:g}")
 
     # -- figures ----------------------------------------------------------------------------
