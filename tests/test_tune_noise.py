@@ -304,6 +304,7 @@ def test_a_study_writes_memory_aware_off_where_it_beats_the_same_settings_with_i
     assert "memory_aware off beats it on beyond the noise" in capsys.readouterr().out
     cfg = load_config(result.config_path)
     assert cfg["loader"]["memory_aware"] is False
+    assert cfg["study"]["memory_aware_check"].startswith("memory_aware off beats it on")
     with Loader(list(range(4)), 2, config=result.config_path, autotune=False) as L:
         assert L._ensure_pipeline().cfg.memory_aware is False
     out = io.StringIO()
@@ -350,6 +351,9 @@ def test_memory_aware_off_that_won_its_trial_by_noise_is_not_written(monkeypatch
     assert result.best.user_attrs["twin_of"] == 0 and not result.kept_default
     cfg = load_config(result.config_path)
     assert cfg["loader"]["memory_aware"] is True and cfg["knobs"]["depth"] == 5
+    # (the file's counts include the twin, trial 207: they were taken before it was added)
+    assert cfg["study"]["trials_total"] == 2 and cfg["study"]["best_trial"] == 1
+    assert "does not beat it on" in cfg["study"]["memory_aware_check"]
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
     assert "memory_aware: false" not in out.getvalue()
@@ -419,3 +423,31 @@ def test_the_default_is_measured_after_a_warm_up_run_that_is_not_counted(monkeyp
     result = run_study(pipeline, space, n_trials=1, out_dir=tmp / "out", progress=False)
     assert runs[0] == 0.9 and result.baseline.idle_ratio == 0.4
     assert 0.9 not in result.confirmation.default_idle
+
+
+def test_a_replaced_configuration_is_said_with_its_bounds_or_as_unreadable(tmp_path):
+    """Trial 207: bounds (the online controller's range) changed without a word, and a file
+    that did not read was replaced in silence."""
+    import io
+
+    from rich.console import Console
+
+    from autominato.config import save_config
+    from autominato.tuning.study import _say_replaced
+
+    path = tmp_path / "loader.yaml"
+    new = load_config({"knobs": {"workers": 2}, "bounds": {"workers": [1, 3]},
+                       "loader": {"memory_aware": True}})
+
+    def said() -> str:
+        out = io.StringIO()
+        _say_replaced(path, new, Console(file=out, width=300))
+        return out.getvalue()
+
+    assert said() == ""  # no file yet
+    save_config(new, path)
+    assert said() == ""  # the same configuration
+    save_config({**new, "bounds": {"workers": (1, 8)}}, path)
+    assert "held another configuration, replaced: " in said() and "bounds.workers=[1, 8]" in said()
+    path.write_text("knobs: {workers: -1}\n")
+    assert "did not read as a configuration, replaced: " in said()

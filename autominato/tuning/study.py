@@ -298,14 +298,18 @@ def _say_replaced(path: Path, config: dict[str, Any], console: Console) -> None:
     """Say what a configuration written before at ``path`` held where ``config`` changes
     its knobs or static settings (trial 205: ``--trials 0`` replaced a confirmed
     ``memory_aware: false`` by the default, the noise of the runs again, without a word)."""
+    if not path.is_file():
+        return
     try:
-        old = load_config(path) if path.is_file() else None
-    except ConfigError:
+        old = load_config(path)
+    except ConfigError as e:
+        console.print(f"{path} did not read as a configuration, replaced: {e}",
+                      highlight=False)
         return
-    if old is None:
-        return
-    before = {**old["knobs"], **old["loader"]}
-    after = {**config["knobs"], **config["loader"]}
+    bounds = {f"bounds.{k}": list(v) for k, v in old["bounds"].items()}
+    before = {**old["knobs"], **old["loader"], **bounds}
+    after = {**config["knobs"], **config["loader"],
+             **{f"bounds.{k}": list(v) for k, v in config["bounds"].items()}}
     if before != after:
         console.print(f"{path} held another configuration, replaced: {fmt_params(before)} "
                       f"(study: {old['study'].get('confirmation', 'no confirmation')})",
@@ -396,8 +400,9 @@ def run_study(
                 f"another study of this pipeline, with another search space, is stored: "
                 f"{other!r} ({trials} trials) in {folder}. An edited space, or a default that "
                 "searches more (memory_aware since December 2026), starts a study of its own; "
-                f"to add to that one, rerun with its space and --study-name {other} --out "
-                f"{folder}", highlight=False)
+                f"to add to that one, rerun with its space (a space file written before: "
+                f"with memory_aware: true added) and --study-name {other} --out {folder}",
+                highlight=False)
     console.print(f"training step: {pipeline.identity.get('step')} per batch of "
                   f"{pipeline.batch_size} ({pipeline.step_note or 'as given'})", highlight=False)
     batch = space.fixed.get("batch_size") or pipeline.batch_size
@@ -506,6 +511,7 @@ def run_study(
         finalists = tuple(t.number for t in picks)
         confirmation, best = _confirm(pipeline, space, picks, base, default, confirm_repeats,
                                       memory_budget_bytes, console, study)
+        trials = study.get_trials(deepcopy=False)  # (with a twin the check added: trial 207)
     if best is not None:
         provenance = {
             "name": name,
@@ -522,6 +528,10 @@ def run_study(
         if confirmation is not None:
             provenance["confirmation"] = confirmation.line()
             provenance["kept_default"] = not confirmation.keep_best
+            check = study.user_attrs.get(TWIN_ATTR)
+            if check and check.get("line") and best.number in (check["trial"],
+                                                               check.get("twin")):
+                provenance["memory_aware_check"] = check["line"]
             # The idle ratio of the configuration written, over its runs after the study: the
             # default's, or the best's (its trial's value was picked for being among the
             # lowest of many, so it reads low: trial 159 saw 0.008 written for 0.06-0.17).
@@ -652,12 +662,19 @@ def _confirm(
         # 6-worker finalist 0.01 lower replaced the 4 workers that kept up at less CPU).
         means = [sum(runs[j]) / len(runs[j]) for j in measured]
         i = measured[pick(means, [finalists[j] for j in measured])]
+        console.print("measured again, mean idle: " + ", ".join(
+            f"{label} {sum(into) / len(into):.3f}" for label, _, into in configs if into),
+            highlight=False)
     if i != 0:
-        rule = ("memory-aware dispatch on, the least CPU and memory"
-                if "memory_aware" in space.searched else "the least CPU and memory")
-        console.print(f"trial {finalists[i].number} wins when measured again (idle within "
-                      f"{IDLE_TOLERANCE} of the lowest, then {rule}): it replaces trial "
-                      f"{finalists[0].number} as the best", highlight=False)
+        low = min(means)
+        if sum(1 for v in means if v <= low + IDLE_TOLERANCE) == 1:
+            why = "the lowest mean"  # (trial 207: a tie rule was named for it)
+        else:
+            why = (f"within {IDLE_TOLERANCE} of the lowest mean, then "
+                   + ("memory-aware dispatch on, " if "memory_aware" in space.searched else "")
+                   + "the least CPU and memory")
+        console.print(f"trial {finalists[i].number} wins when measured again ({why}): it "
+                      f"replaces trial {finalists[0].number} as the best", highlight=False)
     chosen = runs[i]
     if len(measured) > 1:
         # Its runs were picked for being the lowest of several: compared with the default
@@ -725,23 +742,28 @@ def _memory_aware_twin(
         return best, off_runs
     check = confirm_best(on_runs, off_runs)
     off_peak = best.user_attrs.get("peak_memory_bytes")
-    study.set_user_attr(TWIN_ATTR, {
-        "trial": best.number, "on_idle": on_runs, "off_idle": list(off_runs),
-        "margin": check.margin, "off_wins": check.keep_best,
-        "on_peak_memory_bytes": on[0].peak_memory_bytes, "off_peak_memory_bytes": off_peak})
     figures = (f"on idle {check.default_mean:.3f} over {len(on_runs)} runs, off "
                f"{check.best_mean:.3f} over {len(off_runs)} (margin {check.margin:.3f})")
+    said = {"trial": best.number, "on_idle": on_runs, "off_idle": list(off_runs),
+            "margin": check.margin, "off_wins": check.keep_best,
+            "on_peak_memory_bytes": on[0].peak_memory_bytes, "off_peak_memory_bytes": off_peak}
     if check.keep_best:
-        console.print(f"memory_aware off beats it on beyond the noise: {figures}",
-                      highlight=False)
+        said["line"] = f"memory_aware off beats it on beyond the noise: {figures}"
+        study.set_user_attr(TWIN_ATTR, said)
+        console.print(said["line"], highlight=False)
         return best, off_runs
     m, knobs = on
     attrs: dict[str, Any] = dict(m.as_dict())
-    attrs.update(cpu_s_per_sample=m.cpu_s_per_sample, knobs=knobs, twin_of=best.number)
+    # (its value is the mean of its runs: the attributes say so, not its last run's alone)
+    attrs.update(cpu_s_per_sample=m.cpu_s_per_sample, knobs=knobs, twin_of=best.number,
+                 idle_ratio=sum(on_runs) / len(on_runs), idle_runs=on_runs)
     study.add_trial(optuna.trial.create_trial(
         params={**best.params, "memory_aware": True}, distributions=best.distributions,
         value=sum(on_runs) / len(on_runs), user_attrs=attrs))
     twin = study.get_trials(deepcopy=False)[-1]
-    console.print(f"memory_aware off does not beat it on beyond the noise ({figures}): the "
-                  f"same settings with it on are taken (trial {twin.number})", highlight=False)
+    said["twin"] = twin.number
+    said["line"] = (f"memory_aware off does not beat it on beyond the noise ({figures}): the "
+                    f"same settings with it on are taken (trial {twin.number})")
+    study.set_user_attr(TWIN_ATTR, said)
+    console.print(said["line"], highlight=False)
     return twin, on_runs
