@@ -10,6 +10,7 @@ from autominato.config import load_config
 from autominato.models.step import SleepStep
 from autominato.tuning import Measurement, Pipeline, load_space, run_study
 from autominato.tuning import study as study_module
+from autominato.tuning.measure import MemoryBudgetExceeded
 from autominato.tuning.select import IDLE_TOLERANCE, confirm_best, select_best
 
 
@@ -309,9 +310,9 @@ def test_a_study_writes_memory_aware_off_where_it_beats_the_same_settings_with_i
         assert L._ensure_pipeline().cfg.memory_aware is False
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
-    assert ("memory_aware: false in the configuration written (idle 0.050 over 4 runs "
-            "against 0.400 with it on at the same knobs, peak memory 3.00 GiB in its trial "
-            "against 2.00 GiB)") in out.getvalue()
+    assert ("memory_aware: false in the configuration written (idle 0.050 against 0.400 "
+            "with it on at the same knobs, 2 runs each in turns, peak memory 3.00 GiB against "
+            "2.00 GiB in those runs)") in out.getvalue()
     # Confirmed again (--trials 0) where it no longer helps: the default replaces the file,
     # and what it held is said (trial 205: without a word)
     capsys.readouterr()
@@ -393,6 +394,9 @@ def test_a_kept_default_writes_memory_aware_on_and_a_new_space_names_the_old_stu
     new_name = default_study_name(pipeline, spaces["new"])
     assert old_name != new_name
     run_study(pipeline, spaces["old"], n_trials=2, out_dir=tmp_path / old_name, progress=False)
+    empty = tmp_path / f"{pipeline.study_name()}-sempty" / "study.db"  # no study database
+    empty.parent.mkdir()
+    empty.touch()
     capsys.readouterr()
     result = run_study(pipeline, spaces["new"], n_trials=2, out_dir=tmp_path / new_name,
                        progress=False)
@@ -400,6 +404,7 @@ def test_a_kept_default_writes_memory_aware_on_and_a_new_space_names_the_old_stu
     assert (f"another study of this pipeline, with another search space, is stored: "
             f"'{old_name}' (2 trials)") in said
     assert f"--study-name {old_name} --out" in said  # (then its folder, wrapped)
+    assert empty.stat().st_size == 0  # read only (review 206: Optuna's storage wrote into it)
     assert result.kept_default
     assert load_config(result.config_path)["loader"]["memory_aware"] is True
 
@@ -423,6 +428,17 @@ def test_the_default_is_measured_after_a_warm_up_run_that_is_not_counted(monkeyp
     result = run_study(pipeline, space, n_trials=1, out_dir=tmp / "out", progress=False)
     assert runs[0] == 0.9 and result.baseline.idle_ratio == 0.4
     assert 0.9 not in result.confirmation.default_idle
+    # Over the memory budget the warm-up says so, and the default is not run again over it
+    budgets = []
+
+    def over(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
+        budgets.append(memory_budget_bytes)
+        raise MemoryBudgetExceeded(2 << 30, memory_budget_bytes)
+
+    monkeypatch.setattr(study_module, "measure_config", over)
+    result = run_study(pipeline, space, n_trials=0, out_dir=tmp / "over", progress=False,
+                       memory_budget_bytes=1 << 30)
+    assert budgets == [1 << 30] and result.baseline is None
 
 
 def test_a_replaced_configuration_is_said_with_its_bounds_or_as_unreadable(tmp_path):
@@ -447,7 +463,59 @@ def test_a_replaced_configuration_is_said_with_its_bounds_or_as_unreadable(tmp_p
     assert said() == ""  # no file yet
     save_config(new, path)
     assert said() == ""  # the same configuration
+    save_config({**new, "loader": {}}, path)
+    assert said() == ""  # written before tune wrote memory_aware: the same
     save_config({**new, "bounds": {"workers": (1, 8)}}, path)
     assert "held another configuration, replaced: " in said() and "bounds.workers=[1, 8]" in said()
     path.write_text("knobs: {workers: -1}\n")
     assert "did not read as a configuration, replaced: " in said()
+
+
+def test_a_finalist_that_wins_by_its_mean_is_said_so_with_the_means(monkeypatch, setup,
+                                                                     capsys):
+    """Trial 207: "wins when measured again (idle within 0.01 of the lowest, then the least
+    CPU and memory)" was said of a finalist with the most CPU and memory, which won by its
+    mean alone, and the means were not shown."""
+    pipeline, space, tmp = setup
+    seen: dict = {}
+
+    def fake(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
+        workers = int(params.get("workers", 2))
+        seen[workers] = seen.get(workers, 0) + 1
+        idle = {4: 0.01 if seen.get(4) == 1 else 0.30, 6: 0.10}.get(workers, 0.40)  # 4: lucky once
+        if on_report is not None:
+            on_report(2, idle)
+        m = Measurement(idle, idle, 1 - idle, 4, 8, 0.1 * workers, 1 << 20, 0.1, 0.1)
+        return m, {"depth": 2, "read_threads": 2, "workers": workers, "pool_size": 24}
+
+    monkeypatch.setattr(study_module, "measure_config", fake)
+    (tmp / "narrow.yaml").write_text(SPACE.replace("low: 1, high: 8", "low: 3, high: 6"))
+    result = run_study(pipeline, load_space(tmp / "narrow.yaml"), n_trials=8,
+                       out_dir=tmp / "out", progress=False, seed=3)
+    said = " ".join(capsys.readouterr().out.split())
+    assert result.best.params["workers"] == 6
+    assert "measured again, mean idle: the default 0.400, trial" in said
+    assert "wins when measured again (the lowest mean): it replaces trial" in said
+
+
+def test_a_finalist_stored_before_memory_aware_was_searched_counts_as_on(tmp_path):
+    """A trial stored without the parameter ran with the Loader's default (on): the same
+    configuration as one drawn with it on, counted once among the finalists."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+    from optuna.trial import create_trial
+
+    from autominato.tuning.study import _finalists
+
+    (tmp_path / "space.yaml").write_text("params:\n  workers: {type: int, low: 1, high: 8}\n"
+                                         "  memory_aware: {type: bool}\n")
+    space = load_space(tmp_path / "space.yaml")
+    workers = IntDistribution(1, 8)
+    aware = CategoricalDistribution([False, True])
+    old = create_trial(value=0.10, params={"workers": 3}, distributions={"workers": workers})
+    new = create_trial(value=0.11, params={"workers": 3, "memory_aware": True},
+                       distributions={"workers": workers, "memory_aware": aware})
+    other = create_trial(value=0.20, params={"workers": 3, "memory_aware": False},
+                         distributions={"workers": workers, "memory_aware": aware})
+    for i, t in enumerate((old, new, other)):
+        t.number = i
+    assert [t.number for t in _finalists([old, new, other], space)] == [0, 2]

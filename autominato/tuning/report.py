@@ -115,18 +115,23 @@ def memory_aware_line(result: Any) -> str | None:
             or best is None or best.params.get("memory_aware") is not False
             or result.kept_default):
         return None
+    # (the study's check of this run: run_study clears one a run before left, review 206)
     check = result.study.user_attrs.get(TWIN_ATTR) or {}
     if check.get("trial") == best.number and check.get("off_wins"):
         on, off = check["on_idle"], check["off_idle"]
-        figures = (f"idle {sum(off) / len(off):.3f} over {len(off)} runs against "
-                   f"{sum(on) / len(on):.3f} with it on at the same knobs")
+        figures = (f"idle {sum(off) / len(off):.3f} against {sum(on) / len(on):.3f} with it "
+                   f"on at the same knobs, {len(off)} runs each in turns")
         if check.get("on_peak_memory_bytes") and check.get("off_peak_memory_bytes"):
-            figures += (f", peak memory {check['off_peak_memory_bytes'] / 2**30:.2f} GiB in "
-                        f"its trial against {check['on_peak_memory_bytes'] / 2**30:.2f} GiB")
+            figures += (f", peak memory {check['off_peak_memory_bytes'] / 2**30:.2f} GiB "
+                        f"against {check['on_peak_memory_bytes'] / 2**30:.2f} GiB in those "
+                        "runs")
         said = f"memory_aware: false in the configuration written ({figures})"
+    elif check.get("trial") == best.number and check.get("unmeasured"):
+        said = ("memory_aware: false in the configuration written (not checked: the same "
+                "settings with it on could not be measured again)")
     else:
         said = ("memory_aware: false in the configuration written (not measured against the "
-                "same settings with it on: the study's pick was not confirmed)")
+                "same settings with it on: nothing was measured again after the study)")
     return (f"{said}; its workers keep their freed heap warm and large samples are no longer "
             "held apart: where large samples meet in a long run, its peak can pass what the "
             "trials saw (docs/memory.md; --memory-budget fails the trials above it, and "

@@ -276,21 +276,38 @@ def _config(
 def _other_studies(pipeline: Pipeline, name: str, url: str,
                    out: Path) -> list[tuple[str, int, Path]]:
     """Studies of ``pipeline`` under another search space (another name's suffix): in the
-    storage ``url`` (of the folder ``out``), and in the folders beside ``out``
-    (``runs/tune/NAME`` each by default), as ``(name, trials, folder)``; a storage that
-    cannot be read is passed over."""
+    storage ``url`` (of the folder ``out``), and in the ``study.db`` of the folders beside
+    ``out`` (``runs/tune/NAME`` each by default), as ``(name, trials, folder)``. Those are
+    read through SQLite, read-only (Optuna's storage creates its tables in a file it opens:
+    review 206 saw an empty ``study.db`` beside grow to 112 KiB), one query each; a file
+    that does not read as a study database is passed over."""
+    import sqlite3
+
     prefix = f"{pipeline.study_name()}-s"
     found: list[tuple[str, int, Path]] = []
-    places = [(url, out)] + [(default_storage(d), d)
-                             for d in sorted(out.parent.glob(f"{prefix}*"))
-                             if d != out and (d / "study.db").is_file()]
-    for storage, where in places:
+    if url != default_storage(out):
         try:
-            summaries = optuna.get_all_study_summaries(storage)
-        except Exception:  # noqa: BLE001 - not a study database: nothing to say
+            found += [(s.study_name, s.n_trials, out)
+                      for s in optuna.get_all_study_summaries(url, include_best_trial=False)
+                      if s.study_name.startswith(prefix) and s.study_name != name]
+        except Exception:  # noqa: BLE001 - the storage did not answer: nothing to say
+            pass
+    files = ([out / "study.db"] if url == default_storage(out) else []) + [
+        d / "study.db" for d in sorted(out.parent.glob(f"{prefix}*"))
+        if d != out and (d / "study.db").is_file()]
+    for file in files:
+        try:
+            con = sqlite3.connect(f"{file.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                rows = con.execute(
+                    "SELECT s.study_name, COUNT(t.trial_id) FROM studies s LEFT JOIN trials t "
+                    "ON t.study_id = s.study_id GROUP BY s.study_id").fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:  # not a study database: nothing to say
             continue
-        found += [(s.study_name, s.n_trials, where) for s in summaries
-                  if s.study_name.startswith(prefix) and s.study_name != name]
+        found += [(n, int(c), file.parent) for n, c in rows
+                  if str(n).startswith(prefix) and n != name]
     return found
 
 
@@ -306,10 +323,13 @@ def _say_replaced(path: Path, config: dict[str, Any], console: Console) -> None:
         console.print(f"{path} did not read as a configuration, replaced: {e}",
                       highlight=False)
         return
-    bounds = {f"bounds.{k}": list(v) for k, v in old["bounds"].items()}
-    before = {**old["knobs"], **old["loader"], **bounds}
-    after = {**config["knobs"], **config["loader"],
-             **{f"bounds.{k}": list(v) for k, v in config["bounds"].items()}}
+    def flat(cfg: dict[str, Any]) -> dict[str, Any]:
+        # (a setting left out reads as the Loader's default: a file written before tune
+        # wrote memory_aware is the same configuration, review 206)
+        return {"in_order": False, "memory_aware": True, **cfg["knobs"], **cfg["loader"],
+                **{f"bounds.{k}": list(v) for k, v in cfg["bounds"].items()}}
+
+    before, after = flat(old), flat(config)
     if before != after:
         console.print(f"{path} held another configuration, replaced: {fmt_params(before)} "
                       f"(study: {old['study'].get('confirmation', 'no confirmation')})",
@@ -389,6 +409,8 @@ def run_study(
         pruner=MarginMedianPruner(**space.pruner),
     )
     study.set_user_attr("pipeline", pipeline.identity)
+    if study.user_attrs.get(TWIN_ATTR):
+        study.set_user_attr(TWIN_ATTR, None)  # (a run before made it: review 206)
     console.print(
         f"study {name!r} in {url}: {existing} stored trials, adding {n_trials} "
         f"(window {space.trial['window_batches']} batches after {space.trial['warmup_batches']} "
@@ -424,11 +446,16 @@ def run_study(
         console.print("warming up: the default configuration once, not counted (the first "
                       "loader starts the workers' interpreter and may read the files from "
                       "disk)", highlight=False)
+        over: MemoryBudgetExceeded | None = None
         try:
-            measure_config(pipeline, space, default)
-        except (TrialFailed, MemoryBudgetExceeded):
-            pass  # (said by its measurement below)
+            measure_config(pipeline, space, default, memory_budget_bytes=memory_budget_bytes)
+        except MemoryBudgetExceeded as e:
+            over = e  # (no second run over the budget: review 206)
+        except TrialFailed as e:
+            console.print(f"the warm-up run failed: {e}", highlight=False)
         try:
+            if over is not None:
+                raise over
             base, base_knobs = measure_config(pipeline, space, default,
                                               memory_budget_bytes=memory_budget_bytes)
         except (TrialFailed, MemoryBudgetExceeded) as e:
@@ -708,25 +735,33 @@ def _memory_aware_twin(
     memory_budget_bytes: int | None,
     console: Console,
 ) -> tuple[FrozenTrial, list[float]]:
-    """The chosen finalist turns ``memory_aware`` off: measure the same settings with it on,
-    ``repeats`` times in turns with it off and the default (the finalist's runs so far are
-    ``off_runs``, the default's ``default_idle``: both grow). It trades peak memory and the
-    hold of large samples apart for speed, so it is kept only where it beats them on beyond
-    the noise (:func:`~autominato.tuning.select.confirm_best`): the study's tie rule
-    compares single noisy trials, and a search may never have drawn the same knobs with it
-    on (review 204: with no effect of it at all, 6 of 12 noisy studies wrote it off). Else
-    the settings with it on are added to ``study`` as a trial (its value their mean idle)
-    and returned with their runs. Their check is stored in the study's :data:`TWIN_ATTR`."""
+    """The chosen finalist turns ``memory_aware`` off: measure it and the same settings with
+    it on, ``repeats`` times each in turns (the two swap places each round, so that neither
+    always follows the other), and keep it off only where it beats them on those runs
+    beyond the noise (:func:`~autominato.tuning.select.confirm_best`): it trades peak memory
+    and the hold of large samples apart for speed, the study's tie rule compares single
+    noisy trials, and a search may never have drawn the same knobs with it on (review 204:
+    with no effect of it at all, 6 of 12 noisy studies wrote it off).
+
+    Kept off, the finalist is compared with the default on its runs from before this check
+    (``off_runs``, returned as they were): the runs that decided on against off would read
+    low again against the default (review 206: 5.5 % false keeps at the 2.5 % level).
+    Else the settings with it on are added to ``study`` as a trial (its value the mean of
+    its runs here) and measured again afresh, ``repeats`` times in turns with the default
+    (into ``default_idle``); returned with those runs. The check is stored in the study's
+    :data:`TWIN_ATTR`; where either could not be measured, the finalist stands and the
+    check says so."""
     on_params = {**params, "memory_aware": True}
     on_runs: list[float] = []
+    off_here: list[float] = []
     on: tuple[Measurement, dict[str, int]] | None = None
-    console.print(f"trial {best.number} turns memory_aware off: measuring the same settings "
-                  f"with it on {repeats} times, in turns with it off and the default, to tell "
-                  "its gain from noise", highlight=False)
-    for _ in range(repeats):
-        for label, which, into in (("the default", default, default_idle),
-                                   ("memory_aware off", params, off_runs),
-                                   ("memory_aware on", on_params, on_runs)):
+    peaks: dict[str, int] = {}
+    console.print(f"trial {best.number} turns memory_aware off: measuring it and the same "
+                  f"settings with it on {repeats} times each, in turns, to tell its gain from "
+                  "noise", highlight=False)
+    pair = [("memory_aware off", params, off_here), ("memory_aware on", on_params, on_runs)]
+    for round_ in range(repeats):
+        for label, which, into in (pair if round_ % 2 == 0 else pair[::-1]):
             try:
                 m, knobs = measure_config(pipeline, space, which,
                                           memory_budget_bytes=memory_budget_bytes)
@@ -734,19 +769,23 @@ def _memory_aware_twin(
                 console.print(f"could not measure again ({label}): {e}", highlight=False)
                 continue
             into.append(m.idle_ratio)
+            peaks[label] = max(peaks.get(label, 0), m.peak_memory_bytes)
             if which is on_params:
                 on = (m, knobs)
-    if not on_runs or on is None:
-        console.print("the settings with memory_aware on could not be measured: trial "
-                      f"{best.number}'s stand", highlight=False)
+    said: dict[str, Any] = {"trial": best.number}
+    if not on_runs or on is None or not off_here:
+        said["line"] = ("the settings with memory_aware on (or off) could not be measured "
+                        f"again: trial {best.number}'s stand")
+        said["unmeasured"] = True
+        study.set_user_attr(TWIN_ATTR, said)
+        console.print(said["line"], highlight=False)
         return best, off_runs
-    check = confirm_best(on_runs, off_runs)
-    off_peak = best.user_attrs.get("peak_memory_bytes")
-    figures = (f"on idle {check.default_mean:.3f} over {len(on_runs)} runs, off "
-               f"{check.best_mean:.3f} over {len(off_runs)} (margin {check.margin:.3f})")
-    said = {"trial": best.number, "on_idle": on_runs, "off_idle": list(off_runs),
-            "margin": check.margin, "off_wins": check.keep_best,
-            "on_peak_memory_bytes": on[0].peak_memory_bytes, "off_peak_memory_bytes": off_peak}
+    check = confirm_best(on_runs, off_here)
+    figures = (f"on idle {check.default_mean:.3f}, off {check.best_mean:.3f}, over "
+               f"{len(on_runs)} and {len(off_here)} runs in turns (margin {check.margin:.3f})")
+    said.update(on_idle=on_runs, off_idle=off_here, margin=check.margin,
+                off_wins=check.keep_best, on_peak_memory_bytes=peaks.get("memory_aware on"),
+                off_peak_memory_bytes=peaks.get("memory_aware off"))
     if check.keep_best:
         said["line"] = f"memory_aware off beats it on beyond the noise: {figures}"
         study.set_user_attr(TWIN_ATTR, said)
@@ -756,14 +795,31 @@ def _memory_aware_twin(
     attrs: dict[str, Any] = dict(m.as_dict())
     # (its value is the mean of its runs: the attributes say so, not its last run's alone)
     attrs.update(cpu_s_per_sample=m.cpu_s_per_sample, knobs=knobs, twin_of=best.number,
-                 idle_ratio=sum(on_runs) / len(on_runs), idle_runs=on_runs)
+                 idle_ratio=sum(on_runs) / len(on_runs), idle_runs=on_runs,
+                 peak_memory_bytes=peaks["memory_aware on"])
+    twin_params = {**best.params, "memory_aware": True}
     study.add_trial(optuna.trial.create_trial(
-        params={**best.params, "memory_aware": True}, distributions=best.distributions,
+        params=twin_params, distributions=best.distributions,
         value=sum(on_runs) / len(on_runs), user_attrs=attrs))
-    twin = study.get_trials(deepcopy=False)[-1]
+    # (the trial just added: another process may add to a shared storage meanwhile)
+    twin = max((t for t in study.get_trials(deepcopy=False)
+                if t.user_attrs.get("twin_of") == best.number and t.params == twin_params
+                and t.state == TrialState.COMPLETE), key=lambda t: t.number)
     said["twin"] = twin.number
     said["line"] = (f"memory_aware off does not beat it on beyond the noise ({figures}): the "
-                    f"same settings with it on are taken (trial {twin.number})")
+                    f"same settings with it on are taken (trial {twin.number}), measured "
+                    "again beside the default")
     study.set_user_attr(TWIN_ATTR, said)
     console.print(said["line"], highlight=False)
-    return twin, on_runs
+    fresh: list[float] = []
+    for _ in range(repeats):
+        for label, which, into in (("the default", default, default_idle),
+                                   (f"trial {twin.number}", on_params, fresh)):
+            try:
+                m, _ = measure_config(pipeline, space, which,
+                                      memory_budget_bytes=memory_budget_bytes)
+            except (TrialFailed, MemoryBudgetExceeded) as e:
+                console.print(f"could not measure again ({label}): {e}", highlight=False)
+                continue
+            into.append(m.idle_ratio)
+    return twin, fresh
