@@ -691,13 +691,15 @@ def test_the_free_cpus_leave_out_the_actors_another_loader_is_still_placing(monk
     from autominato.pipeline import ray_executor
 
     class Cluster:  # two CPUs, one held by the training Loader's first actor, placed
-        @staticmethod
-        def available_resources():
-            return {"CPU": 1.0}
+        free, total = 1.0, 2.0
 
-        @staticmethod
-        def cluster_resources():
-            return {"CPU": 2.0}
+        @classmethod
+        def available_resources(cls):
+            return {"CPU": cls.free}
+
+        @classmethod
+        def cluster_resources(cls):
+            return {"CPU": cls.total}
 
         @staticmethod
         def nodes():
@@ -722,6 +724,16 @@ def test_the_free_cpus_leave_out_the_actors_another_loader_is_still_placing(monk
     # the validation Loader's actors share the cores, sized on the cluster's CPUs
     assert loader_module._ray_capacity(None, None) == 2
     assert ray_executor.others_hold_the_cpus(1.0)
+    # While a validation executor of its own CPUs runs (its bound, every 2 s): four CPUs,
+    # the training Loader's first actor and the validation one's placed, two free, one of
+    # them the training Loader's second actor's: room for one more validation actor, not 2
+    Cluster.free, Cluster.total = 2.0, 4.0
+    validation = Training()
+    validation.want = 1
+    monkeypatch.setattr(ray_executor, "_EXECUTORS", {training, validation})
+    assert ray_executor.free_actors(1.0) == 2
+    assert ray_executor.free_actors_beside_mine(1.0, validation, placed=1) == 1
+    Cluster.free, Cluster.total = 1.0, 2.0
     monkeypatch.setattr(ray_executor, "_EXECUTORS", set())  # nothing of this process's
     assert ray_executor.free_actors_beside_mine(1.0) == 1
 

@@ -236,18 +236,19 @@ def free_actors(cpus_per_actor: float) -> int:
     return int(math.floor(free / cpus_per_actor + 1e-9))
 
 
-def free_actors_beside_mine(cpus_per_actor: float) -> int:
-    """:func:`free_actors`, less the actors that this process's live Ray executors are still
-    placing: the cluster's free CPUs do not show those yet (a validation Loader built just
-    after a training one read the second training actor's CPU as free, took it with one
-    actor of its own, and the training Loader's second actor waited), so the free CPUs are
-    at most the cluster's CPUs less what those executors hold or are placing."""
+def free_actors_beside_mine(cpus_per_actor: float, me: Any = None, placed: int = 0) -> int:
+    """:func:`free_actors`, less the actors that this process's live Ray executors (``me``
+    left out, whose ``placed`` actors hold CPUs already) are still placing: the cluster's
+    free CPUs do not show those yet (a validation Loader built just after a training one
+    read the second training actor's CPU as free, took it with one actor of its own, and the
+    training Loader's second actor waited), so the free CPUs are at most the cluster's CPUs
+    less what those executors hold or are placing, less ``me``'s placed actors."""
     free = free_actors(cpus_per_actor)
-    held = _held_here()
+    held = _held_here(me)
     if held <= 0:
         return free
     room = cluster_cpus() - held
-    return max(0, min(free, int(math.floor(room / cpus_per_actor + 1e-9))))
+    return max(0, min(free, int(math.floor(room / cpus_per_actor + 1e-9)) - placed))
 
 
 class SampleActor:
@@ -685,7 +686,9 @@ class RayExecutor:
             # included, with a warning of CPUs that held them)
             return
         try:
-            cap = max(1, placed + free_actors(self._cpus))
+            # (the other Loaders' actors being placed are not out of the free CPUs yet:
+            # review 206, the bound read them as room every 2 s after the build)
+            cap = max(1, placed + free_actors_beside_mine(self._cpus, self, placed))
         except Exception:  # noqa: BLE001 - the cluster did not answer: keep the last bound
             log.debug("could not read the Ray cluster's free CPUs", exc_info=True)
             return
