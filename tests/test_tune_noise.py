@@ -358,6 +358,9 @@ def test_memory_aware_off_that_won_its_trial_by_noise_is_not_written(monkeypatch
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
     assert "memory_aware: false" not in out.getvalue()
+    assert ("best: trial 1, idle 0.100 over its runs (trial 0's knobs with memory_aware on, "
+            "taken when memory_aware off did not beat them beyond the noise, above)"
+            ) in out.getvalue()
 
 
 def test_a_trial_loader_runs_with_the_memory_aware_setting_drawn():

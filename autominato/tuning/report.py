@@ -160,7 +160,12 @@ def print_summary(console: Console, result: Any) -> None:
         # the study's selection rule's, or the finalists' measured again; trial 180: name the
         # one that made it)
         ruled = select_best(trials)
-        if not lower:
+        twin_of = result.best.user_attrs.get("twin_of")
+        if twin_of is not None:
+            # (review 206: it was said "picked when the best few were measured again")
+            why = (f" over its runs (trial {twin_of}'s knobs with memory_aware on, taken "
+                   "when memory_aware off did not beat them beyond the noise, above)")
+        elif not lower:
             why = ""
         elif ruled is not None and ruled.number != result.best.number:
             why = (f" in its trial; picked over {len(lower)} lower in theirs when the best "
