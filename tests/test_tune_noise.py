@@ -222,6 +222,20 @@ def test_a_lucky_trial_loses_to_a_finalist_that_idles_less_when_measured_again(m
     assert cfg["study"]["idle_ratio"] == pytest.approx(0.01)  # its runs after the study
 
 
+def _by_workers(idle_of_workers):
+    """A stand-in for ``study.measure_config``: idle ``idle_of_workers(workers)``, CPU 0.1 s
+    a worker (their polling)."""
+    def fake(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
+        workers = int(params.get("workers", 2))
+        idle = idle_of_workers(workers)
+        if on_report is not None:
+            on_report(2, idle)
+        m = Measurement(idle, idle, 1 - idle, 4, 8, 0.1 * workers, 1 << 20, 0.1, 0.1)
+        return m, {"depth": 2, "read_threads": 2, "workers": workers, "pool_size": 24}
+
+    return fake
+
+
 def test_finalists_measured_again_are_picked_by_the_studys_rule_not_the_lowest_mean(
         monkeypatch, setup):
     """Trial 197: after the study the finalist with the lowest mean replaced the pick, so a
@@ -230,16 +244,8 @@ def test_finalists_measured_again_are_picked_by_the_studys_rule_not_the_lowest_m
     pipeline, space, tmp = setup
     idle_of = {3: 0.40, 4: 0.020, 5: 0.30, 6: 0.012}  # 4 and 6 tie (IDLE_TOLERANCE 0.01)
 
-    def fake(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
-        workers = int(params.get("workers", 2))
-        idle = idle_of[workers]
-        if on_report is not None:
-            on_report(2, idle)
-        # CPU grows with the workers (their polling): 4 workers are the cheaper of the two
-        m = Measurement(idle, idle, 1 - idle, 4, 8, 0.1 * workers, 1 << 20, 0.1, 0.1)
-        return m, {"depth": 2, "read_threads": 2, "workers": workers, "pool_size": 24}
-
-    monkeypatch.setattr(study_module, "measure_config", fake)
+    # (CPU grows with the workers, their polling: 4 workers are the cheaper of the two)
+    monkeypatch.setattr(study_module, "measure_config", _by_workers(lambda w: idle_of[w]))
     (tmp / "narrow.yaml").write_text(SPACE.replace("low: 1, high: 8", "low: 3, high: 6"))
     space = load_space(tmp / "narrow.yaml")  # the default (2 workers here) clamps to 3
     result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False, seed=3)
@@ -482,16 +488,11 @@ def test_a_finalist_that_wins_by_its_mean_is_said_so_with_the_means(monkeypatch,
     pipeline, space, tmp = setup
     seen: dict = {}
 
-    def fake(pipeline, space, params, *, on_report=None, memory_budget_bytes=None):
-        workers = int(params.get("workers", 2))
+    def idle(workers: int) -> float:
         seen[workers] = seen.get(workers, 0) + 1
-        idle = {4: 0.01 if seen.get(4) == 1 else 0.30, 6: 0.10}.get(workers, 0.40)  # 4: lucky once
-        if on_report is not None:
-            on_report(2, idle)
-        m = Measurement(idle, idle, 1 - idle, 4, 8, 0.1 * workers, 1 << 20, 0.1, 0.1)
-        return m, {"depth": 2, "read_threads": 2, "workers": workers, "pool_size": 24}
+        return {4: 0.01 if seen.get(4) == 1 else 0.30, 6: 0.10}.get(workers, 0.40)  # 4: lucky once
 
-    monkeypatch.setattr(study_module, "measure_config", fake)
+    monkeypatch.setattr(study_module, "measure_config", _by_workers(idle))
     (tmp / "narrow.yaml").write_text(SPACE.replace("low: 1, high: 8", "low: 3, high: 6"))
     result = run_study(pipeline, load_space(tmp / "narrow.yaml"), n_trials=8,
                        out_dir=tmp / "out", progress=False, seed=3)

@@ -669,16 +669,7 @@ def _confirm(
                   "each, to tell a gain from noise")
 
     def in_turns(triples: Sequence[tuple[str, dict[str, Any], list[float]]]) -> None:
-        # each configuration measured once a round, ``repeats`` rounds; a failed run is said
-        for _ in range(repeats):
-            for label, params, into in triples:
-                try:
-                    m, _ = measure_config(pipeline, space, params,
-                                          memory_budget_bytes=memory_budget_bytes)
-                except (TrialFailed, MemoryBudgetExceeded) as e:
-                    console.print(f"could not measure again ({label}): {e}", highlight=False)
-                    continue
-                into.append(m.idle_ratio)
+        _in_turns(pipeline, space, triples, repeats, memory_budget_bytes, console)
 
     in_turns(configs)
     measured = [i for i, r in enumerate(runs) if r]
@@ -754,24 +745,13 @@ def _memory_aware_twin(
     on_params = {**params, "memory_aware": True}
     on_runs: list[float] = []
     off_here: list[float] = []
-    on: tuple[Measurement, dict[str, int]] | None = None
-    peaks: dict[str, int] = {}
     console.print(f"trial {best.number} turns memory_aware off: measuring it and the same "
                   f"settings with it on {repeats} times each, in turns, to tell its gain from "
                   "noise", highlight=False)
-    pair = [("memory_aware off", params, off_here), ("memory_aware on", on_params, on_runs)]
-    for round_ in range(repeats):
-        for label, which, into in (pair if round_ % 2 == 0 else pair[::-1]):
-            try:
-                m, knobs = measure_config(pipeline, space, which,
-                                          memory_budget_bytes=memory_budget_bytes)
-            except (TrialFailed, MemoryBudgetExceeded) as e:
-                console.print(f"could not measure again ({label}): {e}", highlight=False)
-                continue
-            into.append(m.idle_ratio)
-            peaks[label] = max(peaks.get(label, 0), m.peak_memory_bytes)
-            if which is on_params:
-                on = (m, knobs)
+    last, peaks = _in_turns(pipeline, space, [("memory_aware off", params, off_here),
+                                              ("memory_aware on", on_params, on_runs)],
+                            repeats, memory_budget_bytes, console, swap=True)
+    on = last.get("memory_aware on")
     said: dict[str, Any] = {"trial": best.number}
     if not on_runs or on is None or not off_here:
         said["line"] = ("the settings with memory_aware on (or off) could not be measured "
@@ -812,14 +792,36 @@ def _memory_aware_twin(
     study.set_user_attr(TWIN_ATTR, said)
     console.print(said["line"], highlight=False)
     fresh: list[float] = []
-    for _ in range(repeats):
-        for label, which, into in (("the default", default, default_idle),
-                                   (f"trial {twin.number}", on_params, fresh)):
+    _in_turns(pipeline, space, [("the default", default, default_idle),
+                                (f"trial {twin.number}", on_params, fresh)],
+              repeats, memory_budget_bytes, console)
+    return twin, fresh
+
+
+def _in_turns(
+    pipeline: Pipeline,
+    space: SearchSpace,
+    triples: Sequence[tuple[str, dict[str, Any], list[float]]],
+    repeats: int,
+    memory_budget_bytes: int | None,
+    console: Console,
+    swap: bool = False,
+) -> tuple[dict[str, tuple[Measurement, dict[str, int]]], dict[str, int]]:
+    """Measure each ``(label, params, into)`` once a round, ``repeats`` rounds (so that a
+    drift of the machine's load hits all alike; ``swap``: the order reversed every other
+    round), appending each idle ratio to its ``into``; a failed run is said and left out.
+    Returns each label's last measurement and applied knobs, and its highest peak (bytes)."""
+    last: dict[str, tuple[Measurement, dict[str, int]]] = {}
+    peaks: dict[str, int] = {}
+    for round_ in range(repeats):
+        for label, params, into in (triples[::-1] if swap and round_ % 2 else triples):
             try:
-                m, _ = measure_config(pipeline, space, which,
-                                      memory_budget_bytes=memory_budget_bytes)
+                m, knobs = measure_config(pipeline, space, params,
+                                          memory_budget_bytes=memory_budget_bytes)
             except (TrialFailed, MemoryBudgetExceeded) as e:
                 console.print(f"could not measure again ({label}): {e}", highlight=False)
                 continue
             into.append(m.idle_ratio)
-    return twin, fresh
+            last[label] = (m, knobs)
+            peaks[label] = max(peaks.get(label, 0), m.peak_memory_bytes)
+    return last, peaks
