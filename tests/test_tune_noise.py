@@ -317,7 +317,7 @@ def test_a_study_writes_memory_aware_off_where_it_beats_the_same_settings_with_i
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
     assert ("memory_aware: false in the configuration written (idle 0.050 against 0.400 "
-            "with it on at the same knobs, 2 runs each in turns, peak memory 3.00 GiB against "
+            "with it on at the same knobs, 3 runs each in turns, peak memory 3.00 GiB against "
             "2.00 GiB in those runs)") in out.getvalue()
     # Confirmed again (--trials 0) where it no longer helps: the default replaces the file,
     # and what it held is said (trial 205: without a word)
