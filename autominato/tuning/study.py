@@ -646,7 +646,7 @@ def _confirm(
     repeats: int,
     memory_budget_bytes: int | None,
     console: Console,
-    study: optuna.Study | None = None,
+    study: optuna.Study,
 ) -> tuple[Confirmation, FrozenTrial]:
     """Measure the default and each finalist ``repeats`` more times, in turns (so that a
     drift of the machine's load hits all alike); the finalist that :func:`~autominato.
@@ -703,7 +703,7 @@ def _confirm(
                       "times each, afresh", highlight=False)
         in_turns([configs[0], (configs[i + 1][0], configs[i + 1][1], chosen)])
     best = finalists[i]
-    if chosen and study is not None and "memory_aware" in space.searched \
+    if chosen and "memory_aware" in space.searched \
             and best.params.get("memory_aware") is False:
         best, chosen = _memory_aware_twin(pipeline, space, study, best, configs[i + 1][1],
                                           chosen, default, default_idle, repeats,
