@@ -45,8 +45,11 @@ class SleepTransform:
 
 
 def test_transform_cost_doubling_mid_run_adds_workers_and_idle_recovers(capsys):
-    n, batch, step_s = 1000, 4, 0.03
+    n, batch, step_s = 1200, 4, 0.03
     # Demand 133 samples/s: 2 workers' worth at 15 ms a sample, 4 once it doubles.
+    # The windows: 100 samples just after the shift, the last 300 (about 2 s: one CI run
+    # under three test processes read 0.249 idle over the last 100, a stall of the loaded
+    # machine, where 0.01-0.02 is usual).
     loader = Loader(
         Volumes(n),
         batch,
@@ -68,7 +71,7 @@ def test_transform_cost_doubling_mid_run_adds_workers_and_idle_recovers(capsys):
         for b in loader:
             seen.extend(b["i"].tolist())
             time.sleep(step_s)
-            if len(seen) in (n // 2, n // 2 + 100, n - 100, n):
+            if len(seen) in (n // 2, n // 2 + 100, n - 300, n):
                 snaps[len(seen)] = loader.snapshot()
             if len(seen) == n // 2:
                 at_shift = loader.knobs.workers
@@ -79,9 +82,10 @@ def test_transform_cost_doubling_mid_run_adds_workers_and_idle_recovers(capsys):
     assert after and after[0].reason == "transform_bound"
     assert max(d.new for d in after) >= 4
     shifted = between(snaps[n // 2], snaps[n // 2 + 100]).idle_ratio
-    final = between(snaps[n - 100], snaps[n]).idle_ratio
-    assert final < shifted, [d.line() for d in ctl.decisions]
-    assert final < 0.15
+    final = between(snaps[n - 300], snaps[n]).idle_ratio
+    said = "\n".join(d.line() for d in ctl.decisions)
+    assert final < shifted, said
+    assert final < 0.15, said
     assert 1 <= len(ctl.decisions) <= 15
     assert reported == ctl.decisions  # every decision reached the loader's hooks
     recover = next(
