@@ -757,6 +757,7 @@ class Loader:
         self._ranks_given = (rank, world_size)
         self._set_ranks()
         self.worker_kind = worker_kind
+        self.memory_aware = bool(memory_aware)
         self.on_error = on_error
         self.on_worker_death = on_worker_death
         self.max_tries = max(1, int(max_tries))

@@ -99,6 +99,7 @@ class TrainResult:
     skipped: int = 0
     knobs: dict[str, int] = field(default_factory=dict)
     decisions: int = 0
+    memory_aware: bool | None = None  # the Loader's dispatch (a --config may turn it off)
 
     @property
     def samples_per_s(self) -> float:
@@ -285,6 +286,7 @@ def train(
         res.skipped = snap.skipped_total
         res.knobs = dict(snap.knobs)
         res.decisions = len(loader.decisions)
+        res.memory_aware = getattr(loader, "memory_aware", None)
     finally:
         loader.close()
     return res
@@ -343,7 +345,9 @@ def summary(res: TrainResult, batch_size: int) -> str:
         + (f", {res.skipped} skipped" if res.skipped else ""),
         f"  loss            start {start:.4f} -> end {end:.4f} "
         f"(mean of first {k}: {first:.4f}, last {k}: {last:.4f})",
-        f"  loader knobs    {res.knobs} ({res.decisions} controller decision(s))",
+        f"  loader knobs    {res.knobs} ({res.decisions} controller decision(s))"
+        + ("" if res.memory_aware is None
+           else f", memory-aware dispatch {'on' if res.memory_aware else 'off'}"),
     ]
     return "\n".join(lines)
 

@@ -54,6 +54,21 @@ def test_run_trains_a_few_steps_and_prints_the_summary(tiny, capsys):
         assert field in out
     start, end = map(float, re.search(r"loss\s+start (\S+) -> end (\S+)", out).groups())
     assert math.isfinite(start) and math.isfinite(end) and start > 0
+    assert "memory-aware dispatch on" in out
+
+
+def test_run_with_a_tuned_configuration_says_its_memory_aware_dispatch(tiny, tmp_path, capsys):
+    """A file `autominato tune` wrote with memory_aware off: the run's summary says so
+    (trial 207: it said only the knobs)."""
+    from autominato.config import load_config, save_config
+
+    path = save_config(load_config({"loader": {"memory_aware": False, "batch_size": 2},
+                                    "knobs": {"depth": 3}}), tmp_path / "loader.yaml")
+    rc = cli_main(["run", "--data", str(tiny), "--steps", "2", "--patch", "64",
+                   "--config", str(path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "memory-aware dispatch off" in out and "'depth': 3" in out
 
 
 def test_train_counts_steps_samples_epochs_and_waits(tiny):
