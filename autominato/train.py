@@ -99,7 +99,7 @@ class TrainResult:
     skipped: int = 0
     knobs: dict[str, int] = field(default_factory=dict)
     decisions: int = 0
-    memory_aware: bool | None = None  # the Loader's dispatch (a --config may turn it off)
+    memory_aware: bool | None = None  # the Loader's setting (a --config may turn it off)
 
     @property
     def samples_per_s(self) -> float:
@@ -347,7 +347,7 @@ def summary(res: TrainResult, batch_size: int) -> str:
         f"(mean of first {k}: {first:.4f}, last {k}: {last:.4f})",
         f"  loader knobs    {res.knobs} ({res.decisions} controller decision(s))"
         + ("" if res.memory_aware is None
-           else f", memory-aware dispatch {'on' if res.memory_aware else 'off'}"),
+           else f", memory_aware={res.memory_aware}"),
     ]
     return "\n".join(lines)
 
@@ -406,6 +406,24 @@ def _check_host(host: str) -> None:
         raise ValueError(f"--metrics-host {host}: not an address this machine can bind ({e})") from None
 
 
+def _say_other_pipeline(config: Path, dataset: Any, out: Any) -> None:
+    """Say where ``config`` was tuned for another dataset or transform than this run's (the
+    file's ``study.pipeline``; trial 209: a file tuned on the user's own dataset was applied
+    to the KiTS19 demo without a word). Its knobs still apply: they are loader settings."""
+    from autominato.config import load_config
+
+    tuned = (load_config(config).get("study") or {}).get("pipeline") or {}
+    ours = {"dataset": f"{type(dataset).__module__}:{type(dataset).__qualname__}",
+            "transform": "autominato.data.transforms:mlperf_train_transform"}
+    other = [f"{k} {tuned[k]}" for k in ("dataset", "transform")
+             if tuned.get(k) and tuned[k] != ours[k]]
+    if other:
+        print(f"[run] note: {config} was tuned for {' and '.join(other)}; this run trains "
+              f"{ours['dataset']} with {ours['transform']}: its knobs apply, but were not "
+              "measured on this pipeline (autominato tune --recipe kits19 --data DIR tunes "
+              "for it)", file=out, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``autominato run``; returns the exit status."""
     # The training loop shares the cores with the loader's workers. OpenMP threads that spin
@@ -442,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
                   f"smallest case (--patch to choose)", file=out, flush=True)
         kind = type(dataset).__name__
         synthetic = getattr(dataset, "synthetic", False)
+        if args.config is not None:
+            _say_other_pipeline(args.config, dataset, out)
         print(f"[run] data {data}: {len(dataset)} samples ({kind}"
               + (", SYNTHETIC CT images" if synthetic else "") + ")", file=out, flush=True)
     except (FileNotFoundError, ValueError, ConfigError) as e:

@@ -691,7 +691,7 @@ def test_actors_placed_and_still_starting_after_the_grace_keep_their_room(
         max_startup_deaths=3, on_fatal=lambda e: None)
     try:
         deadline = time.monotonic() + 60
-        while not all(ray_executor._has_process(a.handle) for a in ex._actors.values()):
+        while ray_executor.placed_starting([a.handle for a in ex._actors.values()]) < 2:
             assert time.monotonic() < deadline, "actors not placed"
             time.sleep(0.1)
         time.sleep(0.6)  # past the grace, both still in worker_init_fn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import re
@@ -54,21 +55,34 @@ def test_run_trains_a_few_steps_and_prints_the_summary(tiny, capsys):
         assert field in out
     start, end = map(float, re.search(r"loss\s+start (\S+) -> end (\S+)", out).groups())
     assert math.isfinite(start) and math.isfinite(end) and start > 0
-    assert "memory-aware dispatch on" in out
+    assert "memory_aware=True" in out
 
 
 def test_run_with_a_tuned_configuration_says_its_memory_aware_dispatch(tiny, tmp_path, capsys):
     """A file `autominato tune` wrote with memory_aware off: the run's summary says so
     (trial 207: it said only the knobs)."""
     from autominato.config import load_config, save_config
+    from autominato.train import _say_other_pipeline
 
+    study = {"pipeline": {"dataset": "mydata:make_dataset", "transform": "mydata:augment"}}
     path = save_config(load_config({"loader": {"memory_aware": False, "batch_size": 2},
-                                    "knobs": {"depth": 3}}), tmp_path / "loader.yaml")
+                                    "knobs": {"depth": 3}, "study": study}),
+                       tmp_path / "loader.yaml")
     rc = cli_main(["run", "--data", str(tiny), "--steps", "2", "--patch", "64",
                    "--config", str(path), "--no-progress"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "memory-aware dispatch off" in out and "'depth': 3" in out
+    assert "memory_aware=False" in out and "'depth': 3" in out
+    # trial 209: a file tuned on another pipeline was applied without a word
+    assert (f"{path} was tuned for dataset mydata:make_dataset and transform mydata:augment; "
+            "this run trains autominato.data.kits19:KiTS19Dataset") in " ".join(out.split())
+    # one tuned by the kits19 recipe is this run's pipeline: nothing said
+    study["pipeline"] = {"recipe": "kits19", "dataset": "autominato.data.kits19:KiTS19Dataset",
+                         "transform": "autominato.data.transforms:mlperf_train_transform"}
+    same = save_config(load_config({"study": study}), tmp_path / "same.yaml")
+    said = io.StringIO()
+    _say_other_pipeline(same, KiTS19Dataset(tiny), said)
+    assert said.getvalue() == ""
 
 
 def test_train_counts_steps_samples_epochs_and_waits(tiny):

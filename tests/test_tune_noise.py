@@ -401,8 +401,10 @@ def test_memory_aware_off_that_won_its_trial_by_noise_is_not_written(monkeypatch
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
     assert "memory_aware: false" not in out.getvalue()
-    assert ("best: trial 1, idle 0.100 over its runs (trial 0's knobs with memory_aware on, "
-            "taken when memory_aware off did not beat them beyond the noise, above)"
+    n = study_module.TWIN_ROUNDS
+    assert (f"best: trial 1, idle 0.100 over its {n} runs beside memory_aware off (trial 0's "
+            "knobs with memory_aware on, taken when memory_aware off did not beat them beyond "
+            "the noise, above; its runs beside the default are in the next line)"
             ) in out.getvalue()
 
 

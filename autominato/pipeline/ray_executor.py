@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,19 +236,29 @@ def free_actors(cpus_per_actor: float) -> int:
     return int(math.floor(free / cpus_per_actor + 1e-9))
 
 
-def _has_process(handle: Any) -> bool:
-    """Whether Ray placed an actor not ready yet: the control store's actor table gives it a
-    worker process (its pid) once a node holds it, and none while it waits for a node with
-    its resources (both are ``PENDING_CREATION`` there until the constructor returns; Ray's
-    state API, ``ray.util.state``, needs the dashboard). Reads ``ray._private.state.actors``
-    (one call to the control store); ``False`` where that fails or is gone (a Ray that moved
-    it): the actor is then taken for unplaced, as before this was read."""
+def placed_starting(handles: Sequence[Any]) -> int:
+    """How many of these actors, none ready yet, Ray has placed: the control store's actor
+    table gives an actor a worker process (its pid) once a node holds it and its
+    ``runtime_env`` is set up, and none while it waits for a node with its resources; both
+    are ``PENDING_CREATION`` until the constructor returns (Ray's state API,
+    ``ray.util.state``, would tell them apart too, but needs the dashboard). One call to the
+    control store for them all (this job's actors pending creation:
+    ``ray._private.state.actors``); a dead actor keeps its pid there and is not counted.
+    ``0`` where the call fails or the API is gone (a Ray that moved it): the actors are then
+    taken for unplaced, as before this was read."""
+    if not handles:
+        return 0
     try:
+        import ray
         from ray._private import state
 
-        return bool((state.actors(handle._actor_id.hex()) or {}).get("Pid"))
+        table = state.actors(job_id=ray.JobID.from_hex(ray.get_runtime_context().get_job_id()),
+                             actor_state_name="PENDING_CREATION")
+        return sum(1 for h in handles
+                   if (info := table.get(h._actor_id.hex()))
+                   and info.get("State") == "PENDING_CREATION" and info.get("Pid"))
     except Exception:  # noqa: BLE001 - a private API: any failure reads as not placed
-        return False
+        return 0
 
 
 def free_actors_beside_mine(cpus_per_actor: float, me: Any = None, placed: int = 0) -> int:
@@ -649,22 +659,23 @@ class RayExecutor:
         """Say once why no sample runs: none of this loader's actors is ready after
         :data:`PLACEMENT_GRACE_S` (Ray keeps an actor no node can hold pending, without an
         error; trial 139: a validation Loader beside a training Loader that held every CPU
-        waited in silence). The actors a node placed (:func:`_has_process`) are said to be
+        waited in silence). The actors a node placed (:func:`placed_starting`) are said to be
         starting slowly; the others to wait for a node, with the CPUs free."""
         actors = [a for a in list(self._actors.values()) if not a.retiring]
-        started = sum(1 for a in actors if not a.ready and _has_process(a.handle))
+        started = placed_starting([a.handle for a in actors if not a.ready])
         if actors and started == len(actors):
             log.warning(
                 "none of this Loader's %d Ray transform actors (num_cpus=%g each) is ready "
-                "after %g s, though a node holds each: their start is slow (a loaded node, "
-                "a runtime_env to install, worker_init_fn, the dataset to unpickle); its "
-                "samples wait meanwhile", len(actors), self._cpus, PLACEMENT_GRACE_S)
+                "after %g s, though a node holds each: their start is slow (a loaded node "
+                "importing torch, worker_init_fn, the dataset to unpickle); its samples wait "
+                "meanwhile", len(actors), self._cpus, PLACEMENT_GRACE_S)
             return
         free = self._free_cpus()
         log.warning(
             "none of this Loader's %d Ray transform actors (num_cpus=%g each) is ready after "
             "%g s, and the cluster has %s CPUs free: %s wait for a node with its CPUs "
-            "free (other actors, another Loader's or another job's, may hold them)%s; its "
+            "free (other actors, another Loader's or another job's, may hold them) or for "
+            "its runtime_env to be set up%s; its "
             "samples wait meanwhile. Where the CPUs are taken: give the other "
             "Loader fewer workers, close it first, pass ray_actor_options={'num_cpus': ...} "
             "with less, or, where this process's other Loader holds them, leave num_cpus out "
@@ -704,7 +715,6 @@ class RayExecutor:
             starting = [a for a in self._actors.values() if not a.ready]
             if any(now - a.born < PLACEMENT_GRACE_S for a in starting):
                 return  # an actor being placed holds CPUs that its readiness does not show yet
-            starting = [a for a in starting if not a.retiring]
             placed = sum(1 for a in self._actors.values() if a.ready)
         if self.shared:
             # No CPU asked: nothing of the cluster's bounds them; the Loader bounds them as it
@@ -714,7 +724,7 @@ class RayExecutor:
         # Actors still starting after the grace that a node placed hold their CPUs: they are
         # not room lost (a CI run under three test processes: actors that took over 30 s to
         # import torch were read as unplaceable, and the Loader's workers cut to the one ready).
-        placed += sum(1 for a in starting if _has_process(a.handle))
+        placed += placed_starting([a.handle for a in starting])
         try:
             # (the other Loaders' actors being placed are not out of the free CPUs yet:
             # review 206, the bound read them as room every 2 s after the build)

@@ -163,8 +163,12 @@ def print_summary(console: Console, result: Any) -> None:
         twin_of = result.best.user_attrs.get("twin_of")
         if twin_of is not None:
             # (review 206: it was said "picked when the best few were measured again")
-            why = (f" over its runs (trial {twin_of}'s knobs with memory_aware on, taken "
-                   "when memory_aware off did not beat them beyond the noise, above)")
+            # (trial 209: "idle 0.025 over its runs" beside "best 0.070" in the line below,
+            # with no word of which runs each was)
+            n = len(result.best.user_attrs.get("idle_runs") or ())
+            why = (f" over its {n} runs beside memory_aware off (trial {twin_of}'s knobs with "
+                   "memory_aware on, taken when memory_aware off did not beat them beyond the "
+                   "noise, above; its runs beside the default are in the next line)")
         elif not lower:
             why = ""
         elif ruled is not None and ruled.number != result.best.number:

@@ -376,11 +376,14 @@ def run_study(
         config_path: where to write the configuration; default ``out_dir/loader.yaml``.
         console: where lines, the progress bar and the table go.
         progress: show a progress bar.
-        confirm_repeats: after the study, measure the default and the best configuration
-            this many more times each (alternating) and write the best only if it beats the
-            default beyond the noise (:func:`autominato.tuning.select.confirm_best`); else
-            the default configuration is written, and the console says so (also when every
-            new measurement of the best failed). 0: no check.
+        confirm_repeats: after the study, measure the default and the best-ranked
+            configurations (the finalists) this many more times each, in turns; the one
+            chosen on those runs is measured again afresh beside the default,
+            :data:`CONFIRM_ROUNDS` rounds at least (this many where more), and written only
+            if it beats the default's runs of those rounds beyond the noise
+            (:func:`autominato.tuning.select.confirm_best`); else the default configuration
+            is written, and the console says so (also when every new measurement of the
+            best failed). 0: no check.
 
     Raises:
         PipelineFailed: the dataset or transform raised for a sample (the study stays usable).
@@ -672,8 +675,9 @@ def _confirm(
                   "each, to tell a gain from noise")
 
     def in_turns(triples: Sequence[tuple[str, dict[str, Any], list[float]]],
-                 rounds: int = repeats, swap: bool = False) -> None:
-        _in_turns(pipeline, space, triples, rounds, memory_budget_bytes, console, swap=swap)
+                 rounds: int = repeats, first_round: int = 0) -> None:
+        _in_turns(pipeline, space, triples, rounds, memory_budget_bytes, console, swap=True,
+                  first_round=first_round)
 
     in_turns(configs)
     measured = [i for i, r in enumerate(runs) if r]
@@ -712,12 +716,20 @@ def _confirm(
         chosen, default_idle = [], []
         console.print(f"measuring trial {finalists[i].number} and the default {rounds} more "
                       "times each, afresh, in turns", highlight=False)
-        in_turns([("the default", default, default_idle), (label, params, chosen)], rounds,
-                 swap=True)
+        in_turns([("the default", default, default_idle), (label, params, chosen)], rounds)
     elif chosen and repeats < rounds:  # the one finalist: its runs in turns, to `rounds`
+        console.print(f"measuring trial {finalists[i].number} and the default "
+                      f"{rounds - repeats} more time{'s' if rounds - repeats > 1 else ''} "
+                      f"each, in turns ({rounds} rounds at least to tell a gain from noise)",
+                      highlight=False)
         in_turns([("the default", default, default_idle), (label, params, chosen)],
-                 rounds - repeats, swap=True)
-    if not default_idle:  # (every run of the default failed here: its earlier ones)
+                 rounds - repeats, first_round=repeats)
+    if not default_idle and chosen:
+        default_idle = [base.idle_ratio, *turns_default]
+        console.print("every run of the default failed in those rounds: it is compared on its "
+                      "earlier runs, from other periods of the machine's load",
+                      highlight=False)
+    elif not default_idle:  # (nothing to compare: unconfirmed, on its earlier runs)
         default_idle = [base.idle_ratio, *turns_default]
     best = finalists[i]
     if chosen and "memory_aware" in space.searched \
@@ -830,6 +842,9 @@ def _memory_aware_twin(
     _in_turns(pipeline, space, [("the default", default, beside),
                                 (f"trial {twin.number}", on_params, fresh)],
               repeats, memory_budget_bytes, console, swap=True)
+    if fresh and not beside:
+        console.print("every run of the default failed in those rounds: it is compared on its "
+                      "runs of the rounds before", highlight=False)
     return twin, fresh, beside or default_idle
 
 
@@ -841,14 +856,16 @@ def _in_turns(
     memory_budget_bytes: int | None,
     console: Console,
     swap: bool = False,
+    first_round: int = 0,
 ) -> tuple[dict[str, tuple[Measurement, dict[str, int]]], dict[str, int]]:
     """Measure each ``(label, params, into)`` once a round, ``repeats`` rounds (so that a
     drift of the machine's load hits all alike; ``swap``: the order reversed every other
-    round), appending each idle ratio to its ``into``; a failed run is said and left out.
+    round, counted from ``first_round``, so that rounds that go on from earlier ones keep
+    the alternation), appending each idle ratio to its ``into``; a failed run is said and left out.
     Returns each label's last measurement and applied knobs, and its highest peak (bytes)."""
     last: dict[str, tuple[Measurement, dict[str, int]]] = {}
     peaks: dict[str, int] = {}
-    for round_ in range(repeats):
+    for round_ in range(first_round, first_round + repeats):
         for label, params, into in (triples[::-1] if swap and round_ % 2 else triples):
             try:
                 m, knobs = measure_config(pipeline, space, params,
