@@ -703,6 +703,10 @@ def test_actors_placed_and_still_starting_after_the_grace_keep_their_room(
         said = [r.getMessage() for r in caplog.records
                 if "is ready after" in r.getMessage() and r.thread == threading.get_ident()]
         assert len(said) == 1 and "though a node holds each: their start is slow" in said[0]
+        # closed while they start: it returns once the cluster has their CPUs back, for the
+        # Loader built next to size itself on (it waited only for the ready ones')
+        ex.stop()
+        assert ray.available_resources().get("CPU", 0) == 2
     finally:
         flag.touch()
         ex.stop()

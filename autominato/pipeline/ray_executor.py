@@ -609,7 +609,7 @@ class RayExecutor:
 
     def stop(self) -> None:
         """Kill every actor, and wait until the cluster's free CPUs show those the live ones
-        held (at most :data:`RELEASE_S`, less where they stop coming back:
+        (ready, or placed and still starting: :func:`placed_starting`) held (at most :data:`RELEASE_S`, less where they stop coming back:
         :data:`RELEASE_STALL_S`): Ray returns them a moment after the kill, and a Loader
         built next (the next rank's, a validation Loader, a resumed run) read the cluster
         short by them (trial 139: it started with fewer actors, warning of a cluster that
@@ -619,6 +619,7 @@ class RayExecutor:
             # (the live ones hold CPUs; a dead one, or one killed for its sample_timeout,
             # may have given them back already)
             live = [a for a in self._actors.values() if a.ready and a.timed_out is None]
+            starting = [a.handle for a in self._actors.values() if not a.ready]
             actors, self._actors = list(self._actors.values()), {}
             actors += self._doomed
             self._pending.clear()
@@ -630,7 +631,8 @@ class RayExecutor:
             # Shut down by the training script first: its actors went with it, and a kill
             # would start a new local Ray instance (review 140).
             return
-        held = 0.0 if self.shared else len(live) * self._cpus  # (shared: none held)
+        # (shared: none held; those still starting that a node placed hold theirs too)
+        held = 0.0 if self.shared else (len(live) + placed_starting(starting)) * self._cpus
         before = self._free_cpus() if held else None
         self._kill(actors)
         if before is not None:
