@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_tune import SPACE  # the same space: workers 1..8, thread workers
@@ -401,6 +403,9 @@ def test_memory_aware_off_that_won_its_trial_by_noise_is_not_written(monkeypatch
     out = io.StringIO()
     print_summary(Console(file=out, width=400), result)
     assert "memory_aware: false" not in out.getvalue()
+    # the written trial is marked in the table (trial 209: the rows above it read as chosen)
+    assert "Best trials (* written)" in out.getvalue()
+    assert re.search(r"│ +\*1 │", out.getvalue()), out.getvalue()
     n = study_module.TWIN_ROUNDS
     assert (f"best: trial 1, idle 0.100 over its {n} runs beside memory_aware off (trial 0's "
             "knobs with memory_aware on, taken when memory_aware off did not beat them beyond "

@@ -38,17 +38,22 @@ def trial_line(t: FrozenTrial) -> str:
     return f"{head}  failed: {reason}  {fmt_params(t.params)}"
 
 
-def best_table(trials: list[FrozenTrial], top: int = 5, title: str = "Best trials") -> Table:
-    """A rich table of the ``top`` best completed trials (best first, see ``select``)."""
+def best_table(trials: list[FrozenTrial], top: int = 5, title: str = "Best trials",
+               written: int | None = None) -> Table:
+    """A rich table of the ``top`` best completed trials (best first, see ``select``), the
+    trial numbered ``written`` (the configuration written) marked ``*`` and listed where it
+    is not among them (trial 209: the rows above it read as the choice)."""
     rows = ranked(trials)[:top]
+    if written is not None and all(t.number != written for t in rows):
+        rows += [t for t in trials if t.number == written and t.value is not None]
     names = sorted({n for t in rows for n in t.params})
-    table = Table(title=title)
+    table = Table(title=title if written is None else f"{title} (* written)")
     for col in ("trial", "idle", "CPU ms/sample", "memory GiB", *names):
         table.add_column(col, justify="right")
     for t in rows:
         a = t.user_attrs
         table.add_row(
-            str(t.number),
+            f"*{t.number}" if t.number == written else str(t.number),
             f"{t.value:.3f}",
             f"{a.get('cpu_s_per_sample', 0.0) * 1e3:.1f}",
             f"{a.get('peak_memory_bytes', 0) / 2**30:.2f}",
@@ -142,7 +147,9 @@ def print_summary(console: Console, result: Any) -> None:
     """The closing lines: the table, the baseline comparison, where things were written."""
     trials = result.study.get_trials(deepcopy=False)
     states = {s: sum(t.state == s for t in trials) for s in TrialState}
-    console.print(best_table(trials))
+    written = (result.best.number if result.best is not None and result.config_path is not None
+               and not result.kept_default else None)
+    console.print(best_table(trials, written=written))
     console.print(
         f"study {result.study.study_name!r}: {len(trials)} trials "
         f"({states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
