@@ -129,6 +129,28 @@ def test_the_default_is_compared_with_its_runs_beside_the_best_not_those_of_anot
     assert f"over {study_module.CONFIRM_ROUNDS} runs, best" in out
 
 
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_lone_finalist_is_measured_to_the_rounds_in_alternating_turns(monkeypatch, setup,
+                                                                         capsys, repeats):
+    """One trial: it and the default are measured ``confirm_repeats`` rounds, then rounds
+    more to make CONFIRM_ROUNDS, said, the two swapping places every round across both
+    (review 208: the first rounds did not swap, and the top-up restarted the alternation)."""
+    pipeline, space, tmp = setup
+    calls = _fake_measurements(monkeypatch, lambda w: max(0.0, 0.5 - 0.1 * w), sd=0.01)
+    result = run_study(pipeline, space, n_trials=1, out_dir=tmp / "out", progress=False,
+                       seed=1, confirm_repeats=repeats)
+    assert result.finalists == (0,)
+    trial = int(result.study.trials[0].params["workers"])
+    assert trial != 2  # (the default's workers: the turns below tell them apart)
+    # warm-up, baseline, the trial; then rounds default/trial, trial/default, default/trial
+    assert calls[3:] == [2, trial, trial, 2, 2, trial]
+    assert len(result.confirmation.best_idle) == study_module.CONFIRM_ROUNDS
+    out = " ".join(capsys.readouterr().out.split())
+    more = study_module.CONFIRM_ROUNDS - repeats
+    assert (f"measuring trial 0 and the default {more} more time{'s' if more > 1 else ''} "
+            "each, in turns (3 rounds at least to tell a gain from noise)") in out
+
+
 def test_grid_points_cover_each_axis_and_the_comparison_reports_the_gap(setup):
     from autominato.tuning.grid import GOAL_GAP, compare_with_grid, grid_points
 

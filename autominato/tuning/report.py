@@ -12,7 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.table import Table
 
-from autominato.tuning.select import TWIN_ATTR, has_variation, ranked, select_best
+from autominato.tuning.select import TWIN_ATTR, has_variation, ranked, runs_said, select_best
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,9 @@ def print_summary(console: Console, result: Any) -> None:
             # (trial 209: "idle 0.025 over its runs" beside "best 0.070" in the line below,
             # with no word of which runs each was)
             n = len(result.best.user_attrs.get("idle_runs") or ())
-            why = (f" over its {n} runs beside memory_aware off (trial {twin_of}'s knobs with "
+            # (a twin stored before its runs were kept has none: review 210)
+            why = (f" over its {runs_said(n) if n else 'runs'} beside memory_aware off "
+                   f"(trial {twin_of}'s knobs with "
                    "memory_aware on, taken when memory_aware off did not beat them beyond the "
                    "noise, above; its runs beside the default are in the next line)")
         elif not lower:

@@ -122,7 +122,8 @@ def has_variation(study: optuna.Study) -> bool:
 NOISE_ALPHA = 0.025
 
 
-def _runs(n: int) -> str:
+def runs_said(n: int) -> str:
+    """``"1 run"``, ``"3 runs"``."""
     return f"{n} run" if n == 1 else f"{n} runs"
 
 
@@ -154,8 +155,8 @@ class Confirmation:
                     f"again: default idle {self.default_mean:.3f} over "
                     f"{len(self.default_idle)} runs")
         figures = (
-            f"default idle {self.default_mean:.3f} over {_runs(len(self.default_idle))}, best "
-            f"{self.best_mean:.3f} over {_runs(len(self.best_idle))} (noise sd "
+            f"default idle {self.default_mean:.3f} over {runs_said(len(self.default_idle))}, best "
+            f"{self.best_mean:.3f} over {runs_said(len(self.best_idle))} (noise sd "
             f"{self.noise_sd:.3f}, margin {self.margin:.3f})"
         )
         if self.keep_best:

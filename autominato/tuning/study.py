@@ -47,6 +47,7 @@ from autominato.tuning.select import (
     confirm_best,
     pick,
     ranked,
+    runs_said,
     select_best,
     unconfirmed,
 )
@@ -727,8 +728,10 @@ def _confirm(
     if not default_idle and chosen:
         default_idle = [base.idle_ratio, *turns_default]
         console.print("every run of the default failed in those rounds: it is compared on its "
-                      "earlier runs, from other periods of the machine's load",
-                      highlight=False)
+                      f"{runs_said(len(default_idle))} from before them (other periods of the "
+                      "machine's load"
+                      + (", its first measurement, before the study, alone"
+                         if len(default_idle) == 1 else "") + ")", highlight=False)
     elif not default_idle:  # (nothing to compare: unconfirmed, on its earlier runs)
         default_idle = [base.idle_ratio, *turns_default]
     best = finalists[i]
