@@ -151,6 +151,31 @@ def test_a_lone_finalist_is_measured_to_the_rounds_in_alternating_turns(monkeypa
             "each, in turns (3 rounds at least to tell a gain from noise)") in out
 
 
+def test_a_default_that_fails_in_the_final_rounds_is_compared_on_its_earlier_runs_said(
+        monkeypatch, setup, capsys):
+    """Every run of the default after its first measurement fails (the best's runs pass):
+    the comparison takes the runs it has, from before, and says which."""
+    pipeline, space, tmp = setup
+    calls = _fake_measurements(monkeypatch, lambda w: max(0.0, 0.5 - 0.1 * w), sd=0.01)
+    fake = study_module.measure_config
+
+    def failing_default(pipeline, space, params, **kw):
+        if len(calls) >= 2 and int(params.get("workers", 2)) == 2:
+            raise study_module.TrialFailed("MemoryError: shared memory exhausted")
+        return fake(pipeline, space, params, **kw)
+
+    monkeypatch.setattr(study_module, "measure_config", failing_default)
+    result = run_study(pipeline, space, n_trials=8, out_dir=tmp / "out", progress=False,
+                       seed=1)
+    c = result.confirmation
+    assert c.default_idle == (result.baseline.idle_ratio,)
+    assert len(c.best_idle) == study_module.CONFIRM_ROUNDS
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("every run of the default failed in those rounds: it is compared on its 1 run from "
+            "before them (other periods of the machine's load, its first measurement, before "
+            "the study, alone)") in out
+
+
 def test_grid_points_cover_each_axis_and_the_comparison_reports_the_gap(setup):
     from autominato.tuning.grid import GOAL_GAP, compare_with_grid, grid_points
 

@@ -725,15 +725,14 @@ def _confirm(
                       highlight=False)
         in_turns([("the default", default, default_idle), (label, params, chosen)],
                  rounds - repeats, first_round=repeats)
-    if not default_idle and chosen:
+    if not default_idle:  # (every run of the default failed in those rounds)
         default_idle = [base.idle_ratio, *turns_default]
-        console.print("every run of the default failed in those rounds: it is compared on its "
-                      f"{runs_said(len(default_idle))} from before them (other periods of the "
-                      "machine's load"
-                      + (", its first measurement, before the study, alone"
-                         if len(default_idle) == 1 else "") + ")", highlight=False)
-    elif not default_idle:  # (nothing to compare: unconfirmed, on its earlier runs)
-        default_idle = [base.idle_ratio, *turns_default]
+        if chosen:
+            console.print(
+                "every run of the default failed in those rounds: it is compared on its "
+                f"{runs_said(len(default_idle))} from before them (other periods of the "
+                "machine's load" + (", its first measurement, before the study, alone"
+                                    if len(default_idle) == 1 else "") + ")", highlight=False)
     best = finalists[i]
     if chosen and "memory_aware" in space.searched \
             and best.params.get("memory_aware") is False:
