@@ -100,6 +100,10 @@ class TrainResult:
     knobs: dict[str, int] = field(default_factory=dict)
     decisions: int = 0
     memory_aware: bool | None = None  # the Loader's setting (a --config may turn it off)
+    #: the configuration file the Loader applied, and its worker kind and order (trial 209)
+    config: str | None = None
+    worker_kind: str = ""
+    in_order: bool | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -287,6 +291,9 @@ def train(
         res.knobs = dict(snap.knobs)
         res.decisions = len(loader.decisions)
         res.memory_aware = getattr(loader, "memory_aware", None)
+        res.config = None if config is None else str(config)
+        res.worker_kind = str(getattr(loader, "worker_kind", ""))
+        res.in_order = getattr(loader, "in_order", None)
     finally:
         loader.close()
     return res
@@ -349,6 +356,9 @@ def summary(res: TrainResult, batch_size: int) -> str:
         + ("" if res.memory_aware is None
            else f", memory_aware={res.memory_aware}"),
     ]
+    if res.config is not None:
+        lines.append(f"  configuration   {res.config} (worker_kind={res.worker_kind}, "
+                     f"in_order={res.in_order})")
     return "\n".join(lines)
 
 

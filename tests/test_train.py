@@ -73,6 +73,7 @@ def test_run_with_a_tuned_configuration_says_its_memory_aware_dispatch(tiny, tmp
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "memory_aware=False" in out and "'depth': 3" in out
+    assert f"configuration   {path} (worker_kind=process, in_order=False)" in out
     # trial 209: a file tuned on another pipeline was applied without a word
     assert (f"{path} was tuned for dataset mydata:make_dataset and transform mydata:augment; "
             "this run trains autominato.data.kits19:KiTS19Dataset") in " ".join(out.split())
