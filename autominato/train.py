@@ -416,25 +416,28 @@ def _check_host(host: str) -> None:
         raise ValueError(f"--metrics-host {host}: not an address this machine can bind ({e})") from None
 
 
-def _say_other_pipeline(config: Path, dataset: Any, out: Any) -> None:
-    """Say where ``config`` was tuned for another dataset or transform than this run's (the
-    file's ``study.pipeline``; trial 209: a file tuned on the user's own dataset was applied
+def _qualified(obj: Any) -> str:
+    """``module:qualname``, as ``autominato tune`` records a dataset or transform."""
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def _say_other_pipeline(config: Path, cfg: dict[str, Any], dataset: Any, out: Any) -> None:
+    """Say where ``config`` (read: ``cfg``) was tuned for another dataset or transform than
+    this run's (the file's ``study.pipeline``; trial 209: a file tuned on the user's own dataset was applied
     to the KiTS19 demo without a word). Its knobs still apply: they are loader settings.
     Names of this package's objects are compared as the objects they import
     (``autominato.data:KiTS19Dataset`` is ``autominato.data.kits19:KiTS19Dataset``); a
     user's module is not imported for it (its names are compared as written)."""
-    from autominato.config import load_config
     from autominato.data.transforms import mlperf_train_transform
 
-    study = load_config(config).get("study")
+    study = cfg.get("study")
     tuned = study.get("pipeline") if isinstance(study, dict) else None
     if not isinstance(tuned, dict):  # (free-form provenance: review 210)
         return
     ours = {"dataset": type(dataset), "transform": mlperf_train_transform}
 
     def same(spec: Any, obj: Any) -> bool:
-        name = f"{obj.__module__}:{obj.__qualname__}"
-        if not isinstance(spec, str) or spec == name:
+        if not isinstance(spec, str) or spec == _qualified(obj):
             return True  # (not a name: nothing to compare)
         if spec.split(":", 1)[0].split(".")[0] == "autominato":
             from autominato.tuning.pipeline import import_object
@@ -448,7 +451,7 @@ def _say_other_pipeline(config: Path, dataset: Any, out: Any) -> None:
     other = [f"{k} {tuned[k]}" for k in ("dataset", "transform")
              if tuned.get(k) and not same(tuned[k], ours[k])]
     if other:
-        mine = f"{type(dataset).__module__}:{type(dataset).__qualname__}"
+        mine = _qualified(type(dataset))
         how = ("autominato tune --recipe kits19 --data DIR tunes for it"
                if mine == "autominato.data.kits19:KiTS19Dataset"
                else "autominato tune --dataset ... --transform ... tunes for it: docs/tune.md")
@@ -470,8 +473,9 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         batch_size = args.batch_size
-        if args.config is not None and batch_size is None:
-            batch_size = load_config(args.config)["loader"].get("batch_size")
+        tuned_cfg = load_config(args.config) if args.config is not None else None
+        if tuned_cfg is not None and batch_size is None:
+            batch_size = tuned_cfg["loader"].get("batch_size")
         batch_size = 2 if batch_size is None else int(batch_size)
         if batch_size < 1:
             raise ValueError(f"batch_size {batch_size} in {args.config}: must be >= 1")
@@ -493,8 +497,8 @@ def run(args: argparse.Namespace) -> int:
                   f"smallest case (--patch to choose)", file=out, flush=True)
         kind = type(dataset).__name__
         synthetic = getattr(dataset, "synthetic", False)
-        if args.config is not None:
-            _say_other_pipeline(args.config, dataset, out)
+        if tuned_cfg is not None:
+            _say_other_pipeline(args.config, tuned_cfg, dataset, out)
         print(f"[run] data {data}: {len(dataset)} samples ({kind}"
               + (", SYNTHETIC CT images" if synthetic else "") + ")", file=out, flush=True)
     except (FileNotFoundError, ValueError, ConfigError) as e:

@@ -82,14 +82,14 @@ def test_run_with_a_tuned_configuration_says_its_memory_aware_dispatch(tiny, tmp
                          "transform": "autominato.data.transforms:mlperf_train_transform"}
     same = save_config(load_config({"study": study}), tmp_path / "same.yaml")
     said = io.StringIO()
-    _say_other_pipeline(same, KiTS19Dataset(tiny), said)
+    _say_other_pipeline(same, load_config(same), KiTS19Dataset(tiny), said)
     # the same class by another import path (review 210), and free-form provenance
     study["pipeline"]["dataset"] = "autominato.data:KiTS19Dataset"
     alias = save_config(load_config({"study": study}), tmp_path / "alias.yaml")
-    _say_other_pipeline(alias, KiTS19Dataset(tiny), said)
+    _say_other_pipeline(alias, load_config(alias), KiTS19Dataset(tiny), said)
     free = save_config(load_config({"study": {"pipeline": "my own loader"}}),
                        tmp_path / "free.yaml")
-    _say_other_pipeline(free, KiTS19Dataset(tiny), said)
+    _say_other_pipeline(free, load_config(free), KiTS19Dataset(tiny), said)
     assert said.getvalue() == ""
 
 

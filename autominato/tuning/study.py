@@ -677,7 +677,7 @@ def _confirm(
 
     def in_turns(triples: Sequence[tuple[str, dict[str, Any], list[float]]],
                  rounds: int = repeats, first_round: int = 0) -> None:
-        _in_turns(pipeline, space, triples, rounds, memory_budget_bytes, console, swap=True,
+        _in_turns(pipeline, space, triples, rounds, memory_budget_bytes, console,
                   first_round=first_round)
 
     in_turns(configs)
@@ -768,9 +768,9 @@ def _memory_aware_twin(
     console: Console,
 ) -> tuple[FrozenTrial, list[float], list[float]]:
     """The chosen finalist turns ``memory_aware`` off: measure it and the same settings with
-    it on, ``repeats`` times each (:data:`TWIN_ROUNDS` at least) in turns (the two swap places each round, so that neither
-    always follows the other), and keep it off only where it beats them on those runs
-    beyond the noise (:func:`~autominato.tuning.select.confirm_best`): it trades peak memory
+    it on, ``repeats`` times each (:data:`TWIN_ROUNDS` at least) in turns
+    (:func:`_in_turns`), and keep it off only where it beats them on those runs beyond the
+    noise (:func:`~autominato.tuning.select.confirm_best`): it trades peak memory
     and the hold of large samples apart for speed, the study's tie rule compares single
     noisy trials, and a search may never have drawn the same knobs with it on (review 204:
     with no effect of it at all, 6 of 12 noisy studies wrote it off).
@@ -798,7 +798,7 @@ def _memory_aware_twin(
                   "noise", highlight=False)
     last, peaks = _in_turns(pipeline, space, [("memory_aware off", params, off_here),
                                               ("memory_aware on", on_params, on_runs)],
-                            rounds, memory_budget_bytes, console, swap=True)
+                            rounds, memory_budget_bytes, console)
     on = last.get("memory_aware on")
     said: dict[str, Any] = {"trial": best.number}
     if not on_runs or on is None or not off_here:
@@ -843,7 +843,7 @@ def _memory_aware_twin(
     beside: list[float] = []
     _in_turns(pipeline, space, [("the default", default, beside),
                                 (f"trial {twin.number}", on_params, fresh)],
-              repeats, memory_budget_bytes, console, swap=True)
+              repeats, memory_budget_bytes, console)
     if fresh and not beside:
         console.print("every run of the default failed in those rounds: it is compared on its "
                       "runs of the rounds before", highlight=False)
@@ -857,18 +857,18 @@ def _in_turns(
     repeats: int,
     memory_budget_bytes: int | None,
     console: Console,
-    swap: bool = False,
     first_round: int = 0,
 ) -> tuple[dict[str, tuple[Measurement, dict[str, int]]], dict[str, int]]:
-    """Measure each ``(label, params, into)`` once a round, ``repeats`` rounds (so that a
-    drift of the machine's load hits all alike; ``swap``: the order reversed every other
-    round, counted from ``first_round``, so that rounds that go on from earlier ones keep
-    the alternation), appending each idle ratio to its ``into``; a failed run is said and left out.
-    Returns each label's last measurement and applied knobs, and its highest peak (bytes)."""
+    """Measure each ``(label, params, into)`` once a round, ``repeats`` rounds, the order
+    reversed every other round (so that a drift of the machine's load hits all alike and
+    none always follows another; rounds counted from ``first_round``, so that rounds that go
+    on from earlier ones keep the alternation), appending each idle ratio to its ``into``; a
+    failed run is said and left out. Returns each label's last measurement and applied
+    knobs, and its highest peak memory (bytes)."""
     last: dict[str, tuple[Measurement, dict[str, int]]] = {}
     peaks: dict[str, int] = {}
     for round_ in range(first_round, first_round + repeats):
-        for label, params, into in (triples[::-1] if swap and round_ % 2 else triples):
+        for label, params, into in (triples[::-1] if round_ % 2 else triples):
             try:
                 m, knobs = measure_config(pipeline, space, params,
                                           memory_budget_bytes=memory_budget_bytes)
