@@ -379,9 +379,11 @@ def test_the_workers_idle_time_for_memory_is_measured_true():
         remote = snapshot_from_samples(_samples(fetch(loader._telemetry.url)), "0", 0.0)
     assert remote.samples_held_for_memory_total == snap.samples_held_for_memory_total
     assert remote.sample_memory_budget_bytes == snap.sample_memory_budget_bytes
-    # (read at two instants: a local make test read 37,836,212 and 37,837,169 bytes, cause
-    # not found; the figure is exported, not rebuilt, so they agree to a part in 10^4)
-    assert remote.worker_heap_keep_bytes == pytest.approx(snap.worker_heap_keep_bytes, rel=1e-4)
+    # (read at two instants: a local make test read 37,836,212 and 37,837,169 bytes, a
+    # clean-clone CI run 37,950,595 and 37,943,897 (1.8 parts in 10^4), cause not found; the
+    # figure is exported, not rebuilt, so they agree to a part in 10^3: a figure dropped, or
+    # in other units, is far outside)
+    assert remote.worker_heap_keep_bytes == pytest.approx(snap.worker_heap_keep_bytes, rel=1e-3)
     assert snap.memory_wait_seconds_total <= remote.memory_wait_seconds_total
     waited = snap.memory_wait_seconds_total
     exported = [v for n, _, v in fams["autominato_memory_wait_seconds"]["samples"]
