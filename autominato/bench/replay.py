@@ -102,7 +102,11 @@ class Dispatch:
         return []
 
     @staticmethod
-    def _update_heap_keep() -> None:
+    def _make_room(estimate: float) -> None:
+        """No warm heap in the replay (see :meth:`_update_heap_keep`)."""
+
+    @staticmethod
+    def _update_heap_keep(starting: float = 0.0) -> None:
         """The replay models no warm heap (``Loader(warm_heap=...)``): its peaks are the
         working sets' alone."""
 

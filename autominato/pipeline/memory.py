@@ -565,36 +565,54 @@ class SampleMemory:
 
     def heap_keep(self, workers: int) -> float:
         """Bytes of free heap each of ``workers`` process workers may keep warm between
-        samples (``worker.HeapTrim.set_keep``): what the room leaves beside the largest
-        sample when the pool takes its whole share, ``(MARGIN - POOL_SHARE) x max(largest,
-        workers x upper quartile) - largest``, split over the other ``workers - 1`` (all of
-        it with one worker), and at most the largest figure with one worker (no sample needs
-        more), the upper quartile's with more: a warm heap above it serves only the quarter
-        of the samples above it and sits beside them while they run (trial 128: 1.08 GB a
-        worker beside a 5.7 GB KiTS19 case with 14 small ones of ~265 MiB, the process tree
-        7.3-8.0 GB against the DataLoader's 5.8; with one worker nothing runs beside it).
+        samples (``worker.HeapTrim.set_keep``): what the room leaves beside a sample at the
+        upper quartile's figure when the pool takes its whole share, ``(MARGIN - POOL_SHARE) x
+        max(largest, workers x upper quartile) - upper quartile``, split over the other
+        ``workers - 1``, at most the upper quartile's figure (all of the room, at most the
+        largest figure, with one worker: no sample needs more). With the default headroom
+        that is the upper quartile's figure (the room, at least ``1.15 x workers x`` it,
+        holds ``workers`` such); a smaller ``margin`` can make it less. A warm heap above the upper
+        quartile serves only the quarter of the samples above it and sits beside them while
+        they run (trial 128: 1.08 GB a worker beside a 5.7 GB KiTS19 case with 14 small
+        ones of ~265 MiB, the process tree 7.3-8.0 GB against the DataLoader's 5.8; with one
+        worker nothing runs beside it).
 
-        A worker's memory while it runs a sample is then at most ``max(its working set, the
-        warm heap)``: the largest sample beside ``workers - 1`` warm heaps fits in the room.
-        Samples admitted together leave idle workers' warm heaps beside them, which
-        ``Pipeline._idle_warm`` counts in flight (with three workers or more this formula
-        alone let them pass the budget by up to 10%, review 116). When samples are alike the
-        warm heap holds a whole sample (``workers`` of them fit in the budget); with an
-        outlier twice the upper quartile (the KiTS19 bench's 42 cases: largest 480-500 MiB,
-        upper quartile 220-240), 70-75 MiB. 0 until half the indices, or
-        :data:`KEEP_AFTER_FIGURES`, have figures: sized against a largest sample not measured
-        yet, whole-sample warm heaps sat beside it (review 117: 838 MiB of working sets in a
-        budget of 678 in the first epoch; 126-250 MiB per worker in the KiTS19 bench's first
-        epochs at 21 samples an epoch); or an epoch's indices (:attr:`epoch_indices`) where
-        that is fewer: a rank's fixed shard, or a sampler of a subset, never measures half
-        the dataset (review 118: 4 ranks, no keep ever)."""
+        Three samples in four then run beside the other workers' warm heaps; a larger one
+        that does not fit beside them takes their room while it runs
+        (:meth:`keep_beside`, ``Pipeline._update_heap_keep``: idle workers give theirs back
+        at once, busy ones after their sample, which admission counts at the warm heap). Until
+        December 2026 the keep fitted beside the largest sample instead: with an outlier
+        twice the upper quartile (the KiTS19 bench's 42 cases: largest 480-500 MiB, upper
+        quartile 220-240) that kept 70-75 MiB for every sample, and most of each sample's
+        arrays were faulted in anew (docs/memory.md, "The warm heap": 1.08x faster with the
+        upper quartile's keep, the peak still below the DataLoader's). When samples are
+        alike the warm heap holds a whole sample (``workers`` of them fit in the budget).
+        0 until half the indices, or :data:`KEEP_AFTER_FIGURES`, have figures: sized
+        against a largest sample not measured yet, whole-sample warm heaps sat beside it
+        (review 117: 838 MiB of working sets in a budget of 678 in the first epoch; 126-250
+        MiB per worker in the KiTS19 bench's first epochs at 21 samples an epoch); or an
+        epoch's indices (:attr:`epoch_indices`) where that is fewer: a rank's fixed shard, or
+        a sampler of a subset, never measures half the dataset (review 118: 4 ranks, no keep
+        ever)."""
         if len(self._sorted) < max(1, min(self._n // 2, KEEP_AFTER_FIGURES,
                                           self.epoch_indices or self._n)):
             return 0.0
-        base = self._base(workers)
-        spare = (self.margin - self.pool_share_of_base) * base - self.largest
-        keep = spare / (workers - 1) if workers > 1 else spare + self.largest
-        return max(0.0, min(self.largest if workers <= 1 else self.upper_quartile, keep))
+        if workers <= 1:
+            return max(0.0, min(self.largest,
+                                (self.margin - self.pool_share_of_base) * self._base(workers)))
+        quartile = self.upper_quartile
+        return max(0.0, min(quartile, self.keep_beside(workers, quartile)))
+
+    def keep_beside(self, workers: int, estimate: float) -> float:
+        """The warm heap each of the other ``workers - 1`` workers may keep beside a sample
+        of ``estimate`` bytes in flight (infinite with one worker: none runs beside it), so
+        that the sample and their warm heaps fit in the room the budget leaves when the pool
+        takes its whole share: ``((MARGIN - POOL_SHARE) x max(largest, estimate, workers x
+        upper quartile) - estimate) / (workers - 1)``, at least 0."""
+        if workers <= 1:
+            return float("inf")
+        room = (self.margin - self.pool_share_of_base) * self._base(workers, estimate)
+        return max(0.0, (room - estimate) / (workers - 1))
 
     def room(self, workers: int, pool_bytes: float = 0.0, largest: float = 0.0) -> float:
         """Bytes of working sets that may be in flight beside ``pool_bytes`` of the pool:

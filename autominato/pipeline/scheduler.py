@@ -1368,7 +1368,22 @@ class Pipeline:
             self._update_heap_keep()
         self.memory.started(key)
         index[key] = item[0]
+        if self.memory.known and self.procs.chunk == 1:
+            self._make_room(own)
         return True
+
+    def _make_room(self, estimate: float) -> None:
+        """A sample of ``estimate`` bytes starts: where the other workers' warm heaps do not
+        fit beside it (a sample above the upper quartile, ``SampleMemory.heap_keep``), lower
+        the keep to what does (:meth:`_update_heap_keep`): idle workers give theirs back at
+        once, busy ones after their sample (admission counted them at their warm heap). A
+        sample that starts with nothing else in flight is not held for them: it would wait
+        only for the idle workers' give-back, which this starts."""
+        if self._keep_all or not self.cfg.warm_heap:
+            return
+        keep = self.procs.pool.heap_keep
+        if keep and keep > self.memory.keep_beside(self.procs.size, estimate):
+            self._update_heap_keep(starting=estimate)
 
     def _refuse(self, key: tuple, overtaking: bool) -> bool:
         """``_admit``'s refusal (False): the first sample in line refused is the one held back
@@ -1446,11 +1461,14 @@ class Pipeline:
             return need, False
         return None
 
-    def _update_heap_keep(self) -> None:
+    def _update_heap_keep(self, starting: float = 0.0) -> None:
         """Tell the workers how much free heap to keep warm between samples
         (``SampleMemory.heap_keep`` of the figures and the worker count now; see
         ``worker.HeapTrim``): a smaller keep at once, a larger one once it grew by
-        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES` or from 0. None while a sample is held back for
+        :data:`~autominato.pipeline.worker.HEAP_SLACK_BYTES` or from 0. At most what fits
+        beside the largest estimate in flight, ``starting`` (bytes, a sample being sent)
+        included (``SampleMemory.keep_beside``): a sample above the upper quartile takes the
+        others' warm heaps while it runs. None while a sample is held back for
         memory: a worker left idle by the hold gives its warm heap back at once (it would
         otherwise sit beside the samples in flight, on top of what they need: +100 MiB at
         the KiTS19 bench's peaks, 21 samples an epoch), and those running give theirs back
@@ -1476,6 +1494,11 @@ class Pipeline:
         else:
             keep = (int(self.memory.heap_keep(self.procs.size))
                     if self.memory.known and self._held_key is None and not idle else 0)
+            if keep and self.procs.size > 1:
+                est, index = self.memory.estimate, self._in_flight
+                top = max([starting] + [est(index[k]) for k in self.procs.held_keys()
+                                        if k in index])
+                keep = min(keep, int(self.memory.keep_beside(self.procs.size, top)))
         last = self.procs.pool.heap_keep
         # (a smaller keep goes at once: the budget leaves that much less beside the largest)
         if keep < last or (keep > last and (not last or keep - last >= HEAP_SLACK_BYTES)):
