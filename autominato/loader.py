@@ -471,9 +471,9 @@ class Loader:
             only where it idles less beyond the noise (docs/tune.md).
         warm_heap: with ``memory_aware``, once samples are measured each process worker
             keeps part of its free heap warm between samples instead of giving it all back
-            (Linux, glibc): as much as the memory budget leaves beside the largest sample
-            (:meth:`SampleMemory.heap_keep <autominato.pipeline.memory.SampleMemory.
-            heap_keep>`), a whole sample when samples are alike, none while a sample waits
+            (Linux, glibc): the upper quartile's figure, lowered to what the memory budget
+            leaves beside a larger sample while one runs (:meth:`SampleMemory.heap_keep
+            <autominato.pipeline.memory.SampleMemory.heap_keep>`), none while a sample waits
             for memory; an outlier (a figure above twice the upper quartile's) runs without
             one, its large arrays unmapped when freed. The next samples' arrays then need
             no new pages, which the kernel faults in and zeroes (half of a worker's CPU time

@@ -483,7 +483,7 @@ def _floor_init(payload: bytes, threads: int, barrier: Any) -> None:
 
     Warm heap: the process serves every array from its heap and keeps all that is freed
     (:func:`~autominato.pipeline.worker.heap_only`; autominato's workers keep what the
-    memory budget leaves beside the largest sample, worker.py "Warm heap"), so that no
+    memory budget leaves, worker.py "Warm heap"), so that no
     sample pays for faulting in and zeroing pages that the one before it gave back. A floor
     without it was no floor: on the KiTS19 bench (42 cases, 6 epochs, 2 cores) it read
     20.5-23.6 s where the same processes with it read 14.9-17.6 s, interleaved, and

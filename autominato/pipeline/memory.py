@@ -584,8 +584,8 @@ class SampleMemory:
         December 2026 the keep fitted beside the largest sample instead: with an outlier
         twice the upper quartile (the KiTS19 bench's 42 cases: largest 480-500 MiB, upper
         quartile 220-240) that kept 70-75 MiB for every sample, and most of each sample's
-        arrays were faulted in anew (docs/memory.md, "The warm heap": 1.08x faster with the
-        upper quartile's keep, the peak still below the DataLoader's). When samples are
+        arrays were faulted in anew (docs/memory.md, "The warm heap": 20% fewer bytes
+        faulted in with the upper quartile's keep, the peak the same). When samples are
         alike the warm heap holds a whole sample (``workers`` of them fit in the budget).
         0 until half the indices, or :data:`KEEP_AFTER_FIGURES`, have figures: sized
         against a largest sample not measured yet, whole-sample warm heaps sat beside it

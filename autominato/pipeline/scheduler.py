@@ -1414,9 +1414,10 @@ class Pipeline:
 
     def _idle_warm(self, running: int) -> list[float]:
         """The warm heaps of the workers left idle when one more sample starts beside
-        ``running`` samples (``SampleMemory.heap_keep`` fits one beside the largest sample,
-        not two, review 116), as estimates in flight; none when nothing runs (a sample then
-        starts however large: the hold it would cause takes the warm heaps back anyway)."""
+        ``running`` samples (``SampleMemory.heap_keep`` fits them beside one sample at the
+        upper quartile, not beside several, review 116), as estimates in flight; none when
+        nothing runs (a sample then starts however large; one above the upper quartile
+        lowers the keep as it starts, :meth:`_make_room`)."""
         keep = self.procs.pool.heap_keep
         idle = self.procs.size - running - 1
         return [float(keep)] * idle if keep and running and idle > 0 else []

@@ -237,7 +237,8 @@ COLLECTED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "autominato_worker_heap_keep_bytes": (
         "gauge",
         "Bytes of free heap each worker process may keep warm between samples (warm_heap): "
-        "what the memory budget leaves beside the largest sample; 0 while a sample waits for "
+        "the upper quartile's figure, lowered to what the memory budget leaves beside a larger "
+        "sample while one runs; 0 while a sample waits for "
         "memory, while every worker has idled 10 s, and until half the indices (or 256, or "
         "an epoch's distinct indices where fewer) have figures.",
         (),
