@@ -1289,9 +1289,9 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
         _scan_ests=((0, 0), {}, 0), _admit_stage=SimpleNamespace(scans=0),
         procs=SimpleNamespace(size=workers, chunk=1, held_keys=lambda: ["a", "b"],
                               pool=SimpleNamespace(heap_keep=keep, workers={})),
-        _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda: None,
+        _budgeted_pool_bytes=lambda: pool_bytes, _update_heap_keep=lambda starting=0.0: None,
         _make_room=lambda estimate: None)
-    fake._idle_warm = lambda running: Pipeline._idle_warm(fake, running)
+    fake._idle_warm = lambda running, beside=0.0: Pipeline._idle_warm(fake, running, beside)
     fake._busy_warm = lambda: Pipeline._busy_warm(fake)
     fake._refuse = lambda key, overtaking: Pipeline._refuse(fake, key, overtaking)
     held = max(10 * MiB, keep) + 270 * MiB + 300 * MiB + pool_bytes
@@ -1309,6 +1309,65 @@ def test_a_busy_worker_counts_its_warm_heap_when_its_sample_is_smaller():
         w.heap_sent = 0
     fake._held_key, fake._scan_ests = None, ((0, 0), {}, 0)
     assert Pipeline._admit(fake, "c", item)
+
+
+def _admit_fake(m: SampleMemory, workers: int, running: dict):
+    """A Pipeline stand-in for ``_admit`` with the real warm-heap methods: ``running``, key ->
+    dataset index of the samples in flight; returns it and the keeps sent (MiB)."""
+    from types import SimpleNamespace
+
+    from autominato.pipeline.scheduler import Pipeline
+
+    sent: list[int] = []
+    pool = SimpleNamespace(heap_keep=0, workers={})
+    pool.set_heap_keep = lambda k: (sent.append(k >> 20), setattr(pool, "heap_keep", k))
+    fake = SimpleNamespace(
+        memory=m, cfg=SimpleNamespace(warm_heap=True), _in_flight=dict(running),
+        _held_key=None, _overtook=set(), _keep_all=False, _workers_busy_at=time.monotonic(),
+        _scan_ests=((0, 0), {}, 0), _admit_stage=SimpleNamespace(scans=0),
+        procs=SimpleNamespace(size=workers, chunk=1, pool=pool,
+                              held_keys=lambda: list(fake._in_flight)),
+        _budgeted_pool_bytes=lambda: 0)
+    for name in ("_idle_warm", "_busy_warm", "_refuse", "_make_room", "_update_heap_keep"):
+        setattr(fake, name, getattr(Pipeline, name).__get__(fake))
+    fake._update_heap_keep()
+    return fake, sent
+
+
+def test_an_outlier_makes_room_in_the_idle_workers_warm_heaps_as_it_starts():
+    """``_admit`` with ``_make_room``: 3 workers keeping the upper quartile's 100 MiB warm;
+    a 400 MiB outlier that starts with nothing in flight lowers the keep at once to what
+    fits beside it (30 MiB: 400 + 2 x 30 in 1.15 x 400), as does an index not measured yet
+    (its estimate the median, counted at the largest figure); beside a running sample the
+    idle worker's warm heap counts at that lowered keep (100 + 30 + 400 in the budget of
+    540), not at 100 (600: it was held, and every warm heap dropped, review 211)."""
+    from autominato.pipeline.scheduler import Pipeline
+
+    m = SampleMemory(16)
+    for i in range(7):
+        m.learn(i, 100 * MiB)
+    m.learn(7, 400 * MiB)  # 8 of 16 indices measured: the keep is on
+    beside = int(m.keep_beside(3, 400 * MiB)) >> 20
+    assert beside == 30
+    fake, sent = _admit_fake(m, 3, {})
+    assert sent == [100]
+    assert Pipeline._admit(fake, "o", (7,) + (None,) * 6)
+    assert sent == [100, beside]
+    assert 400 * MiB + 2 * fake.procs.pool.heap_keep <= (MARGIN - POOL_SHARE) * 400 * MiB
+    fake._in_flight.pop("o")
+    fake._update_heap_keep()  # done: the keep comes back
+    assert sent[-1] == 100
+    assert Pipeline._admit(fake, "s", (3,) + (None,) * 6)  # a typical sample: nothing moves
+    assert sent[-1] == 100
+    fake._in_flight.pop("s")
+    assert m.estimate(12) == m.median  # not measured: no figure, no file
+    assert Pipeline._admit(fake, "u", (12,) + (None,) * 6)
+    assert sent[-1] == beside
+    fake, sent = _admit_fake(m, 3, {"a": 1})  # one 100 MiB sample runs, one worker idle
+    assert sent == [100]
+    assert not m.admit(7, [100 * MiB, 100 * MiB], 3)  # the idle warm heap at 100: 600 > 540
+    assert Pipeline._admit(fake, "o", (7,) + (None,) * 6)  # at 30: 530
+    assert sent == [100, beside]
 
 
 def test_a_busy_worker_gets_the_keep_when_it_is_idle_again_and_only_once():

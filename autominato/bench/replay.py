@@ -97,7 +97,7 @@ class Dispatch:
         return 0.0
 
     @staticmethod
-    def _idle_warm(running: int) -> list[float]:
+    def _idle_warm(running: int, beside: float = 0.0) -> list[float]:
         """No warm heap in the replay (see :meth:`_update_heap_keep`)."""
         return []
 

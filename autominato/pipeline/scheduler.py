@@ -1294,6 +1294,7 @@ class Pipeline:
         if not _sample_task(item):
             return True
         index = self._in_flight
+        own = 0.0
         if self.procs.chunk == 1 and self.memory.file_outlier(item[0]):
             # (before sizes give estimates, before the first figure too: two outliers by file
             # never run together; their sizes from the first of the epoch's order, read as it
@@ -1327,12 +1328,14 @@ class Pipeline:
                 pool = self._budgeted_pool_bytes()  # (it moves little within a pump)
                 self._scan_ests = (stamp, ests, pool)
             warm = self._busy_warm()
-            in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(len(ests))
             # the largest estimate in flight (a size estimate above the largest figure counts
             # in the budget's base, SampleMemory.admit), and the budget as this ask sees it,
             # for the gauge
             top = max(ests.values(), default=0.0)
             own = est(item[0])
+            # (idle workers' warm heaps at what they keep once this one starts: _make_room)
+            in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(
+                len(ests), max(top, self.memory.keep_estimate(item[0])))
             self._est_top = max(top, own) if in_flight else 0.0
             ahead = None
             if overtaking:
@@ -1365,16 +1368,18 @@ class Pipeline:
             # idle batch buffers punched at every tick).
             self._held_key = None
             self._overtook.clear()
-            self._update_heap_keep()
+            self._update_heap_keep(starting=(self.memory.keep_estimate(item[0])
+                                             if own else 0.0))
         self.memory.started(key)
         index[key] = item[0]
-        if self.memory.known and self.procs.chunk == 1:
-            self._make_room(own)
+        if own:
+            self._make_room(self.memory.keep_estimate(item[0]))
         return True
 
     def _make_room(self, estimate: float) -> None:
-        """A sample of ``estimate`` bytes starts: where the other workers' warm heaps do not
-        fit beside it (a sample above the upper quartile, ``SampleMemory.heap_keep``), lower
+        """A sample of ``estimate`` bytes starts (``SampleMemory.keep_estimate``: an index
+        not measured counts at the largest figure at least): where the other workers' warm
+        heaps do not fit beside it (a sample above the upper quartile, ``SampleMemory.heap_keep``), lower
         the keep to what does (:meth:`_update_heap_keep`): idle workers give theirs back at
         once, busy ones after their sample (admission counted them at their warm heap). A
         sample that starts with nothing else in flight is not held for them: it would wait
@@ -1412,13 +1417,18 @@ class Pipeline:
         return float(max([pool.heap_keep] + [w.heap_sent for w in list(pool.workers.values())
                                              if w.task is not None]))
 
-    def _idle_warm(self, running: int) -> list[float]:
+    def _idle_warm(self, running: int, beside: float = 0.0) -> list[float]:
         """The warm heaps of the workers left idle when one more sample starts beside
         ``running`` samples (``SampleMemory.heap_keep`` fits them beside one sample at the
         upper quartile, not beside several, review 116), as estimates in flight; none when
         nothing runs (a sample then starts however large; one above the upper quartile
-        lowers the keep as it starts, :meth:`_make_room`)."""
+        lowers the keep as it starts, :meth:`_make_room`). ``beside``: the largest estimate
+        in flight once it starts (``SampleMemory.keep_estimate`` for the newcomer): the idle
+        warm heaps count at what :meth:`_make_room` lowers them to at its start, not at the
+        keep before (each refusal would drop every warm heap, review 211)."""
         keep = self.procs.pool.heap_keep
+        if keep and beside and self.procs.size > 1:
+            keep = min(keep, int(self.memory.keep_beside(self.procs.size, beside)))
         idle = self.procs.size - running - 1
         return [float(keep)] * idle if keep and running and idle > 0 else []
 
@@ -1496,12 +1506,12 @@ class Pipeline:
             keep = (int(self.memory.heap_keep(self.procs.size))
                     if self.memory.known and self._held_key is None and not idle else 0)
             if keep and self.procs.size > 1:
-                est, index = self.memory.estimate, self._in_flight
+                est, index = self.memory.keep_estimate, self._in_flight
                 top = max([starting] + [est(index[k]) for k in self.procs.held_keys()
                                         if k in index])
                 keep = min(keep, int(self.memory.keep_beside(self.procs.size, top)))
         last = self.procs.pool.heap_keep
-        # (a smaller keep goes at once: the budget leaves that much less beside the largest)
+        # (a smaller keep goes at once: the budget leaves that much less beside the samples)
         if keep < last or (keep > last and (not last or keep - last >= HEAP_SLACK_BYTES)):
             self.procs.pool.set_heap_keep(keep)
 
