@@ -12,8 +12,9 @@ as ``autominato bench --workload kits19`` prepares it), batch 2, the MLPerf tran
 Printed per arm, medians [range] over ``--runs``: wall s; GiB faulted in as huge pages
 (``thp_fault_alloc`` of ``/proc/vmstat`` x 2 MiB: NumPy maps each array of 4 MiB or more
 with ``MADV_HUGEPAGE``, so a KiTS19 sample's large arrays are faulted 2 MiB at a time) and
-the 4 KiB faults (``pgfault``): both counters are the machine's, so run it on a quiet
-machine; the workers' system CPU s (``psutil`` children, read while they run); the tree's
+every page fault (``pgfault``: of every kind and size, file-backed too): both counters are
+the machine's, so run it on a quiet machine (a kernel without transparent huge pages has
+no ``thp_fault_alloc``: 0); the workers' system CPU s (``psutil`` children, read while they run); the tree's
 peak memory (the bench's ``TreeSampler``: PSS, shared memory counted once, MiB).
 
     python scripts/warm_heap_faults.py --data ~/.cache/autominato/bench/kits19-labels-42-scale1 \\
@@ -62,8 +63,9 @@ def child(arm: str, data: Path, epochs: int, step: float) -> None:
     wall, v1 = time.perf_counter() - t0, _vmstat()
     loader.close()
     print(json.dumps({"wall_s": wall,
-                      "huge_gib": (v1["thp_fault_alloc"] - v0["thp_fault_alloc"]) * 2 / 1024,
-                      "faults_4k": v1["pgfault"] - v0["pgfault"],
+                      "huge_gib": (v1.get("thp_fault_alloc", 0) - v0.get("thp_fault_alloc", 0))
+                      * 2 / 1024,
+                      "page_faults": v1["pgfault"] - v0["pgfault"],
                       "workers_system_s": sum(system.values())}))
 
 
@@ -101,7 +103,7 @@ def main() -> None:
     print("medians [range] of", a.runs, "runs:")
     for arm, rs in rows.items():
         cells = []
-        for k in ("wall_s", "huge_gib", "faults_4k", "workers_system_s", "peak_mib"):
+        for k in ("wall_s", "huge_gib", "page_faults", "workers_system_s", "peak_mib"):
             v = [r[k] for r in rs]
             cells.append(f"{k} {statistics.median(v):.4g} [{min(v):.4g}-{max(v):.4g}]")
         print(f"  {arm:<11} " + ", ".join(cells))

@@ -881,7 +881,7 @@ def test_an_outlier_runs_cold_beside_warm_heaps(monkeypatch):
 
 @needs_warm_heap
 def test_a_small_sample_runs_on_a_warm_heap_trimmed_to_its_figure(monkeypatch):
-    """The keep fits one warm heap beside the largest sample; a worker sent a sample whose
+    """A worker sent a sample whose
     figure is smaller gives the rest back first (``Pipeline._task_heap``,
     ``worker.HeapTrim.trim_for``): the 8 MiB samples begin on about 8 + 16 MiB of warm
     heap, not on the 96 MiB kept for the large ones (the control, without it)."""
@@ -1363,6 +1363,8 @@ def test_an_outlier_makes_room_in_the_idle_workers_warm_heaps_as_it_starts():
     assert m.estimate(12) == m.median  # not measured: no figure, no file
     assert Pipeline._admit(fake, "u", (12,) + (None,) * 6)
     assert sent[-1] == beside
+    fake._update_heap_keep()  # a tick while it runs: it still counts as the largest
+    assert fake.procs.pool.heap_keep == beside * MiB
     fake, sent = _admit_fake(m, 3, {"a": 1})  # one 100 MiB sample runs, one worker idle
     assert sent == [100]
     assert not m.admit(7, [100 * MiB, 100 * MiB], 3)  # the idle warm heap at 100: 600 > 540

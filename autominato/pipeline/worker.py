@@ -70,8 +70,9 @@ half of a worker's CPU time (8-9 s of system time beside 9 s of user time per wo
 run); a process that kept its freed heap ran the same samples 25-40% faster. So the loader
 lets a process worker keep up to ``keep`` bytes of free heap warm between samples
 (``("heap", keep)``, sent by memory-aware dispatch, :meth:`SampleMemory.heap_keep
-<autominato.pipeline.memory.SampleMemory.heap_keep>`: what fits in the memory budget beside
-the largest sample, so that the peak stays within the budget). Once ``keep`` is above 0 the
+<autominato.pipeline.memory.SampleMemory.heap_keep>`: the upper quartile's figure, lowered to
+what fits in the memory budget beside a larger sample while one runs, so that the peak stays
+within the budget). Once ``keep`` is above 0 the
 worker allocates every array from its heap (glibc ``mallopt``: no ``mmap`` per large array,
 which would be unmapped and faulted anew every time, and no trim by ``free``), and its
 give-backs keep ``keep`` bytes at the top of the heap (``malloc_trim(keep)``); a keep of 0
