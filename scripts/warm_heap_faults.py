@@ -14,11 +14,12 @@ Printed per arm, medians [range] over ``--runs``: wall s; GiB faulted in as huge
 with ``MADV_HUGEPAGE``, so a KiTS19 sample's large arrays are faulted 2 MiB at a time) and
 every page fault (``pgfault``: of every kind and size, file-backed too): both counters are
 the machine's, so run it on a quiet machine (a kernel without transparent huge pages has
-no ``thp_fault_alloc``: 0); the workers' system CPU s (``psutil`` children, read while they run); the tree's
-peak memory (the bench's ``TreeSampler``: PSS, shared memory counted once, MiB).
+no ``thp_fault_alloc``: nan); the workers' system CPU s (``psutil`` children, read after
+each batch); the tree's peak memory (the bench's ``TreeSampler``: PSS, shared memory
+counted once, MiB).
 
-    python scripts/warm_heap_faults.py --data ~/.cache/autominato/bench/kits19-labels-42-scale1 \\
-        --runs 3
+    python scripts/warm_heap_faults.py --runs 3 \\
+        --data ~/.cache/autominato/bench/kits19-labels-42-scale1
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def child(arm: str, data: Path, epochs: int, step: float) -> None:
                     pass
     wall, v1 = time.perf_counter() - t0, _vmstat()
     loader.close()
+    huge = ((v1["thp_fault_alloc"] - v0["thp_fault_alloc"]) * 2 / 1024
+            if "thp_fault_alloc" in v0 else float("nan"))
     print(json.dumps({"wall_s": wall,
-                      "huge_gib": (v1.get("thp_fault_alloc", 0) - v0.get("thp_fault_alloc", 0))
-                      * 2 / 1024,
+                      "huge_gib": huge,
                       "page_faults": v1["pgfault"] - v0["pgfault"],
                       "workers_system_s": sum(system.values())}))
 

@@ -999,7 +999,8 @@ def test_idle_workers_warm_heaps_count_in_flight_and_smaller_keeps_go_at_once():
     fake = SimpleNamespace(cfg=SimpleNamespace(warm_heap=True), _held_key=None, _keep_all=False,
                            memory=SimpleNamespace(known=True, heap_keep=lambda w: next(keeps),
                                                   keep_beside=lambda w, e: 1e18,
-                                                  estimate=lambda i: 0.0),
+                                                  estimate=lambda i: 0.0,
+                                                  keep_estimate=lambda i: 0.0),
                            procs=SimpleNamespace(size=2, held_keys=lambda: [],
                                                  pool=SimpleNamespace(heap_keep=0, workers={})),
                            _workers_busy_at=time.monotonic(), _in_flight={})
@@ -1370,6 +1371,28 @@ def test_an_outlier_makes_room_in_the_idle_workers_warm_heaps_as_it_starts():
     assert not m.admit(7, [100 * MiB, 100 * MiB], 3)  # the idle warm heap at 100: 600 > 540
     assert Pipeline._admit(fake, "o", (7,) + (None,) * 6)  # at 30: 530
     assert sent == [100, beside]
+    # held for the pools, then started once "a" is done: the keep goes from 0 to what fits
+    # beside it, never back to 100 first (review 211)
+    fake, sent = _admit_fake(m, 3, {"a": 1})
+    fake._budgeted_pool_bytes = lambda: 80 * MiB  # 100 + 30 + 400 + 80 > 540
+    assert not Pipeline._admit(fake, "o", (7,) + (None,) * 6)
+    assert fake._held_key == "o" and sent == [100, 0]
+    fake._in_flight.clear()
+    fake._scan_ests = ((1, 0), {}, 0)
+    assert Pipeline._admit(fake, "o", (7,) + (None,) * 6)
+    assert sent == [100, 0, beside]
+    # a running sample's figure rose (its index's other mode) since the last tick: the idle
+    # warm heap counts beside it, and the keep comes down to that as the newcomer starts
+    m3 = SampleMemory(16)
+    for i in range(7):
+        m3.learn(i, 100 * MiB)
+    m3.learn(7, 400 * MiB)
+    fake, sent = _admit_fake(m3, 3, {"a": 3})
+    assert sent == [100]
+    m3.learn(3, 600 * MiB)
+    fake._budgeted_pool_bytes = lambda: 60 * MiB
+    assert Pipeline._admit(fake, "n", (4,) + (None,) * 6)  # 600 + 45 + 100 + 60 in 810
+    assert sent == [100, int(m3.keep_beside(3, 600 * MiB)) >> 20] and sent[-1] == 45
 
 
 def test_a_busy_worker_gets_the_keep_when_it_is_idle_again_and_only_once():

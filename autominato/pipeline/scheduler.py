@@ -1294,7 +1294,7 @@ class Pipeline:
         if not _sample_task(item):
             return True
         index = self._in_flight
-        own = 0.0
+        beside = 0.0  # what the others' warm heaps make room for once it starts (_make_room)
         if self.procs.chunk == 1 and self.memory.file_outlier(item[0]):
             # (before sizes give estimates, before the first figure too: two outliers by file
             # never run together; their sizes from the first of the epoch's order, read as it
@@ -1333,9 +1333,11 @@ class Pipeline:
             # for the gauge
             top = max(ests.values(), default=0.0)
             own = est(item[0])
-            # (idle workers' warm heaps at what they keep once this one starts: _make_room)
+            # (idle workers' warm heaps at what they keep once this one starts, _make_room:
+            # beside it, or beside a running sample whose figure rose since the last tick)
+            beside = max(top, self.memory.keep_estimate(item[0]))
             in_flight = [max(e, warm) for e in ests.values()] + self._idle_warm(
-                len(ests), max(top, self.memory.keep_estimate(item[0])))
+                len(ests), beside)
             self._est_top = max(top, own) if in_flight else 0.0
             ahead = None
             if overtaking:
@@ -1368,18 +1370,18 @@ class Pipeline:
             # idle batch buffers punched at every tick).
             self._held_key = None
             self._overtook.clear()
-            self._update_heap_keep(starting=(self.memory.keep_estimate(item[0])
-                                             if own else 0.0))
+            self._update_heap_keep(starting=beside)
         self.memory.started(key)
         index[key] = item[0]
-        if own:
-            self._make_room(self.memory.keep_estimate(item[0]))
+        if beside:
+            self._make_room(beside)
         return True
 
     def _make_room(self, estimate: float) -> None:
-        """A sample of ``estimate`` bytes starts (``SampleMemory.keep_estimate``: an index
-        not measured counts at the largest figure at least): where the other workers' warm
-        heaps do not fit beside it (a sample above the upper quartile, ``SampleMemory.heap_keep``), lower
+        """A sample starts beside samples in flight, the largest of them all ``estimate``
+        bytes (``SampleMemory.keep_estimate`` for the newcomer: an index not measured counts
+        at the largest figure at least): where the other workers' warm heaps do not fit
+        beside it (a sample above the upper quartile, ``SampleMemory.heap_keep``), lower
         the keep to what does (:meth:`_update_heap_keep`): idle workers give theirs back at
         once, busy ones after their sample (admission counted them at their warm heap). A
         sample that starts with nothing else in flight is not held for them: it would wait
