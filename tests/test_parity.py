@@ -268,7 +268,9 @@ def test_the_consumers_wait_counts_the_workers_start_whatever_the_timeout(timeou
         next(it)
         took = time.monotonic() - t0
         wait = L.snapshot().consumer_wait_seconds_total
-        assert took > 1.5 and wait == pytest.approx(took, abs=0.1)
+        # (the worker may begin its 1.5 s start before t0: the Loader starts it when built;
+        # a CI run read 1.489 s)
+        assert took > 1.0 and wait == pytest.approx(took, abs=0.1)
         it.stop()
 
 
