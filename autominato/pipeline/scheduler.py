@@ -1429,10 +1429,12 @@ class Pipeline:
         warm heaps count at what :meth:`_make_room` lowers them to at its start, not at the
         keep before (each refusal would drop every warm heap, review 211)."""
         keep = self.procs.pool.heap_keep
-        if keep and beside and self.procs.size > 1:
-            keep = min(keep, int(self.memory.keep_beside(self.procs.size, beside)))
         idle = self.procs.size - running - 1
-        return [float(keep)] * idle if keep and running and idle > 0 else []
+        if not (keep and running and idle > 0):
+            return []
+        if beside:
+            keep = min(keep, int(self.memory.keep_beside(self.procs.size, beside)))
+        return [float(keep)] * idle if keep else []
 
     def _task_heap(self, item: Any) -> tuple[int, bool] | None:
         """``ProcessExecutor.task_heap``: ``(figure, cold)`` for a sample sent alone (its
